@@ -1,0 +1,59 @@
+"""fastmamba: an inference engine for Mamba state-space language models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .checkpoint import load_checkpoint, parse_dtype
+from .config import MambaConfig
+from .errors import CheckpointError
+from .generate import Generation, LanguageModel, StreamPiece
+from .model import Mamba, MambaState
+from .sampling import SamplingParams
+from .tokenizer import Tokenizer
+
+__version__ = "0.1.0"
+__all__ = [
+    "load",
+    "default_model_dir",
+    "CheckpointError",
+    "SamplingParams",
+    "Generation",
+    "StreamPiece",
+    "LanguageModel",
+    "Mamba",
+    "MambaState",
+    "MambaConfig",
+]
+
+
+def default_model_dir() -> Path:
+    """The folder of the small model that ships inside the package."""
+    return Path(__file__).parent / "default_model"
+
+
+def load(path=None, *, device="cpu", dtype="float32") -> LanguageModel:
+    """Loads a Mamba checkpoint folder (HF or original state-spaces format).
+
+    path: the folder; None loads the bundled default model.
+    device: "cpu" or "cuda" (or a torch.device).
+    dtype: storage of the large matrices, "float32", "bfloat16" or "float16" (or a torch
+    dtype); accumulation, states, norms and logits are float32 whatever it is.
+    Raises CheckpointError (a ValueError) naming the file and tensor or key on bad input.
+    """
+    storage = parse_dtype(dtype)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but PyTorch sees no CUDA GPU here")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    folder = Path(path) if path is not None else default_model_dir()
+    config, weights = load_checkpoint(folder, dev, storage)
+    tok_file = folder / "tokenizer.json"
+    tokenizer = Tokenizer(tok_file) if tok_file.exists() else None
+    return LanguageModel(Mamba(config, weights), tokenizer, folder)

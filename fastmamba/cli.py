@@ -1,0 +1,74 @@
+"""The `fastmamba` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fastmamba",
+        description="Inference engine for Mamba state-space language models.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    gen = commands.add_parser(
+        "generate",
+        help="continue a prompt, streaming the text to stdout",
+        description="Continue PROMPT with a Mamba model, streaming the text to stdout as it is produced.",
+    )
+    gen.add_argument("prompt", metavar="PROMPT", help="the text to continue")
+    gen.add_argument("--model", metavar="DIR", help="checkpoint folder (HF or original format); default: the bundled model")
+    gen.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    gen.add_argument("--dtype", default="float32", help="storage of the weights: float32, bfloat16/bf16, float16/fp16")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), higher = more random")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability (0 = off)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style penalty (1.0 = off)")
+    gen.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return _generate(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, TypeError, OSError, RuntimeError) as e:
+        # One short line naming the culprit; the library's messages already do.
+        print(f"fastmamba: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _generate(args) -> int:
+    import fastmamba
+
+    params = fastmamba.SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+    )
+    if args.model is None and not (fastmamba.default_model_dir() / "config.json").exists():
+        raise ValueError("no bundled model in this install: pass --model DIR")
+    lm = fastmamba.load(args.model, device=args.device, dtype=args.dtype)
+    out = sys.stdout
+    for piece in lm.stream(args.prompt, params):
+        out.write(piece.text or "")
+        out.flush()
+    out.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

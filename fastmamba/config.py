@@ -1,0 +1,165 @@
+"""MambaConfig: the model's sizes, read from either checkpoint format's config.json."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class MambaConfig:
+    d_model: int
+    n_layer: int
+    vocab_size: int  # rows of the embedding, padding included
+    d_state: int = 16
+    d_conv: int = 4
+    d_inner: int = 0  # 0 means expand * d_model
+    dt_rank: int = 0  # 0 means ceil(d_model / 16)
+    conv_bias: bool = True
+    proj_bias: bool = False  # in_proj / out_proj bias
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    eos_token_id: int = 0
+
+    def __post_init__(self):
+        # Derived sizes are resolved here so every reader sees plain numbers.
+        if self.d_inner == 0:
+            object.__setattr__(self, "d_inner", 2 * self.d_model)
+        if self.dt_rank == 0:
+            object.__setattr__(self, "dt_rank", math.ceil(self.d_model / 16))
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> "MambaConfig":
+        """Builds a config from an HF (`hidden_size`, ...) or original (`d_model`, ...) dict."""
+        if "hidden_size" in raw:
+            return _from_hf(raw, source)
+        if "d_model" in raw:
+            return _from_original(raw, source)
+        raise CheckpointError(
+            f"{source}: neither 'hidden_size' (HF format) nor 'd_model' (original format) is present"
+        )
+
+    @classmethod
+    def from_file(cls, path: Path) -> "MambaConfig":
+        try:
+            raw = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: config.json not found") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{path}: expected a JSON object")
+        return cls.from_dict(raw, str(path))
+
+    def to_hf_dict(self) -> dict:
+        """The HF `MambaConfig` keys for this config (used when writing a checkpoint)."""
+        return {
+            "architectures": ["MambaForCausalLM"],
+            "model_type": "mamba",
+            "hidden_size": self.d_model,
+            "num_hidden_layers": self.n_layer,
+            "vocab_size": self.vocab_size,
+            "state_size": self.d_state,
+            "conv_kernel": self.d_conv,
+            "expand": self.d_inner // self.d_model,
+            "intermediate_size": self.d_inner,
+            "time_step_rank": self.dt_rank,
+            "use_conv_bias": self.conv_bias,
+            "use_bias": self.proj_bias,
+            "layer_norm_epsilon": self.norm_eps,
+            "tie_word_embeddings": self.tie_embeddings,
+            "residual_in_fp32": True,
+            "eos_token_id": self.eos_token_id,
+            "bos_token_id": self.eos_token_id,
+            "pad_token_id": self.eos_token_id,
+        }
+
+
+def _get(raw: dict, key: str, kind, source: str, default=None):
+    """One config value, type-checked; a missing required key or a wrong type names the key."""
+    if key not in raw or raw[key] is None:
+        if default is None:
+            raise CheckpointError(f"{source}: missing required key '{key}'")
+        return default
+    value = raw[key]
+    if kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        expected = {int: "a positive integer", float: "a positive number", bool: "true or false"}
+        raise CheckpointError(f"{source}: key '{key}' must be {expected.get(kind, kind.__name__)}, got {value!r}")
+    return value
+
+
+def _dt_rank(value, key: str, source: str) -> int:
+    if value in (None, "auto"):
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    raise CheckpointError(f"{source}: key '{key}' must be \"auto\" or a positive integer, got {value!r}")
+
+
+def _from_hf(raw: dict, source: str) -> MambaConfig:
+    if raw.get("model_type", "mamba") != "mamba":
+        raise CheckpointError(f"{source}: model_type is {raw['model_type']!r}, only 'mamba' (Mamba-1) is supported")
+    d_model = _get(raw, "hidden_size", int, source)
+    expand = _get(raw, "expand", int, source, 2)
+    return MambaConfig(
+        d_model=d_model,
+        n_layer=_get(raw, "num_hidden_layers", int, source),
+        vocab_size=_get(raw, "vocab_size", int, source),
+        d_state=_get(raw, "state_size", int, source, 16),
+        d_conv=_get(raw, "conv_kernel", int, source, 4),
+        d_inner=_get(raw, "intermediate_size", int, source, expand * d_model),
+        dt_rank=_dt_rank(raw.get("time_step_rank"), "time_step_rank", source),
+        conv_bias=_get(raw, "use_conv_bias", bool, source, True),
+        proj_bias=_get(raw, "use_bias", bool, source, False),
+        norm_eps=_get(raw, "layer_norm_epsilon", float, source, 1e-5),
+        tie_embeddings=_get(raw, "tie_word_embeddings", bool, source, True),
+        eos_token_id=_eos(raw, source),
+    )
+
+
+def _from_original(raw: dict, source: str) -> MambaConfig:
+    ssm = raw.get("ssm_cfg") or {}
+    if not isinstance(ssm, dict):
+        raise CheckpointError(f"{source}: key 'ssm_cfg' must be an object")
+    if ssm.get("layer", "Mamba1") != "Mamba1":
+        raise CheckpointError(f"{source}: ssm_cfg.layer is {ssm['layer']!r}, only Mamba1 is supported")
+    if raw.get("rms_norm", True) is not True:
+        raise CheckpointError(f"{source}: key 'rms_norm' is false; only RMSNorm Mamba models are supported")
+    sub = f"{source} (ssm_cfg)"
+    d_model = _get(raw, "d_model", int, source)
+    multiple = _get(raw, "pad_vocab_size_multiple", int, source, 8)
+    vocab = _get(raw, "vocab_size", int, source)
+    expand = _get(ssm, "expand", int, sub, 2)
+    return MambaConfig(
+        d_model=d_model,
+        n_layer=_get(raw, "n_layer", int, source),
+        vocab_size=math.ceil(vocab / multiple) * multiple,
+        d_state=_get(ssm, "d_state", int, sub, 16),
+        d_conv=_get(ssm, "d_conv", int, sub, 4),
+        d_inner=expand * d_model,
+        dt_rank=_dt_rank(ssm.get("dt_rank"), "ssm_cfg.dt_rank", source),
+        conv_bias=_get(ssm, "conv_bias", bool, sub, True),
+        proj_bias=_get(ssm, "bias", bool, sub, False),
+        norm_eps=_get(raw, "norm_epsilon", float, source, 1e-5),
+        tie_embeddings=_get(raw, "tie_embeddings", bool, source, True),
+        eos_token_id=_eos(raw, source),
+    )
+
+
+def _eos(raw: dict, source: str) -> int:
+    eos = raw.get("eos_token_id", 0)
+    if isinstance(eos, list) and eos:
+        eos = eos[0]
+    if not isinstance(eos, int) or isinstance(eos, bool) or eos < 0:
+        raise CheckpointError(f"{source}: key 'eos_token_id' must be a non-negative integer, got {eos!r}")
+    return eos

@@ -1,0 +1,182 @@
+"""LanguageModel, the object `fastmamba.load` returns: forward, generate, stream, generate_batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from .model import Mamba, MambaState
+from .sampling import SamplingParams, SlotParams, resolve_seed, sample, sample_greedy
+from .tokenizer import IncrementalDecoder, Tokenizer
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]  # generated tokens only; a stop token is not included
+    text: str | None  # None when the checkpoint has no tokenizer
+    finish_reason: str  # "stop" (a stop token came) or "length" (max_tokens reached)
+    prompt_tokens: int
+
+
+@dataclass
+class StreamPiece:
+    token_id: int | None  # None only for a last piece that flushes held-back text
+    text: str | None
+
+
+class LanguageModel:
+    def __init__(self, model: Mamba, tokenizer: Tokenizer | None, path: Path | None = None):
+        self.model = model
+        self.config = model.config
+        self.tokenizer = tokenizer
+        self.path = path
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.weights.embedding.dtype
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"LanguageModel({self.path}, d_model={c.d_model}, n_layer={c.n_layer}, vocab={c.vocab_size}, "
+            f"device={self.device}, dtype={self.dtype})"
+        )
+
+    # -- plain forward ---------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Float32 logits (B, T, V) of whole sequences (V may include padding columns)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+            raise ValueError("input_ids must be an integer tensor of shape (batch, time)")
+        self._check_ids(input_ids.flatten().tolist(), "input_ids")
+        return self.model.forward(input_ids.to(self.device, torch.int64))
+
+    # -- generation --------------------------------------------------------------------------
+
+    def generate(self, prompt, params: SamplingParams | None = None, **sampling) -> Generation:
+        """Continues `prompt` (a str, or a list of token ids)."""
+        params = SamplingParams.from_kwargs(params, sampling)
+        return self.generate_batch([prompt], params)[0]
+
+    def stream(self, prompt, params: SamplingParams | None = None, **sampling) -> Iterator[StreamPiece]:
+        """Like `generate`, but yields each token with its text as soon as it is sampled."""
+        params = SamplingParams.from_kwargs(params, sampling)
+        ids = self.encode(prompt)
+        decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer else None
+        for tokens, _ in self._decode([ids], [params]):
+            if tokens[0] is not None:
+                yield StreamPiece(tokens[0], decoder.push(tokens[0]) if decoder else None)
+        if decoder and (tail := decoder.flush()):
+            yield StreamPiece(None, tail)
+
+    def generate_batch(
+        self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[Generation]:
+        """Generates for several prompts together; each result is what `generate` gives alone."""
+        if isinstance(prompts, (str, bytes)) or not len(prompts):
+            raise ValueError("prompts must be a non-empty list of prompts")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError(f"params must be one SamplingParams or a list of {len(prompts)} of them")
+        all_ids = [self.encode(p) for p in prompts]
+        decoders = [IncrementalDecoder(self.tokenizer) if self.tokenizer else None for _ in prompts]
+        texts = [[] for _ in prompts]
+        out = [[] for _ in prompts]
+        finish = ["length"] * len(prompts)
+        for tokens, reasons in self._decode(all_ids, params):
+            for i, t in enumerate(tokens):
+                if t is not None:
+                    out[i].append(t)
+                    if decoders[i]:
+                        texts[i].append(decoders[i].push(t))
+                if reasons[i]:
+                    finish[i] = reasons[i]
+        return [
+            Generation(
+                token_ids=out[i],
+                text="".join(texts[i]) + decoders[i].flush() if decoders[i] else None,
+                finish_reason=finish[i],
+                prompt_tokens=len(all_ids[i]),
+            )
+            for i in range(len(prompts))
+        ]
+
+    # -- internals -------------------------------------------------------------------------
+
+    def encode(self, prompt) -> list[int]:
+        """Token ids of a prompt given as text or as token ids."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                where = f" in {self.path}" if self.path else ""
+                raise ValueError(f"this model has no tokenizer.json{where}: pass the prompt as a list of token ids")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, torch.Tensor):
+            ids = prompt.flatten().tolist()
+        else:
+            try:
+                ids = list(prompt)
+            except TypeError:
+                raise ValueError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}") from None
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        self._check_ids(ids, "prompt")
+        return ids
+
+    def _check_ids(self, ids: list, what: str) -> None:
+        V = self.config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V:
+                raise ValueError(f"{what} holds token id {t!r}, outside the vocabulary [0, {V})")
+
+    @torch.inference_mode()
+    def _decode(self, all_ids: list[list[int]], params: list[SamplingParams]):
+        """Yields, per step, each slot's new token (None once finished) and finish reason.
+
+        Each prompt is prefilled on its own (prompts differ in length), then all slots decode
+        together; a finished slot keeps a place in the batch but yields nothing more.
+        """
+        model, B, V = self.model, len(all_ids), self.config.vocab_size
+        states, last_logits = [], []
+        for ids in all_ids:
+            state = model.new_state(1)
+            logits = model.prefill(torch.tensor([ids], device=self.device), state)  # (1, T, V)
+            states.append(state)
+            last_logits.append(logits[:, -1])
+        state = MambaState.stack(states)
+        logits = torch.cat(last_logits)  # (B, V)
+
+        slots = SlotParams.empty(B, V, self.device)
+        for i, (ids, p) in enumerate(zip(all_ids, params)):
+            slots.set_slot(i, p, resolve_seed(p.seed), ids)
+        pick = sample_greedy if slots.all_greedy_unpenalized else sample
+        stops = [set(p.stop_token_ids) if p.stop_token_ids is not None else {self.config.eos_token_id} for p in params]
+        remaining = [p.max_tokens for p in params]
+
+        tokens = pick(logits, slots)
+        while True:
+            host = tokens.tolist()  # the only device -> host traffic per step
+            out, reasons = [None] * B, [None] * B
+            for i, t in enumerate(host):
+                if remaining[i] == 0:
+                    continue
+                if t in stops[i]:
+                    remaining[i], reasons[i] = 0, "stop"
+                    continue
+                out[i] = t
+                remaining[i] -= 1
+                if remaining[i] == 0:
+                    reasons[i] = "length"
+            yield out, reasons
+            if not any(remaining):
+                return
+            tokens = pick(model.step(tokens, state), slots)

@@ -1,0 +1,145 @@
+"""The Mamba-1 model in pure PyTorch: the CPU engine and the oracle for the GPU kernels.
+
+One definition for every storage dtype: the large matrices stay in their storage dtype and
+are upcast per product, so every product accumulates in float32 (DESIGN §4), as do the
+residual stream, the conv and ssm states, and the logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import MambaConfig
+from .kernels.causal_conv1d import causal_conv1d_ref
+from .kernels.selective_scan import selective_scan_ref
+
+
+@dataclass
+class LayerWeights:
+    norm_w: torch.Tensor  # (d,) f32
+    in_proj_w: torch.Tensor  # (2E, d) storage dtype
+    in_proj_b: torch.Tensor | None  # (2E,) f32
+    conv_w: torch.Tensor  # (E, K) f32
+    conv_b: torch.Tensor | None  # (E,) f32
+    x_proj_w: torch.Tensor  # (R+2N, E) storage dtype
+    dt_proj_w: torch.Tensor  # (E, R) storage dtype
+    dt_bias: torch.Tensor  # (E,) f32
+    A: torch.Tensor  # (E, N) f32, -exp(A_log) computed once at load
+    D: torch.Tensor  # (E,) f32
+    out_proj_w: torch.Tensor  # (d, E) storage dtype
+    out_proj_b: torch.Tensor | None  # (d,) f32
+
+
+@dataclass
+class MambaWeights:
+    embedding: torch.Tensor  # (V, d) storage dtype
+    layers: list[LayerWeights]
+    norm_f: torch.Tensor  # (d,) f32
+    lm_head: torch.Tensor  # (V, d) storage dtype; the embedding itself when tied
+
+
+@dataclass
+class MambaState:
+    """The recurrent state of every layer for a fixed number of slots (batch rows)."""
+
+    conv: torch.Tensor  # (L, B, E, K) f32: the last K conv inputs, newest last
+    ssm: torch.Tensor  # (L, B, E, N) f32
+
+    @classmethod
+    def zeros(cls, config: MambaConfig, batch: int, device="cpu") -> "MambaState":
+        c = config
+        return cls(
+            conv=torch.zeros(c.n_layer, batch, c.d_inner, c.d_conv, device=device),
+            ssm=torch.zeros(c.n_layer, batch, c.d_inner, c.d_state, device=device),
+        )
+
+    @property
+    def batch(self) -> int:
+        return self.conv.shape[1]
+
+    def reset(self, slot: int | None = None) -> None:
+        """Zeroes one slot (a sequence boundary), or all of them."""
+        rows = slice(None) if slot is None else slot
+        self.conv[:, rows].zero_()
+        self.ssm[:, rows].zero_()
+
+    def rows(self, index) -> "MambaState":
+        """A copy holding only the given slots."""
+        return MambaState(self.conv[:, index].clone(), self.ssm[:, index].clone())
+
+    @classmethod
+    def stack(cls, states: list["MambaState"]) -> "MambaState":
+        """Concatenates states along the slot axis."""
+        return cls(torch.cat([s.conv for s in states], 1), torch.cat([s.ssm for s in states], 1))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias with float32 accumulation whatever the weight's storage dtype."""
+    return F.linear(x.float(), weight.float(), bias)
+
+
+def rmsnorm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def mixer(config: MambaConfig, lw: LayerWeights, u: torch.Tensor, conv_state, ssm_state) -> torch.Tensor:
+    """One layer's mixer over T new tokens, continuing from and updating the layer's state.
+
+    u (B, T, d) f32 -> (B, T, d) f32. A decode step is the same call with T = 1.
+    """
+    E, N, R = config.d_inner, config.d_state, config.dt_rank
+    xz = linear(u, lw.in_proj_w, lw.in_proj_b)  # (B, T, 2E)
+    x, z = xz.transpose(1, 2).split([E, E], dim=1)  # (B, E, T) each
+    x = causal_conv1d_ref(x, lw.conv_w, lw.conv_b, conv_state)  # (B, E, T)
+    dt_r, Bm, Cm = linear(x.transpose(1, 2), lw.x_proj_w).split([R, N, N], dim=-1)  # (B, T, R|N|N)
+    dt = linear(dt_r, lw.dt_proj_w)  # (B, T, E); bias and softplus happen in the scan
+    y = selective_scan_ref(
+        x, dt.transpose(1, 2), lw.A, Bm.transpose(1, 2), Cm.transpose(1, 2), lw.D, z, lw.dt_bias, ssm_state
+    )  # (B, E, T)
+    return linear(y.transpose(1, 2), lw.out_proj_w, lw.out_proj_b)
+
+
+class Mamba:
+    """Mamba-1 language model: embedding, layers, final norm and LM head.
+
+    `backbone` is the recurrent core on its own (vectors in, vectors out), for uses
+    outside language modelling.
+    """
+
+    def __init__(self, config: MambaConfig, weights: MambaWeights):
+        self.config = config
+        self.weights = weights
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights.embedding.device
+
+    def new_state(self, batch: int) -> MambaState:
+        return MambaState.zeros(self.config, batch, self.device)
+
+    def backbone(self, h: torch.Tensor, state: MambaState) -> torch.Tensor:
+        """All layers and the final norm over T inputs: h (B, T, d) f32 -> (B, T, d) f32."""
+        h = h.float()
+        for i, lw in enumerate(self.weights.layers):
+            u = rmsnorm(h, lw.norm_w, self.config.norm_eps)
+            h = h + mixer(self.config, lw, u, state.conv[i], state.ssm[i])
+        return rmsnorm(h, self.weights.norm_f, self.config.norm_eps)
+
+    def prefill(self, input_ids: torch.Tensor, state: MambaState) -> torch.Tensor:
+        """Logits for each of T tokens, continuing from `state` and updating it.
+
+        input_ids (B, T) -> (B, T, V) f32.
+        """
+        h = self.weights.embedding[input_ids]  # (B, T, d)
+        return linear(self.backbone(h, state), self.weights.lm_head)
+
+    def step(self, input_ids: torch.Tensor, state: MambaState) -> torch.Tensor:
+        """One decode step: input_ids (B,) -> logits (B, V) f32; updates `state`."""
+        return self.prefill(input_ids[:, None], state)[:, 0]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits of a whole sequence from an empty state: (B, T) -> (B, T, V) f32."""
+        return self.prefill(input_ids, self.new_state(input_ids.shape[0]))

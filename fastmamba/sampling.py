@@ -1,0 +1,197 @@
+"""Sampling parameters, and next-token sampling done entirely in device tensors.
+
+Every slot (batch row) carries its own parameters and its own random stream, so a slot
+samples the same tokens whether it runs alone or beside others, and the sampler has fixed
+shapes (it can sit inside a CUDA graph). The random numbers come from a counter-based hash
+of (seed, step, token id), not from a torch.Generator: no generator state to capture, and
+the same uniforms on every device.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, fields
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1.0 = off; HF semantics, over prompt and generated tokens
+    seed: int | None = None  # None = a fresh random seed per request
+    stop_token_ids: tuple[int, ...] | None = None  # None = the model's eos; () = none
+
+    def __post_init__(self):
+        def bad(name, rule):
+            raise ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            bad("max_tokens", "must be an integer >= 1")
+        if not is_num(self.temperature) or not 0 <= self.temperature < float("inf"):
+            bad("temperature", "must be a finite number >= 0")
+        if not is_int(self.top_k) or self.top_k < 0:
+            bad("top_k", "must be an integer >= 0")
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if not is_num(self.repetition_penalty) or not 0 < self.repetition_penalty < float("inf"):
+            bad("repetition_penalty", "must be a finite number > 0")
+        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
+            bad("seed", "must be None or an integer >= 0")
+        if self.stop_token_ids is not None:
+            ids = self.stop_token_ids
+            if isinstance(ids, (str, bytes)) or not all(is_int(i) and i >= 0 for i in _iter(ids)):
+                bad("stop_token_ids", "must be None or a list of token ids >= 0")
+            object.__setattr__(self, "stop_token_ids", tuple(ids))
+
+    @classmethod
+    def from_kwargs(cls, params: "SamplingParams | None", kwargs: dict) -> "SamplingParams":
+        """`params` with any keyword overrides; an unknown keyword is a TypeError naming it."""
+        names = {f.name for f in fields(cls)}
+        for key in kwargs:
+            if key not in names:
+                raise TypeError(f"unknown sampling option {key!r}; options are {', '.join(sorted(names))}")
+        base = params if params is not None else cls()
+        return cls(**{**{f.name: getattr(base, f.name) for f in fields(cls)}, **kwargs})
+
+
+def _iter(ids):
+    try:
+        return list(ids)
+    except TypeError:
+        return [None]
+
+
+def resolve_seed(seed: int | None) -> int:
+    """The 32-bit seed a slot's random stream starts from; None draws a fresh one."""
+    return secrets.randbits(32) if seed is None else seed & MASK32
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2**32 for int64 x in [0, 2**32), without ever overflowing int64."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & MASK32
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A well-mixed 32-bit integer hash (xorshift-multiply), elementwise on int64 tensors."""
+    x = x & MASK32
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniforms(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(B, V) uniforms in (0, 1), a pure function of each slot's (seed, step) and the token id."""
+    key = hash32(seed * 0x9E37 + hash32(step))  # (B,)
+    ids = torch.arange(vocab, device=seed.device, dtype=torch.int64)
+    h = hash32(key[:, None] ^ hash32(ids + 0x632BE5AB)[None, :])  # (B, V)
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SlotParams:
+    """The sampling parameters of every slot, as device tensors of fixed shape."""
+
+    temperature: torch.Tensor  # (B,) f32
+    top_k: torch.Tensor  # (B,) int64
+    top_p: torch.Tensor  # (B,) f32
+    min_p: torch.Tensor  # (B,) f32
+    repetition_penalty: torch.Tensor  # (B,) f32
+    seed: torch.Tensor  # (B,) int64
+    step: torch.Tensor  # (B,) int64, tokens sampled so far
+    seen: torch.Tensor  # (B, V) bool, prompt and generated tokens (for the repetition penalty)
+
+    @classmethod
+    def empty(cls, batch: int, vocab: int, device) -> "SlotParams":
+        def full(value, dtype=torch.float32):
+            return torch.full((batch,), value, dtype=dtype, device=device)
+
+        return cls(
+            temperature=full(0.0),
+            top_k=full(0, torch.int64),
+            top_p=full(1.0),
+            min_p=full(0.0),
+            repetition_penalty=full(1.0),
+            seed=full(0, torch.int64),
+            step=full(0, torch.int64),
+            seen=torch.zeros(batch, vocab, dtype=torch.bool, device=device),
+        )
+
+    def set_slot(self, slot: int, params: SamplingParams, seed: int, prompt_ids: list[int]) -> None:
+        self.temperature[slot] = params.temperature
+        self.top_k[slot] = params.top_k
+        self.top_p[slot] = params.top_p
+        self.min_p[slot] = params.min_p
+        self.repetition_penalty[slot] = params.repetition_penalty
+        self.seed[slot] = seed
+        self.step[slot] = 0
+        self.seen[slot] = False
+        self.seen[slot, torch.tensor(prompt_ids, dtype=torch.int64, device=self.seen.device)] = True
+
+    @property
+    def all_greedy_unpenalized(self) -> bool:
+        """True when plain argmax is the whole job (host-side check, made once per request)."""
+        return bool((self.temperature == 0).all() and (self.repetition_penalty == 1).all())
+
+
+def sample(logits: torch.Tensor, p: SlotParams) -> torch.Tensor:
+    """Next token of every slot from its logits (B, V); advances each slot's step and history.
+
+    Order as in HF: repetition penalty, temperature, top-k, top-p, min-p; then a Gumbel-max
+    draw, which picks token i with probability softmax(kept logits / temperature)_i.
+    A temperature of 0 is greedy (argmax after the repetition penalty).
+    """
+    x = logits.float()  # (B, V)
+    V = x.shape[-1]
+    pen = p.repetition_penalty[:, None]
+    x = torch.where(p.seen, torch.where(x > 0, x / pen, x * pen), x)
+    greedy = x.argmax(-1)  # (B,)
+
+    x = x / p.temperature.clamp_min(1e-6)[:, None]
+    sorted_x, order = x.sort(dim=-1, descending=True, stable=True)  # (B, V)
+    rank = torch.arange(V, device=x.device)[None, :]
+    k = torch.where(p.top_k > 0, p.top_k.clamp(max=V), V)[:, None]
+    in_top_k = rank < k
+    probs = torch.softmax(sorted_x.masked_fill(~in_top_k, float("-inf")), dim=-1)
+    mass_before = probs.cumsum(-1) - probs  # probability of all higher-ranked tokens
+    in_top_p = mass_before < p.top_p[:, None]
+    # min-p keeps tokens whose probability is at least min_p times the top one's.
+    min_p = p.min_p[:, None]
+    in_min_p = (min_p == 0) | (sorted_x - sorted_x[:, :1] >= torch.log(min_p.clamp_min(1e-30)))
+    keep_sorted = in_top_k & in_top_p & in_min_p
+    keep_sorted[:, 0] = True  # the most likely token always survives
+    keep = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
+
+    gumbel = -torch.log(-torch.log(uniforms(p.seed, p.step, V)))  # (B, V)
+    sampled = (x.masked_fill(~keep, float("-inf")) + gumbel).argmax(-1)
+    token = torch.where(p.temperature > 0, sampled, greedy)
+
+    p.step += 1
+    p.seen.scatter_(1, token[:, None], True)
+    return token
+
+
+def sample_greedy(logits: torch.Tensor, p: SlotParams) -> torch.Tensor:
+    """`sample` for slots that are all greedy with no repetition penalty: argmax alone."""
+    token = logits.argmax(-1)
+    p.step += 1
+    p.seen.scatter_(1, token[:, None], True)
+    return token
