@@ -86,10 +86,19 @@ def _read_file(path: Path) -> dict[str, torch.Tensor]:
             # weights_only: a .bin file is never allowed to run code while unpickling.
             tensors = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as e:  # the libraries raise many types for truncated or corrupt files
-        raise CheckpointError(f"{path}: cannot read weights ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"{path}: cannot read weights ({_one_line(e)})") from None
     if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
         raise CheckpointError(f"{path}: not a mapping of tensor names to tensors")
     return tensors
+
+
+def _one_line(e: Exception) -> str:
+    """A library's (often multi-line) error as one short line."""
+    text = str(e)
+    if "weights_only" in text or "GLOBAL" in text:
+        return "it holds pickled objects other than tensors, which are never unpickled"
+    text = " ".join(text.split())
+    return f"{type(e).__name__}: {text[:200]}"
 
 
 def read_tensors(folder: Path, config: MambaConfig) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:

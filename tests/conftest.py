@@ -1,0 +1,142 @@
+"""Fixtures: tiny random Mamba checkpoints written by transformers, and a tiny tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Kernel tests run the Triton kernels through the interpreter on machines without CUDA;
+# the variable must be set before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+CORPUS = (
+    "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer "
+    "the slings and arrows of outrageous fortune, or to take arms against a sea of troubles. "
+    "Ünïcödé wörds, naïve café, 日本語のテキスト, emoji ✓ ★ and more text to merge. "
+) * 4
+
+
+def gpu_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def make_tokenizer(path: Path, vocab_size: int = 300) -> int:
+    """Trains a byte-level BPE on a small corpus; eos '<|endoftext|>' is id 0. Returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS], trainer)
+    tok.save(str(path))
+    return tok.get_vocab_size()
+
+
+HF_CONFIGS = {
+    # name: MambaConfig overrides (the tiny sizes are shared below)
+    "odd_vocab_tied": dict(vocab_size=101),
+    "untied_bias_rank": dict(
+        vocab_size=97, tie_word_embeddings=False, use_bias=True, use_conv_bias=False, time_step_rank=3
+    ),
+    "kernel3_state8": dict(vocab_size=64, conv_kernel=3, state_size=8, expand=3),
+    "kernel2_state4_wide": dict(vocab_size=50, hidden_size=24, conv_kernel=2, state_size=4, num_hidden_layers=3),
+}
+
+
+def save_hf_checkpoint(folder: Path, seed: int = 0, tokenizer: bool = False, **overrides) -> Path:
+    """A random HF MambaForCausalLM at tiny sizes, saved with save_pretrained."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    args = dict(hidden_size=16, num_hidden_layers=2, state_size=16, vocab_size=101)
+    if tokenizer:
+        args["vocab_size"] = make_tokenizer(folder / "tokenizer.json")
+    args.update(overrides)
+    save_kwargs = args.pop("save_kwargs", {})
+    torch.manual_seed(seed)
+    model = MambaForCausalLM(MambaConfig(**args))
+    _spread_parameters(model, seed)
+    model.save_pretrained(str(folder), **save_kwargs)
+    return folder
+
+
+def _spread_parameters(model, seed: int) -> None:
+    """Gives every parameter random values of a realistic spread.
+
+    transformers' init leaves some at constants (norms at 1, D at 1, biases at 0), which
+    would hide a bias or norm weight read from the wrong place.
+    """
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "norm_f.weight")) or name.endswith("mixer.D"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias") and "dt_proj" not in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def save_original_checkpoint(folder: Path, vocab: int = 98, multiple: int = 8, seed: int = 3) -> tuple[Path, Path]:
+    """An original state-spaces checkpoint (pytorch_model.bin, padded vocab, repeated lm_head),
+    and the HF checkpoint holding the same weights, as the reference to compare against."""
+    padded = -(-vocab // multiple) * multiple
+    hf_dir = save_hf_checkpoint(folder / "hf", seed=seed, vocab_size=padded, conv_kernel=4, state_size=16)
+    from safetensors.torch import load_file
+
+    sd = load_file(str(hf_dir / "model.safetensors"))
+    orig = {k.replace("backbone.embeddings.", "backbone.embedding."): v for k, v in sd.items()}
+    orig["lm_head.weight"] = orig["backbone.embedding.weight"]  # as torch.save of a tied model writes it
+    out = folder / "original"
+    out.mkdir(parents=True)
+    torch.save(orig, out / "pytorch_model.bin")
+    cfg = dict(
+        d_model=16,
+        n_layer=2,
+        vocab_size=vocab,
+        ssm_cfg={},
+        rms_norm=True,
+        residual_in_fp32=True,
+        fused_add_norm=True,
+        pad_vocab_size_multiple=multiple,
+        tie_embeddings=True,
+    )
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out, hf_dir
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: save_hf_checkpoint(root / name, seed=i, **cfg) for i, (name, cfg) in enumerate(HF_CONFIGS.items())}
+
+
+@pytest.fixture(scope="session")
+def text_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random model with a tokenizer.json, for text prompts and streaming."""
+    return save_hf_checkpoint(tmp_path_factory.mktemp("text") / "m", seed=11, tokenizer=True)
+
+
+@pytest.fixture(scope="session")
+def hf_models(checkpoints):
+    from transformers import MambaForCausalLM
+
+    return {name: MambaForCausalLM.from_pretrained(str(p)).eval() for name, p in checkpoints.items()}
+
+
+def pytest_collection_modifyitems(config, items):
+    if gpu_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

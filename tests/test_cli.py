@@ -1,0 +1,69 @@
+"""The `fastmamba` command end to end, in a subprocess as a user runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import fastmamba
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fastmamba.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_generate_streams_the_same_text_as_the_api(text_checkpoint):
+    r = run("generate", "--model", str(text_checkpoint), "--max-tokens", "12", "To be, or not")
+    assert r.returncode == 0, r.stderr
+    expected = fastmamba.load(text_checkpoint).generate("To be, or not", max_tokens=12).text
+    assert r.stdout == expected + "\n"
+
+
+def test_sampling_flags_reach_the_sampler(text_checkpoint):
+    args = ["--temperature", "0.9", "--top-k", "20", "--top-p", "0.95", "--min-p", "0.01"]
+    args += ["--repetition-penalty", "1.1", "--seed", "7", "--max-tokens", "10", "--dtype", "bf16"]
+    r = run("generate", "--model", str(text_checkpoint), *args, "To be")
+    assert r.returncode == 0, r.stderr
+    lm = fastmamba.load(text_checkpoint, dtype="bfloat16")
+    g = lm.generate("To be", max_tokens=10, temperature=0.9, top_k=20, top_p=0.95, min_p=0.01,
+                    repetition_penalty=1.1, seed=7)
+    assert r.stdout == g.text + "\n"
+
+
+def assert_one_line_error(r: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    for f in fragments:
+        assert f in lines[0]
+
+
+def test_missing_model_folder(tmp_path):
+    assert_one_line_error(run("generate", "--model", str(tmp_path / "nope"), "hi"), "nope")
+
+
+def test_broken_checkpoint_names_the_file(tmp_path, text_checkpoint):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(text_checkpoint, broken)
+    (broken / "model.safetensors").write_bytes(b"garbage")
+    assert_one_line_error(run("generate", "--model", str(broken), "hi"), "model.safetensors")
+
+
+def test_bad_flag_values(text_checkpoint):
+    assert_one_line_error(run("generate", "--model", str(text_checkpoint), "--temperature", "-1", "hi"), "temperature")
+    assert_one_line_error(run("generate", "--model", str(text_checkpoint), "--dtype", "int4", "hi"), "dtype")
+    r = run("generate", "--model", str(text_checkpoint), "--max-tokens", "many", "hi")
+    assert r.returncode == 2 and "--max-tokens" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_help_lists_the_options():
+    r = run("generate", "--help")
+    assert r.returncode == 0
+    for flag in ["--model", "--device", "--dtype", "--max-tokens", "--temperature", "--top-k", "--top-p",
+                 "--min-p", "--repetition-penalty", "--seed"]:
+        assert flag in r.stdout

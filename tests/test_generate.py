@@ -1,0 +1,136 @@
+"""generate / stream / generate_batch on the CPU engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastmamba
+from fastmamba.tokenizer import IncrementalDecoder
+
+
+@pytest.fixture(scope="module")
+def lm(text_checkpoint):
+    return fastmamba.load(text_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def ids_lm(checkpoints):
+    return fastmamba.load(checkpoints["untied_bias_rank"])
+
+
+PROMPTS = ["To be, or not", "Ünïcödé wörds, naïve café and a much longer prompt to continue", "a"]
+
+
+def test_generate_text_prompt(lm):
+    g = lm.generate("To be, or not to be", max_tokens=12, stop_token_ids=[])
+    assert len(g.token_ids) == 12 and g.finish_reason == "length"
+    assert g.prompt_tokens == len(lm.tokenizer.encode("To be, or not to be"))
+    assert g.text == lm.tokenizer.decode(g.token_ids)
+
+
+def test_generate_equals_greedy_argmax_of_forward(ids_lm):
+    prompt = [5, 17, 3, 40]
+    g = ids_lm.generate(prompt, max_tokens=8, stop_token_ids=[])
+    seq = list(prompt)
+    for _ in range(8):
+        seq.append(int(ids_lm.forward(torch.tensor([seq]))[0, -1].argmax()))
+    assert g.token_ids == seq[len(prompt) :]
+
+
+def test_stop_token_ends_generation_and_is_not_included(ids_lm):
+    prompt = [5, 17, 3, 40]
+    free = ids_lm.generate(prompt, max_tokens=10, stop_token_ids=[])
+    stop_at = free.token_ids[4]
+    first = free.token_ids.index(stop_at)
+    g = ids_lm.generate(prompt, max_tokens=10, stop_token_ids=[stop_at])
+    assert g.token_ids == free.token_ids[:first] and g.finish_reason == "stop"
+
+
+def test_default_stop_is_the_models_eos(ids_lm):
+    prompt = [5, 17, 3, 40]
+    free = ids_lm.generate(prompt, max_tokens=10, stop_token_ids=[])
+    eos = ids_lm.config.eos_token_id
+    expected = free.token_ids[: free.token_ids.index(eos)] if eos in free.token_ids else free.token_ids
+    assert ids_lm.generate(prompt, max_tokens=10).token_ids == expected
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 5}, {"temperature": 1.2, "top_k": 5, "seed": 1}])
+def test_stream_equals_generate(lm, sampling):
+    pieces = list(lm.stream("To be, or not", max_tokens=30, stop_token_ids=[], **sampling))
+    g = lm.generate("To be, or not", max_tokens=30, stop_token_ids=[], **sampling)
+    assert [p.token_id for p in pieces if p.token_id is not None] == g.token_ids
+    assert "".join(p.text for p in pieces) == g.text
+
+
+def test_streaming_never_splits_a_character(lm):
+    text = "日本語のテキスト ✓ ★ naïve café"
+    ids = lm.tokenizer.encode(text)
+    assert any("\ufffd" in lm.tokenizer.decode([t]) for t in ids)  # some tokens are partial characters
+    decoder = IncrementalDecoder(lm.tokenizer)
+    pieces = [decoder.push(t) for t in ids] + [decoder.flush()]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text
+
+
+def test_seeded_sampling_is_deterministic_and_seed_dependent(lm):
+    a = lm.generate("To be", max_tokens=20, temperature=1.0, seed=123, stop_token_ids=[])
+    b = lm.generate("To be", max_tokens=20, temperature=1.0, seed=123, stop_token_ids=[])
+    c = lm.generate("To be", max_tokens=20, temperature=1.0, seed=124, stop_token_ids=[])
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+
+
+def test_top_k_one_and_tiny_top_p_equal_greedy(lm):
+    greedy = lm.generate("To be", max_tokens=16, stop_token_ids=[]).token_ids
+    assert lm.generate("To be", max_tokens=16, temperature=1.5, top_k=1, seed=3, stop_token_ids=[]).token_ids == greedy
+    assert lm.generate("To be", max_tokens=16, temperature=1.5, top_p=1e-9, seed=3, stop_token_ids=[]).token_ids == greedy
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_batch_equals_alone(lm, temperature):
+    params = [
+        fastmamba.SamplingParams(max_tokens=9, temperature=temperature, seed=10, stop_token_ids=[]),
+        fastmamba.SamplingParams(max_tokens=14, temperature=temperature, top_p=0.9, seed=11, stop_token_ids=[]),
+        fastmamba.SamplingParams(max_tokens=5, temperature=temperature, repetition_penalty=1.3, seed=12),
+    ]
+    batch = lm.generate_batch(PROMPTS, params)
+    alone = [lm.generate(p, params[i]) for i, p in enumerate(PROMPTS)]
+    assert [g.token_ids for g in batch] == [g.token_ids for g in alone]
+    assert [g.text for g in batch] == [g.text for g in alone]
+    assert [len(g.token_ids) for g in batch][:2] == [9, 14]
+
+
+def test_one_params_for_all_prompts(lm):
+    outs = lm.generate_batch(PROMPTS[:2], fastmamba.SamplingParams(max_tokens=4, stop_token_ids=[]))
+    assert [len(g.token_ids) for g in outs] == [4, 4]
+
+
+def test_text_prompt_without_tokenizer_is_a_clear_error(ids_lm):
+    with pytest.raises(ValueError, match="tokenizer"):
+        ids_lm.generate("hello")
+    assert ids_lm.generate([1, 2, 3], max_tokens=3, stop_token_ids=[]).text is None
+
+
+@pytest.mark.parametrize("prompt", [[], [1, 10**6], [1, -1], "x" * 0])
+def test_bad_prompts(ids_lm, prompt):
+    with pytest.raises(ValueError):
+        ids_lm.generate(prompt)
+
+
+def test_bad_batch_arguments(lm):
+    with pytest.raises(ValueError, match="params"):
+        lm.generate_batch(["a", "b"], [fastmamba.SamplingParams()])
+    with pytest.raises(ValueError, match="prompts"):
+        lm.generate_batch("a single string")
+    with pytest.raises(ValueError, match="temperature"):
+        lm.generate("a", temperature=-1)
+
+
+def test_state_is_usable_as_a_recurrent_core(ids_lm):
+    """The backbone alone (vectors in, vectors out) step by step equals it over a sequence."""
+    model = ids_lm.model
+    x = torch.randn(2, 6, ids_lm.config.d_model, generator=torch.Generator().manual_seed(0))
+    whole = model.backbone(x, model.new_state(2))
+    state = model.new_state(2)
+    steps = torch.cat([model.backbone(x[:, t : t + 1], state) for t in range(6)], 1)
+    assert torch.allclose(steps, whole, rtol=1e-4, atol=1e-5)
