@@ -20,7 +20,7 @@ def selective_scan_ref(
     """The recurrence one time step after another, in float32: the oracle for the Triton scan."""
     x, z = x.float(), z.float()
     delta = F.softplus(dt.float() + dt_bias[None, :, None])  # (B, E, T); softplus(v) = v above 20
-    s = state
+    s = state.clone()  # autograd may save s; the in-place write below must not change it
     ys = []
     for t in range(x.shape[-1]):
         decay = torch.exp(delta[:, :, t, None] * A)  # (B, E, N)
