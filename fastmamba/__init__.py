@@ -9,6 +9,7 @@ import torch
 from .checkpoint import load_checkpoint, parse_dtype
 from .config import MambaConfig
 from .errors import CheckpointError
+from .kernels._triton import HAVE_TRITON
 from .generate import Generation, LanguageModel, StreamPiece
 from .model import Mamba, MambaState
 from .sampling import SamplingParams
@@ -34,13 +35,15 @@ def default_model_dir() -> Path:
     return Path(__file__).parent / "default_model"
 
 
-def load(path=None, *, device="cpu", dtype="float32") -> LanguageModel:
+def load(path=None, *, device="cpu", dtype="float32", engine: str | None = None) -> LanguageModel:
     """Loads a Mamba checkpoint folder (HF or original state-spaces format).
 
     path: the folder; None loads the bundled default model.
     device: "cpu" or "cuda" (or a torch.device).
     dtype: storage of the large matrices, "float32", "bfloat16" or "float16" (or a torch
     dtype); accumulation, states, norms and logits are float32 whatever it is.
+    engine: "triton" (GPU kernels and CUDA graphs, the default on CUDA) or "reference"
+    (the pure-PyTorch path, the default and only choice on the CPU).
     Raises CheckpointError (a ValueError) naming the file and tensor or key on bad input.
     """
     storage = parse_dtype(dtype)
@@ -52,8 +55,12 @@ def load(path=None, *, device="cpu", dtype="float32") -> LanguageModel:
         raise ValueError("device 'cuda' was asked for, but PyTorch sees no CUDA GPU here")
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if engine is None:
+        engine = "triton" if dev.type == "cuda" and HAVE_TRITON else "reference"
+    if engine not in ("triton", "reference") or (engine == "triton" and (dev.type != "cuda" or not HAVE_TRITON)):
+        raise ValueError(f"engine must be 'reference', or 'triton' on a CUDA device with Triton installed; got {engine!r}")
     folder = Path(path) if path is not None else default_model_dir()
     config, weights = load_checkpoint(folder, dev, storage)
     tok_file = folder / "tokenizer.json"
     tokenizer = Tokenizer(tok_file) if tok_file.exists() else None
-    return LanguageModel(Mamba(config, weights), tokenizer, folder)
+    return LanguageModel(Mamba(config, weights), tokenizer, folder, engine=engine)

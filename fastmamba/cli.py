@@ -28,6 +28,15 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability (0 = off)")
     gen.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style penalty (1.0 = off)")
     gen.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
+    bench = commands.add_parser(
+        "bench",
+        help="time GPU decode at the public model shapes (random weights)",
+        description="Time the GPU decode step at the public Mamba shapes with random weights: "
+        "ms/token, tokens/s and the fraction of the memory floor.",
+    )
+    from .bench import add_arguments
+
+    add_arguments(bench)
     return parser
 
 
@@ -38,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if args.command == "bench":
+            from .bench import main_from_args
+
+            return main_from_args(args)
         return _generate(args)
     except KeyboardInterrupt:
         return 130

@@ -9,7 +9,8 @@ from typing import Iterator, Sequence
 import torch
 
 from .model import Mamba, MambaState
-from .sampling import SamplingParams, SlotParams, resolve_seed, sample, sample_greedy
+from .engine import GraphDecoder, ReferenceDecoder
+from .sampling import SamplingParams, resolve_seed, sample, sample_greedy
 from .tokenizer import IncrementalDecoder, Tokenizer
 
 
@@ -28,11 +29,20 @@ class StreamPiece:
 
 
 class LanguageModel:
-    def __init__(self, model: Mamba, tokenizer: Tokenizer | None, path: Path | None = None):
+    def __init__(self, model: Mamba, tokenizer: Tokenizer | None, path: Path | None = None, engine: str = "reference"):
         self.model = model
         self.config = model.config
         self.tokenizer = tokenizer
         self.path = path
+        self.engine = engine  # "reference" (pure PyTorch) or "triton" (GPU kernels + CUDA graphs)
+        self._graph_decoders: dict[int, GraphDecoder] = {}
+
+    def _decoder(self, batch: int):
+        if self.engine == "reference":
+            return ReferenceDecoder(self.model, batch)
+        if batch not in self._graph_decoders:  # captured once per batch size, then reused
+            self._graph_decoders[batch] = GraphDecoder(self.model, batch)
+        return self._graph_decoders[batch]
 
     @property
     def device(self) -> torch.device:
@@ -145,7 +155,7 @@ class LanguageModel:
         Each prompt is prefilled on its own (prompts differ in length), then all slots decode
         together; a finished slot keeps a place in the batch but yields nothing more.
         """
-        model, B, V = self.model, len(all_ids), self.config.vocab_size
+        model, B = self.model, len(all_ids)
         states, last_logits = [], []
         for ids in all_ids:
             state = model.new_state(1)
@@ -155,14 +165,13 @@ class LanguageModel:
         state = MambaState.stack(states)
         logits = torch.cat(last_logits)  # (B, V)
 
-        slots = SlotParams.empty(B, V, self.device)
-        for i, (ids, p) in enumerate(zip(all_ids, params)):
-            slots.set_slot(i, p, resolve_seed(p.seed), ids)
-        pick = sample_greedy if slots.all_greedy_unpenalized else sample
+        decoder = self._decoder(B)
+        requests = [(p, resolve_seed(p.seed), ids) for ids, p in zip(all_ids, params)]
+        greedy = all(p.temperature == 0 and p.repetition_penalty == 1 for p in params)
+        tokens = decoder.begin(state, logits, sample_greedy if greedy else sample, requests)
         stops = [set(p.stop_token_ids) if p.stop_token_ids is not None else {self.config.eos_token_id} for p in params]
         remaining = [p.max_tokens for p in params]
 
-        tokens = pick(logits, slots)
         while True:
             host = tokens.tolist()  # the only device -> host traffic per step
             out, reasons = [None] * B, [None] * B
@@ -179,4 +188,4 @@ class LanguageModel:
             yield out, reasons
             if not any(remaining):
                 return
-            tokens = pick(model.step(tokens, state), slots)
+            tokens = decoder.next()

@@ -146,11 +146,6 @@ class SlotParams:
         self.seen[slot] = False
         self.seen[slot, torch.tensor(prompt_ids, dtype=torch.int64, device=self.seen.device)] = True
 
-    @property
-    def all_greedy_unpenalized(self) -> bool:
-        """True when plain argmax is the whole job (host-side check, made once per request)."""
-        return bool((self.temperature == 0).all() and (self.repetition_penalty == 1).all())
-
 
 def sample(logits: torch.Tensor, p: SlotParams) -> torch.Tensor:
     """Next token of every slot from its logits (B, V); advances each slot's step and history.

@@ -1,0 +1,193 @@
+"""Decode benchmark: ms/token of the Triton engine at the public Mamba shapes, random weights.
+
+Prints a table (model, dtype, batch, ms/step, tokens/s, fraction of the memory floor) and
+writes JSON. The floor is the bytes one step must read (every weight once, the recurrent
+state read and written) over the device's copy bandwidth, measured in the same run.
+Optionally times HF transformers' MambaForCausalLM at the same shape for a ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from .config import MambaConfig
+from .model import LayerWeights, Mamba, MambaWeights
+
+SHAPES = {  # d_model, n_layer (vocab 50280, d_state 16, d_conv 4, expand 2)
+    "130m": (768, 24),
+    "370m": (1024, 48),
+    "790m": (1536, 48),
+    "1.4b": (2048, 48),
+    "2.8b": (2560, 64),
+}
+
+
+def random_model(size: str, dtype: torch.dtype, device="cuda", config: MambaConfig | None = None) -> Mamba:
+    """A Mamba with random weights of realistic spread at a public shape, built on the device."""
+    d, L = SHAPES[size] if config is None else (config.d_model, config.n_layer)
+    c = config or MambaConfig(d_model=d, n_layer=L, vocab_size=50280)
+    E, R, N, K = c.d_inner, c.dt_rank, c.d_state, c.d_conv
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def mat(rows, cols, scale=None):
+        return (torch.randn(rows, cols, device=device, generator=g) * (scale or cols**-0.5)).to(dtype)
+
+    def vec(n, mean=0.0, std=0.1):
+        return mean + std * torch.randn(n, device=device, generator=g)
+
+    layers = [
+        LayerWeights(
+            norm_w=vec(d, 1.0),
+            in_proj_w=mat(2 * E, d),
+            in_proj_b=None,
+            conv_w=vec(E * K, 0.0, 0.5).view(E, K),
+            conv_b=vec(E),
+            x_proj_w=mat(R + 2 * N, E),
+            dt_proj_w=mat(E, R),
+            dt_bias=vec(E, -4.0, 1.0),
+            A=-torch.arange(1, N + 1, device=device, dtype=torch.float32).repeat(E, 1),
+            D=vec(E, 1.0),
+            out_proj_w=mat(d, E, (E * L) ** -0.5),
+            out_proj_b=None,
+        )
+        for _ in range(L)
+    ]
+    emb = mat(c.vocab_size, d, 0.02)
+    return Mamba(c, MambaWeights(embedding=emb, layers=layers, norm_f=vec(d, 1.0), lm_head=emb))
+
+
+def step_bytes(model: Mamba, batch: int) -> tuple[int, int]:
+    """(weight bytes, state bytes) one decode step must move at the least."""
+    w = model.weights
+    tensors = [w.embedding, w.norm_f] + [t for lw in w.layers for t in vars(lw).values() if t is not None]
+    weight = sum(t.numel() * t.element_size() for t in tensors)
+    c = model.config
+    state = 2 * 4 * batch * c.n_layer * c.d_inner * (c.d_state + c.d_conv)  # f32, read and written
+    return weight, state
+
+
+def copy_bandwidth(gib: float = 2.0) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
+    n = int(gib * 2**30) // 4
+    src = torch.empty(n, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return 2 * n * 4 / sorted(times)[len(times) // 2]
+
+
+def time_graph_steps(model: Mamba, batch: int, steps: int = 200) -> float:
+    """Median ms per replayed decode step (greedy sampling included)."""
+    from .engine import GraphDecoder
+    from .sampling import SamplingParams, sample_greedy
+
+    dec = GraphDecoder(model, batch)
+    logits = torch.randn(batch, model.config.vocab_size, device="cuda")
+    reqs = [(SamplingParams(), 0, [1])] * batch
+    dec.begin(model.new_state(batch), logits, sample_greedy, reqs)
+    for _ in range(10):
+        dec.next()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(steps // 5):
+            dec.graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / (steps // 5))
+    return sorted(times)[2]
+
+
+def time_hf(size: str, dtype: torch.dtype, batch: int, tokens: int = 32) -> float | None:
+    """ms per generated token of transformers' MambaForCausalLM (same shape, random weights)."""
+    try:
+        from transformers import MambaConfig as HFConfig
+        from transformers import MambaForCausalLM
+    except ImportError:
+        return None
+    d, L = SHAPES[size]
+    with torch.device("cuda"):
+        hf = MambaForCausalLM(HFConfig(hidden_size=d, num_hidden_layers=L, vocab_size=50280)).to(dtype).eval()
+    ids = torch.randint(0, 50280, (batch, 4), device="cuda")
+    kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        hf.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        hf.generate(ids, **kw)
+        torch.cuda.synchronize()
+    del hf
+    return (time.perf_counter() - t) / tokens * 1e3
+
+
+def run(sizes, dtypes, batches, hf: bool, out: str | None) -> list[dict]:
+    if not torch.cuda.is_available():
+        raise ValueError("the decode benchmark needs a CUDA GPU")
+    bw = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
+    rows = []
+    header = f"{'model':>6} {'dtype':>9} {'batch':>5} {'ms/step':>8} {'tok/s':>9} {'floor ms':>8} {'of floor':>8} {'peak GiB':>8} {'HF ms':>8}"
+    print(header)
+    for size in sizes:
+        for dtype in dtypes:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            model = random_model(size, dtype)
+            for batch in batches:
+                ms = time_graph_steps(model, batch)
+                wbytes, sbytes = step_bytes(model, batch)
+                floor = (wbytes + sbytes) / bw * 1e3
+                hf_ms = time_hf(size, dtype, batch) if hf and batch == 1 else None
+                row = dict(
+                    model=size, dtype=str(dtype).replace("torch.", ""), batch=batch, ms_per_step=round(ms, 4),
+                    tokens_per_s=round(batch * 1e3 / ms, 1), floor_ms=round(floor, 4),
+                    fraction_of_floor=round(floor / ms, 3), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                    hf_ms_per_token=round(hf_ms, 3) if hf_ms else None,
+                )
+                rows.append(row)
+                hf_txt = f"{hf_ms:8.2f}" if hf_ms else f"{'-':>8}"
+                print(f"{size:>6} {row['dtype']:>9} {batch:>5} {ms:8.3f} {row['tokens_per_s']:9.0f} {floor:8.3f} {row['fraction_of_floor']:8.2f} {row['peak_gib']:8.2f} {hf_txt}", flush=True)
+            del model
+    if out:
+        with open(out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), copy_bandwidth_tbs=bw / 1e12, rows=rows), f, indent=2)
+    return rows
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--models", default="130m,370m,1.4b,2.8b", help="comma-separated public shapes")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--batches", default="1,32,128")
+    ap.add_argument("--hf", action="store_true", help="also time transformers' MambaForCausalLM (batch 1)")
+    ap.add_argument("--json", help="write the results here")
+
+
+def main_from_args(args) -> int:
+    from .checkpoint import parse_dtype
+
+    sizes = args.models.split(",")
+    for s in sizes:
+        if s not in SHAPES:
+            raise ValueError(f"--models: unknown shape {s!r}; known: {', '.join(SHAPES)}")
+    dtypes = [parse_dtype(x) for x in args.dtypes.split(",")]
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        raise ValueError(f"--batches must be comma-separated integers, got {args.batches!r}") from None
+    run(sizes, dtypes, batches, args.hf, args.json)
+    return 0
+
+

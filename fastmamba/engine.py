@@ -1,0 +1,86 @@
+"""Decoders: the loop that turns the last token of every slot into the next one.
+
+`ReferenceDecoder` runs the pure-PyTorch model step (the CPU engine). `GraphDecoder` runs
+the Triton decode step and the sampler as one CUDA graph, captured once per batch size and
+sampler and replayed each step; only the new token ids are read back by the host.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .model import Mamba, MambaState
+from .sampling import SlotParams
+
+Pick = Callable[[torch.Tensor, SlotParams], torch.Tensor]
+
+
+class ReferenceDecoder:
+    def __init__(self, model: Mamba, batch: int):
+        self.model = model
+        self.slots = SlotParams.empty(batch, model.config.vocab_size, model.device)
+
+    def begin(self, state: MambaState, logits: torch.Tensor, pick: Pick, requests) -> torch.Tensor:
+        """Loads the prefilled state and slot parameters; returns the first tokens (B,)."""
+        for i, (params, seed, prompt_ids) in enumerate(requests):
+            self.slots.set_slot(i, params, seed, prompt_ids)
+        self.state, self.pick = state, pick
+        self.tokens = pick(logits, self.slots)
+        return self.tokens
+
+    def next(self) -> torch.Tensor:
+        self.tokens = self.pick(self.model.step(self.tokens, self.state), self.slots)
+        return self.tokens
+
+
+class GraphDecoder:
+    """Decode step + sampling for a fixed batch size, as CUDA graphs (one per sampler)."""
+
+    def __init__(self, model: Mamba, batch: int):
+        from .kernels.decode_step import DecodeStep
+
+        self.model = model
+        self.step = DecodeStep(model, batch)
+        self.state = model.new_state(batch)
+        self.slots = SlotParams.empty(batch, model.config.vocab_size, model.device)
+        self.tokens = torch.zeros(batch, dtype=torch.int64, device=model.device)
+        self.graphs: dict[Pick, torch.cuda.CUDAGraph] = {}
+
+    def _body(self, pick: Pick) -> None:
+        self.tokens.copy_(pick(self.step(self.tokens, self.state), self.slots))
+
+    def _capture(self, pick: Pick) -> torch.cuda.CUDAGraph:
+        # Warm-up runs compile the kernels and must happen outside the capture; they
+        # scribble on the state and slots, which `begin` overwrites afterwards.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._body(pick)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._body(pick)
+        return graph
+
+    def begin(self, state: MambaState, logits: torch.Tensor, pick: Pick, requests) -> torch.Tensor:
+        if pick not in self.graphs:
+            self.graphs[pick] = self._capture(pick)
+        self.graph = self.graphs[pick]
+        for i, (params, seed, prompt_ids) in enumerate(requests):
+            self.slots.set_slot(i, params, seed, prompt_ids)
+        self.state.conv.copy_(state.conv)
+        self.state.ssm.copy_(state.ssm)
+        self.tokens.copy_(pick(logits, self.slots))
+        return self.tokens
+
+    def next(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.tokens
+
+    def step_eager(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One step outside the graph (for tests: graph replay must equal it bitwise)."""
+        return self.step(tokens, self.state)
+

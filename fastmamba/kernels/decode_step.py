@@ -1,0 +1,357 @@
+"""The decode step as five Triton kernels, four launches a layer, with their `_ref` twins.
+
+One step, per layer, for B slots (rows), with h the float32 residual stream:
+
+    rmsnorm_linear     h -> rmsnorm(h) * norm_w -> in_proj            -> xz (B, 2E)
+    conv_x_proj        conv step + SiLU on x, then x_proj             -> xc (B, E), dbc (B, R+2N)
+    ssm_step           dt_proj + softplus, state update, D skip, gate -> y (B, E)
+    out_proj_residual  h += y @ out_proj.T (+ bias)
+
+and around the layers: `embed` before, `rmsnorm_linear` with norm_f and lm_head after.
+
+Why it is shaped this way:
+- Rows are processed in tiles of BLOCK_B = 16 with `tl.dot`, whatever the batch size, and
+  every reduction runs over a fixed split of K in a fixed order. A row's result therefore
+  never depends on the other rows or on how many there are: batch invariance by
+  construction. Rows past the batch are masked, so a batch of 1 reads no padding.
+- Short-and-wide products (x_proj, out_proj) are split over K so that enough programs
+  stream the weights; the partial sums are added up by the last program to finish (a
+  counter per tile), always in split order, so the result is deterministic.
+- out_proj's reducer also writes each tile's sum of squares, so the next rmsnorm needs no
+  extra pass over h.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._triton import INTERPRET, jit, tl, triton
+from .causal_conv1d import causal_conv1d_ref
+from .selective_scan import selective_scan_ref
+
+BLOCK_B = 16
+
+
+# -- reference twins -------------------------------------------------------------------------
+
+
+def rmsnorm_linear_ref(h, norm_w, eps, weight, bias=None):
+    """(B, d) f32 -> (B, n_out) f32: linear(rmsnorm(h) * norm_w)."""
+    u = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_w
+    return F.linear(u, weight.float(), bias)
+
+
+def conv_x_proj_ref(x, conv_state, conv_w, conv_b, x_proj_w):
+    """x (B, E) -> xc (B, E) f32 after conv + SiLU, and dbc (B, R+2N) f32; updates conv_state."""
+    xc = causal_conv1d_ref(x[:, :, None], conv_w, conv_b, conv_state)[:, :, 0]
+    return xc, F.linear(xc, x_proj_w.float())
+
+
+def ssm_step_ref(dbc, xc, z, ssm_state, dt_proj_w, dt_bias, A, D):
+    """One recurrence step -> y (B, E) f32 (D skip and SiLU(z) gate applied); updates ssm_state."""
+    N = A.shape[1]
+    R = dbc.shape[1] - 2 * N
+    dt = F.linear(dbc[:, :R], dt_proj_w.float())  # (B, E)
+    Bm, Cm = dbc[:, R : R + N], dbc[:, R + N :]
+    y = selective_scan_ref(xc[..., None], dt[..., None], A, Bm[..., None], Cm[..., None], D, z[..., None], dt_bias, ssm_state)
+    return y[..., 0]
+
+
+def out_proj_residual_ref(y, weight, bias, h):
+    """h + y @ weight.T + bias, f32."""
+    return h + F.linear(y.float(), weight.float(), bias)
+
+
+def embed_ref(tokens, embedding):
+    return embedding[tokens].float()
+
+
+# -- kernels -----------------------------------------------------------------------------------
+
+
+@jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b with float32 accumulation. IEEE: float32 weights get exact float32 products;
+    otherwise 16-bit operands on the tensor cores (upcast under the interpreter, see _triton)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    elif INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@jit
+def _embed_kernel(tok_ptr, emb_ptr, h_ptr, ssq_ptr, B, BP, D, BB: tl.constexpr, BN: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    rows = pid_b * BB + tl.arange(0, BB)
+    cols = pid_n * BN + tl.arange(0, BN)
+    rmask = rows < B
+    m = rmask[:, None] & (cols < D)[None, :]
+    tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    x = tl.load(emb_ptr + tok[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(h_ptr + rows[:, None] * D + cols[None, :], x, mask=m)
+    tl.store(ssq_ptr + pid_n * BP + rows, tl.sum(x * x, 1), mask=rmask)
+
+
+@jit
+def _rmsnorm_linear_kernel(
+    h_ptr, ssq_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, B, BP, D, NOUT, eps,
+    NT_SSQ: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    rows = pid_b * BB + tl.arange(0, BB)
+    rmask = rows < B
+    ssq = tl.zeros([BB], dtype=tl.float32)
+    for t in range(NT_SSQ):  # the row's sum of squares, from per-tile partials, in tile order
+        ssq += tl.load(ssq_ptr + t * BP + rows, mask=rmask, other=0.0)
+    rstd = 1.0 / tl.sqrt(ssq / D + eps)
+    n = pid_n * BN + tl.arange(0, BN)
+    nmask = n < NOUT
+    acc = tl.zeros([BB, BN], dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        k = k0 + tl.arange(0, BK)
+        kmask = k < D
+        hk = tl.load(h_ptr + rows[:, None] * D + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        nw = tl.load(nw_ptr + k, mask=kmask, other=0.0)
+        w = tl.load(w_ptr + n[None, :] * D + k[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+        u = hk * rstd[:, None] * nw[None, :]
+        acc += _dot(u.to(w.dtype), w, IEEE)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=nmask, other=0.0)[None, :]
+    tl.store(out_ptr + rows[:, None] * NOUT + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
+
+
+@jit
+def _conv_x_proj_kernel(
+    xz_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, xc_ptr, part_ptr, dbc_ptr, cnt_ptr, B, BP, E, J,
+    K: tl.constexpr, HAS_CB: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr,
+    BB: tl.constexpr, BE: tl.constexpr, SUB: tl.constexpr, BJ: tl.constexpr,
+):
+    pid_e = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    rows = pid_b * BB + tl.arange(0, BB)
+    rmask = rows < B
+    j = tl.arange(0, BJ)
+    jmask = j < J
+    acc = tl.zeros([BB, BJ], dtype=tl.float32)
+    for s0 in tl.static_range(0, BE, SUB):
+        e = pid_e * BE + s0 + tl.arange(0, SUB)
+        emask = e < E
+        m = rmask[:, None] & emask[None, :]
+        x = tl.load(xz_ptr + rows[:, None] * (2 * E) + e[None, :], mask=m, other=0.0)
+        if HAS_CB:
+            conv = tl.zeros([BB, SUB], dtype=tl.float32) + tl.load(cb_ptr + e, mask=emask, other=0.0)[None, :]
+        else:
+            conv = tl.zeros([BB, SUB], dtype=tl.float32)
+        state = cs_ptr + rows[:, None] * (E * K) + e[None, :] * K
+        for k in tl.static_range(K - 1):  # shift the window left while summing the older taps
+            prev = tl.load(state + k + 1, mask=m, other=0.0)
+            conv += prev * tl.load(cw_ptr + e * K + k, mask=emask, other=0.0)[None, :]
+            tl.store(state + k, prev, mask=m)
+        conv += x * tl.load(cw_ptr + e * K + K - 1, mask=emask, other=0.0)[None, :]
+        tl.store(state + K - 1, x, mask=m)
+        xc = conv * tl.sigmoid(conv)
+        tl.store(xc_ptr + rows[:, None] * E + e[None, :], xc, mask=m)
+        w = tl.load(wx_ptr + j[None, :] * E + e[:, None], mask=emask[:, None] & jmask[None, :], other=0.0)
+        acc += _dot(xc.to(w.dtype), w, IEEE)
+    part = part_ptr + rows[:, None] * BJ + j[None, :]
+    tl.store(part + pid_e * BP * BJ, acc, mask=rmask[:, None])
+    # The last program of this row tile adds the partials up, in split order.
+    tl.debug_barrier()
+    count = tl.atomic_add(cnt_ptr + pid_b, 1, sem="acq_rel", scope="gpu")
+    if count == NSPLIT - 1:
+        total = tl.zeros([BB, BJ], dtype=tl.float32)
+        for s in range(NSPLIT):
+            total += tl.load(part + s * BP * BJ, mask=rmask[:, None], other=0.0)
+        tl.store(dbc_ptr + rows[:, None] * BJ + j[None, :], total, mask=rmask[:, None])
+        tl.atomic_xchg(cnt_ptr + pid_b, 0)
+
+
+@jit
+def _ssm_step_kernel(
+    dbc_ptr, xc_ptr, xz_ptr, ss_ptr, dtw_ptr, dtb_ptr, A_ptr, D_ptr, y_ptr, B, E, R,
+    N: tl.constexpr, NP: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, IEEE: tl.constexpr,
+    BB: tl.constexpr, BE: tl.constexpr,
+):
+    pid_e = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    rows = pid_b * BB + tl.arange(0, BB)
+    rmask = rows < B
+    e = pid_e * BE + tl.arange(0, BE)
+    emask = e < E
+    m = rmask[:, None] & emask[None, :]
+    r = tl.arange(0, BR)
+    dtr = tl.load(dbc_ptr + rows[:, None] * BJ + r[None, :], mask=rmask[:, None] & (r < R)[None, :], other=0.0)
+    w = tl.load(dtw_ptr + e[None, :] * R + r[:, None], mask=(r < R)[:, None] & emask[None, :], other=0.0)
+    dt = _dot(dtr.to(w.dtype), w, IEEE) + tl.load(dtb_ptr + e, mask=emask, other=0.0)[None, :]  # (BB, BE)
+    dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))  # softplus
+    nn = tl.arange(0, NP)
+    nmask = nn < N
+    Bv = tl.load(dbc_ptr + rows[:, None] * BJ + R + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
+    Cv = tl.load(dbc_ptr + rows[:, None] * BJ + R + N + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
+    x = tl.load(xc_ptr + rows[:, None] * E + e[None, :], mask=m, other=0.0)
+    z = tl.load(xz_ptr + rows[:, None] * (2 * E) + E + e[None, :], mask=m, other=0.0)
+    A = tl.load(A_ptr + e[:, None] * N + nn[None, :], mask=emask[:, None] & nmask[None, :], other=0.0)
+    sp = ss_ptr + rows[:, None, None] * (E * N) + e[None, :, None] * N + nn[None, None, :]
+    sm = m[:, :, None] & nmask[None, None, :]
+    s = tl.load(sp, mask=sm, other=0.0)  # (BB, BE, NP)
+    s = s * tl.exp(dt[:, :, None] * A[None, :, :]) + (dt * x)[:, :, None] * Bv[:, None, :]
+    tl.store(sp, s, mask=sm)
+    y = tl.sum(s * Cv[:, None, :], 2) + tl.load(D_ptr + e, mask=emask, other=0.0)[None, :] * x
+    y = y * (z * tl.sigmoid(z))
+    tl.store(y_ptr + rows[:, None] * E + e[None, :], y, mask=m)
+
+
+@jit
+def _out_proj_residual_kernel(
+    y_ptr, w_ptr, b_ptr, h_ptr, part_ptr, cnt_ptr, ssq_ptr, B, BP, D, E, KCHUNK,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr,
+    BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_b = tl.program_id(2)
+    rows = pid_b * BB + tl.arange(0, BB)
+    rmask = rows < B
+    n = pid_n * BN + tl.arange(0, BN)
+    nmask = n < D
+    acc = tl.zeros([BB, BN], dtype=tl.float32)
+    k_end = tl.minimum((pid_s + 1) * KCHUNK, E)
+    for k0 in range(pid_s * KCHUNK, k_end, BK):
+        k = k0 + tl.arange(0, BK)
+        kmask = k < k_end
+        yk = tl.load(y_ptr + rows[:, None] * E + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_ptr + n[None, :] * E + k[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+        acc += _dot(yk.to(w.dtype), w, IEEE)
+    m = rmask[:, None] & nmask[None, :]
+    part = part_ptr + rows[:, None] * D + n[None, :]
+    tl.store(part + pid_s * BP * D, acc, mask=m)
+    tl.debug_barrier()
+    counter = cnt_ptr + pid_b * tl.num_programs(0) + pid_n
+    count = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if count == NSPLIT - 1:
+        total = tl.zeros([BB, BN], dtype=tl.float32)
+        for s in range(NSPLIT):
+            total += tl.load(part + s * BP * D, mask=m, other=0.0)
+        if HAS_BIAS:
+            total += tl.load(b_ptr + n, mask=nmask, other=0.0)[None, :]
+        hp = h_ptr + rows[:, None] * D + n[None, :]
+        h = tl.load(hp, mask=m, other=0.0) + total
+        tl.store(hp, h, mask=m)
+        tl.store(ssq_ptr + pid_n * BP + rows, tl.sum(h * h, 1), mask=rmask)
+        tl.atomic_xchg(counter, 0)
+
+
+# -- launchers -----------------------------------------------------------------------------------
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(n))
+
+
+class DecodeStep:
+    """Launch plan and scratch buffers for one batch size; `__call__` runs one decode step.
+
+    Block sizes depend on the model's shapes only, never on the batch size, so a slot's
+    result is the same for every batch size.
+    """
+
+    def __init__(self, model, batch: int):
+        c, w = model.config, model.weights
+        dev = w.embedding.device
+        self.model, self.B = model, batch
+        self.BP = triton.cdiv(batch, BLOCK_B) * BLOCK_B
+        self.ieee = w.embedding.dtype == torch.float32
+        d, E, N, R = c.d_model, c.d_inner, c.d_state, c.dt_rank
+        self.J, self.BJ = R + 2 * N, _pow2(R + 2 * N)
+        self.BR, self.NP = _pow2(R), _pow2(N, 1)
+        # out_proj: 32-wide tiles of d, K split so that ~320 programs stream the weights.
+        self.BN_out = 32
+        self.nt_d = triton.cdiv(d, self.BN_out)
+        self.BK_out = 64
+        self.nsplit_out = max(1, min(16, 320 // self.nt_d, triton.cdiv(E, self.BK_out)))
+        self.kchunk_out = triton.cdiv(triton.cdiv(E, self.nsplit_out), self.BK_out) * self.BK_out
+        self.nsplit_out = triton.cdiv(E, self.kchunk_out)
+        # conv_x_proj: 256 channels a program (in 64-channel steps).
+        self.BE_x, self.SUB_x = 256, 64
+        self.nsplit_x = triton.cdiv(E, self.BE_x)
+        self.BE_ssm = 32
+        f32 = dict(device=dev, dtype=torch.float32)
+        BP = self.BP
+        self.h = torch.zeros(BP, d, **f32)
+        self.ssq = torch.zeros(self.nt_d, BP, **f32)
+        self.xz = torch.zeros(BP, 2 * E, **f32)
+        self.xc = torch.zeros(BP, E, **f32)
+        self.y = torch.zeros(BP, E, **f32)
+        self.dbc = torch.zeros(BP, self.BJ, **f32)
+        self.part_x = torch.zeros(self.nsplit_x, BP, self.BJ, **f32)
+        self.part_out = torch.zeros(self.nsplit_out, BP, d, **f32)
+        self.cnt_x = torch.zeros(BP // BLOCK_B, device=dev, dtype=torch.int32)
+        self.cnt_out = torch.zeros(BP // BLOCK_B * self.nt_d, device=dev, dtype=torch.int32)
+        self.logits = torch.zeros(BP, c.vocab_size, **f32)
+
+    # Each method launches one kernel on the scratch buffers; __call__ chains them.
+
+    def embed(self, tokens: torch.Tensor) -> None:
+        """h[:B] = embedding[tokens] (and the per-tile sums of squares for the next rmsnorm)."""
+        emb = self.model.weights.embedding
+        grid = (self.nt_d, self.BP // BLOCK_B)
+        _embed_kernel[grid](tokens, emb, self.h, self.ssq, self.B, self.BP, emb.shape[1], BB=BLOCK_B, BN=self.BN_out)
+
+    def rmsnorm_linear(self, norm_w, weight, bias, out) -> None:
+        """out[:B] = linear(rmsnorm(h) * norm_w, weight, bias)."""
+        n_out, d = weight.shape
+        BN = 64 if n_out > 16384 else (32 if n_out > 8192 else 16)
+        grid = (triton.cdiv(n_out, BN), self.BP // BLOCK_B)
+        _rmsnorm_linear_kernel[grid](
+            self.h, self.ssq, norm_w, weight, bias if bias is not None else weight, out,
+            self.B, self.BP, d, n_out, self.model.config.norm_eps,
+            NT_SSQ=self.nt_d, HAS_BIAS=bias is not None, IEEE=self.ieee, BB=BLOCK_B, BN=BN, BK=128,
+            num_warps=4, num_stages=4,
+        )
+
+    def conv_x_proj(self, lw, conv_state) -> None:
+        """xc, dbc from the x half of xz; updates conv_state (B, E, K)."""
+        c = self.model.config
+        _conv_x_proj_kernel[(self.nsplit_x, self.BP // BLOCK_B)](
+            self.xz, conv_state, lw.conv_w, lw.conv_b if lw.conv_b is not None else lw.conv_w,
+            lw.x_proj_w, self.xc, self.part_x, self.dbc, self.cnt_x, self.B, self.BP, c.d_inner, self.J,
+            K=c.d_conv, HAS_CB=lw.conv_b is not None, IEEE=self.ieee, NSPLIT=self.nsplit_x,
+            BB=BLOCK_B, BE=self.BE_x, SUB=self.SUB_x, BJ=self.BJ, num_warps=4,
+        )
+
+    def ssm_step(self, lw, ssm_state) -> None:
+        """y from dbc, xc and the z half of xz; updates ssm_state (B, E, N)."""
+        c = self.model.config
+        _ssm_step_kernel[(triton.cdiv(c.d_inner, self.BE_ssm), self.BP // BLOCK_B)](
+            self.dbc, self.xc, self.xz, ssm_state, lw.dt_proj_w, lw.dt_bias, lw.A, lw.D, self.y,
+            self.B, c.d_inner, c.dt_rank, N=c.d_state, NP=self.NP, BJ=self.BJ, BR=self.BR, IEEE=self.ieee,
+            BB=BLOCK_B, BE=self.BE_ssm, num_warps=4,
+        )
+
+    def out_proj_residual(self, lw) -> None:
+        """h += y @ out_proj.T + bias."""
+        c = self.model.config
+        _out_proj_residual_kernel[(self.nt_d, self.nsplit_out, self.BP // BLOCK_B)](
+            self.y, lw.out_proj_w, lw.out_proj_b if lw.out_proj_b is not None else lw.out_proj_w,
+            self.h, self.part_out, self.cnt_out, self.ssq, self.B, self.BP, c.d_model, c.d_inner, self.kchunk_out,
+            HAS_BIAS=lw.out_proj_b is not None, IEEE=self.ieee, NSPLIT=self.nsplit_out,
+            BB=BLOCK_B, BN=self.BN_out, BK=self.BK_out, num_warps=4,
+        )
+
+    def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:
+        """tokens (B,) -> logits (B, V) f32; updates `state` (conv, ssm of B slots)."""
+        w = self.model.weights
+        self.embed(tokens)
+        for i, lw in enumerate(w.layers):
+            self.rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz)
+            self.conv_x_proj(lw, state.conv[i])
+            self.ssm_step(lw, state.ssm[i])
+            self.out_proj_residual(lw)
+        self.rmsnorm_linear(w.norm_f, w.lm_head, None, self.logits)
+        return self.logits[: self.B]

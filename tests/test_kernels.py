@@ -1,0 +1,146 @@
+"""Every Triton kernel against its `_ref` twin.
+
+Without CUDA the kernels run in Triton's interpreter on the CPU (TRITON_INTERPRET=1, set in
+conftest before triton is imported), at the tiny shapes of the test checkpoints; with CUDA
+they run compiled on the GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastmamba
+from fastmamba.kernels import decode_step as ds
+
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+
+CASES = [
+    ("odd_vocab_tied", "float32", 3),
+    ("untied_bias_rank", "bfloat16", 17),  # two row tiles, biases on, dt_rank 3
+    ("kernel3_state8", "float16", 5),
+    ("kernel2_state4_wide", "float32", 1),
+]
+
+
+def rel_err(a, b) -> float:
+    assert torch.isfinite(a).all()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+@pytest.fixture(params=CASES, ids=[f"{n}-{d}-B{b}" for n, d, b in CASES])
+def case(request, checkpoints):
+    name, dtype, batch = request.param
+    lm = fastmamba.load(checkpoints[name], device=DEVICE, dtype=dtype)
+    step = ds.DecodeStep(lm.model, batch)
+    return lm.model, step, TOL[lm.model.weights.embedding.dtype]
+
+
+def set_residual(step, h):
+    """Puts h in the step's residual buffer with its per-tile sums of squares."""
+    B, d = h.shape
+    step.h[:B] = h
+    for t in range(step.nt_d):
+        step.ssq[t, :B] = h[:, t * step.BN_out : (t + 1) * step.BN_out].pow(2).sum(1)
+
+
+def test_embed(case):
+    model, step, _ = case
+    tokens = torch.randint(0, model.config.vocab_size, (step.B,), device=DEVICE)
+    step.embed(tokens)
+    ref = ds.embed_ref(tokens, model.weights.embedding)
+    assert torch.equal(step.h[: step.B], ref)
+    assert torch.allclose(step.ssq[:, : step.B].sum(0), ref.pow(2).sum(1), rtol=1e-5)
+
+
+def test_rmsnorm_linear(case):
+    model, step, tol = case
+    lw, c = model.weights.layers[0], model.config
+    h = rand(step.B, c.d_model, seed=1) * 3
+    set_residual(step, h)
+    step.rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, step.xz)
+    ref = ds.rmsnorm_linear_ref(h, lw.norm_w, c.norm_eps, lw.in_proj_w, lw.in_proj_b)
+    assert rel_err(step.xz[: step.B], ref) < tol
+    step.rmsnorm_linear(model.weights.norm_f, model.weights.lm_head, None, step.logits)
+    ref = ds.rmsnorm_linear_ref(h, model.weights.norm_f, c.norm_eps, model.weights.lm_head)
+    assert rel_err(step.logits[: step.B], ref) < tol
+
+
+def test_conv_x_proj(case):
+    model, step, tol = case
+    lw, c = model.weights.layers[-1], model.config
+    step.xz[: step.B] = rand(step.B, 2 * c.d_inner, seed=2)
+    conv_state = rand(step.B, c.d_inner, c.d_conv, seed=3)
+    ref_state = conv_state.clone()
+    for _ in range(2):  # twice: the split counters must reset themselves
+        step.conv_x_proj(lw, conv_state)
+        xc, dbc = ds.conv_x_proj_ref(step.xz[: step.B, : c.d_inner], ref_state, lw.conv_w, lw.conv_b, lw.x_proj_w)
+        assert rel_err(step.xc[: step.B], xc) < 1e-5
+        assert rel_err(step.dbc[: step.B, : step.J], dbc) < tol
+        assert torch.equal(conv_state, ref_state)
+    assert not step.cnt_x.any()
+
+
+def test_ssm_step(case):
+    model, step, tol = case
+    lw, c = model.weights.layers[0], model.config
+    step.dbc[: step.B, : step.J] = rand(step.B, step.J, seed=4)
+    step.xc[: step.B] = rand(step.B, c.d_inner, seed=5)
+    step.xz[: step.B] = rand(step.B, 2 * c.d_inner, seed=6)
+    ssm_state = rand(step.B, c.d_inner, c.d_state, seed=7)
+    ref_state = ssm_state.clone()
+    step.ssm_step(lw, ssm_state)
+    z = step.xz[: step.B, c.d_inner :]
+    y = ds.ssm_step_ref(step.dbc[: step.B, : step.J], step.xc[: step.B], z, ref_state, lw.dt_proj_w, lw.dt_bias, lw.A, lw.D)
+    assert rel_err(step.y[: step.B], y) < tol
+    assert rel_err(ssm_state, ref_state) < tol
+
+
+def test_out_proj_residual(case):
+    model, step, tol = case
+    lw, c = model.weights.layers[0], model.config
+    h = rand(step.B, c.d_model, seed=8)
+    step.h[: step.B] = h
+    step.y[: step.B] = rand(step.B, c.d_inner, seed=9)
+    for _ in range(2):
+        step.out_proj_residual(lw)
+        h = ds.out_proj_residual_ref(step.y[: step.B], lw.out_proj_w, lw.out_proj_b, h)
+        assert rel_err(step.h[: step.B], h) < tol
+        assert torch.allclose(step.ssq[:, : step.B].sum(0), step.h[: step.B].pow(2).sum(1), rtol=1e-5)
+    assert not step.cnt_out.any()
+
+
+def test_whole_step_equals_the_reference_model(case):
+    model, step, tol = case
+    c = model.config
+    state = model.new_state(step.B)
+    state.conv.copy_(rand(*state.conv.shape, seed=10))
+    state.ssm.copy_(rand(*state.ssm.shape, seed=11))
+    ref_state = fastmamba.MambaState(state.conv.clone(), state.ssm.clone())
+    for t in range(3):
+        tokens = torch.randint(0, c.vocab_size, (step.B,), device=DEVICE)
+        logits = step(tokens, state)
+        ref = model.step(tokens, ref_state)
+        assert rel_err(logits, ref) < tol
+    assert rel_err(state.ssm, ref_state.ssm) < tol
+
+
+def test_a_slot_is_bitwise_the_same_in_any_batch(checkpoints):
+    model = fastmamba.load(checkpoints["untied_bias_rank"], device=DEVICE, dtype="bfloat16").model
+    V = model.config.vocab_size
+    tokens = torch.randint(0, V, (20,), device=DEVICE)
+    big_state = model.new_state(20)
+    big_state.ssm.copy_(rand(*big_state.ssm.shape, seed=12))
+    alone_state = big_state.rows([17])
+    big, alone = ds.DecodeStep(model, 20), ds.DecodeStep(model, 1)
+    for _ in range(2):
+        many = big(tokens, big_state)[17].clone()
+        one = alone(tokens[17:18], alone_state)[0]
+        assert torch.equal(many, one)
