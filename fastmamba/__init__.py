@@ -35,7 +35,9 @@ def default_model_dir() -> Path:
     return Path(__file__).parent / "default_model"
 
 
-def load(path=None, *, device="cpu", dtype="float32", engine: str | None = None) -> LanguageModel:
+def load(
+    path=None, *, device="cpu", dtype="float32", engine: str | None = None, deterministic: bool = False
+) -> LanguageModel:
     """Loads a Mamba checkpoint folder (HF or original state-spaces format).
 
     path: the folder; None loads the bundled default model.
@@ -44,6 +46,9 @@ def load(path=None, *, device="cpu", dtype="float32", engine: str | None = None)
     dtype); accumulation, states, norms and logits are float32 whatever it is.
     engine: "triton" (GPU kernels and CUDA graphs, the default on CUDA) or "reference"
     (the pure-PyTorch path, the default and only choice on the CPU).
+    deterministic: on the GPU, make a slot's logits bitwise the same whatever the batch
+    size (the decode kernels then use one tiling for every batch; see RESULTS.md for the
+    cost at batch 1). Without it this holds for batches of up to 8 and for batches above 8.
     Raises CheckpointError (a ValueError) naming the file and tensor or key on bad input.
     """
     storage = parse_dtype(dtype)
@@ -63,4 +68,4 @@ def load(path=None, *, device="cpu", dtype="float32", engine: str | None = None)
     config, weights = load_checkpoint(folder, dev, storage)
     tok_file = folder / "tokenizer.json"
     tokenizer = Tokenizer(tok_file) if tok_file.exists() else None
-    return LanguageModel(Mamba(config, weights), tokenizer, folder, engine=engine)
+    return LanguageModel(Mamba(config, weights), tokenizer, folder, engine=engine, deterministic=deterministic)

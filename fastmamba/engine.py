@@ -38,11 +38,11 @@ class ReferenceDecoder:
 class GraphDecoder:
     """Decode step + sampling for a fixed batch size, as CUDA graphs (one per sampler)."""
 
-    def __init__(self, model: Mamba, batch: int):
+    def __init__(self, model: Mamba, batch: int, deterministic: bool = False):
         from .kernels.decode_step import DecodeStep
 
         self.model = model
-        self.step = DecodeStep(model, batch)
+        self.step = DecodeStep(model, batch, deterministic)
         self.state = model.new_state(batch)
         self.slots = SlotParams.empty(batch, model.config.vocab_size, model.device)
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=model.device)

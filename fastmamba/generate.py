@@ -29,19 +29,22 @@ class StreamPiece:
 
 
 class LanguageModel:
-    def __init__(self, model: Mamba, tokenizer: Tokenizer | None, path: Path | None = None, engine: str = "reference"):
+    def __init__(
+        self, model: Mamba, tokenizer: Tokenizer | None, path: Path | None = None, engine: str = "reference", deterministic: bool = False
+    ):
         self.model = model
         self.config = model.config
         self.tokenizer = tokenizer
         self.path = path
         self.engine = engine  # "reference" (pure PyTorch) or "triton" (GPU kernels + CUDA graphs)
+        self.deterministic = deterministic
         self._graph_decoders: dict[int, GraphDecoder] = {}
 
     def _decoder(self, batch: int):
         if self.engine == "reference":
             return ReferenceDecoder(self.model, batch)
         if batch not in self._graph_decoders:  # captured once per batch size, then reused
-            self._graph_decoders[batch] = GraphDecoder(self.model, batch)
+            self._graph_decoders[batch] = GraphDecoder(self.model, batch, self.deterministic)
         return self._graph_decoders[batch]
 
     @property

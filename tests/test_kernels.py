@@ -18,11 +18,13 @@ pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 
-CASES = [
-    ("odd_vocab_tied", "float32", 3),
-    ("untied_bias_rank", "bfloat16", 17),  # two row tiles, biases on, dt_rank 3
-    ("kernel3_state8", "float16", 5),
-    ("kernel2_state4_wide", "float32", 1),
+CASES = [  # (checkpoint, dtype, batch, deterministic): batches up to 8 run one row a program
+    ("odd_vocab_tied", "float32", 3, False),
+    ("untied_bias_rank", "bfloat16", 17, False),  # two row tiles, biases on, dt_rank 3
+    ("kernel3_state8", "float16", 5, False),
+    ("kernel3_state8", "bfloat16", 2, True),  # the tile mode at a small batch
+    ("kernel2_state4_wide", "float32", 1, False),
+    ("kernel2_state4_wide", "float32", 9, False),
 ]
 
 
@@ -35,11 +37,11 @@ def rand(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
-@pytest.fixture(params=CASES, ids=[f"{n}-{d}-B{b}" for n, d, b in CASES])
+@pytest.fixture(params=CASES, ids=[f"{n}-{d}-B{b}{'-det' if det else ''}" for n, d, b, det in CASES])
 def case(request, checkpoints):
-    name, dtype, batch = request.param
+    name, dtype, batch, deterministic = request.param
     lm = fastmamba.load(checkpoints[name], device=DEVICE, dtype=dtype)
-    step = ds.DecodeStep(lm.model, batch)
+    step = ds.DecodeStep(lm.model, batch, deterministic)
     return lm.model, step, TOL[lm.model.weights.embedding.dtype]
 
 
@@ -132,15 +134,21 @@ def test_whole_step_equals_the_reference_model(case):
     assert rel_err(state.ssm, ref_state.ssm) < tol
 
 
-def test_a_slot_is_bitwise_the_same_in_any_batch(checkpoints):
+@pytest.mark.parametrize("batch,slot,deterministic", [(20, 17, True), (8, 5, False), (24, 20, False)])
+def test_a_slot_is_bitwise_the_same_in_any_batch(checkpoints, batch, slot, deterministic):
+    """Deterministic mode: any batch size. Default: within the one-row mode (batch <= 8),
+    and within the tile mode (batch > 8), here 24 against 9."""
     model = fastmamba.load(checkpoints["untied_bias_rank"], device=DEVICE, dtype="bfloat16").model
     V = model.config.vocab_size
-    tokens = torch.randint(0, V, (20,), device=DEVICE)
-    big_state = model.new_state(20)
+    tokens = torch.randint(0, V, (batch,), device=DEVICE)
+    big_state = model.new_state(batch)
     big_state.ssm.copy_(rand(*big_state.ssm.shape, seed=12))
-    alone_state = big_state.rows([17])
-    big, alone = ds.DecodeStep(model, 20), ds.DecodeStep(model, 1)
+    small = 1 if deterministic or batch <= ds.SMALL_BATCH else ds.SMALL_BATCH + 1
+    rows = list(range(slot - small + 1, slot + 1))
+    small_state = big_state.rows(rows)
+    big, alone = ds.DecodeStep(model, batch, deterministic), ds.DecodeStep(model, small, deterministic)
+    assert big.BB == alone.BB
     for _ in range(2):
-        many = big(tokens, big_state)[17].clone()
-        one = alone(tokens[17:18], alone_state)[0]
-        assert torch.equal(many, one)
+        many = big(tokens, big_state)[slot].clone()
+        few = alone(tokens[rows], small_state)[-1]
+        assert torch.equal(many, few)

@@ -10,10 +10,12 @@ One step, per layer, for B slots (rows), with h the float32 residual stream:
 and around the layers: `embed` before, `rmsnorm_linear` with norm_f and lm_head after.
 
 Why it is shaped this way:
-- Rows are processed in tiles of BLOCK_B = 16 with `tl.dot`, whatever the batch size, and
-  every reduction runs over a fixed split of K in a fixed order. A row's result therefore
-  never depends on the other rows or on how many there are: batch invariance by
-  construction. Rows past the batch are masked, so a batch of 1 reads no padding.
+- Small batches (up to SMALL_BATCH rows) run one row per program with float32
+  multiply-and-sum products: bandwidth-bound GEMVs. Larger batches run rows in tiles of 16
+  through the tensor cores (`tl.dot`). Within a mode every reduction runs over a fixed
+  split of K in a fixed order, so a row's result never depends on the other rows or on
+  how many there are; `deterministic=True` uses the tile mode for every batch size, so a
+  slot is bitwise the same from batch 1 to 256. Rows past the batch are masked.
 - Short-and-wide products (x_proj, out_proj) are split over K so that enough programs
   stream the weights; the partial sums are added up by the last program to finish (a
   counter per tile), always in split order, so the result is deterministic.
@@ -30,7 +32,8 @@ from ._triton import INTERPRET, jit, tl, triton
 from .causal_conv1d import causal_conv1d_ref
 from .selective_scan import selective_scan_ref
 
-BLOCK_B = 16
+ROW_TILE = 16  # rows per program in tile mode (the tensor cores' smallest M)
+SMALL_BATCH = 8  # batches up to this size run one row per program, unless deterministic
 
 
 # -- reference twins -------------------------------------------------------------------------
@@ -71,15 +74,22 @@ def embed_ref(tokens, embedding):
 
 
 @jit
-def _dot(a, b, IEEE: tl.constexpr):
-    """a @ b with float32 accumulation. IEEE: float32 weights get exact float32 products;
-    otherwise 16-bit operands on the tensor cores (upcast under the interpreter, see _triton)."""
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
+def _mm(x, w, BB: tl.constexpr, IEEE: tl.constexpr):
+    """x (BB, K) f32 times w (N, K).T -> (BB, N) f32.
+
+    BB = 1 (small batches): a float32 multiply-and-sum per row, the fastest way to stream a
+    matrix past one vector. BB = 16: tensor cores (`tl.dot`), 16-bit operands (the weights'
+    dtype) with float32 accumulation, or exact float32 products for float32 weights (IEEE);
+    under the interpreter the rounded operands are upcast (see _triton).
+    """
+    if BB == 1:
+        return tl.sum(x[:, None, :] * w[None, :, :].to(tl.float32), axis=2)
+    elif IEEE:
+        return tl.dot(x, tl.trans(w), input_precision="ieee")
     elif INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(x.to(w.dtype).to(tl.float32), tl.trans(w).to(tl.float32), input_precision="ieee")
     else:
-        return tl.dot(a, b)
+        return tl.dot(x.to(w.dtype), tl.trans(w))
 
 
 @jit
@@ -118,9 +128,8 @@ def _rmsnorm_linear_kernel(
         kmask = k < D
         hk = tl.load(h_ptr + rows[:, None] * D + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         nw = tl.load(nw_ptr + k, mask=kmask, other=0.0)
-        w = tl.load(w_ptr + n[None, :] * D + k[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-        u = hk * rstd[:, None] * nw[None, :]
-        acc += _dot(u.to(w.dtype), w, IEEE)
+        w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        acc += _mm(hk * rstd[:, None] * nw[None, :], w, BB, IEEE)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nmask, other=0.0)[None, :]
     tl.store(out_ptr + rows[:, None] * NOUT + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
@@ -157,8 +166,8 @@ def _conv_x_proj_kernel(
         tl.store(state + K - 1, x, mask=m)
         xc = conv * tl.sigmoid(conv)
         tl.store(xc_ptr + rows[:, None] * E + e[None, :], xc, mask=m)
-        w = tl.load(wx_ptr + j[None, :] * E + e[:, None], mask=emask[:, None] & jmask[None, :], other=0.0)
-        acc += _dot(xc.to(w.dtype), w, IEEE)
+        w = tl.load(wx_ptr + j[:, None] * E + e[None, :], mask=jmask[:, None] & emask[None, :], other=0.0)
+        acc += _mm(xc, w, BB, IEEE)
     part = part_ptr + rows[:, None] * BJ + j[None, :]
     tl.store(part + pid_e * BP * BJ, acc, mask=rmask[:, None])
     # The last program of this row tile adds the partials up, in split order.
@@ -187,8 +196,8 @@ def _ssm_step_kernel(
     m = rmask[:, None] & emask[None, :]
     r = tl.arange(0, BR)
     dtr = tl.load(dbc_ptr + rows[:, None] * BJ + r[None, :], mask=rmask[:, None] & (r < R)[None, :], other=0.0)
-    w = tl.load(dtw_ptr + e[None, :] * R + r[:, None], mask=(r < R)[:, None] & emask[None, :], other=0.0)
-    dt = _dot(dtr.to(w.dtype), w, IEEE) + tl.load(dtb_ptr + e, mask=emask, other=0.0)[None, :]  # (BB, BE)
+    w = tl.load(dtw_ptr + e[:, None] * R + r[None, :], mask=emask[:, None] & (r < R)[None, :], other=0.0)
+    dt = _mm(dtr, w, BB, IEEE) + tl.load(dtb_ptr + e, mask=emask, other=0.0)[None, :]  # (BB, BE)
     dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))  # softplus
     nn = tl.arange(0, NP)
     nmask = nn < N
@@ -226,8 +235,8 @@ def _out_proj_residual_kernel(
         k = k0 + tl.arange(0, BK)
         kmask = k < k_end
         yk = tl.load(y_ptr + rows[:, None] * E + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(w_ptr + n[None, :] * E + k[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-        acc += _dot(yk.to(w.dtype), w, IEEE)
+        w = tl.load(w_ptr + n[:, None] * E + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        acc += _mm(yk, w, BB, IEEE)
     m = rmask[:, None] & nmask[None, :]
     part = part_ptr + rows[:, None] * D + n[None, :]
     tl.store(part + pid_s * BP * D, acc, mask=m)
@@ -261,11 +270,12 @@ class DecodeStep:
     result is the same for every batch size.
     """
 
-    def __init__(self, model, batch: int):
+    def __init__(self, model, batch: int, deterministic: bool = False):
         c, w = model.config, model.weights
         dev = w.embedding.device
         self.model, self.B = model, batch
-        self.BP = triton.cdiv(batch, BLOCK_B) * BLOCK_B
+        self.BB = 1 if batch <= SMALL_BATCH and not deterministic else ROW_TILE
+        self.BP = triton.cdiv(batch, self.BB) * self.BB
         self.ieee = w.embedding.dtype == torch.float32
         d, E, N, R = c.d_model, c.d_inner, c.d_state, c.dt_rank
         self.J, self.BJ = R + 2 * N, _pow2(R + 2 * N)
@@ -277,8 +287,8 @@ class DecodeStep:
         self.nsplit_out = max(1, min(16, 320 // self.nt_d, triton.cdiv(E, self.BK_out)))
         self.kchunk_out = triton.cdiv(triton.cdiv(E, self.nsplit_out), self.BK_out) * self.BK_out
         self.nsplit_out = triton.cdiv(E, self.kchunk_out)
-        # conv_x_proj: 256 channels a program (in 64-channel steps).
-        self.BE_x, self.SUB_x = 256, 64
+        # conv_x_proj: 64 channels a program (in 32-channel steps).
+        self.BE_x, self.SUB_x = 64, 32
         self.nsplit_x = triton.cdiv(E, self.BE_x)
         self.BE_ssm = 32
         f32 = dict(device=dev, dtype=torch.float32)
@@ -291,8 +301,8 @@ class DecodeStep:
         self.dbc = torch.zeros(BP, self.BJ, **f32)
         self.part_x = torch.zeros(self.nsplit_x, BP, self.BJ, **f32)
         self.part_out = torch.zeros(self.nsplit_out, BP, d, **f32)
-        self.cnt_x = torch.zeros(BP // BLOCK_B, device=dev, dtype=torch.int32)
-        self.cnt_out = torch.zeros(BP // BLOCK_B * self.nt_d, device=dev, dtype=torch.int32)
+        self.cnt_x = torch.zeros(BP // self.BB, device=dev, dtype=torch.int32)
+        self.cnt_out = torch.zeros(BP // self.BB * self.nt_d, device=dev, dtype=torch.int32)
         self.logits = torch.zeros(BP, c.vocab_size, **f32)
 
     # Each method launches one kernel on the scratch buffers; __call__ chains them.
@@ -300,48 +310,48 @@ class DecodeStep:
     def embed(self, tokens: torch.Tensor) -> None:
         """h[:B] = embedding[tokens] (and the per-tile sums of squares for the next rmsnorm)."""
         emb = self.model.weights.embedding
-        grid = (self.nt_d, self.BP // BLOCK_B)
-        _embed_kernel[grid](tokens, emb, self.h, self.ssq, self.B, self.BP, emb.shape[1], BB=BLOCK_B, BN=self.BN_out)
+        grid = (self.nt_d, self.BP // self.BB)
+        _embed_kernel[grid](tokens, emb, self.h, self.ssq, self.B, self.BP, emb.shape[1], BB=self.BB, BN=self.BN_out)
 
     def rmsnorm_linear(self, norm_w, weight, bias, out) -> None:
         """out[:B] = linear(rmsnorm(h) * norm_w, weight, bias)."""
         n_out, d = weight.shape
         BN = 64 if n_out > 16384 else (32 if n_out > 8192 else 16)
-        grid = (triton.cdiv(n_out, BN), self.BP // BLOCK_B)
+        grid = (triton.cdiv(n_out, BN), self.BP // self.BB)
         _rmsnorm_linear_kernel[grid](
             self.h, self.ssq, norm_w, weight, bias if bias is not None else weight, out,
             self.B, self.BP, d, n_out, self.model.config.norm_eps,
-            NT_SSQ=self.nt_d, HAS_BIAS=bias is not None, IEEE=self.ieee, BB=BLOCK_B, BN=BN, BK=128,
+            NT_SSQ=self.nt_d, HAS_BIAS=bias is not None, IEEE=self.ieee, BB=self.BB, BN=BN, BK=128,
             num_warps=4, num_stages=4,
         )
 
     def conv_x_proj(self, lw, conv_state) -> None:
         """xc, dbc from the x half of xz; updates conv_state (B, E, K)."""
         c = self.model.config
-        _conv_x_proj_kernel[(self.nsplit_x, self.BP // BLOCK_B)](
+        _conv_x_proj_kernel[(self.nsplit_x, self.BP // self.BB)](
             self.xz, conv_state, lw.conv_w, lw.conv_b if lw.conv_b is not None else lw.conv_w,
             lw.x_proj_w, self.xc, self.part_x, self.dbc, self.cnt_x, self.B, self.BP, c.d_inner, self.J,
             K=c.d_conv, HAS_CB=lw.conv_b is not None, IEEE=self.ieee, NSPLIT=self.nsplit_x,
-            BB=BLOCK_B, BE=self.BE_x, SUB=self.SUB_x, BJ=self.BJ, num_warps=4,
+            BB=self.BB, BE=self.BE_x, SUB=self.SUB_x, BJ=self.BJ, num_warps=4,
         )
 
     def ssm_step(self, lw, ssm_state) -> None:
         """y from dbc, xc and the z half of xz; updates ssm_state (B, E, N)."""
         c = self.model.config
-        _ssm_step_kernel[(triton.cdiv(c.d_inner, self.BE_ssm), self.BP // BLOCK_B)](
+        _ssm_step_kernel[(triton.cdiv(c.d_inner, self.BE_ssm), self.BP // self.BB)](
             self.dbc, self.xc, self.xz, ssm_state, lw.dt_proj_w, lw.dt_bias, lw.A, lw.D, self.y,
             self.B, c.d_inner, c.dt_rank, N=c.d_state, NP=self.NP, BJ=self.BJ, BR=self.BR, IEEE=self.ieee,
-            BB=BLOCK_B, BE=self.BE_ssm, num_warps=4,
+            BB=self.BB, BE=self.BE_ssm, num_warps=4,
         )
 
     def out_proj_residual(self, lw) -> None:
         """h += y @ out_proj.T + bias."""
         c = self.model.config
-        _out_proj_residual_kernel[(self.nt_d, self.nsplit_out, self.BP // BLOCK_B)](
+        _out_proj_residual_kernel[(self.nt_d, self.nsplit_out, self.BP // self.BB)](
             self.y, lw.out_proj_w, lw.out_proj_b if lw.out_proj_b is not None else lw.out_proj_w,
             self.h, self.part_out, self.cnt_out, self.ssq, self.B, self.BP, c.d_model, c.d_inner, self.kchunk_out,
             HAS_BIAS=lw.out_proj_b is not None, IEEE=self.ieee, NSPLIT=self.nsplit_out,
-            BB=BLOCK_B, BN=self.BN_out, BK=self.BK_out, num_warps=4,
+            BB=self.BB, BN=self.BN_out, BK=self.BK_out, num_warps=4,
         )
 
     def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:
