@@ -134,21 +134,23 @@ def test_whole_step_equals_the_reference_model(case):
     assert rel_err(state.ssm, ref_state.ssm) < tol
 
 
-@pytest.mark.parametrize("batch,slot,deterministic", [(20, 17, True), (8, 5, False), (24, 20, False)])
-def test_a_slot_is_bitwise_the_same_in_any_batch(checkpoints, batch, slot, deterministic):
+@pytest.mark.parametrize(
+    "batch,slot,rows,deterministic",
+    [(20, 16, [16], True), (8, 5, [5], False), (32, 20, list(range(16, 25)), False)],
+)
+def test_a_slot_is_bitwise_the_same_in_any_batch(checkpoints, batch, slot, rows, deterministic):
     """Deterministic mode: any batch size. Default: within the one-row mode (batch <= 8),
-    and within the tile mode (batch > 8), here 24 against 9."""
+    and within the tile mode (batch > 8), here 32 against 9. (The slot keeps its place in
+    its 16-row tile: the interpreter's numpy matmul, unlike the tensor cores, may round rows
+    of a tile differently; on the GPU tests/test_gpu_engine.py moves the slot freely.)"""
     model = fastmamba.load(checkpoints["untied_bias_rank"], device=DEVICE, dtype="bfloat16").model
-    V = model.config.vocab_size
-    tokens = torch.randint(0, V, (batch,), device=DEVICE)
+    tokens = torch.randint(0, model.config.vocab_size, (batch,), device=DEVICE)
     big_state = model.new_state(batch)
     big_state.ssm.copy_(rand(*big_state.ssm.shape, seed=12))
-    small = 1 if deterministic or batch <= ds.SMALL_BATCH else ds.SMALL_BATCH + 1
-    rows = list(range(slot - small + 1, slot + 1))
     small_state = big_state.rows(rows)
-    big, alone = ds.DecodeStep(model, batch, deterministic), ds.DecodeStep(model, small, deterministic)
-    assert big.BB == alone.BB
+    big, small = ds.DecodeStep(model, batch, deterministic), ds.DecodeStep(model, len(rows), deterministic)
+    assert big.BB == small.BB
     for _ in range(2):
         many = big(tokens, big_state)[slot].clone()
-        few = alone(tokens[rows], small_state)[-1]
+        few = small(tokens[rows], small_state)[rows.index(slot)]
         assert torch.equal(many, few)
