@@ -78,18 +78,24 @@ def _mm(x, w, BB: tl.constexpr, IEEE: tl.constexpr):
     """x (BB, K) f32 times w (N, K).T -> (BB, N) f32.
 
     BB = 1 (small batches): a float32 multiply-and-sum per row, the fastest way to stream a
-    matrix past one vector. BB = 16: tensor cores (`tl.dot`), 16-bit operands (the weights'
-    dtype) with float32 accumulation, or exact float32 products for float32 weights (IEEE);
-    under the interpreter the rounded operands are upcast (see _triton).
+    matrix past one vector. BB = 16: tensor cores (`tl.dot`) with float32 accumulation;
+    float32 weights get exact float32 products (IEEE); 16-bit weights meet x split into a
+    16-bit head and a 16-bit remainder (two products), so the activations keep about 16
+    bits instead of 8 (bf16). Under the interpreter the operands are upcast (see _triton).
     """
     if BB == 1:
-        return tl.sum(x[:, None, :] * w[None, :, :].to(tl.float32), axis=2)
+        return tl.sum(w.to(tl.float32) * x, axis=1)[None, :]
     elif IEEE:
         return tl.dot(x, tl.trans(w), input_precision="ieee")
-    elif INTERPRET:
-        return tl.dot(x.to(w.dtype).to(tl.float32), tl.trans(w).to(tl.float32), input_precision="ieee")
     else:
-        return tl.dot(x.to(w.dtype), tl.trans(w))
+        hi = x.to(w.dtype)
+        lo = (x - hi.to(tl.float32)).to(w.dtype)
+        wt = tl.trans(w)
+        if INTERPRET:
+            wt = wt.to(tl.float32)
+            return tl.dot(hi.to(tl.float32), wt, input_precision="ieee") + tl.dot(lo.to(tl.float32), wt, input_precision="ieee")
+        else:
+            return tl.dot(lo, wt, tl.dot(hi, wt))
 
 
 @jit
@@ -283,7 +289,7 @@ class DecodeStep:
         # out_proj: 32-wide tiles of d, K split so that ~320 programs stream the weights.
         self.BN_out = 32
         self.nt_d = triton.cdiv(d, self.BN_out)
-        self.BK_out = 64
+        self.BK_out = 256 if self.BB == 1 else 64
         self.nsplit_out = max(1, min(16, 320 // self.nt_d, triton.cdiv(E, self.BK_out)))
         self.kchunk_out = triton.cdiv(triton.cdiv(E, self.nsplit_out), self.BK_out) * self.BK_out
         self.nsplit_out = triton.cdiv(E, self.kchunk_out)
@@ -321,7 +327,8 @@ class DecodeStep:
         _rmsnorm_linear_kernel[grid](
             self.h, self.ssq, norm_w, weight, bias if bias is not None else weight, out,
             self.B, self.BP, d, n_out, self.model.config.norm_eps,
-            NT_SSQ=self.nt_d, HAS_BIAS=bias is not None, IEEE=self.ieee, BB=self.BB, BN=BN, BK=128,
+            NT_SSQ=self.nt_d, HAS_BIAS=bias is not None, IEEE=self.ieee, BB=self.BB, BN=BN,
+            BK=512 if self.BB == 1 else 128,
             num_warps=4, num_stages=4,
         )
 
