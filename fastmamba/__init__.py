@@ -11,7 +11,7 @@ from .config import MambaConfig
 from .errors import CheckpointError
 from .kernels._triton import HAVE_TRITON
 from .generate import Generation, LanguageModel, StreamPiece
-from .model import Mamba, MambaState
+from .model import REFERENCE_OPS, Mamba, MambaState, triton_ops
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -68,4 +68,5 @@ def load(
     config, weights = load_checkpoint(folder, dev, storage)
     tok_file = folder / "tokenizer.json"
     tokenizer = Tokenizer(tok_file) if tok_file.exists() else None
-    return LanguageModel(Mamba(config, weights), tokenizer, folder, engine=engine, deterministic=deterministic)
+    model = Mamba(config, weights, triton_ops() if engine == "triton" else REFERENCE_OPS)
+    return LanguageModel(model, tokenizer, folder, engine=engine, deterministic=deterministic)

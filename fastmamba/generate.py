@@ -8,7 +8,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .model import Mamba, MambaState
+from .model import Mamba
 from .engine import GraphDecoder, ReferenceDecoder
 from .sampling import SamplingParams, resolve_seed, sample, sample_greedy
 from .tokenizer import IncrementalDecoder, Tokenizer
@@ -155,18 +155,16 @@ class LanguageModel:
     def _decode(self, all_ids: list[list[int]], params: list[SamplingParams]):
         """Yields, per step, each slot's new token (None once finished) and finish reason.
 
-        Each prompt is prefilled on its own (prompts differ in length), then all slots decode
-        together; a finished slot keeps a place in the batch but yields nothing more.
+        The prompts are prefilled together, left-padded to the longest (padding leaves a
+        row's state untouched), then all slots decode together; a finished slot keeps its
+        place in the batch but yields nothing more.
         """
         model, B = self.model, len(all_ids)
-        states, last_logits = [], []
-        for ids in all_ids:
-            state = model.new_state(1)
-            logits = model.prefill(torch.tensor([ids], device=self.device), state)  # (1, T, V)
-            states.append(state)
-            last_logits.append(logits[:, -1])
-        state = MambaState.stack(states)
-        logits = torch.cat(last_logits)  # (B, V)
+        longest = max(len(ids) for ids in all_ids)
+        padded = torch.tensor([[0] * (longest - len(ids)) + ids for ids in all_ids], device=self.device)
+        start = torch.tensor([longest - len(ids) for ids in all_ids], device=self.device, dtype=torch.int32)
+        state = model.new_state(B)
+        logits = model.prefill(padded, state, start, last_only=True)  # (B, V)
 
         decoder = self._decoder(B)
         requests = [(p, resolve_seed(p.seed), ids) for ids, p in zip(all_ids, params)]

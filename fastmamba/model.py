@@ -8,6 +8,7 @@ residual stream, the conv and ssm states, and the logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -81,25 +82,55 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x.float(), weight.float(), bias)
 
 
+def linear_storage(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear` as a GPU product in the weight's own dtype (cuBLAS, float32 accumulation),
+    without a float32 copy of the weight; the activations are rounded to that dtype."""
+    if weight.dtype == torch.float32:
+        return F.linear(x.float(), weight, bias)
+    y = F.linear(x.to(weight.dtype), weight).float()
+    return y if bias is None else y + bias
+
+
+@dataclass(frozen=True)
+class Ops:
+    """The three operations a sequence pass is made of, so one model definition runs on
+    either engine: the pure-PyTorch twins (CPU) or cuBLAS products and Triton kernels (GPU)."""
+
+    linear: Callable
+    conv: Callable  # causal_conv1d_ref signature
+    scan: Callable  # selective_scan_ref signature
+
+
+REFERENCE_OPS = Ops(linear, causal_conv1d_ref, selective_scan_ref)
+
+
+def triton_ops() -> Ops:
+    from .kernels.causal_conv1d import causal_conv1d
+    from .kernels.selective_scan import selective_scan
+
+    return Ops(linear_storage, causal_conv1d, selective_scan)
+
+
 def rmsnorm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def mixer(config: MambaConfig, lw: LayerWeights, u: torch.Tensor, conv_state, ssm_state) -> torch.Tensor:
+def mixer(config: MambaConfig, lw: LayerWeights, u: torch.Tensor, conv_state, ssm_state, ops: Ops = REFERENCE_OPS, start=None) -> torch.Tensor:
     """One layer's mixer over T new tokens, continuing from and updating the layer's state.
 
     u (B, T, d) f32 -> (B, T, d) f32. A decode step is the same call with T = 1.
+    start (B,): left padding, see kernels/causal_conv1d.py.
     """
     E, N, R = config.d_inner, config.d_state, config.dt_rank
-    xz = linear(u, lw.in_proj_w, lw.in_proj_b)  # (B, T, 2E)
+    xz = ops.linear(u, lw.in_proj_w, lw.in_proj_b)  # (B, T, 2E)
     x, z = xz.transpose(1, 2).split([E, E], dim=1)  # (B, E, T) each
-    x = causal_conv1d_ref(x, lw.conv_w, lw.conv_b, conv_state)  # (B, E, T)
-    dt_r, Bm, Cm = linear(x.transpose(1, 2), lw.x_proj_w).split([R, N, N], dim=-1)  # (B, T, R|N|N)
-    dt = linear(dt_r, lw.dt_proj_w)  # (B, T, E); bias and softplus happen in the scan
-    y = selective_scan_ref(
-        x, dt.transpose(1, 2), lw.A, Bm.transpose(1, 2), Cm.transpose(1, 2), lw.D, z, lw.dt_bias, ssm_state
+    x = ops.conv(x, lw.conv_w, lw.conv_b, conv_state, start)  # (B, E, T)
+    dt_r, Bm, Cm = ops.linear(x.transpose(1, 2), lw.x_proj_w).split([R, N, N], dim=-1)  # (B, T, R|N|N)
+    dt = ops.linear(dt_r, lw.dt_proj_w)  # (B, T, E); bias and softplus happen in the scan
+    y = ops.scan(
+        x, dt.transpose(1, 2), lw.A, Bm.transpose(1, 2), Cm.transpose(1, 2), lw.D, z, lw.dt_bias, ssm_state, start
     )  # (B, E, T)
-    return linear(y.transpose(1, 2), lw.out_proj_w, lw.out_proj_b)
+    return ops.linear(y.transpose(1, 2), lw.out_proj_w, lw.out_proj_b)
 
 
 class Mamba:
@@ -109,9 +140,11 @@ class Mamba:
     outside language modelling.
     """
 
-    def __init__(self, config: MambaConfig, weights: MambaWeights):
+    def __init__(self, config: MambaConfig, weights: MambaWeights, ops: Ops = REFERENCE_OPS, chunk: int = 4096):
         self.config = config
         self.weights = weights
+        self.ops = ops
+        self.chunk = chunk  # prefill runs long prompts in chunks of this many tokens
 
     @property
     def device(self) -> torch.device:
@@ -120,25 +153,39 @@ class Mamba:
     def new_state(self, batch: int) -> MambaState:
         return MambaState.zeros(self.config, batch, self.device)
 
-    def backbone(self, h: torch.Tensor, state: MambaState) -> torch.Tensor:
+    def backbone(self, h: torch.Tensor, state: MambaState, start=None) -> torch.Tensor:
         """All layers and the final norm over T inputs: h (B, T, d) f32 -> (B, T, d) f32."""
         h = h.float()
         for i, lw in enumerate(self.weights.layers):
             u = rmsnorm(h, lw.norm_w, self.config.norm_eps)
-            h = h + mixer(self.config, lw, u, state.conv[i], state.ssm[i])
+            h = h + mixer(self.config, lw, u, state.conv[i], state.ssm[i], self.ops, start)
         return rmsnorm(h, self.weights.norm_f, self.config.norm_eps)
 
-    def prefill(self, input_ids: torch.Tensor, state: MambaState) -> torch.Tensor:
-        """Logits for each of T tokens, continuing from `state` and updating it.
+    def prefill(
+        self, input_ids: torch.Tensor, state: MambaState, start: torch.Tensor | None = None, last_only: bool = False
+    ) -> torch.Tensor:
+        """Logits for T tokens, continuing from `state` and updating it.
 
-        input_ids (B, T) -> (B, T, V) f32.
+        input_ids (B, T) -> (B, T, V) f32, or (B, V) for the last token alone (last_only).
+        start (B,) int32: row b is left-padded up to start[b] (and starts from a zero state).
+        Long inputs run in chunks of `self.chunk` tokens, so memory stays bounded.
         """
-        h = self.weights.embedding[input_ids]  # (B, T, d)
-        return linear(self.backbone(h, state), self.weights.lm_head)
+        T = input_ids.shape[1]
+        outs = []
+        for c0 in range(0, T, self.chunk):
+            ids = input_ids[:, c0 : c0 + self.chunk]
+            chunk_start = None if start is None else (start - c0).clamp(min=0).to(torch.int32)
+            h = self.backbone(self.weights.embedding[ids], state, chunk_start)  # (B, Tc, d)
+            if last_only:
+                h = h[:, -1:] if c0 + self.chunk >= T else None
+            if h is not None:
+                outs.append(self.ops.linear(h, self.weights.lm_head))
+        logits = torch.cat(outs, dim=1)
+        return logits[:, -1] if last_only else logits
 
     def step(self, input_ids: torch.Tensor, state: MambaState) -> torch.Tensor:
         """One decode step: input_ids (B,) -> logits (B, V) f32; updates `state`."""
-        return self.prefill(input_ids[:, None], state)[:, 0]
+        return self.prefill(input_ids[:, None], state, last_only=True)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits of a whole sequence from an empty state: (B, T) -> (B, T, V) f32."""

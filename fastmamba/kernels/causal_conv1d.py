@@ -1,9 +1,23 @@
-"""Causal depthwise conv1d over time with SiLU, continuing from (and updating) a conv state."""
+"""Causal depthwise conv1d over time with SiLU, continuing from (and updating) a conv state.
+
+Prefill runs it over a whole prompt chunk at once. Rows of a batch may be left-padded:
+positions before `start[b]` count as zero input, and a padded row (start > 0) starts from a
+zero state, exactly as if the row began at `start`.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ._triton import jit, tl, triton
+
+
+def _pad_mask(start: torch.Tensor | None, T: int, device) -> torch.Tensor | None:
+    """(B, 1, T) bool, True at real (not left-padding) positions."""
+    if start is None:
+        return None
+    return (torch.arange(T, device=device)[None, :] >= start[:, None])[:, None, :]
 
 
 def causal_conv1d_ref(
@@ -11,10 +25,73 @@ def causal_conv1d_ref(
     weight: torch.Tensor,  # (E, K)
     bias: torch.Tensor | None,  # (E,)
     state: torch.Tensor,  # (B, E, K) the last K inputs, newest last; updated in place
+    start: torch.Tensor | None = None,  # (B,) first real position of each row (left padding)
 ) -> torch.Tensor:  # (B, E, T) float32, SiLU applied
     K = weight.shape[-1]
+    x = x.float()
+    if start is not None:
+        x = x * _pad_mask(start, x.shape[-1], x.device)
+        state.mul_((start == 0).view(-1, 1, 1))  # a padded row starts afresh
     # The K-1 older inputs in the state are the left context of the first new input.
-    full = torch.cat([state[:, :, 1:], x.float()], dim=-1)  # (B, E, K-1+T)
+    full = torch.cat([state[:, :, 1:], x], dim=-1)  # (B, E, K-1+T)
     y = F.conv1d(full, weight[:, None, :], bias, groups=weight.shape[0])  # (B, E, T)
-    state.copy_(torch.cat([state, x.float()], dim=-1)[:, :, -K:])
+    state.copy_(torch.cat([state, x], dim=-1)[:, :, -K:])
     return F.silu(y)
+
+
+@jit
+def _causal_conv1d_kernel(
+    x_ptr, sxb, sxe, sxt, w_ptr, b_ptr, st_ptr, y_ptr, start_ptr, T, E,
+    K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
+):
+    # One program owns one row and BE channels for the whole time range, so it alone reads
+    # and then rewrites their conv state. y is (B, T, E), channels contiguous.
+    b = tl.program_id(0)
+    e = tl.program_id(1) * BE + tl.arange(0, BE)
+    emask = e < E
+    start = tl.load(start_ptr + b)
+    x_row = x_ptr + b.to(tl.int64) * sxb
+    st_row = st_ptr + b.to(tl.int64) * E * K
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + e, mask=emask, other=0.0)
+    else:
+        bias = tl.zeros([BE], dtype=tl.float32)
+    for t0 in range(0, T, BT):
+        t = t0 + tl.arange(0, BT)
+        acc = tl.zeros([BT, BE], dtype=tl.float32) + bias[None, :]
+        for k in tl.static_range(K):
+            tt = t - (K - 1) + k  # input position feeding tap k
+            from_x = (tt >= start) & (tt < T)
+            v = tl.load(x_row + tt[:, None] * sxt + e[None, :] * sxe, mask=from_x[:, None] & emask[None, :], other=0.0)
+            # positions before the chunk come from the state (index K + tt); only while
+            # the row has no padding (tt >= -(K-1) > -start*K once start > 0), since
+            # padding starts the row from zero
+            from_state = tt < -start * K
+            v += tl.load(st_row + e[None, :] * K + (K + tt)[:, None], mask=from_state[:, None] & emask[None, :], other=0.0)
+            acc += v * tl.load(w_ptr + e * K + k, mask=emask, other=0.0)[None, :]
+        y = acc * tl.sigmoid(acc)
+        tl.store(y_ptr + b.to(tl.int64) * T * E + t[:, None] * E + e[None, :], y, mask=(t < T)[:, None] & emask[None, :])
+    # New state: inputs at positions T-K .. T-1 (older ones from the old state).
+    kk = tl.arange(0, KP)
+    p = T - K + kk
+    in_k = kk < K
+    m = emask[:, None] & in_k[None, :]
+    new = tl.load(x_row + p[None, :] * sxt + e[:, None] * sxe, mask=m & ((p >= start) & (p >= 0))[None, :], other=0.0)
+    new += tl.load(st_row + e[:, None] * K + (K + p)[None, :], mask=m & (p < -start * K)[None, :], other=0.0)
+    tl.store(st_row + e[:, None] * K + kk[None, :], new, mask=m)
+
+
+def causal_conv1d(x, weight, bias, state, start=None):
+    """Triton twin of `causal_conv1d_ref`; x may be any strided (B, E, T) view. Returns a
+    (B, E, T) view of a (B, T, E) float32 buffer (the layout the projections want)."""
+    B, E, T = x.shape
+    K = weight.shape[-1]
+    y = torch.empty(B, T, E, device=x.device, dtype=torch.float32)
+    if start is None:
+        start = torch.zeros(B, device=x.device, dtype=torch.int32)
+    BE, BT = 32, 64
+    _causal_conv1d_kernel[(B, triton.cdiv(E, BE))](
+        x, x.stride(0), x.stride(1), x.stride(2), weight, bias if bias is not None else weight, state, y,
+        start, T, E, K=K, KP=triton.next_power_of_2(K), HAS_BIAS=bias is not None, BE=BE, BT=BT, num_warps=4,
+    )
+    return y.transpose(1, 2)

@@ -1,0 +1,83 @@
+"""Prefill benchmark: tokens/s of the Triton prefill at public shapes (random weights, bf16),
+time to first token for a 128-token prompt, and peak memory of a 100k-token prompt.
+
+    python benchmarks/prefill.py --json prefill.json
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from fastmamba.bench import random_model  # noqa: E402
+from fastmamba.model import Mamba, triton_ops  # noqa: E402
+from fastmamba.sampling import SamplingParams, SlotParams, sample_greedy  # noqa: E402
+
+
+def timed(fn, repeat=3) -> float:
+    """Median wall seconds of fn() (synchronised), after one warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--json")
+    ap.add_argument("--long", type=int, default=100_000, help="tokens of the long-prompt run on 130m")
+    args = ap.parse_args()
+    rows = []
+    print(f"device: {torch.cuda.get_device_name()}")
+    print(f"{'model':>6} {'shape':>8} {'ms':>9} {'tokens/s':>10} {'peak GiB':>8}")
+    for size in ("130m", "2.8b"):
+        base = random_model(size, torch.bfloat16)
+        model = Mamba(base.config, base.weights, triton_ops())
+        V = model.config.vocab_size
+        for B, T in ((1, 2048), (1, 8192), (8, 2048)):
+            ids = torch.randint(0, V, (B, T), device="cuda")
+            torch.cuda.reset_peak_memory_stats()
+            s = timed(lambda: model.prefill(ids, model.new_state(B), last_only=True))
+            row = dict(model=size, batch=B, tokens=T, ms=round(s * 1e3, 2), tokens_per_s=round(B * T / s),
+                       peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+            rows.append(row)
+            print(f"{size:>6} {B:>3}x{T:<5} {row['ms']:9.2f} {row['tokens_per_s']:10,} {row['peak_gib']:8.2f}", flush=True)
+        if size == "130m":
+            # Time to first token: prefill a 128-token prompt and sample the first token.
+            ids = torch.randint(0, V, (1, 128), device="cuda")
+            slots = SlotParams.empty(1, V, "cuda")
+            slots.set_slot(0, SamplingParams(), 0, ids[0].tolist())
+
+            def first_token():
+                return sample_greedy(model.prefill(ids, model.new_state(1), last_only=True), slots).item()
+
+            ttft = timed(first_token, repeat=10)
+            rows.append(dict(model=size, ttft_128_ms=round(ttft * 1e3, 3)))
+            print(f"{size:>6} time to first token, 128-token prompt: {ttft * 1e3:.2f} ms", flush=True)
+            ids = torch.randint(0, V, (1, args.long), device="cuda")
+            torch.cuda.reset_peak_memory_stats()
+            t = time.perf_counter()
+            model.prefill(ids, model.new_state(1), last_only=True)
+            torch.cuda.synchronize()
+            long_s = time.perf_counter() - t
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            rows.append(dict(model=size, long_tokens=args.long, ms=round(long_s * 1e3, 1), peak_gib=round(peak, 2)))
+            print(f"{size:>6} {args.long:,}-token prompt: {long_s * 1e3:.0f} ms, peak {peak:.2f} GiB (chunks of {model.chunk})", flush=True)
+        del model, base
+        torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=2))
+
+
+if __name__ == "__main__":
+    main()

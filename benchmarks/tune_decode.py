@@ -1,0 +1,109 @@
+"""Sweeps block sizes of the one-row (batch <= 8) decode kernels at the public shapes.
+
+Times each kernel alone (triton.testing.do_bench, median) for a grid of configurations and
+prints the best few per shape with the achieved weight bandwidth, to choose DecodeStep's
+defaults.  python benchmarks/tune_decode.py
+"""
+
+import itertools
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from fastmamba.kernels import decode_step as ds  # noqa: E402
+
+DT = torch.bfloat16
+
+
+def report(name, results, nbytes):
+    results.sort()
+    print(f"{name}: {nbytes / 1e6:.1f} MB of weights")
+    for us, cfg in results[:4]:
+        print(f"   {us:7.2f} us  {nbytes / us / 1e6:6.2f} TB/s  {cfg}")
+
+
+def tune_rmsnorm_linear(n_out, d):
+    w = torch.randn(n_out, d, device="cuda").to(DT)
+    nw = torch.ones(d, device="cuda")
+    h = torch.randn(1, d, device="cuda")
+    out = torch.empty(1, n_out, device="cuda")
+    ssq = (h * h).sum(1).view(1, 1)
+    res = []
+    for BN, BK, warps in itertools.product([4, 8, 16, 32], [256, 512, 1024], [2, 4, 8]):
+        if BN * BK > 16384:
+            continue
+
+        def run():
+            ds._rmsnorm_linear_kernel[(triton.cdiv(n_out, BN), 1)](
+                h, ssq, nw, w, w, out, 1, 1, d, n_out, 1e-5, NT_SSQ=1, HAS_BIAS=False, IEEE=False,
+                BB=1, BN=BN, BK=BK, num_warps=warps,
+            )
+
+        res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BN=BN, BK=BK, warps=warps)))
+    report(f"rmsnorm_linear {n_out}x{d}", res, w.numel() * 2)
+
+
+def tune_out_proj(d, E):
+    w = torch.randn(d, E, device="cuda").to(DT)
+    y = torch.randn(1, E, device="cuda")
+    h = torch.zeros(1, d, device="cuda")
+    res = []
+    for BN, nsplit, BK, warps in itertools.product([8, 16, 32], [1, 2, 4, 8], [128, 256, 512], [4, 8]):
+        kchunk = triton.cdiv(triton.cdiv(E, nsplit), BK) * BK
+        ns = triton.cdiv(E, kchunk)
+        nt = triton.cdiv(d, BN)
+        part = torch.empty(ns, 1, d, device="cuda")
+        cnt = torch.zeros(nt, dtype=torch.int32, device="cuda")
+        ssq = torch.empty(nt, 1, device="cuda")
+
+        def run():
+            ds._out_proj_residual_kernel[(nt, ns, 1)](
+                y, w, w, h, part, cnt, ssq, 1, 1, d, E, kchunk, HAS_BIAS=False, IEEE=False, NSPLIT=ns,
+                BB=1, BN=BN, BK=BK, num_warps=warps,
+            )
+
+        res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BN=BN, nsplit=ns, BK=BK, warps=warps)))
+    report(f"out_proj {d}x{E}", res, w.numel() * 2)
+
+
+def tune_conv_x_proj(E, J):
+    BJ = triton.next_power_of_2(J)
+    K = 4
+    xz = torch.randn(1, 2 * E, device="cuda")
+    cs = torch.randn(1, E, K, device="cuda")
+    cw = torch.randn(E, K, device="cuda")
+    wx = torch.randn(J, E, device="cuda").to(DT)
+    xc = torch.empty(1, E, device="cuda")
+    dbc = torch.empty(1, BJ, device="cuda")
+    cnt = torch.zeros(1, dtype=torch.int32, device="cuda")
+    res = []
+    for BE, SUB, warps in itertools.product([32, 64, 128, 256], [16, 32, 64], [4, 8]):
+        if SUB > BE:
+            continue
+        ns = triton.cdiv(E, BE)
+        part = torch.empty(ns, 1, BJ, device="cuda")
+
+        def run():
+            ds._conv_x_proj_kernel[(ns, 1)](
+                xz, cs, cw, cw, wx, xc, part, dbc, cnt, 1, 1, E, J, K=K, HAS_CB=True, IEEE=False, NSPLIT=ns,
+                BB=1, BE=BE, SUB=SUB, BJ=BJ, num_warps=warps,
+            )
+
+        res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BE=BE, SUB=SUB, warps=warps)))
+    report(f"conv_x_proj E={E} J={J}", res, wx.numel() * 2)
+
+
+if __name__ == "__main__":
+    print(torch.cuda.get_device_name())
+    tune_rmsnorm_linear(10240, 2560)  # 2.8b in_proj
+    tune_rmsnorm_linear(3072, 768)  # 130m in_proj
+    tune_rmsnorm_linear(50280, 2560)  # 2.8b lm_head
+    tune_out_proj(2560, 5120)
+    tune_out_proj(768, 1536)
+    tune_conv_x_proj(5120, 192)
+    tune_conv_x_proj(1536, 80)

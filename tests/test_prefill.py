@@ -1,0 +1,111 @@
+"""Prefill through the Triton conv and scan kernels (interpreter on the CPU, compiled on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastmamba
+from fastmamba.kernels.causal_conv1d import causal_conv1d, causal_conv1d_ref
+from fastmamba.kernels.selective_scan import selective_scan, selective_scan_ref
+from fastmamba.model import Mamba, triton_ops
+
+pytest.importorskip("triton")
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+TOL = {"float32": 1e-3, "bfloat16": 2e-2, "float16": 2e-2}
+
+
+def rel_err(a, b) -> float:
+    assert torch.isfinite(a).all()
+    return ((a.float().cpu() - b.float().cpu()).abs().max() / b.float().abs().max()).item()
+
+
+def gen(seed=0):
+    return torch.Generator(device=DEVICE).manual_seed(seed)
+
+
+@pytest.mark.parametrize(
+    "B,E,T,K,start",
+    [(2, 40, 37, 4, None), (3, 16, 5, 3, [0, 2, 4]), (1, 8, 1, 4, None), (2, 70, 100, 4, [0, 50]), (1, 24, 66, 2, [3])],
+)
+def test_conv_and_scan_kernels_match_their_twins(B, E, T, K, start):
+    g = gen(1)
+    xz = torch.randn(B, T, 2 * E, device=DEVICE, generator=g)  # strided views, as in the model
+    x, z = xz[..., :E].transpose(1, 2), xz[..., E:].transpose(1, 2)
+    w, b = torch.randn(E, K, device=DEVICE, generator=g), torch.randn(E, device=DEVICE, generator=g)
+    conv_state = torch.randn(B, E, K, device=DEVICE, generator=g)
+    conv_ref_state = conv_state.clone()
+    s = None if start is None else torch.tensor(start, dtype=torch.int32, device=DEVICE)
+    xc = causal_conv1d(x, w, b, conv_state, s)
+    xc_ref = causal_conv1d_ref(x, w, b, conv_ref_state, s)
+    assert rel_err(xc, xc_ref) < 1e-5 and rel_err(conv_state, conv_ref_state) < 1e-6
+
+    N, R = 16, 3
+    dbc = torch.randn(B, T, R + 2 * N, device=DEVICE, generator=g)
+    dt = torch.randn(B, T, E, device=DEVICE, generator=g).transpose(1, 2)
+    A = -torch.rand(E, N, device=DEVICE, generator=g) * 4
+    D, dtb = torch.randn(E, device=DEVICE, generator=g), torch.randn(E, device=DEVICE, generator=g)
+    Bm, Cm = dbc[..., R : R + N].transpose(1, 2), dbc[..., R + N :].transpose(1, 2)
+    ssm_state = torch.randn(B, E, N, device=DEVICE, generator=g)
+    ssm_ref_state = ssm_state.clone()
+    y = selective_scan(xc_ref, dt, A, Bm, Cm, D, z, dtb, ssm_state, s)
+    y_ref = selective_scan_ref(xc_ref, dt, A, Bm, Cm, D, z, dtb, ssm_ref_state, s)
+    assert rel_err(y, y_ref) < 1e-5 and rel_err(ssm_state, ssm_ref_state) < 1e-5
+
+
+def engines(path, dtype):
+    """The same checkpoint as the reference model and as the Triton-prefill model."""
+    ref = fastmamba.load(path, dtype=dtype).model
+    w = fastmamba.load(path, device=DEVICE, dtype=dtype).model.weights
+    return ref, Mamba(ref.config, w, triton_ops())
+
+
+LENGTHS = [1, 3, 4, 255, 256, 1000] if GPU else [1, 3, 4, 20]  # the interpreter is slow
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_then_decode_equals_step_by_step(dtype, checkpoints):
+    ref, fast = engines(checkpoints["odd_vocab_tied"], dtype)  # d_conv 4
+    V = ref.config.vocab_size
+    for T in LENGTHS:
+        ids = torch.randint(0, V, (2, T + 2), generator=torch.Generator().manual_seed(T))
+        step_state = ref.new_state(2)
+        steps = [ref.step(ids[:, t], step_state) for t in range(T + 2)]
+        state = fast.new_state(2)
+        last = fast.prefill(ids[:, :T].to(DEVICE), state, last_only=True)
+        assert rel_err(last, steps[T - 1]) < TOL[dtype], T
+        ref_state = ref.new_state(2)
+        ref.prefill(ids[:, :T], ref_state)
+        assert rel_err(state.ssm, ref_state.ssm) < TOL[dtype] and rel_err(state.conv, ref_state.conv) < TOL[dtype]
+        for t in (T, T + 1):  # decoding continues where T single steps would have left it
+            assert rel_err(fast.step(ids[:, t].to(DEVICE), state), steps[t]) < TOL[dtype], (T, t)
+
+
+def test_chunked_prefill_equals_unchunked(checkpoints):
+    _, fast = engines(checkpoints["kernel3_state8"], "float32")
+    ids = torch.randint(0, fast.config.vocab_size, (2, 20), device=DEVICE)
+    whole_state, chunked_state = fast.new_state(2), fast.new_state(2)
+    whole = fast.prefill(ids, whole_state)
+    fast.chunk = 6
+    chunked = fast.prefill(ids, chunked_state)
+    assert rel_err(chunked, whole) < 1e-5
+    assert rel_err(chunked_state.ssm, whole_state.ssm) < 1e-5
+    last = fast.prefill(ids, fast.new_state(2), last_only=True)
+    assert rel_err(last, whole[:, -1]) < 1e-5
+
+
+def test_left_padded_rows_equal_their_prompts_alone(checkpoints):
+    _, fast = engines(checkpoints["untied_bias_rank"], "float32")
+    V = fast.config.vocab_size
+    prompts = [torch.randint(0, V, (n,)).tolist() for n in (9, 2, 5)]
+    padded = torch.tensor([[3] * (9 - len(p)) + p for p in prompts], device=DEVICE)
+    start = torch.tensor([9 - len(p) for p in prompts], dtype=torch.int32, device=DEVICE)
+    state = fast.new_state(3)
+    state.ssm[:, 1:].fill_(5.0)  # whatever a padded row's slot held before, it starts afresh
+    last = fast.prefill(padded, state, start, last_only=True)
+    for i, p in enumerate(prompts):
+        alone_state = fast.new_state(1)
+        alone = fast.prefill(torch.tensor([p], device=DEVICE), alone_state, last_only=True)
+        assert rel_err(last[i], alone[0]) < 1e-5
+        assert rel_err(state.ssm[:, i], alone_state.ssm[:, 0]) < 1e-5
