@@ -88,12 +88,12 @@ def copy_bandwidth(gib: float = 2.0) -> float:
     return 2 * n * 4 / sorted(times)[len(times) // 2]
 
 
-def time_graph_steps(model: Mamba, batch: int, steps: int = 200) -> float:
+def time_graph_steps(model: Mamba, batch: int, steps: int = 200, deterministic: bool = False) -> float:
     """Median ms per replayed decode step (greedy sampling included)."""
     from .engine import GraphDecoder
     from .sampling import SamplingParams, sample_greedy
 
-    dec = GraphDecoder(model, batch)
+    dec = GraphDecoder(model, batch, deterministic)
     logits = torch.randn(batch, model.config.vocab_size, device="cuda")
     reqs = [(SamplingParams(), 0, [1])] * batch
     dec.begin(model.new_state(batch), logits, sample_greedy, reqs)
@@ -133,11 +133,12 @@ def time_hf(size: str, dtype: torch.dtype, batch: int, tokens: int = 32) -> floa
     return (time.perf_counter() - t) / tokens * 1e3
 
 
-def run(sizes, dtypes, batches, hf: bool, out: str | None) -> list[dict]:
+def run(sizes, dtypes, batches, hf: bool, out: str | None, deterministic: bool = False) -> list[dict]:
     if not torch.cuda.is_available():
         raise ValueError("the decode benchmark needs a CUDA GPU")
     bw = copy_bandwidth()
-    print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
+    mode = ", deterministic" if deterministic else ""
+    print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s (read + write){mode}")
     rows = []
     header = f"{'model':>6} {'dtype':>9} {'batch':>5} {'ms/step':>8} {'tok/s':>9} {'floor ms':>8} {'of floor':>8} {'peak GiB':>8} {'HF ms':>8}"
     print(header)
@@ -147,7 +148,7 @@ def run(sizes, dtypes, batches, hf: bool, out: str | None) -> list[dict]:
             torch.cuda.reset_peak_memory_stats()
             model = random_model(size, dtype)
             for batch in batches:
-                ms = time_graph_steps(model, batch)
+                ms = time_graph_steps(model, batch, deterministic=deterministic)
                 wbytes, sbytes = step_bytes(model, batch)
                 floor = (wbytes + sbytes) / bw * 1e3
                 hf_ms = time_hf(size, dtype, batch) if hf and batch == 1 else None
@@ -172,6 +173,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--batches", default="1,32,128")
     ap.add_argument("--hf", action="store_true", help="also time transformers' MambaForCausalLM (batch 1)")
+    ap.add_argument("--deterministic", action="store_true", help="one kernel tiling for every batch size")
     ap.add_argument("--json", help="write the results here")
 
 
@@ -187,7 +189,7 @@ def main_from_args(args) -> int:
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
         raise ValueError(f"--batches must be comma-separated integers, got {args.batches!r}") from None
-    run(sizes, dtypes, batches, args.hf, args.json)
+    run(sizes, dtypes, batches, args.hf, args.json, args.deterministic)
     return 0
 
 

@@ -286,16 +286,15 @@ class DecodeStep:
         d, E, N, R = c.d_model, c.d_inner, c.d_state, c.dt_rank
         self.J, self.BJ = R + 2 * N, _pow2(R + 2 * N)
         self.BR, self.NP = _pow2(R), _pow2(N, 1)
-        # out_proj: 32-wide tiles of d, K split so that ~640 programs stream the weights.
-        # (Block sizes of the one-row mode from benchmarks/tune_decode.py on an H200.)
+        # out_proj: 32-wide tiles of d, K split so that ~320 programs stream the weights.
         self.BN_out = 32
         self.nt_d = triton.cdiv(d, self.BN_out)
-        self.BK_out = 128 if self.BB == 1 else 64
-        self.nsplit_out = max(1, min(16, 640 // self.nt_d, triton.cdiv(E, self.BK_out)))
+        self.BK_out = 256 if self.BB == 1 else 64
+        self.nsplit_out = max(1, min(16, 320 // self.nt_d, triton.cdiv(E, self.BK_out)))
         self.kchunk_out = triton.cdiv(triton.cdiv(E, self.nsplit_out), self.BK_out) * self.BK_out
         self.nsplit_out = triton.cdiv(E, self.kchunk_out)
-        # conv_x_proj: 64 channels a program.
-        self.BE_x, self.SUB_x = 64, 64
+        # conv_x_proj: 64 channels a program (in 32-channel steps).
+        self.BE_x, self.SUB_x = 64, 32
         self.nsplit_x = triton.cdiv(E, self.BE_x)
         self.BE_ssm = 32
         f32 = dict(device=dev, dtype=torch.float32)
@@ -323,7 +322,7 @@ class DecodeStep:
     def rmsnorm_linear(self, norm_w, weight, bias, out) -> None:
         """out[:B] = linear(rmsnorm(h) * norm_w, weight, bias)."""
         n_out, d = weight.shape
-        BN = 16 if self.BB == 1 or n_out <= 8192 else (32 if n_out <= 16384 else 64)
+        BN = 64 if n_out > 16384 else (32 if n_out > 8192 else 16)
         grid = (triton.cdiv(n_out, BN), self.BP // self.BB)
         _rmsnorm_linear_kernel[grid](
             self.h, self.ssq, norm_w, weight, bias if bias is not None else weight, out,
