@@ -78,6 +78,7 @@ def _causal_conv1d_kernel(
     m = emask[:, None] & in_k[None, :]
     new = tl.load(x_row + p[None, :] * sxt + e[:, None] * sxe, mask=m & ((p >= start) & (p >= 0))[None, :], other=0.0)
     new += tl.load(st_row + e[:, None] * K + (K + p)[None, :], mask=m & (p < -start * K)[None, :], other=0.0)
+    tl.debug_barrier()  # all reads of the old state before it is rewritten
     tl.store(st_row + e[:, None] * K + kk[None, :], new, mask=m)
 
 

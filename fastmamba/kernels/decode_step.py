@@ -144,7 +144,7 @@ def _rmsnorm_linear_kernel(
 @jit
 def _conv_x_proj_kernel(
     xz_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, xc_ptr, part_ptr, dbc_ptr, cnt_ptr, B, BP, E, J,
-    K: tl.constexpr, HAS_CB: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr,
     BB: tl.constexpr, BE: tl.constexpr, SUB: tl.constexpr, BJ: tl.constexpr,
 ):
     pid_e = tl.program_id(0)
@@ -164,11 +164,19 @@ def _conv_x_proj_kernel(
         else:
             conv = tl.zeros([BB, SUB], dtype=tl.float32)
         state = cs_ptr + rows[:, None] * (E * K) + e[None, :] * K
-        for k in tl.static_range(K - 1):  # shift the window left while summing the older taps
+        for k in tl.static_range(K - 1):  # the older taps
             prev = tl.load(state + k + 1, mask=m, other=0.0)
             conv += prev * tl.load(cw_ptr + e * K + k, mask=emask, other=0.0)[None, :]
-            tl.store(state + k, prev, mask=m)
         conv += x * tl.load(cw_ptr + e * K + K - 1, mask=emask, other=0.0)[None, :]
+        # Shift the window left by one: read it whole, then (after the barrier) write it.
+        # A tile smaller than the program's threads is held by several threads at once; a
+        # write must not land before another thread's read of the same element.
+        kk = tl.arange(0, KP)
+        win = state[:, :, None] + kk[None, None, :]
+        wm = m[:, :, None] & (kk < K - 1)[None, None, :]
+        shifted = tl.load(win + 1, mask=wm, other=0.0)
+        tl.debug_barrier()
+        tl.store(win, shifted, mask=wm)
         tl.store(state + K - 1, x, mask=m)
         xc = conv * tl.sigmoid(conv)
         tl.store(xc_ptr + rows[:, None] * E + e[None, :], xc, mask=m)
@@ -216,6 +224,7 @@ def _ssm_step_kernel(
     sm = m[:, :, None] & nmask[None, None, :]
     s = tl.load(sp, mask=sm, other=0.0)  # (BB, BE, NP)
     s = s * tl.exp(dt[:, :, None] * A[None, :, :]) + (dt * x)[:, :, None] * Bv[:, None, :]
+    tl.debug_barrier()  # every thread holding an element has read it before it is rewritten
     tl.store(sp, s, mask=sm)
     y = tl.sum(s * Cv[:, None, :], 2) + tl.load(D_ptr + e, mask=emask, other=0.0)[None, :] * x
     y = y * (z * tl.sigmoid(z))
@@ -257,6 +266,7 @@ def _out_proj_residual_kernel(
             total += tl.load(b_ptr + n, mask=nmask, other=0.0)[None, :]
         hp = h_ptr + rows[:, None] * D + n[None, :]
         h = tl.load(hp, mask=m, other=0.0) + total
+        tl.debug_barrier()  # see _conv_x_proj_kernel: read-then-write of the same elements
         tl.store(hp, h, mask=m)
         tl.store(ssq_ptr + pid_n * BP + rows, tl.sum(h * h, 1), mask=rmask)
         tl.atomic_xchg(counter, 0)
@@ -338,7 +348,7 @@ class DecodeStep:
         _conv_x_proj_kernel[(self.nsplit_x, self.BP // self.BB)](
             self.xz, conv_state, lw.conv_w, lw.conv_b if lw.conv_b is not None else lw.conv_w,
             lw.x_proj_w, self.xc, self.part_x, self.dbc, self.cnt_x, self.B, self.BP, c.d_inner, self.J,
-            K=c.d_conv, HAS_CB=lw.conv_b is not None, IEEE=self.ieee, NSPLIT=self.nsplit_x,
+            K=c.d_conv, KP=triton.next_power_of_2(c.d_conv), HAS_CB=lw.conv_b is not None, IEEE=self.ieee, NSPLIT=self.nsplit_x,
             BB=self.BB, BE=self.BE_x, SUB=self.SUB_x, BJ=self.BJ, num_warps=4,
         )
 
