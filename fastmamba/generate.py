@@ -8,8 +8,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .model import Mamba
 from .engine import GraphDecoder, ReferenceDecoder
+from .model import Mamba
 from .sampling import SamplingParams, resolve_seed, sample, sample_greedy
 from .tokenizer import IncrementalDecoder, Tokenizer
 
@@ -30,7 +30,12 @@ class StreamPiece:
 
 class LanguageModel:
     def __init__(
-        self, model: Mamba, tokenizer: Tokenizer | None, path: Path | None = None, engine: str = "reference", deterministic: bool = False
+        self,
+        model: Mamba,
+        tokenizer: Tokenizer | None,
+        path: Path | None = None,
+        engine: str = "reference",
+        deterministic: bool = False,
     ):
         self.model = model
         self.config = model.config

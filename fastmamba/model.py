@@ -115,7 +115,9 @@ def rmsnorm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def mixer(config: MambaConfig, lw: LayerWeights, u: torch.Tensor, conv_state, ssm_state, ops: Ops = REFERENCE_OPS, start=None) -> torch.Tensor:
+def mixer(
+    config: MambaConfig, lw: LayerWeights, u: torch.Tensor, conv_state, ssm_state, ops: Ops = REFERENCE_OPS, start=None
+) -> torch.Tensor:
     """One layer's mixer over T new tokens, continuing from and updating the layer's state.
 
     u (B, T, d) f32 -> (B, T, d) f32. A decode step is the same call with T = 1.

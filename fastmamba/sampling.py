@@ -10,7 +10,7 @@ the same uniforms on every device.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -53,10 +53,13 @@ class SamplingParams:
         if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
             bad("seed", "must be None or an integer >= 0")
         if self.stop_token_ids is not None:
-            ids = self.stop_token_ids
-            if isinstance(ids, (str, bytes)) or not all(is_int(i) and i >= 0 for i in _iter(ids)):
+            try:
+                ids = tuple(self.stop_token_ids)
+            except TypeError:
+                ids = (None,)
+            if isinstance(self.stop_token_ids, (str, bytes)) or not all(is_int(i) and i >= 0 for i in ids):
                 bad("stop_token_ids", "must be None or a list of token ids >= 0")
-            object.__setattr__(self, "stop_token_ids", tuple(ids))
+            object.__setattr__(self, "stop_token_ids", ids)
 
     @classmethod
     def from_kwargs(cls, params: "SamplingParams | None", kwargs: dict) -> "SamplingParams":
@@ -65,15 +68,7 @@ class SamplingParams:
         for key in kwargs:
             if key not in names:
                 raise TypeError(f"unknown sampling option {key!r}; options are {', '.join(sorted(names))}")
-        base = params if params is not None else cls()
-        return cls(**{**{f.name: getattr(base, f.name) for f in fields(cls)}, **kwargs})
-
-
-def _iter(ids):
-    try:
-        return list(ids)
-    except TypeError:
-        return [None]
+        return replace(params if params is not None else cls(), **kwargs)
 
 
 def resolve_seed(seed: int | None) -> int:
