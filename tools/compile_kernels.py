@@ -1,0 +1,63 @@
+"""Compiles every Triton kernel for sm_90 (H100/H200) on a machine without a GPU.
+
+Triton ships ptxas, so compile errors (types, layouts, unsupported ops) show up here, in CI,
+rather than on the lent GPU. It checks that the kernels build, not that they are right
+(tests/test_kernels.py) or fast (benchmarks/). Run it without TRITON_INTERPRET:
+
+    python tools/compile_kernels.py
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from fastmamba.kernels import causal_conv1d as cc  # noqa: E402
+from fastmamba.kernels import decode_step as ds  # noqa: E402
+from fastmamba.kernels import selective_scan as ss  # noqa: E402
+
+target = GPUTarget("cuda", 90, 32)
+
+
+def compile_kernel(jitfn, types, constexprs, num_warps=4):
+    """Compiles one kernel; arguments not named in `types` are int32 scalars."""
+    names = jitfn.arg_names
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    src = ASTSource(jitfn, sig, {(names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(src, target=target, options={"num_warps": num_warps})
+
+
+def ptrs(*names, **others):
+    """float32 pointers for `names`, plus the other arguments' types."""
+    return {**{n: "*fp32" for n in names}, **others}
+
+
+def main() -> None:
+    res = []
+    for BB in (1, 16):  # the one-row mode and the tile mode
+        for wdt in ("*bf16", "*fp16", "*fp32"):
+            ieee = wdt == "*fp32"
+            t = ptrs("h_ptr", "ssq_ptr", "nw_ptr", "b_ptr", "out_ptr", w_ptr=wdt, eps="fp32")
+            compile_kernel(ds._rmsnorm_linear_kernel, t, dict(NT_SSQ=24, HAS_BIAS=True, IEEE=ieee, BB=BB, BN=16, BK=512 if BB == 1 else 128))
+            t = ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", "part_ptr", "dbc_ptr", wx_ptr=wdt, cnt_ptr="*i32")
+            compile_kernel(ds._conv_x_proj_kernel, t, dict(K=4, KP=4, HAS_CB=True, IEEE=ieee, NSPLIT=24, BB=BB, BE=64, SUB=32, BJ=128))
+            t = ptrs("dbc_ptr", "xc_ptr", "xz_ptr", "ss_ptr", "dtb_ptr", "A_ptr", "D_ptr", "y_ptr", dtw_ptr=wdt)
+            compile_kernel(ds._ssm_step_kernel, t, dict(N=16, NP=16, BJ=128, BR=64, IEEE=ieee, BB=BB, BE=32))
+            t = ptrs("y_ptr", "b_ptr", "h_ptr", "part_ptr", "ssq_ptr", w_ptr=wdt, cnt_ptr="*i32")
+            compile_kernel(ds._out_proj_residual_kernel, t, dict(HAS_BIAS=True, IEEE=ieee, NSPLIT=6, BB=BB, BN=32, BK=256 if BB == 1 else 64))
+            t = {"tok_ptr": "*i64", "emb_ptr": wdt, "h_ptr": "*fp32", "ssq_ptr": "*fp32"}
+            compile_kernel(ds._embed_kernel, t, dict(BB=BB, BN=32))
+            res.append(f"decode BB={BB} {wdt}: ok")
+    t = ptrs("x_ptr", "w_ptr", "b_ptr", "st_ptr", "y_ptr", start_ptr="*i32")
+    compile_kernel(cc._causal_conv1d_kernel, t, dict(K=4, KP=4, HAS_BIAS=True, BE=32, BT=64))
+    t = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A_ptr", "D_ptr", "dtb_ptr", "st_ptr", "y_ptr", start_ptr="*i32")
+    compile_kernel(ss._selective_scan_kernel, t, dict(N=16, NP=16, BE=8, BT=32))
+    res.append("prefill conv + scan: ok")
+    print("\n".join(res))
+
+
+if __name__ == "__main__":
+    main()
