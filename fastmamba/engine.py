@@ -24,8 +24,7 @@ class ReferenceDecoder:
 
     def begin(self, state: MambaState, logits: torch.Tensor, pick: Pick, requests) -> torch.Tensor:
         """Loads the prefilled state and slot parameters; returns the first tokens (B,)."""
-        for i, (params, seed, prompt_ids) in enumerate(requests):
-            self.slots.set_slot(i, params, seed, prompt_ids)
+        self.slots.set_slots(requests)
         self.state, self.pick = state, pick
         self.tokens = pick(logits, self.slots)
         return self.tokens
@@ -69,8 +68,7 @@ class GraphDecoder:
         if pick not in self.graphs:
             self.graphs[pick] = self._capture(pick)
         self.graph = self.graphs[pick]
-        for i, (params, seed, prompt_ids) in enumerate(requests):
-            self.slots.set_slot(i, params, seed, prompt_ids)
+        self.slots.set_slots(requests)
         self.state.conv.copy_(state.conv)
         self.state.ssm.copy_(state.ssm)
         self.tokens.copy_(pick(logits, self.slots))
@@ -79,8 +77,3 @@ class GraphDecoder:
     def next(self) -> torch.Tensor:
         self.graph.replay()
         return self.tokens
-
-    def step_eager(self, tokens: torch.Tensor) -> torch.Tensor:
-        """One step outside the graph (for tests: graph replay must equal it bitwise)."""
-        return self.step(tokens, self.state)
-

@@ -130,6 +130,11 @@ class SlotParams:
             seen=torch.zeros(batch, vocab, dtype=torch.bool, device=device),
         )
 
+    def set_slots(self, requests) -> None:
+        """Configures slots 0, 1, ... from (params, seed, prompt_ids) per request."""
+        for i, (params, seed, prompt_ids) in enumerate(requests):
+            self.set_slot(i, params, seed, prompt_ids)
+
     def set_slot(self, slot: int, params: SamplingParams, seed: int, prompt_ids: list[int]) -> None:
         self.temperature[slot] = params.temperature
         self.top_k[slot] = params.top_k

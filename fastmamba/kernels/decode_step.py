@@ -282,8 +282,10 @@ def _pow2(n: int, least: int = 16) -> int:
 class DecodeStep:
     """Launch plan and scratch buffers for one batch size; `__call__` runs one decode step.
 
-    Block sizes depend on the model's shapes only, never on the batch size, so a slot's
-    result is the same for every batch size.
+    Block sizes depend on the model's shapes and on the mode only (one row a program for
+    batches up to SMALL_BATCH, 16-row tiles above, or tiles always when deterministic),
+    never otherwise on the batch size, so within a mode a slot's result is the same for
+    every batch size.
     """
 
     def __init__(self, model, batch: int, deterministic: bool = False):
@@ -302,7 +304,7 @@ class DecodeStep:
         self.BK_out = 256 if self.BB == 1 else 64
         self.nsplit_out = max(1, min(16, 320 // self.nt_d, triton.cdiv(E, self.BK_out)))
         self.kchunk_out = triton.cdiv(triton.cdiv(E, self.nsplit_out), self.BK_out) * self.BK_out
-        self.nsplit_out = triton.cdiv(E, self.kchunk_out)
+        self.nsplit_out = triton.cdiv(E, self.kchunk_out)  # whole BK steps per split may need fewer
         # conv_x_proj: 64 channels a program (in 32-channel steps).
         self.BE_x, self.SUB_x = 64, 32
         self.nsplit_x = triton.cdiv(E, self.BE_x)
