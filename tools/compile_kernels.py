@@ -2,11 +2,17 @@
 
 Triton ships ptxas, so compile errors (types, layouts, unsupported ops) show up here, in CI,
 rather than on the lent GPU. It checks that the kernels build, not that they are right
-(tests/test_kernels.py) or fast (benchmarks/). Run it without TRITON_INTERPRET:
+(tests/test_kernels.py) or fast (benchmarks/), and prints each kernel's registers, spills
+(LOCAL) and shared memory from the cubin (Triton's cuobjdump), which costs no device time.
+Run it without TRITON_INTERPRET:
 
     python tools/compile_kernels.py
 """
+import os
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -23,11 +29,26 @@ target = GPUTarget("cuda", 90, 32)
 
 
 def compile_kernel(jitfn, types, constexprs, num_warps=4):
-    """Compiles one kernel; arguments not named in `types` are int32 scalars."""
+    """Compiles one kernel (arguments not named in `types` are int32 scalars) and prints
+    its resource usage."""
     names = jitfn.arg_names
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     src = ASTSource(jitfn, sig, {(names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(src, target=target, options={"num_warps": num_warps})
+    kernel = triton.compile(src, target=target, options={"num_warps": num_warps})
+    print(f"  {jitfn.__name__:28s} {resource_usage(kernel.asm['cubin'])}  {constexprs}")
+    return kernel
+
+
+def resource_usage(cubin: bytes) -> str:
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    found = {k: re.search(rf"\b{k}:(\d+)", out) for k in ("REG", "LOCAL", "SHARED")}
+    return " ".join(f"{k}={m.group(1) if m else '?'}" for k, m in found.items())
 
 
 def ptrs(*names, **others):
