@@ -143,14 +143,25 @@ def read_tensors(folder: Path, config: MambaConfig) -> tuple[dict[str, torch.Ten
             )
         if not t.is_floating_point():
             raise CheckpointError(f"{origin[name]}: tensor '{name}' has dtype {t.dtype}, expected floating point")
+        if not torch.isfinite(t).all():
+            raise CheckpointError(f"{origin[name]}: tensor '{name}' holds NaN or inf values")
     return tensors, origin
 
 
-def build_weights(config: MambaConfig, tensors: dict[str, torch.Tensor], device, dtype: torch.dtype) -> MambaWeights:
+def build_weights(
+    config: MambaConfig, tensors: dict[str, torch.Tensor], origin: dict[str, Path], device, dtype: torch.dtype
+) -> MambaWeights:
     """Moves checked tensors to the device: large matrices in `dtype`, the rest in float32."""
+    fp16_max = torch.finfo(torch.float16).max
 
     def big(name):
-        return tensors[name].to(device=device, dtype=dtype).contiguous()
+        t = tensors[name]
+        if dtype == torch.float16 and (peak := t.abs().max().item()) > fp16_max:
+            raise CheckpointError(
+                f"{origin[name]}: tensor '{name}' holds values up to {peak:.3g}, beyond float16's range; "
+                "load it with dtype='bfloat16' or 'float32'"
+            )
+        return t.to(device=device, dtype=dtype).contiguous()
 
     def small(name):
         return None if name not in tensors else tensors[name].to(device=device, dtype=torch.float32).contiguous()
@@ -186,5 +197,5 @@ def load_checkpoint(path, device, dtype: torch.dtype) -> tuple[MambaConfig, Mamb
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: a checkpoint is a folder holding config.json and weights")
     config = MambaConfig.from_file(folder / "config.json")
-    tensors, _ = read_tensors(folder, config)
-    return config, build_weights(config, tensors, device, dtype)
+    tensors, origin = read_tensors(folder, config)
+    return config, build_weights(config, tensors, origin, device, dtype)

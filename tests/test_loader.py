@@ -74,6 +74,25 @@ def test_config_that_disagrees_with_the_weights(ckpt):
     load_error(ckpt, "model.safetensors", "x_proj.weight", "config.json implies")
 
 
+def test_non_finite_values(ckpt):
+    def poison(t):
+        t["backbone.layers.1.mixer.D"][3] = float("nan")
+
+    edit_tensors(ckpt, poison)
+    load_error(ckpt, "model.safetensors", "backbone.layers.1.mixer.D", "NaN")
+
+
+def test_values_beyond_float16_are_refused_only_for_float16(ckpt):
+    def big(t):
+        t["backbone.layers.0.mixer.out_proj.weight"][0, 0] = 1e6
+
+    edit_tensors(ckpt, big)
+    with pytest.raises(fastmamba.CheckpointError, match="out_proj.weight.*float16") as info:
+        fastmamba.load(ckpt, dtype="float16")
+    assert "model.safetensors" in str(info.value)
+    assert torch.isfinite(fastmamba.load(ckpt, dtype="bfloat16").forward(torch.tensor([[1, 2]]))).all()
+
+
 def test_truncated_safetensors(ckpt):
     path = ckpt / "model.safetensors"
     data = path.read_bytes()
