@@ -20,6 +20,7 @@ Pick = Callable[[torch.Tensor, SlotParams], torch.Tensor]
 class ReferenceDecoder:
     def __init__(self, model: Mamba, batch: int):
         self.model = model
+        self.busy = False  # set while a generation uses it
         self.slots = SlotParams.empty(batch, model.config.vocab_size, model.device)
 
     def begin(self, state: MambaState, logits: torch.Tensor, pick: Pick, requests) -> torch.Tensor:
@@ -41,6 +42,7 @@ class GraphDecoder:
         from .kernels.decode_step import DecodeStep
 
         self.model = model
+        self.busy = False  # set while a generation uses it
         self.step = DecodeStep(model, batch, deterministic)
         self.state = model.new_state(batch)
         self.slots = SlotParams.empty(batch, model.config.vocab_size, model.device)

@@ -48,9 +48,12 @@ class LanguageModel:
     def _decoder(self, batch: int):
         if self.engine == "reference":
             return ReferenceDecoder(self.model, batch)
-        if batch not in self._graph_decoders:  # captured once per batch size, then reused
-            self._graph_decoders[batch] = GraphDecoder(self.model, batch, self.deterministic)
-        return self._graph_decoders[batch]
+        cached = self._graph_decoders.get(batch)
+        if cached is None:  # captured once per batch size, then reused
+            cached = self._graph_decoders[batch] = GraphDecoder(self.model, batch, self.deterministic)
+        # A decoder holds one generation's state: a generation that runs while another is
+        # still going (two interleaved streams) gets a decoder of its own.
+        return cached if not cached.busy else GraphDecoder(self.model, batch, self.deterministic)
 
     @property
     def device(self) -> torch.device:
@@ -174,24 +177,27 @@ class LanguageModel:
         decoder = self._decoder(B)
         requests = [(p, resolve_seed(p.seed), ids) for ids, p in zip(all_ids, params)]
         greedy = all(p.temperature == 0 and p.repetition_penalty == 1 for p in params)
-        tokens = decoder.begin(state, logits, sample_greedy if greedy else sample, requests)
         stops = [set(p.stop_token_ids) if p.stop_token_ids is not None else {self.config.eos_token_id} for p in params]
         remaining = [p.max_tokens for p in params]
-
-        while True:
-            host = tokens.tolist()  # the only device -> host traffic per step
-            out, reasons = [None] * B, [None] * B
-            for i, t in enumerate(host):
-                if remaining[i] == 0:
-                    continue
-                if t in stops[i]:
-                    remaining[i], reasons[i] = 0, "stop"
-                    continue
-                out[i] = t
-                remaining[i] -= 1
-                if remaining[i] == 0:
-                    reasons[i] = "length"
-            yield out, reasons
-            if not any(remaining):
-                return
-            tokens = decoder.next()
+        decoder.busy = True
+        try:
+            tokens = decoder.begin(state, logits, sample_greedy if greedy else sample, requests)
+            while True:
+                host = tokens.tolist()  # the only device -> host traffic per step
+                out, reasons = [None] * B, [None] * B
+                for i, t in enumerate(host):
+                    if remaining[i] == 0:
+                        continue
+                    if t in stops[i]:
+                        remaining[i], reasons[i] = 0, "stop"
+                        continue
+                    out[i] = t
+                    remaining[i] -= 1
+                    if remaining[i] == 0:
+                        reasons[i] = "length"
+                yield out, reasons
+                if not any(remaining):
+                    return
+                tokens = decoder.next()
+        finally:
+            decoder.busy = False

@@ -63,6 +63,16 @@ def test_stream_equals_generate(lm, sampling):
     assert "".join(p.text for p in pieces) == g.text
 
 
+def test_interleaved_streams_equal_separate_ones(lm):
+    a = lm.stream("To be, or not", max_tokens=12, stop_token_ids=[], temperature=0.9, seed=1)
+    b = lm.stream("naïve café", max_tokens=12, stop_token_ids=[])
+    together = list(zip(a, b))
+    assert [x.token_id for x, _ in together] == lm.generate(
+        "To be, or not", max_tokens=12, stop_token_ids=[], temperature=0.9, seed=1
+    ).token_ids
+    assert [y.token_id for _, y in together] == lm.generate("naïve café", max_tokens=12, stop_token_ids=[]).token_ids
+
+
 def test_streaming_never_splits_a_character(lm):
     text = "日本語のテキスト ✓ ★ naïve café"
     ids = lm.tokenizer.encode(text)

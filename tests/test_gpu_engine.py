@@ -118,3 +118,13 @@ def test_default_model_on_the_gpu_writes_the_cpu_text():
     cpu = fastmamba.load()
     gpu = fastmamba.load(device="cuda")
     assert gpu.generate("To be, or not to be", max_tokens=32).text == cpu.generate("To be, or not to be", max_tokens=32).text
+
+
+def test_interleaved_streams_on_the_gpu_equal_separate_ones(real_shape_ckpt):
+    """Two live generations of the same batch size must not share one graph decoder."""
+    lm = fastmamba.load(real_shape_ckpt, device="cuda", dtype="bfloat16")
+    a = lm.stream([1, 2, 3], max_tokens=10, stop_token_ids=[])
+    b = lm.stream([40, 50], max_tokens=10, stop_token_ids=[])
+    together = list(zip(a, b))
+    assert [x.token_id for x, _ in together] == lm.generate([1, 2, 3], max_tokens=10, stop_token_ids=[]).token_ids
+    assert [y.token_id for _, y in together] == lm.generate([40, 50], max_tokens=10, stop_token_ids=[]).token_ids
