@@ -56,8 +56,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except (ValueError, TypeError, OSError, RuntimeError) as e:
         # One short line naming the culprit; the library's messages already do.
-        print(f"fastmamba: error: {e}", file=sys.stderr)
+        print(f"fastmamba: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
+    except Exception as e:  # anything unforeseen still ends as one line, not a traceback
+        print(f"fastmamba: error: {type(e).__name__}: {_one_line(str(e))}", file=sys.stderr)
+        return 2
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _generate(args) -> int:
