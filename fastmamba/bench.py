@@ -26,10 +26,10 @@ SHAPES = {  # d_model, n_layer (vocab 50280, d_state 16, d_conv 4, expand 2)
 }
 
 
-def random_model(size: str, dtype: torch.dtype, device="cuda", config: MambaConfig | None = None) -> Mamba:
+def random_model(size: str, dtype: torch.dtype, device="cuda") -> Mamba:
     """A Mamba with random weights of realistic spread at a public shape, built on the device."""
-    d, L = SHAPES[size] if config is None else (config.d_model, config.n_layer)
-    c = config or MambaConfig(d_model=d, n_layer=L, vocab_size=50280)
+    d, L = SHAPES[size]
+    c = MambaConfig(d_model=d, n_layer=L, vocab_size=50280)
     E, R, N, K = c.d_inner, c.dt_rank, c.d_state, c.d_conv
     g = torch.Generator(device=device).manual_seed(0)
 

@@ -71,11 +71,6 @@ class MambaState:
         """A copy holding only the given slots."""
         return MambaState(self.conv[:, index].clone(), self.ssm[:, index].clone())
 
-    @classmethod
-    def stack(cls, states: list["MambaState"]) -> "MambaState":
-        """Concatenates states along the slot axis."""
-        return cls(torch.cat([s.conv for s in states], 1), torch.cat([s.ssm for s in states], 1))
-
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias with float32 accumulation whatever the weight's storage dtype."""
