@@ -41,7 +41,7 @@ def tune_rmsnorm_linear(n_out, d):
         def run():
             ds._rmsnorm_linear_kernel[(triton.cdiv(n_out, BN), 1)](
                 h, ssq, nw, w, w, out, 1, 1, d, n_out, 1e-5, NT_SSQ=1, HAS_BIAS=False, IEEE=False,
-                BB=1, BN=BN, BK=BK, num_warps=warps,
+                BB=1, BN=BN, BK=BK, PDL=False, num_warps=warps,
             )
 
         res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BN=BN, BK=BK, warps=warps)))
@@ -64,7 +64,7 @@ def tune_out_proj(d, E):
         def run():
             ds._out_proj_residual_kernel[(nt, ns, 1)](
                 y, w, w, h, part, cnt, ssq, 1, 1, d, E, kchunk, HAS_BIAS=False, IEEE=False, NSPLIT=ns,
-                BB=1, BN=BN, BK=BK, num_warps=warps,
+                BB=1, BN=BN, BK=BK, PDL=False, num_warps=warps,
             )
 
         res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BN=BN, nsplit=ns, BK=BK, warps=warps)))
@@ -91,7 +91,7 @@ def tune_conv_x_proj(E, J):
         def run():
             ds._conv_x_proj_kernel[(ns, 1)](
                 xz, cs, cw, cw, wx, xc, part, dbc, cnt, 1, 1, E, J, K=K, HAS_CB=True, IEEE=False, NSPLIT=ns,
-                BB=1, BE=BE, SUB=SUB, BJ=BJ, num_warps=warps,
+                BB=1, BE=BE, SUB=SUB, BJ=BJ, PDL=False, num_warps=warps,
             )
 
         res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BE=BE, SUB=SUB, warps=warps)))

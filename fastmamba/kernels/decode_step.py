@@ -25,6 +25,8 @@ Why it is shaped this way:
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -99,7 +101,18 @@ def _mm(x, w, BB: tl.constexpr, IEEE: tl.constexpr):
 
 
 @jit
-def _embed_kernel(tok_ptr, emb_ptr, h_ptr, ssq_ptr, B, BP, D, BB: tl.constexpr, BN: tl.constexpr):
+def _wait_for_prior_kernel(PDL: tl.constexpr):
+    """With programmatic dependent launch (PDL) a kernel may start while the one before it
+    in the stream is still finishing; it must wait here before touching anything that
+    kernel writes or reads. Then it lets the next kernel start early in turn."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@jit
+def _embed_kernel(tok_ptr, emb_ptr, h_ptr, ssq_ptr, B, BP, D, BB: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
+    _wait_for_prior_kernel(PDL)
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
     rows = pid_b * BB + tl.arange(0, BB)
@@ -116,8 +129,9 @@ def _embed_kernel(tok_ptr, emb_ptr, h_ptr, ssq_ptr, B, BP, D, BB: tl.constexpr, 
 def _rmsnorm_linear_kernel(
     h_ptr, ssq_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, B, BP, D, NOUT, eps,
     NT_SSQ: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-    BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
 ):
+    _wait_for_prior_kernel(PDL)
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
     rows = pid_b * BB + tl.arange(0, BB)
@@ -145,8 +159,9 @@ def _rmsnorm_linear_kernel(
 def _conv_x_proj_kernel(
     xz_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, xc_ptr, part_ptr, dbc_ptr, cnt_ptr, B, BP, E, J,
     K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr,
-    BB: tl.constexpr, BE: tl.constexpr, SUB: tl.constexpr, BJ: tl.constexpr,
+    BB: tl.constexpr, BE: tl.constexpr, SUB: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
 ):
+    _wait_for_prior_kernel(PDL)
     pid_e = tl.program_id(0)
     pid_b = tl.program_id(1)
     rows = pid_b * BB + tl.arange(0, BB)
@@ -199,8 +214,9 @@ def _conv_x_proj_kernel(
 def _ssm_step_kernel(
     dbc_ptr, xc_ptr, xz_ptr, ss_ptr, dtw_ptr, dtb_ptr, A_ptr, D_ptr, y_ptr, B, E, R,
     N: tl.constexpr, NP: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, IEEE: tl.constexpr,
-    BB: tl.constexpr, BE: tl.constexpr,
+    BB: tl.constexpr, BE: tl.constexpr, PDL: tl.constexpr,
 ):
+    _wait_for_prior_kernel(PDL)
     pid_e = tl.program_id(0)
     pid_b = tl.program_id(1)
     rows = pid_b * BB + tl.arange(0, BB)
@@ -235,8 +251,9 @@ def _ssm_step_kernel(
 def _out_proj_residual_kernel(
     y_ptr, w_ptr, b_ptr, h_ptr, part_ptr, cnt_ptr, ssq_ptr, B, BP, D, E, KCHUNK,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr,
-    BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
 ):
+    _wait_for_prior_kernel(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_b = tl.program_id(2)
@@ -277,6 +294,16 @@ def _out_proj_residual_kernel(
 
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch: Hopper or newer, a Triton that can launch with it,
+    and not switched off with FASTMAMBA_PDL=0 (to measure what it brings)."""
+    if INTERPRET or device.type != "cuda" or os.environ.get("FASTMAMBA_PDL") == "0":
+        return False
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    return torch.cuda.get_device_capability(device)[0] >= 9 and "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 
 class DecodeStep:
@@ -322,6 +349,8 @@ class DecodeStep:
         self.cnt_x = torch.zeros(BP // self.BB, device=dev, dtype=torch.int32)
         self.cnt_out = torch.zeros(BP // self.BB * self.nt_d, device=dev, dtype=torch.int32)
         self.logits = torch.zeros(BP, c.vocab_size, **f32)
+        pdl = use_pdl(dev)
+        self.pdl = dict(PDL=pdl, launch_pdl=True) if pdl else dict(PDL=False)
 
     # Each method launches one kernel on the scratch buffers; __call__ chains them.
 
@@ -329,7 +358,7 @@ class DecodeStep:
         """h[:B] = embedding[tokens] (and the per-tile sums of squares for the next rmsnorm)."""
         emb = self.model.weights.embedding
         grid = (self.nt_d, self.BP // self.BB)
-        _embed_kernel[grid](tokens, emb, self.h, self.ssq, self.B, self.BP, emb.shape[1], BB=self.BB, BN=self.BN_out)
+        _embed_kernel[grid](tokens, emb, self.h, self.ssq, self.B, self.BP, emb.shape[1], BB=self.BB, BN=self.BN_out, **self.pdl)
 
     def rmsnorm_linear(self, norm_w, weight, bias, out) -> None:
         """out[:B] = linear(rmsnorm(h) * norm_w, weight, bias)."""
@@ -341,7 +370,7 @@ class DecodeStep:
             self.B, self.BP, d, n_out, self.model.config.norm_eps,
             NT_SSQ=self.nt_d, HAS_BIAS=bias is not None, IEEE=self.ieee, BB=self.BB, BN=BN,
             BK=512 if self.BB == 1 else 128,
-            num_warps=4, num_stages=4,
+            num_warps=4, num_stages=4, **self.pdl,
         )
 
     def conv_x_proj(self, lw, conv_state) -> None:
@@ -351,7 +380,7 @@ class DecodeStep:
             self.xz, conv_state, lw.conv_w, lw.conv_b if lw.conv_b is not None else lw.conv_w,
             lw.x_proj_w, self.xc, self.part_x, self.dbc, self.cnt_x, self.B, self.BP, c.d_inner, self.J,
             K=c.d_conv, KP=triton.next_power_of_2(c.d_conv), HAS_CB=lw.conv_b is not None, IEEE=self.ieee, NSPLIT=self.nsplit_x,
-            BB=self.BB, BE=self.BE_x, SUB=self.SUB_x, BJ=self.BJ, num_warps=4,
+            BB=self.BB, BE=self.BE_x, SUB=self.SUB_x, BJ=self.BJ, num_warps=4, **self.pdl,
         )
 
     def ssm_step(self, lw, ssm_state) -> None:
@@ -360,7 +389,7 @@ class DecodeStep:
         _ssm_step_kernel[(triton.cdiv(c.d_inner, self.BE_ssm), self.BP // self.BB)](
             self.dbc, self.xc, self.xz, ssm_state, lw.dt_proj_w, lw.dt_bias, lw.A, lw.D, self.y,
             self.B, c.d_inner, c.dt_rank, N=c.d_state, NP=self.NP, BJ=self.BJ, BR=self.BR, IEEE=self.ieee,
-            BB=self.BB, BE=self.BE_ssm, num_warps=4,
+            BB=self.BB, BE=self.BE_ssm, num_warps=4, **self.pdl,
         )
 
     def out_proj_residual(self, lw) -> None:
@@ -370,7 +399,7 @@ class DecodeStep:
             self.y, lw.out_proj_w, lw.out_proj_b if lw.out_proj_b is not None else lw.out_proj_w,
             self.h, self.part_out, self.cnt_out, self.ssq, self.B, self.BP, c.d_model, c.d_inner, self.kchunk_out,
             HAS_BIAS=lw.out_proj_b is not None, IEEE=self.ieee, NSPLIT=self.nsplit_out,
-            BB=self.BB, BN=self.BN_out, BK=self.BK_out, num_warps=4,
+            BB=self.BB, BN=self.BN_out, BK=self.BK_out, num_warps=4, **self.pdl,
         )
 
     def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:
