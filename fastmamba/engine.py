@@ -39,11 +39,11 @@ class GraphDecoder:
     """Decode step + sampling for a fixed batch size, as CUDA graphs (one per sampler)."""
 
     def __init__(self, model: Mamba, batch: int, deterministic: bool = False):
-        from .kernels.decode_step import DecodeStep
+        from .kernels.decode_step import make_decode_step
 
         self.model = model
         self.busy = False  # set while a generation uses it
-        self.step = DecodeStep(model, batch, deterministic)
+        self.step = make_decode_step(model, batch, deterministic)
         self.state = model.new_state(batch)
         self.slots = SlotParams.empty(batch, model.config.vocab_size, model.device)
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=model.device)

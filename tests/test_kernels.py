@@ -154,3 +154,46 @@ def test_a_slot_is_bitwise_the_same_in_any_batch(checkpoints, batch, slot, rows,
         many = big(tokens, big_state)[slot].clone()
         few = small(tokens[rows], small_state)[rows.index(slot)]
         assert torch.equal(many, few)
+
+
+# -- the cuBLAS-product step's element-wise kernels (kernels/decode_gemm.py) -------------------
+
+
+@pytest.mark.parametrize("name,dtype,batch", [("untied_bias_rank", "bfloat16", 3), ("kernel3_state8", "float32", 2)])
+def test_gemm_step_kernels(checkpoints, name, dtype, batch):
+    from fastmamba.kernels import decode_gemm as dg
+
+    model = fastmamba.load(checkpoints[name], device=DEVICE, dtype=dtype).model
+    c, lw = model.config, model.weights.layers[0]
+    sdt = model.weights.embedding.dtype
+    ulp = {torch.float32: 1e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[sdt]  # rounding to sdt
+    E, N, R, B = c.d_inner, c.d_state, c.dt_rank, batch
+    # residual + rmsnorm, with and without the add
+    h, o = rand(B, c.d_model, seed=20), rand(B, c.d_model, seed=21)
+    bias = rand(c.d_model, seed=22)
+    for add in (False, True):
+        hk, u = h.clone(), torch.empty(B, c.d_model, device=DEVICE, dtype=sdt)
+        dg.residual_rmsnorm(hk, o if add else None, bias if add else None, lw.norm_w, c.norm_eps, u)
+        h_ref, u_ref = dg.residual_rmsnorm_ref(h, o if add else None, bias, lw.norm_w, c.norm_eps)
+        assert rel_err(hk, h_ref) < 1e-6
+        assert rel_err(u.float(), u_ref) < ulp
+    # conv step
+    xz = rand(B, 2 * E, seed=23)
+    conv_state = rand(B, E, c.d_conv, seed=24)
+    ref_state = conv_state.clone()
+    xc, xc16 = torch.empty(B, E, device=DEVICE), torch.empty(B, E, device=DEVICE, dtype=sdt)
+    for _ in range(2):
+        dg.conv_step(xz, conv_state, lw.conv_w, lw.conv_b, xc, xc16)
+        ref = dg.conv_step_ref(xz[:, :E], ref_state, lw.conv_w, lw.conv_b)
+        assert rel_err(xc, ref) < 1e-5
+        assert rel_err(xc16.float(), xc) < ulp
+        assert torch.equal(conv_state, ref_state)
+    # ssm update
+    dt, dbc = rand(B, E, seed=25), rand(B, R + 2 * N, seed=26)
+    ssm_state = rand(B, E, N, seed=27)
+    ref_state = ssm_state.clone()
+    y = torch.empty(B, E, device=DEVICE, dtype=sdt)
+    dg.ssm_update(dt, dbc, xc, xz, ssm_state, lw.dt_bias, lw.A, lw.D, R, y)
+    ref = dg.ssm_update_ref(dt, dbc[:, R : R + N], dbc[:, R + N :], xc, xz[:, E:], ref_state, lw.dt_bias, lw.A, lw.D)
+    assert rel_err(ssm_state, ref_state) < 1e-5
+    assert rel_err(y.float(), ref) < ulp

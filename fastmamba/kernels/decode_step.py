@@ -306,6 +306,17 @@ def use_pdl(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9 and "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 
+def make_decode_step(model, batch: int, deterministic: bool = False):
+    """The fastest decode step for this batch size: Triton GEMVs (one row a program) up to
+    SMALL_BATCH rows, cuBLAS products above (decode_gemm.py); with `deterministic`, the
+    Triton tile mode at every batch size, so that a slot's bits never depend on the batch."""
+    if batch > SMALL_BATCH and not deterministic:
+        from .decode_gemm import GemmDecodeStep
+
+        return GemmDecodeStep(model, batch)
+    return DecodeStep(model, batch, deterministic)
+
+
 class DecodeStep:
     """Launch plan and scratch buffers for one batch size; `__call__` runs one decode step.
 
