@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from .config import MambaConfig
 from .kernels.causal_conv1d import causal_conv1d_ref
+from .kernels.rmsnorm import add_norm_ref
 from .kernels.selective_scan import selective_scan_ref
 
 
@@ -78,11 +79,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_storage(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`linear` as a GPU product in the weight's own dtype (cuBLAS, float32 accumulation),
-    without a float32 copy of the weight; the activations are rounded to that dtype."""
+    """`linear` as a GPU product in the weight's own dtype (cuBLAS, float32 accumulation and
+    float32 output), without a float32 copy of the weight; the activations are rounded to
+    that dtype (a no-op when they arrive in it)."""
     if weight.dtype == torch.float32:
         return F.linear(x.float(), weight, bias)
-    y = F.linear(x.to(weight.dtype), weight).float()
+    x2 = x.reshape(-1, x.shape[-1]).to(weight.dtype)
+    if x.is_cuda:  # straight to float32: no extra pass over the output
+        y = torch.mm(x2, weight.t(), out_dtype=torch.float32)
+    else:  # (the Triton interpreter's tests on the CPU)
+        y = F.linear(x2, weight).float()
+    y = y.view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
 
 
@@ -94,20 +101,18 @@ class Ops:
     linear: Callable
     conv: Callable  # causal_conv1d_ref signature
     scan: Callable  # selective_scan_ref signature
+    add_norm: Callable  # add_norm_ref signature: (h + o, rmsnorm(h + o)), the norm in a given dtype
 
 
-REFERENCE_OPS = Ops(linear, causal_conv1d_ref, selective_scan_ref)
+REFERENCE_OPS = Ops(linear, causal_conv1d_ref, selective_scan_ref, add_norm_ref)
 
 
 def triton_ops() -> Ops:
     from .kernels.causal_conv1d import causal_conv1d
+    from .kernels.rmsnorm import add_norm
     from .kernels.selective_scan import selective_scan
 
-    return Ops(linear_storage, causal_conv1d, selective_scan)
-
-
-def rmsnorm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return Ops(linear_storage, causal_conv1d, selective_scan, add_norm)
 
 
 def mixer(
@@ -152,11 +157,12 @@ class Mamba:
 
     def backbone(self, h: torch.Tensor, state: MambaState, start=None) -> torch.Tensor:
         """All layers and the final norm over T inputs: h (B, T, d) f32 -> (B, T, d) f32."""
-        h = h.float()
+        h, o, eps = h.float(), None, self.config.norm_eps
         for i, lw in enumerate(self.weights.layers):
-            u = rmsnorm(h, lw.norm_w, self.config.norm_eps)
-            h = h + mixer(self.config, lw, u, state.conv[i], state.ssm[i], self.ops, start)
-        return rmsnorm(h, self.weights.norm_f, self.config.norm_eps)
+            # the norm comes out in the dtype in_proj reads (GPU path; the reference keeps f32)
+            h, u = self.ops.add_norm(h, o, lw.norm_w, eps, lw.in_proj_w.dtype)
+            o = mixer(self.config, lw, u, state.conv[i], state.ssm[i], self.ops, start)
+        return self.ops.add_norm(h, o, self.weights.norm_f, eps, torch.float32)[1]
 
     def prefill(
         self, input_ids: torch.Tensor, state: MambaState, start: torch.Tensor | None = None, last_only: bool = False

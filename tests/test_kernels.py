@@ -162,6 +162,7 @@ def test_a_slot_is_bitwise_the_same_in_any_batch(checkpoints, batch, slot, rows,
 @pytest.mark.parametrize("name,dtype,batch", [("untied_bias_rank", "bfloat16", 3), ("kernel3_state8", "float32", 2)])
 def test_gemm_step_kernels(checkpoints, name, dtype, batch):
     from fastmamba.kernels import decode_gemm as dg
+    from fastmamba.kernels import rmsnorm as rn
 
     model = fastmamba.load(checkpoints[name], device=DEVICE, dtype=dtype).model
     c, lw = model.config, model.weights.layers[0]
@@ -173,8 +174,8 @@ def test_gemm_step_kernels(checkpoints, name, dtype, batch):
     bias = rand(c.d_model, seed=22)
     for add in (False, True):
         hk, u = h.clone(), torch.empty(B, c.d_model, device=DEVICE, dtype=sdt)
-        dg.residual_rmsnorm(hk, o if add else None, bias if add else None, lw.norm_w, c.norm_eps, u)
-        h_ref, u_ref = dg.residual_rmsnorm_ref(h, o if add else None, bias, lw.norm_w, c.norm_eps)
+        rn.residual_rmsnorm(hk, o if add else None, bias if add else None, lw.norm_w, c.norm_eps, u)
+        h_ref, u_ref = rn.residual_rmsnorm_ref(h, o if add else None, bias, lw.norm_w, c.norm_eps)
         assert rel_err(hk, h_ref) < 1e-6
         assert rel_err(u.float(), u_ref) < ulp
     # conv step

@@ -24,6 +24,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from fastmamba.kernels import causal_conv1d as cc  # noqa: E402
 from fastmamba.kernels import decode_gemm as dg  # noqa: E402
 from fastmamba.kernels import decode_step as ds  # noqa: E402
+from fastmamba.kernels import rmsnorm as rn  # noqa: E402
 from fastmamba.kernels import selective_scan as ss  # noqa: E402
 
 target = GPUTarget("cuda", 90, 32)
@@ -74,7 +75,7 @@ def main() -> None:
             compile_kernel(ds._embed_kernel, t, dict(BB=BB, BN=32, PDL=True))
             res.append(f"decode BB={BB} {wdt}: ok")
     for wdt in ("*bf16", "*fp32"):  # the cuBLAS-product step's element-wise kernels
-        compile_kernel(dg._residual_rmsnorm_kernel, ptrs("h_ptr", "o_ptr", "b_ptr", "nw_ptr", u_ptr=wdt, eps="fp32"), dict(ADD=True, HAS_BIAS=True, BD=4096), num_warps=8)
+        compile_kernel(rn._residual_rmsnorm_kernel, ptrs("h_ptr", "o_ptr", "b_ptr", "nw_ptr", "h_out_ptr", u_ptr=wdt, eps="fp32"), dict(ADD=True, HAS_BIAS=True, BD=4096), num_warps=8)
         compile_kernel(dg._conv_step_kernel, ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", xc16_ptr=wdt), dict(K=4, KP=4, HAS_CB=True, BE=128))
         t = ptrs("dt_ptr", "dbc_ptr", "xc_ptr", "xz_ptr", "ss_ptr", "dtb_ptr", "A_ptr", "D_ptr", y_ptr=wdt)
         compile_kernel(dg._ssm_update_kernel, t, dict(N=16, NP=16, BE=64))

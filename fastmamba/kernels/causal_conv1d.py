@@ -44,10 +44,13 @@ def _causal_conv1d_kernel(
     x_ptr, sxb, sxe, sxt, w_ptr, b_ptr, st_ptr, y_ptr, start_ptr, T, E,
     K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
 ):
-    # One program owns one row and BE channels for the whole time range, so it alone reads
-    # and then rewrites their conv state. y is (B, T, E), channels contiguous.
+    # One program: one row, BE channels, BT time steps (y is (B, T, E), channels
+    # contiguous). Only the first time block reads the old conv state (its taps reach back
+    # before the chunk) and only it writes the new one, after its reads, so no other
+    # program can see a half-updated state. (BT >= K: the taps of later blocks stay in x.)
     b = tl.program_id(0)
     e = tl.program_id(1) * BE + tl.arange(0, BE)
+    first = tl.program_id(2) == 0
     emask = e < E
     start = tl.load(start_ptr + b)
     x_row = x_ptr + b.to(tl.int64) * sxb
@@ -56,30 +59,30 @@ def _causal_conv1d_kernel(
         bias = tl.load(b_ptr + e, mask=emask, other=0.0)
     else:
         bias = tl.zeros([BE], dtype=tl.float32)
-    for t0 in range(0, T, BT):
-        t = t0 + tl.arange(0, BT)
-        acc = tl.zeros([BT, BE], dtype=tl.float32) + bias[None, :]
-        for k in tl.static_range(K):
-            tt = t - (K - 1) + k  # input position feeding tap k
-            from_x = (tt >= start) & (tt < T)
-            v = tl.load(x_row + tt[:, None] * sxt + e[None, :] * sxe, mask=from_x[:, None] & emask[None, :], other=0.0)
-            # positions before the chunk come from the state (index K + tt); only while
-            # the row has no padding (tt >= -(K-1) > -start*K once start > 0), since
-            # padding starts the row from zero
-            from_state = tt < -start * K
-            v += tl.load(st_row + e[None, :] * K + (K + tt)[:, None], mask=from_state[:, None] & emask[None, :], other=0.0)
-            acc += v * tl.load(w_ptr + e * K + k, mask=emask, other=0.0)[None, :]
-        y = acc * tl.sigmoid(acc)
-        tl.store(y_ptr + b.to(tl.int64) * T * E + t[:, None] * E + e[None, :], y, mask=(t < T)[:, None] & emask[None, :])
-    # New state: inputs at positions T-K .. T-1 (older ones from the old state).
-    kk = tl.arange(0, KP)
-    p = T - K + kk
-    in_k = kk < K
-    m = emask[:, None] & in_k[None, :]
-    new = tl.load(x_row + p[None, :] * sxt + e[:, None] * sxe, mask=m & ((p >= start) & (p >= 0))[None, :], other=0.0)
-    new += tl.load(st_row + e[:, None] * K + (K + p)[None, :], mask=m & (p < -start * K)[None, :], other=0.0)
-    tl.debug_barrier()  # all reads of the old state before it is rewritten
-    tl.store(st_row + e[:, None] * K + kk[None, :], new, mask=m)
+    t = tl.program_id(2) * BT + tl.arange(0, BT)
+    acc = tl.zeros([BT, BE], dtype=tl.float32) + bias[None, :]
+    state_end = tl.where(first, -start * K, -K)  # taps at tt < state_end read the old state
+    for k in tl.static_range(K):
+        tt = t - (K - 1) + k  # input position feeding tap k
+        from_x = (tt >= start) & (tt >= 0) & (tt < T)
+        v = tl.load(x_row + tt[:, None] * sxt + e[None, :] * sxe, mask=from_x[:, None] & emask[None, :], other=0.0)
+        # positions before the chunk come from the state (index K + tt); only while the
+        # row has no padding (tt >= -(K-1) > -start*K once start > 0), since padding
+        # starts the row from zero
+        from_state = tt < state_end
+        v += tl.load(st_row + e[None, :] * K + (K + tt)[:, None], mask=from_state[:, None] & emask[None, :], other=0.0)
+        acc += v * tl.load(w_ptr + e * K + k, mask=emask, other=0.0)[None, :]
+    y = acc * tl.sigmoid(acc)
+    tl.store(y_ptr + b.to(tl.int64) * T * E + t[:, None] * E + e[None, :], y, mask=(t < T)[:, None] & emask[None, :])
+    if first:
+        # New state: inputs at positions T-K .. T-1 (older ones from the old state).
+        kk = tl.arange(0, KP)
+        p = T - K + kk
+        m = emask[:, None] & (kk < K)[None, :]
+        new = tl.load(x_row + p[None, :] * sxt + e[:, None] * sxe, mask=m & ((p >= start) & (p >= 0))[None, :], other=0.0)
+        new += tl.load(st_row + e[:, None] * K + (K + p)[None, :], mask=m & (p < -start * K)[None, :], other=0.0)
+        tl.debug_barrier()  # all reads of the old state before it is rewritten
+        tl.store(st_row + e[:, None] * K + kk[None, :], new, mask=m)
 
 
 def causal_conv1d(x, weight, bias, state, start=None):
@@ -90,8 +93,8 @@ def causal_conv1d(x, weight, bias, state, start=None):
     y = torch.empty(B, T, E, device=x.device, dtype=torch.float32)
     if start is None:
         start = torch.zeros(B, device=x.device, dtype=torch.int32)
-    BE, BT = 32, 64
-    _causal_conv1d_kernel[(B, triton.cdiv(E, BE))](
+    BE, BT = 64, max(32, triton.next_power_of_2(K))
+    _causal_conv1d_kernel[(B, triton.cdiv(E, BE), triton.cdiv(T, BT))](
         x, x.stride(0), x.stride(1), x.stride(2), weight, bias if bias is not None else weight, state, y,
         start, T, E, K=K, KP=triton.next_power_of_2(K), HAS_BIAS=bias is not None, BE=BE, BT=BT, num_warps=4,
     )

@@ -2,7 +2,7 @@
 
 From batch SMALL_BATCH + 1 up (unless deterministic), one step is, per layer:
 
-    residual_rmsnorm   h += o (+ out bias); u = rmsnorm(h) * norm_w, in the storage dtype
+    residual_rmsnorm   h += o (+ out bias); u = rmsnorm(h) * norm_w, in the storage dtype (rmsnorm.py)
     cuBLAS             xz = u @ in_proj.T                    (float32 out)
     conv_step          conv step + SiLU on x                 -> xc (f32), xc16 (storage)
     cuBLAS             dbc = xc16 @ x_proj.T; dt = dbc[:, :R] @ dt_proj.T   (float32 out)
@@ -22,16 +22,10 @@ from __future__ import annotations
 import torch
 
 from ._triton import jit, tl, triton
+from .rmsnorm import residual_rmsnorm
 
 
 # -- reference twins -------------------------------------------------------------------------
-
-
-def residual_rmsnorm_ref(h, o, bias, norm_w, eps):
-    """(h + o + bias, rmsnorm(h + o + bias) * norm_w), float32; o None adds nothing."""
-    if o is not None:
-        h = h + o + (bias if bias is not None else 0.0)
-    return h, h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_w
 
 
 def conv_step_ref(x, conv_state, conv_w, conv_b):
@@ -50,25 +44,6 @@ def ssm_update_ref(dt, Bm, Cm, x, z, ssm_state, dt_bias, A, D):
 
 
 # -- kernels -----------------------------------------------------------------------------------
-
-
-@jit
-def _residual_rmsnorm_kernel(
-    h_ptr, o_ptr, b_ptr, nw_ptr, u_ptr, D, eps, ADD: tl.constexpr, HAS_BIAS: tl.constexpr, BD: tl.constexpr
-):
-    row = tl.program_id(0).to(tl.int64)
-    k = tl.arange(0, BD)
-    km = k < D
-    h = tl.load(h_ptr + row * D + k, mask=km, other=0.0)
-    if ADD:
-        h += tl.load(o_ptr + row * D + k, mask=km, other=0.0)
-        if HAS_BIAS:
-            h += tl.load(b_ptr + k, mask=km, other=0.0)
-        tl.debug_barrier()  # every thread holding an element has read it before it is rewritten
-        tl.store(h_ptr + row * D + k, h, mask=km)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / D + eps)
-    u = h * rstd * tl.load(nw_ptr + k, mask=km, other=0.0)
-    tl.store(u_ptr + row * D + k, u.to(u_ptr.dtype.element_ty), mask=km)
 
 
 @jit
@@ -132,15 +107,6 @@ def gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
         torch.mm(a, weight.t(), out=out)
     else:
         torch.mm(a, weight.t(), out_dtype=torch.float32, out=out)
-
-
-def residual_rmsnorm(h, o, bias, norm_w, eps, u) -> None:
-    """h += o + bias (o None: nothing is added); u = rmsnorm(h) * norm_w, u's dtype."""
-    B, D = h.shape
-    _residual_rmsnorm_kernel[(B,)](
-        h, o if o is not None else h, bias if bias is not None else h, norm_w, u, D, eps,
-        ADD=o is not None, HAS_BIAS=bias is not None, BD=triton.next_power_of_2(D), num_warps=8,
-    )
 
 
 def conv_step(xz, conv_state, conv_w, conv_b, xc, xc16) -> None:
