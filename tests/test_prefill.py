@@ -27,7 +27,8 @@ def gen(seed=0):
 
 @pytest.mark.parametrize(
     "B,E,T,K,start",
-    [(2, 40, 37, 4, None), (3, 16, 5, 3, [0, 2, 4]), (1, 8, 1, 4, None), (2, 70, 100, 4, [0, 50]), (1, 24, 66, 2, [3])],
+    [(2, 40, 37, 4, None), (3, 16, 5, 3, [0, 2, 4]), (1, 8, 1, 4, None), (2, 70, 100, 4, [0, 50]), (1, 24, 66, 2, [3]),
+     (2, 40, 300, 4, [0, 170])],  # the last: several scan chunks, padding ending in the second
 )
 def test_conv_and_scan_kernels_match_their_twins(B, E, T, K, start):
     g = gen(1)
@@ -47,11 +48,13 @@ def test_conv_and_scan_kernels_match_their_twins(B, E, T, K, start):
     A = -torch.rand(E, N, device=DEVICE, generator=g) * 4
     D, dtb = torch.randn(E, device=DEVICE, generator=g), torch.randn(E, device=DEVICE, generator=g)
     Bm, Cm = dbc[..., R : R + N].transpose(1, 2), dbc[..., R + N :].transpose(1, 2)
-    ssm_state = torch.randn(B, E, N, device=DEVICE, generator=g)
-    ssm_ref_state = ssm_state.clone()
-    y = selective_scan(xc_ref, dt, A, Bm, Cm, D, z, dtb, ssm_state, s)
+    ssm_state0 = torch.randn(B, E, N, device=DEVICE, generator=g)
+    ssm_ref_state = ssm_state0.clone()
     y_ref = selective_scan_ref(xc_ref, dt, A, Bm, Cm, D, z, dtb, ssm_ref_state, s)
-    assert rel_err(y, y_ref) < 1e-5 and rel_err(ssm_state, ssm_ref_state) < 1e-5
+    for chunked in (True, False):
+        ssm_state = ssm_state0.clone()
+        y = selective_scan(xc_ref, dt, A, Bm, Cm, D, z, dtb, ssm_state, s, chunked=chunked)
+        assert rel_err(y, y_ref) < 1e-5 and rel_err(ssm_state, ssm_ref_state) < 1e-5, chunked
 
 
 def engines(path, dtype):

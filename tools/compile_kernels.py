@@ -84,6 +84,10 @@ def main() -> None:
     compile_kernel(cc._causal_conv1d_kernel, t, dict(K=4, KP=4, HAS_BIAS=True, BE=32, BT=64))
     t = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A_ptr", "D_ptr", "dtb_ptr", "st_ptr", "y_ptr", start_ptr="*i32")
     compile_kernel(ss._selective_scan_kernel, t, dict(N=16, NP=16, BE=8, BT=32))
+    t = ptrs("x_ptr", "dt_ptr", "B_ptr", "A_ptr", "dtb_ptr", "st_ptr", "sum_ptr", "dts_ptr", start_ptr="*i32")
+    compile_kernel(ss._scan_summary_kernel, t, dict(N=16, NP=16, BE=32), num_warps=1)
+    t = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A_ptr", "D_ptr", "dtb_ptr", "st_ptr", "y_ptr", "sum_ptr", "dts_ptr", start_ptr="*i32")
+    compile_kernel(ss._scan_chunks_kernel, t, dict(N=16, NP=16, BE=32), num_warps=1)
     res.append("prefill conv + scan: ok")
     print("\n".join(res))
 

@@ -97,14 +97,131 @@ def _selective_scan_kernel(
     tl.store(sp, s, mask=sm)
 
 
-def selective_scan(x, dt, A, Bm, Cm, D, z, dt_bias, state, start=None):
+@jit
+def _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, dtb, e, emask, n, nmask, t, start, T):
+    """Step t's x (BE,), softplus(dt + bias) (BE,) and B (NP,); all zero at padding and
+    past T, so that such steps leave the state unchanged."""
+    tt = t + tl.zeros_like(e)  # (BE,) vectors of t: masks stay tensors
+    em = emask & (tt >= start) & (tt < T)
+    x = tl.load(x_row + t * sxt + e * sxe, mask=em, other=0.0)
+    dt = tl.load(dt_row + t * sdt + e * sde, mask=em, other=0.0) + dtb
+    dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))  # softplus
+    dt = tl.where(em, dt, 0.0)
+    tn = t + tl.zeros_like(n)
+    Bt = tl.load(B_row + t * sbt + n * sbn, mask=nmask & (tn >= start) & (tn < T), other=0.0)
+    return x, dt, Bt
+
+
+@jit
+def _scan_summary_kernel(
+    x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, A_ptr, dtb_ptr, st_ptr, start_ptr,
+    sum_ptr, dts_ptr, T, E, L,
+    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr,
+):
+    # Pass 1. One program: one row, BE channels, one chunk of L steps, walked step by step:
+    # the state the chunk leaves when it starts from zero (chunk 0 of an unpadded row: from
+    # the layer's state), and its summed step sizes (A times that sum is the log of the
+    # chunk's whole decay).
+    b = tl.program_id(0)
+    e = tl.program_id(1) * BE + tl.arange(0, BE)
+    c = tl.program_id(2)
+    nc = tl.num_programs(2)
+    emask = e < E
+    n = tl.arange(0, NP)
+    nmask = n < N
+    b64 = b.to(tl.int64)
+    start = tl.load(start_ptr + b)
+    sm = emask[:, None] & nmask[None, :]
+    A = tl.load(A_ptr + e[:, None] * N + n[None, :], mask=sm, other=0.0)
+    dtb = tl.load(dtb_ptr + e, mask=emask, other=0.0)
+    # chunk 0 of an unpadded row starts from the layer's state (n < N is then true)
+    from_state = n[None, :] < tl.where((c == 0) & (start == 0), N, 0)
+    s = tl.load(st_ptr + b64 * E * N + e[:, None] * N + n[None, :], mask=sm & from_state, other=0.0)
+    dt_sum = tl.zeros([BE], dtype=tl.float32)
+    x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
+    for t in range(c * L, tl.minimum(c * L + L, T)):
+        x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, dtb, e, emask, n, nmask, t, start, T)
+        s = s * tl.exp(dt[:, None] * A) + (dt * x)[:, None] * Bt[None, :]
+        dt_sum += dt
+    tl.store(sum_ptr + (b64 * nc + c) * E * N + e[:, None] * N + n[None, :], s, mask=sm)
+    tl.store(dts_ptr + (b64 * nc + c) * E + e, dt_sum, mask=emask)
+
+
+@jit
+def _scan_chunks_kernel(
+    x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, C_ptr, scb, scn, sct,
+    z_ptr, szb, sze, szt, A_ptr, D_ptr, dtb_ptr, st_ptr, y_ptr, start_ptr, sum_ptr, dts_ptr, T, E, L,
+    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr,
+):
+    # Pass 2. One program: one row, BE channels, one chunk. Its starting state folds the
+    # summaries of the chunks before it (state <- decay * state + summary); then it walks
+    # its steps again, writing y. The last chunk writes the layer's new state: pass 1 has
+    # read the old one, and nothing here reads it.
+    b = tl.program_id(0)
+    e = tl.program_id(1) * BE + tl.arange(0, BE)
+    c = tl.program_id(2)
+    nc = tl.num_programs(2)
+    emask = e < E
+    n = tl.arange(0, NP)
+    nmask = n < N
+    b64 = b.to(tl.int64)
+    start = tl.load(start_ptr + b)
+    sm = emask[:, None] & nmask[None, :]
+    A = tl.load(A_ptr + e[:, None] * N + n[None, :], mask=sm, other=0.0)
+    dtb = tl.load(dtb_ptr + e, mask=emask, other=0.0)
+    Dv = tl.load(D_ptr + e, mask=emask, other=0.0)
+    s = tl.zeros([BE, NP], dtype=tl.float32)
+    for cp in range(0, c):
+        dts = tl.load(dts_ptr + (b64 * nc + cp) * E + e, mask=emask, other=0.0)
+        piece = tl.load(sum_ptr + (b64 * nc + cp) * E * N + e[:, None] * N + n[None, :], mask=sm, other=0.0)
+        s = s * tl.exp(dts[:, None] * A) + piece
+    if c == 0:  # chunk 0 starts from the layer's state, as in pass 1
+        s = tl.load(st_ptr + b64 * E * N + e[:, None] * N + n[None, :], mask=sm & (n[None, :] >= start * NP), other=0.0)
+    x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
+    C_row, z_row, y_row = C_ptr + b64 * scb, z_ptr + b64 * szb, y_ptr + b64 * T * E
+    for t in range(c * L, tl.minimum(c * L + L, T)):
+        x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, dtb, e, emask, n, nmask, t, start, T)
+        s = s * tl.exp(dt[:, None] * A) + (dt * x)[:, None] * Bt[None, :]
+        Ct = tl.load(C_row + t * sct + n * scn, mask=nmask, other=0.0)
+        z = tl.load(z_row + t * szt + e * sze, mask=emask, other=0.0)
+        y = tl.sum(s * Ct[None, :], 1) + Dv * x
+        tl.store(y_row + t * E + e, y * z * tl.sigmoid(z), mask=emask)
+    if c == nc - 1:
+        tl.debug_barrier()  # (chunk 0 may also be the last: its read of the state comes first)
+        tl.store(st_ptr + b64 * E * N + e[:, None] * N + n[None, :], s, mask=sm)
+
+
+SCAN_CHUNK = 128  # steps per chunk of the chunked scan
+SCAN_BE = 32  # channels per program of the chunked scan
+SCAN_WARPS = 1
+
+
+def selective_scan(x, dt, A, Bm, Cm, D, z, dt_bias, state, start=None, chunked=True):
     """Triton twin of `selective_scan_ref`; inputs may be any strided views of those shapes.
-    Returns a (B, E, T) view of a (B, T, E) float32 buffer."""
+    Returns a (B, E, T) view of a (B, T, E) float32 buffer.
+
+    chunked: the two-pass scan (time cut into chunks of SCAN_CHUNK steps that run in
+    parallel, each walked step by step); otherwise the one-pass scan (associative scan
+    inside chunks of 32 steps, chunks one after another)."""
     Bsz, E, T = x.shape
     N = A.shape[1]
     y = torch.empty(Bsz, T, E, device=x.device, dtype=torch.float32)
     if start is None:
         start = torch.zeros(Bsz, device=x.device, dtype=torch.int32)
+    if chunked:
+        L, BE, NP = SCAN_CHUNK, SCAN_BE, triton.next_power_of_2(N)
+        grid = (Bsz, triton.cdiv(E, BE), triton.cdiv(T, L))
+        sums = torch.empty(Bsz, grid[2], E, N, device=x.device, dtype=torch.float32)
+        dt_sums = torch.empty(Bsz, grid[2], E, device=x.device, dtype=torch.float32)
+        inputs = (x, *x.stride(), dt, *dt.stride(), Bm, *Bm.stride())
+        _scan_summary_kernel[grid](
+            *inputs, A, dt_bias, state, start, sums, dt_sums, T, E, L, N=N, NP=NP, BE=BE, num_warps=SCAN_WARPS
+        )
+        _scan_chunks_kernel[grid](
+            *inputs, Cm, *Cm.stride(), z, *z.stride(), A, D, dt_bias, state, y, start, sums, dt_sums, T, E, L,
+            N=N, NP=NP, BE=BE, num_warps=SCAN_WARPS,
+        )
+        return y.transpose(1, 2)
     BE, BT = 8, 32
     _selective_scan_kernel[(Bsz, triton.cdiv(E, BE))](
         x, *x.stride(), dt, *dt.stride(), Bm, *Bm.stride(), Cm, *Cm.stride(), z, *z.stride(),

@@ -1,0 +1,52 @@
+"""Times the prefill scan alone at public shapes for several launch configurations
+(one-pass associative scan vs the chunked two-pass scan), to choose SCAN_CHUNK, SCAN_BE and
+SCAN_WARPS in kernels/selective_scan.py.
+
+    python benchmarks/tune_scan.py
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from fastmamba.kernels import selective_scan as ss  # noqa: E402
+
+
+def inputs(B, T, E, N=16, R=160):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    xz = torch.randn(B, T, 2 * E, device="cuda", generator=g)
+    x, z = torch.randn(B, T, E, device="cuda", generator=g).transpose(1, 2), xz[..., E:].transpose(1, 2)
+    dt = (torch.randn(B, T, E, device="cuda", generator=g) - 4).transpose(1, 2)
+    dbc = torch.randn(B, T, R + 2 * N, device="cuda", generator=g)
+    A = -torch.arange(1, N + 1, device="cuda").float().repeat(E, 1)
+    D, dtb = torch.ones(E, device="cuda"), torch.zeros(E, device="cuda")
+    Bm, Cm = dbc[..., R : R + N].transpose(1, 2), dbc[..., R + N :].transpose(1, 2)
+    return x, dt, A, Bm, Cm, D, z, dtb, torch.zeros(B, E, N, device="cuda")
+
+
+def main() -> None:
+    for B, T, E in ((1, 4096, 5120), (8, 2048, 5120), (1, 128, 1536), (1, 4096, 1536)):
+        args = inputs(B, T, E)
+        ms = do_bench(lambda: ss.selective_scan(*args, chunked=False), warmup=3, rep=20)
+        print(f"B={B} T={T} E={E}: one-pass {ms * 1e3:8.1f} us", flush=True)
+        ref = ss.selective_scan(*args, chunked=False).clone()
+        res = []
+        for L in (64, 128, 256):
+            for BE in (16, 32, 64):
+                for warps in (1, 2):
+                    if BE * 16 // (32 * warps) < 4:
+                        continue
+                    ss.SCAN_CHUNK, ss.SCAN_BE, ss.SCAN_WARPS = L, BE, warps
+                    ms = do_bench(lambda: ss.selective_scan(*args), warmup=3, rep=20)
+                    err = (ss.selective_scan(*args) - ref).abs().max().item()
+                    res.append((ms * 1e3, L, BE, warps, err))
+        for us, L, BE, warps, err in sorted(res)[:6]:
+            print(f"   chunked L={L:3d} BE={BE:2d} warps={warps}: {us:8.1f} us  (max diff {err:.1e})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
