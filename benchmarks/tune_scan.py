@@ -35,17 +35,15 @@ def main() -> None:
         print(f"B={B} T={T} E={E}: one-pass {ms * 1e3:8.1f} us", flush=True)
         ref = ss.selective_scan(*args, chunked=False).clone()
         res = []
-        for L in (64, 128, 256):
-            for BE in (16, 32, 64):
-                for warps in (1, 2):
-                    if BE * 16 // (32 * warps) < 4:
-                        continue
-                    ss.SCAN_CHUNK, ss.SCAN_BE, ss.SCAN_WARPS = L, BE, warps
-                    ms = do_bench(lambda: ss.selective_scan(*args), warmup=3, rep=20)
-                    err = (ss.selective_scan(*args) - ref).abs().max().item()
-                    res.append((ms * 1e3, L, BE, warps, err))
-        for us, L, BE, warps, err in sorted(res)[:6]:
-            print(f"   chunked L={L:3d} BE={BE:2d} warps={warps}: {us:8.1f} us  (max diff {err:.1e})", flush=True)
+        for L in (32, 64, 128, 256):
+            for BE in (16, 32):
+                for stages in (1, 2, 3, 4):
+                    ss.SCAN_CHUNK, ss.SCAN_BE, ss.SCAN_STAGES = L, BE, stages
+                    ms = do_bench(lambda: ss.selective_scan(*args, chunked=True), warmup=3, rep=20)
+                    err = (ss.selective_scan(*args, chunked=True) - ref).abs().max().item()
+                    res.append((ms * 1e3, L, BE, stages, err))
+        for us, L, BE, stages, err in sorted(res)[:8]:
+            print(f"   chunked L={L:3d} BE={BE:2d} stages={stages}: {us:8.1f} us  (max diff {err:.1e})", flush=True)
 
 
 if __name__ == "__main__":

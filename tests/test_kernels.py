@@ -161,40 +161,61 @@ def test_a_slot_is_bitwise_the_same_in_any_batch(checkpoints, batch, slot, rows,
 
 @pytest.mark.parametrize("name,dtype,batch", [("untied_bias_rank", "bfloat16", 3), ("kernel3_state8", "float32", 2)])
 def test_gemm_step_kernels(checkpoints, name, dtype, batch):
+    """16-bit weights: operands written as two halves, results read as the sum of two halves
+    (split16.py); float32: one of each."""
     from fastmamba.kernels import decode_gemm as dg
     from fastmamba.kernels import rmsnorm as rn
 
     model = fastmamba.load(checkpoints[name], device=DEVICE, dtype=dtype).model
     c, lw = model.config, model.weights.layers[0]
     sdt = model.weights.embedding.dtype
-    ulp = {torch.float32: 1e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[sdt]  # rounding to sdt
+    split = sdt != torch.float32
     E, N, R, B = c.d_inner, c.d_state, c.dt_rank, batch
+    P = 2 * B if split else B
+
+    def halves(v):  # a float32 result as the products leave it: (P, n) rows that sum to v
+        if not split:
+            return v.clone()
+        part = rand(*v.shape, seed=99)
+        return torch.cat([v - part, part])
+
+    near = 1e-4 if split else 1e-6  # two bf16 halves keep ~16 bits (the interpreter truncates)
+
+    def joined(v16):  # the operand a product sees, back in float32
+        return v16[:B].float() + v16[B:].float() if split else v16.float()
+
     # residual + rmsnorm, with and without the add
     h, o = rand(B, c.d_model, seed=20), rand(B, c.d_model, seed=21)
     bias = rand(c.d_model, seed=22)
     for add in (False, True):
-        hk, u = h.clone(), torch.empty(B, c.d_model, device=DEVICE, dtype=sdt)
-        rn.residual_rmsnorm(hk, o if add else None, bias if add else None, lw.norm_w, c.norm_eps, u)
+        hk, u = h.clone(), torch.empty(P, c.d_model, device=DEVICE, dtype=sdt)
+        rn.residual_rmsnorm(hk, halves(o) if add else None, bias if add else None, lw.norm_w, c.norm_eps, u, split=split)
         h_ref, u_ref = rn.residual_rmsnorm_ref(h, o if add else None, bias, lw.norm_w, c.norm_eps)
         assert rel_err(hk, h_ref) < 1e-6
-        assert rel_err(u.float(), u_ref) < ulp
+        assert rel_err(joined(u), u_ref) < near
     # conv step
     xz = rand(B, 2 * E, seed=23)
     conv_state = rand(B, E, c.d_conv, seed=24)
     ref_state = conv_state.clone()
-    xc, xc16 = torch.empty(B, E, device=DEVICE), torch.empty(B, E, device=DEVICE, dtype=sdt)
+    xc, xc16 = torch.empty(B, E, device=DEVICE), torch.empty(P, E, device=DEVICE, dtype=sdt)
     for _ in range(2):
-        dg.conv_step(xz, conv_state, lw.conv_w, lw.conv_b, xc, xc16)
+        dg.conv_step(halves(xz), conv_state, lw.conv_w, lw.conv_b, xc, xc16, split)
         ref = dg.conv_step_ref(xz[:, :E], ref_state, lw.conv_w, lw.conv_b)
         assert rel_err(xc, ref) < 1e-5
-        assert rel_err(xc16.float(), xc) < ulp
-        assert torch.equal(conv_state, ref_state)
+        assert rel_err(joined(xc16), xc) < near
+        assert rel_err(conv_state, ref_state) < 1e-6
+    # x_proj's result -> dbc and dt_proj's operand
+    dbc_ref = rand(B, R + 2 * N, seed=25)
+    dbc, dtr16 = torch.empty(B, R + 2 * N, device=DEVICE), torch.empty(P, R, device=DEVICE, dtype=sdt)
+    dg.dbc_rows(halves(dbc_ref), dbc, dtr16, split)
+    assert rel_err(dbc, dbc_ref) < 1e-6
+    assert rel_err(joined(dtr16), dbc_ref[:, :R]) < near
     # ssm update
-    dt, dbc = rand(B, E, seed=25), rand(B, R + 2 * N, seed=26)
+    dt = rand(B, E, seed=26)
     ssm_state = rand(B, E, N, seed=27)
     ref_state = ssm_state.clone()
-    y = torch.empty(B, E, device=DEVICE, dtype=sdt)
-    dg.ssm_update(dt, dbc, xc, xz, ssm_state, lw.dt_bias, lw.A, lw.D, R, y)
-    ref = dg.ssm_update_ref(dt, dbc[:, R : R + N], dbc[:, R + N :], xc, xz[:, E:], ref_state, lw.dt_bias, lw.A, lw.D)
+    y = torch.empty(P, E, device=DEVICE, dtype=sdt)
+    dg.ssm_update(halves(dt), dbc, xc, halves(xz), ssm_state, lw.dt_bias, lw.A, lw.D, R, y, split)
+    ref = dg.ssm_update_ref(dt, dbc_ref[:, R : R + N], dbc_ref[:, R + N :], xc, xz[:, E:], ref_state, lw.dt_bias, lw.A, lw.D)
     assert rel_err(ssm_state, ref_state) < 1e-5
-    assert rel_err(y.float(), ref) < ulp
+    assert rel_err(joined(y), ref) < near

@@ -1,18 +1,21 @@
-"""The decode step for larger batches: cuBLAS products and three Triton kernels a layer.
+"""The decode step for larger batches: cuBLAS products and four Triton kernels a layer.
 
 From batch SMALL_BATCH + 1 up (unless deterministic), one step is, per layer:
 
     residual_rmsnorm   h += o (+ out bias); u = rmsnorm(h) * norm_w, in the storage dtype (rmsnorm.py)
     cuBLAS             xz = u @ in_proj.T                    (float32 out)
     conv_step          conv step + SiLU on x                 -> xc (f32), xc16 (storage)
-    cuBLAS             dbc = xc16 @ x_proj.T; dt = dbc[:, :R] @ dt_proj.T   (float32 out)
+    cuBLAS             dbc = xc16 @ x_proj.T                 (float32 out)
+    dbc_rows           dbc's first R columns in the storage dtype
+    cuBLAS             dt = dbc[:, :R] @ dt_proj.T           (float32 out)
     ssm_update         softplus, state update, D skip, gate  -> y16 (storage)
     cuBLAS             o = y16 @ out_proj.T                  (float32 out)
 
 Why: at 32-256 rows a product reads each weight once for many rows, which is what cuBLAS's
 tensor-core GEMMs do at close to the copy rate; the step's other traffic is the recurrent
-state, streamed once by the two element-wise kernels. The activations meet the weights
-rounded to the storage dtype (as in prefill) and every product accumulates in float32.
+state, streamed once by the two element-wise kernels. With 16-bit weights the activations
+enter each product as two 16-bit halves (split16.py), so they keep about 16 bits; every
+product accumulates in float32.
 cuBLAS may pick its algorithm by the number of rows, so a slot's bits can depend on the
 batch size here: `deterministic=True` keeps the Triton tile mode (decode_step.py) instead.
 """
@@ -23,6 +26,7 @@ import torch
 
 from ._triton import jit, tl, triton
 from .rmsnorm import residual_rmsnorm
+from .split16 import load_sum, store_split
 
 
 # -- reference twins -------------------------------------------------------------------------
@@ -49,7 +53,7 @@ def ssm_update_ref(dt, Bm, Cm, x, z, ssm_state, dt_bias, A, D):
 @jit
 def _conv_step_kernel(
     xz_ptr, cs_ptr, cw_ptr, cb_ptr, xc_ptr, xc16_ptr, B, E,
-    K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, BE: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, SPLIT: tl.constexpr, BE: tl.constexpr,
 ):
     row = tl.program_id(1).to(tl.int64)
     e = tl.program_id(0) * BE + tl.arange(0, BE)
@@ -57,7 +61,7 @@ def _conv_step_kernel(
     kk = tl.arange(0, KP)
     win = cs_ptr + row * E * K + e[:, None] * K + kk[None, :]  # (BE, KP) this row's window
     old = tl.load(win + 1, mask=em[:, None] & (kk < K - 1)[None, :], other=0.0)  # the K-1 newest
-    x = tl.load(xz_ptr + row * 2 * E + e, mask=em, other=0.0)
+    x = load_sum(xz_ptr, row * 2 * E + e, B * 2 * E, em, SPLIT)
     new = tl.where((kk == K - 1)[None, :], x[:, None], old)  # the window after this step
     w = tl.load(cw_ptr + e[:, None] * K + kk[None, :], mask=em[:, None] & (kk < K)[None, :], other=0.0)
     conv = tl.sum(new * w, 1)
@@ -67,25 +71,35 @@ def _conv_step_kernel(
     tl.store(win, new, mask=em[:, None] & (kk < K)[None, :])
     xc = conv * tl.sigmoid(conv)
     tl.store(xc_ptr + row * E + e, xc, mask=em)
-    tl.store(xc16_ptr + row * E + e, xc.to(xc16_ptr.dtype.element_ty), mask=em)
+    store_split(xc16_ptr, row * E + e, xc, B * E, em, SPLIT)
+
+
+@jit
+def _dbc_kernel(raw_ptr, dbc_ptr, dtr_ptr, B, J, R, SPLIT: tl.constexpr, BJ: tl.constexpr):
+    # x_proj's float32 result (halves added) -> dbc; its first R columns -> dt_proj's operand
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BJ)
+    v = load_sum(raw_ptr, row * J + j, B * J, j < J, SPLIT)
+    tl.store(dbc_ptr + row * J + j, v, mask=j < J)
+    store_split(dtr_ptr, row * R + j, v, B * R, j < R, SPLIT)
 
 
 @jit
 def _ssm_update_kernel(
     dt_ptr, dbc_ptr, xc_ptr, xz_ptr, ss_ptr, dtb_ptr, A_ptr, D_ptr, y_ptr, B, E, R, J,
-    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, SPLIT: tl.constexpr, BE: tl.constexpr,
 ):
     row = tl.program_id(1).to(tl.int64)
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     em = e < E
     n = tl.arange(0, NP)
     nm = n < N
-    dt = tl.load(dt_ptr + row * E + e, mask=em, other=0.0) + tl.load(dtb_ptr + e, mask=em, other=0.0)
+    dt = load_sum(dt_ptr, row * E + e, B * E, em, SPLIT) + tl.load(dtb_ptr + e, mask=em, other=0.0)
     dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))  # softplus
     Bv = tl.load(dbc_ptr + row * J + R + n, mask=nm, other=0.0)
     Cv = tl.load(dbc_ptr + row * J + R + N + n, mask=nm, other=0.0)
     x = tl.load(xc_ptr + row * E + e, mask=em, other=0.0)
-    z = tl.load(xz_ptr + row * 2 * E + E + e, mask=em, other=0.0)
+    z = load_sum(xz_ptr, row * 2 * E + E + e, B * 2 * E, em, SPLIT)
     A = tl.load(A_ptr + e[:, None] * N + n[None, :], mask=em[:, None] & nm[None, :], other=0.0)
     sp = ss_ptr + row * E * N + e[:, None] * N + n[None, :]
     sm = em[:, None] & nm[None, :]
@@ -95,10 +109,11 @@ def _ssm_update_kernel(
     tl.store(sp, s, mask=sm)
     y = tl.sum(s * Cv[None, :], 1) + tl.load(D_ptr + e, mask=em, other=0.0) * x
     y = y * (z * tl.sigmoid(z))
-    tl.store(y_ptr + row * E + e, y.to(y_ptr.dtype.element_ty), mask=em)
+    store_split(y_ptr, row * E + e, y, B * E, em, SPLIT)
 
 
 # -- launchers -----------------------------------------------------------------------------------
+# split: the products' operands and results have 2B rows, halves as in split16.py.
 
 
 def gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
@@ -109,23 +124,29 @@ def gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
         torch.mm(a, weight.t(), out_dtype=torch.float32, out=out)
 
 
-def conv_step(xz, conv_state, conv_w, conv_b, xc, xc16) -> None:
+def conv_step(xz, conv_state, conv_w, conv_b, xc, xc16, split=False) -> None:
     """x = xz[:, :E]; xc = SiLU(conv step), also written to xc16; updates conv_state."""
     B, E, K = conv_state.shape
     BE = 128
     _conv_step_kernel[(triton.cdiv(E, BE), B)](
         xz, conv_state, conv_w, conv_b if conv_b is not None else conv_w, xc, xc16, B, E,
-        K=K, KP=triton.next_power_of_2(K), HAS_CB=conv_b is not None, BE=BE, num_warps=4,
+        K=K, KP=triton.next_power_of_2(K), HAS_CB=conv_b is not None, SPLIT=split, BE=BE, num_warps=4,
     )
 
 
-def ssm_update(dt, dbc, xc, xz, ssm_state, dt_bias, A, D, R, y) -> None:
+def dbc_rows(raw, dbc, dtr, split=False) -> None:
+    """dbc = x_proj's result (B, R+2N) f32; dtr = its first R columns in dtr's dtype."""
+    B, J = dbc.shape
+    _dbc_kernel[(B,)](raw, dbc, dtr, B, J, dtr.shape[1], SPLIT=split, BJ=triton.next_power_of_2(J), num_warps=1)
+
+
+def ssm_update(dt, dbc, xc, xz, ssm_state, dt_bias, A, D, R, y, split=False) -> None:
     """y = gated output of one recurrence step (B and C from dbc[:, R:]); updates ssm_state."""
     B, E, N = ssm_state.shape
     BE = 64
     _ssm_update_kernel[(triton.cdiv(E, BE), B)](
         dt, dbc, xc, xz, ssm_state, dt_bias, A, D, y, B, E, R, dbc.shape[1],
-        N=N, NP=triton.next_power_of_2(N), BE=BE, num_warps=4,
+        N=N, NP=triton.next_power_of_2(N), SPLIT=split, BE=BE, num_warps=4,
     )
 
 
@@ -137,38 +158,46 @@ class GemmDecodeStep:
         c, w = model.config, model.weights
         dev, sdt = w.embedding.device, w.embedding.dtype
         self.model, self.B = model, batch
+        self.split = sdt != torch.float32  # 16-bit operands in two halves (split16.py)
+        P = 2 * batch if self.split else batch  # rows of the products
         d, E, N, R = c.d_model, c.d_inner, c.d_state, c.dt_rank
         f32 = dict(device=dev, dtype=torch.float32)
         self.h = torch.zeros(batch, d, **f32)
-        self.o = torch.zeros(batch, d, **f32)
-        self.u = torch.zeros(batch, d, device=dev, dtype=sdt)
-        self.xz = torch.zeros(batch, 2 * E, **f32)
+        self.o = torch.zeros(P, d, **f32)
+        self.u = torch.zeros(P, d, device=dev, dtype=sdt)
+        self.xz = torch.zeros(P, 2 * E, **f32)
         self.xc = torch.zeros(batch, E, **f32)
-        self.xc16 = torch.zeros(batch, E, device=dev, dtype=sdt)
+        self.xc16 = torch.zeros(P, E, device=dev, dtype=sdt)
+        self.dbc_raw = torch.zeros(P, R + 2 * N, **f32)
         self.dbc = torch.zeros(batch, R + 2 * N, **f32)
-        self.dtr16 = torch.zeros(batch, R, device=dev, dtype=sdt)
-        self.dt = torch.zeros(batch, E, **f32)
-        self.y16 = torch.zeros(batch, E, device=dev, dtype=sdt)
+        self.dtr16 = torch.zeros(P, R, device=dev, dtype=sdt)
+        self.dt = torch.zeros(P, E, **f32)
+        self.y16 = torch.zeros(P, E, device=dev, dtype=sdt)
+        self.logits_raw = torch.zeros(P, c.vocab_size, **f32) if self.split else None
         self.logits = torch.zeros(batch, c.vocab_size, **f32)
 
     def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:
         c, w = self.model.config, self.model.weights
-        R, eps = c.dt_rank, c.norm_eps
-        torch.index_select(w.embedding, 0, tokens, out=self.u)  # u as scratch for the lookup
-        self.h.copy_(self.u)
+        R, eps, B, split = c.dt_rank, c.norm_eps, self.B, self.split
+        torch.index_select(w.embedding, 0, tokens, out=self.u[:B])  # u as scratch for the lookup
+        self.h.copy_(self.u[:B])
         prev = None  # the previous layer's out_proj bias, added with its output
         for i, lw in enumerate(w.layers):
-            residual_rmsnorm(self.h, self.o if i else None, prev, lw.norm_w, eps, self.u)
+            residual_rmsnorm(self.h, self.o if i else None, prev, lw.norm_w, eps, self.u, split=split)
             gemm(self.u, lw.in_proj_w, self.xz)
             if lw.in_proj_b is not None:
-                self.xz += lw.in_proj_b
-            conv_step(self.xz, state.conv[i], lw.conv_w, lw.conv_b, self.xc, self.xc16)
-            gemm(self.xc16, lw.x_proj_w, self.dbc)
-            self.dtr16.copy_(self.dbc[:, :R])
+                self.xz[:B] += lw.in_proj_b
+            conv_step(self.xz, state.conv[i], lw.conv_w, lw.conv_b, self.xc, self.xc16, split)
+            gemm(self.xc16, lw.x_proj_w, self.dbc_raw)
+            dbc_rows(self.dbc_raw, self.dbc, self.dtr16, split)
             gemm(self.dtr16, lw.dt_proj_w, self.dt)
-            ssm_update(self.dt, self.dbc, self.xc, self.xz, state.ssm[i], lw.dt_bias, lw.A, lw.D, R, self.y16)
+            ssm_update(self.dt, self.dbc, self.xc, self.xz, state.ssm[i], lw.dt_bias, lw.A, lw.D, R, self.y16, split)
             gemm(self.y16, lw.out_proj_w, self.o)
             prev = lw.out_proj_b
-        residual_rmsnorm(self.h, self.o, prev, w.norm_f, eps, self.u)
-        gemm(self.u, w.lm_head, self.logits)
+        residual_rmsnorm(self.h, self.o, prev, w.norm_f, eps, self.u, split=split)
+        if split:
+            gemm(self.u, w.lm_head, self.logits_raw)
+            torch.add(self.logits_raw[:B], self.logits_raw[B:], out=self.logits)
+        else:
+            gemm(self.u, w.lm_head, self.logits)
         return self.logits

@@ -116,7 +116,7 @@ def _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, dtb, e, emas
 def _scan_summary_kernel(
     x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, A_ptr, dtb_ptr, st_ptr, start_ptr,
     sum_ptr, dts_ptr, T, E, L,
-    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Pass 1. One program: one row, BE channels, one chunk of L steps, walked step by step:
     # the state the chunk leaves when it starts from zero (chunk 0 of an unpadded row: from
@@ -139,7 +139,7 @@ def _scan_summary_kernel(
     s = tl.load(st_ptr + b64 * E * N + e[:, None] * N + n[None, :], mask=sm & from_state, other=0.0)
     dt_sum = tl.zeros([BE], dtype=tl.float32)
     x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
-    for t in range(c * L, tl.minimum(c * L + L, T)):
+    for t in tl.range(c * L, tl.minimum(c * L + L, T), num_stages=STAGES):
         x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, dtb, e, emask, n, nmask, t, start, T)
         s = s * tl.exp(dt[:, None] * A) + (dt * x)[:, None] * Bt[None, :]
         dt_sum += dt
@@ -151,7 +151,7 @@ def _scan_summary_kernel(
 def _scan_chunks_kernel(
     x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, C_ptr, scb, scn, sct,
     z_ptr, szb, sze, szt, A_ptr, D_ptr, dtb_ptr, st_ptr, y_ptr, start_ptr, sum_ptr, dts_ptr, T, E, L,
-    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Pass 2. One program: one row, BE channels, one chunk. Its starting state folds the
     # summaries of the chunks before it (state <- decay * state + summary); then it walks
@@ -179,7 +179,7 @@ def _scan_chunks_kernel(
         s = tl.load(st_ptr + b64 * E * N + e[:, None] * N + n[None, :], mask=sm & (n[None, :] >= start * NP), other=0.0)
     x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
     C_row, z_row, y_row = C_ptr + b64 * scb, z_ptr + b64 * szb, y_ptr + b64 * T * E
-    for t in range(c * L, tl.minimum(c * L + L, T)):
+    for t in tl.range(c * L, tl.minimum(c * L + L, T), num_stages=STAGES):
         x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, dtb, e, emask, n, nmask, t, start, T)
         s = s * tl.exp(dt[:, None] * A) + (dt * x)[:, None] * Bt[None, :]
         Ct = tl.load(C_row + t * sct + n * scn, mask=nmask, other=0.0)
@@ -194,20 +194,25 @@ def _scan_chunks_kernel(
 SCAN_CHUNK = 128  # steps per chunk of the chunked scan
 SCAN_BE = 32  # channels per program of the chunked scan
 SCAN_WARPS = 1
+SCAN_STAGES = 1  # software pipelining of each step's loads (tl.range num_stages)
+SCAN_CHUNKED_FROM = 1024  # prompt steps from which the chunked scan is used
 
 
-def selective_scan(x, dt, A, Bm, Cm, D, z, dt_bias, state, start=None, chunked=True):
+def selective_scan(x, dt, A, Bm, Cm, D, z, dt_bias, state, start=None, chunked=None):
     """Triton twin of `selective_scan_ref`; inputs may be any strided views of those shapes.
     Returns a (B, E, T) view of a (B, T, E) float32 buffer.
 
     chunked: the two-pass scan (time cut into chunks of SCAN_CHUNK steps that run in
     parallel, each walked step by step); otherwise the one-pass scan (associative scan
-    inside chunks of 32 steps, chunks one after another)."""
+    inside chunks of 32 steps, chunks one after another). By default the two-pass scan
+    from SCAN_CHUNKED_FROM steps on, where its parallelism over time pays for its two passes."""
     Bsz, E, T = x.shape
     N = A.shape[1]
     y = torch.empty(Bsz, T, E, device=x.device, dtype=torch.float32)
     if start is None:
         start = torch.zeros(Bsz, device=x.device, dtype=torch.int32)
+    if chunked is None:
+        chunked = T >= SCAN_CHUNKED_FROM
     if chunked:
         L, BE, NP = SCAN_CHUNK, SCAN_BE, triton.next_power_of_2(N)
         grid = (Bsz, triton.cdiv(E, BE), triton.cdiv(T, L))
@@ -215,11 +220,11 @@ def selective_scan(x, dt, A, Bm, Cm, D, z, dt_bias, state, start=None, chunked=T
         dt_sums = torch.empty(Bsz, grid[2], E, device=x.device, dtype=torch.float32)
         inputs = (x, *x.stride(), dt, *dt.stride(), Bm, *Bm.stride())
         _scan_summary_kernel[grid](
-            *inputs, A, dt_bias, state, start, sums, dt_sums, T, E, L, N=N, NP=NP, BE=BE, num_warps=SCAN_WARPS
+            *inputs, A, dt_bias, state, start, sums, dt_sums, T, E, L, N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, num_warps=SCAN_WARPS
         )
         _scan_chunks_kernel[grid](
             *inputs, Cm, *Cm.stride(), z, *z.stride(), A, D, dt_bias, state, y, start, sums, dt_sums, T, E, L,
-            N=N, NP=NP, BE=BE, num_warps=SCAN_WARPS,
+            N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, num_warps=SCAN_WARPS,
         )
         return y.transpose(1, 2)
     BE, BT = 8, 32
