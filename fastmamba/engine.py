@@ -3,6 +3,8 @@
 `ReferenceDecoder` runs the pure-PyTorch model step (the CPU engine). `GraphDecoder` runs
 the Triton decode step and the sampler as one CUDA graph, captured once per batch size and
 sampler and replayed each step; only the new token ids are read back by the host.
+`GraphPrefill` runs the prefill of short prompts as CUDA graphs too: a short prompt's
+prefill is a few hundred small launches, which cost more from Python than on the GPU.
 """
 
 from __future__ import annotations
@@ -79,3 +81,43 @@ class GraphDecoder:
     def next(self) -> torch.Tensor:
         self.graph.replay()
         return self.tokens
+
+
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)  # padded prompt lengths with a graph each
+
+
+class GraphPrefill:
+    """Prefill of `batch` prompts left-padded to `length` tokens, as one CUDA graph.
+
+    Left padding leaves a row exactly as if it started at its first real token (the
+    kernels force dt = 0 and a zero conv input there), so a prompt shorter than the
+    bucket's length runs in the bucket's graph unchanged. `__call__` returns the last
+    position's logits and the state, both owned by the graph: use them before the next call.
+    """
+
+    def __init__(self, model: Mamba, batch: int, length: int):
+        self.model = model
+        self.ids = torch.zeros(batch, length, dtype=torch.int64, device=model.device)
+        self.start = torch.zeros(batch, dtype=torch.int32, device=model.device)
+        self.state = model.new_state(batch)
+        side = torch.cuda.Stream()  # warm-up (kernel compilation) outside the capture
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._body()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._body()
+
+    def _body(self) -> torch.Tensor:
+        self.state.reset()
+        return self.model.prefill(self.ids, self.state, self.start, last_only=True)
+
+    def __call__(self, padded_ids: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, MambaState]:
+        """padded_ids (B, T <= length) left-padded from start (B,) -> (logits (B, V), state)."""
+        pad = self.ids.shape[1] - padded_ids.shape[1]
+        self.ids[:, pad:].copy_(padded_ids)
+        self.start.copy_(start + pad)
+        self.graph.replay()
+        return self.logits, self.state

@@ -8,7 +8,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .engine import GraphDecoder, ReferenceDecoder
+from .engine import PREFILL_BUCKETS, GraphDecoder, GraphPrefill, ReferenceDecoder
 from .model import Mamba
 from .sampling import SamplingParams, resolve_seed, sample, sample_greedy
 from .tokenizer import IncrementalDecoder, Tokenizer
@@ -28,6 +28,9 @@ class StreamPiece:
     text: str | None
 
 
+GRAPH_PREFILL_TOKENS = 4096  # batch x bucket length up to which prefill runs as a CUDA graph
+
+
 class LanguageModel:
     def __init__(
         self,
@@ -44,6 +47,7 @@ class LanguageModel:
         self.engine = engine  # "reference" (pure PyTorch) or "triton" (GPU kernels + CUDA graphs)
         self.deterministic = deterministic
         self._graph_decoders: dict[int, GraphDecoder] = {}
+        self._graph_prefills: dict[tuple[int, int], GraphPrefill] = {}
 
     def _decoder(self, batch: int):
         if self.engine == "reference":
@@ -54,6 +58,18 @@ class LanguageModel:
         # A decoder holds one generation's state: a generation that runs while another is
         # still going (two interleaved streams) gets a decoder of its own.
         return cached if not cached.busy else GraphDecoder(self.model, batch, self.deterministic)
+
+    def _prefill(self, padded: torch.Tensor, start: torch.Tensor):
+        """Logits of each row's last token (B, V) and the state after the prompts."""
+        B, T = padded.shape
+        bucket = next((n for n in PREFILL_BUCKETS if n >= T), None)
+        if self.engine == "reference" or bucket is None or B * bucket > GRAPH_PREFILL_TOKENS:
+            state = self.model.new_state(B)
+            return self.model.prefill(padded, state, start, last_only=True), state
+        graph = self._graph_prefills.get((B, bucket))
+        if graph is None:  # captured once per batch size and bucket, then reused
+            graph = self._graph_prefills[(B, bucket)] = GraphPrefill(self.model, B, bucket)
+        return graph(padded, start)
 
     @property
     def device(self) -> torch.device:
@@ -167,12 +183,11 @@ class LanguageModel:
         row's state untouched), then all slots decode together; a finished slot keeps its
         place in the batch but yields nothing more.
         """
-        model, B = self.model, len(all_ids)
+        B = len(all_ids)
         longest = max(len(ids) for ids in all_ids)
         padded = torch.tensor([[0] * (longest - len(ids)) + ids for ids in all_ids], device=self.device)
         start = torch.tensor([longest - len(ids) for ids in all_ids], device=self.device, dtype=torch.int32)
-        state = model.new_state(B)
-        logits = model.prefill(padded, state, start, last_only=True)  # (B, V)
+        logits, state = self._prefill(padded, start)  # (B, V)
 
         decoder = self._decoder(B)
         requests = [(p, resolve_seed(p.seed), ids) for ids, p in zip(all_ids, params)]
