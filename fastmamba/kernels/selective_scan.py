@@ -194,7 +194,7 @@ def _scan_chunks_kernel(
 SCAN_CHUNK = 128  # steps per chunk of the chunked scan
 SCAN_BE = 32  # channels per program of the chunked scan
 SCAN_WARPS = 1
-SCAN_STAGES = 1  # software pipelining of each step's loads (tl.range num_stages)
+SCAN_STAGES = 3  # software pipelining of each step's loads (tl.range num_stages)
 SCAN_CHUNKED_FROM = 1024  # prompt steps from which the chunked scan is used
 
 
