@@ -13,7 +13,7 @@ import torch  # noqa: E402
 
 from fastmamba.bench import random_model  # noqa: E402
 from fastmamba.checkpoint import parse_dtype  # noqa: E402
-from fastmamba.kernels.decode_step import DecodeStep  # noqa: E402
+from fastmamba.kernels.decode_step import make_decode_step  # noqa: E402
 
 
 def main() -> None:
@@ -23,7 +23,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     args = ap.parse_args()
     model = random_model(args.model, parse_dtype(args.dtype))
-    step = DecodeStep(model, args.batch)
+    step = make_decode_step(model, args.batch)  # the step the engine would run
     state = model.new_state(args.batch)
     tokens = torch.zeros(args.batch, dtype=torch.int64, device="cuda")
     for _ in range(3):
@@ -34,7 +34,7 @@ def main() -> None:
             step(tokens, state)
         torch.cuda.synchronize()
     print(f"{args.model} {args.dtype} batch {args.batch}")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=50))
 
 
 if __name__ == "__main__":

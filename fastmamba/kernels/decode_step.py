@@ -131,25 +131,30 @@ def _rmsnorm_linear_kernel(
     NT_SSQ: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
     BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
 ):
-    _wait_for_prior_kernel(PDL)
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
     rows = pid_b * BB + tl.arange(0, BB)
     rmask = rows < B
-    ssq = tl.zeros([BB], dtype=tl.float32)
-    for t in range(NT_SSQ):  # the row's sum of squares, from per-tile partials, in tile order
-        ssq += tl.load(ssq_ptr + t * BP + rows, mask=rmask, other=0.0)
-    rstd = 1.0 / tl.sqrt(ssq / D + eps)
     n = pid_n * BN + tl.arange(0, BN)
     nmask = n < NOUT
+    # The weights depend on no earlier kernel: the first tile is on its way before the wait.
+    k = tl.arange(0, BK)
+    w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=nmask[:, None] & (k < D)[None, :], other=0.0)
+    _wait_for_prior_kernel(PDL)
+    # the row's sum of squares, from the per-tile partials (one load, a fixed-order tree sum)
+    t = tl.arange(0, triton.next_power_of_2(NT_SSQ))
+    ssq = tl.sum(tl.load(ssq_ptr + t[:, None] * BP + rows[None, :], mask=(t < NT_SSQ)[:, None] & rmask[None, :], other=0.0), 0)
+    rstd = 1.0 / tl.sqrt(ssq / D + eps)
     acc = tl.zeros([BB, BN], dtype=tl.float32)
     for k0 in range(0, D, BK):
         k = k0 + tl.arange(0, BK)
         kmask = k < D
         hk = tl.load(h_ptr + rows[:, None] * D + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         nw = tl.load(nw_ptr + k, mask=kmask, other=0.0)
-        w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        acc += _mm(hk * rstd[:, None] * nw[None, :], w, BB, IEEE)
+        w_now = w
+        k = k + BK  # the next tile (nothing past D)
+        w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=nmask[:, None] & (k < D)[None, :], other=0.0)
+        acc += _mm(hk * rstd[:, None] * nw[None, :], w_now, BB, IEEE)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nmask, other=0.0)[None, :]
     tl.store(out_ptr + rows[:, None] * NOUT + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
@@ -161,17 +166,20 @@ def _conv_x_proj_kernel(
     K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr,
     BB: tl.constexpr, BE: tl.constexpr, SUB: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
 ):
-    _wait_for_prior_kernel(PDL)
     pid_e = tl.program_id(0)
     pid_b = tl.program_id(1)
     rows = pid_b * BB + tl.arange(0, BB)
     rmask = rows < B
     j = tl.arange(0, BJ)
     jmask = j < J
+    e_end = tl.minimum(pid_e * BE + BE, E)
+    e = pid_e * BE + tl.arange(0, SUB)  # the first x_proj tile is on its way before the wait
+    w = tl.load(wx_ptr + j[:, None] * E + e[None, :], mask=jmask[:, None] & (e < e_end)[None, :], other=0.0)
+    _wait_for_prior_kernel(PDL)
     acc = tl.zeros([BB, BJ], dtype=tl.float32)
     for s0 in tl.static_range(0, BE, SUB):
         e = pid_e * BE + s0 + tl.arange(0, SUB)
-        emask = e < E
+        emask = e < e_end
         m = rmask[:, None] & emask[None, :]
         x = tl.load(xz_ptr + rows[:, None] * (2 * E) + e[None, :], mask=m, other=0.0)
         if HAS_CB:
@@ -195,8 +203,10 @@ def _conv_x_proj_kernel(
         tl.store(state + K - 1, x, mask=m)
         xc = conv * tl.sigmoid(conv)
         tl.store(xc_ptr + rows[:, None] * E + e[None, :], xc, mask=m)
-        w = tl.load(wx_ptr + j[:, None] * E + e[None, :], mask=jmask[:, None] & emask[None, :], other=0.0)
-        acc += _mm(xc, w, BB, IEEE)
+        w_now = w
+        e = e + SUB  # the next tile (nothing past this program's channels)
+        w = tl.load(wx_ptr + j[:, None] * E + e[None, :], mask=jmask[:, None] & (e < e_end)[None, :], other=0.0)
+        acc += _mm(xc, w_now, BB, IEEE)
     part = part_ptr + rows[:, None] * BJ + j[None, :]
     tl.store(part + pid_e * BP * BJ, acc, mask=rmask[:, None])
     # The last program of this row tile adds the partials up, in split order.
@@ -216,7 +226,6 @@ def _ssm_step_kernel(
     N: tl.constexpr, NP: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, IEEE: tl.constexpr,
     BB: tl.constexpr, BE: tl.constexpr, PDL: tl.constexpr,
 ):
-    _wait_for_prior_kernel(PDL)
     pid_e = tl.program_id(0)
     pid_b = tl.program_id(1)
     rows = pid_b * BB + tl.arange(0, BB)
@@ -225,24 +234,28 @@ def _ssm_step_kernel(
     emask = e < E
     m = rmask[:, None] & emask[None, :]
     r = tl.arange(0, BR)
-    dtr = tl.load(dbc_ptr + rows[:, None] * BJ + r[None, :], mask=rmask[:, None] & (r < R)[None, :], other=0.0)
-    w = tl.load(dtw_ptr + e[:, None] * R + r[None, :], mask=emask[:, None] & (r < R)[None, :], other=0.0)
-    dt = _mm(dtr, w, BB, IEEE) + tl.load(dtb_ptr + e, mask=emask, other=0.0)[None, :]  # (BB, BE)
-    dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))  # softplus
     nn = tl.arange(0, NP)
     nmask = nn < N
+    # weights and constants first (no earlier kernel writes them), then the wait
+    w = tl.load(dtw_ptr + e[:, None] * R + r[None, :], mask=emask[:, None] & (r < R)[None, :], other=0.0)
+    A = tl.load(A_ptr + e[:, None] * N + nn[None, :], mask=emask[:, None] & nmask[None, :], other=0.0)
+    dtb = tl.load(dtb_ptr + e, mask=emask, other=0.0)
+    Dv = tl.load(D_ptr + e, mask=emask, other=0.0)
+    _wait_for_prior_kernel(PDL)
+    dtr = tl.load(dbc_ptr + rows[:, None] * BJ + r[None, :], mask=rmask[:, None] & (r < R)[None, :], other=0.0)
+    dt = _mm(dtr, w, BB, IEEE) + dtb[None, :]  # (BB, BE)
+    dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))  # softplus
     Bv = tl.load(dbc_ptr + rows[:, None] * BJ + R + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
     Cv = tl.load(dbc_ptr + rows[:, None] * BJ + R + N + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
     x = tl.load(xc_ptr + rows[:, None] * E + e[None, :], mask=m, other=0.0)
     z = tl.load(xz_ptr + rows[:, None] * (2 * E) + E + e[None, :], mask=m, other=0.0)
-    A = tl.load(A_ptr + e[:, None] * N + nn[None, :], mask=emask[:, None] & nmask[None, :], other=0.0)
     sp = ss_ptr + rows[:, None, None] * (E * N) + e[None, :, None] * N + nn[None, None, :]
     sm = m[:, :, None] & nmask[None, None, :]
     s = tl.load(sp, mask=sm, other=0.0)  # (BB, BE, NP)
     s = s * tl.exp(dt[:, :, None] * A[None, :, :]) + (dt * x)[:, :, None] * Bv[:, None, :]
     tl.debug_barrier()  # every thread holding an element has read it before it is rewritten
     tl.store(sp, s, mask=sm)
-    y = tl.sum(s * Cv[:, None, :], 2) + tl.load(D_ptr + e, mask=emask, other=0.0)[None, :] * x
+    y = tl.sum(s * Cv[:, None, :], 2) + Dv[None, :] * x
     y = y * (z * tl.sigmoid(z))
     tl.store(y_ptr + rows[:, None] * E + e[None, :], y, mask=m)
 
@@ -253,7 +266,6 @@ def _out_proj_residual_kernel(
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr,
     BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
 ):
-    _wait_for_prior_kernel(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_b = tl.program_id(2)
@@ -261,14 +273,18 @@ def _out_proj_residual_kernel(
     rmask = rows < B
     n = pid_n * BN + tl.arange(0, BN)
     nmask = n < D
-    acc = tl.zeros([BB, BN], dtype=tl.float32)
     k_end = tl.minimum((pid_s + 1) * KCHUNK, E)
+    k = pid_s * KCHUNK + tl.arange(0, BK)  # the first weight tile is on its way before the wait
+    w = tl.load(w_ptr + n[:, None] * E + k[None, :], mask=nmask[:, None] & (k < k_end)[None, :], other=0.0)
+    _wait_for_prior_kernel(PDL)
+    acc = tl.zeros([BB, BN], dtype=tl.float32)
     for k0 in range(pid_s * KCHUNK, k_end, BK):
         k = k0 + tl.arange(0, BK)
-        kmask = k < k_end
-        yk = tl.load(y_ptr + rows[:, None] * E + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(w_ptr + n[:, None] * E + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        acc += _mm(yk, w, BB, IEEE)
+        yk = tl.load(y_ptr + rows[:, None] * E + k[None, :], mask=rmask[:, None] & (k < k_end)[None, :], other=0.0)
+        w_now = w
+        k = k + BK  # the next tile (nothing past this split's end)
+        w = tl.load(w_ptr + n[:, None] * E + k[None, :], mask=nmask[:, None] & (k < k_end)[None, :], other=0.0)
+        acc += _mm(yk, w_now, BB, IEEE)
     m = rmask[:, None] & nmask[None, :]
     part = part_ptr + rows[:, None] * D + n[None, :]
     tl.store(part + pid_s * BP * D, acc, mask=m)
