@@ -145,16 +145,17 @@ def _rmsnorm_linear_kernel(
     t = tl.arange(0, triton.next_power_of_2(NT_SSQ))
     ssq = tl.sum(tl.load(ssq_ptr + t[:, None] * BP + rows[None, :], mask=(t < NT_SSQ)[:, None] & rmask[None, :], other=0.0), 0)
     rstd = 1.0 / tl.sqrt(ssq / D + eps)
-    acc = tl.zeros([BB, BN], dtype=tl.float32)
-    for k0 in range(0, D, BK):
+    # the first tile's product, then the rest in a loop that Triton software-pipelines
+    hk = tl.load(h_ptr + rows[:, None] * D + k[None, :], mask=rmask[:, None] & (k < D)[None, :], other=0.0)
+    nw = tl.load(nw_ptr + k, mask=k < D, other=0.0)
+    acc = _mm(hk * rstd[:, None] * nw[None, :], w, BB, IEEE)
+    for k0 in range(BK, D, BK):
         k = k0 + tl.arange(0, BK)
         kmask = k < D
         hk = tl.load(h_ptr + rows[:, None] * D + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         nw = tl.load(nw_ptr + k, mask=kmask, other=0.0)
-        w_now = w
-        k = k + BK  # the next tile (nothing past D)
-        w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=nmask[:, None] & (k < D)[None, :], other=0.0)
-        acc += _mm(hk * rstd[:, None] * nw[None, :], w_now, BB, IEEE)
+        w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        acc += _mm(hk * rstd[:, None] * nw[None, :], w, BB, IEEE)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nmask, other=0.0)[None, :]
     tl.store(out_ptr + rows[:, None] * NOUT + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
