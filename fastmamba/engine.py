@@ -33,14 +33,24 @@ class ReferenceDecoder:
         return self.tokens
 
     def next(self) -> torch.Tensor:
+        """The next step's tokens, as (1, B): one step per call."""
         self.tokens = self.pick(self.model.step(self.tokens, self.state), self.slots)
-        return self.tokens
+        return self.tokens[None]
+
+
+STEPS_PER_READ = 4  # decode steps per graph replay, i.e. per read-back of token ids
 
 
 class GraphDecoder:
-    """Decode step + sampling for a fixed batch size, as CUDA graphs (one per sampler)."""
+    """Decode step + sampling for a fixed batch size, as CUDA graphs (one per sampler).
 
-    def __init__(self, model: Mamba, batch: int, deterministic: bool = False):
+    One replay runs `steps` steps and leaves their tokens in `history` (steps, B), so the
+    host reads back (and waits for the GPU) once per `steps` tokens; the GPU otherwise
+    idles while the host handles each step. A generation that stops inside a replay
+    discards the steps after its stop.
+    """
+
+    def __init__(self, model: Mamba, batch: int, deterministic: bool = False, steps: int | None = None):
         from .kernels.decode_step import make_decode_step
 
         self.model = model
@@ -49,10 +59,14 @@ class GraphDecoder:
         self.state = model.new_state(batch)
         self.slots = SlotParams.empty(batch, model.config.vocab_size, model.device)
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=model.device)
+        self.steps = steps or STEPS_PER_READ
+        self.history = torch.zeros(self.steps, batch, dtype=torch.int64, device=model.device)
         self.graphs: dict[Pick, torch.cuda.CUDAGraph] = {}
 
     def _body(self, pick: Pick) -> None:
-        self.tokens.copy_(pick(self.step(self.tokens, self.state), self.slots))
+        for i in range(self.steps):
+            self.tokens.copy_(pick(self.step(self.tokens, self.state), self.slots))
+            self.history[i].copy_(self.tokens)
 
     def _capture(self, pick: Pick) -> torch.cuda.CUDAGraph:
         # Warm-up runs compile the kernels and must happen outside the capture; they
@@ -79,8 +93,9 @@ class GraphDecoder:
         return self.tokens
 
     def next(self) -> torch.Tensor:
+        """The next `steps` steps' tokens, (steps, B)."""
         self.graph.replay()
-        return self.tokens
+        return self.history
 
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)  # padded prompt lengths with a graph each

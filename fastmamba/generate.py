@@ -196,23 +196,23 @@ class LanguageModel:
         remaining = [p.max_tokens for p in params]
         decoder.busy = True
         try:
-            tokens = decoder.begin(state, logits, sample_greedy if greedy else sample, requests)
+            tokens = decoder.begin(state, logits, sample_greedy if greedy else sample, requests)[None]
             while True:
-                host = tokens.tolist()  # the only device -> host traffic per step
-                out, reasons = [None] * B, [None] * B
-                for i, t in enumerate(host):
-                    if remaining[i] == 0:
-                        continue
-                    if t in stops[i]:
-                        remaining[i], reasons[i] = 0, "stop"
-                        continue
-                    out[i] = t
-                    remaining[i] -= 1
-                    if remaining[i] == 0:
-                        reasons[i] = "length"
-                yield out, reasons
-                if not any(remaining):
-                    return
+                for host in tokens.tolist():  # the only device -> host traffic: (steps, B) ids
+                    out, reasons = [None] * B, [None] * B
+                    for i, t in enumerate(host):
+                        if remaining[i] == 0:
+                            continue
+                        if t in stops[i]:
+                            remaining[i], reasons[i] = 0, "stop"
+                            continue
+                        out[i] = t
+                        remaining[i] -= 1
+                        if remaining[i] == 0:
+                            reasons[i] = "length"
+                    yield out, reasons
+                    if not any(remaining):
+                        return
                 tokens = decoder.next()
         finally:
             decoder.busy = False
