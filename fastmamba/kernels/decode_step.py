@@ -377,10 +377,7 @@ class DecodeStep:
         self.cnt_x = torch.zeros(BP // self.BB, device=dev, dtype=torch.int32)
         self.cnt_out = torch.zeros(BP // self.BB * self.nt_d, device=dev, dtype=torch.int32)
         self.logits = torch.zeros(BP, c.vocab_size, **f32)
-        # PDL in the one-row mode only: the tile mode (deterministic) ran slower with it
-        # (2.8b batch 1: 4.7 -> 5.8 ms, benchmarks/RESULTS.md), its 255-register programs
-        # gaining nothing from an early start.
-        pdl = use_pdl(dev) and self.BB == 1
+        pdl = use_pdl(dev)
         self.pdl = dict(PDL=pdl, launch_pdl=True) if pdl else dict(PDL=False)
 
     # Each method launches one kernel on the scratch buffers; __call__ chains them.
