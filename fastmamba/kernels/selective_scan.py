@@ -113,30 +113,38 @@ def _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, dtb, e, emas
 
 
 @jit
-def _scan_summary_kernel(
-    x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, A_ptr, dtb_ptr, st_ptr, start_ptr,
-    sum_ptr, dts_ptr, T, E, L,
-    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr,
-):
-    # Pass 1. One program: one row, BE channels, one chunk of L steps, walked step by step:
-    # the state the chunk leaves when it starts from zero (chunk 0 of an unpadded row: from
-    # the layer's state), and its summed step sizes (A times that sum is the log of the
-    # chunk's whole decay).
-    b = tl.program_id(0)
+def _chunk_program(A_ptr, dtb_ptr, st_ptr, start_ptr, E, N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr):
+    """What both passes' programs start from: one row b, BE channels e, chunk c of nc; this
+    row's start; A and dt_bias for the channels; and the state the chunk would start from
+    alone: st's (the layer's state) for chunk 0 of an unpadded row, zero otherwise."""
+    b64 = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BE + tl.arange(0, BE)
     c = tl.program_id(2)
-    nc = tl.num_programs(2)
     emask = e < E
     n = tl.arange(0, NP)
     nmask = n < N
-    b64 = b.to(tl.int64)
-    start = tl.load(start_ptr + b)
     sm = emask[:, None] & nmask[None, :]
+    start = tl.load(start_ptr + b64)
     A = tl.load(A_ptr + e[:, None] * N + n[None, :], mask=sm, other=0.0)
     dtb = tl.load(dtb_ptr + e, mask=emask, other=0.0)
-    # chunk 0 of an unpadded row starts from the layer's state (n < N is then true)
-    from_state = n[None, :] < tl.where((c == 0) & (start == 0), N, 0)
+    from_state = n[None, :] < tl.where((c == 0) & (start == 0), N, 0)  # all n, or none
     s = tl.load(st_ptr + b64 * E * N + e[:, None] * N + n[None, :], mask=sm & from_state, other=0.0)
+    return b64, e, c, tl.num_programs(2), emask, n, nmask, sm, start, A, dtb, s
+
+
+@jit
+def _scan_summary_kernel(
+    x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, A_ptr, dtb_ptr, st_ptr, start_ptr,
+    sum_ptr, dts_ptr, init_ptr, T, E, L,
+    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr,
+):
+    # Pass 1. One program: one row, BE channels, one chunk of L steps, walked step by step:
+    # the state the chunk leaves when it starts alone (see _chunk_program), and its summed
+    # step sizes (A times that sum is the log of the chunk's whole decay). Chunk 0 also
+    # keeps its starting state for pass 2, which rewrites the layer's state.
+    b64, e, c, nc, emask, n, nmask, sm, start, A, dtb, s = _chunk_program(A_ptr, dtb_ptr, st_ptr, start_ptr, E, N, NP, BE)
+    if c == 0:
+        tl.store(init_ptr + b64 * E * N + e[:, None] * N + n[None, :], s, mask=sm)
     dt_sum = tl.zeros([BE], dtype=tl.float32)
     x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
     for t in tl.range(c * L, tl.minimum(c * L + L, T), num_stages=STAGES):
@@ -150,33 +158,20 @@ def _scan_summary_kernel(
 @jit
 def _scan_chunks_kernel(
     x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, C_ptr, scb, scn, sct,
-    z_ptr, szb, sze, szt, A_ptr, D_ptr, dtb_ptr, st_ptr, y_ptr, start_ptr, sum_ptr, dts_ptr, T, E, L,
+    z_ptr, szb, sze, szt, A_ptr, D_ptr, dtb_ptr, st_ptr, y_ptr, start_ptr, sum_ptr, dts_ptr, init_ptr, T, E, L,
     N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Pass 2. One program: one row, BE channels, one chunk. Its starting state folds the
-    # summaries of the chunks before it (state <- decay * state + summary); then it walks
-    # its steps again, writing y. The last chunk writes the layer's new state: pass 1 has
-    # read the old one, and nothing here reads it.
-    b = tl.program_id(0)
-    e = tl.program_id(1) * BE + tl.arange(0, BE)
-    c = tl.program_id(2)
-    nc = tl.num_programs(2)
-    emask = e < E
-    n = tl.arange(0, NP)
-    nmask = n < N
-    b64 = b.to(tl.int64)
-    start = tl.load(start_ptr + b)
-    sm = emask[:, None] & nmask[None, :]
-    A = tl.load(A_ptr + e[:, None] * N + n[None, :], mask=sm, other=0.0)
-    dtb = tl.load(dtb_ptr + e, mask=emask, other=0.0)
+    # summaries of the chunks before it (state <- decay * state + summary; chunk 0's
+    # summary holds the layer's old state; chunk 0 itself starts from pass 1's copy of
+    # it); then it walks its steps again, writing y. The last chunk writes the layer's new
+    # state, which no program of this pass reads.
+    b64, e, c, nc, emask, n, nmask, sm, start, A, dtb, s = _chunk_program(A_ptr, dtb_ptr, init_ptr, start_ptr, E, N, NP, BE)
     Dv = tl.load(D_ptr + e, mask=emask, other=0.0)
-    s = tl.zeros([BE, NP], dtype=tl.float32)
     for cp in range(0, c):
         dts = tl.load(dts_ptr + (b64 * nc + cp) * E + e, mask=emask, other=0.0)
         piece = tl.load(sum_ptr + (b64 * nc + cp) * E * N + e[:, None] * N + n[None, :], mask=sm, other=0.0)
         s = s * tl.exp(dts[:, None] * A) + piece
-    if c == 0:  # chunk 0 starts from the layer's state, as in pass 1
-        s = tl.load(st_ptr + b64 * E * N + e[:, None] * N + n[None, :], mask=sm & (n[None, :] >= start * NP), other=0.0)
     x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
     C_row, z_row, y_row = C_ptr + b64 * scb, z_ptr + b64 * szb, y_ptr + b64 * T * E
     for t in tl.range(c * L, tl.minimum(c * L + L, T), num_stages=STAGES):
@@ -187,7 +182,6 @@ def _scan_chunks_kernel(
         y = tl.sum(s * Ct[None, :], 1) + Dv * x
         tl.store(y_row + t * E + e, y * z * tl.sigmoid(z), mask=emask)
     if c == nc - 1:
-        tl.debug_barrier()  # (chunk 0 may also be the last: its read of the state comes first)
         tl.store(st_ptr + b64 * E * N + e[:, None] * N + n[None, :], s, mask=sm)
 
 
@@ -218,12 +212,13 @@ def selective_scan(x, dt, A, Bm, Cm, D, z, dt_bias, state, start=None, chunked=N
         grid = (Bsz, triton.cdiv(E, BE), triton.cdiv(T, L))
         sums = torch.empty(Bsz, grid[2], E, N, device=x.device, dtype=torch.float32)
         dt_sums = torch.empty(Bsz, grid[2], E, device=x.device, dtype=torch.float32)
+        init = torch.empty(Bsz, E, N, device=x.device, dtype=torch.float32)
         inputs = (x, *x.stride(), dt, *dt.stride(), Bm, *Bm.stride())
         _scan_summary_kernel[grid](
-            *inputs, A, dt_bias, state, start, sums, dt_sums, T, E, L, N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, num_warps=SCAN_WARPS
+            *inputs, A, dt_bias, state, start, sums, dt_sums, init, T, E, L, N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, num_warps=SCAN_WARPS
         )
         _scan_chunks_kernel[grid](
-            *inputs, Cm, *Cm.stride(), z, *z.stride(), A, D, dt_bias, state, y, start, sums, dt_sums, T, E, L,
+            *inputs, Cm, *Cm.stride(), z, *z.stride(), A, D, dt_bias, state, y, start, sums, dt_sums, init, T, E, L,
             N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, num_warps=SCAN_WARPS,
         )
         return y.transpose(1, 2)
