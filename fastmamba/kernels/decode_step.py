@@ -11,8 +11,8 @@ and around the layers: `embed` before, `rmsnorm_linear` with norm_f and lm_head 
 
 Why it is shaped this way:
 - Small batches (up to SMALL_BATCH rows) run one row per program with float32
-  multiply-and-sum products: bandwidth-bound GEMVs. Larger batches run rows in tiles of 16
-  through the tensor cores (`tl.dot`). Within a mode every reduction runs over a fixed
+  multiply-and-sum products: bandwidth-bound GEMVs. The tile mode runs rows in tiles of 16
+  through the tensor cores (`tl.dot`); the engine uses it in deterministic mode. Within a mode every reduction runs over a fixed
   split of K in a fixed order, so a row's result never depends on the other rows or on
   how many there are; `deterministic=True` uses the tile mode for every batch size, so a
   slot is bitwise the same from batch 1 to 256. Rows past the batch are masked.
@@ -21,6 +21,11 @@ Why it is shaped this way:
   counter per tile), always in split order, so the result is deterministic.
 - out_proj's reducer also writes each tile's sum of squares, so the next rmsnorm needs no
   extra pass over h.
+- On Hopper the kernels launch with programmatic dependent launch: each starts while the
+  previous one drains, loads its first weight tile (which no kernel writes), and only
+  then waits for the previous kernel's results (`_wait_for_prior_kernel`).
+- Batches above SMALL_BATCH run through cuBLAS instead (decode_gemm.py), unless
+  deterministic: see `make_decode_step`.
 """
 
 from __future__ import annotations
@@ -145,7 +150,8 @@ def _rmsnorm_linear_kernel(
     t = tl.arange(0, triton.next_power_of_2(NT_SSQ))
     ssq = tl.sum(tl.load(ssq_ptr + t[:, None] * BP + rows[None, :], mask=(t < NT_SSQ)[:, None] & rmask[None, :], other=0.0), 0)
     rstd = 1.0 / tl.sqrt(ssq / D + eps)
-    # the first tile's product, then the rest in a loop that Triton software-pipelines
+    # the first tile's product, then the rest in a plain loop (carrying a prefetched tile
+    # through it instead doubled the registers and halved the bandwidth)
     hk = tl.load(h_ptr + rows[:, None] * D + k[None, :], mask=rmask[:, None] & (k < D)[None, :], other=0.0)
     nw = tl.load(nw_ptr + k, mask=k < D, other=0.0)
     acc = _mm(hk * rstd[:, None] * nw[None, :], w, BB, IEEE)
