@@ -25,7 +25,9 @@ from __future__ import annotations
 import torch
 
 from ._triton import jit, tl, triton
+from .causal_conv1d import causal_conv1d_ref
 from .rmsnorm import residual_rmsnorm
+from .selective_scan import selective_scan_ref
 from .split16 import load_sum, store_split
 
 
@@ -34,15 +36,11 @@ from .split16 import load_sum, store_split
 
 def conv_step_ref(x, conv_state, conv_w, conv_b):
     """x (B, E) -> SiLU(conv) (B, E) f32; shifts x into conv_state (B, E, K)."""
-    from .causal_conv1d import causal_conv1d_ref
-
     return causal_conv1d_ref(x[:, :, None], conv_w, conv_b, conv_state)[:, :, 0]
 
 
 def ssm_update_ref(dt, Bm, Cm, x, z, ssm_state, dt_bias, A, D):
     """One recurrence step from dt (B, E) before bias and softplus -> y (B, E) f32."""
-    from .selective_scan import selective_scan_ref
-
     y = selective_scan_ref(x[..., None], dt[..., None], A, Bm[..., None], Cm[..., None], D, z[..., None], dt_bias, ssm_state)
     return y[..., 0]
 

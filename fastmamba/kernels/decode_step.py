@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import INTERPRET, jit, tl, triton
-from .causal_conv1d import causal_conv1d_ref
-from .selective_scan import selective_scan_ref
+from .decode_gemm import conv_step_ref, ssm_update_ref
+from .rmsnorm import residual_rmsnorm_ref
 
 ROW_TILE = 16  # rows per program in tile mode (the tensor cores' smallest M)
 SMALL_BATCH = 8  # batches up to this size run one row per program, unless deterministic
@@ -48,13 +48,12 @@ SMALL_BATCH = 8  # batches up to this size run one row per program, unless deter
 
 def rmsnorm_linear_ref(h, norm_w, eps, weight, bias=None):
     """(B, d) f32 -> (B, n_out) f32: linear(rmsnorm(h) * norm_w)."""
-    u = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_w
-    return F.linear(u, weight.float(), bias)
+    return F.linear(residual_rmsnorm_ref(h, None, None, norm_w, eps)[1], weight.float(), bias)
 
 
 def conv_x_proj_ref(x, conv_state, conv_w, conv_b, x_proj_w):
     """x (B, E) -> xc (B, E) f32 after conv + SiLU, and dbc (B, R+2N) f32; updates conv_state."""
-    xc = causal_conv1d_ref(x[:, :, None], conv_w, conv_b, conv_state)[:, :, 0]
+    xc = conv_step_ref(x, conv_state, conv_w, conv_b)
     return xc, F.linear(xc, x_proj_w.float())
 
 
@@ -63,9 +62,7 @@ def ssm_step_ref(dbc, xc, z, ssm_state, dt_proj_w, dt_bias, A, D):
     N = A.shape[1]
     R = dbc.shape[1] - 2 * N
     dt = F.linear(dbc[:, :R], dt_proj_w.float())  # (B, E)
-    Bm, Cm = dbc[:, R : R + N], dbc[:, R + N :]
-    y = selective_scan_ref(xc[..., None], dt[..., None], A, Bm[..., None], Cm[..., None], D, z[..., None], dt_bias, ssm_state)
-    return y[..., 0]
+    return ssm_update_ref(dt, dbc[:, R : R + N], dbc[:, R + N :], xc, z, ssm_state, dt_bias, A, D)
 
 
 def out_proj_residual_ref(y, weight, bias, h):
