@@ -19,6 +19,21 @@ from .sampling import SlotParams
 Pick = Callable[[torch.Tensor, SlotParams], torch.Tensor]
 
 
+def capture_graph(body: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+    """A CUDA graph of body() and the output of the captured call. Two warm-up calls on a
+    side stream first: they compile the kernels, which must not happen inside a capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = body()
+    return graph, out
+
+
 class ReferenceDecoder:
     def __init__(self, model: Mamba, batch: int):
         self.model = model
@@ -69,18 +84,8 @@ class GraphDecoder:
             self.history[i].copy_(self.tokens)
 
     def _capture(self, pick: Pick) -> torch.cuda.CUDAGraph:
-        # Warm-up runs compile the kernels and must happen outside the capture; they
-        # scribble on the state and slots, which `begin` overwrites afterwards.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._body(pick)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._body(pick)
-        return graph
+        # The warm-up runs scribble on the state and slots, which `begin` overwrites.
+        return capture_graph(lambda: self._body(pick))[0]
 
     def begin(self, state: MambaState, logits: torch.Tensor, pick: Pick, requests) -> torch.Tensor:
         if pick not in self.graphs:
@@ -115,15 +120,7 @@ class GraphPrefill:
         self.ids = torch.zeros(batch, length, dtype=torch.int64, device=model.device)
         self.start = torch.zeros(batch, dtype=torch.int32, device=model.device)
         self.state = model.new_state(batch)
-        side = torch.cuda.Stream()  # warm-up (kernel compilation) outside the capture
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._body()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self._body()
+        self.graph, self.logits = capture_graph(self._body)
 
     def _body(self) -> torch.Tensor:
         self.state.reset()
