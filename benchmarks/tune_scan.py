@@ -1,6 +1,6 @@
 """Times the prefill scan alone at public shapes for several launch configurations
-(one-pass associative scan vs the chunked two-pass scan), to choose SCAN_CHUNK, SCAN_BE and
-SCAN_WARPS in kernels/selective_scan.py.
+(one-pass associative scan vs the chunked two-pass scan), to choose SCAN_CHUNK, SCAN_BE,
+SCAN_WARPS and SCAN_STAGES in kernels/selective_scan.py.
 
     python benchmarks/tune_scan.py
 """
@@ -29,21 +29,24 @@ def inputs(B, T, E, N=16, R=160):
 
 
 def main() -> None:
-    for B, T, E in ((1, 4096, 5120), (8, 2048, 5120), (1, 128, 1536), (1, 4096, 1536)):
+    for B, T, E in ((1, 4096, 5120), (8, 2048, 5120), (1, 4096, 1536)):
         args = inputs(B, T, E)
         ms = do_bench(lambda: ss.selective_scan(*args, chunked=False), warmup=3, rep=20)
         print(f"B={B} T={T} E={E}: one-pass {ms * 1e3:8.1f} us", flush=True)
         ref = ss.selective_scan(*args, chunked=False).clone()
         res = []
-        for L in (32, 64, 128, 256):
-            for BE in (16, 32):
-                for stages in (1, 2, 3, 4):
-                    ss.SCAN_CHUNK, ss.SCAN_BE, ss.SCAN_STAGES = L, BE, stages
-                    ms = do_bench(lambda: ss.selective_scan(*args, chunked=True), warmup=3, rep=20)
-                    err = (ss.selective_scan(*args, chunked=True) - ref).abs().max().item()
-                    res.append((ms * 1e3, L, BE, stages, err))
-        for us, L, BE, stages, err in sorted(res)[:8]:
-            print(f"   chunked L={L:3d} BE={BE:2d} stages={stages}: {us:8.1f} us  (max diff {err:.1e})", flush=True)
+        for L in (128, 256):
+            for BE in (64, 128, 256):
+                for warps in (1, 2, 4):
+                    for stages in (2, 3):
+                        if BE // (32 * warps) > 4:  # over 4 channels x 16 states a thread spills
+                            continue
+                        ss.SCAN_CHUNK, ss.SCAN_BE, ss.SCAN_WARPS, ss.SCAN_STAGES = L, BE, warps, stages
+                        ms = do_bench(lambda: ss.selective_scan(*args, chunked=True), warmup=3, rep=20)
+                        err = (ss.selective_scan(*args, chunked=True) - ref).abs().max().item()
+                        res.append((ms * 1e3, L, BE, warps, stages, err))
+        for us, L, BE, warps, stages, err in sorted(res)[:8]:
+            print(f"   chunked L={L:3d} BE={BE:3d} warps={warps} stages={stages}: {us:8.1f} us  (max diff {err:.1e})", flush=True)
 
 
 if __name__ == "__main__":

@@ -113,10 +113,13 @@ def _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, dtb, e, emas
 
 
 @jit
-def _chunk_program(A_ptr, dtb_ptr, st_ptr, start_ptr, E, N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr):
+def _chunk_program(A2t_ptr, dtb_ptr, s0_ptr, s0e, s0n, start_ptr, E, N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr):
     """What both passes' programs start from: one row b, BE channels e, chunk c of nc; this
-    row's start; A and dt_bias for the channels; and the state the chunk would start from
-    alone: st's (the layer's state) for chunk 0 of an unpadded row, zero otherwise."""
+    row's start; log2(e) * A for the channels, loaded from its (N, E) transpose so that
+    each thread holds all N states of its channels (the per-channel work, softplus, gate,
+    the sum over N for y, then happens once per channel, in registers); dt_bias; and the
+    state the chunk would start from alone: s0's (row stride E * N, strides s0e, s0n) for
+    chunk 0 of an unpadded row, zero otherwise."""
     b64 = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BE + tl.arange(0, BE)
     c = tl.program_id(2)
@@ -125,40 +128,41 @@ def _chunk_program(A_ptr, dtb_ptr, st_ptr, start_ptr, E, N: tl.constexpr, NP: tl
     nmask = n < N
     sm = emask[:, None] & nmask[None, :]
     start = tl.load(start_ptr + b64)
-    A = tl.load(A_ptr + e[:, None] * N + n[None, :], mask=sm, other=0.0)
+    A2 = tl.load(A2t_ptr + n[None, :] * E + e[:, None], mask=sm, other=0.0)  # (BE, NP)
     dtb = tl.load(dtb_ptr + e, mask=emask, other=0.0)
     from_state = n[None, :] < tl.where((c == 0) & (start == 0), N, 0)  # all n, or none
-    s = tl.load(st_ptr + b64 * E * N + e[:, None] * N + n[None, :], mask=sm & from_state, other=0.0)
-    return b64, e, c, tl.num_programs(2), emask, n, nmask, sm, start, A, dtb, s
+    s = tl.load(s0_ptr + b64 * E * N + e[:, None] * s0e + n[None, :] * s0n, mask=sm & from_state, other=0.0)
+    return b64, e, c, tl.num_programs(2), emask, n, nmask, sm, start, A2, dtb, s
 
 
 @jit
 def _scan_summary_kernel(
-    x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, A_ptr, dtb_ptr, st_ptr, start_ptr,
+    x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, A2t_ptr, dtb_ptr, st_ptr, start_ptr,
     sum_ptr, dts_ptr, init_ptr, T, E, L,
     N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Pass 1. One program: one row, BE channels, one chunk of L steps, walked step by step:
     # the state the chunk leaves when it starts alone (see _chunk_program), and its summed
     # step sizes (A times that sum is the log of the chunk's whole decay). Chunk 0 also
-    # keeps its starting state for pass 2, which rewrites the layer's state.
-    b64, e, c, nc, emask, n, nmask, sm, start, A, dtb, s = _chunk_program(A_ptr, dtb_ptr, st_ptr, start_ptr, E, N, NP, BE)
+    # keeps its starting state for pass 2, which rewrites the layer's state. Summaries and
+    # that copy are stored (N, E), channels contiguous, as the programs hold them.
+    b64, e, c, nc, emask, n, nmask, sm, start, A2, dtb, s = _chunk_program(A2t_ptr, dtb_ptr, st_ptr, N, 1, start_ptr, E, N, NP, BE)
     if c == 0:
-        tl.store(init_ptr + b64 * E * N + e[:, None] * N + n[None, :], s, mask=sm)
+        tl.store(init_ptr + b64 * E * N + n[None, :] * E + e[:, None], s, mask=sm)
     dt_sum = tl.zeros([BE], dtype=tl.float32)
     x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
     for t in tl.range(c * L, tl.minimum(c * L + L, T), num_stages=STAGES):
         x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, dtb, e, emask, n, nmask, t, start, T)
-        s = s * tl.exp(dt[:, None] * A) + (dt * x)[:, None] * Bt[None, :]
+        s = s * tl.exp2(dt[:, None] * A2) + (dt * x)[:, None] * Bt[None, :]
         dt_sum += dt
-    tl.store(sum_ptr + (b64 * nc + c) * E * N + e[:, None] * N + n[None, :], s, mask=sm)
+    tl.store(sum_ptr + ((b64 * nc + c) * N + n[None, :]) * E + e[:, None], s, mask=sm)
     tl.store(dts_ptr + (b64 * nc + c) * E + e, dt_sum, mask=emask)
 
 
 @jit
 def _scan_chunks_kernel(
     x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, C_ptr, scb, scn, sct,
-    z_ptr, szb, sze, szt, A_ptr, D_ptr, dtb_ptr, st_ptr, y_ptr, start_ptr, sum_ptr, dts_ptr, init_ptr, T, E, L,
+    z_ptr, szb, sze, szt, A2t_ptr, D_ptr, dtb_ptr, st_ptr, y_ptr, start_ptr, sum_ptr, dts_ptr, init_ptr, T, E, L,
     N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Pass 2. One program: one row, BE channels, one chunk. Its starting state folds the
@@ -166,17 +170,17 @@ def _scan_chunks_kernel(
     # summary holds the layer's old state; chunk 0 itself starts from pass 1's copy of
     # it); then it walks its steps again, writing y. The last chunk writes the layer's new
     # state, which no program of this pass reads.
-    b64, e, c, nc, emask, n, nmask, sm, start, A, dtb, s = _chunk_program(A_ptr, dtb_ptr, init_ptr, start_ptr, E, N, NP, BE)
+    b64, e, c, nc, emask, n, nmask, sm, start, A2, dtb, s = _chunk_program(A2t_ptr, dtb_ptr, init_ptr, 1, E, start_ptr, E, N, NP, BE)
     Dv = tl.load(D_ptr + e, mask=emask, other=0.0)
     for cp in range(0, c):
         dts = tl.load(dts_ptr + (b64 * nc + cp) * E + e, mask=emask, other=0.0)
-        piece = tl.load(sum_ptr + (b64 * nc + cp) * E * N + e[:, None] * N + n[None, :], mask=sm, other=0.0)
-        s = s * tl.exp(dts[:, None] * A) + piece
+        piece = tl.load(sum_ptr + ((b64 * nc + cp) * N + n[None, :]) * E + e[:, None], mask=sm, other=0.0)
+        s = s * tl.exp2(dts[:, None] * A2) + piece
     x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
     C_row, z_row, y_row = C_ptr + b64 * scb, z_ptr + b64 * szb, y_ptr + b64 * T * E
     for t in tl.range(c * L, tl.minimum(c * L + L, T), num_stages=STAGES):
         x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, dtb, e, emask, n, nmask, t, start, T)
-        s = s * tl.exp(dt[:, None] * A) + (dt * x)[:, None] * Bt[None, :]
+        s = s * tl.exp2(dt[:, None] * A2) + (dt * x)[:, None] * Bt[None, :]
         Ct = tl.load(C_row + t * sct + n * scn, mask=nmask, other=0.0)
         z = tl.load(z_row + t * szt + e * sze, mask=emask, other=0.0)
         y = tl.sum(s * Ct[None, :], 1) + Dv * x
@@ -186,9 +190,10 @@ def _scan_chunks_kernel(
 
 
 SCAN_CHUNK = 128  # steps per chunk of the chunked scan
-SCAN_BE = 32  # channels per program of the chunked scan
+SCAN_BE = 128  # channels per program of the chunked scan
 SCAN_WARPS = 1
 SCAN_STAGES = 3  # software pipelining of each step's loads (tl.range num_stages)
+LOG2E = 1.4426950408889634
 SCAN_CHUNKED_FROM = 1024  # prompt steps from which the chunked scan is used
 
 
@@ -210,15 +215,16 @@ def selective_scan(x, dt, A, Bm, Cm, D, z, dt_bias, state, start=None, chunked=N
     if chunked:
         L, BE, NP = SCAN_CHUNK, SCAN_BE, triton.next_power_of_2(N)
         grid = (Bsz, triton.cdiv(E, BE), triton.cdiv(T, L))
-        sums = torch.empty(Bsz, grid[2], E, N, device=x.device, dtype=torch.float32)
+        sums = torch.empty(Bsz, grid[2], N, E, device=x.device, dtype=torch.float32)
         dt_sums = torch.empty(Bsz, grid[2], E, device=x.device, dtype=torch.float32)
-        init = torch.empty(Bsz, E, N, device=x.device, dtype=torch.float32)
+        init = torch.empty(Bsz, N, E, device=x.device, dtype=torch.float32)
         inputs = (x, *x.stride(), dt, *dt.stride(), Bm, *Bm.stride())
+        A2t = (A * LOG2E).t().contiguous()  # exp(dt * A) = exp2(dt * A2): one multiply less a state
         _scan_summary_kernel[grid](
-            *inputs, A, dt_bias, state, start, sums, dt_sums, init, T, E, L, N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, num_warps=SCAN_WARPS
+            *inputs, A2t, dt_bias, state, start, sums, dt_sums, init, T, E, L, N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, num_warps=SCAN_WARPS
         )
         _scan_chunks_kernel[grid](
-            *inputs, Cm, *Cm.stride(), z, *z.stride(), A, D, dt_bias, state, y, start, sums, dt_sums, init, T, E, L,
+            *inputs, Cm, *Cm.stride(), z, *z.stride(), A2t, D, dt_bias, state, y, start, sums, dt_sums, init, T, E, L,
             N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, num_warps=SCAN_WARPS,
         )
         return y.transpose(1, 2)
