@@ -82,19 +82,17 @@ def tune_conv_x_proj(E, J):
     dbc = torch.empty(1, BJ, device="cuda")
     cnt = torch.zeros(1, dtype=torch.int32, device="cuda")
     res = []
-    for BE, SUB, warps in itertools.product([32, 64, 128, 256], [16, 32, 64], [4, 8]):
-        if SUB > BE:
-            continue
+    for BE, warps in itertools.product([32, 64, 128], [4, 8]):
         ns = triton.cdiv(E, BE)
         part = torch.empty(ns, 1, BJ, device="cuda")
 
         def run():
             ds._conv_x_proj_kernel[(ns, 1)](
                 xz, cs, cw, cw, wx, xc, part, dbc, cnt, 1, 1, E, J, K=K, HAS_CB=True, IEEE=False, NSPLIT=ns,
-                BB=1, BE=BE, SUB=SUB, BJ=BJ, PDL=False, num_warps=warps,
+                BB=1, BE=BE, BJ=BJ, PDL=False, num_warps=warps,
             )
 
-        res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BE=BE, SUB=SUB, warps=warps)))
+        res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BE=BE, warps=warps)))
     report(f"conv_x_proj E={E} J={J}", res, wx.numel() * 2)
 
 

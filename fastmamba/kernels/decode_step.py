@@ -22,8 +22,9 @@ Why it is shaped this way:
 - out_proj's reducer also writes each tile's sum of squares, so the next rmsnorm needs no
   extra pass over h.
 - On Hopper the kernels launch with programmatic dependent launch: each starts while the
-  previous one drains, loads its first weight tile (which no kernel writes), and only
-  then waits for the previous kernel's results (`_wait_for_prior_kernel`).
+  previous one drains, loads what the previous kernel does not write (its first weight
+  tile; in conv_x_proj and ssm_step also the layer's state and z), and only then waits
+  for the previous kernel's results (`_wait_for_prior_kernel`).
 - Batches above SMALL_BATCH run through cuBLAS instead (decode_gemm.py), unless
   deterministic: see `make_decode_step`.
 """
@@ -168,58 +169,54 @@ def _rmsnorm_linear_kernel(
 def _conv_x_proj_kernel(
     xz_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, xc_ptr, part_ptr, dbc_ptr, cnt_ptr, B, BP, E, J,
     K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr,
-    BB: tl.constexpr, BE: tl.constexpr, SUB: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
+    BB: tl.constexpr, BE: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_e = tl.program_id(0)
     pid_b = tl.program_id(1)
     rows = pid_b * BB + tl.arange(0, BB)
     rmask = rows < B
     j = tl.arange(0, BJ)
-    jmask = j < J
-    e_end = tl.minimum(pid_e * BE + BE, E)
-    e = pid_e * BE + tl.arange(0, SUB)  # the first x_proj tile is on its way before the wait
-    w = tl.load(wx_ptr + j[:, None] * E + e[None, :], mask=jmask[:, None] & (e < e_end)[None, :], other=0.0)
+    e = pid_e * BE + tl.arange(0, BE)
+    emask = e < E
+    m = rmask[:, None] & emask[None, :]
+    kk = tl.arange(0, KP)
+    # Before the wait, everything the previous kernel does not write: the x_proj tile, the
+    # conv taps and bias, and the conv window (this kernel's own, from the last step).
+    w = tl.load(wx_ptr + j[:, None] * E + e[None, :], mask=(j < J)[:, None] & emask[None, :], other=0.0)
+    cw = tl.load(cw_ptr + e[:, None] * K + kk[None, :], mask=emask[:, None] & (kk < K)[None, :], other=0.0)  # (BE, KP)
+    if HAS_CB:
+        conv = tl.zeros([BB, BE], dtype=tl.float32) + tl.load(cb_ptr + e, mask=emask, other=0.0)[None, :]
+    else:
+        conv = tl.zeros([BB, BE], dtype=tl.float32)
+    window = cs_ptr + rows[:, None] * (E * K) + e[None, :] * K  # (BB, BE): each channel's K inputs
+    win = window[:, :, None] + kk[None, None, :]  # (BB, BE, KP)
+    older = m[:, :, None] & (kk < K - 1)[None, None, :]
+    prev = tl.load(win + 1, mask=older, other=0.0)  # the K - 1 newest inputs, oldest first
     _wait_for_prior_kernel(PDL)
-    acc = tl.zeros([BB, BJ], dtype=tl.float32)
-    for s0 in tl.static_range(0, BE, SUB):
-        e = pid_e * BE + s0 + tl.arange(0, SUB)
-        emask = e < e_end
-        m = rmask[:, None] & emask[None, :]
-        x = tl.load(xz_ptr + rows[:, None] * (2 * E) + e[None, :], mask=m, other=0.0)
-        if HAS_CB:
-            conv = tl.zeros([BB, SUB], dtype=tl.float32) + tl.load(cb_ptr + e, mask=emask, other=0.0)[None, :]
-        else:
-            conv = tl.zeros([BB, SUB], dtype=tl.float32)
-        state = cs_ptr + rows[:, None] * (E * K) + e[None, :] * K
-        for k in tl.static_range(K - 1):  # the older taps
-            prev = tl.load(state + k + 1, mask=m, other=0.0)
-            conv += prev * tl.load(cw_ptr + e * K + k, mask=emask, other=0.0)[None, :]
-        conv += x * tl.load(cw_ptr + e * K + K - 1, mask=emask, other=0.0)[None, :]
-        # Shift the window left by one: read it whole, then (after the barrier) write it.
-        # A tile smaller than the program's threads is held by several threads at once; a
-        # write must not land before another thread's read of the same element.
-        kk = tl.arange(0, KP)
-        win = state[:, :, None] + kk[None, None, :]
-        wm = m[:, :, None] & (kk < K - 1)[None, None, :]
-        shifted = tl.load(win + 1, mask=wm, other=0.0)
-        tl.debug_barrier()
-        tl.store(win, shifted, mask=wm)
-        tl.store(state + K - 1, x, mask=m)
-        xc = conv * tl.sigmoid(conv)
-        tl.store(xc_ptr + rows[:, None] * E + e[None, :], xc, mask=m)
-        w_now = w
-        e = e + SUB  # the next tile (nothing past this program's channels)
-        w = tl.load(wx_ptr + j[:, None] * E + e[None, :], mask=jmask[:, None] & (e < e_end)[None, :], other=0.0)
-        acc += _mm(xc, w_now, BB, IEEE)
+    x = tl.load(xz_ptr + rows[:, None] * (2 * E) + e[None, :], mask=m, other=0.0)
+    conv += tl.sum(prev * cw[None, :, :], 2) + x * tl.sum(tl.where((kk == K - 1)[None, :], cw, 0.0), 1)[None, :]
+    # Shift the window left by one. Every thread has read its elements before the wait,
+    # and no thread reads them after; the barrier keeps it so if the compiler reorders.
+    tl.debug_barrier()
+    tl.store(win, prev, mask=older)
+    tl.store(window + K - 1, x, mask=m)
+    xc = conv * tl.sigmoid(conv)
+    tl.store(xc_ptr + rows[:, None] * E + e[None, :], xc, mask=m)
+    acc = _mm(xc, w, BB, IEEE)
     part = part_ptr + rows[:, None] * BJ + j[None, :]
     tl.store(part + pid_e * BP * BJ, acc, mask=rmask[:, None])
-    # The last program of this row tile adds the partials up, in split order.
+    # The last program of this row tile adds the partials up, in a fixed order.
     tl.debug_barrier()
     count = tl.atomic_add(cnt_ptr + pid_b, 1, sem="acq_rel", scope="gpu")
     if count == NSPLIT - 1:
+        # NSPLIT is large (E / BE, up to 160): a row's partials are read 16 splits at a time
+        # so that the loads overlap (one at a time in tile mode, whose rows fill registers)
+        SP: tl.constexpr = 16 if BB == 1 else 1
+        sp = tl.arange(0, SP)
         total = tl.zeros([BB, BJ], dtype=tl.float32)
-        for s in range(NSPLIT):
-            total += tl.load(part + s * BP * BJ, mask=rmask[:, None], other=0.0)
+        for s0 in range(0, NSPLIT, SP):
+            tile = part[None, :, :] + (s0 + sp)[:, None, None] * (BP * BJ)
+            total += tl.sum(tl.load(tile, mask=((s0 + sp) < NSPLIT)[:, None, None] & rmask[None, :, None], other=0.0), 0)
         tl.store(dbc_ptr + rows[:, None] * BJ + j[None, :], total, mask=rmask[:, None])
         tl.atomic_xchg(cnt_ptr + pid_b, 0)
 
@@ -240,11 +237,17 @@ def _ssm_step_kernel(
     r = tl.arange(0, BR)
     nn = tl.arange(0, NP)
     nmask = nn < N
-    # weights and constants first (no earlier kernel writes them), then the wait
+    # Before the wait: the weights and constants; z, from the kernel before the previous
+    # one, which has finished once this one runs (each kernel waits for its predecessor
+    # before it lets the next start); and the state, this kernel's own from the last step.
     w = tl.load(dtw_ptr + e[:, None] * R + r[None, :], mask=emask[:, None] & (r < R)[None, :], other=0.0)
     A = tl.load(A_ptr + e[:, None] * N + nn[None, :], mask=emask[:, None] & nmask[None, :], other=0.0)
     dtb = tl.load(dtb_ptr + e, mask=emask, other=0.0)
     Dv = tl.load(D_ptr + e, mask=emask, other=0.0)
+    z = tl.load(xz_ptr + rows[:, None] * (2 * E) + E + e[None, :], mask=m, other=0.0)
+    sp = ss_ptr + rows[:, None, None] * (E * N) + e[None, :, None] * N + nn[None, None, :]
+    sm = m[:, :, None] & nmask[None, None, :]
+    s = tl.load(sp, mask=sm, other=0.0)  # (BB, BE, NP)
     _wait_for_prior_kernel(PDL)
     dtr = tl.load(dbc_ptr + rows[:, None] * BJ + r[None, :], mask=rmask[:, None] & (r < R)[None, :], other=0.0)
     dt = _mm(dtr, w, BB, IEEE) + dtb[None, :]  # (BB, BE)
@@ -252,10 +255,6 @@ def _ssm_step_kernel(
     Bv = tl.load(dbc_ptr + rows[:, None] * BJ + R + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
     Cv = tl.load(dbc_ptr + rows[:, None] * BJ + R + N + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
     x = tl.load(xc_ptr + rows[:, None] * E + e[None, :], mask=m, other=0.0)
-    z = tl.load(xz_ptr + rows[:, None] * (2 * E) + E + e[None, :], mask=m, other=0.0)
-    sp = ss_ptr + rows[:, None, None] * (E * N) + e[None, :, None] * N + nn[None, None, :]
-    sm = m[:, :, None] & nmask[None, None, :]
-    s = tl.load(sp, mask=sm, other=0.0)  # (BB, BE, NP)
     s = s * tl.exp(dt[:, :, None] * A[None, :, :]) + (dt * x)[:, :, None] * Bv[:, None, :]
     tl.debug_barrier()  # every thread holding an element has read it before it is rewritten
     tl.store(sp, s, mask=sm)
@@ -363,8 +362,8 @@ class DecodeStep:
         self.nsplit_out = max(1, min(16, 320 // self.nt_d, triton.cdiv(E, self.BK_out)))
         self.kchunk_out = triton.cdiv(triton.cdiv(E, self.nsplit_out), self.BK_out) * self.BK_out
         self.nsplit_out = triton.cdiv(E, self.kchunk_out)  # whole BK steps per split may need fewer
-        # conv_x_proj: 64 channels a program (in 32-channel steps).
-        self.BE_x, self.SUB_x = 64, 32
+        # conv_x_proj: 32 channels a program (8 warps: 64 registers where 64 channels take 255).
+        self.BE_x = 32
         self.nsplit_x = triton.cdiv(E, self.BE_x)
         self.BE_ssm = 32
         f32 = dict(device=dev, dtype=torch.float32)
@@ -411,7 +410,7 @@ class DecodeStep:
             self.xz, conv_state, lw.conv_w, lw.conv_b if lw.conv_b is not None else lw.conv_w,
             lw.x_proj_w, self.xc, self.part_x, self.dbc, self.cnt_x, self.B, self.BP, c.d_inner, self.J,
             K=c.d_conv, KP=triton.next_power_of_2(c.d_conv), HAS_CB=lw.conv_b is not None, IEEE=self.ieee, NSPLIT=self.nsplit_x,
-            BB=self.BB, BE=self.BE_x, SUB=self.SUB_x, BJ=self.BJ, num_warps=4, **self.pdl,
+            BB=self.BB, BE=self.BE_x, BJ=self.BJ, num_warps=8 if self.BB == 1 else 4, **self.pdl,
         )
 
     def ssm_step(self, lw, ssm_state) -> None:
