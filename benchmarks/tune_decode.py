@@ -3,6 +3,10 @@
 Times each kernel alone (triton.testing.do_bench, median) for a grid of configurations and
 prints the best few per shape with the achieved weight bandwidth, to choose DecodeStep's
 defaults.  python benchmarks/tune_decode.py
+
+With --in-graph it times whole graph-replayed batch-1 steps instead, changing the block
+sizes of the two big GEMVs (in_proj, out_proj) one at a time: alone, a kernel sees its
+weights partly in L2 and no neighbours, so its best blocks need not be the step's.
 """
 
 import itertools
@@ -96,8 +100,29 @@ def tune_conv_x_proj(E, J):
     report(f"conv_x_proj E={E} J={J}", res, wx.numel() * 2)
 
 
+def tune_in_graph(size):
+    from fastmamba.bench import random_model, time_graph_steps
+
+    model = random_model(size, DT)
+    default_linear, default_out, default_programs = ds.DecodeStep.linear_blocks, ds.DecodeStep.OUT_BLOCKS, ds.DecodeStep.OUT_PROGRAMS
+    vocab = model.config.vocab_size
+    print(f"{size} batch 1, default blocks: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
+    for blocks in [(32, 256, 4), (16, 256, 4), (16, 512, 4), (8, 512, 4), (16, 256, 2), (8, 256, 2), (16, 1024, 8), (64, 256, 8)]:
+        ds.DecodeStep.linear_blocks = staticmethod(lambda n, one_row, b=blocks: b if n != vocab else default_linear(n, one_row))
+        print(f"   in_proj BN, BK, warps = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
+    ds.DecodeStep.linear_blocks = default_linear
+    for blocks, programs in [((16, 256, 4), 320), ((32, 256, 4), 640), ((16, 512, 4), 320), ((16, 256, 4), 640), ((8, 512, 4), 640), ((32, 128, 4), 320)]:
+        ds.DecodeStep.OUT_BLOCKS, ds.DecodeStep.OUT_PROGRAMS = blocks, programs
+        print(f"   out_proj BN, BK, warps = {blocks}, ~{programs} programs: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
+    ds.DecodeStep.OUT_BLOCKS, ds.DecodeStep.OUT_PROGRAMS = default_out, default_programs
+
+
 if __name__ == "__main__":
     print(torch.cuda.get_device_name())
+    if "--in-graph" in sys.argv:
+        for size in ("2.8b", "130m"):
+            tune_in_graph(size)
+        sys.exit()
     tune_rmsnorm_linear(10240, 2560)  # 2.8b in_proj
     tune_rmsnorm_linear(3072, 768)  # 130m in_proj
     tune_rmsnorm_linear(50280, 2560)  # 2.8b lm_head

@@ -2,7 +2,8 @@
 (one-pass associative scan vs the chunked two-pass scan), to choose SCAN_CHUNK, SCAN_BE,
 SCAN_WARPS and SCAN_STAGES in kernels/selective_scan.py.
 
-    python benchmarks/tune_scan.py
+    python benchmarks/tune_scan.py             # the sweep
+    python benchmarks/tune_scan.py --passes    # each pass's time at the defaults
 """
 
 import sys
@@ -49,5 +50,21 @@ def main() -> None:
             print(f"   chunked L={L:3d} BE={BE:3d} warps={warps} stages={stages}: {us:8.1f} us  (max diff {err:.1e})", flush=True)
 
 
+def passes() -> None:
+    """Each pass's GPU time at the defaults (torch.profiler), 2.8b widths."""
+    args = inputs(1, 4096, 5120)
+    ss.selective_scan(*args, chunked=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            ss.selective_scan(*args, chunked=True)
+        torch.cuda.synchronize()
+    for ev in prof.key_averages():
+        if "scan" in ev.key:
+            print(f"   {ev.key}: {ev.device_time_total / ev.count:8.1f} us a call", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    if "--passes" in sys.argv:
+        passes()
+    else:
+        main()

@@ -345,6 +345,16 @@ class DecodeStep:
     every batch size.
     """
 
+    # One-row block sizes of the two big GEMVs (benchmarks/tune_decode.py --in-graph times
+    # them inside whole graph-replayed steps; tiles are fixed by the tensor cores).
+    OUT_BLOCKS = (32, 256, 4)  # out_proj: BN, BK, warps
+    OUT_PROGRAMS = 320  # out_proj programs to aim for, by splitting K
+
+    @staticmethod
+    def linear_blocks(n_out: int, one_row: bool) -> tuple[int, int, int]:
+        """rmsnorm_linear's (BN, BK, warps) for n_out outputs."""
+        return (64 if n_out > 16384 else (32 if n_out > 8192 else 16)), 512 if one_row else 128, 4
+
     def __init__(self, model, batch: int, deterministic: bool = False):
         c, w = model.config, model.weights
         dev = w.embedding.device
@@ -355,11 +365,10 @@ class DecodeStep:
         d, E, N, R = c.d_model, c.d_inner, c.d_state, c.dt_rank
         self.J, self.BJ = R + 2 * N, _pow2(R + 2 * N)
         self.BR, self.NP = _pow2(R), _pow2(N, 1)
-        # out_proj: 32-wide tiles of d, K split so that ~320 programs stream the weights.
-        self.BN_out = 32
+        # out_proj: BN_out-wide tiles of d, K split so that ~OUT_PROGRAMS programs stream the weights.
+        self.BN_out, self.BK_out, self.warps_out = self.OUT_BLOCKS if self.BB == 1 else (32, 64, 4)
         self.nt_d = triton.cdiv(d, self.BN_out)
-        self.BK_out = 256 if self.BB == 1 else 64
-        self.nsplit_out = max(1, min(16, 320 // self.nt_d, triton.cdiv(E, self.BK_out)))
+        self.nsplit_out = max(1, min(16, self.OUT_PROGRAMS // self.nt_d, triton.cdiv(E, self.BK_out)))
         self.kchunk_out = triton.cdiv(triton.cdiv(E, self.nsplit_out), self.BK_out) * self.BK_out
         self.nsplit_out = triton.cdiv(E, self.kchunk_out)  # whole BK steps per split may need fewer
         # conv_x_proj: 32 channels a program (8 warps: 64 registers where 64 channels take 255).
@@ -393,14 +402,13 @@ class DecodeStep:
     def rmsnorm_linear(self, norm_w, weight, bias, out) -> None:
         """out[:B] = linear(rmsnorm(h) * norm_w, weight, bias)."""
         n_out, d = weight.shape
-        BN = 64 if n_out > 16384 else (32 if n_out > 8192 else 16)
+        BN, BK, warps = self.linear_blocks(n_out, self.BB == 1)
         grid = (triton.cdiv(n_out, BN), self.BP // self.BB)
         _rmsnorm_linear_kernel[grid](
             self.h, self.ssq, norm_w, weight, bias if bias is not None else weight, out,
             self.B, self.BP, d, n_out, self.model.config.norm_eps,
-            NT_SSQ=self.nt_d, HAS_BIAS=bias is not None, IEEE=self.ieee, BB=self.BB, BN=BN,
-            BK=512 if self.BB == 1 else 128,
-            num_warps=4, num_stages=4, **self.pdl,
+            NT_SSQ=self.nt_d, HAS_BIAS=bias is not None, IEEE=self.ieee, BB=self.BB, BN=BN, BK=BK,
+            num_warps=warps, num_stages=4, **self.pdl,
         )
 
     def conv_x_proj(self, lw, conv_state) -> None:
@@ -429,7 +437,7 @@ class DecodeStep:
             self.y, lw.out_proj_w, lw.out_proj_b if lw.out_proj_b is not None else lw.out_proj_w,
             self.h, self.part_out, self.cnt_out, self.ssq, self.B, self.BP, c.d_model, c.d_inner, self.kchunk_out,
             HAS_BIAS=lw.out_proj_b is not None, IEEE=self.ieee, NSPLIT=self.nsplit_out,
-            BB=self.BB, BN=self.BN_out, BK=self.BK_out, num_warps=4, **self.pdl,
+            BB=self.BB, BN=self.BN_out, BK=self.BK_out, num_warps=self.warps_out, **self.pdl,
         )
 
     def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:
