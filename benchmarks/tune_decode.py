@@ -86,17 +86,19 @@ def tune_conv_x_proj(E, J):
     dbc = torch.empty(1, BJ, device="cuda")
     cnt = torch.zeros(1, dtype=torch.int32, device="cuda")
     res = []
-    for BE, warps in itertools.product([32, 64, 128], [4, 8]):
+    for BE, SUB, warps in itertools.product([32, 64, 128, 256], [16, 32, 64], [4, 8]):
+        if SUB > BE:
+            continue
         ns = triton.cdiv(E, BE)
         part = torch.empty(ns, 1, BJ, device="cuda")
 
         def run():
             ds._conv_x_proj_kernel[(ns, 1)](
                 xz, cs, cw, cw, wx, xc, part, dbc, cnt, 1, 1, E, J, K=K, HAS_CB=True, IEEE=False, NSPLIT=ns,
-                BB=1, BE=BE, BJ=BJ, PDL=False, num_warps=warps,
+                BB=1, BE=BE, SUB=SUB, BJ=BJ, PDL=False, num_warps=warps,
             )
 
-        res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BE=BE, warps=warps)))
+        res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BE=BE, SUB=SUB, warps=warps)))
     report(f"conv_x_proj E={E} J={J}", res, wx.numel() * 2)
 
 
@@ -104,11 +106,12 @@ def tune_in_graph(size):
     from fastmamba.bench import random_model, time_graph_steps
 
     model = random_model(size, DT)
-    default_linear, default_out, default_programs = ds.DecodeStep.linear_blocks, ds.DecodeStep.OUT_BLOCKS, ds.DecodeStep.OUT_PROGRAMS
+    default_linear = ds.DecodeStep.__dict__["linear_blocks"]  # the staticmethod itself
+    default_out, default_programs = ds.DecodeStep.OUT_BLOCKS, ds.DecodeStep.OUT_PROGRAMS
     vocab = model.config.vocab_size
     print(f"{size} batch 1, default blocks: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     for blocks in [(32, 256, 4), (16, 256, 4), (16, 512, 4), (8, 512, 4), (16, 256, 2), (8, 256, 2), (16, 1024, 8), (64, 256, 8)]:
-        ds.DecodeStep.linear_blocks = staticmethod(lambda n, one_row, b=blocks: b if n != vocab else default_linear(n, one_row))
+        ds.DecodeStep.linear_blocks = staticmethod(lambda n, one_row, b=blocks: b if n != vocab else default_linear.__func__(n, one_row))
         print(f"   in_proj BN, BK, warps = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     ds.DecodeStep.linear_blocks = default_linear
     for blocks, programs in [((16, 256, 4), 320), ((32, 256, 4), 640), ((16, 512, 4), 320), ((16, 256, 4), 640), ((8, 512, 4), 640), ((32, 128, 4), 320)]:

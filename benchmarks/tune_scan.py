@@ -36,10 +36,10 @@ def main() -> None:
         print(f"B={B} T={T} E={E}: one-pass {ms * 1e3:8.1f} us", flush=True)
         ref = ss.selective_scan(*args, chunked=False).clone()
         res = []
-        for L in (128, 256):
-            for BE in (64, 128, 256):
-                for warps in (1, 2, 4):
-                    for stages in (2, 3):
+        for L in (64, 128):
+            for BE in (64, 128):
+                for warps in (1, 2):
+                    for stages in (2, 3, 4, 6):
                         if BE // (32 * warps) > 4:  # over 4 channels x 16 states a thread spills
                             continue
                         ss.SCAN_CHUNK, ss.SCAN_BE, ss.SCAN_WARPS, ss.SCAN_STAGES = L, BE, warps, stages

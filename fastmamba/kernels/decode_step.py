@@ -23,7 +23,7 @@ Why it is shaped this way:
   extra pass over h.
 - On Hopper the kernels launch with programmatic dependent launch: each starts while the
   previous one drains, loads what the previous kernel does not write (its first weight
-  tile; in conv_x_proj and ssm_step also the layer's state and z), and only then waits
+  tile; in ssm_step also the layer's state and z), and only then waits
   for the previous kernel's results (`_wait_for_prior_kernel`).
 - Batches above SMALL_BATCH run through cuBLAS instead (decode_gemm.py), unless
   deterministic: see `make_decode_step`.
@@ -166,57 +166,82 @@ def _rmsnorm_linear_kernel(
 
 
 @jit
+def _warm_l2(ptr, nbytes, part, parts, LINES: tl.constexpr):
+    """Asks for bytes [part, part + 1) / parts of the nbytes at ptr to be fetched into L2,
+    LINES 128-byte lines per instruction, without waiting for them. On the GPU only."""
+    if not INTERPRET:
+        base = ptr.to(tl.pointer_type(tl.int8))
+        n_lines = tl.cdiv(nbytes, 128)
+        per = tl.cdiv(n_lines, parts)
+        end = tl.minimum(part * per + per, n_lines)
+        for i in range(part * per, end, LINES):
+            line = tl.minimum(i + tl.arange(0, LINES), end - 1)  # past the end: the last line again
+            tl.inline_asm_elementwise(
+                "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [base + line.to(tl.int64) * 128],
+                dtype=tl.int32, is_pure=False, pack=1,
+            )
+
+
+@jit
 def _conv_x_proj_kernel(
-    xz_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, xc_ptr, part_ptr, dbc_ptr, cnt_ptr, B, BP, E, J,
+    xz_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, xc_ptr, part_ptr, dbc_ptr, cnt_ptr, B, BP, E, J, warm_ptr, warm_bytes,
     K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr,
-    BB: tl.constexpr, BE: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
+    BB: tl.constexpr, BE: tl.constexpr, SUB: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_e = tl.program_id(0)
     pid_b = tl.program_id(1)
     rows = pid_b * BB + tl.arange(0, BB)
     rmask = rows < B
     j = tl.arange(0, BJ)
-    e = pid_e * BE + tl.arange(0, BE)
-    emask = e < E
-    m = rmask[:, None] & emask[None, :]
-    kk = tl.arange(0, KP)
-    # Before the wait, everything the previous kernel does not write: the x_proj tile, the
-    # conv taps and bias, and the conv window (this kernel's own, from the last step).
-    w = tl.load(wx_ptr + j[:, None] * E + e[None, :], mask=(j < J)[:, None] & emask[None, :], other=0.0)
-    cw = tl.load(cw_ptr + e[:, None] * K + kk[None, :], mask=emask[:, None] & (kk < K)[None, :], other=0.0)  # (BE, KP)
-    if HAS_CB:
-        conv = tl.zeros([BB, BE], dtype=tl.float32) + tl.load(cb_ptr + e, mask=emask, other=0.0)[None, :]
-    else:
-        conv = tl.zeros([BB, BE], dtype=tl.float32)
-    window = cs_ptr + rows[:, None] * (E * K) + e[None, :] * K  # (BB, BE): each channel's K inputs
-    win = window[:, :, None] + kk[None, None, :]  # (BB, BE, KP)
-    older = m[:, :, None] & (kk < K - 1)[None, None, :]
-    prev = tl.load(win + 1, mask=older, other=0.0)  # the K - 1 newest inputs, oldest first
+    jmask = j < J
+    e_end = tl.minimum(pid_e * BE + BE, E)
+    e = pid_e * BE + tl.arange(0, SUB)  # the first x_proj tile is on its way before the wait
+    w = tl.load(wx_ptr + j[:, None] * E + e[None, :], mask=jmask[:, None] & (e < e_end)[None, :], other=0.0)
     _wait_for_prior_kernel(PDL)
-    x = tl.load(xz_ptr + rows[:, None] * (2 * E) + e[None, :], mask=m, other=0.0)
-    conv += tl.sum(prev * cw[None, :, :], 2) + x * tl.sum(tl.where((kk == K - 1)[None, :], cw, 0.0), 1)[None, :]
-    # Shift the window left by one. Every thread has read its elements before the wait,
-    # and no thread reads them after; the barrier keeps it so if the compiler reorders.
-    tl.debug_barrier()
-    tl.store(win, prev, mask=older)
-    tl.store(window + K - 1, x, mask=m)
-    xc = conv * tl.sigmoid(conv)
-    tl.store(xc_ptr + rows[:, None] * E + e[None, :], xc, mask=m)
-    acc = _mm(xc, w, BB, IEEE)
+    # This kernel and the next are latency-bound and leave the memory idle: meanwhile the
+    # bytes at warm_ptr (out_proj's weights, streamed two kernels later) go into L2.
+    if pid_b == 0:
+        _warm_l2(warm_ptr, warm_bytes, pid_e, NSPLIT, 256)
+    acc = tl.zeros([BB, BJ], dtype=tl.float32)
+    for s0 in tl.static_range(0, BE, SUB):
+        e = pid_e * BE + s0 + tl.arange(0, SUB)
+        emask = e < e_end
+        m = rmask[:, None] & emask[None, :]
+        x = tl.load(xz_ptr + rows[:, None] * (2 * E) + e[None, :], mask=m, other=0.0)
+        if HAS_CB:
+            conv = tl.zeros([BB, SUB], dtype=tl.float32) + tl.load(cb_ptr + e, mask=emask, other=0.0)[None, :]
+        else:
+            conv = tl.zeros([BB, SUB], dtype=tl.float32)
+        state = cs_ptr + rows[:, None] * (E * K) + e[None, :] * K
+        for k in tl.static_range(K - 1):  # the older taps
+            prev = tl.load(state + k + 1, mask=m, other=0.0)
+            conv += prev * tl.load(cw_ptr + e * K + k, mask=emask, other=0.0)[None, :]
+        conv += x * tl.load(cw_ptr + e * K + K - 1, mask=emask, other=0.0)[None, :]
+        # Shift the window left by one: read it whole, then (after the barrier) write it.
+        # A tile smaller than the program's threads is held by several threads at once; a
+        # write must not land before another thread's read of the same element.
+        kk = tl.arange(0, KP)
+        win = state[:, :, None] + kk[None, None, :]
+        wm = m[:, :, None] & (kk < K - 1)[None, None, :]
+        shifted = tl.load(win + 1, mask=wm, other=0.0)
+        tl.debug_barrier()
+        tl.store(win, shifted, mask=wm)
+        tl.store(state + K - 1, x, mask=m)
+        xc = conv * tl.sigmoid(conv)
+        tl.store(xc_ptr + rows[:, None] * E + e[None, :], xc, mask=m)
+        w_now = w
+        e = e + SUB  # the next tile (nothing past this program's channels)
+        w = tl.load(wx_ptr + j[:, None] * E + e[None, :], mask=jmask[:, None] & (e < e_end)[None, :], other=0.0)
+        acc += _mm(xc, w_now, BB, IEEE)
     part = part_ptr + rows[:, None] * BJ + j[None, :]
     tl.store(part + pid_e * BP * BJ, acc, mask=rmask[:, None])
-    # The last program of this row tile adds the partials up, in a fixed order.
+    # The last program of this row tile adds the partials up, in split order.
     tl.debug_barrier()
     count = tl.atomic_add(cnt_ptr + pid_b, 1, sem="acq_rel", scope="gpu")
     if count == NSPLIT - 1:
-        # NSPLIT is large (E / BE, up to 160): a row's partials are read 16 splits at a time
-        # so that the loads overlap (one at a time in tile mode, whose rows fill registers)
-        SP: tl.constexpr = 16 if BB == 1 else 1
-        sp = tl.arange(0, SP)
         total = tl.zeros([BB, BJ], dtype=tl.float32)
-        for s0 in range(0, NSPLIT, SP):
-            tile = part[None, :, :] + (s0 + sp)[:, None, None] * (BP * BJ)
-            total += tl.sum(tl.load(tile, mask=((s0 + sp) < NSPLIT)[:, None, None] & rmask[None, :, None], other=0.0), 0)
+        for s in range(NSPLIT):
+            total += tl.load(part + s * BP * BJ, mask=rmask[:, None], other=0.0)
         tl.store(dbc_ptr + rows[:, None] * BJ + j[None, :], total, mask=rmask[:, None])
         tl.atomic_xchg(cnt_ptr + pid_b, 0)
 
@@ -349,11 +374,14 @@ class DecodeStep:
     # them inside whole graph-replayed steps; tiles are fixed by the tensor cores).
     OUT_BLOCKS = (32, 256, 4)  # out_proj: BN, BK, warps
     OUT_PROGRAMS = 320  # out_proj programs to aim for, by splitting K
+    WARM_OUT_PROJ = True  # conv_x_proj fetches out_proj's weights into L2 (FASTMAMBA_WARM_L2=0: off)
 
     @staticmethod
     def linear_blocks(n_out: int, one_row: bool) -> tuple[int, int, int]:
         """rmsnorm_linear's (BN, BK, warps) for n_out outputs."""
-        return (64 if n_out > 16384 else (32 if n_out > 8192 else 16)), 512 if one_row else 128, 4
+        if one_row:  # 16 rows at 2.8b's in_proj: 2.72 ms a step against 2.82 with 32 (tune_decode --in-graph)
+            return (64 if n_out > 16384 else 16), 512, 4
+        return (64 if n_out > 16384 else (32 if n_out > 8192 else 16)), 128, 4
 
     def __init__(self, model, batch: int, deterministic: bool = False):
         c, w = model.config, model.weights
@@ -371,8 +399,8 @@ class DecodeStep:
         self.nsplit_out = max(1, min(16, self.OUT_PROGRAMS // self.nt_d, triton.cdiv(E, self.BK_out)))
         self.kchunk_out = triton.cdiv(triton.cdiv(E, self.nsplit_out), self.BK_out) * self.BK_out
         self.nsplit_out = triton.cdiv(E, self.kchunk_out)  # whole BK steps per split may need fewer
-        # conv_x_proj: 32 channels a program (8 warps: 64 registers where 64 channels take 255).
-        self.BE_x = 32
+        # conv_x_proj: 64 channels a program (in 32-channel steps).
+        self.BE_x, self.SUB_x = 64, 32
         self.nsplit_x = triton.cdiv(E, self.BE_x)
         self.BE_ssm = 32
         f32 = dict(device=dev, dtype=torch.float32)
@@ -388,6 +416,7 @@ class DecodeStep:
         self.cnt_x = torch.zeros(BP // self.BB, device=dev, dtype=torch.int32)
         self.cnt_out = torch.zeros(BP // self.BB * self.nt_d, device=dev, dtype=torch.int32)
         self.logits = torch.zeros(BP, c.vocab_size, **f32)
+        self.warm_out_proj = self.WARM_OUT_PROJ and os.environ.get("FASTMAMBA_WARM_L2") != "0"
         pdl = use_pdl(dev)
         self.pdl = dict(PDL=pdl, launch_pdl=True) if pdl else dict(PDL=False)
 
@@ -417,8 +446,9 @@ class DecodeStep:
         _conv_x_proj_kernel[(self.nsplit_x, self.BP // self.BB)](
             self.xz, conv_state, lw.conv_w, lw.conv_b if lw.conv_b is not None else lw.conv_w,
             lw.x_proj_w, self.xc, self.part_x, self.dbc, self.cnt_x, self.B, self.BP, c.d_inner, self.J,
+            lw.out_proj_w, lw.out_proj_w.numel() * lw.out_proj_w.element_size() if self.warm_out_proj else 0,
             K=c.d_conv, KP=triton.next_power_of_2(c.d_conv), HAS_CB=lw.conv_b is not None, IEEE=self.ieee, NSPLIT=self.nsplit_x,
-            BB=self.BB, BE=self.BE_x, BJ=self.BJ, num_warps=8 if self.BB == 1 else 4, **self.pdl,
+            BB=self.BB, BE=self.BE_x, SUB=self.SUB_x, BJ=self.BJ, num_warps=4, **self.pdl,
         )
 
     def ssm_step(self, lw, ssm_state) -> None:
