@@ -5,7 +5,7 @@ prints the best few per shape with the achieved weight bandwidth, to choose Deco
 defaults.  python benchmarks/tune_decode.py
 
 With --in-graph it times whole graph-replayed batch-1 steps instead, changing the block
-sizes of the two big GEMVs (in_proj, out_proj) one at a time: alone, a kernel sees its
+sizes of one kernel at a time: alone, a kernel sees its
 weights partly in L2 and no neighbours, so its best blocks need not be the step's.
 """
 
@@ -45,7 +45,7 @@ def tune_rmsnorm_linear(n_out, d):
         def run():
             ds._rmsnorm_linear_kernel[(triton.cdiv(n_out, BN), 1)](
                 h, ssq, nw, w, w, out, 1, 1, d, n_out, 1e-5, NT_SSQ=1, HAS_BIAS=False, IEEE=False,
-                BB=1, BN=BN, BK=BK, PDL=False, num_warps=warps,
+                BB=1, BN=BN, BK=BK, STAGES=1, PDL=False, num_warps=warps,
             )
 
         res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BN=BN, BK=BK, warps=warps)))
@@ -68,7 +68,7 @@ def tune_out_proj(d, E):
         def run():
             ds._out_proj_residual_kernel[(nt, ns, 1)](
                 y, w, w, h, part, cnt, ssq, 1, 1, d, E, kchunk, HAS_BIAS=False, IEEE=False, NSPLIT=ns,
-                BB=1, BN=BN, BK=BK, PDL=False, num_warps=warps,
+                BB=1, BN=BN, BK=BK, STAGES=1, PDL=False, num_warps=warps,
             )
 
         res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BN=BN, nsplit=ns, BK=BK, warps=warps)))
@@ -110,14 +110,23 @@ def tune_in_graph(size):
     default_out, default_programs = ds.DecodeStep.OUT_BLOCKS, ds.DecodeStep.OUT_PROGRAMS
     vocab = model.config.vocab_size
     print(f"{size} batch 1, default blocks: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    for blocks in [(32, 256, 4), (16, 256, 4), (16, 512, 4), (8, 512, 4), (16, 256, 2), (8, 256, 2), (16, 1024, 8), (64, 256, 8)]:
+    for blocks in [(16, 512, 4, 2), (16, 512, 4, 3), (16, 256, 4, 3), (16, 256, 4, 4), (8, 512, 4, 3), (32, 256, 4, 3), (16, 512, 8, 3)]:
         ds.DecodeStep.linear_blocks = staticmethod(lambda n, one_row, b=blocks: b if n != vocab else default_linear.__func__(n, one_row))
-        print(f"   in_proj BN, BK, warps = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
+        print(f"   in_proj BN, BK, warps, stages = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     ds.DecodeStep.linear_blocks = default_linear
-    for blocks, programs in [((16, 256, 4), 320), ((32, 256, 4), 640), ((16, 512, 4), 320), ((16, 256, 4), 640), ((8, 512, 4), 640), ((32, 128, 4), 320)]:
+    for blocks, programs in [((8, 512, 4), 1280), ((8, 256, 4), 640), ((16, 256, 4), 640), ((8, 1024, 8), 640)]:
         ds.DecodeStep.OUT_BLOCKS, ds.DecodeStep.OUT_PROGRAMS = blocks, programs
         print(f"   out_proj BN, BK, warps = {blocks}, ~{programs} programs: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     ds.DecodeStep.OUT_BLOCKS, ds.DecodeStep.OUT_PROGRAMS = default_out, default_programs
+    default_conv, default_ssm = ds.DecodeStep.CONV_BLOCKS, ds.DecodeStep.SSM_BLOCK
+    for blocks in [(128, 32), (32, 32), (128, 64)]:
+        ds.DecodeStep.CONV_BLOCKS = blocks
+        print(f"   conv_x_proj BE, SUB = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
+    ds.DecodeStep.CONV_BLOCKS = default_conv
+    for block in (16, 64):
+        ds.DecodeStep.SSM_BLOCK = block
+        print(f"   ssm_step BE = {block}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
+    ds.DecodeStep.SSM_BLOCK = default_ssm
 
 
 if __name__ == "__main__":

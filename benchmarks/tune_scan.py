@@ -36,6 +36,7 @@ def main() -> None:
         print(f"B={B} T={T} E={E}: one-pass {ms * 1e3:8.1f} us", flush=True)
         ref = ss.selective_scan(*args, chunked=False).clone()
         res = []
+        ss.SCAN_FEW_PROGRAMS = 0  # L as given
         for L in (64, 128):
             for BE in (64, 128):
                 for warps in (1, 2):

@@ -132,7 +132,7 @@ def _embed_kernel(tok_ptr, emb_ptr, h_ptr, ssq_ptr, B, BP, D, BB: tl.constexpr, 
 def _rmsnorm_linear_kernel(
     h_ptr, ssq_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, B, BP, D, NOUT, eps,
     NT_SSQ: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-    BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
+    BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -148,12 +148,13 @@ def _rmsnorm_linear_kernel(
     t = tl.arange(0, triton.next_power_of_2(NT_SSQ))
     ssq = tl.sum(tl.load(ssq_ptr + t[:, None] * BP + rows[None, :], mask=(t < NT_SSQ)[:, None] & rmask[None, :], other=0.0), 0)
     rstd = 1.0 / tl.sqrt(ssq / D + eps)
-    # the first tile's product, then the rest in a plain loop (carrying a prefetched tile
-    # through it instead doubled the registers and halved the bandwidth)
+    # the first tile's product, then the rest in a loop (carrying a prefetched tile through
+    # it in registers doubled the registers and halved the bandwidth; STAGES > 1 lets the
+    # compiler stream tiles through shared memory instead)
     hk = tl.load(h_ptr + rows[:, None] * D + k[None, :], mask=rmask[:, None] & (k < D)[None, :], other=0.0)
     nw = tl.load(nw_ptr + k, mask=k < D, other=0.0)
     acc = _mm(hk * rstd[:, None] * nw[None, :], w, BB, IEEE)
-    for k0 in range(BK, D, BK):
+    for k0 in tl.range(BK, D, BK, num_stages=STAGES):
         k = k0 + tl.arange(0, BK)
         kmask = k < D
         hk = tl.load(h_ptr + rows[:, None] * D + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
@@ -166,25 +167,8 @@ def _rmsnorm_linear_kernel(
 
 
 @jit
-def _warm_l2(ptr, nbytes, part, parts, LINES: tl.constexpr):
-    """Asks for bytes [part, part + 1) / parts of the nbytes at ptr to be fetched into L2,
-    LINES 128-byte lines per instruction, without waiting for them. On the GPU only."""
-    if not INTERPRET:
-        base = ptr.to(tl.pointer_type(tl.int8))
-        n_lines = tl.cdiv(nbytes, 128)
-        per = tl.cdiv(n_lines, parts)
-        end = tl.minimum(part * per + per, n_lines)
-        for i in range(part * per, end, LINES):
-            line = tl.minimum(i + tl.arange(0, LINES), end - 1)  # past the end: the last line again
-            tl.inline_asm_elementwise(
-                "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [base + line.to(tl.int64) * 128],
-                dtype=tl.int32, is_pure=False, pack=1,
-            )
-
-
-@jit
 def _conv_x_proj_kernel(
-    xz_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, xc_ptr, part_ptr, dbc_ptr, cnt_ptr, B, BP, E, J, warm_ptr, warm_bytes,
+    xz_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, xc_ptr, part_ptr, dbc_ptr, cnt_ptr, B, BP, E, J,
     K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr,
     BB: tl.constexpr, BE: tl.constexpr, SUB: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -198,10 +182,6 @@ def _conv_x_proj_kernel(
     e = pid_e * BE + tl.arange(0, SUB)  # the first x_proj tile is on its way before the wait
     w = tl.load(wx_ptr + j[:, None] * E + e[None, :], mask=jmask[:, None] & (e < e_end)[None, :], other=0.0)
     _wait_for_prior_kernel(PDL)
-    # This kernel and the next are latency-bound and leave the memory idle: meanwhile the
-    # bytes at warm_ptr (out_proj's weights, streamed two kernels later) go into L2.
-    if pid_b == 0:
-        _warm_l2(warm_ptr, warm_bytes, pid_e, NSPLIT, 256)
     acc = tl.zeros([BB, BJ], dtype=tl.float32)
     for s0 in tl.static_range(0, BE, SUB):
         e = pid_e * BE + s0 + tl.arange(0, SUB)
@@ -372,16 +352,19 @@ class DecodeStep:
 
     # One-row block sizes of the two big GEMVs (benchmarks/tune_decode.py --in-graph times
     # them inside whole graph-replayed steps; tiles are fixed by the tensor cores).
-    OUT_BLOCKS = (32, 256, 4)  # out_proj: BN, BK, warps
-    OUT_PROGRAMS = 320  # out_proj programs to aim for, by splitting K
-    WARM_OUT_PROJ = True  # conv_x_proj fetches out_proj's weights into L2 (FASTMAMBA_WARM_L2=0: off)
+    # out_proj: BN, BK, warps, and the programs to aim for by splitting K. In whole steps
+    # (bf16, batch 1) against (32, 256, 4) and 320: 130m 0.398 vs 0.430 ms, 2.8b 2.494 vs 2.512.
+    OUT_BLOCKS = (8, 512, 4)
+    OUT_PROGRAMS = 640
+    CONV_BLOCKS = (64, 32)  # conv_x_proj: channels a program, in steps of
+    SSM_BLOCK = 32  # ssm_step: channels a program
 
     @staticmethod
-    def linear_blocks(n_out: int, one_row: bool) -> tuple[int, int, int]:
-        """rmsnorm_linear's (BN, BK, warps) for n_out outputs."""
+    def linear_blocks(n_out: int, one_row: bool) -> tuple[int, int, int, int]:
+        """rmsnorm_linear's (BN, BK, warps, pipeline stages of its loop) for n_out outputs."""
         if one_row:  # 16 rows at 2.8b's in_proj: 2.72 ms a step against 2.82 with 32 (tune_decode --in-graph)
-            return (64 if n_out > 16384 else 16), 512, 4
-        return (64 if n_out > 16384 else (32 if n_out > 8192 else 16)), 128, 4
+            return (64 if n_out > 16384 else 16), 512, 4, 1
+        return (64 if n_out > 16384 else (32 if n_out > 8192 else 16)), 128, 4, 1
 
     def __init__(self, model, batch: int, deterministic: bool = False):
         c, w = model.config, model.weights
@@ -399,10 +382,9 @@ class DecodeStep:
         self.nsplit_out = max(1, min(16, self.OUT_PROGRAMS // self.nt_d, triton.cdiv(E, self.BK_out)))
         self.kchunk_out = triton.cdiv(triton.cdiv(E, self.nsplit_out), self.BK_out) * self.BK_out
         self.nsplit_out = triton.cdiv(E, self.kchunk_out)  # whole BK steps per split may need fewer
-        # conv_x_proj: 64 channels a program (in 32-channel steps).
-        self.BE_x, self.SUB_x = 64, 32
+        self.BE_x, self.SUB_x = self.CONV_BLOCKS
         self.nsplit_x = triton.cdiv(E, self.BE_x)
-        self.BE_ssm = 32
+        self.BE_ssm = self.SSM_BLOCK
         f32 = dict(device=dev, dtype=torch.float32)
         BP = self.BP
         self.h = torch.zeros(BP, d, **f32)
@@ -416,7 +398,6 @@ class DecodeStep:
         self.cnt_x = torch.zeros(BP // self.BB, device=dev, dtype=torch.int32)
         self.cnt_out = torch.zeros(BP // self.BB * self.nt_d, device=dev, dtype=torch.int32)
         self.logits = torch.zeros(BP, c.vocab_size, **f32)
-        self.warm_out_proj = self.WARM_OUT_PROJ and os.environ.get("FASTMAMBA_WARM_L2") != "0"
         pdl = use_pdl(dev)
         self.pdl = dict(PDL=pdl, launch_pdl=True) if pdl else dict(PDL=False)
 
@@ -431,13 +412,13 @@ class DecodeStep:
     def rmsnorm_linear(self, norm_w, weight, bias, out) -> None:
         """out[:B] = linear(rmsnorm(h) * norm_w, weight, bias)."""
         n_out, d = weight.shape
-        BN, BK, warps = self.linear_blocks(n_out, self.BB == 1)
+        BN, BK, warps, stages = self.linear_blocks(n_out, self.BB == 1)
         grid = (triton.cdiv(n_out, BN), self.BP // self.BB)
         _rmsnorm_linear_kernel[grid](
             self.h, self.ssq, norm_w, weight, bias if bias is not None else weight, out,
             self.B, self.BP, d, n_out, self.model.config.norm_eps,
-            NT_SSQ=self.nt_d, HAS_BIAS=bias is not None, IEEE=self.ieee, BB=self.BB, BN=BN, BK=BK,
-            num_warps=warps, num_stages=4, **self.pdl,
+            NT_SSQ=self.nt_d, HAS_BIAS=bias is not None, IEEE=self.ieee, BB=self.BB, BN=BN, BK=BK, STAGES=stages,
+            num_warps=warps, **self.pdl,
         )
 
     def conv_x_proj(self, lw, conv_state) -> None:
@@ -446,7 +427,6 @@ class DecodeStep:
         _conv_x_proj_kernel[(self.nsplit_x, self.BP // self.BB)](
             self.xz, conv_state, lw.conv_w, lw.conv_b if lw.conv_b is not None else lw.conv_w,
             lw.x_proj_w, self.xc, self.part_x, self.dbc, self.cnt_x, self.B, self.BP, c.d_inner, self.J,
-            lw.out_proj_w, lw.out_proj_w.numel() * lw.out_proj_w.element_size() if self.warm_out_proj else 0,
             K=c.d_conv, KP=triton.next_power_of_2(c.d_conv), HAS_CB=lw.conv_b is not None, IEEE=self.ieee, NSPLIT=self.nsplit_x,
             BB=self.BB, BE=self.BE_x, SUB=self.SUB_x, BJ=self.BJ, num_warps=4, **self.pdl,
         )

@@ -189,10 +189,14 @@ def _scan_chunks_kernel(
         tl.store(st_ptr + b64 * E * N + e[:, None] * N + n[None, :], s, mask=sm)
 
 
-SCAN_CHUNK = 128  # steps per chunk of the chunked scan
-SCAN_BE = 128  # channels per program of the chunked scan
+# The chunked scan's launch (benchmarks/tune_scan.py, H200): chunks of SCAN_CHUNK steps, or
+# half that where full chunks would give fewer than SCAN_FEW_PROGRAMS programs (2.8b widths,
+# 1 x 4096: 443 us against 471; 8 x 2048 keeps 128: 1291 us against 1440).
+SCAN_CHUNK = 128
+SCAN_FEW_PROGRAMS = 4096
+SCAN_BE = 128  # channels per program
 SCAN_WARPS = 1
-SCAN_STAGES = 3  # software pipelining of each step's loads (tl.range num_stages)
+SCAN_STAGES = 4  # software pipelining of each step's loads (tl.range num_stages)
 LOG2E = 1.4426950408889634
 SCAN_CHUNKED_FROM = 1024  # prompt steps from which the chunked scan is used
 
@@ -201,7 +205,7 @@ def selective_scan(x, dt, A, Bm, Cm, D, z, dt_bias, state, start=None, chunked=N
     """Triton twin of `selective_scan_ref`; inputs may be any strided views of those shapes.
     Returns a (B, E, T) view of a (B, T, E) float32 buffer.
 
-    chunked: the two-pass scan (time cut into chunks of SCAN_CHUNK steps that run in
+    chunked: the two-pass scan (time cut into chunks of SCAN_CHUNK (or half) steps that run in
     parallel, each walked step by step); otherwise the one-pass scan (associative scan
     inside chunks of 32 steps, chunks one after another). By default the two-pass scan
     from SCAN_CHUNKED_FROM steps on, where its parallelism over time pays for its two passes."""
@@ -214,6 +218,8 @@ def selective_scan(x, dt, A, Bm, Cm, D, z, dt_bias, state, start=None, chunked=N
         chunked = T >= SCAN_CHUNKED_FROM
     if chunked:
         L, BE, NP = SCAN_CHUNK, SCAN_BE, triton.next_power_of_2(N)
+        if Bsz * triton.cdiv(E, BE) * triton.cdiv(T, L) < SCAN_FEW_PROGRAMS:
+            L //= 2
         grid = (Bsz, triton.cdiv(E, BE), triton.cdiv(T, L))
         sums = torch.empty(Bsz, grid[2], N, E, device=x.device, dtype=torch.float32)
         dt_sums = torch.empty(Bsz, grid[2], E, device=x.device, dtype=torch.float32)
