@@ -118,12 +118,12 @@ def tune_in_graph(size):
         ds.DecodeStep.OUT_BLOCKS, ds.DecodeStep.OUT_PROGRAMS = blocks, programs
         print(f"   out_proj BN, BK, warps = {blocks}, ~{programs} programs: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     ds.DecodeStep.OUT_BLOCKS, ds.DecodeStep.OUT_PROGRAMS = default_out, default_programs
-    default_conv, default_ssm = ds.DecodeStep.CONV_BLOCKS, ds.DecodeStep.SSM_BLOCK
-    for blocks in [(128, 32), (32, 32), (128, 64)]:
-        ds.DecodeStep.CONV_BLOCKS = blocks
+    default_conv, default_ssm = ds.DecodeStep.__dict__["conv_blocks"], ds.DecodeStep.SSM_BLOCK
+    for blocks in [(128, 32), (64, 32), (32, 32)]:
+        ds.DecodeStep.conv_blocks = staticmethod(lambda E, b=blocks: b)
         print(f"   conv_x_proj BE, SUB = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    ds.DecodeStep.CONV_BLOCKS = default_conv
-    for block in (16, 64):
+    ds.DecodeStep.conv_blocks = default_conv
+    for block in (16, 32, 64):
         ds.DecodeStep.SSM_BLOCK = block
         print(f"   ssm_step BE = {block}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     ds.DecodeStep.SSM_BLOCK = default_ssm

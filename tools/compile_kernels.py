@@ -78,11 +78,11 @@ def main() -> None:
             compile_kernel(ds._embed_kernel, t, dict(BB=BB, BN=32, PDL=True))
             res.append(f"decode BB={BB} {wdt}: ok")
     for wdt in ("*bf16", "*fp32"):  # the cuBLAS-product step's element-wise kernels
-        compile_kernel(rn._residual_rmsnorm_kernel, ptrs("h_ptr", "o_ptr", "b_ptr", "nw_ptr", "h_out_ptr", u_ptr=wdt, eps="fp32"), dict(ADD=True, HAS_BIAS=True, SPLIT=wdt != "*fp32", BD=4096), num_warps=8)
+        compile_kernel(rn._residual_rmsnorm_kernel, ptrs("h_ptr", "o_ptr", "b_ptr", "nw_ptr", "h_out_ptr", u_ptr=wdt, eps="fp32"), dict(ADD=True, HAS_BIAS=True, O_HALVES=False, U_HALVES=wdt != "*fp32", BD=4096), num_warps=8)
         compile_kernel(dg._conv_step_kernel, ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", xc16_ptr=wdt), dict(K=4, KP=4, HAS_CB=True, SPLIT=wdt != "*fp32", BE=128))
         compile_kernel(dg._dbc_kernel, ptrs("raw_ptr", "dbc_ptr", dtr_ptr=wdt), dict(SPLIT=wdt != "*fp32", BJ=256), num_warps=1)
         t = ptrs("dt_ptr", "dbc_ptr", "xc_ptr", "xz_ptr", "ss_ptr", "dtb_ptr", "A_ptr", "D_ptr", y_ptr=wdt)
-        compile_kernel(dg._ssm_update_kernel, t, dict(N=16, NP=16, SPLIT=wdt != "*fp32", BE=64))
+        compile_kernel(dg._ssm_update_kernel, t, dict(N=16, NP=16, SPLIT=wdt != "*fp32", Y_HALVES=False, BE=64))
     res.append("decode (cuBLAS products): ok")
     t = ptrs("x_ptr", "w_ptr", "b_ptr", "st_ptr", "y_ptr", start_ptr="*i32")
     compile_kernel(cc._causal_conv1d_kernel, t, dict(K=4, KP=4, HAS_BIAS=True, BE=32, BT=64))

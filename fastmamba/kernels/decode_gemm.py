@@ -85,7 +85,7 @@ def _dbc_kernel(raw_ptr, dbc_ptr, dtr_ptr, B, J, R, SPLIT: tl.constexpr, BJ: tl.
 @jit
 def _ssm_update_kernel(
     dt_ptr, dbc_ptr, xc_ptr, xz_ptr, ss_ptr, dtb_ptr, A_ptr, D_ptr, y_ptr, B, E, R, J,
-    N: tl.constexpr, NP: tl.constexpr, SPLIT: tl.constexpr, BE: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, SPLIT: tl.constexpr, Y_HALVES: tl.constexpr, BE: tl.constexpr,
 ):
     row = tl.program_id(1).to(tl.int64)
     e = tl.program_id(0) * BE + tl.arange(0, BE)
@@ -107,7 +107,7 @@ def _ssm_update_kernel(
     tl.store(sp, s, mask=sm)
     y = tl.sum(s * Cv[None, :], 1) + tl.load(D_ptr + e, mask=em, other=0.0) * x
     y = y * (z * tl.sigmoid(z))
-    store_split(y_ptr, row * E + e, y, B * E, em, SPLIT)
+    store_split(y_ptr, row * E + e, y, B * E, em, Y_HALVES)
 
 
 # -- launchers -----------------------------------------------------------------------------------
@@ -138,13 +138,14 @@ def dbc_rows(raw, dbc, dtr, split=False) -> None:
     _dbc_kernel[(B,)](raw, dbc, dtr, B, J, dtr.shape[1], SPLIT=split, BJ=triton.next_power_of_2(J), num_warps=1)
 
 
-def ssm_update(dt, dbc, xc, xz, ssm_state, dt_bias, A, D, R, y, split=False) -> None:
-    """y = gated output of one recurrence step (B and C from dbc[:, R:]); updates ssm_state."""
+def ssm_update(dt, dbc, xc, xz, ssm_state, dt_bias, A, D, R, y, split=False, y_halves=None) -> None:
+    """y = gated output of one recurrence step (B and C from dbc[:, R:]); updates ssm_state.
+    split: dt and xz in halves; y_halves (default: split): y written in halves."""
     B, E, N = ssm_state.shape
     BE = 64
     _ssm_update_kernel[(triton.cdiv(E, BE), B)](
         dt, dbc, xc, xz, ssm_state, dt_bias, A, D, y, B, E, R, dbc.shape[1],
-        N=N, NP=triton.next_power_of_2(N), SPLIT=split, BE=BE, num_warps=4,
+        N=N, NP=triton.next_power_of_2(N), SPLIT=split, Y_HALVES=split if y_halves is None else y_halves, BE=BE, num_warps=4,
     )
 
 
@@ -152,11 +153,17 @@ class GemmDecodeStep:
     """One decode step for a fixed batch size through cuBLAS products; same interface as
     decode_step.DecodeStep (`__call__(tokens, state) -> logits`, `.logits`)."""
 
+    # out_proj's operand y rounded once to 16 bits rather than split in two halves: half
+    # the rows in the largest product after in_proj. The halves matter where rounding moves
+    # the logits most: in_proj's and x_proj's operands (and lm_head's, kept split too).
+    SPLIT_OUT_PROJ = False
+
     def __init__(self, model, batch: int):
         c, w = model.config, model.weights
         dev, sdt = w.embedding.device, w.embedding.dtype
         self.model, self.B = model, batch
         self.split = sdt != torch.float32  # 16-bit operands in two halves (split16.py)
+        self.split_out = self.split and self.SPLIT_OUT_PROJ
         P = 2 * batch if self.split else batch  # rows of the products
         d, E, N, R = c.d_model, c.d_inner, c.d_state, c.dt_rank
         f32 = dict(device=dev, dtype=torch.float32)
@@ -180,8 +187,9 @@ class GemmDecodeStep:
         torch.index_select(w.embedding, 0, tokens, out=self.u[:B])  # u as scratch for the lookup
         self.h.copy_(self.u[:B])
         prev = None  # the previous layer's out_proj bias, added with its output
+        Po = 2 * B if self.split_out else B  # rows of out_proj's product
         for i, lw in enumerate(w.layers):
-            residual_rmsnorm(self.h, self.o if i else None, prev, lw.norm_w, eps, self.u, split=split)
+            residual_rmsnorm(self.h, self.o[:Po] if i else None, prev, lw.norm_w, eps, self.u, o_halves=self.split_out, u_halves=split)
             gemm(self.u, lw.in_proj_w, self.xz)
             if lw.in_proj_b is not None:
                 self.xz[:B] += lw.in_proj_b
@@ -189,10 +197,10 @@ class GemmDecodeStep:
             gemm(self.xc16, lw.x_proj_w, self.dbc_raw)
             dbc_rows(self.dbc_raw, self.dbc, self.dtr16, split)
             gemm(self.dtr16, lw.dt_proj_w, self.dt)
-            ssm_update(self.dt, self.dbc, self.xc, self.xz, state.ssm[i], lw.dt_bias, lw.A, lw.D, R, self.y16, split)
-            gemm(self.y16, lw.out_proj_w, self.o)
+            ssm_update(self.dt, self.dbc, self.xc, self.xz, state.ssm[i], lw.dt_bias, lw.A, lw.D, R, self.y16, split, self.split_out)
+            gemm(self.y16[:Po], lw.out_proj_w, self.o[:Po])
             prev = lw.out_proj_b
-        residual_rmsnorm(self.h, self.o, prev, w.norm_f, eps, self.u, split=split)
+        residual_rmsnorm(self.h, self.o[:Po], prev, w.norm_f, eps, self.u, o_halves=self.split_out, u_halves=split)
         if split:
             gemm(self.u, w.lm_head, self.logits_raw)
             torch.add(self.logits_raw[:B], self.logits_raw[B:], out=self.logits)

@@ -24,32 +24,34 @@ def residual_rmsnorm_ref(h, o, bias, norm_w, eps):
 @jit
 def _residual_rmsnorm_kernel(
     h_ptr, o_ptr, b_ptr, nw_ptr, h_out_ptr, u_ptr, D, eps, LO,
-    ADD: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BD: tl.constexpr,
+    ADD: tl.constexpr, HAS_BIAS: tl.constexpr, O_HALVES: tl.constexpr, U_HALVES: tl.constexpr, BD: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, BD)
     km = k < D
     h = tl.load(h_ptr + row * D + k, mask=km, other=0.0)
     if ADD:
-        h += load_sum(o_ptr, row * D + k, LO, km, SPLIT)
+        h += load_sum(o_ptr, row * D + k, LO, km, O_HALVES)
         if HAS_BIAS:
             h += tl.load(b_ptr + k, mask=km, other=0.0)
         tl.debug_barrier()  # h_out may be h: every thread has read its elements before any write
         tl.store(h_out_ptr + row * D + k, h, mask=km)
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / D + eps)
     u = h * rstd * tl.load(nw_ptr + k, mask=km, other=0.0)
-    store_split(u_ptr, row * D + k, u, LO, km, SPLIT)
+    store_split(u_ptr, row * D + k, u, LO, km, U_HALVES)
 
 
-def residual_rmsnorm(h, o, bias, norm_w, eps, u, h_out=None, split=False) -> None:
+def residual_rmsnorm(h, o, bias, norm_w, eps, u, h_out=None, o_halves=False, u_halves=False) -> None:
     """h_out = h + o + bias (o None: nothing is added or written); u = rmsnorm(h_out) * norm_w
-    in u's dtype. All (rows, d) contiguous; h_out defaults to h (in place). split: o and u
-    have twice h's rows, float32 results / 16-bit operands in halves (split16.py)."""
+    in u's dtype. All (rows, d) contiguous; h_out defaults to h (in place). o_halves: o has
+    twice h's rows, a float32 result in two halves to add; u_halves: u gets twice h's rows,
+    a 16-bit operand in two halves (split16.py)."""
     D = h.shape[-1]
     rows = h.numel() // D
     _residual_rmsnorm_kernel[(rows,)](
         h, o if o is not None else h, bias if bias is not None else h, norm_w, h if h_out is None else h_out, u, D, eps,
-        rows * D, ADD=o is not None, HAS_BIAS=bias is not None, SPLIT=split, BD=triton.next_power_of_2(D),
+        rows * D, ADD=o is not None, HAS_BIAS=bias is not None, O_HALVES=o_halves, U_HALVES=u_halves,
+        BD=triton.next_power_of_2(D),
         num_warps=8 if D > 2048 else 4,
     )
 
