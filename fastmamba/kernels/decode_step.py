@@ -350,13 +350,13 @@ class DecodeStep:
     every batch size.
     """
 
-    # One-row block sizes of the two big GEMVs (benchmarks/tune_decode.py --in-graph times
-    # them inside whole graph-replayed steps; tiles are fixed by the tensor cores).
+    # One-row launch settings, chosen by timing whole graph-replayed batch-1 steps
+    # (benchmarks/tune_decode.py --in-graph); the tile mode keeps its own, set in __init__.
     # out_proj: BN, BK, warps, and the programs to aim for by splitting K. In whole steps
     # (bf16, batch 1) against (32, 256, 4) and 320: 130m 0.398 vs 0.430 ms, 2.8b 2.494 vs 2.512.
     OUT_BLOCKS = (8, 512, 4)
     OUT_PROGRAMS = 640
-    SSM_BLOCK = 16  # ssm_step: channels a program (2.24 ms at 2.8b against 2.26 with 32)
+    SSM_BLOCK = 16  # ssm_step: channels a program, one row (2.24 ms at 2.8b against 2.26 with 32)
 
     @staticmethod
     def conv_blocks(E: int) -> tuple[int, int]:
@@ -369,7 +369,7 @@ class DecodeStep:
         """rmsnorm_linear's (BN, BK, warps, pipeline stages of its loop) for n_out outputs."""
         if one_row:  # 16 rows at 2.8b's in_proj: 2.72 ms a step against 2.82 with 32 (tune_decode --in-graph)
             return (64 if n_out > 16384 else 16), 512, 4, 1
-        return (64 if n_out > 16384 else (32 if n_out > 8192 else 16)), 128, 4, 1
+        return (64 if n_out > 16384 else (32 if n_out > 8192 else 16)), 128, 4, 4  # tiles: tl.dot, pipelined
 
     def __init__(self, model, batch: int, deterministic: bool = False):
         c, w = model.config, model.weights
@@ -381,15 +381,17 @@ class DecodeStep:
         d, E, N, R = c.d_model, c.d_inner, c.d_state, c.dt_rank
         self.J, self.BJ = R + 2 * N, _pow2(R + 2 * N)
         self.BR, self.NP = _pow2(R), _pow2(N, 1)
-        # out_proj: BN_out-wide tiles of d, K split so that ~OUT_PROGRAMS programs stream the weights.
-        self.BN_out, self.BK_out, self.warps_out = self.OUT_BLOCKS if self.BB == 1 else (32, 64, 4)
+        # out_proj: BN_out-wide tiles of d, K split so that enough programs stream the weights.
+        one_row = self.BB == 1
+        self.BN_out, self.BK_out, self.warps_out = self.OUT_BLOCKS if one_row else (32, 64, 4)
         self.nt_d = triton.cdiv(d, self.BN_out)
-        self.nsplit_out = max(1, min(16, self.OUT_PROGRAMS // self.nt_d, triton.cdiv(E, self.BK_out)))
+        programs = self.OUT_PROGRAMS if one_row else 320
+        self.nsplit_out = max(1, min(16, programs // self.nt_d, triton.cdiv(E, self.BK_out)))
         self.kchunk_out = triton.cdiv(triton.cdiv(E, self.nsplit_out), self.BK_out) * self.BK_out
         self.nsplit_out = triton.cdiv(E, self.kchunk_out)  # whole BK steps per split may need fewer
-        self.BE_x, self.SUB_x = self.conv_blocks(E)
+        self.BE_x, self.SUB_x = self.conv_blocks(E) if one_row else (64, 32)
         self.nsplit_x = triton.cdiv(E, self.BE_x)
-        self.BE_ssm = self.SSM_BLOCK
+        self.BE_ssm = self.SSM_BLOCK if one_row else 32
         f32 = dict(device=dev, dtype=torch.float32)
         BP = self.BP
         self.h = torch.zeros(BP, d, **f32)
@@ -423,7 +425,7 @@ class DecodeStep:
             self.h, self.ssq, norm_w, weight, bias if bias is not None else weight, out,
             self.B, self.BP, d, n_out, self.model.config.norm_eps,
             NT_SSQ=self.nt_d, HAS_BIAS=bias is not None, IEEE=self.ieee, BB=self.BB, BN=BN, BK=BK, STAGES=stages,
-            num_warps=warps, **self.pdl,
+            num_warps=warps, num_stages=4, **self.pdl,
         )
 
     def conv_x_proj(self, lw, conv_state) -> None:
