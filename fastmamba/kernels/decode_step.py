@@ -149,8 +149,9 @@ def _rmsnorm_linear_kernel(
     ssq = tl.sum(tl.load(ssq_ptr + t[:, None] * BP + rows[None, :], mask=(t < NT_SSQ)[:, None] & rmask[None, :], other=0.0), 0)
     rstd = 1.0 / tl.sqrt(ssq / D + eps)
     # the first tile's product, then the rest in a loop (carrying a prefetched tile through
-    # it in registers doubled the registers and halved the bandwidth; STAGES > 1 lets the
-    # compiler stream tiles through shared memory instead)
+    # it in registers doubled the registers and halved the bandwidth; STAGES > 1 streams
+    # tiles through shared memory instead: the tile mode's tl.dot wants it, the one-row
+    # GEMV ran slower with it)
     hk = tl.load(h_ptr + rows[:, None] * D + k[None, :], mask=rmask[:, None] & (k < D)[None, :], other=0.0)
     nw = tl.load(nw_ptr + k, mask=k < D, other=0.0)
     acc = _mm(hk * rstd[:, None] * nw[None, :], w, BB, IEEE)
