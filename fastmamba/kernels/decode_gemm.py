@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import jit, tl, triton
+from .activations import softplus
 from .causal_conv1d import causal_conv1d_ref
 from .rmsnorm import residual_rmsnorm
 from .selective_scan import selective_scan_ref
@@ -94,7 +95,7 @@ def _ssm_update_kernel(
     n = tl.arange(0, NP)
     nm = n < N
     dt = load_sum(dt_ptr, row * E + e, B * E, em, SPLIT) + tl.load(dtb_ptr + e, mask=em, other=0.0)
-    dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))  # softplus
+    dt = softplus(dt)
     Bv = tl.load(dbc_ptr + row * J + R + n, mask=nm, other=0.0)
     Cv = tl.load(dbc_ptr + row * J + R + N + n, mask=nm, other=0.0)
     x = tl.load(xc_ptr + row * E + e, mask=em, other=0.0)

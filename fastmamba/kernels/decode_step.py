@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import INTERPRET, jit, tl, triton
+from .activations import softplus
 from .decode_gemm import conv_step_ref, ssm_update_ref
 from .rmsnorm import residual_rmsnorm_ref
 
@@ -257,7 +258,7 @@ def _ssm_step_kernel(
     _wait_for_prior_kernel(PDL)
     dtr = tl.load(dbc_ptr + rows[:, None] * BJ + r[None, :], mask=rmask[:, None] & (r < R)[None, :], other=0.0)
     dt = _mm(dtr, w, BB, IEEE) + dtb[None, :]  # (BB, BE)
-    dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))  # softplus
+    dt = softplus(dt)
     Bv = tl.load(dbc_ptr + rows[:, None] * BJ + R + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
     Cv = tl.load(dbc_ptr + rows[:, None] * BJ + R + N + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
     x = tl.load(xc_ptr + rows[:, None] * E + e[None, :], mask=m, other=0.0)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import jit, tl, triton
+from .activations import softplus
 from .causal_conv1d import _pad_mask
 
 
@@ -78,7 +79,7 @@ def _selective_scan_kernel(
         m = real[:, None] & emask[None, :]
         x = tl.load(x_ptr + b64 * sxb + t[:, None] * sxt + e[None, :] * sxe, mask=m, other=0.0)
         dt = tl.load(dt_ptr + b64 * sdb + t[:, None] * sdt + e[None, :] * sde, mask=m, other=0.0) + dtb[None, :]
-        dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))  # softplus
+        dt = softplus(dt)
         dt = tl.where(m, dt, 0.0)  # padding and the tail past T leave the state alone
         bn = real[:, None] & nmask[None, :]
         Bt = tl.load(B_ptr + b64 * sbb + t[:, None] * sbt + n[None, :] * sbn, mask=bn, other=0.0)  # (BT, NP)
@@ -105,7 +106,7 @@ def _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, dtb, e, emas
     em = emask & (tt >= start) & (tt < T)
     x = tl.load(x_row + t * sxt + e * sxe, mask=em, other=0.0)
     dt = tl.load(dt_row + t * sdt + e * sde, mask=em, other=0.0) + dtb
-    dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))  # softplus
+    dt = softplus(dt)
     dt = tl.where(em, dt, 0.0)
     tn = t + tl.zeros_like(n)
     Bt = tl.load(B_row + t * sbt + n * sbn, mask=nmask & (tn >= start) & (tn < T), other=0.0)
