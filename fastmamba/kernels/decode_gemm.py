@@ -175,10 +175,11 @@ class GemmDecodeStep:
         self.split = sdt != torch.float32  # 16-bit operands in two halves (split16.py)
         self.split_out = self.split and self.SPLIT_OUT_PROJ
         P = 2 * batch if self.split else batch  # rows of the products
+        Po = 2 * batch if self.split_out else batch  # rows of out_proj's product
         d, E, N, R = c.d_model, c.d_inner, c.d_state, c.dt_rank
         f32 = dict(device=dev, dtype=torch.float32)
         self.h = torch.zeros(batch, d, **f32)
-        self.o = torch.zeros(P, d, **f32)
+        self.o = torch.zeros(Po, d, **f32)
         self.u = torch.zeros(P, d, device=dev, dtype=sdt)
         self.xz = torch.zeros(P, 2 * E, **f32)
         self.xc = torch.zeros(batch, E, **f32)
@@ -187,7 +188,7 @@ class GemmDecodeStep:
         self.dbc = torch.zeros(batch, R + 2 * N, **f32)
         self.dtr16 = torch.zeros(P, R, device=dev, dtype=sdt)
         self.dt = torch.zeros(P, E, **f32)
-        self.y16 = torch.zeros(P, E, device=dev, dtype=sdt)
+        self.y16 = torch.zeros(Po, E, device=dev, dtype=sdt)
         self.logits_raw = torch.zeros(P, c.vocab_size, **f32) if self.split else None
         self.logits = torch.zeros(batch, c.vocab_size, **f32)
 
@@ -197,9 +198,8 @@ class GemmDecodeStep:
         torch.index_select(w.embedding, 0, tokens, out=self.u[:B])  # u as scratch for the lookup
         self.h.copy_(self.u[:B])
         prev = None  # the previous layer's out_proj bias, added with its output
-        Po = 2 * B if self.split_out else B  # rows of out_proj's product
         for i, lw in enumerate(w.layers):
-            residual_rmsnorm(self.h, self.o[:Po] if i else None, prev, lw.norm_w, eps, self.u, o_halves=self.split_out, u_halves=split)
+            residual_rmsnorm(self.h, self.o if i else None, prev, lw.norm_w, eps, self.u, o_halves=self.split_out, u_halves=split)
             gemm(self.u, lw.in_proj_w, self.xz)
             if lw.in_proj_b is not None:
                 self.xz[:B] += lw.in_proj_b
@@ -208,9 +208,9 @@ class GemmDecodeStep:
             dbc_rows(self.dbc_raw, self.dbc, self.dtr16, split)
             gemm(self.dtr16, lw.dt_proj_w, self.dt)
             ssm_update(self.dt, self.dbc, self.xc, self.xz, state.ssm[i], lw.dt_bias, lw.A, lw.D, R, self.y16, split, self.split_out)
-            gemm(self.y16[:Po], lw.out_proj_w, self.o[:Po])
+            gemm(self.y16, lw.out_proj_w, self.o)
             prev = lw.out_proj_b
-        residual_rmsnorm(self.h, self.o[:Po], prev, w.norm_f, eps, self.u, o_halves=self.split_out, u_halves=split)
+        residual_rmsnorm(self.h, self.o, prev, w.norm_f, eps, self.u, o_halves=self.split_out, u_halves=split)
         if split:
             gemm(self.u, w.lm_head, self.logits_raw)
             torch.add(self.logits_raw[:B], self.logits_raw[B:], out=self.logits)
