@@ -427,7 +427,7 @@ class DecodeStep:
             self.h, self.ssq, norm_w, weight, bias if bias is not None else weight, out,
             self.B, self.BP, d, n_out, self.model.config.norm_eps,
             NT_SSQ=self.nt_d, HAS_BIAS=bias is not None, IEEE=self.ieee, BB=self.BB, BN=BN, BK=BK, STAGES=stages,
-            num_warps=warps, num_stages=4, **self.pdl,
+            num_warps=warps, **self.pdl,
         )
 
     def conv_x_proj(self, lw, conv_state) -> None:
