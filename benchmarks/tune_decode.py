@@ -4,6 +4,7 @@ Times each kernel alone (triton.testing.do_bench, median) for a grid of configur
 prints the best few per shape with the achieved weight bandwidth, to choose DecodeStep's
 defaults.  python benchmarks/tune_decode.py
 
+With --early it compares which kernels let the next one launch before their own wait.
 With --in-graph it times whole graph-replayed batch-1 steps instead, changing the block
 sizes of one kernel at a time: alone, a kernel sees its
 weights partly in L2 and no neighbours, so its best blocks need not be the step's.
@@ -129,8 +130,26 @@ def tune_in_graph(size):
     ds.DecodeStep.SSM_BLOCK = default_ssm
 
 
+def tune_early_launch(size):
+    """Which kernels let the next one launch before their own wait (DecodeStep.early_launch)."""
+    from fastmamba.bench import random_model, time_graph_steps
+
+    model = random_model(size, DT)
+    default = ds.DecodeStep.__dict__["early_launch"]
+    print(f"{size} early launch by default {sorted(default.__func__(model.config.d_model))}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
+    for early in [(), ("ssm_step",), ("ssm_step", "out_proj_residual"), ("rmsnorm_linear", "ssm_step", "out_proj_residual"),
+                  ("rmsnorm_linear", "out_proj_residual"), ("rmsnorm_linear",)]:  # never conv_x_proj: see early_launch
+        ds.DecodeStep.early_launch = staticmethod(lambda d, e=frozenset(early): e)
+        print(f"{size} early launch {early}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
+    ds.DecodeStep.early_launch = default
+
+
 if __name__ == "__main__":
     print(torch.cuda.get_device_name())
+    if "--early" in sys.argv:
+        for size in ("130m", "370m", "1.4b", "2.8b"):
+            tune_early_launch(size)
+        sys.exit()
     if "--in-graph" in sys.argv:
         for size in ("2.8b", "130m"):
             tune_in_graph(size)

@@ -24,7 +24,8 @@ Why it is shaped this way:
 - On Hopper the kernels launch with programmatic dependent launch: each starts while the
   previous one drains, loads what the previous kernel does not write (its first weight
   tile; in ssm_step also the layer's state and z), and only then waits
-  for the previous kernel's results (`_wait_for_prior_kernel`).
+  for the previous kernel's results (`_wait_for_prior_kernel`). Some let the next kernel
+  launch even before their own wait (`DecodeStep.early_launch`).
 - Batches above SMALL_BATCH run through cuBLAS instead (decode_gemm.py), unless
   deterministic: see `make_decode_step`.
 """
@@ -105,12 +106,21 @@ def _mm(x, w, BB: tl.constexpr, IEEE: tl.constexpr):
 
 
 @jit
+def _let_next_kernel_launch(PDL: tl.constexpr):
+    """PDL 2: the next kernel may launch as soon as all of this one's programs have
+    started (it still waits for this one to finish before it reads its results)."""
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@jit
 def _wait_for_prior_kernel(PDL: tl.constexpr):
-    """With programmatic dependent launch (PDL) a kernel may start while the one before it
-    in the stream is still finishing; it must wait here before touching anything that
-    kernel writes or reads. Then it lets the next kernel start early in turn."""
-    if PDL:
+    """With programmatic dependent launch (PDL 1 or 2) a kernel may start while the one
+    before it in the stream is still finishing; it must wait here before touching anything
+    that kernel writes or reads. With PDL 1 it then lets the next kernel start early in turn."""
+    if PDL > 0:
         tl.extra.cuda.gdc_wait()
+    if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
 
 
@@ -135,6 +145,7 @@ def _rmsnorm_linear_kernel(
     NT_SSQ: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
     BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
+    _let_next_kernel_launch(PDL)
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
     rows = pid_b * BB + tl.arange(0, BB)
@@ -174,6 +185,7 @@ def _conv_x_proj_kernel(
     K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr,
     BB: tl.constexpr, BE: tl.constexpr, SUB: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
 ):
+    _let_next_kernel_launch(PDL)
     pid_e = tl.program_id(0)
     pid_b = tl.program_id(1)
     rows = pid_b * BB + tl.arange(0, BB)
@@ -234,6 +246,7 @@ def _ssm_step_kernel(
     N: tl.constexpr, NP: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, IEEE: tl.constexpr,
     BB: tl.constexpr, BE: tl.constexpr, PDL: tl.constexpr,
 ):
+    _let_next_kernel_launch(PDL)
     pid_e = tl.program_id(0)
     pid_b = tl.program_id(1)
     rows = pid_b * BB + tl.arange(0, BB)
@@ -276,6 +289,7 @@ def _out_proj_residual_kernel(
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr,
     BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
 ):
+    _let_next_kernel_launch(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_b = tl.program_id(2)
@@ -361,6 +375,17 @@ class DecodeStep:
     SSM_BLOCK = 16  # ssm_step: channels a program, one row (2.24 ms at 2.8b against 2.26 with 32)
 
     @staticmethod
+    def early_launch(d_model: int) -> frozenset:
+        """One-row kernels that let the next kernel launch as soon as all their programs have
+        started instead of after their wait (PDL 2), so that it loads its first weights
+        sooner: ssm_step and out_proj up to d_model 2048 (bf16 batch 1, whole steps, against
+        none: 130m 0.339 ms / 0.360, 370m 0.762 / 0.800, 1.4b 1.344 / 1.394); none at 2.8b
+        (2.254 / 2.239). Never conv_x_proj: ssm_step reads z before its wait, relying on
+        in_proj, two kernels back, having finished by the time ssm_step launches (and with
+        z read after the wait instead, an early conv_x_proj was slower at every width)."""
+        return frozenset({"ssm_step", "out_proj_residual"}) if d_model <= 2048 else frozenset()
+
+    @staticmethod
     def conv_blocks(E: int) -> tuple[int, int]:
         """conv_x_proj's channels a program, in steps of: at least 64 programs (130m: 32
         channels, 0.361 ms a step against 0.400 with 64; 2.8b: 64, 2.26 against 2.29)."""
@@ -408,7 +433,14 @@ class DecodeStep:
         self.cnt_out = torch.zeros(BP // self.BB * self.nt_d, device=dev, dtype=torch.int32)
         self.logits = torch.zeros(BP, c.vocab_size, **f32)
         pdl = use_pdl(dev)
-        self.pdl = dict(PDL=pdl, launch_pdl=True) if pdl else dict(PDL=False)
+        self.pdl = dict(PDL=1, launch_pdl=True) if pdl else dict(PDL=0)
+        self.early = self.early_launch(d) if one_row else frozenset()
+
+    def pdl_for(self, kernel: str) -> dict:
+        """The PDL launch settings for one of the step's kernels (see _let_next_kernel_launch)."""
+        if self.pdl["PDL"] and kernel in self.early:
+            return dict(self.pdl, PDL=2)
+        return self.pdl
 
     # Each method launches one kernel on the scratch buffers; __call__ chains them.
 
@@ -427,7 +459,7 @@ class DecodeStep:
             self.h, self.ssq, norm_w, weight, bias if bias is not None else weight, out,
             self.B, self.BP, d, n_out, self.model.config.norm_eps,
             NT_SSQ=self.nt_d, HAS_BIAS=bias is not None, IEEE=self.ieee, BB=self.BB, BN=BN, BK=BK, STAGES=stages,
-            num_warps=warps, **self.pdl,
+            num_warps=warps, **self.pdl_for("rmsnorm_linear"),
         )
 
     def conv_x_proj(self, lw, conv_state) -> None:
@@ -437,7 +469,7 @@ class DecodeStep:
             self.xz, conv_state, lw.conv_w, lw.conv_b if lw.conv_b is not None else lw.conv_w,
             lw.x_proj_w, self.xc, self.part_x, self.dbc, self.cnt_x, self.B, self.BP, c.d_inner, self.J,
             K=c.d_conv, KP=triton.next_power_of_2(c.d_conv), HAS_CB=lw.conv_b is not None, IEEE=self.ieee, NSPLIT=self.nsplit_x,
-            BB=self.BB, BE=self.BE_x, SUB=self.SUB_x, BJ=self.BJ, num_warps=4, **self.pdl,
+            BB=self.BB, BE=self.BE_x, SUB=self.SUB_x, BJ=self.BJ, num_warps=4, **self.pdl_for("conv_x_proj"),
         )
 
     def ssm_step(self, lw, ssm_state) -> None:
@@ -446,7 +478,7 @@ class DecodeStep:
         _ssm_step_kernel[(triton.cdiv(c.d_inner, self.BE_ssm), self.BP // self.BB)](
             self.dbc, self.xc, self.xz, ssm_state, lw.dt_proj_w, lw.dt_bias, lw.A, lw.D, self.y,
             self.B, c.d_inner, c.dt_rank, N=c.d_state, NP=self.NP, BJ=self.BJ, BR=self.BR, IEEE=self.ieee,
-            BB=self.BB, BE=self.BE_ssm, num_warps=4, **self.pdl,
+            BB=self.BB, BE=self.BE_ssm, num_warps=4, **self.pdl_for("ssm_step"),
         )
 
     def out_proj_residual(self, lw) -> None:
@@ -456,7 +488,7 @@ class DecodeStep:
             self.y, lw.out_proj_w, lw.out_proj_b if lw.out_proj_b is not None else lw.out_proj_w,
             self.h, self.part_out, self.cnt_out, self.ssq, self.B, self.BP, c.d_model, c.d_inner, self.kchunk_out,
             HAS_BIAS=lw.out_proj_b is not None, IEEE=self.ieee, NSPLIT=self.nsplit_out,
-            BB=self.BB, BN=self.BN_out, BK=self.BK_out, num_warps=self.warps_out, **self.pdl,
+            BB=self.BB, BN=self.BN_out, BK=self.BK_out, num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),
         )
 
     def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:
