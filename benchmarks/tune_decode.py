@@ -4,6 +4,7 @@ Times each kernel alone (triton.testing.do_bench, median) for a grid of configur
 prints the best few per shape with the achieved weight bandwidth, to choose DecodeStep's
 defaults.  python benchmarks/tune_decode.py
 
+With --lm-head it sweeps lm_head's blocks (and 130m's in_proj) in whole steps.
 With --early it compares which kernels let the next one launch before their own wait.
 With --in-graph it times whole graph-replayed batch-1 steps instead, changing the block
 sizes of one kernel at a time: alone, a kernel sees its
@@ -112,7 +113,7 @@ def tune_in_graph(size):
     vocab = model.config.vocab_size
     print(f"{size} batch 1, default blocks: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     for blocks in [(16, 512, 4, 2), (16, 512, 4, 3), (16, 256, 4, 3), (16, 256, 4, 4), (8, 512, 4, 3), (32, 256, 4, 3), (16, 512, 8, 3)]:
-        ds.DecodeStep.linear_blocks = staticmethod(lambda n, one_row, b=blocks: b if n != vocab else default_linear.__func__(n, one_row))
+        ds.DecodeStep.linear_blocks = staticmethod(lambda n, d, one_row, b=blocks: b if n != vocab else default_linear.__func__(n, d, one_row))
         print(f"   in_proj BN, BK, warps, stages = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     ds.DecodeStep.linear_blocks = default_linear
     for blocks, programs in [((8, 512, 4), 1280), ((8, 256, 4), 640), ((16, 256, 4), 640), ((8, 1024, 8), 640)]:
@@ -144,8 +145,31 @@ def tune_early_launch(size):
     ds.DecodeStep.early_launch = default
 
 
+def tune_lm_head(size):
+    """rmsnorm_linear's blocks for lm_head alone (n_out = vocab), in whole steps; and for
+    in_proj at 130m, whose K (768) is not a multiple of 512."""
+    from fastmamba.bench import random_model, time_graph_steps
+
+    model = random_model(size, DT)
+    default_linear = ds.DecodeStep.__dict__["linear_blocks"]
+    vocab = model.config.vocab_size
+    print(f"{size} default blocks: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
+    for blocks in [(16, 512, 4, 1), (32, 512, 4, 1), (32, 256, 4, 1), (64, 256, 4, 1), (64, 512, 8, 1), (32, 512, 8, 1), (16, 1024, 4, 1)]:
+        ds.DecodeStep.linear_blocks = staticmethod(lambda n, d, one_row, b=blocks: b if n == vocab else default_linear.__func__(n, d, one_row))
+        print(f"   lm_head BN, BK, warps, stages = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
+    if size == "130m":
+        for blocks in [(16, 256, 4, 1), (8, 256, 4, 1), (32, 256, 4, 1), (16, 1024, 4, 1)]:
+            ds.DecodeStep.linear_blocks = staticmethod(lambda n, d, one_row, b=blocks: b if n != vocab else default_linear.__func__(n, d, one_row))
+            print(f"   in_proj BN, BK, warps, stages = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
+    ds.DecodeStep.linear_blocks = default_linear
+
+
 if __name__ == "__main__":
     print(torch.cuda.get_device_name())
+    if "--lm-head" in sys.argv:
+        for size in ("130m", "2.8b", "1.4b"):
+            tune_lm_head(size)
+        sys.exit()
     if "--early" in sys.argv:
         for size in ("130m", "370m", "1.4b", "2.8b"):
             tune_early_launch(size)

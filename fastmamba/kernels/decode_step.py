@@ -392,10 +392,14 @@ class DecodeStep:
         return (64, 32) if E // 64 >= 64 else (32, 32)
 
     @staticmethod
-    def linear_blocks(n_out: int, one_row: bool) -> tuple[int, int, int, int]:
-        """rmsnorm_linear's (BN, BK, warps, pipeline stages of its loop) for n_out outputs."""
-        if one_row:  # 16 rows at 2.8b's in_proj: 2.72 ms a step against 2.82 with 32 (tune_decode --in-graph)
-            return (64 if n_out > 16384 else 16), 512, 4, 1
+    def linear_blocks(n_out: int, d: int, one_row: bool) -> tuple[int, int, int, int]:
+        """rmsnorm_linear's (BN, BK, warps, pipeline stages of its loop) for n_out outputs of
+        d inputs. One row: 16 rows a program (2.8b in_proj: 2.72 ms a step against 2.82
+        with 32; lm_head: 130m 0.333 ms against 0.339 with 64, 2.8b 2.238 / 2.250), and
+        rows of up to 1024 in one tile, all of it loaded before the wait (130m in_proj
+        0.331 ms against 0.339 in two tiles of 512); tune_decode.py --in-graph, --lm-head."""
+        if one_row:
+            return 16, (1024 if d <= 1024 else 512), 4, 1
         return (64 if n_out > 16384 else (32 if n_out > 8192 else 16)), 128, 4, 4  # tiles: tl.dot, pipelined
 
     def __init__(self, model, batch: int, deterministic: bool = False):
@@ -453,7 +457,7 @@ class DecodeStep:
     def rmsnorm_linear(self, norm_w, weight, bias, out) -> None:
         """out[:B] = linear(rmsnorm(h) * norm_w, weight, bias)."""
         n_out, d = weight.shape
-        BN, BK, warps, stages = self.linear_blocks(n_out, self.BB == 1)
+        BN, BK, warps, stages = self.linear_blocks(n_out, d, self.BB == 1)
         grid = (triton.cdiv(n_out, BN), self.BP // self.BB)
         _rmsnorm_linear_kernel[grid](
             self.h, self.ssq, norm_w, weight, bias if bias is not None else weight, out,
