@@ -81,26 +81,27 @@ def test_conv_x_proj(case):
     step.xz[: step.B] = rand(step.B, 2 * c.d_inner, seed=2)
     conv_state = rand(step.B, c.d_inner, c.d_conv, seed=3)
     ref_state = conv_state.clone()
-    for _ in range(2):  # twice: the split counters must reset themselves
+    for _ in range(2):
+        step.dbc.zero_()  # as out_proj_residual leaves it: the splits add into it
         step.conv_x_proj(lw, conv_state)
         xc, dbc = ds.conv_x_proj_ref(step.xz[: step.B, : c.d_inner], ref_state, lw.conv_w, lw.conv_b, lw.x_proj_w)
         assert rel_err(step.xc[: step.B], xc) < 1e-5
-        assert rel_err(step.dbc[: step.B, : step.J], dbc) < tol
+        assert rel_err(ds.from_fixed(step.dbc[: step.B, : step.J]), dbc) < tol
         assert torch.equal(conv_state, ref_state)
-    assert not step.cnt_x.any()
+    assert not step.dbc[:, step.J :].any() and not step.dbc[step.B :].any()  # nothing past the columns and rows
 
 
 def test_ssm_step(case):
     model, step, tol = case
     lw, c = model.weights.layers[0], model.config
-    step.dbc[: step.B, : step.J] = rand(step.B, step.J, seed=4)
+    step.dbc[: step.B, : step.J] = ds.to_fixed(rand(step.B, step.J, seed=4))
     step.xc[: step.B] = rand(step.B, c.d_inner, seed=5)
     step.xz[: step.B] = rand(step.B, 2 * c.d_inner, seed=6)
     ssm_state = rand(step.B, c.d_inner, c.d_state, seed=7)
     ref_state = ssm_state.clone()
     step.ssm_step(lw, ssm_state)
     z = step.xz[: step.B, c.d_inner :]
-    y = ds.ssm_step_ref(step.dbc[: step.B, : step.J], step.xc[: step.B], z, ref_state, lw.dt_proj_w, lw.dt_bias, lw.A, lw.D)
+    y = ds.ssm_step_ref(ds.from_fixed(step.dbc[: step.B, : step.J]), step.xc[: step.B], z, ref_state, lw.dt_proj_w, lw.dt_bias, lw.A, lw.D)
     assert rel_err(step.y[: step.B], y) < tol
     assert rel_err(ssm_state, ref_state) < tol
 
@@ -111,12 +112,14 @@ def test_out_proj_residual(case):
     h = rand(step.B, c.d_model, seed=8)
     step.h[: step.B] = h
     step.y[: step.B] = rand(step.B, c.d_inner, seed=9)
+    step.dbc.fill_(7)  # conv_x_proj's accumulator, which this kernel zeroes for the next layer
     for _ in range(2):
         step.out_proj_residual(lw)
         h = ds.out_proj_residual_ref(step.y[: step.B], lw.out_proj_w, lw.out_proj_b, h)
         assert rel_err(step.h[: step.B], h) < tol
         assert torch.allclose(step.ssq[:, : step.B].sum(0), step.h[: step.B].pow(2).sum(1), rtol=1e-5)
     assert not step.cnt_out.any()
+    assert not step.dbc[: step.B].any()
 
 
 def test_whole_step_equals_the_reference_model(case):

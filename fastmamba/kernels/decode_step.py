@@ -17,8 +17,10 @@ Why it is shaped this way:
   how many there are; `deterministic=True` uses the tile mode for every batch size, so a
   slot is bitwise the same from batch 1 to 256. Rows past the batch are masked.
 - Short-and-wide products (x_proj, out_proj) are split over K so that enough programs
-  stream the weights; the partial sums are added up by the last program to finish (a
-  counter per tile), always in split order, so the result is deterministic.
+  stream the weights. out_proj's partial sums are added up by the last program to finish
+  (a counter per tile), always in split order; x_proj's go into dbc by atomic adds in
+  fixed point (FIXED_ONE), exact in any order and with no round trip to wait for
+  (out_proj zeroes dbc for the next layer). Either way the result is deterministic.
 - out_proj's reducer also writes each tile's sum of squares, so the next rmsnorm needs no
   extra pass over h.
 - On Hopper the kernels launch with programmatic dependent launch: each starts while the
@@ -105,6 +107,27 @@ def _mm(x, w, BB: tl.constexpr, IEEE: tl.constexpr):
             return tl.dot(lo, wt, tl.dot(hi, wt))
 
 
+# x_proj's split-K partial sums meet in fixed point: int64 in units of 2^-32, so that the
+# atomic adds of the splits are exact and their order cannot change the result. A partial
+# is clamped to +-2^20 first (no working model comes near), which leaves room for 2^11 splits.
+FIXED_ONE = tl.constexpr(2.0**32)
+FIXED_LIMIT = tl.constexpr(2.0**20)
+
+
+@jit
+def _from_fixed(v):
+    return v.to(tl.float32) * (1.0 / FIXED_ONE)
+
+
+def from_fixed(v: torch.Tensor) -> torch.Tensor:
+    """dbc as float32 (for tests and debugging)."""
+    return v.float() * 2.0**-32
+
+
+def to_fixed(v: torch.Tensor) -> torch.Tensor:
+    return (v.double() * 2.0**32).to(torch.int64)
+
+
 @jit
 def _let_next_kernel_launch(PDL: tl.constexpr):
     """PDL 2: the next kernel may launch as soon as all of this one's programs have
@@ -181,8 +204,8 @@ def _rmsnorm_linear_kernel(
 
 @jit
 def _conv_x_proj_kernel(
-    xz_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, xc_ptr, part_ptr, dbc_ptr, cnt_ptr, B, BP, E, J,
-    K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr,
+    xz_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, xc_ptr, dbc_ptr, B, E, J,
+    K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, IEEE: tl.constexpr,
     BB: tl.constexpr, BE: tl.constexpr, SUB: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
 ):
     _let_next_kernel_launch(PDL)
@@ -227,17 +250,10 @@ def _conv_x_proj_kernel(
         e = e + SUB  # the next tile (nothing past this program's channels)
         w = tl.load(wx_ptr + j[:, None] * E + e[None, :], mask=jmask[:, None] & (e < e_end)[None, :], other=0.0)
         acc += _mm(xc, w_now, BB, IEEE)
-    part = part_ptr + rows[:, None] * BJ + j[None, :]
-    tl.store(part + pid_e * BP * BJ, acc, mask=rmask[:, None])
-    # The last program of this row tile adds the partials up, in split order.
-    tl.debug_barrier()
-    count = tl.atomic_add(cnt_ptr + pid_b, 1, sem="acq_rel", scope="gpu")
-    if count == NSPLIT - 1:
-        total = tl.zeros([BB, BJ], dtype=tl.float32)
-        for s in range(NSPLIT):
-            total += tl.load(part + s * BP * BJ, mask=rmask[:, None], other=0.0)
-        tl.store(dbc_ptr + rows[:, None] * BJ + j[None, :], total, mask=rmask[:, None])
-        tl.atomic_xchg(cnt_ptr + pid_b, 0)
+    # This split's share, added to dbc in fixed point: integer sums are exact in any order.
+    acc = tl.minimum(tl.maximum(acc, -FIXED_LIMIT), FIXED_LIMIT)
+    fixed = (acc * FIXED_ONE).to(tl.int64)
+    tl.atomic_add(dbc_ptr + rows[:, None] * BJ + j[None, :], fixed, mask=rmask[:, None] & jmask[None, :], sem="relaxed")
 
 
 @jit
@@ -269,11 +285,11 @@ def _ssm_step_kernel(
     sm = m[:, :, None] & nmask[None, None, :]
     s = tl.load(sp, mask=sm, other=0.0)  # (BB, BE, NP)
     _wait_for_prior_kernel(PDL)
-    dtr = tl.load(dbc_ptr + rows[:, None] * BJ + r[None, :], mask=rmask[:, None] & (r < R)[None, :], other=0.0)
+    dtr = _from_fixed(tl.load(dbc_ptr + rows[:, None] * BJ + r[None, :], mask=rmask[:, None] & (r < R)[None, :], other=0))
     dt = _mm(dtr, w, BB, IEEE) + dtb[None, :]  # (BB, BE)
     dt = softplus(dt)
-    Bv = tl.load(dbc_ptr + rows[:, None] * BJ + R + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
-    Cv = tl.load(dbc_ptr + rows[:, None] * BJ + R + N + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
+    Bv = _from_fixed(tl.load(dbc_ptr + rows[:, None] * BJ + R + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0))
+    Cv = _from_fixed(tl.load(dbc_ptr + rows[:, None] * BJ + R + N + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0))
     x = tl.load(xc_ptr + rows[:, None] * E + e[None, :], mask=m, other=0.0)
     s = s * tl.exp(dt[:, :, None] * A[None, :, :]) + (dt * x)[:, :, None] * Bv[:, None, :]
     tl.debug_barrier()  # every thread holding an element has read it before it is rewritten
@@ -285,9 +301,9 @@ def _ssm_step_kernel(
 
 @jit
 def _out_proj_residual_kernel(
-    y_ptr, w_ptr, b_ptr, h_ptr, part_ptr, cnt_ptr, ssq_ptr, B, BP, D, E, KCHUNK,
+    y_ptr, w_ptr, b_ptr, h_ptr, part_ptr, cnt_ptr, ssq_ptr, dbc_ptr, B, BP, D, E, KCHUNK,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr,
-    BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
+    BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
 ):
     _let_next_kernel_launch(PDL)
     pid_n = tl.program_id(0)
@@ -301,6 +317,11 @@ def _out_proj_residual_kernel(
     k = pid_s * KCHUNK + tl.arange(0, BK)  # the first weight tile is on its way before the wait
     w = tl.load(w_ptr + n[:, None] * E + k[None, :], mask=nmask[:, None] & (k < k_end)[None, :], other=0.0)
     _wait_for_prior_kernel(PDL)
+    # ssm_step has read dbc: the first program of each row tile zeroes the tile's rows for
+    # the next layer's conv_x_proj (jj >= 0 there, jj >= BJ or more in the others)
+    jj = tl.arange(0, BJ)
+    first = jj[None, :] >= (pid_n + pid_s) * BJ
+    tl.store(dbc_ptr + rows[:, None] * BJ + jj[None, :], tl.zeros([BB, BJ], dtype=tl.int64), mask=rmask[:, None] & first)
     acc = tl.zeros([BB, BN], dtype=tl.float32)
     for k0 in range(pid_s * KCHUNK, k_end, BK):
         k = k0 + tl.arange(0, BK)
@@ -430,10 +451,8 @@ class DecodeStep:
         self.xz = torch.zeros(BP, 2 * E, **f32)
         self.xc = torch.zeros(BP, E, **f32)
         self.y = torch.zeros(BP, E, **f32)
-        self.dbc = torch.zeros(BP, self.BJ, **f32)
-        self.part_x = torch.zeros(self.nsplit_x, BP, self.BJ, **f32)
+        self.dbc = torch.zeros(BP, self.BJ, device=dev, dtype=torch.int64)  # fixed point: see FIXED_ONE
         self.part_out = torch.zeros(self.nsplit_out, BP, d, **f32)
-        self.cnt_x = torch.zeros(BP // self.BB, device=dev, dtype=torch.int32)
         self.cnt_out = torch.zeros(BP // self.BB * self.nt_d, device=dev, dtype=torch.int32)
         self.logits = torch.zeros(BP, c.vocab_size, **f32)
         pdl = use_pdl(dev)
@@ -467,12 +486,13 @@ class DecodeStep:
         )
 
     def conv_x_proj(self, lw, conv_state) -> None:
-        """xc, dbc from the x half of xz; updates conv_state (B, E, K)."""
+        """xc, and dbc added to (zero before: out_proj_residual leaves it so), from the x half
+        of xz; updates conv_state (B, E, K)."""
         c = self.model.config
         _conv_x_proj_kernel[(self.nsplit_x, self.BP // self.BB)](
             self.xz, conv_state, lw.conv_w, lw.conv_b if lw.conv_b is not None else lw.conv_w,
-            lw.x_proj_w, self.xc, self.part_x, self.dbc, self.cnt_x, self.B, self.BP, c.d_inner, self.J,
-            K=c.d_conv, KP=triton.next_power_of_2(c.d_conv), HAS_CB=lw.conv_b is not None, IEEE=self.ieee, NSPLIT=self.nsplit_x,
+            lw.x_proj_w, self.xc, self.dbc, self.B, c.d_inner, self.J,
+            K=c.d_conv, KP=triton.next_power_of_2(c.d_conv), HAS_CB=lw.conv_b is not None, IEEE=self.ieee,
             BB=self.BB, BE=self.BE_x, SUB=self.SUB_x, BJ=self.BJ, num_warps=4, **self.pdl_for("conv_x_proj"),
         )
 
@@ -486,13 +506,13 @@ class DecodeStep:
         )
 
     def out_proj_residual(self, lw) -> None:
-        """h += y @ out_proj.T + bias."""
+        """h += y @ out_proj.T + bias; zeroes dbc."""
         c = self.model.config
         _out_proj_residual_kernel[(self.nt_d, self.nsplit_out, self.BP // self.BB)](
             self.y, lw.out_proj_w, lw.out_proj_b if lw.out_proj_b is not None else lw.out_proj_w,
-            self.h, self.part_out, self.cnt_out, self.ssq, self.B, self.BP, c.d_model, c.d_inner, self.kchunk_out,
+            self.h, self.part_out, self.cnt_out, self.ssq, self.dbc, self.B, self.BP, c.d_model, c.d_inner, self.kchunk_out,
             HAS_BIAS=lw.out_proj_b is not None, IEEE=self.ieee, NSPLIT=self.nsplit_out,
-            BB=self.BB, BN=self.BN_out, BK=self.BK_out, num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),
+            BB=self.BB, BN=self.BN_out, BK=self.BK_out, BJ=self.BJ, num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),
         )
 
     def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:
