@@ -99,7 +99,7 @@ class Ops:
     either engine: the pure-PyTorch twins (CPU) or cuBLAS products and Triton kernels (GPU)."""
 
     linear: Callable
-    conv: Callable  # causal_conv1d_ref signature
+    conv: Callable  # causal_conv1d_ref signature: (output for the scan, output for x_proj)
     scan: Callable  # selective_scan_ref signature
     add_norm: Callable  # add_norm_ref signature: (h + o, rmsnorm(h + o)), the norm in a given dtype
 
@@ -126,11 +126,13 @@ def mixer(
     E, N, R = config.d_inner, config.d_state, config.dt_rank
     xz = ops.linear(u, lw.in_proj_w, lw.in_proj_b)  # (B, T, 2E)
     x, z = xz.transpose(1, 2).split([E, E], dim=1)  # (B, E, T) each
-    x = ops.conv(x, lw.conv_w, lw.conv_b, conv_state, start)  # (B, E, T)
-    dt_r, Bm, Cm = ops.linear(x.transpose(1, 2), lw.x_proj_w).split([R, N, N], dim=-1)  # (B, T, R|N|N)
+    # the conv's output, f32 for the scan and in x_proj's dtype for the product (GPU path)
+    x, x_in = ops.conv(x, lw.conv_w, lw.conv_b, conv_state, start, lw.x_proj_w.dtype)  # (B, E, T)
+    dt_r, Bm, Cm = ops.linear(x_in.transpose(1, 2), lw.x_proj_w).split([R, N, N], dim=-1)  # (B, T, R|N|N)
     dt = ops.linear(dt_r, lw.dt_proj_w)  # (B, T, E); bias and softplus happen in the scan
     y = ops.scan(
-        x, dt.transpose(1, 2), lw.A, Bm.transpose(1, 2), Cm.transpose(1, 2), lw.D, z, lw.dt_bias, ssm_state, start
+        x, dt.transpose(1, 2), lw.A, Bm.transpose(1, 2), Cm.transpose(1, 2), lw.D, z, lw.dt_bias, ssm_state, start,
+        out_dtype=lw.out_proj_w.dtype,  # y as out_proj reads it (GPU path; the reference keeps f32)
     )  # (B, E, T)
     return ops.linear(y.transpose(1, 2), lw.out_proj_w, lw.out_proj_b)
 

@@ -25,6 +25,16 @@ def gen(seed=0):
     return torch.Generator(device=DEVICE).manual_seed(seed)
 
 
+def assert_rounded(v16, v):
+    """v16 is float32 v in bfloat16, rounded as a cast rounds (on the GPU; the interpreter
+    truncates instead, so there within one bfloat16 step)."""
+    assert v16.dtype == torch.bfloat16
+    if GPU:
+        assert torch.equal(v16, v.to(torch.bfloat16))
+    else:
+        assert ((v16.float() - v).abs() <= v.abs() * 2**-7).all()
+
+
 @pytest.mark.parametrize(
     "B,E,T,K,start",
     [(2, 40, 37, 4, None), (3, 16, 5, 3, [0, 2, 4]), (1, 8, 1, 4, None), (2, 70, 100, 4, [0, 50]), (1, 24, 66, 2, [3]),
@@ -38,9 +48,10 @@ def test_conv_and_scan_kernels_match_their_twins(B, E, T, K, start):
     conv_state = torch.randn(B, E, K, device=DEVICE, generator=g)
     conv_ref_state = conv_state.clone()
     s = None if start is None else torch.tensor(start, dtype=torch.int32, device=DEVICE)
-    xc = causal_conv1d(x, w, b, conv_state, s)
-    xc_ref = causal_conv1d_ref(x, w, b, conv_ref_state, s)
+    xc, xc16 = causal_conv1d(x, w, b, conv_state, s, torch.bfloat16)
+    xc_ref = causal_conv1d_ref(x, w, b, conv_ref_state, s)[0]
     assert rel_err(xc, xc_ref) < 1e-5 and rel_err(conv_state, conv_ref_state) < 1e-6
+    assert_rounded(xc16, xc)
 
     N, R = 16, 3
     dbc = torch.randn(B, T, R + 2 * N, device=DEVICE, generator=g)
@@ -55,6 +66,8 @@ def test_conv_and_scan_kernels_match_their_twins(B, E, T, K, start):
         ssm_state = ssm_state0.clone()
         y = selective_scan(xc_ref, dt, A, Bm, Cm, D, z, dtb, ssm_state, s, chunked=chunked)
         assert rel_err(y, y_ref) < 1e-5 and rel_err(ssm_state, ssm_ref_state) < 1e-5, chunked
+        # y straight in out_proj's dtype
+        assert_rounded(selective_scan(xc_ref, dt, A, Bm, Cm, D, z, dtb, ssm_state0.clone(), s, out_dtype=torch.bfloat16, chunked=chunked), y)
 
 
 def engines(path, dtype):

@@ -26,7 +26,8 @@ def causal_conv1d_ref(
     bias: torch.Tensor | None,  # (E,)
     state: torch.Tensor,  # (B, E, K) the last K inputs, newest last; updated in place
     start: torch.Tensor | None = None,  # (B,) first real position of each row (left padding)
-) -> torch.Tensor:  # (B, E, T) float32, SiLU applied
+    dtype: torch.dtype | None = None,  # for the second output; the reference ignores it
+) -> tuple[torch.Tensor, torch.Tensor]:  # (B, E, T) float32, SiLU applied; twice (see causal_conv1d)
     K = weight.shape[-1]
     x = x.float()
     if start is not None:
@@ -36,13 +37,14 @@ def causal_conv1d_ref(
     full = torch.cat([state[:, :, 1:], x], dim=-1)  # (B, E, K-1+T)
     y = F.conv1d(full, weight[:, None, :], bias, groups=weight.shape[0])  # (B, E, T)
     state.copy_(torch.cat([state, x], dim=-1)[:, :, -K:])
-    return F.silu(y)
+    y = F.silu(y)
+    return y, y
 
 
 @jit
 def _causal_conv1d_kernel(
-    x_ptr, sxb, sxe, sxt, w_ptr, b_ptr, st_ptr, y_ptr, start_ptr, T, E,
-    K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
+    x_ptr, sxb, sxe, sxt, w_ptr, b_ptr, st_ptr, y_ptr, y2_ptr, start_ptr, T, E,
+    K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, COPY: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
 ):
     # One program: one row, BE channels, BT time steps (y is (B, T, E), channels
     # contiguous). Only the first time block reads the old conv state (its taps reach back
@@ -73,7 +75,10 @@ def _causal_conv1d_kernel(
         v += tl.load(st_row + e[None, :] * K + (K + tt)[:, None], mask=from_state[:, None] & emask[None, :], other=0.0)
         acc += v * tl.load(w_ptr + e * K + k, mask=emask, other=0.0)[None, :]
     y = acc * tl.sigmoid(acc)
-    tl.store(y_ptr + b.to(tl.int64) * T * E + t[:, None] * E + e[None, :], y, mask=(t < T)[:, None] & emask[None, :])
+    out = b.to(tl.int64) * T * E + t[:, None] * E + e[None, :]
+    tl.store(y_ptr + out, y, mask=(t < T)[:, None] & emask[None, :])
+    if COPY:  # y in the next product's dtype, rounded as a cast would
+        tl.store(y2_ptr + out, y.to(y2_ptr.dtype.element_ty), mask=(t < T)[:, None] & emask[None, :])
     if first:
         # New state: inputs at positions T-K .. T-1 (older ones from the old state).
         kk = tl.arange(0, KP)
@@ -85,17 +90,20 @@ def _causal_conv1d_kernel(
         tl.store(st_row + e[:, None] * K + kk[None, :], new, mask=m)
 
 
-def causal_conv1d(x, weight, bias, state, start=None):
-    """Triton twin of `causal_conv1d_ref`; x may be any strided (B, E, T) view. Returns a
-    (B, E, T) view of a (B, T, E) float32 buffer (the layout the projections want)."""
+def causal_conv1d(x, weight, bias, state, start=None, dtype=torch.float32):
+    """Triton twin of `causal_conv1d_ref`; x may be any strided (B, E, T) view. Returns
+    (B, E, T) views of (B, T, E) buffers (the layout the projections want): the float32
+    output, for the scan, and the same in `dtype`, for x_proj (written by the same kernel,
+    which saves a cast's pass over the float32 one; the same tensor when dtype is float32)."""
     B, E, T = x.shape
     K = weight.shape[-1]
     y = torch.empty(B, T, E, device=x.device, dtype=torch.float32)
+    y2 = y if dtype == torch.float32 else torch.empty(B, T, E, device=x.device, dtype=dtype)
     if start is None:
         start = torch.zeros(B, device=x.device, dtype=torch.int32)
     BE, BT = 64, max(32, triton.next_power_of_2(K))
     _causal_conv1d_kernel[(B, triton.cdiv(E, BE), triton.cdiv(T, BT))](
-        x, x.stride(0), x.stride(1), x.stride(2), weight, bias if bias is not None else weight, state, y,
-        start, T, E, K=K, KP=triton.next_power_of_2(K), HAS_BIAS=bias is not None, BE=BE, BT=BT, num_warps=4,
+        x, x.stride(0), x.stride(1), x.stride(2), weight, bias if bias is not None else weight, state, y, y2,
+        start, T, E, K=K, KP=triton.next_power_of_2(K), HAS_BIAS=bias is not None, COPY=y2 is not y, BE=BE, BT=BT, num_warps=4,
     )
-    return y.transpose(1, 2)
+    return y.transpose(1, 2), y2.transpose(1, 2)

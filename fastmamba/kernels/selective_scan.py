@@ -25,6 +25,7 @@ def selective_scan_ref(
     dt_bias: torch.Tensor,  # (E,)
     state: torch.Tensor,  # (B, E, N) float32, updated in place to the state after the last step
     start: torch.Tensor | None = None,  # (B,) first real position of each row (left padding)
+    out_dtype: torch.dtype | None = None,  # the Triton scan's y dtype; the reference keeps float32
 ) -> torch.Tensor:  # (B, E, T) float32
     """The recurrence one time step after another, in float32: the oracle for the Triton scan."""
     x, z = x.float(), z.float()
@@ -202,9 +203,10 @@ LOG2E = 1.4426950408889634
 SCAN_CHUNKED_FROM = 1024  # prompt steps from which the chunked scan is used
 
 
-def selective_scan(x, dt, A, Bm, Cm, D, z, dt_bias, state, start=None, chunked=None):
+def selective_scan(x, dt, A, Bm, Cm, D, z, dt_bias, state, start=None, out_dtype=torch.float32, chunked=None):
     """Triton twin of `selective_scan_ref`; inputs may be any strided views of those shapes.
-    Returns a (B, E, T) view of a (B, T, E) float32 buffer.
+    Returns a (B, E, T) view of a (B, T, E) buffer of y in out_dtype: computed in float32,
+    rounded once on the way out (as out_proj's operand, which saves a cast's passes).
 
     chunked: the two-pass scan (time cut into chunks of SCAN_CHUNK (or half) steps that run in
     parallel, each walked step by step); otherwise the one-pass scan (associative scan
@@ -212,7 +214,7 @@ def selective_scan(x, dt, A, Bm, Cm, D, z, dt_bias, state, start=None, chunked=N
     from SCAN_CHUNKED_FROM steps on, where its parallelism over time pays for its two passes."""
     Bsz, E, T = x.shape
     N = A.shape[1]
-    y = torch.empty(Bsz, T, E, device=x.device, dtype=torch.float32)
+    y = torch.empty(Bsz, T, E, device=x.device, dtype=out_dtype)
     if start is None:
         start = torch.zeros(Bsz, device=x.device, dtype=torch.int32)
     if chunked is None:
