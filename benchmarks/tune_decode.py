@@ -4,11 +4,11 @@ Times each kernel alone (triton.testing.do_bench, median) for a grid of configur
 prints the best few per shape with the achieved weight bandwidth, to choose DecodeStep's
 defaults.  python benchmarks/tune_decode.py
 
-With --lm-head it sweeps lm_head's blocks (and 130m's in_proj) in whole steps.
-With --early it compares which kernels let the next one launch before their own wait.
 With --in-graph it times whole graph-replayed batch-1 steps instead, changing the block
-sizes of one kernel at a time: alone, a kernel sees its
-weights partly in L2 and no neighbours, so its best blocks need not be the step's.
+sizes of one kernel at a time: alone, a kernel sees its weights partly in L2 and no
+neighbours, so its best blocks need not be the step's (--states: only conv_x_proj's and
+ssm_step's). With --lm-head it sweeps lm_head's blocks (and 130m's in_proj) in whole
+steps; with --early, which kernels let the next one launch before their own wait.
 """
 
 import itertools
@@ -102,7 +102,7 @@ def tune_conv_x_proj(E, J):
     report(f"conv_x_proj E={E} J={J}", res, wx.numel() * 2)
 
 
-def tune_in_graph(size):
+def tune_in_graph(size, products=True):
     from fastmamba.bench import random_model, time_graph_steps
 
     model = random_model(size, DT)
@@ -110,19 +110,19 @@ def tune_in_graph(size):
     default_out, default_programs = ds.DecodeStep.OUT_BLOCKS, ds.DecodeStep.OUT_PROGRAMS
     vocab = model.config.vocab_size
     print(f"{size} batch 1, default blocks: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    for blocks in [(16, 512, 4, 2), (16, 512, 4, 3), (16, 256, 4, 3), (16, 256, 4, 4), (8, 512, 4, 3), (32, 256, 4, 3), (16, 512, 8, 3)]:
+    for blocks in [] if not products else [(16, 512, 4, 2), (16, 512, 4, 3), (16, 256, 4, 3), (16, 256, 4, 4), (8, 512, 4, 3), (32, 256, 4, 3), (16, 512, 8, 3)]:
         ds.DecodeStep.linear_blocks = staticmethod(lambda n, d, one_row, b=blocks: b if n != vocab else default_linear.__func__(n, d, one_row))
         print(f"   in_proj BN, BK, warps, stages = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     ds.DecodeStep.linear_blocks = default_linear
-    for blocks, programs in [((8, 512, 4), 1280), ((8, 256, 4), 640), ((16, 256, 4), 640), ((8, 1024, 8), 640)]:
+    for blocks, programs in [] if not products else [((8, 512, 4), 1280), ((8, 256, 4), 640), ((16, 256, 4), 640), ((8, 1024, 8), 640)]:
         ds.DecodeStep.OUT_BLOCKS, ds.DecodeStep.OUT_PROGRAMS = blocks, programs
         print(f"   out_proj BN, BK, warps = {blocks}, ~{programs} programs: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     ds.DecodeStep.OUT_BLOCKS, ds.DecodeStep.OUT_PROGRAMS = default_out, default_programs
-    default_conv, default_ssm = ds.DecodeStep.__dict__["conv_blocks"], ds.DecodeStep.SSM_BLOCK
-    for blocks in [(128, 32), (64, 32), (32, 32)]:
-        ds.DecodeStep.conv_blocks = staticmethod(lambda E, b=blocks: b)
+    default_conv, default_ssm = ds.DecodeStep.CONV_BLOCK, ds.DecodeStep.SSM_BLOCK
+    for blocks in [(128, 32), (64, 32), (32, 32), (16, 16)]:
+        ds.DecodeStep.CONV_BLOCK = blocks
         print(f"   conv_x_proj BE, SUB = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    ds.DecodeStep.conv_blocks = default_conv
+    ds.DecodeStep.CONV_BLOCK = default_conv
     for block in (16, 32, 64):
         ds.DecodeStep.SSM_BLOCK = block
         print(f"   ssm_step BE = {block}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
@@ -172,9 +172,9 @@ if __name__ == "__main__":
         for size in ("130m", "370m", "1.4b", "2.8b"):
             tune_early_launch(size)
         sys.exit()
-    if "--in-graph" in sys.argv:
-        for size in ("2.8b", "130m"):
-            tune_in_graph(size)
+    if "--in-graph" in sys.argv:  # with --states: conv_x_proj's and ssm_step's blocks only
+        for size in ("2.8b", "130m") if "--states" not in sys.argv else ("130m", "1.4b", "2.8b"):
+            tune_in_graph(size, products="--states" not in sys.argv)
         sys.exit()
     tune_rmsnorm_linear(10240, 2560)  # 2.8b in_proj
     tune_rmsnorm_linear(3072, 768)  # 130m in_proj

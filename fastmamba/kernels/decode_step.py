@@ -394,6 +394,10 @@ class DecodeStep:
     OUT_BLOCKS = (8, 512, 4)
     OUT_PROGRAMS = 640
     SSM_BLOCK = 16  # ssm_step: channels a program, one row (2.24 ms at 2.8b against 2.26 with 32)
+    # conv_x_proj: channels a program, in steps of; with x_proj's splits meeting by atomic
+    # adds more splits pay (1.4b 1.297 ms a step against 1.327 with 64 channels, 2.8b
+    # 2.174 / 2.186; 16 channels: 1.417 / 2.386)
+    CONV_BLOCK = (32, 32)
 
     @staticmethod
     def early_launch(d_model: int) -> frozenset:
@@ -405,12 +409,6 @@ class DecodeStep:
         in_proj, two kernels back, having finished by the time ssm_step launches (and with
         z read after the wait instead, an early conv_x_proj was slower at every width)."""
         return frozenset({"ssm_step", "out_proj_residual"}) if d_model <= 2048 else frozenset()
-
-    @staticmethod
-    def conv_blocks(E: int) -> tuple[int, int]:
-        """conv_x_proj's channels a program, in steps of: at least 64 programs (130m: 32
-        channels, 0.361 ms a step against 0.400 with 64; 2.8b: 64, 2.26 against 2.29)."""
-        return (64, 32) if E // 64 >= 64 else (32, 32)
 
     @staticmethod
     def linear_blocks(n_out: int, d: int, one_row: bool) -> tuple[int, int, int, int]:
@@ -441,7 +439,7 @@ class DecodeStep:
         self.nsplit_out = max(1, min(16, programs // self.nt_d, triton.cdiv(E, self.BK_out)))
         self.kchunk_out = triton.cdiv(triton.cdiv(E, self.nsplit_out), self.BK_out) * self.BK_out
         self.nsplit_out = triton.cdiv(E, self.kchunk_out)  # whole BK steps per split may need fewer
-        self.BE_x, self.SUB_x = self.conv_blocks(E) if one_row else (64, 32)
+        self.BE_x, self.SUB_x = self.CONV_BLOCK if one_row else (64, 32)
         self.nsplit_x = triton.cdiv(E, self.BE_x)
         self.BE_ssm = self.SSM_BLOCK if one_row else 32
         f32 = dict(device=dev, dtype=torch.float32)
