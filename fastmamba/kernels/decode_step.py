@@ -108,8 +108,11 @@ def _mm(x, w, BB: tl.constexpr, IEEE: tl.constexpr):
 
 
 # x_proj's split-K partial sums meet in fixed point: int64 in units of 2^-32, so that the
-# atomic adds of the splits are exact and their order cannot change the result. A partial
-# is clamped to +-2^20 first (no working model comes near), which leaves room for 2^11 splits.
+# atomic adds of the splits are exact and their order cannot change the result. Each
+# partial loses under 2^-32 (truncated), so a sum of S splits is within S * 2^-32 of the
+# exact one: about float32's own rounding of values near 1, for S = 160 (2.8b). Clamped
+# to +-2^20 first (no working model comes near), a partial leaves room for 2^11 splits; a NaN
+# one reads back finite, but the conv output that made it carries it on (D skip, state).
 FIXED_ONE = tl.constexpr(2.0**32)
 FIXED_LIMIT = tl.constexpr(2.0**20)
 
