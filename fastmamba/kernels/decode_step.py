@@ -128,6 +128,7 @@ def from_fixed(v: torch.Tensor) -> torch.Tensor:
 
 
 def to_fixed(v: torch.Tensor) -> torch.Tensor:
+    """float32 values in dbc's fixed point (for tests)."""
     return (v.double() * 2.0**32).to(torch.int64)
 
 
