@@ -47,7 +47,7 @@ def tune_rmsnorm_linear(n_out, d):
         def run():
             ds._rmsnorm_linear_kernel[(triton.cdiv(n_out, BN), 1)](
                 h, ssq, nw, w, w, out, 1, 1, d, n_out, 1e-5, NT_SSQ=1, HAS_BIAS=False, IEEE=False,
-                BB=1, BN=BN, BK=BK, STAGES=1, PDL=False, num_warps=warps,
+                BB=1, BN=BN, BK=BK, STAGES=1, PDL=0, num_warps=warps,
             )
 
         res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BN=BN, BK=BK, warps=warps)))
@@ -66,11 +66,12 @@ def tune_out_proj(d, E):
         part = torch.empty(ns, 1, d, device="cuda")
         cnt = torch.zeros(nt, dtype=torch.int32, device="cuda")
         ssq = torch.empty(nt, 1, device="cuda")
+        dbc = torch.zeros(1, 16, device="cuda", dtype=torch.int64)  # the kernel zeroes it
 
         def run():
             ds._out_proj_residual_kernel[(nt, ns, 1)](
-                y, w, w, h, part, cnt, ssq, 1, 1, d, E, kchunk, HAS_BIAS=False, IEEE=False, NSPLIT=ns,
-                BB=1, BN=BN, BK=BK, STAGES=1, PDL=False, num_warps=warps,
+                y, w, w, h, part, cnt, ssq, dbc, 1, 1, d, E, kchunk, HAS_BIAS=False, IEEE=False, NSPLIT=ns,
+                BB=1, BN=BN, BK=BK, BJ=16, PDL=0, num_warps=warps,
             )
 
         res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BN=BN, nsplit=ns, BK=BK, warps=warps)))
@@ -94,7 +95,7 @@ def tune_conv_x_proj(E, J):
 
         def run():
             ds._conv_x_proj_kernel[(ns, 1)](
-                xz, cs, cw, cw, wx, xc, dbc, 1, E, J, K=K, HAS_CB=True, IEEE=False,
+                xz, cs, cw, cw, wx, xc, dbc, 1, E, J, K=K, KP=K, HAS_CB=True, IEEE=False,
                 BB=1, BE=BE, SUB=SUB, BJ=BJ, PDL=0, num_warps=warps,
             )
 
