@@ -22,7 +22,7 @@ except ImportError:  # CPU-only install
     import types
 
     triton = None
-    tl = types.SimpleNamespace(constexpr=None)
+    tl = types.SimpleNamespace(constexpr=lambda value=None: value)  # module constants stay plain values
     HAVE_TRITON = False
     INTERPRET = _INTERPRET
 

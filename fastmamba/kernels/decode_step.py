@@ -113,7 +113,8 @@ def _mm(x, w, BB: tl.constexpr, IEEE: tl.constexpr):
 # exact one: about float32's own rounding of values near 1, for S = 160 (2.8b). Clamped
 # to +-2^20 first (no working model comes near), a partial leaves room for 2^11 splits; a NaN
 # one reads back finite, but the conv output that made it carries it on (D skip, state).
-FIXED_ONE = tl.constexpr(2.0**32)
+FIXED_SCALE = 2.0**32  # the host-side twin of FIXED_ONE, for from_fixed / to_fixed
+FIXED_ONE = tl.constexpr(FIXED_SCALE)
 FIXED_LIMIT = tl.constexpr(2.0**20)
 
 
@@ -124,12 +125,12 @@ def _from_fixed(v):
 
 def from_fixed(v: torch.Tensor) -> torch.Tensor:
     """dbc as float32 (for tests and debugging)."""
-    return v.float() * 2.0**-32
+    return v.float() / FIXED_SCALE
 
 
 def to_fixed(v: torch.Tensor) -> torch.Tensor:
     """float32 values in dbc's fixed point (for tests)."""
-    return (v.double() * 2.0**32).to(torch.int64)
+    return (v.double() * FIXED_SCALE).to(torch.int64)
 
 
 @jit
