@@ -7,7 +7,7 @@ defaults.  python benchmarks/tune_decode.py
 With --in-graph it times whole graph-replayed batch-1 steps instead, changing the block
 sizes of one kernel at a time: alone, a kernel sees its weights partly in L2 and no
 neighbours, so its best blocks need not be the step's (--states: only conv_x_proj's and
-ssm_step's). With --lm-head it sweeps lm_head's blocks (and 130m's in_proj) in whole
+ssm_step's; --out-proj: only out_proj's). With --lm-head it sweeps lm_head's blocks (and 130m's in_proj) in whole
 steps; with --early, which kernels let the next one launch before their own wait.
 """
 
@@ -37,8 +37,8 @@ def tune_rmsnorm_linear(n_out, d):
     w = torch.randn(n_out, d, device="cuda").to(DT)
     nw = torch.ones(d, device="cuda")
     h = torch.randn(1, d, device="cuda")
+    dh = torch.zeros(1, d, device="cuda", dtype=torch.int64)
     out = torch.empty(1, n_out, device="cuda")
-    ssq = (h * h).sum(1).view(1, 1)
     res = []
     for BN, BK, warps in itertools.product([4, 8, 16, 32], [256, 512, 1024], [2, 4, 8]):
         if BN * BK > 16384:
@@ -46,7 +46,7 @@ def tune_rmsnorm_linear(n_out, d):
 
         def run():
             ds._rmsnorm_linear_kernel[(triton.cdiv(n_out, BN), 1)](
-                h, ssq, nw, w, w, out, 1, 1, d, n_out, 1e-5, NT_SSQ=1, HAS_BIAS=False, IEEE=False,
+                h, dh, nw, w, w, out, 1, d, n_out, 1e-5, HAS_BIAS=False, IEEE=False,
                 BB=1, BN=BN, BK=BK, STAGES=1, PDL=0, num_warps=warps,
             )
 
@@ -57,20 +57,17 @@ def tune_rmsnorm_linear(n_out, d):
 def tune_out_proj(d, E):
     w = torch.randn(d, E, device="cuda").to(DT)
     y = torch.randn(1, E, device="cuda")
-    h = torch.zeros(1, d, device="cuda")
+    dh = torch.zeros(1, d, device="cuda", dtype=torch.int64)  # accumulates (fixed point); fine for timing
+    dbc = torch.zeros(1, 16, device="cuda", dtype=torch.int64)
     res = []
     for BN, nsplit, BK, warps in itertools.product([8, 16, 32], [1, 2, 4, 8], [128, 256, 512], [4, 8]):
         kchunk = triton.cdiv(triton.cdiv(E, nsplit), BK) * BK
         ns = triton.cdiv(E, kchunk)
         nt = triton.cdiv(d, BN)
-        part = torch.empty(ns, 1, d, device="cuda")
-        cnt = torch.zeros(nt, dtype=torch.int32, device="cuda")
-        ssq = torch.empty(nt, 1, device="cuda")
-        dbc = torch.zeros(1, 16, device="cuda", dtype=torch.int64)  # the kernel zeroes it
 
         def run():
             ds._out_proj_residual_kernel[(nt, ns, 1)](
-                y, w, w, h, part, cnt, ssq, dbc, 1, 1, d, E, kchunk, HAS_BIAS=False, IEEE=False, NSPLIT=ns,
+                y, w, w, dh, dbc, 1, d, E, kchunk, HAS_BIAS=False, IEEE=False,
                 BB=1, BN=BN, BK=BK, BJ=16, PDL=0, num_warps=warps,
             )
 
@@ -87,6 +84,7 @@ def tune_conv_x_proj(E, J):
     wx = torch.randn(J, E, device="cuda").to(DT)
     xc = torch.empty(1, E, device="cuda")
     dbc = torch.zeros(1, BJ, device="cuda", dtype=torch.int64)  # accumulates (fixed point); fine for timing
+    h, dh = torch.zeros(1, 16, device="cuda"), torch.zeros(1, 16, device="cuda", dtype=torch.int64)
     res = []
     for BE, SUB, warps in itertools.product([32, 64, 128, 256], [16, 32, 64], [4, 8]):
         if SUB > BE:
@@ -95,15 +93,15 @@ def tune_conv_x_proj(E, J):
 
         def run():
             ds._conv_x_proj_kernel[(ns, 1)](
-                xz, cs, cw, cw, wx, xc, dbc, 1, E, J, K=K, KP=K, HAS_CB=True, IEEE=False,
-                BB=1, BE=BE, SUB=SUB, BJ=BJ, PDL=0, num_warps=warps,
+                xz, cs, cw, cw, wx, xc, dbc, h, dh, 1, E, J, 16, K=K, KP=K, HAS_CB=True, IEEE=False,
+                BB=1, BE=BE, SUB=SUB, BJ=BJ, BD=16, PDL=0, num_warps=warps,
             )
 
         res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BE=BE, SUB=SUB, warps=warps)))
     report(f"conv_x_proj E={E} J={J}", res, wx.numel() * 2)
 
 
-def tune_in_graph(size, products=True):
+def tune_in_graph(size, parts=("in_proj", "out_proj", "states")):
     from fastmamba.bench import random_model, time_graph_steps
 
     model = random_model(size, DT)
@@ -111,20 +109,20 @@ def tune_in_graph(size, products=True):
     default_out, default_programs = ds.DecodeStep.OUT_BLOCKS, ds.DecodeStep.OUT_PROGRAMS
     vocab = model.config.vocab_size
     print(f"{size} batch 1, default blocks: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    for blocks in [] if not products else [(16, 512, 4, 2), (16, 512, 4, 3), (16, 256, 4, 3), (16, 256, 4, 4), (8, 512, 4, 3), (32, 256, 4, 3), (16, 512, 8, 3)]:
+    for blocks in [] if "in_proj" not in parts else [(16, 512, 4, 2), (16, 512, 4, 3), (16, 256, 4, 3), (16, 256, 4, 4), (8, 512, 4, 3), (32, 256, 4, 3), (16, 512, 8, 3)]:
         ds.DecodeStep.linear_blocks = staticmethod(lambda n, d, one_row, b=blocks: b if n != vocab else default_linear.__func__(n, d, one_row))
         print(f"   in_proj BN, BK, warps, stages = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     ds.DecodeStep.linear_blocks = default_linear
-    for blocks, programs in [] if not products else [((8, 512, 4), 1280), ((8, 256, 4), 640), ((16, 256, 4), 640), ((8, 1024, 8), 640)]:
+    for blocks, programs in [] if "out_proj" not in parts else [((8, 512, 4), 1280), ((8, 512, 4), 2560), ((16, 512, 4), 1280), ((8, 256, 4), 640), ((16, 256, 4), 640), ((8, 1024, 8), 640)]:
         ds.DecodeStep.OUT_BLOCKS, ds.DecodeStep.OUT_PROGRAMS = blocks, programs
         print(f"   out_proj BN, BK, warps = {blocks}, ~{programs} programs: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     ds.DecodeStep.OUT_BLOCKS, ds.DecodeStep.OUT_PROGRAMS = default_out, default_programs
     default_conv, default_ssm = ds.DecodeStep.CONV_BLOCK, ds.DecodeStep.SSM_BLOCK
-    for blocks in [(128, 32), (64, 32), (32, 32), (16, 16)]:
+    for blocks in [] if "states" not in parts else [(128, 32), (64, 32), (32, 32), (16, 16)]:
         ds.DecodeStep.CONV_BLOCK = blocks
         print(f"   conv_x_proj BE, SUB = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     ds.DecodeStep.CONV_BLOCK = default_conv
-    for block in (16, 32, 64):
+    for block in () if "states" not in parts else (16, 32, 64):
         ds.DecodeStep.SSM_BLOCK = block
         print(f"   ssm_step BE = {block}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     ds.DecodeStep.SSM_BLOCK = default_ssm
@@ -173,9 +171,10 @@ if __name__ == "__main__":
         for size in ("130m", "370m", "1.4b", "2.8b"):
             tune_early_launch(size)
         sys.exit()
-    if "--in-graph" in sys.argv:  # with --states: conv_x_proj's and ssm_step's blocks only
-        for size in ("2.8b", "130m") if "--states" not in sys.argv else ("130m", "1.4b", "2.8b"):
-            tune_in_graph(size, products="--states" not in sys.argv)
+    if "--in-graph" in sys.argv:  # --states / --out-proj: those kernels' blocks only
+        parts = [p for p in ("states", "out_proj") if f"--{p.replace('_', '-')}" in sys.argv] or ["in_proj", "out_proj", "states"]
+        for size in ("130m", "1.4b", "2.8b"):
+            tune_in_graph(size, parts)
         sys.exit()
     tune_rmsnorm_linear(10240, 2560)  # 2.8b in_proj
     tune_rmsnorm_linear(3072, 768)  # 130m in_proj

@@ -45,28 +45,34 @@ def case(request, checkpoints):
     return lm.model, step, TOL[lm.model.weights.embedding.dtype]
 
 
-def set_residual(step, h):
-    """Puts h in the step's residual buffer with its per-tile sums of squares."""
-    B, d = h.shape
-    step.h[:B] = h
-    for t in range(step.nt_d):
-        step.ssq[t, :B] = h[:, t * step.BN_out : (t + 1) * step.BN_out].pow(2).sum(1)
+def set_residual(step, h, pending):
+    """Puts the residual h in the step's buffers as h - pending and pending (an out_proj
+    share not yet folded in: dh, fixed point); returns h as the buffers hold it."""
+    B = h.shape[0]
+    step.dh[:B] = ds.to_fixed(pending)
+    step.h[:B] = h - pending
+    return residual(step)
+
+
+def residual(step):
+    """The residual stream as the step's buffers hold it: h + dh."""
+    return step.h[: step.B] + ds.from_fixed(step.dh[: step.B])
 
 
 def test_embed(case):
     model, step, _ = case
     tokens = torch.randint(0, model.config.vocab_size, (step.B,), device=DEVICE)
+    step.dh.fill_(5)
     step.embed(tokens)
     ref = ds.embed_ref(tokens, model.weights.embedding)
     assert torch.equal(step.h[: step.B], ref)
-    assert torch.allclose(step.ssq[:, : step.B].sum(0), ref.pow(2).sum(1), rtol=1e-5)
+    assert not step.dh[: step.B].any()
 
 
 def test_rmsnorm_linear(case):
     model, step, tol = case
     lw, c = model.weights.layers[0], model.config
-    h = rand(step.B, c.d_model, seed=1) * 3
-    set_residual(step, h)
+    h = set_residual(step, rand(step.B, c.d_model, seed=1) * 3, rand(step.B, c.d_model, seed=12))
     step.rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, step.xz)
     ref = ds.rmsnorm_linear_ref(h, lw.norm_w, c.norm_eps, lw.in_proj_w, lw.in_proj_b)
     assert rel_err(step.xz[: step.B], ref) < tol
@@ -81,9 +87,11 @@ def test_conv_x_proj(case):
     step.xz[: step.B] = rand(step.B, 2 * c.d_inner, seed=2)
     conv_state = rand(step.B, c.d_inner, c.d_conv, seed=3)
     ref_state = conv_state.clone()
+    h = set_residual(step, rand(step.B, c.d_model, seed=13), rand(step.B, c.d_model, seed=14))
     for _ in range(2):
         step.dbc.zero_()  # as out_proj_residual leaves it: the splits add into it
         step.conv_x_proj(lw, conv_state)
+        assert torch.equal(step.h[: step.B], h) and not step.dh.any()  # dh folded into h
         xc, dbc = ds.conv_x_proj_ref(step.xz[: step.B, : c.d_inner], ref_state, lw.conv_w, lw.conv_b, lw.x_proj_w)
         assert rel_err(step.xc[: step.B], xc) < 1e-5
         assert rel_err(ds.from_fixed(step.dbc[: step.B, : step.J]), dbc) < tol
@@ -109,17 +117,15 @@ def test_ssm_step(case):
 def test_out_proj_residual(case):
     model, step, tol = case
     lw, c = model.weights.layers[0], model.config
-    h = rand(step.B, c.d_model, seed=8)
-    step.h[: step.B] = h
+    h = set_residual(step, rand(step.B, c.d_model, seed=8), torch.zeros(step.B, c.d_model, device=DEVICE))
     step.y[: step.B] = rand(step.B, c.d_inner, seed=9)
     step.dbc.fill_(7)  # conv_x_proj's accumulator, which this kernel zeroes for the next layer
-    for _ in range(2):
+    for _ in range(2):  # twice: the second adds to the first's pending share
         step.out_proj_residual(lw)
         h = ds.out_proj_residual_ref(step.y[: step.B], lw.out_proj_w, lw.out_proj_b, h)
-        assert rel_err(step.h[: step.B], h) < tol
-        assert torch.allclose(step.ssq[:, : step.B].sum(0), step.h[: step.B].pow(2).sum(1), rtol=1e-5)
-    assert not step.cnt_out.any()
+        assert rel_err(residual(step), h) < tol
     assert not step.dbc[: step.B].any()
+    assert not step.dh[step.B :].any()  # nothing past the batch
 
 
 def test_whole_step_equals_the_reference_model(case):

@@ -1,11 +1,13 @@
 """The decode step as five Triton kernels, four launches a layer, with their `_ref` twins.
 
-One step, per layer, for B slots (rows), with h the float32 residual stream:
+One step, per layer, for B slots (rows), with h + dh the float32 residual stream (dh: the
+last out_proj's share, not yet folded into h):
 
-    rmsnorm_linear     h -> rmsnorm(h) * norm_w -> in_proj            -> xz (B, 2E)
+    rmsnorm_linear     h + dh -> rmsnorm * norm_w -> in_proj          -> xz (B, 2E)
     conv_x_proj        conv step + SiLU on x, then x_proj             -> xc (B, E), dbc (B, R+2N)
+                       (and h += dh, dh = 0)
     ssm_step           dt_proj + softplus, state update, D skip, gate -> y (B, E)
-    out_proj_residual  h += y @ out_proj.T (+ bias)
+    out_proj_residual  dh += y @ out_proj.T (+ bias)
 
 and around the layers: `embed` before, `rmsnorm_linear` with norm_f and lm_head after.
 
@@ -17,12 +19,12 @@ Why it is shaped this way:
   how many there are; `deterministic=True` uses the tile mode for every batch size, so a
   slot is bitwise the same from batch 1 to 256. Rows past the batch are masked.
 - Short-and-wide products (x_proj, out_proj) are split over K so that enough programs
-  stream the weights. out_proj's partial sums are added up by the last program to finish
-  (a counter per tile), always in split order; x_proj's go into dbc by atomic adds in
-  fixed point (FIXED_ONE), exact in any order and with no round trip to wait for
-  (out_proj zeroes dbc for the next layer). Either way the result is deterministic.
-- out_proj's reducer also writes each tile's sum of squares, so the next rmsnorm needs no
-  extra pass over h.
+  stream the weights. Their partial sums meet by atomic adds in fixed point (FIXED_ONE)
+  in dbc and dh: exact in any order, so deterministic, and with no round trip to wait
+  for (no last program adding splits up). The next kernel but one zeroes each for the
+  next layer: out_proj zeroes dbc, conv_x_proj folds dh into h.
+- rmsnorm_linear sums the row's squares along its own product loop and scales the sums
+  at the end, so it needs no pass over h first.
 - On Hopper the kernels launch with programmatic dependent launch: each starts while the
   previous one drains, loads what the previous kernel does not write (its first weight
   tile; in ssm_step also the layer's state and z), and only then waits
@@ -107,8 +109,9 @@ def _mm(x, w, BB: tl.constexpr, IEEE: tl.constexpr):
             return tl.dot(lo, wt, tl.dot(hi, wt))
 
 
-# x_proj's split-K partial sums meet in fixed point: int64 in units of 2^-32, so that the
-# atomic adds of the splits are exact and their order cannot change the result. Each
+# The split-K partial sums of x_proj and out_proj meet in fixed point: int64 in units of
+# 2^-32, so that the atomic adds of the splits are exact and their order cannot change
+# the result. Each
 # partial loses under 2^-32 (truncated), so a sum of S splits is within S * 2^-32 of the
 # exact one: about float32's own rounding of values near 1, for S = 160 (2.8b). Clamped
 # to +-2^20 first (no working model comes near), a partial leaves room for 2^11 splits; a NaN
@@ -123,13 +126,20 @@ def _from_fixed(v):
     return v.to(tl.float32) * (1.0 / FIXED_ONE)
 
 
+@jit
+def _add_fixed(ptr, v, mask):
+    """*ptr += v (float32) in fixed point, an atomic add that nothing waits for."""
+    v = tl.minimum(tl.maximum(v, -FIXED_LIMIT), FIXED_LIMIT)
+    tl.atomic_add(ptr, (v * FIXED_ONE).to(tl.int64), mask=mask, sem="relaxed")
+
+
 def from_fixed(v: torch.Tensor) -> torch.Tensor:
-    """dbc as float32 (for tests and debugging)."""
+    """dbc or dh as float32 (for tests and debugging)."""
     return v.float() / FIXED_SCALE
 
 
 def to_fixed(v: torch.Tensor) -> torch.Tensor:
-    """float32 values in dbc's fixed point (for tests)."""
+    """float32 values in dbc's and dh's fixed point (for tests)."""
     return (v.double() * FIXED_SCALE).to(torch.int64)
 
 
@@ -153,7 +163,7 @@ def _wait_for_prior_kernel(PDL: tl.constexpr):
 
 
 @jit
-def _embed_kernel(tok_ptr, emb_ptr, h_ptr, ssq_ptr, B, BP, D, BB: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
+def _embed_kernel(tok_ptr, emb_ptr, h_ptr, dh_ptr, B, D, BB: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
     _wait_for_prior_kernel(PDL)
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -164,13 +174,19 @@ def _embed_kernel(tok_ptr, emb_ptr, h_ptr, ssq_ptr, B, BP, D, BB: tl.constexpr, 
     tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
     x = tl.load(emb_ptr + tok[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
     tl.store(h_ptr + rows[:, None] * D + cols[None, :], x, mask=m)
-    tl.store(ssq_ptr + pid_n * BP + rows, tl.sum(x * x, 1), mask=rmask)
+    tl.store(dh_ptr + rows[:, None] * D + cols[None, :], tl.zeros([BB, BN], dtype=tl.int64), mask=m)
+
+
+@jit
+def _residual_tile(h_ptr, dh_ptr, offs, mask):
+    """h + dh: the residual stream with out_proj's pending share added (float32)."""
+    return tl.load(h_ptr + offs, mask=mask, other=0.0) + _from_fixed(tl.load(dh_ptr + offs, mask=mask, other=0))
 
 
 @jit
 def _rmsnorm_linear_kernel(
-    h_ptr, ssq_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, B, BP, D, NOUT, eps,
-    NT_SSQ: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    h_ptr, dh_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, B, D, NOUT, eps,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
     BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     _let_next_kernel_launch(PDL)
@@ -184,24 +200,26 @@ def _rmsnorm_linear_kernel(
     k = tl.arange(0, BK)
     w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=nmask[:, None] & (k < D)[None, :], other=0.0)
     _wait_for_prior_kernel(PDL)
-    # the row's sum of squares, from the per-tile partials (one load, a fixed-order tree sum)
-    t = tl.arange(0, triton.next_power_of_2(NT_SSQ))
-    ssq = tl.sum(tl.load(ssq_ptr + t[:, None] * BP + rows[None, :], mask=(t < NT_SSQ)[:, None] & rmask[None, :], other=0.0), 0)
-    rstd = 1.0 / tl.sqrt(ssq / D + eps)
-    # the first tile's product, then the rest in a loop (carrying a prefetched tile through
+    # rmsnorm(h) * nw @ W.T = rstd * ((h * nw) @ W.T): the row's sum of squares adds up
+    # along the same loop and scales the sums at the end, so no pass over h comes first.
+    # h is the residual plus the last out_proj's share, still in dh (see conv_x_proj).
+    # The first tile's product, then the rest in a loop (carrying a prefetched tile through
     # it in registers doubled the registers and halved the bandwidth; STAGES > 1 streams
     # tiles through shared memory instead: the tile mode's tl.dot wants it, the one-row
-    # GEMV ran slower with it)
-    hk = tl.load(h_ptr + rows[:, None] * D + k[None, :], mask=rmask[:, None] & (k < D)[None, :], other=0.0)
+    # GEMV ran slower with it).
+    hk = _residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & (k < D)[None, :])
     nw = tl.load(nw_ptr + k, mask=k < D, other=0.0)
-    acc = _mm(hk * rstd[:, None] * nw[None, :], w, BB, IEEE)
+    ssq = tl.sum(hk * hk, 1)
+    acc = _mm(hk * nw[None, :], w, BB, IEEE)
     for k0 in tl.range(BK, D, BK, num_stages=STAGES):
         k = k0 + tl.arange(0, BK)
         kmask = k < D
-        hk = tl.load(h_ptr + rows[:, None] * D + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        hk = _residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & kmask[None, :])
         nw = tl.load(nw_ptr + k, mask=kmask, other=0.0)
         w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        acc += _mm(hk * rstd[:, None] * nw[None, :], w, BB, IEEE)
+        ssq += tl.sum(hk * hk, 1)
+        acc += _mm(hk * nw[None, :], w, BB, IEEE)
+    acc = acc * (1.0 / tl.sqrt(ssq / D + eps))[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nmask, other=0.0)[None, :]
     tl.store(out_ptr + rows[:, None] * NOUT + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
@@ -209,9 +227,9 @@ def _rmsnorm_linear_kernel(
 
 @jit
 def _conv_x_proj_kernel(
-    xz_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, xc_ptr, dbc_ptr, B, E, J,
+    xz_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, xc_ptr, dbc_ptr, h_ptr, dh_ptr, B, E, J, D,
     K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, IEEE: tl.constexpr,
-    BB: tl.constexpr, BE: tl.constexpr, SUB: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
+    BB: tl.constexpr, BE: tl.constexpr, SUB: tl.constexpr, BJ: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
 ):
     _let_next_kernel_launch(PDL)
     pid_e = tl.program_id(0)
@@ -224,6 +242,17 @@ def _conv_x_proj_kernel(
     e = pid_e * BE + tl.arange(0, SUB)  # the first x_proj tile is on its way before the wait
     w = tl.load(wx_ptr + j[:, None] * E + e[None, :], mask=jmask[:, None] & (e < e_end)[None, :], other=0.0)
     _wait_for_prior_kernel(PDL)
+    # in_proj has read h + dh: fold this program's BD columns of dh into h, zero them
+    # for the next out_proj
+    cols = pid_e * BD + tl.arange(0, BD)
+    offs, m = rows[:, None] * D + cols[None, :], rmask[:, None] & (cols < D)[None, :]
+    h_new = _residual_tile(h_ptr, dh_ptr, offs, m)
+    # The zeros go out in another layout than dh came in (int64 against float32 vectors):
+    # other threads. Every thread reads before any writes (without the barrier the tile
+    # mode lost shares of dh on the GPU: logits off by 10-80%).
+    tl.debug_barrier()
+    tl.store(h_ptr + offs, h_new, mask=m)
+    tl.store(dh_ptr + offs, tl.zeros([BB, BD], dtype=tl.int64), mask=m)
     acc = tl.zeros([BB, BJ], dtype=tl.float32)
     for s0 in tl.static_range(0, BE, SUB):
         e = pid_e * BE + s0 + tl.arange(0, SUB)
@@ -256,9 +285,7 @@ def _conv_x_proj_kernel(
         w = tl.load(wx_ptr + j[:, None] * E + e[None, :], mask=jmask[:, None] & (e < e_end)[None, :], other=0.0)
         acc += _mm(xc, w_now, BB, IEEE)
     # This split's share, added to dbc in fixed point: integer sums are exact in any order.
-    acc = tl.minimum(tl.maximum(acc, -FIXED_LIMIT), FIXED_LIMIT)
-    fixed = (acc * FIXED_ONE).to(tl.int64)
-    tl.atomic_add(dbc_ptr + rows[:, None] * BJ + j[None, :], fixed, mask=rmask[:, None] & jmask[None, :], sem="relaxed")
+    _add_fixed(dbc_ptr + rows[:, None] * BJ + j[None, :], acc, rmask[:, None] & jmask[None, :])
 
 
 @jit
@@ -306,8 +333,8 @@ def _ssm_step_kernel(
 
 @jit
 def _out_proj_residual_kernel(
-    y_ptr, w_ptr, b_ptr, h_ptr, part_ptr, cnt_ptr, ssq_ptr, dbc_ptr, B, BP, D, E, KCHUNK,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, NSPLIT: tl.constexpr,
+    y_ptr, w_ptr, b_ptr, dh_ptr, dbc_ptr, B, D, E, KCHUNK,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
     BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
 ):
     _let_next_kernel_launch(PDL)
@@ -335,24 +362,11 @@ def _out_proj_residual_kernel(
         k = k + BK  # the next tile (nothing past this split's end)
         w = tl.load(w_ptr + n[:, None] * E + k[None, :], mask=nmask[:, None] & (k < k_end)[None, :], other=0.0)
         acc += _mm(yk, w_now, BB, IEEE)
-    m = rmask[:, None] & nmask[None, :]
-    part = part_ptr + rows[:, None] * D + n[None, :]
-    tl.store(part + pid_s * BP * D, acc, mask=m)
-    tl.debug_barrier()
-    counter = cnt_ptr + pid_b * tl.num_programs(0) + pid_n
-    count = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if count == NSPLIT - 1:
-        total = tl.zeros([BB, BN], dtype=tl.float32)
-        for s in range(NSPLIT):
-            total += tl.load(part + s * BP * D, mask=m, other=0.0)
-        if HAS_BIAS:
-            total += tl.load(b_ptr + n, mask=nmask, other=0.0)[None, :]
-        hp = h_ptr + rows[:, None] * D + n[None, :]
-        h = tl.load(hp, mask=m, other=0.0) + total
-        tl.debug_barrier()  # see _conv_x_proj_kernel: read-then-write of the same elements
-        tl.store(hp, h, mask=m)
-        tl.store(ssq_ptr + pid_n * BP + rows, tl.sum(h * h, 1), mask=rmask)
-        tl.atomic_xchg(counter, 0)
+    if HAS_BIAS:  # once, with the first split (n >= pid_s * D holds there only)
+        acc += tl.load(b_ptr + n, mask=nmask & (n >= pid_s * D), other=0.0)[None, :]
+    # This split's share of y @ W.T, added to dh in fixed point (exact in any order); the
+    # next rmsnorm_linear reads h + dh, the conv_x_proj after it folds dh into h.
+    _add_fixed(dh_ptr + rows[:, None] * D + n[None, :], acc, rmask[:, None] & nmask[None, :])
 
 
 # -- launchers -----------------------------------------------------------------------------------
@@ -446,17 +460,16 @@ class DecodeStep:
         self.nsplit_out = triton.cdiv(E, self.kchunk_out)  # whole BK steps per split may need fewer
         self.BE_x, self.SUB_x = self.CONV_BLOCK if one_row else (64, 32)
         self.nsplit_x = triton.cdiv(E, self.BE_x)
+        self.BD_x = triton.next_power_of_2(triton.cdiv(d, self.nsplit_x))  # h columns each folds
         self.BE_ssm = self.SSM_BLOCK if one_row else 32
         f32 = dict(device=dev, dtype=torch.float32)
         BP = self.BP
         self.h = torch.zeros(BP, d, **f32)
-        self.ssq = torch.zeros(self.nt_d, BP, **f32)
+        self.dh = torch.zeros(BP, d, device=dev, dtype=torch.int64)  # out_proj's share, fixed point
         self.xz = torch.zeros(BP, 2 * E, **f32)
         self.xc = torch.zeros(BP, E, **f32)
         self.y = torch.zeros(BP, E, **f32)
         self.dbc = torch.zeros(BP, self.BJ, device=dev, dtype=torch.int64)  # fixed point: see FIXED_ONE
-        self.part_out = torch.zeros(self.nsplit_out, BP, d, **f32)
-        self.cnt_out = torch.zeros(BP // self.BB * self.nt_d, device=dev, dtype=torch.int32)
         self.logits = torch.zeros(BP, c.vocab_size, **f32)
         pdl = use_pdl(dev)
         self.pdl = dict(PDL=1, launch_pdl=True) if pdl else dict(PDL=0)
@@ -471,32 +484,32 @@ class DecodeStep:
     # Each method launches one kernel on the scratch buffers; __call__ chains them.
 
     def embed(self, tokens: torch.Tensor) -> None:
-        """h[:B] = embedding[tokens] (and the per-tile sums of squares for the next rmsnorm)."""
+        """h[:B] = embedding[tokens], dh = 0."""
         emb = self.model.weights.embedding
         grid = (self.nt_d, self.BP // self.BB)
-        _embed_kernel[grid](tokens, emb, self.h, self.ssq, self.B, self.BP, emb.shape[1], BB=self.BB, BN=self.BN_out, **self.pdl)
+        _embed_kernel[grid](tokens, emb, self.h, self.dh, self.B, emb.shape[1], BB=self.BB, BN=self.BN_out, **self.pdl)
 
     def rmsnorm_linear(self, norm_w, weight, bias, out) -> None:
-        """out[:B] = linear(rmsnorm(h) * norm_w, weight, bias)."""
+        """out[:B] = linear(rmsnorm(h + dh) * norm_w, weight, bias)."""
         n_out, d = weight.shape
         BN, BK, warps, stages = self.linear_blocks(n_out, d, self.BB == 1)
         grid = (triton.cdiv(n_out, BN), self.BP // self.BB)
         _rmsnorm_linear_kernel[grid](
-            self.h, self.ssq, norm_w, weight, bias if bias is not None else weight, out,
-            self.B, self.BP, d, n_out, self.model.config.norm_eps,
-            NT_SSQ=self.nt_d, HAS_BIAS=bias is not None, IEEE=self.ieee, BB=self.BB, BN=BN, BK=BK, STAGES=stages,
+            self.h, self.dh, norm_w, weight, bias if bias is not None else weight, out,
+            self.B, d, n_out, self.model.config.norm_eps,
+            HAS_BIAS=bias is not None, IEEE=self.ieee, BB=self.BB, BN=BN, BK=BK, STAGES=stages,
             num_warps=warps, **self.pdl_for("rmsnorm_linear"),
         )
 
     def conv_x_proj(self, lw, conv_state) -> None:
         """xc, and dbc added to (zero before: out_proj_residual leaves it so), from the x half
-        of xz; updates conv_state (B, E, K)."""
+        of xz; updates conv_state (B, E, K); folds dh into h (h += dh, dh = 0)."""
         c = self.model.config
         _conv_x_proj_kernel[(self.nsplit_x, self.BP // self.BB)](
             self.xz, conv_state, lw.conv_w, lw.conv_b if lw.conv_b is not None else lw.conv_w,
-            lw.x_proj_w, self.xc, self.dbc, self.B, c.d_inner, self.J,
+            lw.x_proj_w, self.xc, self.dbc, self.h, self.dh, self.B, c.d_inner, self.J, c.d_model,
             K=c.d_conv, KP=triton.next_power_of_2(c.d_conv), HAS_CB=lw.conv_b is not None, IEEE=self.ieee,
-            BB=self.BB, BE=self.BE_x, SUB=self.SUB_x, BJ=self.BJ, num_warps=4, **self.pdl_for("conv_x_proj"),
+            BB=self.BB, BE=self.BE_x, SUB=self.SUB_x, BJ=self.BJ, BD=self.BD_x, num_warps=4, **self.pdl_for("conv_x_proj"),
         )
 
     def ssm_step(self, lw, ssm_state) -> None:
@@ -509,12 +522,12 @@ class DecodeStep:
         )
 
     def out_proj_residual(self, lw) -> None:
-        """h += y @ out_proj.T + bias; zeroes dbc."""
+        """dh += y @ out_proj.T + bias (dh is zero before: conv_x_proj leaves it so); zeroes dbc."""
         c = self.model.config
         _out_proj_residual_kernel[(self.nt_d, self.nsplit_out, self.BP // self.BB)](
             self.y, lw.out_proj_w, lw.out_proj_b if lw.out_proj_b is not None else lw.out_proj_w,
-            self.h, self.part_out, self.cnt_out, self.ssq, self.dbc, self.B, self.BP, c.d_model, c.d_inner, self.kchunk_out,
-            HAS_BIAS=lw.out_proj_b is not None, IEEE=self.ieee, NSPLIT=self.nsplit_out,
+            self.dh, self.dbc, self.B, c.d_model, c.d_inner, self.kchunk_out,
+            HAS_BIAS=lw.out_proj_b is not None, IEEE=self.ieee,
             BB=self.BB, BN=self.BN_out, BK=self.BK_out, BJ=self.BJ, num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),
         )
 
