@@ -21,9 +21,10 @@ def main() -> None:
     ap.add_argument("--model", default="2.8b")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--deterministic", action="store_true", help="the tile mode at every batch size")
     args = ap.parse_args()
     model = random_model(args.model, parse_dtype(args.dtype))
-    step = make_decode_step(model, args.batch)  # the step the engine would run
+    step = make_decode_step(model, args.batch, args.deterministic)  # the step the engine would run
     state = model.new_state(args.batch)
     tokens = torch.zeros(args.batch, dtype=torch.int64, device="cuda")
     for _ in range(3):

@@ -6,9 +6,10 @@ defaults.  python benchmarks/tune_decode.py
 
 With --in-graph it times whole graph-replayed batch-1 steps instead, changing the block
 sizes of one kernel at a time: alone, a kernel sees its weights partly in L2 and no
-neighbours, so its best blocks need not be the step's (--states: only conv_x_proj's and
-ssm_step's; --out-proj: only out_proj's). With --lm-head it sweeps lm_head's blocks (and 130m's in_proj) in whole
-steps; with --early, which kernels let the next one launch before their own wait.
+neighbours, so its best blocks need not be the step's (--states: where the conv step and
+x_proj run, and ssm_step's blocks; --out-proj: only out_proj's). With --lm-head it sweeps
+lm_head's blocks (and 130m's in_proj) in whole steps; with --early, which kernels let the
+next one launch before their own wait.
 """
 
 import itertools
@@ -46,8 +47,8 @@ def tune_rmsnorm_linear(n_out, d):
 
         def run():
             ds._rmsnorm_linear_kernel[(triton.cdiv(n_out, BN), 1)](
-                h, dh, nw, w, w, out, 1, d, n_out, 1e-5, HAS_BIAS=False, IEEE=False,
-                BB=1, BN=BN, BK=BK, STAGES=1, PDL=0, num_warps=warps,
+                h, dh, nw, w, w, out, *(out,) * 6, 1, d, n_out, 0, 0, 1e-5, HAS_BIAS=False, IEEE=False,
+                CONV=False, K=4, KP=4, HAS_CB=False, BB=1, BN=BN, BK=BK, BJ=16, JC=16, STAGES=1, PDL=0, num_warps=warps,
             )
 
         res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BN=BN, BK=BK, warps=warps)))
@@ -75,32 +76,6 @@ def tune_out_proj(d, E):
     report(f"out_proj {d}x{E}", res, w.numel() * 2)
 
 
-def tune_conv_x_proj(E, J):
-    BJ = triton.next_power_of_2(J)
-    K = 4
-    xz = torch.randn(1, 2 * E, device="cuda")
-    cs = torch.randn(1, E, K, device="cuda")
-    cw = torch.randn(E, K, device="cuda")
-    wx = torch.randn(J, E, device="cuda").to(DT)
-    xc = torch.empty(1, E, device="cuda")
-    dbc = torch.zeros(1, BJ, device="cuda", dtype=torch.int64)  # accumulates (fixed point); fine for timing
-    h, dh = torch.zeros(1, 16, device="cuda"), torch.zeros(1, 16, device="cuda", dtype=torch.int64)
-    res = []
-    for BE, SUB, warps in itertools.product([32, 64, 128, 256], [16, 32, 64], [4, 8]):
-        if SUB > BE:
-            continue
-        ns = triton.cdiv(E, BE)
-
-        def run():
-            ds._conv_x_proj_kernel[(ns, 1)](
-                xz, cs, cw, cw, wx, xc, dbc, h, dh, 1, E, J, 16, K=K, KP=K, HAS_CB=True, IEEE=False,
-                BB=1, BE=BE, SUB=SUB, BJ=BJ, BD=16, PDL=0, num_warps=warps,
-            )
-
-        res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BE=BE, SUB=SUB, warps=warps)))
-    report(f"conv_x_proj E={E} J={J}", res, wx.numel() * 2)
-
-
 def tune_in_graph(size, parts=("in_proj", "out_proj", "states")):
     from fastmamba.bench import random_model, time_graph_steps
 
@@ -117,11 +92,12 @@ def tune_in_graph(size, parts=("in_proj", "out_proj", "states")):
         ds.DecodeStep.OUT_BLOCKS, ds.DecodeStep.OUT_PROGRAMS = blocks, programs
         print(f"   out_proj BN, BK, warps = {blocks}, ~{programs} programs: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     ds.DecodeStep.OUT_BLOCKS, ds.DecodeStep.OUT_PROGRAMS = default_out, default_programs
-    default_conv, default_ssm = ds.DecodeStep.CONV_BLOCK, ds.DecodeStep.SSM_BLOCK
-    for blocks in [] if "states" not in parts else [(128, 32), (64, 32), (32, 32), (16, 16)]:
-        ds.DecodeStep.CONV_BLOCK = blocks
-        print(f"   conv_x_proj BE, SUB = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    ds.DecodeStep.CONV_BLOCK = default_conv
+    default_fused, default_conv, default_ssm = ds.DecodeStep.FUSED_CONV_UP_TO, ds.DecodeStep.CONV_BLOCK, ds.DecodeStep.SSM_BLOCK
+    for fused_up_to, block in [] if "states" not in parts else [(1 << 20, default_conv), (0, 16), (0, 32), (0, 64)]:
+        ds.DecodeStep.FUSED_CONV_UP_TO, ds.DecodeStep.CONV_BLOCK = fused_up_to, block
+        how = "in in_proj" if fused_up_to else f"own kernel, {block} channels a program"
+        print(f"   conv step + x_proj {how}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
+    ds.DecodeStep.FUSED_CONV_UP_TO, ds.DecodeStep.CONV_BLOCK = default_fused, default_conv
     for block in () if "states" not in parts else (16, 32, 64):
         ds.DecodeStep.SSM_BLOCK = block
         print(f"   ssm_step BE = {block}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
@@ -136,7 +112,8 @@ def tune_early_launch(size):
     default = ds.DecodeStep.__dict__["early_launch"]
     print(f"{size} early launch by default {sorted(default.__func__(model.config.d_model))}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     for early in [(), ("ssm_step",), ("ssm_step", "out_proj_residual"), ("rmsnorm_linear", "ssm_step", "out_proj_residual"),
-                  ("rmsnorm_linear", "out_proj_residual"), ("rmsnorm_linear",)]:  # never conv_x_proj: see early_launch
+                  ("rmsnorm_linear", "out_proj_residual"), ("rmsnorm_linear",),
+                  ("conv_x_proj", "ssm_step", "out_proj_residual")]:  # conv_x_proj: wide models only
         ds.DecodeStep.early_launch = staticmethod(lambda d, e=frozenset(early): e)
         print(f"{size} early launch {early}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     ds.DecodeStep.early_launch = default
@@ -181,5 +158,3 @@ if __name__ == "__main__":
     tune_rmsnorm_linear(50280, 2560)  # 2.8b lm_head
     tune_out_proj(2560, 5120)
     tune_out_proj(768, 1536)
-    tune_conv_x_proj(5120, 192)
-    tune_conv_x_proj(1536, 80)

@@ -69,34 +69,35 @@ def test_embed(case):
     assert not step.dh[: step.B].any()
 
 
-def test_rmsnorm_linear(case):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "conv-kernel"])
+def test_in_proj_with_conv_and_x_proj(case, fused):
+    """in_proj, then the conv step and x_proj: in in_proj's x-half programs, or (wide
+    models) in a kernel of their own."""
     model, step, tol = case
-    lw, c = model.weights.layers[0], model.config
-    h = set_residual(step, rand(step.B, c.d_model, seed=1) * 3, rand(step.B, c.d_model, seed=12))
-    step.rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, step.xz)
-    ref = ds.rmsnorm_linear_ref(h, lw.norm_w, c.norm_eps, lw.in_proj_w, lw.in_proj_b)
-    assert rel_err(step.xz[: step.B], ref) < tol
-    step.rmsnorm_linear(model.weights.norm_f, model.weights.lm_head, None, step.logits)
-    ref = ds.rmsnorm_linear_ref(h, model.weights.norm_f, c.norm_eps, model.weights.lm_head)
-    assert rel_err(step.logits[: step.B], ref) < tol
-
-
-def test_conv_x_proj(case):
-    model, step, tol = case
+    step.fused_conv = fused
     lw, c = model.weights.layers[-1], model.config
-    step.xz[: step.B] = rand(step.B, 2 * c.d_inner, seed=2)
     conv_state = rand(step.B, c.d_inner, c.d_conv, seed=3)
     ref_state = conv_state.clone()
-    h = set_residual(step, rand(step.B, c.d_model, seed=13), rand(step.B, c.d_model, seed=14))
-    for _ in range(2):
+    for t in range(2):  # twice: the second step convolves the first's x
+        h = set_residual(step, rand(step.B, c.d_model, seed=1 + t) * 3, rand(step.B, c.d_model, seed=12 + t))
         step.dbc.zero_()  # as out_proj_residual leaves it: the splits add into it
-        step.conv_x_proj(lw, conv_state)
-        assert torch.equal(step.h[: step.B], h) and not step.dh.any()  # dh folded into h
+        step.in_proj(lw, conv_state)
+        xz = ds.rmsnorm_linear_ref(h, lw.norm_w, c.norm_eps, lw.in_proj_w, lw.in_proj_b)
+        assert rel_err(step.xz[: step.B], xz) < tol
         xc, dbc = ds.conv_x_proj_ref(step.xz[: step.B, : c.d_inner], ref_state, lw.conv_w, lw.conv_b, lw.x_proj_w)
         assert rel_err(step.xc[: step.B], xc) < 1e-5
         assert rel_err(ds.from_fixed(step.dbc[: step.B, : step.J]), dbc) < tol
         assert torch.equal(conv_state, ref_state)
     assert not step.dbc[:, step.J :].any() and not step.dbc[step.B :].any()  # nothing past the columns and rows
+
+
+def test_lm_head(case):
+    model, step, tol = case
+    c = model.config
+    h = set_residual(step, rand(step.B, c.d_model, seed=1) * 3, rand(step.B, c.d_model, seed=12))
+    step.lm_head()
+    ref = ds.rmsnorm_linear_ref(h, model.weights.norm_f, c.norm_eps, model.weights.lm_head)
+    assert rel_err(step.logits[: step.B], ref) < tol
 
 
 def test_ssm_step(case):
@@ -107,7 +108,9 @@ def test_ssm_step(case):
     step.xz[: step.B] = rand(step.B, 2 * c.d_inner, seed=6)
     ssm_state = rand(step.B, c.d_inner, c.d_state, seed=7)
     ref_state = ssm_state.clone()
+    h = set_residual(step, rand(step.B, c.d_model, seed=13), rand(step.B, c.d_model, seed=14))
     step.ssm_step(lw, ssm_state)
+    assert torch.equal(step.h[: step.B], h) and not step.dh.any()  # dh folded into h
     z = step.xz[: step.B, c.d_inner :]
     y = ds.ssm_step_ref(ds.from_fixed(step.dbc[: step.B, : step.J]), step.xc[: step.B], z, ref_state, lw.dt_proj_w, lw.dt_bias, lw.A, lw.D)
     assert rel_err(step.y[: step.B], y) < tol
@@ -119,7 +122,7 @@ def test_out_proj_residual(case):
     lw, c = model.weights.layers[0], model.config
     h = set_residual(step, rand(step.B, c.d_model, seed=8), torch.zeros(step.B, c.d_model, device=DEVICE))
     step.y[: step.B] = rand(step.B, c.d_inner, seed=9)
-    step.dbc.fill_(7)  # conv_x_proj's accumulator, which this kernel zeroes for the next layer
+    step.dbc.fill_(7)  # x_proj's accumulator, which this kernel zeroes for the next layer
     for _ in range(2):  # twice: the second adds to the first's pending share
         step.out_proj_residual(lw)
         h = ds.out_proj_residual_ref(step.y[: step.B], lw.out_proj_w, lw.out_proj_b, h)
@@ -128,8 +131,10 @@ def test_out_proj_residual(case):
     assert not step.dh[step.B :].any()  # nothing past the batch
 
 
-def test_whole_step_equals_the_reference_model(case):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "conv-kernel"])
+def test_whole_step_equals_the_reference_model(case, fused):
     model, step, tol = case
+    step.fused_conv = fused
     c = model.config
     state = model.new_state(step.B)
     state.conv.copy_(rand(*state.conv.shape, seed=10))

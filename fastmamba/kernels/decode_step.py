@@ -1,15 +1,21 @@
-"""The decode step as five Triton kernels, four launches a layer, with their `_ref` twins.
+"""The decode step as Triton kernels, three or four launches a layer, with their `_ref` twins.
 
 One step, per layer, for B slots (rows), with h + dh the float32 residual stream (dh: the
 last out_proj's share, not yet folded into h):
 
     rmsnorm_linear     h + dh -> rmsnorm * norm_w -> in_proj          -> xz (B, 2E)
-    conv_x_proj        conv step + SiLU on x, then x_proj             -> xc (B, E), dbc (B, R+2N)
-                       (and h += dh, dh = 0)
+      (in_proj)        and in the programs of the x half, their
+                       channels' conv step + SiLU, then x_proj        -> xc (B, E), dbc (B, R+2N)
     ssm_step           dt_proj + softplus, state update, D skip, gate -> y (B, E)
+                       (and h += dh, dh = 0)
     out_proj_residual  dh += y @ out_proj.T (+ bias)
 
 and around the layers: `embed` before, `rmsnorm_linear` with norm_f and lm_head after.
+The conv step needs only its own channels of x, so it runs where they are computed, and
+x_proj's split over K is in_proj's split of x's channels: one kernel boundary a layer
+fewer (each costs a few microseconds of drain and ramp whatever the kernels' sizes). That
+pays up to d_model 1024; wider models run the conv step and x_proj as a kernel of their
+own, `conv_x_proj`, which loads x_proj's columns before its wait (DecodeStep.FUSED_CONV_UP_TO).
 
 Why it is shaped this way:
 - Small batches (up to SMALL_BATCH rows) run one row per program with float32
@@ -22,12 +28,13 @@ Why it is shaped this way:
   stream the weights. Their partial sums meet by atomic adds in fixed point (FIXED_ONE)
   in dbc and dh: exact in any order, so deterministic, and with no round trip to wait
   for (no last program adding splits up). The next kernel but one zeroes each for the
-  next layer: out_proj zeroes dbc, conv_x_proj folds dh into h.
+  next layer: out_proj zeroes dbc, ssm_step folds dh into h.
 - rmsnorm_linear sums the row's squares along its own product loop and scales the sums
   at the end, so it needs no pass over h first.
 - On Hopper the kernels launch with programmatic dependent launch: each starts while the
   previous one drains, loads what the previous kernel does not write (its first weight
-  tile; in ssm_step also the layer's state and z), and only then waits
+  tile; in in_proj also the conv weights and window and x_proj's columns, in ssm_step the
+  layer's state), and only then waits
   for the previous kernel's results (`_wait_for_prior_kernel`). Some let the next kernel
   launch even before their own wait (`DecodeStep.early_launch`).
 - Batches above SMALL_BATCH run through cuBLAS instead (decode_gemm.py), unless
@@ -185,9 +192,11 @@ def _residual_tile(h_ptr, dh_ptr, offs, mask):
 
 @jit
 def _rmsnorm_linear_kernel(
-    h_ptr, dh_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, B, D, NOUT, eps,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-    BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+    h_ptr, dh_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, xc_ptr, dbc_ptr,
+    B, D, NOUT, E, J, eps,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, CONV: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+    HAS_CB: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BJ: tl.constexpr,
+    STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     _let_next_kernel_launch(PDL)
     pid_n = tl.program_id(0)
@@ -199,17 +208,20 @@ def _rmsnorm_linear_kernel(
     # The weights depend on no earlier kernel: the first tile is on its way before the wait.
     k = tl.arange(0, BK)
     w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=nmask[:, None] & (k < D)[None, :], other=0.0)
+    if CONV:  # so are the conv step's and x_proj's, and the conv window (this kernel's own)
+        cw, cw_new, cb, window = _conv_inputs(rows, rmask, n, cs_ptr, cw_ptr, cb_ptr, E, K, KP, HAS_CB, BN)
     _wait_for_prior_kernel(PDL)
-    # rmsnorm(h) * nw @ W.T = rstd * ((h * nw) @ W.T): the row's sum of squares adds up
-    # along the same loop and scales the sums at the end, so no pass over h comes first.
-    # h is the residual plus the last out_proj's share, still in dh (see conv_x_proj).
+    # rmsnorm(h) * nw @ W.T = rstd * ((h * nw) @ W.T): the row's squares add up along the
+    # same loop, element-wise (one sum across threads at the end, not one a tile), and
+    # scale the sums at the end, so no pass over h comes first.
+    # h is the residual plus the last out_proj's share, still in dh (see ssm_step).
     # The first tile's product, then the rest in a loop (carrying a prefetched tile through
     # it in registers doubled the registers and halved the bandwidth; STAGES > 1 streams
     # tiles through shared memory instead: the tile mode's tl.dot wants it, the one-row
     # GEMV ran slower with it).
     hk = _residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & (k < D)[None, :])
     nw = tl.load(nw_ptr + k, mask=k < D, other=0.0)
-    ssq = tl.sum(hk * hk, 1)
+    sq = hk * hk
     acc = _mm(hk * nw[None, :], w, BB, IEEE)
     for k0 in tl.range(BK, D, BK, num_stages=STAGES):
         k = k0 + tl.arange(0, BK)
@@ -217,82 +229,101 @@ def _rmsnorm_linear_kernel(
         hk = _residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & kmask[None, :])
         nw = tl.load(nw_ptr + k, mask=kmask, other=0.0)
         w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        ssq += tl.sum(hk * hk, 1)
+        sq += hk * hk
         acc += _mm(hk * nw[None, :], w, BB, IEEE)
-    acc = acc * (1.0 / tl.sqrt(ssq / D + eps))[:, None]
+    acc = acc * (1.0 / tl.sqrt(tl.sum(sq, 1) / D + eps))[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nmask, other=0.0)[None, :]
     tl.store(out_ptr + rows[:, None] * NOUT + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
+    if CONV:
+        if pid_n * BN < E:  # a program of in_proj's x half: its channels' conv step, x_proj
+            xc = _conv_step(acc, cw, cw_new, cb, window, rows, rmask, n, cs_ptr, xc_ptr, E, K, KP)
+            # x_proj's columns are loaded only now: held through the GEMV, they would cost
+            # it resident programs
+            _add_x_proj_share(xc, _x_proj_columns(wx_ptr, n, E, J, BJ), rows, rmask, dbc_ptr, J, IEEE, BB, BJ)
+
+
+@jit
+def _conv_inputs(rows, rmask, n, cs_ptr, cw_ptr, cb_ptr, E, K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, BN: tl.constexpr):
+    """What the conv step of channels n needs besides x: the conv weights (BN, KP) with
+    the newest tap apart (BN,), the bias (BN,) and the window's K - 1 newer inputs
+    (BB, BN, KP)."""
+    cmask = n < E
+    kk = tl.arange(0, KP)
+    older = kk < K - 1
+    cw = tl.load(cw_ptr + n[:, None] * K + kk[None, :], mask=cmask[:, None] & older[None, :], other=0.0)
+    cw_new = tl.load(cw_ptr + n * K + K - 1, mask=cmask, other=0.0)
+    if HAS_CB:
+        cb = tl.load(cb_ptr + n, mask=cmask, other=0.0)
+    else:
+        cb = tl.zeros([BN], dtype=tl.float32)
+    win = cs_ptr + rows[:, None, None] * (E * K) + n[None, :, None] * K + kk[None, None, :]
+    wm = (rmask[:, None] & cmask[None, :])[:, :, None] & older[None, None, :]
+    window = tl.load(win + 1, mask=wm, other=0.0)
+    return cw, cw_new, cb, window
+
+
+@jit
+def _conv_step(x, cw, cw_new, cb, window, rows, rmask, n, cs_ptr, xc_ptr, E, K: tl.constexpr, KP: tl.constexpr):
+    """Channels n's conv step + SiLU on x (BB, BN) -> xc (stored, and returned with zeros
+    past E); the window shifts by one, x in. The rest comes from _conv_inputs."""
+    cmask = n < E
+    m = rmask[:, None] & cmask[None, :]
+    conv = tl.sum(window * cw[None, :, :], 2) + x * cw_new[None, :] + cb[None, :]
+    xc = conv * tl.sigmoid(conv)
+    tl.store(xc_ptr + rows[:, None] * E + n[None, :], xc, mask=m)
+    # The window, shifted left by one, goes back where it came from, with x last. Every
+    # thread read its part before the wait; the barrier keeps a write from landing before
+    # another thread's read of the same element.
+    kk = tl.arange(0, KP)
+    win = cs_ptr + rows[:, None, None] * (E * K) + n[None, :, None] * K + kk[None, None, :]
+    tl.debug_barrier()
+    tl.store(win, window, mask=m[:, :, None] & (kk < K - 1)[None, None, :])
+    tl.store(cs_ptr + rows[:, None] * (E * K) + n[None, :] * K + K - 1, x, mask=m)
+    return tl.where(m, xc, 0.0)
+
+
+@jit
+def _x_proj_columns(wx_ptr, n, E, J, BJ: tl.constexpr):
+    """x_proj's columns for channels n: (BJ, BN)."""
+    j = tl.arange(0, BJ)
+    return tl.load(wx_ptr + j[:, None] * E + n[None, :], mask=(j < J)[:, None] & (n < E)[None, :], other=0.0)
+
+
+@jit
+def _add_x_proj_share(xc, wx, rows, rmask, dbc_ptr, J, IEEE: tl.constexpr, BB: tl.constexpr, BJ: tl.constexpr):
+    """This program's share of xc @ x_proj.T, added to dbc in fixed point (exact in any order)."""
+    j = tl.arange(0, BJ)
+    _add_fixed(dbc_ptr + rows[:, None] * BJ + j[None, :], _mm(xc, wx, BB, IEEE), rmask[:, None] & (j < J)[None, :])
 
 
 @jit
 def _conv_x_proj_kernel(
-    xz_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, xc_ptr, dbc_ptr, h_ptr, dh_ptr, B, E, J, D,
+    xz_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, xc_ptr, dbc_ptr, B, E, J,
     K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, IEEE: tl.constexpr,
-    BB: tl.constexpr, BE: tl.constexpr, SUB: tl.constexpr, BJ: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
+    BB: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
 ):
+    # The conv step and x_proj as a kernel of their own, for wide models (see
+    # DecodeStep.FUSED_CONV_UP_TO): the same work as in_proj's epilogue, on x from xz.
     _let_next_kernel_launch(PDL)
-    pid_e = tl.program_id(0)
+    pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
     rows = pid_b * BB + tl.arange(0, BB)
     rmask = rows < B
-    j = tl.arange(0, BJ)
-    jmask = j < J
-    e_end = tl.minimum(pid_e * BE + BE, E)
-    e = pid_e * BE + tl.arange(0, SUB)  # the first x_proj tile is on its way before the wait
-    w = tl.load(wx_ptr + j[:, None] * E + e[None, :], mask=jmask[:, None] & (e < e_end)[None, :], other=0.0)
+    n = pid_n * BN + tl.arange(0, BN)
+    cw, cw_new, cb, window = _conv_inputs(rows, rmask, n, cs_ptr, cw_ptr, cb_ptr, E, K, KP, HAS_CB, BN)
+    wx = _x_proj_columns(wx_ptr, n, E, J, BJ)  # before the wait too: here registers are plenty
     _wait_for_prior_kernel(PDL)
-    # in_proj has read h + dh: fold this program's BD columns of dh into h, zero them
-    # for the next out_proj
-    cols = pid_e * BD + tl.arange(0, BD)
-    offs, m = rows[:, None] * D + cols[None, :], rmask[:, None] & (cols < D)[None, :]
-    h_new = _residual_tile(h_ptr, dh_ptr, offs, m)
-    # The zeros go out in another layout than dh came in (int64 against float32 vectors):
-    # other threads. Every thread reads before any writes (without the barrier the tile
-    # mode lost shares of dh on the GPU: logits off by 10-80%).
-    tl.debug_barrier()
-    tl.store(h_ptr + offs, h_new, mask=m)
-    tl.store(dh_ptr + offs, tl.zeros([BB, BD], dtype=tl.int64), mask=m)
-    acc = tl.zeros([BB, BJ], dtype=tl.float32)
-    for s0 in tl.static_range(0, BE, SUB):
-        e = pid_e * BE + s0 + tl.arange(0, SUB)
-        emask = e < e_end
-        m = rmask[:, None] & emask[None, :]
-        x = tl.load(xz_ptr + rows[:, None] * (2 * E) + e[None, :], mask=m, other=0.0)
-        if HAS_CB:
-            conv = tl.zeros([BB, SUB], dtype=tl.float32) + tl.load(cb_ptr + e, mask=emask, other=0.0)[None, :]
-        else:
-            conv = tl.zeros([BB, SUB], dtype=tl.float32)
-        state = cs_ptr + rows[:, None] * (E * K) + e[None, :] * K
-        for k in tl.static_range(K - 1):  # the older taps
-            prev = tl.load(state + k + 1, mask=m, other=0.0)
-            conv += prev * tl.load(cw_ptr + e * K + k, mask=emask, other=0.0)[None, :]
-        conv += x * tl.load(cw_ptr + e * K + K - 1, mask=emask, other=0.0)[None, :]
-        # Shift the window left by one: read it whole, then (after the barrier) write it.
-        # A tile smaller than the program's threads is held by several threads at once; a
-        # write must not land before another thread's read of the same element.
-        kk = tl.arange(0, KP)
-        win = state[:, :, None] + kk[None, None, :]
-        wm = m[:, :, None] & (kk < K - 1)[None, None, :]
-        shifted = tl.load(win + 1, mask=wm, other=0.0)
-        tl.debug_barrier()
-        tl.store(win, shifted, mask=wm)
-        tl.store(state + K - 1, x, mask=m)
-        xc = conv * tl.sigmoid(conv)
-        tl.store(xc_ptr + rows[:, None] * E + e[None, :], xc, mask=m)
-        w_now = w
-        e = e + SUB  # the next tile (nothing past this program's channels)
-        w = tl.load(wx_ptr + j[:, None] * E + e[None, :], mask=jmask[:, None] & (e < e_end)[None, :], other=0.0)
-        acc += _mm(xc, w_now, BB, IEEE)
-    # This split's share, added to dbc in fixed point: integer sums are exact in any order.
-    _add_fixed(dbc_ptr + rows[:, None] * BJ + j[None, :], acc, rmask[:, None] & jmask[None, :])
+    x = tl.load(xz_ptr + rows[:, None] * (2 * E) + n[None, :], mask=rmask[:, None] & (n < E)[None, :], other=0.0)
+    xc = _conv_step(x, cw, cw_new, cb, window, rows, rmask, n, cs_ptr, xc_ptr, E, K, KP)
+    _add_x_proj_share(xc, wx, rows, rmask, dbc_ptr, J, IEEE, BB, BJ)
 
 
 @jit
 def _ssm_step_kernel(
-    dbc_ptr, xc_ptr, xz_ptr, ss_ptr, dtw_ptr, dtb_ptr, A_ptr, D_ptr, y_ptr, B, E, R,
+    dbc_ptr, xc_ptr, xz_ptr, ss_ptr, dtw_ptr, dtb_ptr, A_ptr, D_ptr, y_ptr, h_ptr, dh_ptr, B, E, R, DM,
     N: tl.constexpr, NP: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, IEEE: tl.constexpr,
-    BB: tl.constexpr, BE: tl.constexpr, PDL: tl.constexpr,
+    BB: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
 ):
     _let_next_kernel_launch(PDL)
     pid_e = tl.program_id(0)
@@ -305,27 +336,36 @@ def _ssm_step_kernel(
     r = tl.arange(0, BR)
     nn = tl.arange(0, NP)
     nmask = nn < N
-    # Before the wait: the weights and constants; z, from the kernel before the previous
-    # one, which has finished once this one runs (each kernel waits for its predecessor
-    # before it lets the next start); and the state, this kernel's own from the last step.
+    # Before the wait: the weights and constants, and the state, this kernel's own from
+    # the last step.
     w = tl.load(dtw_ptr + e[:, None] * R + r[None, :], mask=emask[:, None] & (r < R)[None, :], other=0.0)
     A = tl.load(A_ptr + e[:, None] * N + nn[None, :], mask=emask[:, None] & nmask[None, :], other=0.0)
     dtb = tl.load(dtb_ptr + e, mask=emask, other=0.0)
     Dv = tl.load(D_ptr + e, mask=emask, other=0.0)
-    z = tl.load(xz_ptr + rows[:, None] * (2 * E) + E + e[None, :], mask=m, other=0.0)
     sp = ss_ptr + rows[:, None, None] * (E * N) + e[None, :, None] * N + nn[None, None, :]
     sm = m[:, :, None] & nmask[None, None, :]
     s = tl.load(sp, mask=sm, other=0.0)  # (BB, BE, NP)
     _wait_for_prior_kernel(PDL)
     dtr = _from_fixed(tl.load(dbc_ptr + rows[:, None] * BJ + r[None, :], mask=rmask[:, None] & (r < R)[None, :], other=0))
-    dt = _mm(dtr, w, BB, IEEE) + dtb[None, :]  # (BB, BE)
-    dt = softplus(dt)
     Bv = _from_fixed(tl.load(dbc_ptr + rows[:, None] * BJ + R + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0))
     Cv = _from_fixed(tl.load(dbc_ptr + rows[:, None] * BJ + R + N + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0))
     x = tl.load(xc_ptr + rows[:, None] * E + e[None, :], mask=m, other=0.0)
+    z = tl.load(xz_ptr + rows[:, None] * (2 * E) + E + e[None, :], mask=m, other=0.0)
+    # in_proj has read h + dh: this program folds its BD columns of dh into h and zeroes
+    # them for the next out_proj
+    cols = pid_e * BD + tl.arange(0, BD)
+    offs, hm = rows[:, None] * DM + cols[None, :], rmask[:, None] & (cols < DM)[None, :]
+    h_new = _residual_tile(h_ptr, dh_ptr, offs, hm)
+    dt = _mm(dtr, w, BB, IEEE) + dtb[None, :]  # (BB, BE)
+    dt = softplus(dt)
     s = s * tl.exp(dt[:, :, None] * A[None, :, :]) + (dt * x)[:, :, None] * Bv[:, None, :]
-    tl.debug_barrier()  # every thread holding an element has read it before it is rewritten
+    # Every thread holding an element of the state or of h / dh has read it before it is
+    # rewritten (dh's zeros go out in another layout than dh came in: without a barrier
+    # the tile mode lost shares of dh on the GPU).
+    tl.debug_barrier()
     tl.store(sp, s, mask=sm)
+    tl.store(h_ptr + offs, h_new, mask=hm)
+    tl.store(dh_ptr + offs, tl.zeros([BB, BD], dtype=tl.int64), mask=hm)
     y = tl.sum(s * Cv[:, None, :], 2) + Dv[None, :] * x
     y = y * (z * tl.sigmoid(z))
     tl.store(y_ptr + rows[:, None] * E + e[None, :], y, mask=m)
@@ -350,7 +390,7 @@ def _out_proj_residual_kernel(
     w = tl.load(w_ptr + n[:, None] * E + k[None, :], mask=nmask[:, None] & (k < k_end)[None, :], other=0.0)
     _wait_for_prior_kernel(PDL)
     # ssm_step has read dbc: the first program of each row tile zeroes the tile's rows for
-    # the next layer's conv_x_proj (jj >= 0 there, jj >= BJ or more in the others)
+    # the next layer's in_proj (jj >= 0 there, jj >= BJ or more in the others)
     jj = tl.arange(0, BJ)
     first = jj[None, :] >= (pid_n + pid_s) * BJ
     tl.store(dbc_ptr + rows[:, None] * BJ + jj[None, :], tl.zeros([BB, BJ], dtype=tl.int64), mask=rmask[:, None] & first)
@@ -365,7 +405,7 @@ def _out_proj_residual_kernel(
     if HAS_BIAS:  # once, with the first split (n >= pid_s * D holds there only)
         acc += tl.load(b_ptr + n, mask=nmask & (n >= pid_s * D), other=0.0)[None, :]
     # This split's share of y @ W.T, added to dh in fixed point (exact in any order); the
-    # next rmsnorm_linear reads h + dh, the conv_x_proj after it folds dh into h.
+    # next rmsnorm_linear reads h + dh, the ssm_step after it folds dh into h.
     _add_fixed(dh_ptr + rows[:, None] * D + n[None, :], acc, rmask[:, None] & nmask[None, :])
 
 
@@ -413,10 +453,14 @@ class DecodeStep:
     OUT_BLOCKS = (8, 512, 4)
     OUT_PROGRAMS = 640
     SSM_BLOCK = 16  # ssm_step: channels a program, one row (2.24 ms at 2.8b against 2.26 with 32)
-    # conv_x_proj: channels a program, in steps of; with x_proj's splits meeting by atomic
-    # adds more splits pay (1.4b 1.297 ms a step against 1.327 with 64 channels, 2.8b
-    # 2.174 / 2.186; 16 channels: 1.417 / 2.386)
-    CONV_BLOCK = (32, 32)
+    # in_proj does the conv step and x_proj itself up to this d_model; wider models run them
+    # as a kernel of their own. bf16 batch 1, ms a step, in in_proj against on their own
+    # (H200, 2026-11-30): 130m 0.232 / 0.282, 370m 0.498 / 0.622 (on their own: the
+    # previous commit); 1.4b 1.217 / 1.140, 2.8b 2.19 / 2.008. In in_proj, x_proj's
+    # columns load after the product (held through it they cost resident programs), and
+    # the extra latency outweighs the saved boundary once the product is long.
+    FUSED_CONV_UP_TO = 1024
+    CONV_BLOCK = 32  # conv_x_proj's channels a program (one row) where it runs alone
 
     @staticmethod
     def early_launch(d_model: int) -> frozenset:
@@ -424,9 +468,7 @@ class DecodeStep:
         started instead of after their wait (PDL 2), so that it loads its first weights
         sooner: ssm_step and out_proj up to d_model 2048 (bf16 batch 1, whole steps, against
         none: 130m 0.339 ms / 0.360, 370m 0.762 / 0.800, 1.4b 1.344 / 1.394); none at 2.8b
-        (2.254 / 2.239). Never conv_x_proj: ssm_step reads z before its wait, relying on
-        in_proj, two kernels back, having finished by the time ssm_step launches (and with
-        z read after the wait instead, an early conv_x_proj was slower at every width)."""
+        (2.254 / 2.239)."""
         return frozenset({"ssm_step", "out_proj_residual"}) if d_model <= 2048 else frozenset()
 
     @staticmethod
@@ -438,7 +480,9 @@ class DecodeStep:
         0.331 ms against 0.339 in two tiles of 512); tune_decode.py --in-graph, --lm-head."""
         if one_row:
             return 16, (1024 if d <= 1024 else 512), 4, 1
-        return (64 if n_out > 16384 else (32 if n_out > 8192 else 16)), 128, 4, 4  # tiles: tl.dot, pipelined
+        # tiles (tl.dot), loop not pipelined: deterministic batch 1, 130m 0.77 ms a step
+        # against 1.04 with 4 stages, 2.8b 9.2 against 12.9
+        return (64 if n_out > 16384 else (32 if n_out > 8192 else 16)), 128, 4, 1
 
     def __init__(self, model, batch: int, deterministic: bool = False):
         c, w = model.config, model.weights
@@ -458,10 +502,10 @@ class DecodeStep:
         self.nsplit_out = max(1, min(16, programs // self.nt_d, triton.cdiv(E, self.BK_out)))
         self.kchunk_out = triton.cdiv(triton.cdiv(E, self.nsplit_out), self.BK_out) * self.BK_out
         self.nsplit_out = triton.cdiv(E, self.kchunk_out)  # whole BK steps per split may need fewer
-        self.BE_x, self.SUB_x = self.CONV_BLOCK if one_row else (64, 32)
-        self.nsplit_x = triton.cdiv(E, self.BE_x)
-        self.BD_x = triton.next_power_of_2(triton.cdiv(d, self.nsplit_x))  # h columns each folds
         self.BE_ssm = self.SSM_BLOCK if one_row else 32
+        self.BD_ssm = triton.next_power_of_2(triton.cdiv(d, triton.cdiv(E, self.BE_ssm)))  # h columns each folds
+        self.fused_conv = d <= self.FUSED_CONV_UP_TO
+        self.BN_conv = self.CONV_BLOCK if one_row else 64
         f32 = dict(device=dev, dtype=torch.float32)
         BP = self.BP
         self.h = torch.zeros(BP, d, **f32)
@@ -489,40 +533,61 @@ class DecodeStep:
         grid = (self.nt_d, self.BP // self.BB)
         _embed_kernel[grid](tokens, emb, self.h, self.dh, self.B, emb.shape[1], BB=self.BB, BN=self.BN_out, **self.pdl)
 
-    def rmsnorm_linear(self, norm_w, weight, bias, out) -> None:
-        """out[:B] = linear(rmsnorm(h + dh) * norm_w, weight, bias)."""
+    def _rmsnorm_linear(self, norm_w, weight, bias, out, conv=None) -> None:
+        """out[:B] = linear(rmsnorm(h + dh) * norm_w, weight, bias); with conv = (lw,
+        conv_state), out is xz, and the x half goes on through the conv step and x_proj."""
         n_out, d = weight.shape
         BN, BK, warps, stages = self.linear_blocks(n_out, d, self.BB == 1)
         grid = (triton.cdiv(n_out, BN), self.BP // self.BB)
+        c = self.model.config
+        if conv is not None:
+            lw, conv_state = conv
+            cb = lw.conv_b if lw.conv_b is not None else lw.conv_w
+            conv_args = (conv_state, lw.conv_w, cb, lw.x_proj_w, self.xc, self.dbc)
+        else:  # unused pointers
+            conv_args = (out,) * 6
         _rmsnorm_linear_kernel[grid](
-            self.h, self.dh, norm_w, weight, bias if bias is not None else weight, out,
-            self.B, d, n_out, self.model.config.norm_eps,
-            HAS_BIAS=bias is not None, IEEE=self.ieee, BB=self.BB, BN=BN, BK=BK, STAGES=stages,
+            self.h, self.dh, norm_w, weight, bias if bias is not None else weight, out, *conv_args,
+            self.B, d, n_out, c.d_inner, self.J, c.norm_eps,
+            HAS_BIAS=bias is not None, IEEE=self.ieee, CONV=conv is not None, K=c.d_conv, KP=triton.next_power_of_2(c.d_conv),
+            HAS_CB=conv is not None and conv[0].conv_b is not None, BB=self.BB, BN=BN, BK=BK, BJ=self.BJ, STAGES=stages,
             num_warps=warps, **self.pdl_for("rmsnorm_linear"),
         )
 
-    def conv_x_proj(self, lw, conv_state) -> None:
-        """xc, and dbc added to (zero before: out_proj_residual leaves it so), from the x half
-        of xz; updates conv_state (B, E, K); folds dh into h (h += dh, dh = 0)."""
+    def in_proj(self, lw, conv_state) -> None:
+        """xz[:B] = in_proj(rmsnorm(h + dh) * norm_w); then from its x half the conv step +
+        SiLU -> xc, conv_state (B, E, K) updated, and xc @ x_proj.T added to dbc (zero
+        before: out_proj_residual leaves it so): in in_proj's own programs up to
+        FUSED_CONV_UP_TO, else in a second kernel."""
+        if self.fused_conv:
+            self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, conv=(lw, conv_state))
+            return
+        self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz)
         c = self.model.config
-        _conv_x_proj_kernel[(self.nsplit_x, self.BP // self.BB)](
+        _conv_x_proj_kernel[(triton.cdiv(c.d_inner, self.BN_conv), self.BP // self.BB)](
             self.xz, conv_state, lw.conv_w, lw.conv_b if lw.conv_b is not None else lw.conv_w,
-            lw.x_proj_w, self.xc, self.dbc, self.h, self.dh, self.B, c.d_inner, self.J, c.d_model,
+            lw.x_proj_w, self.xc, self.dbc, self.B, c.d_inner, self.J,
             K=c.d_conv, KP=triton.next_power_of_2(c.d_conv), HAS_CB=lw.conv_b is not None, IEEE=self.ieee,
-            BB=self.BB, BE=self.BE_x, SUB=self.SUB_x, BJ=self.BJ, BD=self.BD_x, num_warps=4, **self.pdl_for("conv_x_proj"),
+            BB=self.BB, BN=self.BN_conv, BJ=self.BJ, num_warps=4, **self.pdl_for("conv_x_proj"),
         )
 
+    def lm_head(self) -> None:
+        """logits[:B] = lm_head(rmsnorm(h + dh) * norm_f)."""
+        w = self.model.weights
+        self._rmsnorm_linear(w.norm_f, w.lm_head, None, self.logits)
+
     def ssm_step(self, lw, ssm_state) -> None:
-        """y from dbc, xc and the z half of xz; updates ssm_state (B, E, N)."""
+        """y from dbc, xc and the z half of xz; updates ssm_state (B, E, N); folds dh into h
+        (h += dh, dh = 0)."""
         c = self.model.config
         _ssm_step_kernel[(triton.cdiv(c.d_inner, self.BE_ssm), self.BP // self.BB)](
-            self.dbc, self.xc, self.xz, ssm_state, lw.dt_proj_w, lw.dt_bias, lw.A, lw.D, self.y,
-            self.B, c.d_inner, c.dt_rank, N=c.d_state, NP=self.NP, BJ=self.BJ, BR=self.BR, IEEE=self.ieee,
-            BB=self.BB, BE=self.BE_ssm, num_warps=4, **self.pdl_for("ssm_step"),
+            self.dbc, self.xc, self.xz, ssm_state, lw.dt_proj_w, lw.dt_bias, lw.A, lw.D, self.y, self.h, self.dh,
+            self.B, c.d_inner, c.dt_rank, c.d_model, N=c.d_state, NP=self.NP, BJ=self.BJ, BR=self.BR, IEEE=self.ieee,
+            BB=self.BB, BE=self.BE_ssm, BD=self.BD_ssm, num_warps=4, **self.pdl_for("ssm_step"),
         )
 
     def out_proj_residual(self, lw) -> None:
-        """dh += y @ out_proj.T + bias (dh is zero before: conv_x_proj leaves it so); zeroes dbc."""
+        """dh += y @ out_proj.T + bias (dh is zero before: ssm_step leaves it so); zeroes dbc."""
         c = self.model.config
         _out_proj_residual_kernel[(self.nt_d, self.nsplit_out, self.BP // self.BB)](
             self.y, lw.out_proj_w, lw.out_proj_b if lw.out_proj_b is not None else lw.out_proj_w,
@@ -536,9 +601,8 @@ class DecodeStep:
         w = self.model.weights
         self.embed(tokens)
         for i, lw in enumerate(w.layers):
-            self.rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz)
-            self.conv_x_proj(lw, state.conv[i])
+            self.in_proj(lw, state.conv[i])
             self.ssm_step(lw, state.ssm[i])
             self.out_proj_residual(lw)
-        self.rmsnorm_linear(w.norm_f, w.lm_head, None, self.logits)
+        self.lm_head()
         return self.logits[: self.B]
