@@ -71,7 +71,7 @@ def main() -> None:
             for conv in (True, False):  # in_proj with the conv step and x_proj; lm_head
                 compile_kernel(ds._rmsnorm_linear_kernel, t, dict(
                     HAS_BIAS=True, IEEE=ieee, CONV=conv, K=4, KP=4, HAS_CB=True, BB=BB, BN=16,
-                    BK=512 if BB == 1 else 128, BJ=128, STAGES=1 if BB == 1 else 4, PDL=True))
+                    BK=512 if BB == 1 else 128, BJ=128, STAGES=ds.DecodeStep.linear_blocks(3072, 768, BB == 1)[3], PDL=True))
             t = ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", wx_ptr=wdt, dbc_ptr="*i64")
             compile_kernel(ds._conv_x_proj_kernel, t, dict(K=4, KP=4, HAS_CB=True, IEEE=ieee, BB=BB, BN=32, BJ=256, PDL=True))
             t = ptrs("xc_ptr", "xz_ptr", "ss_ptr", "dtb_ptr", "A_ptr", "D_ptr", "y_ptr", "h_ptr", dtw_ptr=wdt, dbc_ptr="*i64", dh_ptr="*i64")
