@@ -20,10 +20,11 @@ own, `conv_x_proj`, which loads x_proj's columns before its wait (DecodeStep.FUS
 Why it is shaped this way:
 - Small batches (up to SMALL_BATCH rows) run one row per program with float32
   multiply-and-sum products: bandwidth-bound GEMVs. The tile mode runs rows in tiles of 16
-  through the tensor cores (`tl.dot`); the engine uses it in deterministic mode. Within a mode every reduction runs over a fixed
-  split of K in a fixed order, so a row's result never depends on the other rows or on
-  how many there are; `deterministic=True` uses the tile mode for every batch size, so a
-  slot is bitwise the same from batch 1 to 256. Rows past the batch are masked.
+  through the tensor cores (`tl.dot`); the engine uses it in deterministic mode. Within a
+  mode every reduction runs over a fixed split of K in a fixed order, so a row's result
+  never depends on the other rows or on how many there are; `deterministic=True` uses the
+  tile mode for every batch size, so a slot is bitwise the same from batch 1 to 256. Rows
+  past the batch are masked.
 - Short-and-wide products (x_proj, out_proj) are split over K so that enough programs
   stream the weights. Their partial sums meet by atomic adds in fixed point (FIXED_ONE)
   in dbc and dh: exact in any order, so deterministic, and with no round trip to wait
@@ -33,10 +34,10 @@ Why it is shaped this way:
   at the end, so it needs no pass over h first.
 - On Hopper the kernels launch with programmatic dependent launch: each starts while the
   previous one drains, loads what the previous kernel does not write (its first weight
-  tile; in in_proj also the conv weights and window and x_proj's columns, in ssm_step the
-  layer's state), and only then waits
-  for the previous kernel's results (`_wait_for_prior_kernel`). Some let the next kernel
-  launch even before their own wait (`DecodeStep.early_launch`).
+  tile; in in_proj also the conv weights and window, in conv_x_proj x_proj's columns,
+  in ssm_step the layer's state), and only then waits for the previous kernel's results
+  (`_wait_for_prior_kernel`). Some let the next kernel launch even before their own wait
+  (`DecodeStep.early_launch`).
 - Batches above SMALL_BATCH run through cuBLAS instead (decode_gemm.py), unless
   deterministic: see `make_decode_step`.
 """
@@ -118,11 +119,11 @@ def _mm(x, w, BB: tl.constexpr, IEEE: tl.constexpr):
 
 # The split-K partial sums of x_proj and out_proj meet in fixed point: int64 in units of
 # 2^-32, so that the atomic adds of the splits are exact and their order cannot change
-# the result. Each
-# partial loses under 2^-32 (truncated), so a sum of S splits is within S * 2^-32 of the
-# exact one: about float32's own rounding of values near 1, for S = 160 (2.8b). Clamped
-# to +-2^20 first (no working model comes near), a partial leaves room for 2^11 splits; a NaN
-# one reads back finite, but the conv output that made it carries it on (D skip, state).
+# the result. Each partial loses under 2^-32 (truncated), so a sum of S splits is within
+# S * 2^-32 of the exact one: about float32's own rounding of values near 1, for S = 160
+# (2.8b). Clamped to +-2^20 first (no working model comes near), a partial leaves room for
+# 2^11 splits; a NaN one reads back finite, but the conv output that made it carries it
+# on (D skip, state).
 FIXED_SCALE = 2.0**32  # the host-side twin of FIXED_ONE, for from_fixed / to_fixed
 FIXED_ONE = tl.constexpr(FIXED_SCALE)
 FIXED_LIMIT = tl.constexpr(2.0**20)
