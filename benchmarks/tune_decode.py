@@ -9,7 +9,7 @@ sizes of one kernel at a time: alone, a kernel sees its weights partly in L2 and
 neighbours, so its best blocks need not be the step's (--states: where the conv step and
 x_proj run, and ssm_step's blocks; --out-proj: only out_proj's). With --lm-head it sweeps
 lm_head's blocks (and 130m's in_proj) in whole steps; with --early, which kernels let the
-next one launch before their own wait.
+next one launch before their own wait; with --tile, the tile (deterministic) mode's loop.
 """
 
 import itertools
@@ -119,6 +119,22 @@ def tune_early_launch(size):
     ds.DecodeStep.early_launch = default
 
 
+def tune_tile(size):
+    """The tile mode's rmsnorm_linear loop (BK, pipeline stages) in whole deterministic
+    batch-1 steps."""
+    from fastmamba.bench import random_model, time_graph_steps
+
+    model = random_model(size, DT)
+    default = ds.DecodeStep.__dict__["linear_blocks"]
+    print(f"{size} deterministic, default blocks: {time_graph_steps(model, 1, deterministic=True):.4f} ms/step", flush=True)
+    for BK, stages in [(128, 1), (128, 2), (128, 3), (64, 4), (256, 2)]:
+        ds.DecodeStep.linear_blocks = staticmethod(
+            lambda n, d, one_row, BK=BK, st=stages: default.__func__(n, d, one_row) if one_row else (default.__func__(n, d, one_row)[0], BK, 4, st)
+        )
+        print(f"   BK {BK}, {stages} stages: {time_graph_steps(model, 1, deterministic=True):.4f} ms/step", flush=True)
+    ds.DecodeStep.linear_blocks = default
+
+
 def tune_lm_head(size):
     """rmsnorm_linear's blocks for lm_head alone (n_out = vocab), in whole steps; and for
     in_proj at 130m, whose K (768) is not a multiple of 512."""
@@ -143,6 +159,10 @@ if __name__ == "__main__":
     if "--lm-head" in sys.argv:
         for size in ("130m", "2.8b", "1.4b"):
             tune_lm_head(size)
+        sys.exit()
+    if "--tile" in sys.argv:
+        for size in ("130m", "2.8b"):
+            tune_tile(size)
         sys.exit()
     if "--early" in sys.argv:
         for size in ("130m", "370m", "1.4b", "2.8b"):

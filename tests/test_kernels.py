@@ -82,6 +82,8 @@ def test_in_proj_with_conv_and_x_proj(case, fused):
         h = set_residual(step, rand(step.B, c.d_model, seed=1 + t) * 3, rand(step.B, c.d_model, seed=12 + t))
         step.dbc.zero_()  # as out_proj_residual leaves it: the splits add into it
         step.in_proj(lw, conv_state)
+        if step.fold_apart:  # the tile mode folds dh into h first
+            assert torch.equal(step.h[: step.B], h) and not step.dh.any()
         xz = ds.rmsnorm_linear_ref(h, lw.norm_w, c.norm_eps, lw.in_proj_w, lw.in_proj_b)
         assert rel_err(step.xz[: step.B], xz) < tol
         xc, dbc = ds.conv_x_proj_ref(step.xz[: step.B, : c.d_inner], ref_state, lw.conv_w, lw.conv_b, lw.x_proj_w)
@@ -110,7 +112,10 @@ def test_ssm_step(case):
     ref_state = ssm_state.clone()
     h = set_residual(step, rand(step.B, c.d_model, seed=13), rand(step.B, c.d_model, seed=14))
     step.ssm_step(lw, ssm_state)
-    assert torch.equal(step.h[: step.B], h) and not step.dh.any()  # dh folded into h
+    if step.fold_apart:  # the tile mode folds dh into h before rmsnorm_linear instead
+        assert torch.equal(residual(step), h)
+    else:
+        assert torch.equal(step.h[: step.B], h) and not step.dh.any()  # dh folded into h
     z = step.xz[: step.B, c.d_inner :]
     y = ds.ssm_step_ref(ds.from_fixed(step.dbc[: step.B, : step.J]), step.xc[: step.B], z, ref_state, lw.dt_proj_w, lw.dt_bias, lw.A, lw.D)
     assert rel_err(step.y[: step.B], y) < tol

@@ -29,7 +29,8 @@ Why it is shaped this way:
   stream the weights. Their partial sums meet by atomic adds in fixed point (FIXED_ONE)
   in dbc and dh: exact in any order, so deterministic, and with no round trip to wait
   for (no last program adding splits up). The next kernel but one zeroes each for the
-  next layer: out_proj zeroes dbc, ssm_step folds dh into h.
+  next layer: out_proj zeroes dbc, ssm_step folds dh into h (in the tile mode a small
+  kernel of its own does, before each rmsnorm_linear: see _fold_kernel).
 - rmsnorm_linear sums the row's squares along its own product loop and scales the sums
   at the end, so it needs no pass over h first.
 - On Hopper the kernels launch with programmatic dependent launch: each starts while the
@@ -186,9 +187,28 @@ def _embed_kernel(tok_ptr, emb_ptr, h_ptr, dh_ptr, B, D, BB: tl.constexpr, BN: t
 
 
 @jit
-def _residual_tile(h_ptr, dh_ptr, offs, mask):
-    """h + dh: the residual stream with out_proj's pending share added (float32)."""
-    return tl.load(h_ptr + offs, mask=mask, other=0.0) + _from_fixed(tl.load(dh_ptr + offs, mask=mask, other=0))
+def _residual_tile(h_ptr, dh_ptr, offs, mask, PENDING: tl.constexpr = True):
+    """h + dh: the residual stream with out_proj's pending share added (float32); just h
+    where dh is known to be zero (PENDING false: the tile mode folds it first)."""
+    h = tl.load(h_ptr + offs, mask=mask, other=0.0)
+    if PENDING:
+        h += _from_fixed(tl.load(dh_ptr + offs, mask=mask, other=0))
+    return h
+
+
+@jit
+def _fold_kernel(h_ptr, dh_ptr, B, D, BB: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
+    # The tile mode's fold of dh into h (h += dh, dh = 0), a kernel of its own before each
+    # rmsnorm_linear: there every program would otherwise convert all of its 16 rows'
+    # dh (int64) in every K step.
+    _wait_for_prior_kernel(PDL)
+    rows = tl.program_id(1) * BB + tl.arange(0, BB)
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    offs, m = rows[:, None] * D + cols[None, :], (rows < B)[:, None] & (cols < D)[None, :]
+    h_new = _residual_tile(h_ptr, dh_ptr, offs, m)
+    tl.debug_barrier()  # every element read before any is rewritten (the layouts differ)
+    tl.store(h_ptr + offs, h_new, mask=m)
+    tl.store(dh_ptr + offs, tl.zeros([BB, BN], dtype=tl.int64), mask=m)
 
 
 @jit
@@ -196,8 +216,8 @@ def _rmsnorm_linear_kernel(
     h_ptr, dh_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, xc_ptr, dbc_ptr,
     B, D, NOUT, E, J, eps,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, CONV: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-    HAS_CB: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BJ: tl.constexpr,
-    STAGES: tl.constexpr, PDL: tl.constexpr,
+    HAS_CB: tl.constexpr, PENDING: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BJ: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     _let_next_kernel_launch(PDL)
     pid_n = tl.program_id(0)
@@ -220,14 +240,14 @@ def _rmsnorm_linear_kernel(
     # it in registers doubled the registers and halved the bandwidth; STAGES > 1 streams
     # tiles through shared memory instead: the tile mode's tl.dot wants it, the one-row
     # GEMV ran slower with it).
-    hk = _residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & (k < D)[None, :])
+    hk = _residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & (k < D)[None, :], PENDING)
     nw = tl.load(nw_ptr + k, mask=k < D, other=0.0)
     sq = hk * hk
     acc = _mm(hk * nw[None, :], w, BB, IEEE)
     for k0 in tl.range(BK, D, BK, num_stages=STAGES):
         k = k0 + tl.arange(0, BK)
         kmask = k < D
-        hk = _residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & kmask[None, :])
+        hk = _residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & kmask[None, :], PENDING)
         nw = tl.load(nw_ptr + k, mask=kmask, other=0.0)
         w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         sq += hk * hk
@@ -324,7 +344,7 @@ def _conv_x_proj_kernel(
 def _ssm_step_kernel(
     dbc_ptr, xc_ptr, xz_ptr, ss_ptr, dtw_ptr, dtb_ptr, A_ptr, D_ptr, y_ptr, h_ptr, dh_ptr, B, E, R, DM,
     N: tl.constexpr, NP: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, IEEE: tl.constexpr,
-    BB: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
+    FOLD: tl.constexpr, BB: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
 ):
     _let_next_kernel_launch(PDL)
     pid_e = tl.program_id(0)
@@ -352,11 +372,11 @@ def _ssm_step_kernel(
     Cv = _from_fixed(tl.load(dbc_ptr + rows[:, None] * BJ + R + N + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0))
     x = tl.load(xc_ptr + rows[:, None] * E + e[None, :], mask=m, other=0.0)
     z = tl.load(xz_ptr + rows[:, None] * (2 * E) + E + e[None, :], mask=m, other=0.0)
-    # in_proj has read h + dh: this program folds its BD columns of dh into h and zeroes
-    # them for the next out_proj
-    cols = pid_e * BD + tl.arange(0, BD)
-    offs, hm = rows[:, None] * DM + cols[None, :], rmask[:, None] & (cols < DM)[None, :]
-    h_new = _residual_tile(h_ptr, dh_ptr, offs, hm)
+    if FOLD:  # in_proj has read h + dh: this program folds its BD columns of dh into h
+        # and zeroes them for the next out_proj
+        cols = pid_e * BD + tl.arange(0, BD)
+        offs, hm = rows[:, None] * DM + cols[None, :], rmask[:, None] & (cols < DM)[None, :]
+        h_new = _residual_tile(h_ptr, dh_ptr, offs, hm)
     dt = _mm(dtr, w, BB, IEEE) + dtb[None, :]  # (BB, BE)
     dt = softplus(dt)
     s = s * tl.exp(dt[:, :, None] * A[None, :, :]) + (dt * x)[:, :, None] * Bv[:, None, :]
@@ -365,8 +385,9 @@ def _ssm_step_kernel(
     # the tile mode lost shares of dh on the GPU).
     tl.debug_barrier()
     tl.store(sp, s, mask=sm)
-    tl.store(h_ptr + offs, h_new, mask=hm)
-    tl.store(dh_ptr + offs, tl.zeros([BB, BD], dtype=tl.int64), mask=hm)
+    if FOLD:
+        tl.store(h_ptr + offs, h_new, mask=hm)
+        tl.store(dh_ptr + offs, tl.zeros([BB, BD], dtype=tl.int64), mask=hm)
     y = tl.sum(s * Cv[:, None, :], 2) + Dv[None, :] * x
     y = y * (z * tl.sigmoid(z))
     tl.store(y_ptr + rows[:, None] * E + e[None, :], y, mask=m)
@@ -481,9 +502,11 @@ class DecodeStep:
         0.331 ms against 0.339 in two tiles of 512); tune_decode.py --in-graph, --lm-head."""
         if one_row:
             return 16, (1024 if d <= 1024 else 512), 4, 1
-        # tiles (tl.dot), loop not pipelined: deterministic batch 1, 130m 0.77 ms a step
-        # against 1.04 with 4 stages, 2.8b 9.2 against 12.9
-        return (64 if n_out > 16384 else (32 if n_out > 8192 else 16)), 128, 4, 1
+        # tiles (tl.dot), loop pipelined 4 deep as at 1ec7c2d (deterministic batch 1: 130m
+        # 0.645 ms, 2.8b 5.86), where the loop read h alone as it does again now (see
+        # _fold_kernel; while it read dh too, 1 stage was best: 0.77 / 9.2 against 1.04 /
+        # 12.9). To re-measure: tune_decode.py --tile.
+        return (64 if n_out > 16384 else (32 if n_out > 8192 else 16)), 128, 4, 4
 
     def __init__(self, model, batch: int, deterministic: bool = False):
         c, w = model.config, model.weights
@@ -506,7 +529,12 @@ class DecodeStep:
         self.BE_ssm = self.SSM_BLOCK if one_row else 32
         self.BD_ssm = triton.next_power_of_2(triton.cdiv(d, triton.cdiv(E, self.BE_ssm)))  # h columns each folds
         self.fused_conv = d <= self.FUSED_CONV_UP_TO
-        self.BN_conv = self.CONV_BLOCK if one_row else 64
+        # The tile mode folds dh into h with a kernel of its own before each rmsnorm_linear
+        # (see _fold_kernel); the one-row mode reads h + dh there and folds in ssm_step.
+        self.fold_apart = not one_row
+        # tile mode: 32 channels (at 64, 2.8b's 256 x 64 x_proj tile held across the wait
+        # went with 48 us a call against 15 for the earlier kernel's 32-channel sub-tiles)
+        self.BN_conv = self.CONV_BLOCK if one_row else 32
         f32 = dict(device=dev, dtype=torch.float32)
         BP = self.BP
         self.h = torch.zeros(BP, d, **f32)
@@ -534,9 +562,16 @@ class DecodeStep:
         grid = (self.nt_d, self.BP // self.BB)
         _embed_kernel[grid](tokens, emb, self.h, self.dh, self.B, emb.shape[1], BB=self.BB, BN=self.BN_out, **self.pdl)
 
+    def fold(self) -> None:
+        """h += dh, dh = 0 (the tile mode, before each rmsnorm_linear)."""
+        d = self.model.config.d_model
+        _fold_kernel[(self.nt_d, self.BP // self.BB)](self.h, self.dh, self.B, d, BB=self.BB, BN=self.BN_out, **self.pdl)
+
     def _rmsnorm_linear(self, norm_w, weight, bias, out, conv=None) -> None:
         """out[:B] = linear(rmsnorm(h + dh) * norm_w, weight, bias); with conv = (lw,
         conv_state), out is xz, and the x half goes on through the conv step and x_proj."""
+        if self.fold_apart:
+            self.fold()
         n_out, d = weight.shape
         BN, BK, warps, stages = self.linear_blocks(n_out, d, self.BB == 1)
         grid = (triton.cdiv(n_out, BN), self.BP // self.BB)
@@ -551,7 +586,8 @@ class DecodeStep:
             self.h, self.dh, norm_w, weight, bias if bias is not None else weight, out, *conv_args,
             self.B, d, n_out, c.d_inner, self.J, c.norm_eps,
             HAS_BIAS=bias is not None, IEEE=self.ieee, CONV=conv is not None, K=c.d_conv, KP=triton.next_power_of_2(c.d_conv),
-            HAS_CB=conv is not None and conv[0].conv_b is not None, BB=self.BB, BN=BN, BK=BK, BJ=self.BJ, STAGES=stages,
+            HAS_CB=conv is not None and conv[0].conv_b is not None, PENDING=not self.fold_apart,
+            BB=self.BB, BN=BN, BK=BK, BJ=self.BJ, STAGES=stages,
             num_warps=warps, **self.pdl_for("rmsnorm_linear"),
         )
 
@@ -584,7 +620,7 @@ class DecodeStep:
         _ssm_step_kernel[(triton.cdiv(c.d_inner, self.BE_ssm), self.BP // self.BB)](
             self.dbc, self.xc, self.xz, ssm_state, lw.dt_proj_w, lw.dt_bias, lw.A, lw.D, self.y, self.h, self.dh,
             self.B, c.d_inner, c.dt_rank, c.d_model, N=c.d_state, NP=self.NP, BJ=self.BJ, BR=self.BR, IEEE=self.ieee,
-            BB=self.BB, BE=self.BE_ssm, BD=self.BD_ssm, num_warps=4, **self.pdl_for("ssm_step"),
+            FOLD=not self.fold_apart, BB=self.BB, BE=self.BE_ssm, BD=self.BD_ssm, num_warps=4, **self.pdl_for("ssm_step"),
         )
 
     def out_proj_residual(self, lw) -> None:
