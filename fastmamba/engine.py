@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from .model import Mamba, MambaState
-from .sampling import SlotParams
+from .sampling import SlotParams, sample_greedy
 
 Pick = Callable[[torch.Tensor, SlotParams], torch.Tensor]
 
@@ -79,9 +79,18 @@ class GraphDecoder:
         self.graphs: dict[Pick, torch.cuda.CUDAGraph] = {}
 
     def _body(self, pick: Pick) -> None:
+        from .kernels.decode_step import DecodeStep
+
+        # Greedy sampling fused into the Triton step where it can (argmax inside lm_head):
+        # one small kernel after it instead of torch's argmax and four more launches.
+        fused = pick is sample_greedy and isinstance(self.step, DecodeStep)
         for i in range(self.steps):
-            self.tokens.copy_(pick(self.step(self.tokens, self.state), self.slots))
-            self.history[i].copy_(self.tokens)
+            if fused:
+                self.step(self.tokens, self.state, argmax=True)
+                self.step.take_argmax(self.slots, self.tokens, self.history[i])
+            else:
+                self.tokens.copy_(pick(self.step(self.tokens, self.state), self.slots))
+                self.history[i].copy_(self.tokens)
 
     def _capture(self, pick: Pick) -> torch.cuda.CUDAGraph:
         # The warm-up runs scribble on the state and slots, which `begin` overwrites.

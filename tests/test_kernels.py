@@ -102,6 +102,40 @@ def test_lm_head(case):
     assert rel_err(step.logits[: step.B], ref) < tol
 
 
+def test_lm_head_argmax_and_take_argmax(case):
+    """Greedy sampling inside the step: lm_head's programs meet in an atomic max of keys,
+    take_argmax reads it back. Equal to torch.argmax, ties included (the lower index), and
+    the slots advance as sample_greedy advances them."""
+    from fastmamba.sampling import SlotParams, sample_greedy
+
+    model, step, _ = case
+    c, w = model.config, model.weights
+    V = c.vocab_size
+    h = set_residual(step, rand(step.B, c.d_model, seed=1) * 3, rand(step.B, c.d_model, seed=12))
+    logits = ds.rmsnorm_linear_ref(h, w.norm_f, c.norm_eps, w.lm_head)
+    # a tie for the top: the best row of lm_head copied to a lower index (row 0's best)
+    top = int(logits[0].argmax())
+    if top > 0:
+        w.lm_head[top // 2] = w.lm_head[top]
+    slots, ref_slots = SlotParams.empty(step.B, V, DEVICE), SlotParams.empty(step.B, V, DEVICE)
+    for s_ in (slots, ref_slots):
+        s_.step.fill_(3)
+        s_.seen[:, 5] = True
+    tokens = torch.zeros(step.B, dtype=torch.int64, device=DEVICE)
+    history = torch.zeros(2, step.B, dtype=torch.int64, device=DEVICE)
+    for t in range(2):  # twice: take_argmax empties `best` for the next lm_head
+        if t == 1:  # then with the logits' signs flipped (mostly negative keys)
+            w.lm_head.neg_()
+        step.lm_head(argmax=True)
+        step.take_argmax(slots, tokens, history[t])
+        expected = sample_greedy(step.logits[: step.B], ref_slots)
+        assert torch.equal(tokens, expected) and torch.equal(history[t], expected)
+        assert torch.equal(slots.step, ref_slots.step) and torch.equal(slots.seen, ref_slots.seen)
+        if t == 0 and top > 0:
+            assert tokens[0] == top // 2
+    assert (step.best == ds.ARGMAX_EMPTY).all()
+
+
 def test_ssm_step(case):
     model, step, tol = case
     lw, c = model.weights.layers[0], model.config

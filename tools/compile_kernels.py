@@ -67,15 +67,17 @@ def main() -> None:
         for wdt in ("*bf16", "*fp16", "*fp32"):
             ieee = wdt == "*fp32"
             t = ptrs("h_ptr", "nw_ptr", "b_ptr", "out_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", w_ptr=wdt, wx_ptr=wdt,
-                     dh_ptr="*i64", dbc_ptr="*i64", eps="fp32")
-            for conv in (True, False):  # in_proj with the conv step and x_proj; lm_head
+                     dh_ptr="*i64", dbc_ptr="*i64", best_ptr="*i64", eps="fp32")
+            for conv in (True, False):  # in_proj with the conv step and x_proj; lm_head with the argmax
                 compile_kernel(ds._rmsnorm_linear_kernel, t, dict(
-                    HAS_BIAS=True, IEEE=ieee, CONV=conv, K=4, KP=4, HAS_CB=True, PENDING=BB == 1, BB=BB, BN=16,
+                    HAS_BIAS=True, IEEE=ieee, CONV=conv, ARGMAX=not conv, K=4, KP=4, HAS_CB=True, PENDING=BB == 1, BB=BB, BN=16,
                     BK=512 if BB == 1 else 128, BJ=128, STAGES=ds.DecodeStep.linear_blocks(3072, 768, BB == 1)[3], PDL=True))
             t = ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", wx_ptr=wdt, dbc_ptr="*i64")
             compile_kernel(ds._conv_x_proj_kernel, t, dict(K=4, KP=4, HAS_CB=True, IEEE=ieee, BB=BB, BN=32, BJ=256, PDL=True))
             t = ptrs("xc_ptr", "xz_ptr", "ss_ptr", "dtb_ptr", "A_ptr", "D_ptr", "y_ptr", "h_ptr", dtw_ptr=wdt, dbc_ptr="*i64", dh_ptr="*i64")
             compile_kernel(ds._ssm_step_kernel, t, dict(N=16, NP=16, BJ=128, BR=64, IEEE=ieee, FOLD=BB == 1, BB=BB, BE=32, BD=16, PDL=True))
+            t = {"best_ptr": "*i64", "tok_ptr": "*i64", "hist_ptr": "*i64", "step_ptr": "*i64", "seen_ptr": "*i1"}
+            compile_kernel(ds._take_argmax_kernel, t, dict(BR=8, PDL=True))
             compile_kernel(ds._fold_kernel, ptrs("h_ptr", dh_ptr="*i64"), dict(BB=BB, BN=32, PDL=True))
             t = ptrs("y_ptr", "b_ptr", w_ptr=wdt, dh_ptr="*i64", dbc_ptr="*i64")
             compile_kernel(ds._out_proj_residual_kernel, t, dict(HAS_BIAS=True, IEEE=ieee, BB=BB, BN=32, BK=256 if BB == 1 else 64, BJ=128, PDL=True))

@@ -213,9 +213,9 @@ def _fold_kernel(h_ptr, dh_ptr, B, D, BB: tl.constexpr, BN: tl.constexpr, PDL: t
 
 @jit
 def _rmsnorm_linear_kernel(
-    h_ptr, dh_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, xc_ptr, dbc_ptr,
+    h_ptr, dh_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, xc_ptr, dbc_ptr, best_ptr,
     B, D, NOUT, E, J, eps,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, CONV: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, CONV: tl.constexpr, ARGMAX: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     HAS_CB: tl.constexpr, PENDING: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     BJ: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -256,12 +256,52 @@ def _rmsnorm_linear_kernel(
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nmask, other=0.0)[None, :]
     tl.store(out_ptr + rows[:, None] * NOUT + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
+    if ARGMAX:  # lm_head for greedy sampling: each row's best so far, across programs
+        tl.atomic_max(best_ptr + rows, tl.max(_argmax_keys(acc, n, nmask), 1), mask=rmask, sem="relaxed")
     if CONV:
         if pid_n * BN < E:  # a program of in_proj's x half: its channels' conv step, x_proj
             xc = _conv_step(acc, cw, cw_new, cb, window, rows, rmask, n, cs_ptr, xc_ptr, E, K, KP)
             # x_proj's columns are loaded only now: held through the GEMV, they would cost
             # it resident programs
             _add_x_proj_share(xc, _x_proj_columns(wx_ptr, n, E, J, BJ), rows, rmask, dbc_ptr, J, IEEE, BB, BJ)
+
+
+# Greedy sampling inside lm_head: every program offers its outputs' largest value per row
+# to an atomic max over int64 keys that order as (value, then the lower index) do, so
+# the row's argmax needs no pass over the logits, and the order of the programs cannot
+# change it (ties go to the lower index, as in torch.argmax; NaN is the largest).
+ARGMAX_EMPTY = -(2**63)  # the key no output's beats: `best` before lm_head's programs
+_EMPTY = tl.constexpr(ARGMAX_EMPTY)
+_LOW32 = tl.constexpr(2**32 - 1)
+
+
+@jit
+def _argmax_keys(v, n, nmask):
+    """(BB, BN) float32 values of outputs n -> int64 keys: the value's bits made to order
+    as signed integers in the high half, 2^32 - 1 - n in the low; masked outputs lowest."""
+    bits = (v + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 ties with 0.0
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: magnitude bits reversed
+    key = tl.where(v != v, 0x7FFFFFFF, key)
+    low = _LOW32 - n.to(tl.int64)
+    packed = (key.to(tl.int64) << 32) | low[None, :]
+    return tl.where(nmask[None, :], packed, _EMPTY)
+
+
+@jit
+def _take_argmax_kernel(best_ptr, tok_ptr, hist_ptr, step_ptr, seen_ptr, B, V, BR: tl.constexpr, PDL: tl.constexpr):
+    # After an lm_head with ARGMAX: the tokens (into tokens and a row of history), each
+    # slot's step + 1 and the token marked seen, as sampling.sample_greedy does; `best`
+    # emptied for the next lm_head.
+    _wait_for_prior_kernel(PDL)
+    rows = tl.arange(0, BR)
+    m = rows < B
+    best = tl.load(best_ptr + rows, mask=m, other=0)
+    tok = _LOW32 - (best & _LOW32)
+    tl.store(tok_ptr + rows, tok, mask=m)
+    tl.store(hist_ptr + rows, tok, mask=m)
+    tl.store(step_ptr + rows, tl.load(step_ptr + rows, mask=m, other=0) + 1, mask=m)
+    tl.store(seen_ptr + rows.to(tl.int64) * V + tok, tl.full([BR], 1, tl.int1), mask=m)
+    tl.store(best_ptr + rows, tl.full([BR], _EMPTY, tl.int64), mask=m)
 
 
 @jit
@@ -544,6 +584,7 @@ class DecodeStep:
         self.y = torch.zeros(BP, E, **f32)
         self.dbc = torch.zeros(BP, self.BJ, device=dev, dtype=torch.int64)  # fixed point: see FIXED_ONE
         self.logits = torch.zeros(BP, c.vocab_size, **f32)
+        self.best = torch.full((BP,), ARGMAX_EMPTY, device=dev, dtype=torch.int64)  # see _argmax_keys
         pdl = use_pdl(dev)
         self.pdl = dict(PDL=1, launch_pdl=True) if pdl else dict(PDL=0)
         self.early = self.early_launch(d) if one_row else frozenset()
@@ -567,9 +608,10 @@ class DecodeStep:
         d = self.model.config.d_model
         _fold_kernel[(self.nt_d, self.BP // self.BB)](self.h, self.dh, self.B, d, BB=self.BB, BN=self.BN_out, **self.pdl)
 
-    def _rmsnorm_linear(self, norm_w, weight, bias, out, conv=None) -> None:
+    def _rmsnorm_linear(self, norm_w, weight, bias, out, conv=None, argmax=False) -> None:
         """out[:B] = linear(rmsnorm(h + dh) * norm_w, weight, bias); with conv = (lw,
-        conv_state), out is xz, and the x half goes on through the conv step and x_proj."""
+        conv_state), out is xz, and the x half goes on through the conv step and x_proj;
+        with argmax, each row's argmax goes into `best` too (see _argmax_keys)."""
         if self.fold_apart:
             self.fold()
         n_out, d = weight.shape
@@ -583,9 +625,9 @@ class DecodeStep:
         else:  # unused pointers
             conv_args = (out,) * 6
         _rmsnorm_linear_kernel[grid](
-            self.h, self.dh, norm_w, weight, bias if bias is not None else weight, out, *conv_args,
+            self.h, self.dh, norm_w, weight, bias if bias is not None else weight, out, *conv_args, self.best,
             self.B, d, n_out, c.d_inner, self.J, c.norm_eps,
-            HAS_BIAS=bias is not None, IEEE=self.ieee, CONV=conv is not None, K=c.d_conv, KP=triton.next_power_of_2(c.d_conv),
+            HAS_BIAS=bias is not None, IEEE=self.ieee, CONV=conv is not None, ARGMAX=argmax, K=c.d_conv, KP=triton.next_power_of_2(c.d_conv),
             HAS_CB=conv is not None and conv[0].conv_b is not None, PENDING=not self.fold_apart,
             BB=self.BB, BN=BN, BK=BK, BJ=self.BJ, STAGES=stages,
             num_warps=warps, **self.pdl_for("rmsnorm_linear"),
@@ -608,10 +650,20 @@ class DecodeStep:
             BB=self.BB, BN=self.BN_conv, BJ=self.BJ, num_warps=4, **self.pdl_for("conv_x_proj"),
         )
 
-    def lm_head(self) -> None:
-        """logits[:B] = lm_head(rmsnorm(h + dh) * norm_f)."""
+    def lm_head(self, argmax: bool = False) -> None:
+        """logits[:B] = lm_head(rmsnorm(h + dh) * norm_f); with argmax, each row's argmax
+        into `best` too, for take_argmax."""
         w = self.model.weights
-        self._rmsnorm_linear(w.norm_f, w.lm_head, None, self.logits)
+        self._rmsnorm_linear(w.norm_f, w.lm_head, None, self.logits, argmax=argmax)
+
+    def take_argmax(self, slots, tokens: torch.Tensor, history_row: torch.Tensor) -> None:
+        """Greedy sampling after a step with argmax: tokens[:B] and history_row[:B] = the
+        logits' argmax, and slots advanced as sampling.sample_greedy does, in one small
+        kernel instead of torch's argmax and a few element-wise ones."""
+        _take_argmax_kernel[(1,)](
+            self.best, tokens, history_row, slots.step, slots.seen, self.B, slots.seen.shape[1],
+            BR=_pow2(self.B, 1), **self.pdl,
+        )
 
     def ssm_step(self, lw, ssm_state) -> None:
         """y from dbc, xc and the z half of xz; updates ssm_state (B, E, N); folds dh into h
@@ -633,13 +685,14 @@ class DecodeStep:
             BB=self.BB, BN=self.BN_out, BK=self.BK_out, BJ=self.BJ, num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),
         )
 
-    def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:
-        """tokens (B,) -> logits (B, V) f32; updates `state` (conv, ssm of B slots)."""
+    def __call__(self, tokens: torch.Tensor, state, argmax: bool = False) -> torch.Tensor:
+        """tokens (B,) -> logits (B, V) f32; updates `state` (conv, ssm of B slots). With
+        argmax, take_argmax must follow (it empties `best` for the next step)."""
         w = self.model.weights
         self.embed(tokens)
         for i, lw in enumerate(w.layers):
             self.in_proj(lw, state.conv[i])
             self.ssm_step(lw, state.ssm[i])
             self.out_proj_residual(lw)
-        self.lm_head()
+        self.lm_head(argmax)
         return self.logits[: self.B]
