@@ -113,7 +113,7 @@ def tune_early_launch(size):
     print(f"{size} early launch by default {sorted(default.__func__(model.config.d_model))}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     for early in [(), ("ssm_step",), ("ssm_step", "out_proj_residual"), ("rmsnorm_linear", "ssm_step", "out_proj_residual"),
                   ("rmsnorm_linear", "out_proj_residual"), ("rmsnorm_linear",),
-                  ("conv_x_proj", "ssm_step", "out_proj_residual")]:  # conv_x_proj: wide models only
+                  ("conv_x_proj", "ssm_step", "out_proj_residual"), ("conv_x_proj",), ("conv_x_proj", "ssm_step")]:  # conv_x_proj: wide models only
         ds.DecodeStep.early_launch = staticmethod(lambda d, e=frozenset(early): e)
         print(f"{size} early launch {early}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     ds.DecodeStep.early_launch = default
