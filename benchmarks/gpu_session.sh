@@ -9,7 +9,7 @@ mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/device.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$out/device.txt"
-timeout 200 python3 -m pytest -q tests/test_gpu_engine.py tests/test_kernels.py tests/test_prefill.py 2>&1 \
+timeout 260 python3 -m pytest -q tests/test_gpu_engine.py tests/test_kernels.py tests/test_prefill.py 2>&1 \
   | tee "$out/gpu_tests.log" | grep -E "^FAILED|passed|failed"
 if [ -n "${QUICK:-}" ]; then
   timeout 120 python3 -m fastmamba.cli bench --models 130m,1.4b,2.8b --dtypes bfloat16 --batches 1 --json "$out/decode.json"
