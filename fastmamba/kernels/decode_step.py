@@ -10,7 +10,9 @@ last out_proj's share, not yet folded into h):
                        (and h += dh, dh = 0)
     out_proj_residual  dh += y @ out_proj.T (+ bias)
 
-and around the layers: `embed` before, `rmsnorm_linear` with norm_f and lm_head after.
+and around the layers: `embed` before, `rmsnorm_linear` with norm_f and lm_head after (for
+greedy sampling it also finds each row's argmax, which `take_argmax` hands out as the
+tokens: see _argmax_keys).
 The conv step needs only its own channels of x, so it runs where they are computed, and
 x_proj's split over K is in_proj's split of x's channels: one kernel boundary a layer
 fewer (each costs a few microseconds of drain and ramp whatever the kernels' sizes). That
