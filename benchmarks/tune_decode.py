@@ -47,8 +47,9 @@ def tune_rmsnorm_linear(n_out, d):
 
         def run():
             ds._rmsnorm_linear_kernel[(triton.cdiv(n_out, BN), 1)](
-                h, dh, nw, w, w, out, *(out,) * 6, 1, d, n_out, 0, 0, 1e-5, HAS_BIAS=False, IEEE=False,
-                CONV=False, K=4, KP=4, HAS_CB=False, BB=1, BN=BN, BK=BK, BJ=16, STAGES=1, PDL=0, num_warps=warps,
+                h, dh, nw, w, w, out, *(out,) * 7, 1, d, n_out, 0, 0, 1e-5, HAS_BIAS=False, IEEE=False,
+                CONV=False, ARGMAX=False, K=4, KP=4, HAS_CB=False, PENDING=True, BB=1, BN=BN, BK=BK, BJ=16, STAGES=1,
+                PDL=0, num_warps=warps,
             )
 
         res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BN=BN, BK=BK, warps=warps)))
