@@ -7,7 +7,8 @@ defaults.  python benchmarks/tune_decode.py
 With --in-graph it times whole graph-replayed batch-1 steps instead, changing the block
 sizes of one kernel at a time: alone, a kernel sees its weights partly in L2 and no
 neighbours, so its best blocks need not be the step's (--states: where the conv step and
-x_proj run, and ssm_step's blocks; --out-proj: only out_proj's). With --lm-head it sweeps
+x_proj run, and ssm_step's blocks; --out-proj, --in-proj: only those; --wide: 1.4b and
+2.8b only). With --lm-head it sweeps
 lm_head's blocks (and 130m's in_proj) in whole steps; with --early, which kernels let the
 next one launch before their own wait; with --tile, the tile (deterministic) mode's loop.
 """
@@ -82,17 +83,17 @@ def tune_in_graph(size, parts=("in_proj", "out_proj", "states")):
 
     model = random_model(size, DT)
     default_linear = ds.DecodeStep.__dict__["linear_blocks"]  # the staticmethod itself
-    default_out, default_programs = ds.DecodeStep.OUT_BLOCKS, ds.DecodeStep.OUT_PROGRAMS
+    default_out = ds.DecodeStep.__dict__["out_blocks"]
     vocab = model.config.vocab_size
     print(f"{size} batch 1, default blocks: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    for blocks in [] if "in_proj" not in parts else [(16, 512, 4, 2), (16, 512, 4, 3), (16, 256, 4, 3), (16, 256, 4, 4), (8, 512, 4, 3), (32, 256, 4, 3), (16, 512, 8, 3)]:
+    for blocks in [] if "in_proj" not in parts else [(8, 512, 4, 1), (8, 256, 4, 1), (8, 1024, 8, 1), (16, 256, 4, 1), (16, 1024, 8, 1), (4, 1024, 4, 1), (16, 512, 4, 2)]:
         ds.DecodeStep.linear_blocks = staticmethod(lambda n, d, one_row, b=blocks: b if n != vocab else default_linear.__func__(n, d, one_row))
         print(f"   in_proj BN, BK, warps, stages = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     ds.DecodeStep.linear_blocks = default_linear
-    for blocks, programs in [] if "out_proj" not in parts else [((8, 512, 4), 1280), ((8, 512, 4), 2560), ((16, 512, 4), 1280), ((8, 256, 4), 640), ((16, 256, 4), 640), ((8, 1024, 8), 640)]:
-        ds.DecodeStep.OUT_BLOCKS, ds.DecodeStep.OUT_PROGRAMS = blocks, programs
+    for blocks, programs in [] if "out_proj" not in parts else [((8, 512, 4), 1280), ((8, 512, 4), 960), ((8, 256, 4), 1280), ((16, 512, 8), 640), ((4, 1024, 4), 1280), ((8, 1024, 8), 640)]:
+        ds.DecodeStep.out_blocks = staticmethod(lambda d, b=(*blocks, programs): b)
         print(f"   out_proj BN, BK, warps = {blocks}, ~{programs} programs: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    ds.DecodeStep.OUT_BLOCKS, ds.DecodeStep.OUT_PROGRAMS = default_out, default_programs
+    ds.DecodeStep.out_blocks = default_out
     default_fused, default_conv, default_ssm = ds.DecodeStep.FUSED_CONV_UP_TO, ds.DecodeStep.CONV_BLOCK, ds.DecodeStep.SSM_BLOCK
     for fused_up_to, block in [] if "states" not in parts else [(1 << 20, default_conv), (0, 16), (0, 32), (0, 64)]:
         ds.DecodeStep.FUSED_CONV_UP_TO, ds.DecodeStep.CONV_BLOCK = fused_up_to, block
@@ -170,8 +171,8 @@ if __name__ == "__main__":
             tune_early_launch(size)
         sys.exit()
     if "--in-graph" in sys.argv:  # --states / --out-proj: those kernels' blocks only
-        parts = [p for p in ("states", "out_proj") if f"--{p.replace('_', '-')}" in sys.argv] or ["in_proj", "out_proj", "states"]
-        for size in ("130m", "1.4b", "2.8b"):
+        parts = [p for p in ("in_proj", "states", "out_proj") if f"--{p.replace('_', '-')}" in sys.argv] or ["in_proj", "out_proj", "states"]
+        for size in ("1.4b", "2.8b") if "--wide" in sys.argv else ("130m", "1.4b", "2.8b"):
             tune_in_graph(size, parts)
         sys.exit()
     tune_rmsnorm_linear(10240, 2560)  # 2.8b in_proj

@@ -528,10 +528,6 @@ class DecodeStep:
 
     # One-row launch settings, chosen by timing whole graph-replayed batch-1 steps
     # (benchmarks/tune_decode.py --in-graph); the tile mode keeps its own, set in __init__.
-    # out_proj: BN, BK, warps, and the programs to aim for by splitting K. In whole steps
-    # (bf16, batch 1) against (32, 256, 4) and 320: 130m 0.398 vs 0.430 ms, 2.8b 2.494 vs 2.512.
-    OUT_BLOCKS = (8, 512, 4)
-    OUT_PROGRAMS = 640
     SSM_BLOCK = 16  # ssm_step: channels a program, one row (2.24 ms at 2.8b against 2.26 with 32)
     # in_proj does the conv step and x_proj itself up to this d_model; wider models run them
     # as a kernel of their own. bf16 batch 1, ms a step, in in_proj against on their own
@@ -552,14 +548,23 @@ class DecodeStep:
         return frozenset({"ssm_step", "out_proj_residual"}) if d_model <= 2048 else frozenset()
 
     @staticmethod
+    def out_blocks(d_model: int) -> tuple[int, int, int, int]:
+        """out_proj's one-row BN, BK, warps, and the programs to aim for by splitting K.
+        Whole bf16 batch-1 steps: (8, 512, 4) and 640 against (32, 256, 4) and 320: 130m
+        0.398 ms / 0.430, 2.8b 2.494 / 2.512; above d_model 1024 (8, 256, 4) and 1280
+        against those: 1.4b 1.137 / 1.140, 2.8b 1.959 / 1.976 (fresh processes, twice)."""
+        return (8, 256, 4, 1280) if d_model > 1024 else (8, 512, 4, 640)
+
+    @staticmethod
     def linear_blocks(n_out: int, d: int, one_row: bool) -> tuple[int, int, int, int]:
         """rmsnorm_linear's (BN, BK, warps, pipeline stages of its loop) for n_out outputs of
         d inputs. One row: 16 rows a program (2.8b in_proj: 2.72 ms a step against 2.82
         with 32; lm_head: 130m 0.333 ms against 0.339 with 64, 2.8b 2.238 / 2.250), and
         rows of up to 1024 in one tile, all of it loaded before the wait (130m in_proj
         0.331 ms against 0.339 in two tiles of 512); tune_decode.py --in-graph, --lm-head."""
-        if one_row:
-            return 16, (1024 if d <= 1024 else 512), 4, 1
+        if one_row:  # 1.4b's in_proj (n_out = 4 d) 8 rows a program: 1.120 ms against 1.140
+            # (2.8b's: 2.240 against 1.976)
+            return (8 if 1024 < d <= 2048 and n_out == 4 * d else 16), (1024 if d <= 1024 else 512), 4, 1
         # tiles (tl.dot), loop pipelined 4 deep as at 1ec7c2d (deterministic batch 1: 130m
         # 0.645 ms, 2.8b 5.86), where the loop read h alone as it does again now (see
         # _fold_kernel; while it read dh too, 1 stage was best: 0.77 / 9.2 against 1.04 /
@@ -578,9 +583,8 @@ class DecodeStep:
         self.BR, self.NP = _pow2(R), _pow2(N, 1)
         # out_proj: BN_out-wide tiles of d, K split so that enough programs stream the weights.
         one_row = self.BB == 1
-        self.BN_out, self.BK_out, self.warps_out = self.OUT_BLOCKS if one_row else (32, 64, 4)
+        self.BN_out, self.BK_out, self.warps_out, programs = self.out_blocks(d) if one_row else (32, 64, 4, 320)
         self.nt_d = triton.cdiv(d, self.BN_out)
-        programs = self.OUT_PROGRAMS if one_row else 320
         self.nsplit_out = max(1, min(16, programs // self.nt_d, triton.cdiv(E, self.BK_out)))
         self.kchunk_out = triton.cdiv(triton.cdiv(E, self.nsplit_out), self.BK_out) * self.BK_out
         self.nsplit_out = triton.cdiv(E, self.kchunk_out)  # whole BK steps per split may need fewer
