@@ -88,15 +88,17 @@ def copy_bandwidth(gib: float = 2.0) -> float:
     return 2 * n * 4 / sorted(times)[len(times) // 2]
 
 
-def time_graph_steps(model: Mamba, batch: int, steps: int = 200, deterministic: bool = False) -> float:
-    """Median ms per replayed decode step (greedy sampling included)."""
+def time_graph_steps(model: Mamba, batch: int, steps: int = 200, deterministic: bool = False, params=None) -> float:
+    """Median ms per replayed decode step, sampling included: greedy, or with `params`
+    (SamplingParams) the sampler that generation would pick for them."""
     from .engine import GraphDecoder
-    from .sampling import SamplingParams, sample_greedy
+    from .sampling import SamplingParams, pick_sampler
 
+    params = params or SamplingParams()
     dec = GraphDecoder(model, batch, deterministic)
     logits = torch.randn(batch, model.config.vocab_size, device="cuda")
-    reqs = [(SamplingParams(), 0, [1])] * batch
-    dec.begin(model.new_state(batch), logits, sample_greedy, reqs)
+    reqs = [(params, 0, [1])] * batch
+    dec.begin(model.new_state(batch), logits, pick_sampler([params], "cuda"), reqs)
     for _ in range(10):
         dec.next()
     times = []

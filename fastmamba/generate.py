@@ -10,7 +10,7 @@ import torch
 
 from .engine import PREFILL_BUCKETS, GraphDecoder, GraphPrefill, ReferenceDecoder
 from .model import Mamba
-from .sampling import SamplingParams, resolve_seed, sample, sample_greedy
+from .sampling import SamplingParams, pick_sampler, resolve_seed
 from .tokenizer import IncrementalDecoder, Tokenizer
 
 
@@ -191,12 +191,11 @@ class LanguageModel:
 
         decoder = self._decoder(B)
         requests = [(p, resolve_seed(p.seed), ids) for ids, p in zip(all_ids, params)]
-        greedy = all(p.temperature == 0 and p.repetition_penalty == 1 for p in params)
         stops = [set(p.stop_token_ids) if p.stop_token_ids is not None else {self.config.eos_token_id} for p in params]
         remaining = [p.max_tokens for p in params]
         decoder.busy = True
         try:
-            tokens = decoder.begin(state, logits, sample_greedy if greedy else sample, requests)[None]
+            tokens = decoder.begin(state, logits, pick_sampler(params, self.device), requests)[None]
             while True:
                 for host in tokens.tolist():  # the only device -> host traffic: (steps, B) ids
                     out, reasons = [None] * B, [None] * B

@@ -167,7 +167,8 @@ def sample(logits: torch.Tensor, p: SlotParams) -> torch.Tensor:
     in_top_k = rank < k
     probs = torch.softmax(sorted_x.masked_fill(~in_top_k, float("-inf")), dim=-1)
     mass_before = probs.cumsum(-1) - probs  # probability of all higher-ranked tokens
-    in_top_p = mass_before < p.top_p[:, None]
+    # top_p = 1 keeps every token (the float sum may reach 1 before the last one)
+    in_top_p = (p.top_p[:, None] >= 1) | (mass_before < p.top_p[:, None])
     # min-p keeps tokens whose probability is at least min_p times the top one's.
     min_p = p.min_p[:, None]
     in_min_p = (min_p == 0) | (sorted_x - sorted_x[:, :1] >= torch.log(min_p.clamp_min(1e-30)))
@@ -182,6 +183,22 @@ def sample(logits: torch.Tensor, p: SlotParams) -> torch.Tensor:
     p.step += 1
     p.seen.scatter_(1, token[:, None], True)
     return token
+
+
+def pick_sampler(params: list[SamplingParams], device):
+    """The sampler for a batch of requests: the argmax alone where every request is greedy
+    without a repetition penalty; on a CUDA device with Triton, the Triton samplers
+    (kernels/sampler.py: the same tokens as `sample`, without its sort where no request
+    uses top-k, top-p or min-p); otherwise `sample`."""
+    if all(p.temperature == 0 and p.repetition_penalty == 1 for p in params):
+        return sample_greedy
+    from .kernels._triton import HAVE_TRITON
+
+    if torch.device(device).type == "cuda" and HAVE_TRITON:
+        from .kernels.sampler import sample_filtered, sample_temperature
+
+        return sample_filtered if any(p.top_k or p.top_p < 1 or p.min_p for p in params) else sample_temperature
+    return sample
 
 
 def sample_greedy(logits: torch.Tensor, p: SlotParams) -> torch.Tensor:

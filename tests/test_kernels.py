@@ -279,3 +279,50 @@ def test_gemm_step_kernels(checkpoints, name, dtype, batch):
             assert rel_err(joined(y), ref) < near
         else:  # one rounding to the storage dtype: within its precision, and nothing in rows B..
             assert rel_err(y[:B].float(), ref) < (1e-2 if split else 1e-6) and not y[B:].any()
+
+
+SAMPLER_PARAMS = [  # every filter alone and together, greedy rows among them
+    dict(),
+    dict(temperature=0.8),
+    dict(temperature=1.3, top_p=0.9),
+    dict(temperature=0.7, top_k=40, repetition_penalty=1.1),
+    dict(temperature=1.0, min_p=0.05),
+    dict(repetition_penalty=1.3),
+    dict(temperature=2.0, top_k=5, top_p=0.5, min_p=0.01),
+    dict(temperature=20.0, top_k=2),  # hot rows: the filters' edges are drawn often
+    dict(temperature=20.0, top_p=0.002),
+    dict(temperature=20.0, min_p=0.95),
+]
+
+
+@pytest.mark.parametrize("filtered", [True, False], ids=["filtered", "temperature"])
+def test_triton_samplers_match_sample(filtered):
+    """kernels/sampler.py draws the tokens sampling.sample draws, step after step, and
+    leaves the same steps and seen marks; a forced tie at the top goes to the lower index."""
+    from fastmamba.kernels.sampler import sample_filtered, sample_temperature
+    from fastmamba.sampling import SamplingParams, SlotParams, sample
+
+    params = [SamplingParams(**kw) for kw in SAMPLER_PARAMS]
+    if not filtered:
+        params = [p for p in params if p.top_k == 0 and p.top_p == 1 and p.min_p == 0]
+    B, V = len(params), 3000
+
+    def slots():
+        s = SlotParams.empty(B, V, DEVICE)
+        s.set_slots([(p, 100 + i, [1, 2, 3, 50 * i]) for i, p in enumerate(params)])
+        return s
+
+    ours, ref = slots(), slots()
+    picked = []
+    for t in range(12):
+        logits = rand(B, V, seed=20 + t) * 3
+        if t == 0:
+            logits[:, 7] = logits[:, 9] = logits.max() + 1  # a tie for the top
+        expected = sample(logits.clone(), ref)
+        got = (sample_filtered if filtered else sample_temperature)(logits.clone(), ours)
+        assert torch.equal(got, expected), t
+        if t == 0:
+            assert (got[[i for i, p in enumerate(params) if p.temperature == 0]] == 7).all()
+        picked.append(got)
+    assert torch.equal(ours.step, ref.step) and torch.equal(ours.seen, ref.seen)
+    assert len(set(torch.stack(picked).flatten().tolist())) > 20  # not stuck on a few tokens

@@ -25,6 +25,7 @@ from fastmamba.kernels import causal_conv1d as cc  # noqa: E402
 from fastmamba.kernels import decode_gemm as dg  # noqa: E402
 from fastmamba.kernels import decode_step as ds  # noqa: E402
 from fastmamba.kernels import rmsnorm as rn  # noqa: E402
+from fastmamba.kernels import sampler as sp  # noqa: E402
 from fastmamba.kernels import selective_scan as ss  # noqa: E402
 
 target = GPUTarget("cuda", 90, 32)
@@ -102,6 +103,14 @@ def main() -> None:
     t = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A2t_ptr", "D_ptr", "dtb_ptr", "st_ptr", "sum_ptr", "dts_ptr", "init_ptr", y_ptr="*bf16", start_ptr="*i32")
     compile_kernel(ss._scan_chunks_kernel, t, chunk, num_warps=ss.SCAN_WARPS)
     res.append("prefill conv + scan: ok")
+    t = ptrs("logits_ptr", "pen_ptr", "temp_ptr", "s_ptr", seen_ptr="*i1", best_ptr="*i64")
+    compile_kernel(sp._scale_kernel, t, dict(BV=sp.BV))
+    t = ptrs("s_ptr", "mb_ptr", "topp_ptr", "minp_ptr", order_ptr="*i64", seed_ptr="*i64", step_ptr="*i64", topk_ptr="*i64", best_ptr="*i64")
+    for filtered in (True, False):
+        compile_kernel(sp._pick_kernel, t, dict(FILTERED=filtered, BV=sp.BV))
+    t = {"best_ptr": "*i64", "temp_ptr": "*fp32", "tok_ptr": "*i64", "step_ptr": "*i64", "seen_ptr": "*i1"}
+    compile_kernel(sp._finish_kernel, t, dict(BR=8))
+    res.append("sampler: ok")
     print("\n".join(res))
 
 

@@ -1,0 +1,61 @@
+"""What sampling costs in a decode step, at the public vocabulary (50280): the sampler alone
+in a graph (sampling.sample, the torch oracle, against the one `generate` picks:
+sampling.pick_sampler), and whole graph-replayed steps with the picked sampler.
+
+    python benchmarks/sampling_speed.py
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from fastmamba.bench import random_model, time_graph_steps  # noqa: E402
+from fastmamba.engine import capture_graph  # noqa: E402
+from fastmamba.sampling import SamplingParams, SlotParams, pick_sampler, sample  # noqa: E402
+
+V = 50280
+SETTINGS = {
+    "greedy": SamplingParams(),
+    "temperature 0.8": SamplingParams(temperature=0.8),
+    "temperature 0.8, top-p 0.95": SamplingParams(temperature=0.8, top_p=0.95),
+    "temperature 0.7, top-k 40, repetition 1.1": SamplingParams(temperature=0.7, top_k=40, repetition_penalty=1.1),
+}
+
+
+def time_sampler(pick, params, batch, reps=50):
+    """µs a call of the sampler alone (captured 10 calls a graph)."""
+    slots = SlotParams.empty(batch, V, "cuda")
+    slots.set_slots([(params, 1, [1, 2, 3])] * batch)
+    logits = torch.randn(batch, V, device="cuda") * 3
+    graph, _ = capture_graph(lambda: [pick(logits, slots) for _ in range(10)])
+    graph.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        graph.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / reps / 10
+
+
+def main() -> None:
+    print(torch.cuda.get_device_name(), flush=True)
+    for batch in (1, 32, 128):
+        for name, params in SETTINGS.items():
+            pick = pick_sampler([params], "cuda")
+            torch_us, picked_us = time_sampler(sample, params, batch), time_sampler(pick, params, batch)
+            print(f"sampler alone, batch {batch:3d}, {name}: sample {torch_us:7.1f} us, {pick.__name__} {picked_us:7.1f} us", flush=True)
+    for size in ("130m", "2.8b"):
+        model = random_model(size, torch.bfloat16)
+        for batch in (1, 32):
+            for name, params in SETTINGS.items():
+                ms = time_graph_steps(model, batch, params=params)
+                print(f"{size} batch {batch:3d}, {name}: {ms:.4f} ms/step", flush=True)
+        del model
+
+
+if __name__ == "__main__":
+    main()
