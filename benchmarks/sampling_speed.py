@@ -2,7 +2,7 @@
 in a graph (sampling.sample, the torch oracle, against the one `generate` picks:
 sampling.pick_sampler), and whole graph-replayed steps with the picked sampler.
 
-    python benchmarks/sampling_speed.py
+    python benchmarks/sampling_speed.py           # --alone: the sampler alone only
 """
 
 import sys
@@ -48,6 +48,8 @@ def main() -> None:
             pick = pick_sampler([params], "cuda")
             torch_us, picked_us = time_sampler(sample, params, batch), time_sampler(pick, params, batch)
             print(f"sampler alone, batch {batch:3d}, {name}: sample {torch_us:7.1f} us, {pick.__name__} {picked_us:7.1f} us", flush=True)
+    if "--alone" in sys.argv:
+        return
     for size in ("130m", "2.8b"):
         model = random_model(size, torch.bfloat16)
         for batch in (1, 32):

@@ -318,6 +318,8 @@ def test_triton_samplers_match_sample(filtered):
         logits = rand(B, V, seed=20 + t) * 3
         if t == 0:
             logits[:, 7] = logits[:, 9] = logits.max() + 1  # a tie for the top
+        if t == 1:
+            logits[-3:] = 0.5  # all tokens tied: the order is the tokens' own
         expected = sample(logits.clone(), ref)
         got = (sample_filtered if filtered else sample_temperature)(logits.clone(), ours)
         assert torch.equal(got, expected), t
