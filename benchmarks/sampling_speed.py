@@ -22,6 +22,8 @@ SETTINGS = {
     "temperature 0.8": SamplingParams(temperature=0.8),
     "temperature 0.8, top-p 0.95": SamplingParams(temperature=0.8, top_p=0.95),
     "temperature 0.7, top-k 40, repetition 1.1": SamplingParams(temperature=0.7, top_k=40, repetition_penalty=1.1),
+    "temperature 1.0, top-k 50, top-p 0.9": SamplingParams(temperature=1.0, top_k=50, top_p=0.9),
+    "temperature 1.5, top-p 0.99 (flat)": SamplingParams(temperature=1.5, top_p=0.99),
 }
 
 

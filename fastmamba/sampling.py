@@ -188,16 +188,21 @@ def sample(logits: torch.Tensor, p: SlotParams) -> torch.Tensor:
 def pick_sampler(params: list[SamplingParams], device):
     """The sampler for a batch of requests: the argmax alone where every request is greedy
     without a repetition penalty; on a CUDA device with Triton, the Triton samplers
-    (kernels/sampler.py: the same tokens as `sample`, without its sort where no request
-    uses top-k, top-p or min-p); otherwise `sample`."""
+    (kernels/sampler.py: the same tokens as `sample`; the filters' search only where a
+    request uses top-k, top-p or min-p, twice where one uses top-k with top-p); otherwise
+    `sample`."""
     if all(p.temperature == 0 and p.repetition_penalty == 1 for p in params):
         return sample_greedy
     from .kernels._triton import HAVE_TRITON
 
     if torch.device(device).type == "cuda" and HAVE_TRITON:
-        from .kernels.sampler import sample_filtered, sample_temperature
+        from .kernels import sampler
 
-        return sample_filtered if any(p.top_k or p.top_p < 1 or p.min_p for p in params) else sample_temperature
+        if any(p.top_k and p.top_p < 1 for p in params):
+            return sampler.sample_filtered
+        if any(p.top_k or p.top_p < 1 or p.min_p for p in params):
+            return sampler.sample_filtered_apart
+        return sampler.sample_temperature
     return sample
 
 

@@ -103,10 +103,18 @@ def main() -> None:
     t = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A2t_ptr", "D_ptr", "dtb_ptr", "st_ptr", "sum_ptr", "dts_ptr", "init_ptr", y_ptr="*bf16", start_ptr="*i32")
     compile_kernel(ss._scan_chunks_kernel, t, chunk, num_warps=ss.SCAN_WARPS)
     res.append("prefill conv + scan: ok")
-    t = ptrs("logits_ptr", "pen_ptr", "temp_ptr", "s_ptr", seen_ptr="*i1", best_ptr="*i64")
+    t = ptrs("logits_ptr", "pen_ptr", "temp_ptr", "s_ptr", "smax_ptr", seen_ptr="*i1", best_ptr="*i64")
     compile_kernel(sp._scale_kernel, t, dict(BV=sp.BV))
-    t = ptrs("s_ptr", "mb_ptr", "topp_ptr", "minp_ptr", order_ptr="*i64", seed_ptr="*i64", step_ptr="*i64", topk_ptr="*i64", best_ptr="*i64")
-    for filtered in (True, False):
+    rows = ptrs("s_ptr", "smax_ptr", "temp_ptr", "topp_ptr", "minp_ptr", topk_ptr="*i64", st_ptr="*i64", T_ptr="*i64", cnt_ptr="*i64",
+                mass_ptr="*i64", nmin_ptr="*i64", zq_ptr="*i64", lim_ptr="*fp64", ctr_ptr="*i32", scratch_ptr="*i64", kstar_ptr="*i64")
+    for stage in (0, 1):
+        for first in (True, False):
+            compile_kernel(sp._count_kernel, rows, dict(FIRST=first, STAGE=stage, NB=sp.NB, BV=sp.BV))
+            compile_kernel(sp._narrow_kernel, rows, dict(FIRST=first, STAGE=stage, NB=sp.NB, CAP=sp.CAP), num_warps=1)
+        compile_kernel(sp._resolve_kernel, rows, dict(STAGE=stage, NB=sp.NB, CAP=sp.CAP, BV=sp.BV), num_warps=8)
+    compile_kernel(sp._gather_kernel, rows, dict(CAP=sp.CAP, BV=sp.BV))
+    t = ptrs("s_ptr", seed_ptr="*i64", step_ptr="*i64", kstar_ptr="*i64", best_ptr="*i64")
+    for filtered in (False, True):
         compile_kernel(sp._pick_kernel, t, dict(FILTERED=filtered, BV=sp.BV))
     t = {"best_ptr": "*i64", "temp_ptr": "*fp32", "tok_ptr": "*i64", "step_ptr": "*i64", "seen_ptr": "*i1"}
     compile_kernel(sp._finish_kernel, t, dict(BR=8))
