@@ -20,6 +20,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from fastmamba.bench import time_graph_launches  # noqa: E402
 from fastmamba.kernels import decode_gemm as dg  # noqa: E402
 from fastmamba.kernels.activations import softplus  # noqa: E402
 from fastmamba.kernels.split16 import load_sum, store_split  # noqa: E402
@@ -27,32 +28,6 @@ from fastmamba.kernels.split16 import load_sum, store_split  # noqa: E402
 LAYERS = 16
 B, D, E, N, R = 128, 2560, 5120, 16, 160
 BF = torch.bfloat16
-
-
-def time_graph(launches, reps=20):
-    """µs a launch: the launches (one per layer) in one graph, replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in launches:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in launches:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / reps / len(launches))
-    return best
 
 
 @triton.jit
@@ -113,8 +88,8 @@ def main() -> None:
     o = torch.empty(B, D, device="cuda")
     oT = torch.empty(D, B, device="cuda")
     ref = torch.mm(y16, ws[0].t(), out_dtype=torch.float32)
-    print(f"out_proj cuBLAS y @ W.T: {time_graph([lambda w=w: dg.gemm(y16, w, o) for w in ws]):7.2f} us", flush=True)
-    print(f"out_proj cuBLAS W @ y.T: {time_graph([lambda w=w: torch.mm(w, y16.t(), out_dtype=torch.float32, out=oT) for w in ws]):7.2f} us", flush=True)
+    print(f"out_proj cuBLAS y @ W.T: {time_graph_launches([lambda w=w: dg.gemm(y16, w, o) for w in ws]):7.2f} us", flush=True)
+    print(f"out_proj cuBLAS W @ y.T: {time_graph_launches([lambda w=w: torch.mm(w, y16.t(), out_dtype=torch.float32, out=oT) for w in ws]):7.2f} us", flush=True)
     for BN, S, BK, stages, warps in ((64, 4, 64, 4, 4), (64, 2, 64, 4, 4), (128, 4, 64, 3, 8), (32, 4, 128, 3, 4), (64, 8, 64, 4, 4), (128, 8, 64, 3, 8)):
         kchunk = triton.cdiv(E, S)
         part = torch.empty(S, B, D, device="cuda")
@@ -126,16 +101,16 @@ def main() -> None:
         run(ws[0])
         err = (part.sum(0) - ref).abs().max().item()
         print(f"out_proj Triton split-K BN={BN} S={S} BK={BK} stages={stages} warps={warps}: "
-              f"{time_graph([lambda w=w: run(w) for w in ws]):7.2f} us (max diff {err:.1e})", flush=True)
+              f"{time_graph_launches([lambda w=w: run(w) for w in ws]):7.2f} us (max diff {err:.1e})", flush=True)
     del ws
     # in_proj, operand in two halves
     ws = [randn(2 * E, D, dtype=BF) * 0.02 for _ in range(LAYERS)]
     u = randn(2 * B, D, dtype=BF)
     xz = torch.empty(2 * B, 2 * E, device="cuda")
     xzT = torch.empty(2 * E, 2 * B, device="cuda")
-    print(f"in_proj cuBLAS u @ W.T (256 rows): {time_graph([lambda w=w: dg.gemm(u, w, xz) for w in ws]):7.2f} us", flush=True)
-    print(f"in_proj cuBLAS W @ u.T (256 rows): {time_graph([lambda w=w: torch.mm(w, u.t(), out_dtype=torch.float32, out=xzT) for w in ws]):7.2f} us", flush=True)
-    print(f"in_proj cuBLAS u @ W.T (128 rows): {time_graph([lambda w=w: dg.gemm(u[:B], w, xz[:B]) for w in ws]):7.2f} us", flush=True)
+    print(f"in_proj cuBLAS u @ W.T (256 rows): {time_graph_launches([lambda w=w: dg.gemm(u, w, xz) for w in ws]):7.2f} us", flush=True)
+    print(f"in_proj cuBLAS W @ u.T (256 rows): {time_graph_launches([lambda w=w: torch.mm(w, u.t(), out_dtype=torch.float32, out=xzT) for w in ws]):7.2f} us", flush=True)
+    print(f"in_proj cuBLAS u @ W.T (128 rows): {time_graph_launches([lambda w=w: dg.gemm(u[:B], w, xz[:B]) for w in ws]):7.2f} us", flush=True)
     del ws
     # ssm_update
     states = [torch.zeros(B, E, N, device="cuda") for _ in range(LAYERS)]
@@ -144,9 +119,9 @@ def main() -> None:
     dbc, xc = randn(B, R + 2 * N), randn(B, E)
     dtb, Dv = torch.zeros(E, device="cuda"), torch.ones(E, device="cuda")
     y = torch.empty(B, E, device="cuda", dtype=BF)
-    print(f"ssm_update (step's): {time_graph([lambda s=s: dg.ssm_update(dt, dbc, xc, xz32, s, dtb, A, Dv, R, y, True, False) for s in states]):7.2f} us", flush=True)
+    print(f"ssm_update (step's): {time_graph_launches([lambda s=s: dg.ssm_update(dt, dbc, xc, xz32, s, dtb, A, Dv, R, y, True, False) for s in states]):7.2f} us", flush=True)
     for BE, rows, warps in ((128, 4, 4), (128, 8, 4), (64, 8, 4), (256, 4, 8), (128, 2, 4)):
-        print(f"ssm_update rows={rows} BE={BE} warps={warps}: " + f"{time_graph([lambda s=s, BE=BE, rows=rows, warps=warps: _ssm_update_rows[(triton.cdiv(E, BE), B // rows)](dt, dbc, xc, xz32, s, dtb, A, Dv, y, B, E, R, R + 2 * N, N=N, NP=N, SPLIT=True, BE=BE, ROWS=rows, num_warps=warps) for s in states]):7.2f} us", flush=True)
+        print(f"ssm_update rows={rows} BE={BE} warps={warps}: " + f"{time_graph_launches([lambda s=s, BE=BE, rows=rows, warps=warps: _ssm_update_rows[(triton.cdiv(E, BE), B // rows)](dt, dbc, xc, xz32, s, dtb, A, Dv, y, B, E, R, R + 2 * N, N=N, NP=N, SPLIT=True, BE=BE, ROWS=rows, num_warps=warps) for s in states]):7.2f} us", flush=True)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from fastmamba.bench import time_graph_launches  # noqa: E402
 from fastmamba.kernels import decode_step as ds  # noqa: E402
 
 LAYERS = 24
@@ -63,32 +64,6 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, NOUT, D, KCHUNK, BN: tl.constexpr, BK: t
     tl.store(out_ptr + s * NOUT + n, acc, mask=n < NOUT)
 
 
-def time_graph(launch, ws, reps=20):
-    """µs a launch: LAYERS launches (one per weight copy) in one graph, replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for w in ws:
-            launch(w)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for w in ws:
-            launch(w)
-    g.replay()
-    torch.cuda.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        t0.record()
-        for _ in range(reps):
-            g.replay()
-        t1.record()
-        torch.cuda.synchronize()
-        best = min(best, t0.elapsed_time(t1) * 1e3 / reps / len(ws))
-    return best
-
-
 def main() -> None:
     print(torch.cuda.get_device_name(), triton.__version__, flush=True)
     for name, (nout, d) in SHAPES.items():
@@ -99,8 +74,8 @@ def main() -> None:
         out = torch.empty(16, nout, device="cuda")
         rows = []
 
-        def add(label, launch):
-            us = time_graph(launch, ws)
+        def add(label, launch, ws=ws):
+            us = time_graph_launches([lambda w=w: launch(w) for w in ws])
             rows.append((us, label))
 
         for BN, BK in ((16, 512), (8, 1024), (32, 256)):

@@ -12,8 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from fastmamba.bench import random_model, time_graph_steps  # noqa: E402
-from fastmamba.engine import capture_graph  # noqa: E402
+from fastmamba.bench import random_model, time_graph_launches, time_graph_steps  # noqa: E402
 from fastmamba.sampling import SamplingParams, SlotParams, pick_sampler, sample  # noqa: E402
 
 V = 50280
@@ -27,20 +26,12 @@ SETTINGS = {
 }
 
 
-def time_sampler(pick, params, batch, reps=50):
-    """µs a call of the sampler alone (captured 10 calls a graph)."""
+def time_sampler(pick, params, batch):
+    """µs a call of the sampler alone (10 calls a graph)."""
     slots = SlotParams.empty(batch, V, "cuda")
     slots.set_slots([(params, 1, [1, 2, 3])] * batch)
     logits = torch.randn(batch, V, device="cuda") * 3
-    graph, _ = capture_graph(lambda: [pick(logits, slots) for _ in range(10)])
-    graph.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        graph.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / reps / 10
+    return time_graph_launches([lambda: pick(logits, slots)] * 10, reps=50)
 
 
 def main() -> None:

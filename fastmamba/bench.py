@@ -88,6 +88,26 @@ def copy_bandwidth(gib: float = 2.0) -> float:
     return 2 * n * 4 / sorted(times)[len(times) // 2]
 
 
+def time_graph_launches(launches, reps: int = 20) -> float:
+    """µs per launch: the callables captured in order in one CUDA graph, replayed `reps`
+    times; the best of three such runs."""
+    from .engine import capture_graph
+
+    graph, _ = capture_graph(lambda: [f() for f in launches])
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            graph.replay()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) * 1e3 / reps / len(launches))
+    return best
+
+
 def time_graph_steps(model: Mamba, batch: int, steps: int = 200, deterministic: bool = False, params=None) -> float:
     """Median ms per replayed decode step, sampling included: greedy, or with `params`
     (SamplingParams) the sampler that generation would pick for them."""
