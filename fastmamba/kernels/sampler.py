@@ -313,8 +313,8 @@ def _gather_kernel(s_ptr, st_ptr, ctr_ptr, scratch_ptr, V, CAP: tl.constexpr, BV
 
 @jit
 def _walk(key, n, above, w_above, cap, lim, s0, CAP: tl.constexpr):
-    """The band's n keys sorted (CAP,): the last kept one (hi + 1 where none is: the
-    caller's) and the weight of the kept ones."""
+    """From the band's n keys (CAP,), sorted here: how many the filters keep (a prefix),
+    the last kept one, and the weight of every kept token, those above the band too."""
     r = tl.arange(0, CAP)
     key = tl.sort(key, descending=True)
     w = tl.where(r < n, _weight(tl.where(r < n, _value_of_key(key), s0), s0), 0)
