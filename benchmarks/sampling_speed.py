@@ -38,7 +38,7 @@ def main() -> None:
     print(torch.cuda.get_device_name(), flush=True)
     for batch in (1, 32, 128):
         for name, params in SETTINGS.items():
-            pick = pick_sampler([params], "cuda")
+            pick = pick_sampler([params], True)
             torch_us, picked_us = time_sampler(sample, params, batch), time_sampler(pick, params, batch)
             print(f"sampler alone, batch {batch:3d}, {name}: sample {torch_us:7.1f} us, {pick.__name__} {picked_us:7.1f} us", flush=True)
     if "--alone" in sys.argv:

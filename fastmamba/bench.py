@@ -118,7 +118,7 @@ def time_graph_steps(model: Mamba, batch: int, steps: int = 200, deterministic: 
     dec = GraphDecoder(model, batch, deterministic)
     logits = torch.randn(batch, model.config.vocab_size, device="cuda")
     reqs = [(params, 0, [1])] * batch
-    dec.begin(model.new_state(batch), logits, pick_sampler([params], "cuda"), reqs)
+    dec.begin(model.new_state(batch), logits, pick_sampler([params], True), reqs)
     for _ in range(10):
         dec.next()
     times = []

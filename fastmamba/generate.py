@@ -195,7 +195,7 @@ class LanguageModel:
         remaining = [p.max_tokens for p in params]
         decoder.busy = True
         try:
-            tokens = decoder.begin(state, logits, pick_sampler(params, self.device), requests)[None]
+            tokens = decoder.begin(state, logits, pick_sampler(params, self.engine == "triton"), requests)[None]
             while True:
                 for host in tokens.tolist():  # the only device -> host traffic: (steps, B) ids
                     out, reasons = [None] * B, [None] * B

@@ -185,17 +185,17 @@ def sample(logits: torch.Tensor, p: SlotParams) -> torch.Tensor:
     return token
 
 
-def pick_sampler(params: list[SamplingParams], device):
+def pick_sampler(params: list[SamplingParams], gpu_kernels: bool):
     """The sampler for a batch of requests: the argmax alone where every request is greedy
-    without a repetition penalty; on a CUDA device with Triton, the Triton samplers
+    without a repetition penalty; for the GPU engine (gpu_kernels), the Triton samplers
     (kernels/sampler.py: the same tokens as `sample`; the filters' search only where a
     request uses top-k, top-p or min-p, twice where one uses top-k with top-p); otherwise
-    `sample`."""
+    `sample`, pure PyTorch."""
     if all(p.temperature == 0 and p.repetition_penalty == 1 for p in params):
         return sample_greedy
     from .kernels._triton import HAVE_TRITON
 
-    if torch.device(device).type == "cuda" and HAVE_TRITON:
+    if gpu_kernels and HAVE_TRITON:
         from .kernels import sampler
 
         if any(p.top_k and p.top_p < 1 for p in params):

@@ -127,21 +127,22 @@ def test_unknown_option_is_named():
         SamplingParams.from_kwargs(None, {"temprature": 1.0})
 
 
-def test_pick_sampler_chooses_by_the_requests_and_device():
-    """Greedy requests get the argmax alone; on the CPU everything else gets `sample`; on a
-    CUDA device the Triton sampler that does no more than the requests need (tested
-    against `sample` in tests/test_kernels.py)."""
+def test_pick_sampler_chooses_by_the_requests_and_engine():
+    """Greedy requests get the argmax alone; the reference engine gets `sample` for the
+    rest; the GPU engine the Triton sampler that does no more than the requests need
+    (tested against `sample` in tests/test_kernels.py)."""
     from fastmamba.sampling import pick_sampler, sample_greedy
 
     greedy, hot = SamplingParams(), SamplingParams(temperature=0.8)
     top_k, top_p = SamplingParams(temperature=0.8, top_k=40), SamplingParams(temperature=0.8, top_p=0.9)
     both = SamplingParams(temperature=0.8, top_k=40, top_p=0.9)
-    assert pick_sampler([greedy, greedy], "cuda") is sample_greedy
-    assert pick_sampler([greedy, SamplingParams(repetition_penalty=1.2)], "cpu") is sample
-    assert pick_sampler([hot, both], "cpu") is sample
-    pytest.importorskip("triton")  # without it every device gets `sample`
+    assert pick_sampler([greedy, greedy], True) is sample_greedy
+    assert pick_sampler([greedy, SamplingParams(repetition_penalty=1.2)], False) is sample
+    assert pick_sampler([hot, both], False) is sample
+    pytest.importorskip("triton")  # without it the GPU engine gets `sample` too
     from fastmamba.kernels import sampler
-    assert pick_sampler([greedy, hot], "cuda") is sampler.sample_temperature
-    assert pick_sampler([hot, top_k, top_p], torch.device("cuda")) is sampler.sample_filtered_apart
-    assert pick_sampler([SamplingParams(temperature=0.8, min_p=0.1)], "cuda") is sampler.sample_filtered_apart
-    assert pick_sampler([top_p, both], "cuda") is sampler.sample_filtered
+
+    assert pick_sampler([greedy, hot], True) is sampler.sample_temperature
+    assert pick_sampler([hot, top_k, top_p], True) is sampler.sample_filtered_apart
+    assert pick_sampler([SamplingParams(temperature=0.8, min_p=0.1)], True) is sampler.sample_filtered_apart
+    assert pick_sampler([top_p, both], True) is sampler.sample_filtered
