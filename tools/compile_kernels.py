@@ -106,7 +106,7 @@ def main() -> None:
     t = ptrs("logits_ptr", "pen_ptr", "temp_ptr", "s_ptr", "smax_ptr", seen_ptr="*i1", best_ptr="*i64")
     compile_kernel(sp._scale_kernel, t, dict(BV=sp.BV))
     rows = ptrs("s_ptr", "smax_ptr", "temp_ptr", "topp_ptr", "minp_ptr", topk_ptr="*i64", st_ptr="*i64", T_ptr="*i64", cnt_ptr="*i64",
-                mass_ptr="*i64", nmin_ptr="*i64", zq_ptr="*i64", lim_ptr="*fp64", ctr_ptr="*i32", scratch_ptr="*i64", kstar_ptr="*i64")
+                mass_ptr="*i64", nmin_ptr="*i64", zq_ptr="*i64", lim_ptr="*fp64", ctr_ptr="*i64", scratch_ptr="*i64", kstar_ptr="*i64")
     for stage in (0, 1):
         for first in (True, False):
             compile_kernel(sp._count_kernel, rows, dict(FIRST=first, STAGE=stage, NB=sp.NB, BV=sp.BV))

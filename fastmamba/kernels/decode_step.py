@@ -294,31 +294,47 @@ _LOW32 = tl.constexpr(2**32 - 1)
 
 
 @jit
+def _ordered_bits(v):
+    """float32 v -> int32 that order as the values do (NaN aside)."""
+    bits = (v + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 ties with 0.0
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: magnitude bits reversed
+
+
+@jit
 def _argmax_keys(v, n, nmask):
     """(BB, BN) float32 values of outputs n -> int64 keys: the value's bits made to order
     as signed integers in the high half, 2^32 - 1 - n in the low; masked outputs lowest."""
-    bits = (v + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 ties with 0.0
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: magnitude bits reversed
-    key = tl.where(v != v, 0x7FFFFFFF, key)
+    key = tl.where(v != v, 0x7FFFFFFF, _ordered_bits(v))
     low = _LOW32 - n.to(tl.int64)
     packed = (key.to(tl.int64) << 32) | low[None, :]
     return tl.where(nmask[None, :], packed, _EMPTY)
 
 
 @jit
+def _token_of_key(key):
+    """The output (token id) an _argmax_keys key stands for."""
+    return _LOW32 - (key & _LOW32)
+
+
+@jit
+def _advance_slots(tok, rows, m, step_ptr, seen_ptr, V, BR: tl.constexpr):
+    """After a token is drawn for each slot: step + 1 and the token marked seen, as
+    sampling.sample and sample_greedy do."""
+    tl.store(step_ptr + rows, tl.load(step_ptr + rows, mask=m, other=0) + 1, mask=m)
+    tl.store(seen_ptr + rows.to(tl.int64) * V + tok, tl.full([BR], 1, tl.int1), mask=m)
+
+
+@jit
 def _take_argmax_kernel(best_ptr, tok_ptr, hist_ptr, step_ptr, seen_ptr, B, V, BR: tl.constexpr, PDL: tl.constexpr):
-    # After an lm_head with ARGMAX: the tokens (into tokens and a row of history), each
-    # slot's step + 1 and the token marked seen, as sampling.sample_greedy does; `best`
-    # emptied for the next lm_head.
+    # After an lm_head with ARGMAX: the tokens (into tokens and a row of history), the
+    # slots advanced; `best` emptied for the next lm_head.
     _wait_for_prior_kernel(PDL)
     rows = tl.arange(0, BR)
     m = rows < B
-    best = tl.load(best_ptr + rows, mask=m, other=0)
-    tok = _LOW32 - (best & _LOW32)
+    tok = _token_of_key(tl.load(best_ptr + rows, mask=m, other=0))
     tl.store(tok_ptr + rows, tok, mask=m)
     tl.store(hist_ptr + rows, tok, mask=m)
-    tl.store(step_ptr + rows, tl.load(step_ptr + rows, mask=m, other=0) + 1, mask=m)
-    tl.store(seen_ptr + rows.to(tl.int64) * V + tok, tl.full([BR], 1, tl.int1), mask=m)
+    _advance_slots(tok, rows, m, step_ptr, seen_ptr, V, BR)
     tl.store(best_ptr + rows, tl.full([BR], _EMPTY, tl.int64), mask=m)
 
 

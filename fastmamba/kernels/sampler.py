@@ -27,10 +27,9 @@ from __future__ import annotations
 import torch
 
 from ._triton import INTERPRET, jit, tl, triton
-from .decode_step import ARGMAX_EMPTY, _argmax_keys
+from .decode_step import _LOW32, ARGMAX_EMPTY, _advance_slots, _argmax_keys, _ordered_bits, _token_of_key
 
 BV = 1024  # tokens a program
-_LOW32 = tl.constexpr(2**32 - 1)
 
 
 @jit
@@ -125,12 +124,12 @@ def _keys(s, i, m, BV: tl.constexpr):
 @jit
 def _key_of_value(v):
     """The lowest key of value v: a token's key >= it exactly where its value >= v."""
-    bits = (v + 0.0).to(tl.int32, bitcast=True)
-    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32
+    return _ordered_bits(v).to(tl.int64) << 32
 
 
 @jit
 def _value_of_key(key):
+    """The value in a key's high half (_ordered_bits undone: it is its own inverse)."""
     hi = (key >> 32).to(tl.int32)
     return (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
@@ -142,9 +141,34 @@ def _weight(s, s0):
 
 
 @jit
-def _first_thresholds(s0, j, NB: tl.constexpr):
-    """The first pass's thresholds: values s0 - 0.25 * 2^j, then every token."""
-    return tl.where(j < NB - 1, _key_of_value(s0 - 0.25 * tl.exp2(j.to(tl.float32))), KEY_MIN)
+def _first_band(s0, j, like, NB: tl.constexpr):
+    """The first pass's band, every token (lo, hi), and its thresholds: values
+    s0 - 0.25 * 2^j, then every token. like: an int64 scalar, for lo's type."""
+    T = tl.where(j < NB - 1, _key_of_value(s0 - 0.25 * tl.exp2(j.to(tl.float32))), KEY_MIN)
+    return 0 * like + KEY_MIN, _key_of_value(s0) | _LOW32, T
+
+
+@jit
+def _band_chunk(s_ptr, row, V, i, lo, hi, BV: tl.constexpr):
+    """Tokens i of a row: s, which are tokens (i < V), their keys, which are in the band lo..hi."""
+    m = i < V
+    s = tl.load(s_ptr + row * V + i, mask=m, other=0.0)
+    key = _keys(s, i, m, BV)
+    return s, m, key, m & (key >= lo) & (key <= hi)
+
+
+@jit
+def _above_thresholds(key, inb, T):
+    """(BV, NB): whether a band token's key is at least T[j]."""
+    return (key[:, None] >= T[None, :]) & inb[:, None]
+
+
+@jit
+def _store_band(scratch_ptr, row, base, key, inb, CAP: tl.constexpr):
+    """The band tokens' keys into scratch[row] from place base on (never past CAP); how many."""
+    pos = base + tl.cumsum(inb.to(tl.int32), 0) - 1
+    tl.store(scratch_ptr + row * CAP + pos, key, mask=inb & (pos < CAP))
+    return tl.sum(inb.to(tl.int32), 0).to(tl.int64)
 
 
 @jit
@@ -173,20 +197,15 @@ def _count_kernel(
     need, k = _needs(row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, STAGE)
     s0 = tl.load(smax_ptr + row)
     if FIRST:
-        lo = 0 * k + KEY_MIN
-        hi = _key_of_value(s0) | _LOW32
-        T = _first_thresholds(s0, j, NB)
+        lo, hi, T = _first_band(s0, j, k, NB)
     else:
         need &= tl.load(st_ptr + row * 8 + _DONE) == 0
         lo = tl.load(st_ptr + row * 8 + _LO)
         hi = tl.load(st_ptr + row * 8 + _HI)
         T = tl.load(T_ptr + row * NB + j)
     if need:
-        i = tl.program_id(0) * BV + tl.arange(0, BV)
-        m = i < V
-        s = tl.load(s_ptr + row * V + i, mask=m, other=0.0)
-        key = _keys(s, i, m, BV)
-        ge = (key[:, None] >= T[None, :]) & (m & (key >= lo) & (key <= hi))[:, None]
+        s, m, key, inb = _band_chunk(s_ptr, row, V, tl.program_id(0) * BV + tl.arange(0, BV), lo, hi, BV)
+        ge = _above_thresholds(key, inb, T)
         tl.atomic_add(cnt_ptr + row * NB + j, tl.sum(ge.to(tl.int64), 0), sem="relaxed")
         tl.atomic_add(mass_ptr + row * NB + j, tl.sum(tl.where(ge, _weight(s, s0)[:, None], 0), 0), sem="relaxed")
         if FIRST:
@@ -250,9 +269,7 @@ def _narrow_kernel(
     tl.store(mass_ptr + row * NB + j, tl.zeros([NB], dtype=tl.int64))
     s0 = tl.load(smax_ptr + row)
     if FIRST:
-        lo = 0 * k + KEY_MIN
-        hi = _key_of_value(s0) | _LOW32
-        T = _first_thresholds(s0, j, NB)
+        lo, hi, T = _first_band(s0, j, k, NB)
         above = 0 * k
         w_above = 0 * k
         top_p = tl.load(topp_ptr + row)
@@ -302,13 +319,9 @@ def _gather_kernel(s_ptr, st_ptr, ctr_ptr, scratch_ptr, V, CAP: tl.constexpr, BV
     hi = tl.load(st_ptr + row * 8 + _HI)
     n_band = tl.load(st_ptr + row * 8 + _N_BAND)
     if (tl.load(st_ptr + row * 8 + _WHOLE) == 0) & (n_band <= CAP):
-        i = tl.program_id(0) * BV + tl.arange(0, BV)
-        m = i < V
-        key = _keys(tl.load(s_ptr + row * V + i, mask=m, other=0.0), i, m, BV)
-        inb = m & (key >= lo) & (key <= hi)
-        base = tl.atomic_add(ctr_ptr + row, tl.sum(inb.to(tl.int32), 0), sem="relaxed")
-        pos = base + tl.cumsum(inb.to(tl.int32), 0) - 1
-        tl.store(scratch_ptr + row * CAP + pos, key, mask=inb & (pos < CAP))  # < CAP: never past the row
+        _, _, key, inb = _band_chunk(s_ptr, row, V, tl.program_id(0) * BV + tl.arange(0, BV), lo, hi, BV)
+        base = tl.atomic_add(ctr_ptr + row, tl.sum(inb.to(tl.int32), 0).to(tl.int64), sem="relaxed")
+        _store_band(scratch_ptr, row, base, key, inb, CAP)
 
 
 @jit
@@ -332,26 +345,19 @@ def _select_alone(s_ptr, scratch_ptr, row, V, s0, lo, hi, above, w_above, cap, l
     whole = n_band < 0
     while (n_band > CAP) & (whole == 0):
         T = _next_thresholds(lo, hi, j, NB)
-        cnt = tl.zeros([BV, NB], dtype=tl.int64)
+        cnt = tl.zeros([BV, NB], dtype=tl.int64)  # per thread, summed once a pass
         mass = tl.zeros([BV, NB], dtype=tl.int64)
         for c0 in range(0, V, BV):
-            i = c0 + tl.arange(0, BV)
-            m = i < V
-            s = tl.load(s_ptr + row * V + i, mask=m, other=0.0)
-            key = _keys(s, i, m, BV)
-            ge = (key[:, None] >= T[None, :]) & (m & (key >= lo) & (key <= hi))[:, None]
+            s, m, key, inb = _band_chunk(s_ptr, row, V, c0 + tl.arange(0, BV), lo, hi, BV)
+            ge = _above_thresholds(key, inb, T)
             cnt += ge.to(tl.int64)
             mass += tl.where(ge, _weight(s, s0)[:, None], 0)
         lo, hi, above, w_above, n_band, whole = _narrow(tl.sum(cnt, 0), tl.sum(mass, 0), T, j, lo, hi, above, w_above, cap, lim, NB)
     n = 0 * n_band
     for c0 in range(0, V, BV):
         i = c0 + tl.arange(0, BV)
-        m = i < V
-        key = _keys(tl.load(s_ptr + row * V + i, mask=m, other=0.0), i, m, BV)
-        inb = m & (key >= lo) & (key <= hi) & (whole.to(tl.int32) + tl.zeros_like(i) == 0)
-        pos = n + tl.cumsum(inb.to(tl.int32), 0) - 1
-        tl.store(scratch_ptr + row * CAP + pos, key, mask=inb & (pos < CAP))
-        n += tl.sum(inb.to(tl.int32), 0)
+        _, m, key, inb = _band_chunk(s_ptr, row, V, i, lo, hi, BV)
+        n += _store_band(scratch_ptr, row, n, key, inb & (whole.to(tl.int32) + tl.zeros_like(i) == 0), CAP)
     return lo, hi, above, w_above, n, whole
 
 
@@ -368,23 +374,24 @@ def _resolve_kernel(
     hi = tl.load(st_ptr + row * 8 + _HI)
     above = tl.load(st_ptr + row * 8 + _ABOVE)
     w_above = tl.load(st_ptr + row * 8 + _W_ABOVE)
-    n = tl.load(ctr_ptr + row).to(tl.int64)
+    n_band = tl.load(st_ptr + row * 8 + _N_BAND)
+    cap = tl.load(st_ptr + row * 8 + _CAP)
+    lim = tl.load(lim_ptr + row)
+    s0 = tl.load(smax_ptr + row)
+    n = tl.load(ctr_ptr + row)
     whole = tl.load(st_ptr + row * 8 + _WHOLE) != 0
-    if need & ~whole & (tl.load(st_ptr + row * 8 + _N_BAND) > CAP):  # not narrowed enough
-        lo, hi, above, w_above, n, whole = _select_alone(
-            s_ptr, scratch_ptr, row, V, tl.load(smax_ptr + row), lo, hi, above, w_above,
-            tl.load(st_ptr + row * 8 + _CAP), tl.load(lim_ptr + row), tl.load(st_ptr + row * 8 + _N_BAND), NB, CAP, BV,
-        )
+    if need & ~whole & (n_band > CAP):  # not narrowed enough
+        lo, hi, above, w_above, n, whole = _select_alone(s_ptr, scratch_ptr, row, V, s0, lo, hi, above, w_above, cap, lim, n_band, NB, CAP, BV)
     r = tl.arange(0, CAP)
     band = tl.load(scratch_ptr + row * CAP + r, mask=r < n, other=KEY_MIN)
-    nk, last, weight = _walk(band, n, above, w_above, tl.load(st_ptr + row * 8 + _CAP), tl.load(lim_ptr + row), tl.load(smax_ptr + row), CAP)
+    nk, last, weight = _walk(band, n, above, w_above, cap, lim, s0, CAP)
     kstar = tl.where(whole, lo, tl.where(nk > 0, last, hi + 1))
     weight = tl.where(whole, w_above, weight)
     if STAGE == 0:
         tl.store(zq_ptr + row, weight)
     else:
         tl.store(kstar_ptr + row, tl.where(need, kstar, KEY_MIN))
-    tl.store(ctr_ptr + row, 0 * n.to(tl.int32))
+    tl.store(ctr_ptr + row, 0 * n)
 
 
 @jit
@@ -393,12 +400,11 @@ def _finish_kernel(best_ptr, temp_ptr, tok_ptr, step_ptr, seen_ptr, B, V, BR: tl
     # token marked seen
     rows = tl.arange(0, BR)
     m = rows < B
-    greedy = _LOW32 - (tl.load(best_ptr + rows, mask=m, other=0) & _LOW32)
-    sampled = _LOW32 - (tl.load(best_ptr + B + rows, mask=m, other=0) & _LOW32)
+    greedy = _token_of_key(tl.load(best_ptr + rows, mask=m, other=0))
+    sampled = _token_of_key(tl.load(best_ptr + B + rows, mask=m, other=0))
     tok = tl.where(tl.load(temp_ptr + rows, mask=m, other=0.0) > 0, sampled, greedy)
     tl.store(tok_ptr + rows, tok, mask=m)
-    tl.store(step_ptr + rows, tl.load(step_ptr + rows, mask=m, other=0) + 1, mask=m)
-    tl.store(seen_ptr + rows.to(tl.int64) * V + tok, tl.full([BR], 1, tl.int1), mask=m)
+    _advance_slots(tok, rows, m, step_ptr, seen_ptr, V, BR)
 
 
 def _filter_keys(s: torch.Tensor, smax: torch.Tensor, p, stages) -> torch.Tensor:
@@ -407,10 +413,9 @@ def _filter_keys(s: torch.Tensor, smax: torch.Tensor, p, stages) -> torch.Tensor
     each, then _gather_kernel and _resolve_kernel."""
     B, V = s.shape
     dev = s.device
-    work = torch.zeros(B * (8 + 3 * NB + 3), device=dev, dtype=torch.int64)  # one memset for all
-    st, T, cnt, mass, nmin, zq, kstar = torch.split(work, [8 * B, NB * B, NB * B, NB * B, B, B, B])
+    work = torch.zeros(B * (8 + 3 * NB + 4), device=dev, dtype=torch.int64)  # one memset for all
+    st, T, cnt, mass, nmin, zq, ctr, kstar = torch.split(work, [8 * B, NB * B, NB * B, NB * B, B, B, B, B])
     st, T, cnt, mass = st.view(B, 8), T.view(B, NB), cnt.view(B, NB), mass.view(B, NB)
-    ctr = torch.zeros(B, device=dev, dtype=torch.int32)
     lim = torch.empty(B, device=dev, dtype=torch.float64)
     scratch = torch.empty(B, CAP, device=dev, dtype=torch.int64)
     params = (p.temperature, p.top_k, p.top_p, p.min_p)
