@@ -8,9 +8,9 @@ With --in-graph it times whole graph-replayed batch-1 steps instead, changing th
 sizes of one kernel at a time: alone, a kernel sees its weights partly in L2 and no
 neighbours, so its best blocks need not be the step's (--states: where the conv step and
 x_proj run, and ssm_step's blocks; --out-proj, --in-proj: only those; --wide: 1.4b and
-2.8b only). With --lm-head it sweeps
-lm_head's blocks (and 130m's in_proj) in whole steps; with --early, which kernels let the
-next one launch before their own wait; with --tile, the tile (deterministic) mode's loop.
+2.8b only). With --lm-head it sweeps lm_head's blocks (and 130m's in_proj) in whole
+steps; with --early, which kernels let the next one launch before their own wait; with
+--tile, the tile (deterministic) mode's loop.
 """
 
 import itertools
@@ -170,7 +170,7 @@ if __name__ == "__main__":
         for size in ("130m", "370m", "1.4b", "2.8b"):
             tune_early_launch(size)
         sys.exit()
-    if "--in-graph" in sys.argv:  # --states / --out-proj: those kernels' blocks only
+    if "--in-graph" in sys.argv:  # --in-proj / --out-proj / --states: those kernels' blocks only
         parts = [p for p in ("in_proj", "states", "out_proj") if f"--{p.replace('_', '-')}" in sys.argv] or ["in_proj", "out_proj", "states"]
         for size in ("1.4b", "2.8b") if "--wide" in sys.argv else ("130m", "1.4b", "2.8b"):
             tune_in_graph(size, parts)
