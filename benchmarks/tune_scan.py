@@ -37,10 +37,10 @@ def main() -> None:
         ref = ss.selective_scan(*args, chunked=False).clone()
         res = []
         ss.SCAN_FEW_PROGRAMS = 0  # L as given
-        for L in (64, 128):
+        for L in (32, 64, 128):
             for BE in (64, 128):
                 for warps in (1, 2):
-                    for stages in (2, 3, 4, 6):
+                    for stages in (3, 4):
                         if BE // (32 * warps) > 4:  # over 4 channels x 16 states a thread spills
                             continue
                         ss.SCAN_CHUNK, ss.SCAN_BE, ss.SCAN_WARPS, ss.SCAN_STAGES = L, BE, warps, stages
@@ -53,7 +53,12 @@ def main() -> None:
 
 def passes() -> None:
     """Each pass's GPU time at the defaults (torch.profiler), 2.8b widths."""
-    args = inputs(1, 4096, 5120)
+    for B, T in ((1, 4096), (8, 2048)):
+        print(f"B={B} T={T} E=5120:", flush=True)
+        profile_passes(inputs(B, T, 5120))
+
+
+def profile_passes(args) -> None:
     ss.selective_scan(*args, chunked=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):

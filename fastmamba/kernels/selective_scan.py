@@ -162,22 +162,41 @@ def _scan_summary_kernel(
 
 
 @jit
+def _scan_prefix_kernel(sum_ptr, dts_ptr, A2t_ptr, E, nc, N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr):
+    # Between the passes. One program: one row, BE channels, all chunks in order: the
+    # state each chunk starts from is the one before it decayed by that chunk's summed step
+    # sizes plus its summary (chunk 0's summary already holds the layer's old state). It
+    # overwrites the summary of chunk c - 1 with the state chunk c starts from (its own
+    # elements, read before written), so pass 2 loads one state instead of folding all
+    # the summaries before its chunk (which cost it half again its steps' exps at 64 chunks).
+    b64 = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1) * BE + tl.arange(0, BE)
+    emask = e < E
+    n = tl.arange(0, NP)
+    sm = emask[:, None] & (n < N)[None, :]
+    A2 = tl.load(A2t_ptr + n[None, :] * E + e[:, None], mask=sm, other=0.0)  # (BE, NP)
+    s = tl.zeros([BE, NP], dtype=tl.float32)
+    for c in tl.range(0, nc - 1, num_stages=STAGES):
+        dts = tl.load(dts_ptr + (b64 * nc + c) * E + e, mask=emask, other=0.0)
+        ptrs = sum_ptr + ((b64 * nc + c) * N + n[None, :]) * E + e[:, None]
+        s = s * tl.exp2(dts[:, None] * A2) + tl.load(ptrs, mask=sm, other=0.0)
+        tl.store(ptrs, s, mask=sm)
+
+
+@jit
 def _scan_chunks_kernel(
     x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, C_ptr, scb, scn, sct,
-    z_ptr, szb, sze, szt, A2t_ptr, D_ptr, dtb_ptr, st_ptr, y_ptr, start_ptr, sum_ptr, dts_ptr, init_ptr, T, E, L,
+    z_ptr, szb, sze, szt, A2t_ptr, D_ptr, dtb_ptr, st_ptr, y_ptr, start_ptr, sum_ptr, init_ptr, T, E, L,
     N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr,
 ):
-    # Pass 2. One program: one row, BE channels, one chunk. Its starting state folds the
-    # summaries of the chunks before it (state <- decay * state + summary; chunk 0's
-    # summary holds the layer's old state; chunk 0 itself starts from pass 1's copy of
-    # it); then it walks its steps again, writing y. The last chunk writes the layer's new
-    # state, which no program of this pass reads.
+    # Pass 2. One program: one row, BE channels, one chunk. It starts from the state
+    # _scan_prefix_kernel left in the summary slot of the chunk before it (chunk 0 from
+    # pass 1's copy of the layer's old state), then walks its steps again, writing y. The
+    # last chunk writes the layer's new state, which no program of this pass reads.
     b64, e, c, nc, emask, n, nmask, sm, start, A2, dtb, s = _chunk_program(A2t_ptr, dtb_ptr, init_ptr, 1, E, start_ptr, E, N, NP, BE)
     Dv = tl.load(D_ptr + e, mask=emask, other=0.0)
-    for cp in range(0, c):
-        dts = tl.load(dts_ptr + (b64 * nc + cp) * E + e, mask=emask, other=0.0)
-        piece = tl.load(sum_ptr + ((b64 * nc + cp) * N + n[None, :]) * E + e[:, None], mask=sm, other=0.0)
-        s = s * tl.exp2(dts[:, None] * A2) + piece
+    if c > 0:
+        s = tl.load(sum_ptr + ((b64 * nc + c - 1) * N + n[None, :]) * E + e[:, None], mask=sm, other=0.0)
     x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
     C_row, z_row, y_row = C_ptr + b64 * scb, z_ptr + b64 * szb, y_ptr + b64 * T * E
     for t in tl.range(c * L, tl.minimum(c * L + L, T), num_stages=STAGES):
@@ -198,6 +217,7 @@ SCAN_CHUNK = 128
 SCAN_FEW_PROGRAMS = 4096
 SCAN_BE = 128  # channels per program
 SCAN_WARPS = 1
+SCAN_PREFIX_BE, SCAN_PREFIX_WARPS = 32, 4  # the pass between: few steps, so many small programs
 SCAN_STAGES = 4  # software pipelining of each step's loads (tl.range num_stages)
 LOG2E = 1.4426950408889634
 SCAN_CHUNKED_FROM = 1024  # prompt steps from which the chunked scan is used
@@ -232,8 +252,11 @@ def selective_scan(x, dt, A, Bm, Cm, D, z, dt_bias, state, start=None, out_dtype
         _scan_summary_kernel[grid](
             *inputs, A2t, dt_bias, state, start, sums, dt_sums, init, T, E, L, N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, num_warps=SCAN_WARPS
         )
+        _scan_prefix_kernel[(Bsz, triton.cdiv(E, SCAN_PREFIX_BE))](
+            sums, dt_sums, A2t, E, grid[2], N=N, NP=NP, BE=SCAN_PREFIX_BE, STAGES=SCAN_STAGES, num_warps=SCAN_PREFIX_WARPS
+        )
         _scan_chunks_kernel[grid](
-            *inputs, Cm, *Cm.stride(), z, *z.stride(), A2t, D, dt_bias, state, y, start, sums, dt_sums, init, T, E, L,
+            *inputs, Cm, *Cm.stride(), z, *z.stride(), A2t, D, dt_bias, state, y, start, sums, init, T, E, L,
             N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, num_warps=SCAN_WARPS,
         )
         return y.transpose(1, 2)
