@@ -100,15 +100,16 @@ def _selective_scan_kernel(
 
 
 @jit
-def _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, dtb, e, emask, n, nmask, t, start, T):
+def _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, dtb, e, emask, n, nmask, t, start, T, SOFTPLUS: tl.constexpr = True):
     """Step t's x (BE,), softplus(dt + bias) (BE,) and B (NP,); all zero at padding and
-    past T, so that such steps leave the state unchanged."""
+    past T, so that such steps leave the state unchanged. SOFTPLUS false: dt_row holds the
+    step sizes already (pass 1's), zero where they must be."""
     tt = t + tl.zeros_like(e)  # (BE,) vectors of t: masks stay tensors
     em = emask & (tt >= start) & (tt < T)
     x = tl.load(x_row + t * sxt + e * sxe, mask=em, other=0.0)
-    dt = tl.load(dt_row + t * sdt + e * sde, mask=em, other=0.0) + dtb
-    dt = softplus(dt)
-    dt = tl.where(em, dt, 0.0)
+    dt = tl.load(dt_row + t * sdt + e * sde, mask=em, other=0.0)
+    if SOFTPLUS:
+        dt = tl.where(em, softplus(dt + dtb), 0.0)
     tn = t + tl.zeros_like(n)
     Bt = tl.load(B_row + t * sbt + n * sbn, mask=nmask & (tn >= start) & (tn < T), other=0.0)
     return x, dt, Bt
@@ -140,14 +141,16 @@ def _chunk_program(A2t_ptr, dtb_ptr, s0_ptr, s0e, s0n, start_ptr, E, N: tl.const
 @jit
 def _scan_summary_kernel(
     x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, A2t_ptr, dtb_ptr, st_ptr, start_ptr,
-    sum_ptr, dts_ptr, init_ptr, T, E, L,
+    sum_ptr, dts_ptr, init_ptr, delta_ptr, T, E, L,
     N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Pass 1. One program: one row, BE channels, one chunk of L steps, walked step by step:
     # the state the chunk leaves when it starts alone (see _chunk_program), and its summed
     # step sizes (A times that sum is the log of the chunk's whole decay). Chunk 0 also
     # keeps its starting state for pass 2, which rewrites the layer's state. Summaries and
-    # that copy are stored (N, E), channels contiguous, as the programs hold them.
+    # that copy are stored (N, E), channels contiguous, as the programs hold them. The step
+    # sizes, softplus(dt + bias), are stored for pass 2 (delta, (B, T, E)): there they
+    # would be recomputed, one log and one exp a channel at the head of every step.
     b64, e, c, nc, emask, n, nmask, sm, start, A2, dtb, s = _chunk_program(A2t_ptr, dtb_ptr, st_ptr, N, 1, start_ptr, E, N, NP, BE)
     if c == 0:
         tl.store(init_ptr + b64 * E * N + n[None, :] * E + e[:, None], s, mask=sm)
@@ -155,6 +158,7 @@ def _scan_summary_kernel(
     x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
     for t in tl.range(c * L, tl.minimum(c * L + L, T), num_stages=STAGES):
         x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, dtb, e, emask, n, nmask, t, start, T)
+        tl.store(delta_ptr + (b64 * T + t) * E + e, dt, mask=emask)
         s = s * tl.exp2(dt[:, None] * A2) + (dt * x)[:, None] * Bt[None, :]
         dt_sum += dt
     tl.store(sum_ptr + ((b64 * nc + c) * N + n[None, :]) * E + e[:, None], s, mask=sm)
@@ -191,8 +195,9 @@ def _scan_chunks_kernel(
 ):
     # Pass 2. One program: one row, BE channels, one chunk. It starts from the state
     # _scan_prefix_kernel left in the summary slot of the chunk before it (chunk 0 from
-    # pass 1's copy of the layer's old state), then walks its steps again, writing y. The
-    # last chunk writes the layer's new state, which no program of this pass reads.
+    # pass 1's copy of the layer's old state), then walks its steps again (pass 1's step
+    # sizes in dt_ptr), writing y. The last chunk writes the layer's new state, which no
+    # program of this pass reads.
     b64, e, c, nc, emask, n, nmask, sm, start, A2, dtb, s = _chunk_program(A2t_ptr, dtb_ptr, init_ptr, 1, E, start_ptr, E, N, NP, BE)
     Dv = tl.load(D_ptr + e, mask=emask, other=0.0)
     if c > 0:
@@ -200,7 +205,7 @@ def _scan_chunks_kernel(
     x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
     C_row, z_row, y_row = C_ptr + b64 * scb, z_ptr + b64 * szb, y_ptr + b64 * T * E
     for t in tl.range(c * L, tl.minimum(c * L + L, T), num_stages=STAGES):
-        x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, dtb, e, emask, n, nmask, t, start, T)
+        x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, dtb, e, emask, n, nmask, t, start, T, False)
         s = s * tl.exp2(dt[:, None] * A2) + (dt * x)[:, None] * Bt[None, :]
         Ct = tl.load(C_row + t * sct + n * scn, mask=nmask, other=0.0)
         z = tl.load(z_row + t * szt + e * sze, mask=emask, other=0.0)
@@ -247,16 +252,16 @@ def selective_scan(x, dt, A, Bm, Cm, D, z, dt_bias, state, start=None, out_dtype
         sums = torch.empty(Bsz, grid[2], N, E, device=x.device, dtype=torch.float32)
         dt_sums = torch.empty(Bsz, grid[2], E, device=x.device, dtype=torch.float32)
         init = torch.empty(Bsz, N, E, device=x.device, dtype=torch.float32)
-        inputs = (x, *x.stride(), dt, *dt.stride(), Bm, *Bm.stride())
+        delta = torch.empty(Bsz, T, E, device=x.device, dtype=torch.float32)  # pass 1's step sizes, for pass 2
         A2t = (A * LOG2E).t().contiguous()  # exp(dt * A) = exp2(dt * A2): one multiply less a state
         _scan_summary_kernel[grid](
-            *inputs, A2t, dt_bias, state, start, sums, dt_sums, init, T, E, L, N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, num_warps=SCAN_WARPS
+            x, *x.stride(), dt, *dt.stride(), Bm, *Bm.stride(), A2t, dt_bias, state, start, sums, dt_sums, init, delta, T, E, L, N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, num_warps=SCAN_WARPS
         )
         _scan_prefix_kernel[(Bsz, triton.cdiv(E, SCAN_PREFIX_BE))](
             sums, dt_sums, A2t, E, grid[2], N=N, NP=NP, BE=SCAN_PREFIX_BE, STAGES=SCAN_STAGES, num_warps=SCAN_PREFIX_WARPS
         )
         _scan_chunks_kernel[grid](
-            *inputs, Cm, *Cm.stride(), z, *z.stride(), A2t, D, dt_bias, state, y, start, sums, init, T, E, L,
+            x, *x.stride(), delta, *delta.transpose(1, 2).stride(), Bm, *Bm.stride(), Cm, *Cm.stride(), z, *z.stride(), A2t, D, dt_bias, state, y, start, sums, init, T, E, L,
             N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, num_warps=SCAN_WARPS,
         )
         return y.transpose(1, 2)
