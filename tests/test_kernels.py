@@ -69,12 +69,14 @@ def test_embed(case):
     assert not step.dh[: step.B].any()
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "conv-kernel"])
-def test_in_proj_with_conv_and_x_proj(case, fused):
+@pytest.mark.parametrize("fused,conv_block", [(True, None), (False, None), (False, 16)], ids=["fused", "conv-kernel", "conv-kernel-16"])
+def test_in_proj_with_conv_and_x_proj(case, fused, conv_block):
     """in_proj, then the conv step and x_proj: in in_proj's x-half programs, or (wide
-    models) in a kernel of their own."""
+    models) in a kernel of their own (16 channels a program: these small models' channels
+    then span several programs, whose x_proj shares meet in dbc)."""
     model, step, tol = case
     step.fused_conv = fused
+    step.BN_conv = conv_block or step.BN_conv
     lw, c = model.weights.layers[-1], model.config
     conv_state = rand(step.B, c.d_inner, c.d_conv, seed=3)
     ref_state = conv_state.clone()
