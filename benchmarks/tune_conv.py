@@ -1,0 +1,44 @@
+"""Times the prefill conv kernel alone at 2.8b widths for several block shapes, to choose
+CONV_BE, CONV_BT and CONV_WARPS in kernels/causal_conv1d.py. Prints µs a call and the rate
+at which it moves its bytes (x read once, y written in float32 and bfloat16).
+
+    python benchmarks/tune_conv.py
+"""
+
+import itertools
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from fastmamba.kernels import causal_conv1d as cc  # noqa: E402
+
+
+def main() -> None:
+    for B, T, E in ((1, 4096, 5120), (8, 2048, 5120)):
+        xz = torch.randn(B, T, 2 * E, device="cuda")
+        x = xz[..., :E].transpose(1, 2)  # as the model passes it: in_proj's x half
+        w, b = torch.randn(E, 4, device="cuda"), torch.randn(E, device="cuda")
+        state = torch.randn(B, E, 4, device="cuda")
+        state0 = state.clone()
+        nbytes = B * T * E * (4 + 4 + 2)
+        # (each call updates the conv state it is given: the checks start from the same one)
+        ref = cc.causal_conv1d(x, w, b, state0.clone(), None, torch.bfloat16)[0].clone()
+        rows = []
+        for BE, BT, warps in itertools.product((16, 32, 64, 128), (16, 32, 64, 128), (4, 8, 16)):
+            if BE * BT > 16384 or BE * BT < 512 or BE * BT < 32 * warps:
+                continue
+            cc.CONV_BE, cc.CONV_BT, cc.CONV_WARPS = BE, BT, warps
+            us = do_bench(lambda: cc.causal_conv1d(x, w, b, state, None, torch.bfloat16), warmup=3, rep=20) * 1e3
+            err = (cc.causal_conv1d(x, w, b, state0.clone(), None, torch.bfloat16)[0] - ref).abs().max().item()
+            rows.append((us, BE, BT, warps, err))
+        print(f"B={B} T={T} E={E} ({nbytes / 1e6:.0f} MB moved):", flush=True)
+        for us, BE, BT, warps, err in sorted(rows)[:8]:
+            print(f"   BE={BE:3d} BT={BT:3d} warps={warps}: {us:7.1f} us  {nbytes / us / 1e6:4.2f} TB/s  (max diff {err:.1e})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
