@@ -565,10 +565,10 @@ class DecodeStep:
     def early_launch(d_model: int) -> frozenset:
         """One-row kernels that let the next kernel launch as soon as all their programs have
         started instead of after their wait (PDL 2), so that it loads its first weights
-        sooner: ssm_step and out_proj up to d_model 2048 (bf16 batch 1, whole steps, against
-        none: 130m 0.339 ms / 0.360, 370m 0.762 / 0.800, 1.4b 1.344 / 1.394); none at 2.8b
-        (2.254 / 2.239)."""
-        return frozenset({"ssm_step", "out_proj_residual"}) if d_model <= 2048 else frozenset()
+        sooner: ssm_step and out_proj (bf16 batch 1, whole steps, against none: 130m 0.339
+        ms / 0.360, 370m 0.762 / 0.800, 1.4b 1.344 / 1.394; at 2.8b it once lost, 2.254 /
+        2.239, and wins since conv_x_proj runs 128 channels a program: 1.786 / 1.796)."""
+        return frozenset({"ssm_step", "out_proj_residual"})
 
     @staticmethod
     def out_blocks(d_model: int) -> tuple[int, int, int, int]:
