@@ -74,7 +74,8 @@ def main() -> None:
                     HAS_BIAS=True, IEEE=ieee, CONV=conv, ARGMAX=not conv, K=4, KP=4, HAS_CB=True, PENDING=BB == 1, BB=BB, BN=16,
                     BK=512 if BB == 1 else 128, BJ=128, STAGES=ds.DecodeStep.linear_blocks(3072, 768, BB == 1)[3], PDL=True))
             t = ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", wx_ptr=wdt, dbc_ptr="*i64")
-            compile_kernel(ds._conv_x_proj_kernel, t, dict(K=4, KP=4, HAS_CB=True, IEEE=ieee, BB=BB, BN=32, BJ=256, PDL=True))
+            BN = ds.DecodeStep.CONV_BLOCK if BB == 1 else 32
+            compile_kernel(ds._conv_x_proj_kernel, t, dict(K=4, KP=4, HAS_CB=True, IEEE=ieee, BB=BB, BN=BN, BJ=256, PDL=True), num_warps=max(4, BN // 16))
             t = ptrs("xc_ptr", "xz_ptr", "ss_ptr", "dtb_ptr", "A_ptr", "D_ptr", "y_ptr", "h_ptr", dtw_ptr=wdt, dbc_ptr="*i64", dh_ptr="*i64")
             compile_kernel(ds._ssm_step_kernel, t, dict(N=16, NP=16, BJ=128, BR=64, IEEE=ieee, FOLD=BB == 1, BB=BB, BE=32, BD=16, PDL=True))
             t = {"best_ptr": "*i64", "tok_ptr": "*i64", "hist_ptr": "*i64", "step_ptr": "*i64", "seen_ptr": "*i1"}
@@ -93,14 +94,16 @@ def main() -> None:
         compile_kernel(dg._ssm_update_kernel, t, dict(N=16, NP=16, SPLIT=wdt != "*fp32", Y_HALVES=False, BE=64))
     res.append("decode (cuBLAS products): ok")
     t = ptrs("x_ptr", "w_ptr", "b_ptr", "st_ptr", "y_ptr", y2_ptr="*bf16", start_ptr="*i32")
-    compile_kernel(cc._causal_conv1d_kernel, t, dict(K=4, KP=4, HAS_BIAS=True, COPY=True, BE=32, BT=64))
+    compile_kernel(cc._causal_conv1d_kernel, t, dict(K=4, KP=4, HAS_BIAS=True, COPY=True, BE=cc.CONV_BE, BT=cc.CONV_BT), num_warps=cc.CONV_WARPS)
     # the scans write y in out_proj's dtype
     t = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A_ptr", "D_ptr", "dtb_ptr", "st_ptr", y_ptr="*bf16", start_ptr="*i32")
     compile_kernel(ss._selective_scan_kernel, t, dict(N=16, NP=16, BE=8, BT=32))
     chunk = dict(N=16, NP=16, BE=ss.SCAN_BE, STAGES=ss.SCAN_STAGES)
-    t = ptrs("x_ptr", "dt_ptr", "B_ptr", "A2t_ptr", "dtb_ptr", "st_ptr", "sum_ptr", "dts_ptr", "init_ptr", start_ptr="*i32")
+    t = ptrs("x_ptr", "dt_ptr", "B_ptr", "A2t_ptr", "dtb_ptr", "st_ptr", "sum_ptr", "dts_ptr", "init_ptr", "delta_ptr", start_ptr="*i32")
     compile_kernel(ss._scan_summary_kernel, t, chunk, num_warps=ss.SCAN_WARPS)
-    t = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A2t_ptr", "D_ptr", "dtb_ptr", "st_ptr", "sum_ptr", "dts_ptr", "init_ptr", y_ptr="*bf16", start_ptr="*i32")
+    t = ptrs("sum_ptr", "dts_ptr", "A2t_ptr")
+    compile_kernel(ss._scan_prefix_kernel, t, dict(N=16, NP=16, BE=ss.SCAN_PREFIX_BE, STAGES=ss.SCAN_STAGES), num_warps=ss.SCAN_PREFIX_WARPS)
+    t = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A2t_ptr", "D_ptr", "dtb_ptr", "st_ptr", "sum_ptr", "init_ptr", y_ptr="*bf16", start_ptr="*i32")
     compile_kernel(ss._scan_chunks_kernel, t, chunk, num_warps=ss.SCAN_WARPS)
     res.append("prefill conv + scan: ok")
     t = ptrs("logits_ptr", "pen_ptr", "temp_ptr", "s_ptr", "smax_ptr", seen_ptr="*i1", best_ptr="*i64")
