@@ -9,6 +9,7 @@ Optionally times HF transformers' MambaForCausalLM at the same shape for a ratio
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 
@@ -151,8 +152,11 @@ def time_hf(size: str, dtype: torch.dtype, batch: int, tokens: int = 32) -> floa
         t = time.perf_counter()
         hf.generate(ids, **kw)
         torch.cuda.synchronize()
+    ms = (time.perf_counter() - t) / tokens * 1e3
     del hf
-    return (time.perf_counter() - t) / tokens * 1e3
+    gc.collect()  # HF's model holds reference cycles: free it now, not inside the next engine's peak
+    torch.cuda.empty_cache()
+    return ms
 
 
 def run(sizes, dtypes, batches, hf: bool, out: str | None, deterministic: bool = False) -> list[dict]:
