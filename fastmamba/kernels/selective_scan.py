@@ -217,7 +217,8 @@ def _scan_chunks_kernel(
 
 # The chunked scan's launch (benchmarks/tune_scan.py, H200): chunks of SCAN_CHUNK steps, or
 # half that where full chunks would give fewer than SCAN_FEW_PROGRAMS programs (2.8b widths,
-# 1 x 4096: 443 us against 471; 8 x 2048 keeps 128: 1291 us against 1440).
+# with the prefix pass: 1 x 4096 375 us against 440 with 128-step chunks, 391 with 32;
+# 8 x 2048 keeps 128: 1323 us against 1337 with 64).
 SCAN_CHUNK = 128
 SCAN_FEW_PROGRAMS = 4096
 SCAN_BE = 128  # channels per program
@@ -234,7 +235,8 @@ def selective_scan(x, dt, A, Bm, Cm, D, z, dt_bias, state, start=None, out_dtype
     rounded once on the way out (as out_proj's operand, which saves a cast's passes).
 
     chunked: the two-pass scan (time cut into chunks of SCAN_CHUNK (or half) steps that run in
-    parallel, each walked step by step); otherwise the one-pass scan (associative scan
+    parallel, each walked step by step, with a short pass between that carries the state
+    from chunk to chunk); otherwise the one-pass scan (associative scan
     inside chunks of 32 steps, chunks one after another). By default the two-pass scan
     from SCAN_CHUNKED_FROM steps on, where its parallelism over time pays for its two passes."""
     Bsz, E, T = x.shape
