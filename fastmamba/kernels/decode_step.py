@@ -554,12 +554,19 @@ class DecodeStep:
     # (Re-measured with 128-channel conv_x_proj programs: 130m 0.211 / 0.221, 370m 0.457 /
     # 0.496; 1.4b 1.618 / 0.995, 2.8b 2.389 / 1.798.)
     FUSED_CONV_UP_TO = 1024
-    # conv_x_proj's channels a program (one row) where it runs alone, with a warp a 16: its
+    # conv_x_proj's channels a program (one row) where it runs alone (see conv_warps): its
     # programs all finish at once, right after the wait, and each adds its share of all of
     # x_proj's outputs to the same few addresses, so fewer programs queue fewer atomic adds
     # there. bf16 batch 1, ms a step, 32 / 64 / 128 / 256 channels: 1.4b 1.100 / 1.022 /
     # 0.995 / 1.182, 2.8b 1.954 / 1.852 / 1.798 / 2.035.
     CONV_BLOCK = 128
+
+    @staticmethod
+    def conv_warps(block: int) -> int:
+        """conv_x_proj's warps for `block` channels a program: one a 16 channels, at least 4
+        (x_proj's columns, held from before the wait, then take 100-160 registers a thread
+        at 128 channels, tools/compile_kernels.py)."""
+        return max(4, block // 16)
 
     @staticmethod
     def early_launch(d_model: int) -> frozenset:
@@ -692,7 +699,7 @@ class DecodeStep:
             self.xz, conv_state, lw.conv_w, lw.conv_b if lw.conv_b is not None else lw.conv_w,
             lw.x_proj_w, self.xc, self.dbc, self.B, c.d_inner, self.J,
             K=c.d_conv, KP=triton.next_power_of_2(c.d_conv), HAS_CB=lw.conv_b is not None, IEEE=self.ieee,
-            BB=self.BB, BN=self.BN_conv, BJ=self.BJ, num_warps=max(4, self.BN_conv // 16), **self.pdl_for("conv_x_proj"),
+            BB=self.BB, BN=self.BN_conv, BJ=self.BJ, num_warps=self.conv_warps(self.BN_conv), **self.pdl_for("conv_x_proj"),
         )
 
     def lm_head(self, argmax: bool = False) -> None:

@@ -257,14 +257,15 @@ def selective_scan(x, dt, A, Bm, Cm, D, z, dt_bias, state, start=None, out_dtype
         delta = torch.empty(Bsz, T, E, device=x.device, dtype=torch.float32)  # pass 1's step sizes, for pass 2
         A2t = (A * LOG2E).t().contiguous()  # exp(dt * A) = exp2(dt * A2): one multiply less a state
         _scan_summary_kernel[grid](
-            x, *x.stride(), dt, *dt.stride(), Bm, *Bm.stride(), A2t, dt_bias, state, start, sums, dt_sums, init, delta, T, E, L, N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, num_warps=SCAN_WARPS
+            x, *x.stride(), dt, *dt.stride(), Bm, *Bm.stride(), A2t, dt_bias, state, start, sums, dt_sums, init, delta, T, E, L,
+            N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, num_warps=SCAN_WARPS,
         )
         _scan_prefix_kernel[(Bsz, triton.cdiv(E, SCAN_PREFIX_BE))](
             sums, dt_sums, A2t, E, grid[2], N=N, NP=NP, BE=SCAN_PREFIX_BE, STAGES=SCAN_STAGES, num_warps=SCAN_PREFIX_WARPS
         )
         _scan_chunks_kernel[grid](
-            x, *x.stride(), delta, *delta.transpose(1, 2).stride(), Bm, *Bm.stride(), Cm, *Cm.stride(), z, *z.stride(), A2t, D, dt_bias, state, y, start, sums, init, T, E, L,
-            N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, num_warps=SCAN_WARPS,
+            x, *x.stride(), delta, *delta.transpose(1, 2).stride(), Bm, *Bm.stride(), Cm, *Cm.stride(), z, *z.stride(),
+            A2t, D, dt_bias, state, y, start, sums, init, T, E, L, N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, num_warps=SCAN_WARPS,
         )
         return y.transpose(1, 2)
     BE, BT = 8, 32
