@@ -252,6 +252,18 @@ def _next_thresholds(lo, hi, j, NB: tl.constexpr):
 
 
 @jit
+def _band_state(st_ptr, lim_ptr, row):
+    """A row's search as the last pass left it: the band lo <= key <= hi, the count and
+    weight of the tokens above it, the count cap and the weight limit."""
+    lo = tl.load(st_ptr + row * 8 + _LO)
+    hi = tl.load(st_ptr + row * 8 + _HI)
+    above = tl.load(st_ptr + row * 8 + _ABOVE)
+    w_above = tl.load(st_ptr + row * 8 + _W_ABOVE)
+    cap = tl.load(st_ptr + row * 8 + _CAP)
+    return lo, hi, above, w_above, cap, tl.load(lim_ptr + row)
+
+
+@jit
 def _narrow_kernel(
     s_ptr, smax_ptr, st_ptr, T_ptr, cnt_ptr, mass_ptr, nmin_ptr, lim_ptr, zq_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, V,
     FIRST: tl.constexpr, STAGE: tl.constexpr, NB: tl.constexpr, CAP: tl.constexpr,
@@ -285,12 +297,7 @@ def _narrow_kernel(
         tl.store(st_ptr + row * 8 + _CAP, cap)
         done = (~need).to(tl.int32)
     else:
-        lo = tl.load(st_ptr + row * 8 + _LO)
-        hi = tl.load(st_ptr + row * 8 + _HI)
-        above = tl.load(st_ptr + row * 8 + _ABOVE)
-        w_above = tl.load(st_ptr + row * 8 + _W_ABOVE)
-        cap = tl.load(st_ptr + row * 8 + _CAP)
-        lim = tl.load(lim_ptr + row)
+        lo, hi, above, w_above, cap, lim = _band_state(st_ptr, lim_ptr, row)
         T = tl.load(T_ptr + row * NB + j)
         done = ((tl.load(st_ptr + row * 8 + _DONE) != 0) | ~need).to(tl.int32)
     if done == 0:
@@ -370,13 +377,8 @@ def _resolve_kernel(
     # or in STAGE 0 the kept tokens' weight (zq[row]). Empties the gather's counter.
     row = tl.program_id(0).to(tl.int64)
     need, k = _needs(row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, STAGE)
-    lo = tl.load(st_ptr + row * 8 + _LO)
-    hi = tl.load(st_ptr + row * 8 + _HI)
-    above = tl.load(st_ptr + row * 8 + _ABOVE)
-    w_above = tl.load(st_ptr + row * 8 + _W_ABOVE)
+    lo, hi, above, w_above, cap, lim = _band_state(st_ptr, lim_ptr, row)
     n_band = tl.load(st_ptr + row * 8 + _N_BAND)
-    cap = tl.load(st_ptr + row * 8 + _CAP)
-    lim = tl.load(lim_ptr + row)
     s0 = tl.load(smax_ptr + row)
     n = tl.load(ctr_ptr + row)
     whole = tl.load(st_ptr + row * 8 + _WHOLE) != 0
