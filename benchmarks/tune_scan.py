@@ -21,12 +21,12 @@ def inputs(B, T, E, N=16, R=160):
     g = torch.Generator(device="cuda").manual_seed(0)
     xz = torch.randn(B, T, 2 * E, device="cuda", generator=g)
     x, z = torch.randn(B, T, E, device="cuda", generator=g).transpose(1, 2), xz[..., E:].transpose(1, 2)
-    dt = (torch.randn(B, T, E, device="cuda", generator=g) - 4).transpose(1, 2)
+    delta = torch.nn.functional.softplus(torch.randn(B, T, E, device="cuda", generator=g) - 4).transpose(1, 2)
     dbc = torch.randn(B, T, R + 2 * N, device="cuda", generator=g)
     A = -torch.arange(1, N + 1, device="cuda").float().repeat(E, 1)
-    D, dtb = torch.ones(E, device="cuda"), torch.zeros(E, device="cuda")
+    D = torch.ones(E, device="cuda")
     Bm, Cm = dbc[..., R : R + N].transpose(1, 2), dbc[..., R + N :].transpose(1, 2)
-    return x, dt, A, Bm, Cm, D, z, dtb, torch.zeros(B, E, N, device="cuda")
+    return x, delta, A, Bm, Cm, D, z, torch.zeros(B, E, N, device="cuda")
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ from .config import MambaConfig
 from .kernels.causal_conv1d import causal_conv1d_ref
 from .kernels.rmsnorm import add_norm_ref
 from .kernels.selective_scan import selective_scan_ref
+from .kernels.step_size import step_size_ref
 
 
 @dataclass
@@ -95,24 +96,26 @@ def linear_storage(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 @dataclass(frozen=True)
 class Ops:
-    """The three operations a sequence pass is made of, so one model definition runs on
-    either engine: the pure-PyTorch twins (CPU) or cuBLAS products and Triton kernels (GPU)."""
+    """The operations a sequence pass is made of, so one model definition runs on either
+    engine: the pure-PyTorch twins (CPU) or cuBLAS products and Triton kernels (GPU)."""
 
     linear: Callable
     conv: Callable  # causal_conv1d_ref signature: (output for the scan, output for x_proj)
+    step_size: Callable  # step_size_ref signature: softplus(dt_proj(dt_r) + dt_bias)
     scan: Callable  # selective_scan_ref signature
     add_norm: Callable  # add_norm_ref signature: (h + o, rmsnorm(h + o)), the norm in a given dtype
 
 
-REFERENCE_OPS = Ops(linear, causal_conv1d_ref, selective_scan_ref, add_norm_ref)
+REFERENCE_OPS = Ops(linear, causal_conv1d_ref, step_size_ref, selective_scan_ref, add_norm_ref)
 
 
 def triton_ops() -> Ops:
     from .kernels.causal_conv1d import causal_conv1d
     from .kernels.rmsnorm import add_norm
     from .kernels.selective_scan import selective_scan
+    from .kernels.step_size import step_size
 
-    return Ops(linear_storage, causal_conv1d, selective_scan, add_norm)
+    return Ops(linear_storage, causal_conv1d, step_size, selective_scan, add_norm)
 
 
 def mixer(
@@ -129,9 +132,9 @@ def mixer(
     # the conv's output, f32 for the scan and in x_proj's dtype for the product (GPU path)
     x, x_in = ops.conv(x, lw.conv_w, lw.conv_b, conv_state, start, lw.x_proj_w.dtype)  # (B, E, T)
     dt_r, Bm, Cm = ops.linear(x_in.transpose(1, 2), lw.x_proj_w).split([R, N, N], dim=-1)  # (B, T, R|N|N)
-    dt = ops.linear(dt_r, lw.dt_proj_w)  # (B, T, E); bias and softplus happen in the scan
+    delta = ops.step_size(dt_r, lw.dt_proj_w, lw.dt_bias)  # (B, T, E) f32
     y = ops.scan(
-        x, dt.transpose(1, 2), lw.A, Bm.transpose(1, 2), Cm.transpose(1, 2), lw.D, z, lw.dt_bias, ssm_state, start,
+        x, delta.transpose(1, 2), lw.A, Bm.transpose(1, 2), Cm.transpose(1, 2), lw.D, z, ssm_state, start,
         out_dtype=lw.out_proj_w.dtype,  # y as out_proj reads it (GPU path; the reference keeps f32)
     )  # (B, E, T)
     return ops.linear(y.transpose(1, 2), lw.out_proj_w, lw.out_proj_b)

@@ -8,6 +8,7 @@ import torch
 import fastmamba
 from fastmamba.kernels.causal_conv1d import causal_conv1d, causal_conv1d_ref
 from fastmamba.kernels.selective_scan import selective_scan, selective_scan_ref
+from fastmamba.kernels.step_size import step_size, step_size_ref
 from fastmamba.model import Mamba, triton_ops
 
 pytest.importorskip("triton")
@@ -55,19 +56,35 @@ def test_conv_and_scan_kernels_match_their_twins(B, E, T, K, start):
 
     N, R = 16, 3
     dbc = torch.randn(B, T, R + 2 * N, device=DEVICE, generator=g)
-    dt = torch.randn(B, T, E, device=DEVICE, generator=g).transpose(1, 2)
+    delta = torch.rand(B, T, E, device=DEVICE, generator=g).transpose(1, 2)  # (B, E, T), as step_size's
     A = -torch.rand(E, N, device=DEVICE, generator=g) * 4
-    D, dtb = torch.randn(E, device=DEVICE, generator=g), torch.randn(E, device=DEVICE, generator=g)
+    D = torch.randn(E, device=DEVICE, generator=g)
     Bm, Cm = dbc[..., R : R + N].transpose(1, 2), dbc[..., R + N :].transpose(1, 2)
     ssm_state0 = torch.randn(B, E, N, device=DEVICE, generator=g)
     ssm_ref_state = ssm_state0.clone()
-    y_ref = selective_scan_ref(xc_ref, dt, A, Bm, Cm, D, z, dtb, ssm_ref_state, s)
+    y_ref = selective_scan_ref(xc_ref, delta, A, Bm, Cm, D, z, ssm_ref_state, s)
     for chunked in (True, False):
         ssm_state = ssm_state0.clone()
-        y = selective_scan(xc_ref, dt, A, Bm, Cm, D, z, dtb, ssm_state, s, chunked=chunked)
+        y = selective_scan(xc_ref, delta, A, Bm, Cm, D, z, ssm_state, s, chunked=chunked)
         assert rel_err(y, y_ref) < 1e-5 and rel_err(ssm_state, ssm_ref_state) < 1e-5, chunked
         # y straight in out_proj's dtype
-        assert_rounded(selective_scan(xc_ref, dt, A, Bm, Cm, D, z, dtb, ssm_state0.clone(), s, out_dtype=torch.bfloat16, chunked=chunked), y)
+        assert_rounded(selective_scan(xc_ref, delta, A, Bm, Cm, D, z, ssm_state0.clone(), s, out_dtype=torch.bfloat16, chunked=chunked), y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,T,R,E", [(1, 5, 3, 40), (2, 150, 48, 200)])  # tiles partly filled; R over one K block
+def test_step_size_kernel_matches_its_twin(dtype, B, T, R, E):
+    g = gen(2)
+    dbc = torch.randn(B, T, R + 32, device=DEVICE, generator=g)  # dt_r is a slice of x_proj's output
+    w = (torch.randn(E, R, device=DEVICE, generator=g) / R**0.5).to(dtype)
+    bias = torch.randn(E, device=DEVICE, generator=g) * 4  # some softplus inputs above 20 after the product
+    bias[:3] = 25.0
+    dt_r = dbc[..., :R]
+    ref = step_size_ref(dt_r.to(dtype), w, bias)  # the activations rounded to the weights' dtype, as the kernel takes them
+    delta = step_size(dt_r, w, bias)
+    assert delta.shape == (B, T, E) and delta.dtype == torch.float32 and (delta > 0).all()
+    # (the interpreter truncates the activations to 16 bits where a cast rounds: see assert_rounded)
+    assert rel_err(delta, ref) < (1e-5 if GPU or dtype == torch.float32 else 4e-3)
 
 
 def engines(path, dtype):

@@ -27,6 +27,7 @@ from fastmamba.kernels import decode_step as ds  # noqa: E402
 from fastmamba.kernels import rmsnorm as rn  # noqa: E402
 from fastmamba.kernels import sampler as sp  # noqa: E402
 from fastmamba.kernels import selective_scan as ss  # noqa: E402
+from fastmamba.kernels import step_size as st  # noqa: E402
 
 target = GPUTarget("cuda", 90, 32)
 
@@ -96,16 +97,19 @@ def main() -> None:
     t = ptrs("x_ptr", "w_ptr", "b_ptr", "st_ptr", "y_ptr", y2_ptr="*bf16", start_ptr="*i32")
     compile_kernel(cc._causal_conv1d_kernel, t, dict(K=4, KP=4, HAS_BIAS=True, COPY=True, BE=cc.CONV_BE, BT=cc.CONV_BT), num_warps=cc.CONV_WARPS)
     # the scans write y in out_proj's dtype
-    t = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A_ptr", "D_ptr", "dtb_ptr", "st_ptr", y_ptr="*bf16", start_ptr="*i32")
+    t = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A_ptr", "D_ptr", "st_ptr", y_ptr="*bf16", start_ptr="*i32")
     compile_kernel(ss._selective_scan_kernel, t, dict(N=16, NP=16, BE=8, BT=32))
     chunk = dict(N=16, NP=16, BE=ss.SCAN_BE, STAGES=ss.SCAN_STAGES)
-    t = ptrs("x_ptr", "dt_ptr", "B_ptr", "A2t_ptr", "dtb_ptr", "st_ptr", "sum_ptr", "dts_ptr", "init_ptr", "delta_ptr", start_ptr="*i32")
+    t = ptrs("x_ptr", "dt_ptr", "B_ptr", "A2t_ptr", "st_ptr", "sum_ptr", "dts_ptr", "init_ptr", start_ptr="*i32")
     compile_kernel(ss._scan_summary_kernel, t, chunk, num_warps=ss.SCAN_WARPS)
     t = ptrs("sum_ptr", "dts_ptr", "A2t_ptr")
     compile_kernel(ss._scan_prefix_kernel, t, dict(N=16, NP=16, BE=ss.SCAN_PREFIX_BE, STAGES=ss.SCAN_STAGES), num_warps=ss.SCAN_PREFIX_WARPS)
-    t = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A2t_ptr", "D_ptr", "dtb_ptr", "st_ptr", "sum_ptr", "init_ptr", y_ptr="*bf16", start_ptr="*i32")
+    t = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A2t_ptr", "D_ptr", "st_ptr", "sum_ptr", "init_ptr", y_ptr="*bf16", start_ptr="*i32")
     compile_kernel(ss._scan_chunks_kernel, t, chunk, num_warps=ss.SCAN_WARPS)
-    res.append("prefill conv + scan: ok")
+    for wdt in ("*bf16", "*fp16", "*fp32"):
+        compile_kernel(st._step_size_kernel, ptrs("r_ptr", "b_ptr", "out_ptr", w_ptr=wdt), dict(
+            IEEE=wdt == "*fp32", BM=st.STEP_BM, BN=st.STEP_BN, BK=st.STEP_BK), num_warps=st.STEP_WARPS)
+    res.append("prefill conv + step sizes + scan: ok")
     t = ptrs("logits_ptr", "pen_ptr", "temp_ptr", "s_ptr", "smax_ptr", seen_ptr="*i1", best_ptr="*i64")
     compile_kernel(sp._scale_kernel, t, dict(BV=sp.BV))
     rows = ptrs("s_ptr", "smax_ptr", "temp_ptr", "topp_ptr", "minp_ptr", topk_ptr="*i64", st_ptr="*i64", T_ptr="*i64", cnt_ptr="*i64",

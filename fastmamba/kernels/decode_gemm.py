@@ -24,6 +24,7 @@ batch size here: `deterministic=True` keeps the Triton tile mode (decode_step.py
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ._triton import jit, tl, triton
 from .activations import softplus
@@ -43,7 +44,8 @@ def conv_step_ref(x, conv_state, conv_w, conv_b):
 
 def ssm_update_ref(dt, Bm, Cm, x, z, ssm_state, dt_bias, A, D):
     """One recurrence step from dt (B, E) before bias and softplus -> y (B, E) f32."""
-    y = selective_scan_ref(x[..., None], dt[..., None], A, Bm[..., None], Cm[..., None], D, z[..., None], dt_bias, ssm_state)
+    delta = F.softplus(dt.float() + dt_bias)
+    y = selective_scan_ref(x[..., None], delta[..., None], A, Bm[..., None], Cm[..., None], D, z[..., None], ssm_state)
     return y[..., 0]
 
 

@@ -10,26 +10,23 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import jit, tl, triton
-from .activations import softplus
 from .causal_conv1d import _pad_mask
 
 
 def selective_scan_ref(
     x: torch.Tensor,  # (B, E, T) conv output
-    dt: torch.Tensor,  # (B, E, T) dt_proj output, before bias and softplus
+    delta: torch.Tensor,  # (B, E, T) step sizes, softplus(dt_proj + bias) (step_size.py)
     A: torch.Tensor,  # (E, N), already -exp(A_log)
     Bm: torch.Tensor,  # (B, N, T)
     Cm: torch.Tensor,  # (B, N, T)
     D: torch.Tensor,  # (E,)
     z: torch.Tensor,  # (B, E, T) gate
-    dt_bias: torch.Tensor,  # (E,)
     state: torch.Tensor,  # (B, E, N) float32, updated in place to the state after the last step
     start: torch.Tensor | None = None,  # (B,) first real position of each row (left padding)
     out_dtype: torch.dtype | None = None,  # the Triton scan's y dtype; the reference keeps float32
 ) -> torch.Tensor:  # (B, E, T) float32
     """The recurrence one time step after another, in float32: the oracle for the Triton scan."""
-    x, z = x.float(), z.float()
-    delta = F.softplus(dt.float() + dt_bias[None, :, None])  # (B, E, T); softplus(v) = v above 20
+    x, z, delta = x.float(), z.float(), delta.float()
     s = state.clone()  # autograd may save s; the in-place write below must not change it
     if start is not None:
         real = _pad_mask(start, x.shape[-1], x.device)
@@ -54,7 +51,7 @@ def _combine(a_left, b_left, a_right, b_right):
 @jit
 def _selective_scan_kernel(
     x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, C_ptr, scb, scn, sct,
-    z_ptr, szb, sze, szt, A_ptr, D_ptr, dtb_ptr, st_ptr, y_ptr, start_ptr, T, E,
+    z_ptr, szb, sze, szt, A_ptr, D_ptr, st_ptr, y_ptr, start_ptr, T, E,
     N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
 ):
     # One program: one row, BE channels, all of time in chunks of BT steps. Inside a chunk
@@ -69,7 +66,6 @@ def _selective_scan_kernel(
     start = tl.load(start_ptr + b)
     A = tl.load(A_ptr + e[:, None] * N + n[None, :], mask=emask[:, None] & nmask[None, :], other=0.0)  # (BE, NP)
     Dv = tl.load(D_ptr + e, mask=emask, other=0.0)
-    dtb = tl.load(dtb_ptr + e, mask=emask, other=0.0)
     sp = st_ptr + b64 * E * N + e[:, None] * N + n[None, :]
     sm = emask[:, None] & nmask[None, :]
     # a padded row (start > 0) starts from zero: n >= start * NP is then never true
@@ -79,9 +75,8 @@ def _selective_scan_kernel(
         real = (t >= start) & (t < T)
         m = real[:, None] & emask[None, :]
         x = tl.load(x_ptr + b64 * sxb + t[:, None] * sxt + e[None, :] * sxe, mask=m, other=0.0)
-        dt = tl.load(dt_ptr + b64 * sdb + t[:, None] * sdt + e[None, :] * sde, mask=m, other=0.0) + dtb[None, :]
-        dt = softplus(dt)
-        dt = tl.where(m, dt, 0.0)  # padding and the tail past T leave the state alone
+        # step sizes; zero at padding and past T, which leaves the state alone
+        dt = tl.load(dt_ptr + b64 * sdb + t[:, None] * sdt + e[None, :] * sde, mask=m, other=0.0)
         bn = real[:, None] & nmask[None, :]
         Bt = tl.load(B_ptr + b64 * sbb + t[:, None] * sbt + n[None, :] * sbn, mask=bn, other=0.0)  # (BT, NP)
         Ct = tl.load(C_ptr + b64 * scb + t[:, None] * sct + n[None, :] * scn, mask=bn, other=0.0)
@@ -100,27 +95,24 @@ def _selective_scan_kernel(
 
 
 @jit
-def _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, dtb, e, emask, n, nmask, t, start, T, SOFTPLUS: tl.constexpr = True):
-    """Step t's x (BE,), softplus(dt + bias) (BE,) and B (NP,); all zero at padding and
-    past T, so that such steps leave the state unchanged. SOFTPLUS false: dt_row holds the
-    step sizes already (pass 1's), zero where they must be."""
+def _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, start, T):
+    """Step t's x (BE,), step size (BE,) and B (NP,); all zero at padding and past T, so
+    that such steps leave the state unchanged."""
     tt = t + tl.zeros_like(e)  # (BE,) vectors of t: masks stay tensors
     em = emask & (tt >= start) & (tt < T)
     x = tl.load(x_row + t * sxt + e * sxe, mask=em, other=0.0)
     dt = tl.load(dt_row + t * sdt + e * sde, mask=em, other=0.0)
-    if SOFTPLUS:
-        dt = tl.where(em, softplus(dt + dtb), 0.0)
     tn = t + tl.zeros_like(n)
     Bt = tl.load(B_row + t * sbt + n * sbn, mask=nmask & (tn >= start) & (tn < T), other=0.0)
     return x, dt, Bt
 
 
 @jit
-def _chunk_program(A2t_ptr, dtb_ptr, s0_ptr, s0e, s0n, start_ptr, E, N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr):
+def _chunk_program(A2t_ptr, s0_ptr, s0e, s0n, start_ptr, E, N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr):
     """What both passes' programs start from: one row b, BE channels e, chunk c of nc; this
     row's start; log2(e) * A for the channels, loaded from its (N, E) transpose so that
-    each thread holds all N states of its channels (the per-channel work, softplus, gate,
-    the sum over N for y, then happens once per channel, in registers); dt_bias; and the
+    each thread holds all N states of its channels (the per-channel work, the gate and the
+    sum over N for y, then happens once per channel, in registers); and the
     state the chunk would start from alone: s0's (row stride E * N, strides s0e, s0n) for
     chunk 0 of an unpadded row, zero otherwise."""
     b64 = tl.program_id(0).to(tl.int64)
@@ -132,33 +124,29 @@ def _chunk_program(A2t_ptr, dtb_ptr, s0_ptr, s0e, s0n, start_ptr, E, N: tl.const
     sm = emask[:, None] & nmask[None, :]
     start = tl.load(start_ptr + b64)
     A2 = tl.load(A2t_ptr + n[None, :] * E + e[:, None], mask=sm, other=0.0)  # (BE, NP)
-    dtb = tl.load(dtb_ptr + e, mask=emask, other=0.0)
     from_state = n[None, :] < tl.where((c == 0) & (start == 0), N, 0)  # all n, or none
     s = tl.load(s0_ptr + b64 * E * N + e[:, None] * s0e + n[None, :] * s0n, mask=sm & from_state, other=0.0)
-    return b64, e, c, tl.num_programs(2), emask, n, nmask, sm, start, A2, dtb, s
+    return b64, e, c, tl.num_programs(2), emask, n, nmask, sm, start, A2, s
 
 
 @jit
 def _scan_summary_kernel(
-    x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, A2t_ptr, dtb_ptr, st_ptr, start_ptr,
-    sum_ptr, dts_ptr, init_ptr, delta_ptr, T, E, L,
+    x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, A2t_ptr, st_ptr, start_ptr,
+    sum_ptr, dts_ptr, init_ptr, T, E, L,
     N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Pass 1. One program: one row, BE channels, one chunk of L steps, walked step by step:
     # the state the chunk leaves when it starts alone (see _chunk_program), and its summed
     # step sizes (A times that sum is the log of the chunk's whole decay). Chunk 0 also
     # keeps its starting state for pass 2, which rewrites the layer's state. Summaries and
-    # that copy are stored (N, E), channels contiguous, as the programs hold them. The step
-    # sizes, softplus(dt + bias), are stored for pass 2 (delta, (B, T, E)): there they
-    # would be recomputed, one log and one exp a channel at the head of every step.
-    b64, e, c, nc, emask, n, nmask, sm, start, A2, dtb, s = _chunk_program(A2t_ptr, dtb_ptr, st_ptr, N, 1, start_ptr, E, N, NP, BE)
+    # that copy are stored (N, E), channels contiguous, as the programs hold them.
+    b64, e, c, nc, emask, n, nmask, sm, start, A2, s = _chunk_program(A2t_ptr, st_ptr, N, 1, start_ptr, E, N, NP, BE)
     if c == 0:
         tl.store(init_ptr + b64 * E * N + n[None, :] * E + e[:, None], s, mask=sm)
     dt_sum = tl.zeros([BE], dtype=tl.float32)
     x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
     for t in tl.range(c * L, tl.minimum(c * L + L, T), num_stages=STAGES):
-        x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, dtb, e, emask, n, nmask, t, start, T)
-        tl.store(delta_ptr + (b64 * T + t) * E + e, dt, mask=emask)
+        x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, start, T)
         s = s * tl.exp2(dt[:, None] * A2) + (dt * x)[:, None] * Bt[None, :]
         dt_sum += dt
     tl.store(sum_ptr + ((b64 * nc + c) * N + n[None, :]) * E + e[:, None], s, mask=sm)
@@ -190,22 +178,21 @@ def _scan_prefix_kernel(sum_ptr, dts_ptr, A2t_ptr, E, nc, N: tl.constexpr, NP: t
 @jit
 def _scan_chunks_kernel(
     x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, C_ptr, scb, scn, sct,
-    z_ptr, szb, sze, szt, A2t_ptr, D_ptr, dtb_ptr, st_ptr, y_ptr, start_ptr, sum_ptr, init_ptr, T, E, L,
+    z_ptr, szb, sze, szt, A2t_ptr, D_ptr, st_ptr, y_ptr, start_ptr, sum_ptr, init_ptr, T, E, L,
     N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Pass 2. One program: one row, BE channels, one chunk. It starts from the state
     # _scan_prefix_kernel left in the summary slot of the chunk before it (chunk 0 from
-    # pass 1's copy of the layer's old state), then walks its steps again (pass 1's step
-    # sizes in dt_ptr), writing y. The last chunk writes the layer's new state, which no
-    # program of this pass reads.
-    b64, e, c, nc, emask, n, nmask, sm, start, A2, dtb, s = _chunk_program(A2t_ptr, dtb_ptr, init_ptr, 1, E, start_ptr, E, N, NP, BE)
+    # pass 1's copy of the layer's old state), then walks its steps again, writing y. The
+    # last chunk writes the layer's new state, which no program of this pass reads.
+    b64, e, c, nc, emask, n, nmask, sm, start, A2, s = _chunk_program(A2t_ptr, init_ptr, 1, E, start_ptr, E, N, NP, BE)
     Dv = tl.load(D_ptr + e, mask=emask, other=0.0)
     if c > 0:
         s = tl.load(sum_ptr + ((b64 * nc + c - 1) * N + n[None, :]) * E + e[:, None], mask=sm, other=0.0)
     x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
     C_row, z_row, y_row = C_ptr + b64 * scb, z_ptr + b64 * szb, y_ptr + b64 * T * E
     for t in tl.range(c * L, tl.minimum(c * L + L, T), num_stages=STAGES):
-        x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, dtb, e, emask, n, nmask, t, start, T, False)
+        x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, start, T)
         s = s * tl.exp2(dt[:, None] * A2) + (dt * x)[:, None] * Bt[None, :]
         Ct = tl.load(C_row + t * sct + n * scn, mask=nmask, other=0.0)
         z = tl.load(z_row + t * szt + e * sze, mask=emask, other=0.0)
@@ -229,7 +216,7 @@ LOG2E = 1.4426950408889634
 SCAN_CHUNKED_FROM = 1024  # prompt steps from which the chunked scan is used
 
 
-def selective_scan(x, dt, A, Bm, Cm, D, z, dt_bias, state, start=None, out_dtype=torch.float32, chunked=None):
+def selective_scan(x, delta, A, Bm, Cm, D, z, state, start=None, out_dtype=torch.float32, chunked=None):
     """Triton twin of `selective_scan_ref`; inputs may be any strided views of those shapes.
     Returns a (B, E, T) view of a (B, T, E) buffer of y in out_dtype: computed in float32,
     rounded once on the way out (as out_proj's operand, which saves a cast's passes).
@@ -254,23 +241,22 @@ def selective_scan(x, dt, A, Bm, Cm, D, z, dt_bias, state, start=None, out_dtype
         sums = torch.empty(Bsz, grid[2], N, E, device=x.device, dtype=torch.float32)
         dt_sums = torch.empty(Bsz, grid[2], E, device=x.device, dtype=torch.float32)
         init = torch.empty(Bsz, N, E, device=x.device, dtype=torch.float32)
-        delta = torch.empty(Bsz, T, E, device=x.device, dtype=torch.float32)  # pass 1's step sizes, for pass 2
         A2t = (A * LOG2E).t().contiguous()  # exp(dt * A) = exp2(dt * A2): one multiply less a state
         _scan_summary_kernel[grid](
-            x, *x.stride(), dt, *dt.stride(), Bm, *Bm.stride(), A2t, dt_bias, state, start, sums, dt_sums, init, delta, T, E, L,
+            x, *x.stride(), delta, *delta.stride(), Bm, *Bm.stride(), A2t, state, start, sums, dt_sums, init, T, E, L,
             N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, num_warps=SCAN_WARPS,
         )
         _scan_prefix_kernel[(Bsz, triton.cdiv(E, SCAN_PREFIX_BE))](
             sums, dt_sums, A2t, E, grid[2], N=N, NP=NP, BE=SCAN_PREFIX_BE, STAGES=SCAN_STAGES, num_warps=SCAN_PREFIX_WARPS
         )
         _scan_chunks_kernel[grid](
-            x, *x.stride(), delta, *delta.transpose(1, 2).stride(), Bm, *Bm.stride(), Cm, *Cm.stride(), z, *z.stride(),
-            A2t, D, dt_bias, state, y, start, sums, init, T, E, L, N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, num_warps=SCAN_WARPS,
+            x, *x.stride(), delta, *delta.stride(), Bm, *Bm.stride(), Cm, *Cm.stride(), z, *z.stride(),
+            A2t, D, state, y, start, sums, init, T, E, L, N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, num_warps=SCAN_WARPS,
         )
         return y.transpose(1, 2)
     BE, BT = 8, 32
     _selective_scan_kernel[(Bsz, triton.cdiv(E, BE))](
-        x, *x.stride(), dt, *dt.stride(), Bm, *Bm.stride(), Cm, *Cm.stride(), z, *z.stride(),
-        A, D, dt_bias, state, y, start, T, E, N=N, NP=triton.next_power_of_2(N), BE=BE, BT=BT, num_warps=4,
+        x, *x.stride(), delta, *delta.stride(), Bm, *Bm.stride(), Cm, *Cm.stride(), z, *z.stride(),
+        A, D, state, y, start, T, E, N=N, NP=triton.next_power_of_2(N), BE=BE, BT=BT, num_warps=4,
     )
     return y.transpose(1, 2)
