@@ -1,11 +1,12 @@
 """Times the prefill scan alone at public shapes for several launch configurations
 (one-pass associative scan vs the chunked two-pass scan), to choose SCAN_CHUNK, SCAN_BE,
-SCAN_WARPS and SCAN_STAGES in kernels/selective_scan.py.
+SCAN_WARPS, SCAN_STAGES and SCAN_UNROLL in kernels/selective_scan.py.
 
     python benchmarks/tune_scan.py             # the sweep
     python benchmarks/tune_scan.py --passes    # each pass's time at the defaults
 """
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -37,18 +38,15 @@ def main() -> None:
         ref = ss.selective_scan(*args, chunked=False).clone()
         res = []
         ss.SCAN_FEW_PROGRAMS = 0  # L as given
-        for L in (32, 64, 128):
-            for BE in (64, 128):
-                for warps in (1, 2):
-                    for stages in (3, 4):
-                        if BE // (32 * warps) > 4:  # over 4 channels x 16 states a thread spills
-                            continue
-                        ss.SCAN_CHUNK, ss.SCAN_BE, ss.SCAN_WARPS, ss.SCAN_STAGES = L, BE, warps, stages
-                        ms = do_bench(lambda: ss.selective_scan(*args, chunked=True), warmup=3, rep=20)
-                        err = (ss.selective_scan(*args, chunked=True) - ref).abs().max().item()
-                        res.append((ms * 1e3, L, BE, warps, stages, err))
-        for us, L, BE, warps, stages, err in sorted(res)[:8]:
-            print(f"   chunked L={L:3d} BE={BE:3d} warps={warps} stages={stages}: {us:8.1f} us  (max diff {err:.1e})", flush=True)
+        # (BE 64 and 2 warps a program lost at every shape in earlier sweeps; RESULTS.md)
+        for L, BE, warps, stages, unroll in itertools.product((32, 64, 128), (128,), (1,), (3, 4), (1, 2, 4)):
+            ss.SCAN_CHUNK, ss.SCAN_BE, ss.SCAN_WARPS, ss.SCAN_STAGES, ss.SCAN_UNROLL = L, BE, warps, stages, unroll
+            ms = do_bench(lambda: ss.selective_scan(*args, chunked=True), warmup=3, rep=20)
+            err = (ss.selective_scan(*args, chunked=True) - ref).abs().max().item()
+            res.append((ms * 1e3, L, BE, warps, stages, unroll, err))
+        for us, L, BE, warps, stages, unroll, err in sorted(res)[:8]:
+            print(f"   chunked L={L:3d} BE={BE:3d} warps={warps} stages={stages} unroll={unroll}: {us:8.1f} us  (max diff {err:.1e})",
+                  flush=True)
 
 
 def passes() -> None:

@@ -99,7 +99,7 @@ def main() -> None:
     # the scans write y in out_proj's dtype
     t = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A_ptr", "D_ptr", "st_ptr", y_ptr="*bf16", start_ptr="*i32")
     compile_kernel(ss._selective_scan_kernel, t, dict(N=16, NP=16, BE=8, BT=32))
-    chunk = dict(N=16, NP=16, BE=ss.SCAN_BE, STAGES=ss.SCAN_STAGES)
+    chunk = dict(N=16, NP=16, BE=ss.SCAN_BE, STAGES=ss.SCAN_STAGES, UNROLL=ss.SCAN_UNROLL)
     t = ptrs("x_ptr", "dt_ptr", "B_ptr", "A2t_ptr", "st_ptr", "sum_ptr", "dts_ptr", "init_ptr", start_ptr="*i32")
     compile_kernel(ss._scan_summary_kernel, t, chunk, num_warps=ss.SCAN_WARPS)
     t = ptrs("sum_ptr", "dts_ptr", "A2t_ptr")

@@ -133,7 +133,7 @@ def _chunk_program(A2t_ptr, s0_ptr, s0e, s0n, start_ptr, E, N: tl.constexpr, NP:
 def _scan_summary_kernel(
     x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, A2t_ptr, st_ptr, start_ptr,
     sum_ptr, dts_ptr, init_ptr, T, E, L,
-    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
 ):
     # Pass 1. One program: one row, BE channels, one chunk of L steps, walked step by step:
     # the state the chunk leaves when it starts alone (see _chunk_program), and its summed
@@ -145,7 +145,7 @@ def _scan_summary_kernel(
         tl.store(init_ptr + b64 * E * N + n[None, :] * E + e[:, None], s, mask=sm)
     dt_sum = tl.zeros([BE], dtype=tl.float32)
     x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
-    for t in tl.range(c * L, tl.minimum(c * L + L, T), num_stages=STAGES):
+    for t in tl.range(c * L, tl.minimum(c * L + L, T), num_stages=STAGES, loop_unroll_factor=UNROLL):
         x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, start, T)
         s = s * tl.exp2(dt[:, None] * A2) + (dt * x)[:, None] * Bt[None, :]
         dt_sum += dt
@@ -179,7 +179,7 @@ def _scan_prefix_kernel(sum_ptr, dts_ptr, A2t_ptr, E, nc, N: tl.constexpr, NP: t
 def _scan_chunks_kernel(
     x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, C_ptr, scb, scn, sct,
     z_ptr, szb, sze, szt, A2t_ptr, D_ptr, st_ptr, y_ptr, start_ptr, sum_ptr, init_ptr, T, E, L,
-    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
 ):
     # Pass 2. One program: one row, BE channels, one chunk. It starts from the state
     # _scan_prefix_kernel left in the summary slot of the chunk before it (chunk 0 from
@@ -191,7 +191,7 @@ def _scan_chunks_kernel(
         s = tl.load(sum_ptr + ((b64 * nc + c - 1) * N + n[None, :]) * E + e[:, None], mask=sm, other=0.0)
     x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
     C_row, z_row, y_row = C_ptr + b64 * scb, z_ptr + b64 * szb, y_ptr + b64 * T * E
-    for t in tl.range(c * L, tl.minimum(c * L + L, T), num_stages=STAGES):
+    for t in tl.range(c * L, tl.minimum(c * L + L, T), num_stages=STAGES, loop_unroll_factor=UNROLL):
         x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, start, T)
         s = s * tl.exp2(dt[:, None] * A2) + (dt * x)[:, None] * Bt[None, :]
         Ct = tl.load(C_row + t * sct + n * scn, mask=nmask, other=0.0)
@@ -212,6 +212,7 @@ SCAN_BE = 128  # channels per program
 SCAN_WARPS = 1
 SCAN_PREFIX_BE, SCAN_PREFIX_WARPS = 32, 4  # the pass between: few steps, so many small programs
 SCAN_STAGES = 4  # software pipelining of each step's loads (tl.range num_stages)
+SCAN_UNROLL = 2  # steps a loop iteration (tl.range loop_unroll_factor): 1 x 4096 317 us against 340 with 1
 LOG2E = 1.4426950408889634
 SCAN_CHUNKED_FROM = 1024  # prompt steps from which the chunked scan is used
 
@@ -244,14 +245,14 @@ def selective_scan(x, delta, A, Bm, Cm, D, z, state, start=None, out_dtype=torch
         A2t = (A * LOG2E).t().contiguous()  # exp(dt * A) = exp2(dt * A2): one multiply less a state
         _scan_summary_kernel[grid](
             x, *x.stride(), delta, *delta.stride(), Bm, *Bm.stride(), A2t, state, start, sums, dt_sums, init, T, E, L,
-            N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, num_warps=SCAN_WARPS,
+            N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, UNROLL=SCAN_UNROLL, num_warps=SCAN_WARPS,
         )
         _scan_prefix_kernel[(Bsz, triton.cdiv(E, SCAN_PREFIX_BE))](
             sums, dt_sums, A2t, E, grid[2], N=N, NP=NP, BE=SCAN_PREFIX_BE, STAGES=SCAN_STAGES, num_warps=SCAN_PREFIX_WARPS
         )
         _scan_chunks_kernel[grid](
             x, *x.stride(), delta, *delta.stride(), Bm, *Bm.stride(), Cm, *Cm.stride(), z, *z.stride(),
-            A2t, D, state, y, start, sums, init, T, E, L, N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, num_warps=SCAN_WARPS,
+            A2t, D, state, y, start, sums, init, T, E, L, N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, UNROLL=SCAN_UNROLL, num_warps=SCAN_WARPS,
         )
         return y.transpose(1, 2)
     BE, BT = 8, 32
