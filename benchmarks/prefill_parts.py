@@ -16,7 +16,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from fastmamba.bench import random_model  # noqa: E402
 from fastmamba.kernels.causal_conv1d import causal_conv1d  # noqa: E402
-from fastmamba.kernels.rmsnorm import rmsnorm  # noqa: E402
+from fastmamba.kernels.rmsnorm import add_norm  # noqa: E402
 from fastmamba.kernels.selective_scan import selective_scan  # noqa: E402
 from fastmamba.kernels.step_size import step_size  # noqa: E402
 from fastmamba.model import Mamba, linear_storage, triton_ops  # noqa: E402
@@ -33,11 +33,12 @@ def main() -> None:
     B, T, d, E, N, R = args.batch, args.tokens, c.d_model, c.d_inner, c.d_state, c.dt_rank
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(B, T, d, device="cuda", generator=g)
+    o = torch.randn(B, T, d, device="cuda", generator=g)
     conv_state = torch.zeros(B, E, c.d_conv, device="cuda")
     ssm_state = torch.zeros(B, E, N, device="cuda")
 
     # the mixer's operations in order (model.mixer), each input made by the one before
-    u = rmsnorm(h, lw.norm_w, c.norm_eps, torch.bfloat16)
+    _, u = add_norm(h, o, lw.norm_w, c.norm_eps, torch.bfloat16)
     xz = linear_storage(u, lw.in_proj_w)
     x, z = xz.transpose(1, 2).split([E, E], dim=1)
     xc, x_in = causal_conv1d(x, lw.conv_w, lw.conv_b, conv_state, None, torch.bfloat16)
@@ -48,7 +49,7 @@ def main() -> None:
                        out_dtype=torch.bfloat16)
     M = B * T
     parts = [  # name, operation, bytes moved, FLOPs
-        ("rmsnorm", lambda: rmsnorm(h, lw.norm_w, c.norm_eps, torch.bfloat16), M * d * (4 + 2), 0),
+        ("add + rmsnorm", lambda: add_norm(h, o, lw.norm_w, c.norm_eps, torch.bfloat16), M * d * (4 * 3 + 2), 0),
         ("in_proj (cuBLAS, f32 out)", lambda: linear_storage(u, lw.in_proj_w), M * (d * 2 + 2 * E * 4) + 2 * E * d * 2, 2 * M * d * 2 * E),
         ("  (bf16 out)", lambda: torch.mm(u.view(M, d), lw.in_proj_w.t()), M * (d * 2 + 2 * E * 2) + 2 * E * d * 2, 2 * M * d * 2 * E),
         ("conv", lambda: causal_conv1d(x, lw.conv_w, lw.conv_b, conv_state, None, torch.bfloat16), M * E * (4 + 4 + 2), 0),
@@ -57,9 +58,7 @@ def main() -> None:
         ("  (cuBLAS dt_proj alone)", lambda: linear_storage(dt_r, lw.dt_proj_w), M * (R * 4 + E * 4), 2 * M * R * E),
         ("scan", lambda: selective_scan(xc, delta.transpose(1, 2), lw.A, Bm.transpose(1, 2), Cm.transpose(1, 2), lw.D, z,
                                         ssm_state, out_dtype=torch.bfloat16), M * E * (4 + 4 + 4 + 2), 0),
-        ("out_proj + residual (cuBLAS)", lambda: linear_storage(y.transpose(1, 2), lw.out_proj_w, residual=h),
-         M * (E * 2 + d * 8) + E * d * 2, 2 * M * E * d),
-        ("  (without the residual)", lambda: linear_storage(y.transpose(1, 2), lw.out_proj_w), M * (E * 2 + d * 4) + E * d * 2, 2 * M * E * d),
+        ("out_proj (cuBLAS)", lambda: linear_storage(y.transpose(1, 2), lw.out_proj_w), M * (E * 2 + d * 4) + E * d * 2, 2 * M * E * d),
     ]
     print(f"{args.model} {B}x{T} bf16, one layer of {c.n_layer}:")
     total = 0.0

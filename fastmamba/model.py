@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .config import MambaConfig
 from .kernels.causal_conv1d import causal_conv1d_ref
-from .kernels.rmsnorm import rmsnorm_ref
+from .kernels.rmsnorm import add_norm_ref
 from .kernels.selective_scan import selective_scan_ref
 from .kernels.step_size import step_size_ref
 
@@ -74,29 +74,23 @@ class MambaState:
         return MambaState(self.conv[:, index].clone(), self.ssm[:, index].clone())
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, residual=None) -> torch.Tensor:
-    """x @ weight.T + bias (+ residual, float32) with float32 accumulation whatever the
-    weight's storage dtype."""
-    y = F.linear(x.float(), weight.float(), bias)
-    return y if residual is None else residual + y
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias with float32 accumulation whatever the weight's storage dtype."""
+    return F.linear(x.float(), weight.float(), bias)
 
 
-def linear_storage(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, residual=None) -> torch.Tensor:
+def linear_storage(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`linear` as a GPU product in the weight's own dtype (cuBLAS, float32 accumulation and
     float32 output), without a float32 copy of the weight; the activations are rounded to
-    that dtype (a no-op when they arrive in it). The residual is added in the product's
-    epilogue (addmm), which saves a pass that reads it and the product again."""
+    that dtype (a no-op when they arrive in it)."""
+    if weight.dtype == torch.float32:
+        return F.linear(x.float(), weight, bias)
     x2 = x.reshape(-1, x.shape[-1]).to(weight.dtype)
-    shape = (*x.shape[:-1], weight.shape[0])
-    if not x.is_cuda:  # (the Triton interpreter's tests on the CPU)
-        y = F.linear(x2, weight).float().view(shape)
-        y = y if residual is None else residual + y
-    elif residual is None:  # straight to float32: no extra pass over the output
-        y = torch.mm(x2, weight.t(), out_dtype=torch.float32).view(shape)
-    else:
-        r = residual.reshape(-1, weight.shape[0])
-        y = (torch.addmm(r, x2, weight.t()) if weight.dtype == torch.float32 else
-             torch.addmm(r, x2, weight.t(), out_dtype=torch.float32)).view(shape)
+    if x.is_cuda:  # straight to float32: no extra pass over the output
+        y = torch.mm(x2, weight.t(), out_dtype=torch.float32)
+    else:  # (the Triton interpreter's tests on the CPU)
+        y = F.linear(x2, weight).float()
+    y = y.view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
 
 
@@ -109,30 +103,28 @@ class Ops:
     conv: Callable  # causal_conv1d_ref signature: (output for the scan, output for x_proj)
     step_size: Callable  # step_size_ref signature: softplus(dt_proj(dt_r) + dt_bias)
     scan: Callable  # selective_scan_ref signature
-    norm: Callable  # rmsnorm_ref signature: rmsnorm(h) * w, in a given dtype
+    add_norm: Callable  # add_norm_ref signature: (h + o, rmsnorm(h + o)), the norm in a given dtype
 
 
-REFERENCE_OPS = Ops(linear, causal_conv1d_ref, step_size_ref, selective_scan_ref, rmsnorm_ref)
+REFERENCE_OPS = Ops(linear, causal_conv1d_ref, step_size_ref, selective_scan_ref, add_norm_ref)
 
 
 def triton_ops() -> Ops:
     from .kernels.causal_conv1d import causal_conv1d
-    from .kernels.rmsnorm import rmsnorm
+    from .kernels.rmsnorm import add_norm
     from .kernels.selective_scan import selective_scan
     from .kernels.step_size import step_size
 
-    return Ops(linear_storage, causal_conv1d, step_size, selective_scan, rmsnorm)
+    return Ops(linear_storage, causal_conv1d, step_size, selective_scan, add_norm)
 
 
 def mixer(
-    config: MambaConfig, lw: LayerWeights, u: torch.Tensor, conv_state, ssm_state, ops: Ops = REFERENCE_OPS, start=None,
-    residual: torch.Tensor | None = None,
+    config: MambaConfig, lw: LayerWeights, u: torch.Tensor, conv_state, ssm_state, ops: Ops = REFERENCE_OPS, start=None
 ) -> torch.Tensor:
     """One layer's mixer over T new tokens, continuing from and updating the layer's state.
 
-    u (B, T, d) -> (B, T, d) f32, added to residual (the residual stream, f32) when given:
-    out_proj adds it as it writes (on the GPU in the product's epilogue). A decode step is
-    the same call with T = 1. start (B,): left padding, see kernels/causal_conv1d.py.
+    u (B, T, d) f32 -> (B, T, d) f32. A decode step is the same call with T = 1.
+    start (B,): left padding, see kernels/causal_conv1d.py.
     """
     E, N, R = config.d_inner, config.d_state, config.dt_rank
     xz = ops.linear(u, lw.in_proj_w, lw.in_proj_b)  # (B, T, 2E)
@@ -145,7 +137,7 @@ def mixer(
         x, delta.transpose(1, 2), lw.A, Bm.transpose(1, 2), Cm.transpose(1, 2), lw.D, z, ssm_state, start,
         out_dtype=lw.out_proj_w.dtype,  # y as out_proj reads it (GPU path; the reference keeps f32)
     )  # (B, E, T)
-    return ops.linear(y.transpose(1, 2), lw.out_proj_w, lw.out_proj_b, residual)
+    return ops.linear(y.transpose(1, 2), lw.out_proj_w, lw.out_proj_b)
 
 
 class Mamba:
@@ -170,12 +162,12 @@ class Mamba:
 
     def backbone(self, h: torch.Tensor, state: MambaState, start=None) -> torch.Tensor:
         """All layers and the final norm over T inputs: h (B, T, d) f32 -> (B, T, d) f32."""
-        h, eps = h.float(), self.config.norm_eps
+        h, o, eps = h.float(), None, self.config.norm_eps
         for i, lw in enumerate(self.weights.layers):
             # the norm comes out in the dtype in_proj reads (GPU path; the reference keeps f32)
-            u = self.ops.norm(h, lw.norm_w, eps, lw.in_proj_w.dtype)
-            h = mixer(self.config, lw, u, state.conv[i], state.ssm[i], self.ops, start, residual=h)
-        return self.ops.norm(h, self.weights.norm_f, eps, torch.float32)
+            h, u = self.ops.add_norm(h, o, lw.norm_w, eps, lw.in_proj_w.dtype)
+            o = mixer(self.config, lw, u, state.conv[i], state.ssm[i], self.ops, start)
+        return self.ops.add_norm(h, o, self.weights.norm_f, eps, torch.float32)[1]
 
     def prefill(
         self, input_ids: torch.Tensor, state: MambaState, start: torch.Tensor | None = None, last_only: bool = False

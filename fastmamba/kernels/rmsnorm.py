@@ -3,8 +3,7 @@
 Between two layers the residual stream h takes the mixer's output o, and the next layer
 reads rmsnorm(h) * norm_w through a product with 16-bit weights; doing the add, the norm
 and the rounding in one kernel reads and writes h once instead of in six element-wise
-passes. Used by the cuBLAS decode step, and without the add by prefill (model.backbone
-through Ops.norm: there out_proj's product adds the residual as it writes).
+passes. Used by prefill (model.backbone through Ops.add_norm) and by the cuBLAS decode step.
 """
 
 from __future__ import annotations
@@ -57,14 +56,14 @@ def residual_rmsnorm(h, o, bias, norm_w, eps, u, h_out=None, o_halves=False, u_h
     )
 
 
-def rmsnorm_ref(h, norm_w, eps, dtype=None):
-    """Ops.norm of the reference path: rmsnorm(h) * norm_w, float32 (dtype is the GPU path's)."""
-    return residual_rmsnorm_ref(h, None, None, norm_w, eps)[1]
+def add_norm_ref(h, o, norm_w, eps, dtype=None):
+    """Ops.add_norm of the reference path: (h + o, rmsnorm(h + o) * norm_w), float32."""
+    return residual_rmsnorm_ref(h, o, None, norm_w, eps)
 
 
-def rmsnorm(h, norm_w, eps, dtype=torch.float32):
-    """Ops.norm of the GPU path: rmsnorm(h) * norm_w in dtype (the residual add happened in
-    out_proj's epilogue, model.mixer)."""
+def add_norm(h, o, norm_w, eps, dtype=torch.float32):
+    """Ops.add_norm of the GPU path: a new h (h itself when o is None) and the norm in dtype."""
+    h_out = h if o is None else torch.empty_like(h)
     u = torch.empty(h.shape, device=h.device, dtype=dtype)
-    residual_rmsnorm(h.contiguous(), None, None, norm_w, eps, u)
-    return u
+    residual_rmsnorm(h.contiguous(), None if o is None else o.contiguous(), None, norm_w, eps, u, h_out)
+    return h_out, u
