@@ -108,13 +108,14 @@ def _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n,
 
 
 @jit
-def _chunk_program(A2t_ptr, s0_ptr, s0e, s0n, start_ptr, E, N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr):
+def _chunk_program(A2t_ptr, start_ptr, E, N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr):
     """What both passes' programs start from: one row b, BE channels e, chunk c; this
-    row's start; log2(e) * A for the channels, loaded from its (N, E) transpose so that
-    each thread holds all N states of its channels (the per-channel work, the gate and the
-    sum over N for y, then happens once per channel, in registers); and the
-    state the chunk would start from alone: s0's (row stride E * N, strides s0e, s0n) for
-    chunk 0 of an unpadded row, zero otherwise."""
+    row's start; and log2(e) * A for the channels, loaded from its (N, E) transpose so
+    that each thread holds all N states of its channels (the per-channel work, the gate
+    and the sum over N for y, then happens once per channel, in registers). Every state
+    these programs load or store is laid out (N, E) too, channels contiguous: a state in
+    another layout (the layer's, (E, N)) made the compiler convert each step's exps
+    between the two through shared memory."""
     b64 = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BE + tl.arange(0, BE)
     c = tl.program_id(2)
@@ -124,28 +125,23 @@ def _chunk_program(A2t_ptr, s0_ptr, s0e, s0n, start_ptr, E, N: tl.constexpr, NP:
     sm = emask[:, None] & nmask[None, :]
     start = tl.load(start_ptr + b64)
     A2 = tl.load(A2t_ptr + n[None, :] * E + e[:, None], mask=sm, other=0.0)  # (BE, NP)
-    from_state = n[None, :] < tl.where((c == 0) & (start == 0), N, 0)  # all n, or none
-    s = tl.load(s0_ptr + b64 * E * N + e[:, None] * s0e + n[None, :] * s0n, mask=sm & from_state, other=0.0)
-    return b64, e, c, emask, n, nmask, sm, start, A2, s
+    return b64, e, c, emask, n, nmask, sm, start, A2
 
 
 @jit
 def _scan_summary_kernel(
-    x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, A2t_ptr, st_ptr, start_ptr,
-    sum_ptr, dts_ptr, init_ptr, T, E, L,
+    x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, A2t_ptr, start_ptr,
+    sum_ptr, dts_ptr, T, E, L,
     N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
 ):
-    # Pass 1. One program: one row, BE channels, one chunk of L steps, walked step by step:
-    # the state the chunk leaves when it starts alone (see _chunk_program), and its summed
-    # step sizes (A times that sum is the log of the chunk's whole decay). Chunk 0 also
-    # keeps its starting state for pass 2, which rewrites the layer's state. Summaries and
-    # that copy are stored (N, E), channels contiguous, as the programs hold them. No
-    # chunk after the last needs a start, so this pass runs all chunks but the last (and
-    # one slot a row, where the scan is one chunk, for chunk 0's copy).
-    b64, e, c, emask, n, nmask, sm, start, A2, s = _chunk_program(A2t_ptr, st_ptr, N, 1, start_ptr, E, N, NP, BE)
+    # Pass 1. One program: one row, BE channels, one chunk of L steps, walked step by step
+    # from a zero state: the state the chunk leaves when it starts alone, and its summed
+    # step sizes (A times that sum is the log of the chunk's whole decay). Stored (N, E)
+    # (see _chunk_program). No chunk after the last needs a start, so this pass runs all
+    # chunks but the last (one where the scan is one chunk: its summary goes unused).
+    b64, e, c, emask, n, nmask, sm, start, A2 = _chunk_program(A2t_ptr, start_ptr, E, N, NP, BE)
     slots = tl.num_programs(2)
-    if c == 0:
-        tl.store(init_ptr + b64 * E * N + n[None, :] * E + e[:, None], s, mask=sm)
+    s = tl.zeros([BE, NP], dtype=tl.float32)
     dt_sum = tl.zeros([BE], dtype=tl.float32)
     x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
     for t in tl.range(c * L, tl.minimum(c * L + L, T), num_stages=STAGES, loop_unroll_factor=UNROLL):
@@ -157,20 +153,26 @@ def _scan_summary_kernel(
 
 
 @jit
-def _scan_prefix_kernel(sum_ptr, dts_ptr, A2t_ptr, E, slots, N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr):
-    # Between the passes. One program: one row, BE channels, the summaries in order: the
-    # state each chunk starts from is the one before it decayed by that chunk's summed step
-    # sizes plus its summary (chunk 0's summary already holds the layer's old state). It
-    # overwrites the summary of chunk c with the state chunk c + 1 starts from (its own
-    # elements, read before written), so pass 2 loads one state instead of folding all
-    # the summaries before its chunk (which cost it half again its steps' exps at 64 chunks).
+def _scan_prefix_kernel(
+    st_ptr, start_ptr, init_ptr, sum_ptr, dts_ptr, A2t_ptr, E, slots,
+    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr,
+):
+    # Between the passes. One program: one row, BE channels. It copies the layer's old
+    # state, where chunk 0 starts (zero for a padded row), to init, (N, E) for pass 2; then
+    # walks the summaries in order: the state each chunk starts from is the one before it
+    # decayed by that chunk's summed step sizes plus its summary. It overwrites the summary
+    # of chunk c with the state chunk c + 1 starts from (its own elements, read before
+    # written), so pass 2 loads one state instead of folding all the summaries before its
+    # chunk (which cost it half again its steps' exps at 64 chunks).
     b64 = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BE + tl.arange(0, BE)
     emask = e < E
     n = tl.arange(0, NP)
     sm = emask[:, None] & (n < N)[None, :]
     A2 = tl.load(A2t_ptr + n[None, :] * E + e[:, None], mask=sm, other=0.0)  # (BE, NP)
-    s = tl.zeros([BE, NP], dtype=tl.float32)
+    start = tl.load(start_ptr + b64)
+    s = tl.load(st_ptr + b64 * E * N + e[:, None] * N + n[None, :], mask=sm & (n[None, :] < tl.where(start == 0, N, 0)), other=0.0)
+    tl.store(init_ptr + b64 * E * N + n[None, :] * E + e[:, None], s, mask=sm)
     for c in tl.range(0, slots, num_stages=STAGES):
         dts = tl.load(dts_ptr + (b64 * slots + c) * E + e, mask=emask, other=0.0)
         ptrs = sum_ptr + ((b64 * slots + c) * N + n[None, :]) * E + e[:, None]
@@ -185,13 +187,15 @@ def _scan_chunks_kernel(
     N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
 ):
     # Pass 2. One program: one row, BE channels, one chunk. It starts from the state
-    # _scan_prefix_kernel left in the summary slot of the chunk before it (chunk 0 from
-    # pass 1's copy of the layer's old state), then walks its steps again, writing y. The
-    # last chunk writes the layer's new state, which no program of this pass reads.
-    b64, e, c, emask, n, nmask, sm, start, A2, s = _chunk_program(A2t_ptr, init_ptr, 1, E, start_ptr, E, N, NP, BE)
+    # _scan_prefix_kernel left in the summary slot of the chunk before it (chunk 0 from its
+    # copy of the layer's old state), then walks its steps again, writing y. The last chunk
+    # writes the layer's new state, which no program of this pass reads.
+    b64, e, c, emask, n, nmask, sm, start, A2 = _chunk_program(A2t_ptr, start_ptr, E, N, NP, BE)
     nc = tl.num_programs(2)
     Dv = tl.load(D_ptr + e, mask=emask, other=0.0)
-    if c > 0:  # (then there are nc - 1 summary slots a row)
+    if c == 0:
+        s = tl.load(init_ptr + b64 * E * N + n[None, :] * E + e[:, None], mask=sm, other=0.0)
+    else:  # (then there are nc - 1 summary slots a row)
         s = tl.load(sum_ptr + ((b64 * (nc - 1) + c - 1) * N + n[None, :]) * E + e[:, None], mask=sm, other=0.0)
     x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
     C_row, z_row, y_row = C_ptr + b64 * scb, z_ptr + b64 * szb, y_ptr + b64 * T * E
@@ -249,11 +253,11 @@ def selective_scan(x, delta, A, Bm, Cm, D, z, state, start=None, out_dtype=torch
         init = torch.empty(Bsz, N, E, device=x.device, dtype=torch.float32)
         A2t = (A * LOG2E).t().contiguous()  # exp(dt * A) = exp2(dt * A2): one multiply less a state
         _scan_summary_kernel[grid[:2] + (slots,)](
-            x, *x.stride(), delta, *delta.stride(), Bm, *Bm.stride(), A2t, state, start, sums, dt_sums, init, T, E, L,
+            x, *x.stride(), delta, *delta.stride(), Bm, *Bm.stride(), A2t, start, sums, dt_sums, T, E, L,
             N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, UNROLL=SCAN_UNROLL, num_warps=SCAN_WARPS,
         )
         _scan_prefix_kernel[(Bsz, triton.cdiv(E, SCAN_PREFIX_BE))](
-            sums, dt_sums, A2t, E, slots, N=N, NP=NP, BE=SCAN_PREFIX_BE, STAGES=SCAN_STAGES, num_warps=SCAN_PREFIX_WARPS
+            state, start, init, sums, dt_sums, A2t, E, slots, N=N, NP=NP, BE=SCAN_PREFIX_BE, STAGES=SCAN_STAGES, num_warps=SCAN_PREFIX_WARPS
         )
         _scan_chunks_kernel[grid](
             x, *x.stride(), delta, *delta.stride(), Bm, *Bm.stride(), Cm, *Cm.stride(), z, *z.stride(),
