@@ -56,7 +56,7 @@ def step_size(dt_r: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> t
     x_proj's output). Returns a contiguous (B, T, E) float32 tensor."""
     Bsz, T, R = dt_r.shape
     E = weight.shape[0]
-    r2 = dt_r.reshape(Bsz * T, R) if dt_r.stride(0) == T * dt_r.stride(1) else dt_r.contiguous().view(Bsz * T, R)
+    r2 = dt_r.reshape(Bsz * T, R)  # a view where the strides allow (x_proj's slice), else a copy
     out = torch.empty(Bsz, T, E, device=dt_r.device, dtype=torch.float32)
     M = Bsz * T
     _step_size_kernel[(triton.cdiv(M, STEP_BM), triton.cdiv(E, STEP_BN))](
