@@ -113,9 +113,10 @@ def _chunk_program(A2t_ptr, start_ptr, E, N: tl.constexpr, NP: tl.constexpr, BE:
     row's start; and log2(e) * A for the channels, loaded from its (N, E) transpose so
     that each thread holds all N states of its channels (the per-channel work, the gate
     and the sum over N for y, then happens once per channel, in registers). Every state
-    these programs load or store is laid out (N, E) too, channels contiguous: a state in
-    another layout (the layer's, (E, N)) made the compiler convert each step's exps
-    between the two through shared memory."""
+    they walk from is laid out (N, E) too, channels contiguous: a starting state in the
+    layer's layout, (E, N), made the compiler convert each step's exps to it through
+    shared memory. (Pass 2's last chunk writes the layer's new state in its own layout,
+    once, after its walk.)"""
     b64 = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BE + tl.arange(0, BE)
     c = tl.program_id(2)
