@@ -71,6 +71,20 @@ def step_bytes(model: Mamba, batch: int) -> tuple[int, int]:
     return weight, state
 
 
+def gpu_ms(fn, reps: int, runs: int) -> list[float]:
+    """GPU ms per call of fn (CUDA events around `reps` calls), for each of `runs` runs."""
+    times = []
+    for _ in range(runs):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / reps)
+    return times
+
+
 def copy_bandwidth(gib: float = 2.0) -> float:
     """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
     n = int(gib * 2**30) // 4
@@ -78,15 +92,8 @@ def copy_bandwidth(gib: float = 2.0) -> float:
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return 2 * n * 4 / sorted(times)[len(times) // 2]
+    times = sorted(gpu_ms(lambda: dst.copy_(src), 1, 10))
+    return 2 * n * 4 / (times[len(times) // 2] / 1e3)
 
 
 def time_graph_launches(launches, reps: int = 20) -> float:
@@ -97,16 +104,7 @@ def time_graph_launches(launches, reps: int = 20) -> float:
     graph, _ = capture_graph(lambda: [f() for f in launches])
     graph.replay()
     torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            graph.replay()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / reps / len(launches))
-    return best
+    return min(gpu_ms(graph.replay, reps, 3)) * 1e3 / len(launches)
 
 
 def time_graph_steps(model: Mamba, batch: int, steps: int = 200, deterministic: bool = False, params=None) -> float:
@@ -122,16 +120,8 @@ def time_graph_steps(model: Mamba, batch: int, steps: int = 200, deterministic: 
     dec.begin(model.new_state(batch), logits, pick_sampler([params], True), reqs)
     for _ in range(10):
         dec.next()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(steps // 5 // dec.steps):
-            dec.graph.replay()  # dec.steps steps
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / (steps // 5 // dec.steps * dec.steps))
-    return sorted(times)[2]
+    # each replay runs dec.steps steps
+    return sorted(gpu_ms(dec.graph.replay, steps // 5 // dec.steps, 5))[2] / dec.steps
 
 
 def time_hf(size: str, dtype: torch.dtype, batch: int, tokens: int = 32) -> float | None:
