@@ -107,18 +107,18 @@ def tune_in_graph(size, parts=("in_proj", "out_proj", "states")):
 
 
 def tune_early_launch(size):
-    """Which kernels let the next one launch before their own wait (DecodeStep.early_launch)."""
+    """Which kernels let the next one launch before their own wait (DecodeStep.EARLY_LAUNCH)."""
     from fastmamba.bench import random_model, time_graph_steps
 
     model = random_model(size, DT)
-    default = ds.DecodeStep.__dict__["early_launch"]
-    print(f"{size} early launch by default {sorted(default.__func__(model.config.d_model))}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
+    default = ds.DecodeStep.EARLY_LAUNCH
+    print(f"{size} early launch by default {sorted(default)}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     for early in [(), ("ssm_step",), ("ssm_step", "out_proj_residual"), ("rmsnorm_linear", "ssm_step", "out_proj_residual"),
                   ("rmsnorm_linear", "out_proj_residual"), ("rmsnorm_linear",),
                   ("conv_x_proj", "ssm_step", "out_proj_residual"), ("conv_x_proj",), ("conv_x_proj", "ssm_step")]:  # conv_x_proj: wide models only
-        ds.DecodeStep.early_launch = staticmethod(lambda d, e=frozenset(early): e)
+        ds.DecodeStep.EARLY_LAUNCH = frozenset(early)
         print(f"{size} early launch {early}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    ds.DecodeStep.early_launch = default
+    ds.DecodeStep.EARLY_LAUNCH = default
 
 
 def tune_tile(size):

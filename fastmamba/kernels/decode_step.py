@@ -40,7 +40,7 @@ Why it is shaped this way:
   tile; in in_proj also the conv weights and window, and x_proj's columns into L2; in
   conv_x_proj x_proj's columns; in ssm_step the layer's state), and only then waits for
   the previous kernel's results (`_wait_for_prior_kernel`). Some let the next kernel
-  launch even before their own wait (`DecodeStep.early_launch`).
+  launch even before their own wait (`DecodeStep.EARLY_LAUNCH`).
 - Batches above SMALL_BATCH run through cuBLAS instead (decode_gemm.py), unless
   deterministic: see `make_decode_step`.
 """
@@ -568,14 +568,12 @@ class DecodeStep:
         at 128 channels, tools/compile_kernels.py)."""
         return max(4, block // 16)
 
-    @staticmethod
-    def early_launch(d_model: int) -> frozenset:
-        """One-row kernels that let the next kernel launch as soon as all their programs have
-        started instead of after their wait (PDL 2), so that it loads its first weights
-        sooner: ssm_step and out_proj (bf16 batch 1, whole steps, against none: 130m 0.339
-        ms / 0.360, 370m 0.762 / 0.800, 1.4b 1.344 / 1.394; at 2.8b it once lost, 2.254 /
-        2.239, and wins since conv_x_proj runs 128 channels a program: 1.786 / 1.796)."""
-        return frozenset({"ssm_step", "out_proj_residual"})
+    # One-row kernels that let the next kernel launch as soon as all their programs have
+    # started instead of after their wait (PDL 2), so that it loads its first weights
+    # sooner: ssm_step and out_proj (bf16 batch 1, whole steps, against none: 130m 0.339
+    # ms / 0.360, 370m 0.762 / 0.800, 1.4b 1.344 / 1.394; at 2.8b it once lost, 2.254 /
+    # 2.239, and wins since conv_x_proj runs 128 channels a program: 1.786 / 1.796).
+    EARLY_LAUNCH = frozenset({"ssm_step", "out_proj_residual"})
 
     @staticmethod
     def out_blocks(d_model: int) -> tuple[int, int, int, int]:
@@ -639,7 +637,7 @@ class DecodeStep:
         self.best = torch.full((BP,), ARGMAX_EMPTY, device=dev, dtype=torch.int64)  # see _argmax_keys
         pdl = use_pdl(dev)
         self.pdl = dict(PDL=1, launch_pdl=True) if pdl else dict(PDL=0)
-        self.early = self.early_launch(d) if one_row else frozenset()
+        self.early = self.EARLY_LAUNCH if one_row else frozenset()
 
     def pdl_for(self, kernel: str) -> dict:
         """The PDL launch settings for one of the step's kernels (see _let_next_kernel_launch)."""
