@@ -4,6 +4,8 @@ SCAN_WARPS, SCAN_STAGES and SCAN_UNROLL in kernels/selective_scan.py.
 
     python benchmarks/tune_scan.py             # the sweep
     python benchmarks/tune_scan.py --passes    # each pass's time at the defaults
+    python benchmarks/tune_scan.py --split     # chunks a row x channels a program
+    python benchmarks/tune_scan.py --lengths   # chunk lengths near the defaults
 """
 
 import itertools
@@ -13,6 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from fastmamba.kernels import selective_scan as ss  # noqa: E402
@@ -49,6 +52,53 @@ def main() -> None:
                   flush=True)
 
 
+def split() -> None:
+    """The chunked scan at each number of chunks a row (1 = pass 2 alone, no summaries) and
+    channels a program: fewer chunks mean fewer exps (pass 1 walks all chunks but the last),
+    more channels a thread fewer loads a state; both mean fewer warps to hide latency."""
+    ss.SCAN_FEW_PROGRAMS = 0  # L as given
+    for B, T, E in ((1, 4096, 5120), (8, 2048, 5120)):
+        args = inputs(B, T, E)
+        ref = ss.selective_scan(*args, chunked=False).clone()
+        res = []
+        for BE, warps, unroll in ((32, 1, 2), (32, 1, 4), (64, 2, 2), (64, 1, 2), (128, 1, 2), (128, 4, 2)):
+            for nc in (1, 2, 4, 8, 16, 32, 64):
+                ss.SCAN_CHUNK, ss.SCAN_BE, ss.SCAN_WARPS, ss.SCAN_UNROLL = T // nc, BE, warps, unroll
+                try:
+                    ms = do_bench(lambda: ss.selective_scan(*args, chunked=True), warmup=3, rep=20)
+                except triton.runtime.errors.OutOfResources as e:
+                    print(f"   BE={BE} warps={warps} unroll={unroll} nc={nc}: {e}", flush=True)
+                    continue
+                args[-1].zero_()  # do_bench left the state after its runs
+                err = (ss.selective_scan(*args, chunked=True) - ref).abs().max().item()
+                args[-1].zero_()
+                res.append((ms * 1e3, BE, warps, unroll, nc, B * E // BE * nc * warps / 132, err))
+        print(f"B={B} T={T} E={E}:", flush=True)
+        for us, BE, warps, unroll, nc, wps, err in sorted(res)[:16]:
+            print(f"   {us:8.1f} us  BE={BE:3d} warps={warps} unroll={unroll} chunks={nc:2d} ({wps:5.1f} warps an SM)"
+                  f"  max diff {err:.1e}", flush=True)
+
+
+def lengths() -> None:
+    """The chunked scan at its default blocks for chunk lengths around the defaults: the
+    number of programs against the GPU's resident slots (whole waves or a ragged last one)."""
+    ss.SCAN_FEW_PROGRAMS = 0  # L as given
+    for B, T, E, Ls in ((1, 4096, 5120, (56, 60, 64, 68, 72, 76, 80, 84, 88, 96, 104, 112)),
+                        (8, 2048, 5120, (96, 104, 112, 120, 128, 136, 144, 160))):
+        args = inputs(B, T, E)
+        ref = ss.selective_scan(*args, chunked=False).clone()
+        print(f"B={B} T={T} E={E}:", flush=True)
+        for L in Ls:
+            ss.SCAN_CHUNK = L
+            ms = do_bench(lambda: ss.selective_scan(*args, chunked=True), warmup=3, rep=30)
+            args[-1].zero_()  # do_bench left the state after its runs
+            err = (ss.selective_scan(*args, chunked=True) - ref).abs().max().item()
+            args[-1].zero_()
+            nc = -(-T // L)
+            print(f"   L={L:3d} chunks={nc:3d} programs {B * (E // ss.SCAN_BE) * nc:5d}: {ms * 1e3:8.1f} us  max diff {err:.1e}",
+                  flush=True)
+
+
 def passes() -> None:
     """Each pass's GPU time at the defaults (torch.profiler), 2.8b widths."""
     for B, T in ((1, 4096), (8, 2048)):
@@ -70,5 +120,9 @@ def profile_passes(args) -> None:
 if __name__ == "__main__":
     if "--passes" in sys.argv:
         passes()
+    elif "--split" in sys.argv:
+        split()
+    elif "--lengths" in sys.argv:
+        lengths()
     else:
         main()

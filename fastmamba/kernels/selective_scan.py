@@ -139,7 +139,7 @@ def _scan_summary_kernel(
     # from a zero state: the state the chunk leaves when it starts alone, and its summed
     # step sizes (A times that sum is the log of the chunk's whole decay). Stored (N, E)
     # (see _chunk_program). No chunk after the last needs a start, so this pass runs all
-    # chunks but the last (one where the scan is one chunk: its summary goes unused).
+    # chunks but the last (none where the scan is one chunk).
     b64, e, c, emask, n, nmask, sm, start, A2 = _chunk_program(A2t_ptr, start_ptr, E, N, NP, BE)
     slots = tl.num_programs(2)
     s = tl.zeros([BE, NP], dtype=tl.float32)
@@ -248,17 +248,19 @@ def selective_scan(x, delta, A, Bm, Cm, D, z, state, start=None, out_dtype=torch
         if Bsz * triton.cdiv(E, BE) * triton.cdiv(T, L) < SCAN_FEW_PROGRAMS:
             L //= 2
         grid = (Bsz, triton.cdiv(E, BE), triton.cdiv(T, L))
-        slots = max(grid[2] - 1, 1)  # pass 1's chunks: all but the last
+        slots = max(grid[2] - 1, 1)  # pass 1's chunks: all but the last (a spare slot for one chunk)
         sums = torch.empty(Bsz, slots, N, E, device=x.device, dtype=torch.float32)
         dt_sums = torch.empty(Bsz, slots, E, device=x.device, dtype=torch.float32)
         init = torch.empty(Bsz, N, E, device=x.device, dtype=torch.float32)
         A2t = (A * LOG2E).t().contiguous()  # exp(dt * A) = exp2(dt * A2): one multiply less a state
-        _scan_summary_kernel[grid[:2] + (slots,)](
-            x, *x.stride(), delta, *delta.stride(), Bm, *Bm.stride(), A2t, start, sums, dt_sums, T, E, L,
-            N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, UNROLL=SCAN_UNROLL, num_warps=SCAN_WARPS,
-        )
+        if grid[2] > 1:  # one chunk starts from the layer's state alone: no summaries to make
+            _scan_summary_kernel[grid[:2] + (slots,)](
+                x, *x.stride(), delta, *delta.stride(), Bm, *Bm.stride(), A2t, start, sums, dt_sums, T, E, L,
+                N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, UNROLL=SCAN_UNROLL, num_warps=SCAN_WARPS,
+            )
         _scan_prefix_kernel[(Bsz, triton.cdiv(E, SCAN_PREFIX_BE))](
-            state, start, init, sums, dt_sums, A2t, E, slots, N=N, NP=NP, BE=SCAN_PREFIX_BE, STAGES=SCAN_STAGES, num_warps=SCAN_PREFIX_WARPS
+            state, start, init, sums, dt_sums, A2t, E, grid[2] - 1,
+            N=N, NP=NP, BE=SCAN_PREFIX_BE, STAGES=SCAN_STAGES, num_warps=SCAN_PREFIX_WARPS,
         )
         _scan_chunks_kernel[grid](
             x, *x.stride(), delta, *delta.stride(), Bm, *Bm.stride(), Cm, *Cm.stride(), z, *z.stride(),
