@@ -10,7 +10,7 @@ neighbours, so its best blocks need not be the step's (--states: where the conv 
 x_proj run, and ssm_step's blocks; --out-proj, --in-proj: only those; --wide: 1.4b and
 2.8b only). With --lm-head it sweeps lm_head's blocks (and 130m's in_proj) in whole
 steps; with --early, which kernels let the next one launch before their own wait; with
---tile, the tile (deterministic) mode's loop.
+--sum-last, where one-row in_proj sums over K; with --tile, the tile (deterministic) mode's loop.
 """
 
 import itertools
@@ -50,7 +50,7 @@ def tune_rmsnorm_linear(n_out, d):
             ds._rmsnorm_linear_kernel[(triton.cdiv(n_out, BN), 1)](
                 h, dh, nw, w, w, out, *(out,) * 7, 1, d, n_out, 0, 0, 1e-5, HAS_BIAS=False, IEEE=False,
                 CONV=False, ARGMAX=False, K=4, KP=4, HAS_CB=False, PENDING=True, BB=1, BN=BN, BK=BK, BJ=16, STAGES=1,
-                PDL=0, num_warps=warps,
+                SUM_LAST=ds.DecodeStep.IN_PROJ_SUM_LAST and n_out == 4 * d, PDL=0, num_warps=warps,
             )
 
         res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BN=BN, BK=BK, warps=warps)))
@@ -121,6 +121,24 @@ def tune_early_launch(size):
     ds.DecodeStep.EARLY_LAUNCH = default
 
 
+def tune_sum_last(size):
+    """One-row in_proj summing over K in every K tile or once after the loop
+    (DecodeStep.IN_PROJ_SUM_LAST), with K tiles of 256 or 512, whole steps, each twice."""
+    from fastmamba.bench import random_model, time_graph_steps
+
+    model = random_model(size, DT)
+    default, default_linear = ds.DecodeStep.IN_PROJ_SUM_LAST, ds.DecodeStep.__dict__["linear_blocks"]
+    vocab = model.config.vocab_size
+    for _ in range(2):
+        for sum_last, BK in ((True, 256), (False, 512), (True, 512), (False, 256)):
+            ds.DecodeStep.IN_PROJ_SUM_LAST = sum_last
+            ds.DecodeStep.linear_blocks = staticmethod(
+                lambda n, d, one_row, BK=BK: (lambda b: b if n == vocab else (b[0], BK, *b[2:]))(default_linear.__func__(n, d, one_row)))
+            how = "after the loop" if sum_last else "every K tile"
+            print(f"{size} in_proj summed {how}, K tiles of {BK}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
+    ds.DecodeStep.IN_PROJ_SUM_LAST, ds.DecodeStep.linear_blocks = default, default_linear
+
+
 def tune_tile(size):
     """The tile mode's rmsnorm_linear loop (BK, pipeline stages) in whole deterministic
     batch-1 steps."""
@@ -165,6 +183,10 @@ if __name__ == "__main__":
     if "--tile" in sys.argv:
         for size in ("130m", "2.8b"):
             tune_tile(size)
+        sys.exit()
+    if "--sum-last" in sys.argv:
+        for size in ("1.4b", "2.8b"):
+            tune_sum_last(size)
         sys.exit()
     if "--early" in sys.argv:
         for size in ("130m", "370m", "1.4b", "2.8b"):

@@ -69,14 +69,22 @@ def test_embed(case):
     assert not step.dh[: step.B].any()
 
 
-@pytest.mark.parametrize("fused,conv_block", [(True, None), (False, None), (False, 16)], ids=["fused", "conv-kernel", "conv-kernel-16"])
-def test_in_proj_with_conv_and_x_proj(case, fused, conv_block):
+@pytest.mark.parametrize(
+    "fused,conv_block,k_tile", [(True, None, None), (False, None, None), (False, 16, None), (True, None, 8), (False, None, 8)],
+    ids=["fused", "conv-kernel", "conv-kernel-16", "fused-k-tiles", "conv-kernel-k-tiles"],
+)
+def test_in_proj_with_conv_and_x_proj(case, fused, conv_block, k_tile):
     """in_proj, then the conv step and x_proj: in in_proj's x-half programs, or (wide
     models) in a kernel of their own (16 channels a program: these small models' channels
-    then span several programs, whose x_proj shares meet in dbc)."""
+    then span several programs, whose x_proj shares meet in dbc). k_tile: in_proj walks
+    d_model in tiles of 8 (one row) or 16 (tile mode), as wide models do, where the small
+    ones take it in one tile."""
     model, step, tol = case
     step.fused_conv = fused
     step.BN_conv = conv_block or step.BN_conv
+    if k_tile:
+        blocks = step.linear_blocks
+        step.linear_blocks = lambda n, d, one_row: (lambda b: (b[0], k_tile if one_row else 16, *b[2:]))(blocks(n, d, one_row))
     lw, c = model.weights.layers[-1], model.config
     conv_state = rand(step.B, c.d_inner, c.d_conv, seed=3)
     ref_state = conv_state.clone()

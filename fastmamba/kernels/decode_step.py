@@ -120,6 +120,27 @@ def _mm(x, w, BB: tl.constexpr, IEEE: tl.constexpr):
             return tl.dot(lo, wt, tl.dot(hi, wt))
 
 
+@jit
+def _mm_terms(x, w, BB: tl.constexpr, IEEE: tl.constexpr, SUM_LAST: tl.constexpr):
+    """_mm's products for one K tile, to add up over a loop of K tiles and finish with
+    _mm_total. One row with SUM_LAST: the (N, K) products themselves, unsummed (their sum
+    across the tile's threads and warps, a shared-memory round trip with barriers, then
+    runs once after the loop instead of once a tile); otherwise _mm's (BB, N)."""
+    if BB == 1 and SUM_LAST:
+        return w.to(tl.float32) * x
+    else:
+        return _mm(x, w, BB, IEEE)
+
+
+@jit
+def _mm_total(acc, BB: tl.constexpr, SUM_LAST: tl.constexpr):
+    """The (BB, N) product from the _mm_terms added up over K."""
+    if BB == 1 and SUM_LAST:
+        return tl.sum(acc, axis=1)[None, :]
+    else:
+        return acc
+
+
 # The split-K partial sums of x_proj and out_proj meet in fixed point: int64 in units of
 # 2^-32, so that the atomic adds of the splits are exact and their order cannot change
 # the result. Each partial loses under 2^-32 (truncated), so a sum of S splits is within
@@ -231,7 +252,7 @@ def _rmsnorm_linear_kernel(
     B, D, NOUT, E, J, eps,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, CONV: tl.constexpr, ARGMAX: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     HAS_CB: tl.constexpr, PENDING: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    BJ: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+    BJ: tl.constexpr, STAGES: tl.constexpr, SUM_LAST: tl.constexpr, PDL: tl.constexpr,
 ):
     _let_next_kernel_launch(PDL)
     pid_n = tl.program_id(0)
@@ -260,7 +281,7 @@ def _rmsnorm_linear_kernel(
     hk = _residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & (k < D)[None, :], PENDING)
     nw = tl.load(nw_ptr + k, mask=k < D, other=0.0)
     sq = hk * hk
-    acc = _mm(hk * nw[None, :], w, BB, IEEE)
+    acc = _mm_terms(hk * nw[None, :], w, BB, IEEE, SUM_LAST)
     for k0 in tl.range(BK, D, BK, num_stages=STAGES):
         k = k0 + tl.arange(0, BK)
         kmask = k < D
@@ -268,8 +289,8 @@ def _rmsnorm_linear_kernel(
         nw = tl.load(nw_ptr + k, mask=kmask, other=0.0)
         w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         sq += hk * hk
-        acc += _mm(hk * nw[None, :], w, BB, IEEE)
-    acc = acc * (1.0 / tl.sqrt(tl.sum(sq, 1) / D + eps))[:, None]
+        acc += _mm_terms(hk * nw[None, :], w, BB, IEEE, SUM_LAST)
+    acc = _mm_total(acc, BB, SUM_LAST) * (1.0 / tl.sqrt(tl.sum(sq, 1) / D + eps))[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nmask, other=0.0)[None, :]
     tl.store(out_ptr + rows[:, None] * NOUT + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
@@ -574,6 +595,10 @@ class DecodeStep:
     # ms / 0.360, 370m 0.762 / 0.800, 1.4b 1.344 / 1.394; at 2.8b it once lost, 2.254 /
     # 2.239, and wins since conv_x_proj runs 128 channels a program: 1.786 / 1.796).
     EARLY_LAUNCH = frozenset({"ssm_step", "out_proj_residual"})
+    # One-row in_proj sums its products over K once, after its loop (_mm_terms); lm_head
+    # and out_proj sum every K tile (summed after the loop, out_proj made 2.8b's step 1.939
+    # ms against 1.800). With in_proj's blocks: see linear_blocks.
+    IN_PROJ_SUM_LAST = True
 
     @staticmethod
     def out_blocks(d_model: int) -> tuple[int, int, int, int]:
@@ -589,10 +614,16 @@ class DecodeStep:
         d inputs. One row: 16 rows a program (2.8b in_proj: 2.72 ms a step against 2.82
         with 32; lm_head: 130m 0.333 ms against 0.339 with 64, 2.8b 2.238 / 2.250), and
         rows of up to 1024 in one tile, all of it loaded before the wait (130m in_proj
-        0.331 ms against 0.339 in two tiles of 512); tune_decode.py --in-graph, --lm-head."""
+        0.331 ms against 0.339 in two tiles of 512); tune_decode.py --in-graph, --lm-head.
+        Wider in_proj (n_out = 4 d), whose products are summed after the loop (sum_last),
+        walks K in tiles of 256 (bf16 batch 1, whole steps, against 512 tiles summed in
+        every step: 2.8b 1.773 / 1.775 ms against 1.800 / 1.799, 1.4b 0.995 / 0.995 against
+        0.997 / 0.998; summed after the loop with 512 tiles 1.876 / 1.034, and 256 tiles
+        summed every step 2.016 / 1.152: tune_decode.py --sum-last)."""
         if one_row:  # 1.4b's in_proj (n_out = 4 d) 8 rows a program: 1.120 ms against 1.140
             # (2.8b's: 2.240 against 1.976)
-            return (8 if 1024 < d <= 2048 and n_out == 4 * d else 16), (1024 if d <= 1024 else 512), 4, 1
+            in_proj = n_out == 4 * d
+            return (8 if 1024 < d <= 2048 and in_proj else 16), (1024 if d <= 1024 else (256 if in_proj else 512)), 4, 1
         # tiles (tl.dot), loop pipelined 4 deep as at 1ec7c2d (deterministic batch 1: 130m
         # 0.645 ms, 2.8b 5.86), where the loop read h alone as it does again now (see
         # _fold_kernel; while it read dh too, 1 stage was best: 0.77 / 9.2 against 1.04 /
@@ -658,10 +689,11 @@ class DecodeStep:
         d = self.model.config.d_model
         _fold_kernel[(self.nt_d, self.BP // self.BB)](self.h, self.dh, self.B, d, BB=self.BB, BN=self.BN_out, **self.pdl)
 
-    def _rmsnorm_linear(self, norm_w, weight, bias, out, conv=None, argmax=False) -> None:
+    def _rmsnorm_linear(self, norm_w, weight, bias, out, conv=None, argmax=False, sum_last=False) -> None:
         """out[:B] = linear(rmsnorm(h + dh) * norm_w, weight, bias); with conv = (lw,
         conv_state), out is xz, and the x half goes on through the conv step and x_proj;
-        with argmax, each row's argmax goes into `best` too (see _argmax_keys)."""
+        with argmax, each row's argmax goes into `best` too (see _argmax_keys). sum_last:
+        one row's products summed over K once, after the loop (_mm_terms)."""
         if self.fold_apart:
             self.fold()
         n_out, d = weight.shape
@@ -679,7 +711,7 @@ class DecodeStep:
             self.B, d, n_out, c.d_inner, self.J, c.norm_eps,
             HAS_BIAS=bias is not None, IEEE=self.ieee, CONV=conv is not None, ARGMAX=argmax, K=c.d_conv, KP=triton.next_power_of_2(c.d_conv),
             HAS_CB=conv is not None and conv[0].conv_b is not None, PENDING=not self.fold_apart,
-            BB=self.BB, BN=BN, BK=BK, BJ=self.BJ, STAGES=stages,
+            BB=self.BB, BN=BN, BK=BK, BJ=self.BJ, STAGES=stages, SUM_LAST=sum_last,
             num_warps=warps, **self.pdl_for("rmsnorm_linear"),
         )
 
@@ -689,9 +721,9 @@ class DecodeStep:
         before: out_proj_residual leaves it so): in in_proj's own programs up to
         FUSED_CONV_UP_TO, else in a second kernel."""
         if self.fused_conv:
-            self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, conv=(lw, conv_state))
+            self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, conv=(lw, conv_state), sum_last=self.IN_PROJ_SUM_LAST)
             return
-        self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz)
+        self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, sum_last=self.IN_PROJ_SUM_LAST)
         c = self.model.config
         _conv_x_proj_kernel[(triton.cdiv(c.d_inner, self.BN_conv), self.BP // self.BB)](
             self.xz, conv_state, lw.conv_w, lw.conv_b if lw.conv_b is not None else lw.conv_w,
