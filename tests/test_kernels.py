@@ -222,6 +222,24 @@ def test_a_slot_is_bitwise_the_same_in_any_batch(checkpoints, batch, slot, rows,
 # -- the cuBLAS-product step's element-wise kernels (kernels/decode_gemm.py) -------------------
 
 
+@pytest.mark.parametrize("name,dtype,batch", [("untied_bias_rank", "bfloat16", 9), ("kernel3_state8", "float32", 20)])
+def test_gemm_step_equals_the_reference_model(checkpoints, name, dtype, batch):
+    """Whole steps of the step that make_decode_step picks above SMALL_BATCH rows."""
+    from fastmamba.kernels.decode_gemm import GemmDecodeStep
+
+    model = fastmamba.load(checkpoints[name], device=DEVICE, dtype=dtype).model
+    step = ds.make_decode_step(model, batch)
+    assert isinstance(step, GemmDecodeStep)
+    state = model.new_state(batch)
+    state.ssm.copy_(rand(*state.ssm.shape, seed=11))
+    ref_state = fastmamba.MambaState(state.conv.clone(), state.ssm.clone())
+    tol = TOL[model.weights.embedding.dtype]
+    for _ in range(3):
+        tokens = torch.randint(0, model.config.vocab_size, (batch,), device=DEVICE)
+        assert rel_err(step(tokens, state), model.step(tokens, ref_state)) < tol
+    assert rel_err(state.ssm, ref_state.ssm) < tol
+
+
 @pytest.mark.parametrize("name,dtype,batch", [("untied_bias_rank", "bfloat16", 3), ("kernel3_state8", "float32", 2)])
 def test_gemm_step_kernels(checkpoints, name, dtype, batch):
     """16-bit weights: operands written as two halves, results read as the sum of two halves
