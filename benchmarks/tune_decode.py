@@ -10,7 +10,7 @@ neighbours, so its best blocks need not be the step's (--states: where the conv 
 x_proj run, and ssm_step's blocks; --out-proj, --in-proj: only those; --wide: 1.4b and
 2.8b only). With --lm-head it sweeps lm_head's blocks (and 130m's in_proj) in whole
 steps; with --early, which kernels let the next one launch before their own wait; with
---sum-last, where one-row in_proj sums over K; with --tile, the tile (deterministic) mode's loop.
+--sum-last, where one-row in_proj sums over K (--f32: float32 weights); with --tile, the tile (deterministic) mode's loop.
 """
 
 import itertools
@@ -25,7 +25,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from fastmamba.kernels import decode_step as ds  # noqa: E402
 
-DT = torch.bfloat16
+DT = torch.float32 if "--f32" in sys.argv else torch.bfloat16
 
 
 def report(name, results, nbytes):
