@@ -50,7 +50,7 @@ def tune_rmsnorm_linear(n_out, d):
             ds._rmsnorm_linear_kernel[(triton.cdiv(n_out, BN), 1)](
                 h, dh, nw, w, w, out, *(out,) * 7, 1, d, n_out, 0, 0, 1e-5, HAS_BIAS=False, IEEE=False,
                 CONV=False, ARGMAX=False, K=4, KP=4, HAS_CB=False, PENDING=True, BB=1, BN=BN, BK=BK, BJ=16, STAGES=1,
-                SUM_LAST=ds.DecodeStep.IN_PROJ_SUM_LAST and n_out == 4 * d, PDL=0, num_warps=warps,
+                SUM_LAST=DT in ds.DecodeStep.IN_PROJ_SUM_LAST and n_out == 4 * d, PDL=0, num_warps=warps,
             )
 
         res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BN=BN, BK=BK, warps=warps)))
@@ -131,7 +131,7 @@ def tune_sum_last(size):
     vocab = model.config.vocab_size
     for _ in range(2):
         for sum_last, BK in ((True, 256), (False, 512), (True, 512), (False, 256)):
-            ds.DecodeStep.IN_PROJ_SUM_LAST = sum_last
+            ds.DecodeStep.IN_PROJ_SUM_LAST = frozenset({DT} if sum_last else ())
             ds.DecodeStep.linear_blocks = staticmethod(
                 lambda n, d, one_row, BK=BK: (lambda b: b if n == vocab else (b[0], BK, *b[2:]))(default_linear.__func__(n, d, one_row)))
             how = "after the loop" if sum_last else "every K tile"

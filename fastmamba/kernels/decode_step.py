@@ -595,10 +595,13 @@ class DecodeStep:
     # ms / 0.360, 370m 0.762 / 0.800, 1.4b 1.344 / 1.394; at 2.8b it once lost, 2.254 /
     # 2.239, and wins since conv_x_proj runs 128 channels a program: 1.786 / 1.796).
     EARLY_LAUNCH = frozenset({"ssm_step", "out_proj_residual"})
-    # One-row in_proj sums its products over K once, after its loop (_mm_terms); lm_head
-    # and out_proj sum every K tile (summed after the loop, out_proj made 2.8b's step 1.939
-    # ms against 1.800). With in_proj's blocks: see linear_blocks.
-    IN_PROJ_SUM_LAST = True
+    # One-row in_proj with weights of these dtypes sums its products over K once, after its
+    # loop (_mm_terms); lm_head, out_proj and float32 weights sum every K tile. Summed after the
+    # loop, out_proj made 2.8b's bf16 step 1.939 ms against 1.800; float32 in_proj 3.280
+    # against 3.152 at 2.8b (1.4b: 1.555 against 1.625), and 130m's f32 step 0.263 against
+    # 0.245, where its single 1024-wide tile of products then waits in registers. With
+    # in_proj's blocks: see linear_blocks.
+    IN_PROJ_SUM_LAST = frozenset({torch.bfloat16, torch.float16})
 
     @staticmethod
     def out_blocks(d_model: int) -> tuple[int, int, int, int]:
@@ -637,6 +640,7 @@ class DecodeStep:
         self.BB = 1 if batch <= SMALL_BATCH and not deterministic else ROW_TILE
         self.BP = triton.cdiv(batch, self.BB) * self.BB
         self.ieee = w.embedding.dtype == torch.float32
+        self.in_proj_sum_last = w.embedding.dtype in self.IN_PROJ_SUM_LAST
         d, E, N, R = c.d_model, c.d_inner, c.d_state, c.dt_rank
         self.J, self.BJ = R + 2 * N, _pow2(R + 2 * N)
         self.BR, self.NP = _pow2(R), _pow2(N, 1)
@@ -721,9 +725,9 @@ class DecodeStep:
         before: out_proj_residual leaves it so): in in_proj's own programs up to
         FUSED_CONV_UP_TO, else in a second kernel."""
         if self.fused_conv:
-            self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, conv=(lw, conv_state), sum_last=self.IN_PROJ_SUM_LAST)
+            self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, conv=(lw, conv_state), sum_last=self.in_proj_sum_last)
             return
-        self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, sum_last=self.IN_PROJ_SUM_LAST)
+        self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, sum_last=self.in_proj_sum_last)
         c = self.model.config
         _conv_x_proj_kernel[(triton.cdiv(c.d_inner, self.BN_conv), self.BP // self.BB)](
             self.xz, conv_state, lw.conv_w, lw.conv_b if lw.conv_b is not None else lw.conv_w,
