@@ -598,9 +598,8 @@ class DecodeStep:
     # One-row in_proj with weights of these dtypes sums its products over K once, after its
     # loop (_mm_terms); lm_head, out_proj and float32 weights sum every K tile. Summed after the
     # loop, out_proj made 2.8b's bf16 step 1.939 ms against 1.800; float32 in_proj 3.280
-    # against 3.152 at 2.8b (1.4b: 1.555 against 1.625), and 130m's f32 step 0.263 against
-    # 0.245, where its single 1024-wide tile of products then waits in registers. With
-    # in_proj's blocks: see linear_blocks.
+    # against 3.152 at 2.8b (1.4b: 1.555 against 1.625). With in_proj's blocks: see
+    # linear_blocks; models whose d_model fits one K tile sum it at once (_rmsnorm_linear).
     IN_PROJ_SUM_LAST = frozenset({torch.bfloat16, torch.float16})
 
     @staticmethod
@@ -697,7 +696,9 @@ class DecodeStep:
         """out[:B] = linear(rmsnorm(h + dh) * norm_w, weight, bias); with conv = (lw,
         conv_state), out is xz, and the x half goes on through the conv step and x_proj;
         with argmax, each row's argmax goes into `best` too (see _argmax_keys). sum_last:
-        one row's products summed over K once, after the loop (_mm_terms)."""
+        one row's products summed over K once, after the loop (_mm_terms), where d takes
+        more than one K tile (in one tile the products would wait through the loop in
+        registers for nothing: 370m bf16 0.513 ms a step against 0.456)."""
         if self.fold_apart:
             self.fold()
         n_out, d = weight.shape
@@ -715,7 +716,7 @@ class DecodeStep:
             self.B, d, n_out, c.d_inner, self.J, c.norm_eps,
             HAS_BIAS=bias is not None, IEEE=self.ieee, CONV=conv is not None, ARGMAX=argmax, K=c.d_conv, KP=triton.next_power_of_2(c.d_conv),
             HAS_CB=conv is not None and conv[0].conv_b is not None, PENDING=not self.fold_apart,
-            BB=self.BB, BN=BN, BK=BK, BJ=self.BJ, STAGES=stages, SUM_LAST=sum_last,
+            BB=self.BB, BN=BN, BK=BK, BJ=self.BJ, STAGES=stages, SUM_LAST=sum_last and d > BK,
             num_warps=warps, **self.pdl_for("rmsnorm_linear"),
         )
 
