@@ -10,7 +10,8 @@ neighbours, so its best blocks need not be the step's (--states: where the conv 
 x_proj run, and ssm_step's blocks; --out-proj, --in-proj: only those; --wide: 1.4b and
 2.8b only). With --lm-head it sweeps lm_head's blocks (and 130m's in_proj) in whole
 steps; with --early, which kernels let the next one launch before their own wait; with
---sum-last, where one-row in_proj sums over K (--f32: float32 weights); with --tile, the tile (deterministic) mode's loop.
+--sum-last, where one-row in_proj sums over K (--f32: float32 weights); with --tile, the
+tile (deterministic) mode's loop.
 """
 
 import itertools
@@ -50,7 +51,7 @@ def tune_rmsnorm_linear(n_out, d):
             ds._rmsnorm_linear_kernel[(triton.cdiv(n_out, BN), 1)](
                 h, dh, nw, w, w, out, *(out,) * 7, 1, d, n_out, 0, 0, 1e-5, HAS_BIAS=False, IEEE=False,
                 CONV=False, ARGMAX=False, K=4, KP=4, HAS_CB=False, PENDING=True, BB=1, BN=BN, BK=BK, BJ=16, STAGES=1,
-                SUM_LAST=DT in ds.DecodeStep.IN_PROJ_SUM_LAST and n_out == 4 * d, PDL=0, num_warps=warps,
+                SUM_LAST=DT in ds.DecodeStep.IN_PROJ_SUM_LAST and n_out == 4 * d and d > BK, PDL=0, num_warps=warps,
             )
 
         res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BN=BN, BK=BK, warps=warps)))

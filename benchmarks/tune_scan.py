@@ -57,6 +57,7 @@ def split() -> None:
     channels a program: fewer chunks mean fewer exps (pass 1 walks all chunks but the last),
     more channels a thread fewer loads a state; both mean fewer warps to hide latency."""
     ss.SCAN_FEW_PROGRAMS = 0  # L as given
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for B, T, E in ((1, 4096, 5120), (8, 2048, 5120)):
         args = inputs(B, T, E)
         ref = ss.selective_scan(*args, chunked=False).clone()
@@ -72,7 +73,7 @@ def split() -> None:
                 args[-1].zero_()  # do_bench left the state after its runs
                 err = (ss.selective_scan(*args, chunked=True) - ref).abs().max().item()
                 args[-1].zero_()
-                res.append((ms * 1e3, BE, warps, unroll, nc, B * E // BE * nc * warps / 132, err))
+                res.append((ms * 1e3, BE, warps, unroll, nc, B * E // BE * nc * warps / sms, err))
         print(f"B={B} T={T} E={E}:", flush=True)
         for us, BE, warps, unroll, nc, wps, err in sorted(res)[:16]:
             print(f"   {us:8.1f} us  BE={BE:3d} warps={warps} unroll={unroll} chunks={nc:2d} ({wps:5.1f} warps an SM)"

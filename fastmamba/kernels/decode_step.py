@@ -595,11 +595,12 @@ class DecodeStep:
     # ms / 0.360, 370m 0.762 / 0.800, 1.4b 1.344 / 1.394; at 2.8b it once lost, 2.254 /
     # 2.239, and wins since conv_x_proj runs 128 channels a program: 1.786 / 1.796).
     EARLY_LAUNCH = frozenset({"ssm_step", "out_proj_residual"})
-    # One-row in_proj with weights of these dtypes sums its products over K once, after its
-    # loop (_mm_terms); lm_head, out_proj and float32 weights sum every K tile. Summed after the
-    # loop, out_proj made 2.8b's bf16 step 1.939 ms against 1.800; float32 in_proj 3.280
-    # against 3.152 at 2.8b (1.4b: 1.555 against 1.625). With in_proj's blocks: see
-    # linear_blocks; models whose d_model fits one K tile sum it at once (_rmsnorm_linear).
+    # One-row in_proj with weights of these dtypes sums its products over K once, after
+    # its loop (_mm_terms); lm_head, out_proj and float32 weights sum every K tile.
+    # Summed after the loop, out_proj made 2.8b's bf16 step 1.939 ms against 1.800;
+    # float32 in_proj 3.280 against 3.152 at 2.8b (1.4b: 1.555 against 1.625). With
+    # in_proj's blocks: see linear_blocks; models whose d_model fits one K tile sum it at
+    # once (_rmsnorm_linear).
     IN_PROJ_SUM_LAST = frozenset({torch.bfloat16, torch.float16})
 
     @staticmethod
@@ -621,7 +622,9 @@ class DecodeStep:
         walks K in tiles of 256 (bf16 batch 1, whole steps, against 512 tiles summed in
         every step: 2.8b 1.773 / 1.775 ms against 1.800 / 1.799, 1.4b 0.995 / 0.995 against
         0.997 / 0.998; summed after the loop with 512 tiles 1.876 / 1.034, and 256 tiles
-        summed every step 2.016 / 1.152: tune_decode.py --sum-last)."""
+        summed every step 2.016 / 1.152: tune_decode.py --sum-last); so does float32's,
+        summed every tile (2.8b 3.152 against 3.189 with 512, 1.4b 1.625 against 1.603-1.613:
+        --sum-last --f32)."""
         if one_row:  # 1.4b's in_proj (n_out = 4 d) 8 rows a program: 1.120 ms against 1.140
             # (2.8b's: 2.240 against 1.976)
             in_proj = n_out == 4 * d
