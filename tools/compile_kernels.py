@@ -3,7 +3,8 @@
 Triton ships ptxas, so compile errors (types, layouts, unsupported ops) show up here, in CI,
 rather than on the lent GPU. It checks that the kernels build, not that they are right
 (tests/test_kernels.py) or fast (benchmarks/), and prints each kernel's registers, spills
-(LOCAL) and shared memory from the cubin (Triton's cuobjdump), which costs no device time.
+(STACK: bytes a thread of registers spilled to local memory; LOCAL stays 0 for them) and
+shared memory from the cubin (Triton's cuobjdump), which costs no device time.
 Run it without TRITON_INTERPRET:
 
     python tools/compile_kernels.py
@@ -54,7 +55,7 @@ def resource_usage(cubin: bytes) -> str:
         out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     finally:
         os.unlink(f.name)
-    found = {k: re.search(rf"\b{k}:(\d+)", out) for k in ("REG", "LOCAL", "SHARED")}
+    found = {k: re.search(rf"\b{k}:(\d+)", out) for k in ("REG", "STACK", "SHARED")}
     return " ".join(f"{k}={m.group(1) if m else '?'}" for k, m in found.items())
 
 
