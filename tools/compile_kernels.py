@@ -5,10 +5,15 @@ rather than on the lent GPU. It checks that the kernels build, not that they are
 (tests/test_kernels.py) or fast (benchmarks/), and prints each kernel's registers, spills
 (STACK: bytes a thread of registers spilled to local memory; LOCAL stays 0 for them) and
 shared memory from the cubin (Triton's cuobjdump), which costs no device time.
+With --loops it also prints, for each loop of each kernel's SASS, how many instructions
+of the kinds that bound these kernels it runs an iteration: special-function (MUFU) and
+float32 ones, loads and stores by space, barriers, shuffles, spill traffic (LDL / STL).
+Layout conversions inside a loop show up there as shared-memory stores, loads and barriers.
 Run it without TRITON_INTERPRET:
 
-    python tools/compile_kernels.py
+    python tools/compile_kernels.py [--loops]
 """
+import collections
 import os
 import re
 import subprocess
@@ -44,19 +49,44 @@ def compile_kernel(jitfn, types, constexprs, num_warps=4):
     src = ASTSource(jitfn, sig, {(names.index(k),): v for k, v in constexprs.items()}, aligned)
     kernel = triton.compile(src, target=target, options={"num_warps": num_warps})
     print(f"  {jitfn.__name__:28s} {resource_usage(kernel.asm['cubin'])}  {constexprs}")
+    if "--loops" in sys.argv:
+        for line in loop_summary(cuobjdump(kernel.asm["cubin"], "-sass")):
+            print(f"      {line}")
     return kernel
 
 
-def resource_usage(cubin: bytes) -> str:
+def cuobjdump(cubin: bytes, option: str) -> str:
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
-        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([str(tool), option, f.name], capture_output=True, text=True).stdout
     finally:
         os.unlink(f.name)
+
+
+def resource_usage(cubin: bytes) -> str:
+    out = cuobjdump(cubin, "--dump-resource-usage")
     found = {k: re.search(rf"\b{k}:(\d+)", out) for k in ("REG", "STACK", "SHARED")}
     return " ".join(f"{k}={m.group(1) if m else '?'}" for k, m in found.items())
+
+
+LOOP_KINDS = ("MUFU", "FFMA", "FMUL", "FADD", "HMMA", "LDG", "STG", "LDGSTS", "LDS", "STS", "BAR", "SHFL", "LDL", "STL")
+
+
+def loop_summary(sass: str) -> list[str]:
+    """One line a loop (a backward branch): its instructions, and those of LOOP_KINDS."""
+    code = [(int(a, 16), i.strip()) for a, i in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    lines = []
+    for addr, ins in code:
+        branch = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", ins)
+        if branch and int(branch.group(1), 16) < addr:
+            start = int(branch.group(1), 16)
+            body = [re.sub(r"^@!?U?P\w+\s+", "", i) for a, i in code if start <= a <= addr]
+            ops = collections.Counter(i.split()[0].split(".")[0] for i in body)
+            kinds = " ".join(f"{k} {ops[k]}" for k in LOOP_KINDS if ops[k])
+            lines.append(f"loop {start:#x}-{addr:#x}: {len(body)} instructions; {kinds}")
+    return lines
 
 
 def ptrs(*names, **others):
@@ -75,7 +105,7 @@ def main() -> None:
                 compile_kernel(ds._rmsnorm_linear_kernel, t, dict(
                     HAS_BIAS=True, IEEE=ieee, CONV=conv, ARGMAX=not conv, K=4, KP=4, HAS_CB=True, PENDING=BB == 1, BB=BB, BN=16,
                     BK=512 if BB == 1 else 128, BJ=128, STAGES=ds.DecodeStep.linear_blocks(3072, 768, BB == 1)[3],
-                    SUM_LAST=conv, PDL=True))
+                    SUM_LAST=conv and not ieee, PDL=True))
             t = ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", wx_ptr=wdt, dbc_ptr="*i64")
             BN = ds.DecodeStep.CONV_BLOCK if BB == 1 else 32
             compile_kernel(ds._conv_x_proj_kernel, t, dict(K=4, KP=4, HAS_CB=True, IEEE=ieee, BB=BB, BN=BN, BJ=256, PDL=True), num_warps=ds.DecodeStep.conv_warps(BN))
