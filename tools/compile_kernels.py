@@ -9,6 +9,9 @@ With --loops it also prints, for each loop of each kernel's SASS, how many instr
 of the kinds that bound these kernels it runs an iteration: special-function (MUFU) and
 float32 ones, loads and stores by space, barriers, shuffles, spill traffic (LDL / STL).
 Layout conversions inside a loop show up there as shared-memory stores, loads and barriers.
+The GPU machine's Triton may be older than this one's, and the code each version makes
+differs: for SASS that matches the GPU's, run it with that version (a virtual environment
+with --system-site-packages and `pip install triton==<its version>`).
 Run it without TRITON_INTERPRET:
 
     python tools/compile_kernels.py [--loops]
@@ -38,10 +41,18 @@ from fastmamba.kernels import step_size as st  # noqa: E402
 target = GPUTarget("cuda", 90, 32)
 
 
+# Integer arguments that are 1 at every launch (the unit strides of the prefill kernels'
+# strided views: channels contiguous). Triton's launcher compiles an integer argument of
+# value 1 as the constant 1, which lets loads along it vectorise; compiled as plain
+# integers here they would not, and the code would not be the code that runs.
+UNIT_STRIDES = ("sxe", "sde", "sbn", "scn", "sze", "srk")
+
+
 def compile_kernel(jitfn, types, constexprs, num_warps=4):
-    """Compiles one kernel (arguments not named in `types` are int32 scalars) and prints
-    its resource usage."""
+    """Compiles one kernel (arguments not named in `types` are int32 scalars, but for
+    UNIT_STRIDES, the constant 1) and prints its resource usage."""
     names = jitfn.arg_names
+    constexprs = {**{n: 1 for n in names if n in UNIT_STRIDES}, **constexprs}
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     # pointers and integer sizes as the launcher specialises them at the public shapes
     # (multiples of 16), so that loads vectorise as they will on the GPU
@@ -71,7 +82,7 @@ def resource_usage(cubin: bytes) -> str:
     return " ".join(f"{k}={m.group(1) if m else '?'}" for k, m in found.items())
 
 
-LOOP_KINDS = ("MUFU", "FFMA", "FMUL", "FADD", "HMMA", "LDG", "STG", "LDGSTS", "LDS", "STS", "BAR", "SHFL", "LDL", "STL")
+LOOP_KINDS = ("MUFU", "FFMA", "FMUL", "FADD", "HMMA", "HGMMA", "LDG", "STG", "LDGSTS", "LDS", "STS", "BAR", "SHFL", "LDL", "STL")
 
 
 def loop_summary(sass: str) -> list[str]:
