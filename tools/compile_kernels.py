@@ -86,17 +86,20 @@ LOOP_KINDS = ("MUFU", "FFMA", "FMUL", "FADD", "HMMA", "HGMMA", "LDG", "STG", "LD
 
 
 def loop_summary(sass: str) -> list[str]:
-    """One line a loop (a backward branch): its instructions, and those of LOOP_KINDS."""
+    """One line a loop (a backward branch): its instructions, those of LOOP_KINDS, and
+    apart those that never run (predicated on @!PT: placeholders the assembler leaves)."""
     code = [(int(a, 16), i.strip()) for a, i in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     lines = []
     for addr, ins in code:
         branch = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", ins)
         if branch and int(branch.group(1), 16) < addr:
             start = int(branch.group(1), 16)
-            body = [re.sub(r"^@!?U?P\w+\s+", "", i) for a, i in code if start <= a <= addr]
-            ops = collections.Counter(i.split()[0].split(".")[0] for i in body)
+            body = [i for a, i in code if start <= a <= addr]
+            runs = [re.sub(r"^@!?U?P\w+\s+", "", i) for i in body if not i.startswith("@!PT ")]
+            ops = collections.Counter(i.split()[0].split(".")[0] for i in runs)
             kinds = " ".join(f"{k} {ops[k]}" for k in LOOP_KINDS if ops[k])
-            lines.append(f"loop {start:#x}-{addr:#x}: {len(body)} instructions; {kinds}")
+            never = len(body) - len(runs)
+            lines.append(f"loop {start:#x}-{addr:#x}: {len(runs)} instructions; {kinds}" + (f"; never run {never}" if never else ""))
     return lines
 
 
