@@ -243,6 +243,10 @@ def selective_scan(x, delta, A, Bm, Cm, D, z, state, start=None, out_dtype=torch
         start = torch.zeros(Bsz, device=x.device, dtype=torch.int32)
     if chunked is None:
         chunked = T >= SCAN_CHUNKED_FROM
+    # the kernels' first arguments, each tensor with its strides: x, delta and B (all that
+    # pass 1 reads), then C and z
+    xdb = (x, *x.stride(), delta, *delta.stride(), Bm, *Bm.stride())
+    cz = (Cm, *Cm.stride(), z, *z.stride())
     if chunked:
         L, BE, NP = SCAN_CHUNK, SCAN_BE, triton.next_power_of_2(N)
         if Bsz * triton.cdiv(E, BE) * triton.cdiv(T, L) < SCAN_FEW_PROGRAMS:
@@ -255,7 +259,7 @@ def selective_scan(x, delta, A, Bm, Cm, D, z, state, start=None, out_dtype=torch
         A2t = (A * LOG2E).t().contiguous()  # exp(dt * A) = exp2(dt * A2): one multiply less a state
         if grid[2] > 1:  # one chunk starts from the layer's state alone: no summaries to make
             _scan_summary_kernel[grid[:2] + (slots,)](
-                x, *x.stride(), delta, *delta.stride(), Bm, *Bm.stride(), A2t, start, sums, dt_sums, T, E, L,
+                *xdb, A2t, start, sums, dt_sums, T, E, L,
                 N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, UNROLL=SCAN_UNROLL, num_warps=SCAN_WARPS,
             )
         _scan_prefix_kernel[(Bsz, triton.cdiv(E, SCAN_PREFIX_BE))](
@@ -263,13 +267,12 @@ def selective_scan(x, delta, A, Bm, Cm, D, z, state, start=None, out_dtype=torch
             N=N, NP=NP, BE=SCAN_PREFIX_BE, STAGES=SCAN_STAGES, num_warps=SCAN_PREFIX_WARPS,
         )
         _scan_chunks_kernel[grid](
-            x, *x.stride(), delta, *delta.stride(), Bm, *Bm.stride(), Cm, *Cm.stride(), z, *z.stride(),
-            A2t, D, state, y, start, sums, init, T, E, L, N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, UNROLL=SCAN_UNROLL, num_warps=SCAN_WARPS,
+            *xdb, *cz, A2t, D, state, y, start, sums, init, T, E, L,
+            N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, UNROLL=SCAN_UNROLL, num_warps=SCAN_WARPS,
         )
         return y.transpose(1, 2)
     BE, BT = 8, 32
     _selective_scan_kernel[(Bsz, triton.cdiv(E, BE))](
-        x, *x.stride(), delta, *delta.stride(), Bm, *Bm.stride(), Cm, *Cm.stride(), z, *z.stride(),
-        A, D, state, y, start, T, E, N=N, NP=triton.next_power_of_2(N), BE=BE, BT=BT, num_warps=4,
+        *xdb, *cz, A, D, state, y, start, T, E, N=N, NP=triton.next_power_of_2(N), BE=BE, BT=BT, num_warps=4,
     )
     return y.transpose(1, 2)
