@@ -317,8 +317,14 @@ _LOW32 = tl.constexpr(2**32 - 1)
 @jit
 def _ordered_bits(v):
     """float32 v -> int32 that order as the values do (NaN aside)."""
-    bits = (v + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 ties with 0.0
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: magnitude bits reversed
+    return _flip_negative((v + 0.0).to(tl.int32, bitcast=True))  # + 0.0: -0.0 ties with 0.0
+
+
+@jit
+def _flip_negative(bits):
+    """float32 bits with a negative value's magnitude bits reversed: float bits -> ordered
+    int32 (_ordered_bits) and back, being its own inverse."""
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 @jit

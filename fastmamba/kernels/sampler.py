@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import INTERPRET, jit, tl, triton
-from .decode_step import _LOW32, ARGMAX_EMPTY, _advance_slots, _argmax_keys, _ordered_bits, _token_of_key
+from .decode_step import _LOW32, ARGMAX_EMPTY, _advance_slots, _argmax_keys, _flip_negative, _ordered_bits, _token_of_key
 
 BV = 1024  # tokens a program
 
@@ -129,9 +129,8 @@ def _key_of_value(v):
 
 @jit
 def _value_of_key(key):
-    """The value in a key's high half (_ordered_bits undone: it is its own inverse)."""
-    hi = (key >> 32).to(tl.int32)
-    return (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    """The value in a key's high half (_ordered_bits undone)."""
+    return _flip_negative((key >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
 
 
 @jit
