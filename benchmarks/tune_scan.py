@@ -33,20 +33,37 @@ def inputs(B, T, E, N=16, R=160):
     return x, delta, A, Bm, Cm, D, z, torch.zeros(B, E, N, device="cuda")
 
 
+def reference(args):
+    """The one-pass scan's y from a zero state (each call updates the state it is given)."""
+    args[-1].zero_()
+    ref = ss.selective_scan(*args, chunked=False).clone()
+    args[-1].zero_()
+    return ref
+
+
+def time_chunked(args, ref, rep=20):
+    """µs a call of the chunked scan at the module's current settings, and its largest
+    difference from ref, both runs' checks from a zero state."""
+    us = do_bench(lambda: ss.selective_scan(*args, chunked=True), warmup=3, rep=rep) * 1e3
+    args[-1].zero_()  # do_bench left the state after its runs
+    err = (ss.selective_scan(*args, chunked=True) - ref).abs().max().item()
+    args[-1].zero_()
+    return us, err
+
+
 def main() -> None:
     for B, T, E in ((1, 4096, 5120), (8, 2048, 5120), (1, 4096, 1536)):
         args = inputs(B, T, E)
         ms = do_bench(lambda: ss.selective_scan(*args, chunked=False), warmup=3, rep=20)
         print(f"B={B} T={T} E={E}: one-pass {ms * 1e3:8.1f} us", flush=True)
-        ref = ss.selective_scan(*args, chunked=False).clone()
+        ref = reference(args)
         res = []
         ss.SCAN_FEW_PROGRAMS = 0  # L as given
         # (BE 64 and 2 warps a program lost at every shape in earlier sweeps; RESULTS.md)
         for L, BE, warps, stages, unroll in itertools.product((32, 64, 128), (128,), (1,), (3, 4), (1, 2, 4)):
             ss.SCAN_CHUNK, ss.SCAN_BE, ss.SCAN_WARPS, ss.SCAN_STAGES, ss.SCAN_UNROLL = L, BE, warps, stages, unroll
-            ms = do_bench(lambda: ss.selective_scan(*args, chunked=True), warmup=3, rep=20)
-            err = (ss.selective_scan(*args, chunked=True) - ref).abs().max().item()
-            res.append((ms * 1e3, L, BE, warps, stages, unroll, err))
+            us, err = time_chunked(args, ref)
+            res.append((us, L, BE, warps, stages, unroll, err))
         for us, L, BE, warps, stages, unroll, err in sorted(res)[:8]:
             print(f"   chunked L={L:3d} BE={BE:3d} warps={warps} stages={stages} unroll={unroll}: {us:8.1f} us  (max diff {err:.1e})",
                   flush=True)
@@ -60,20 +77,17 @@ def split() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for B, T, E in ((1, 4096, 5120), (8, 2048, 5120)):
         args = inputs(B, T, E)
-        ref = ss.selective_scan(*args, chunked=False).clone()
+        ref = reference(args)
         res = []
         for BE, warps, unroll in ((32, 1, 2), (32, 1, 4), (64, 2, 2), (64, 1, 2), (128, 1, 2), (128, 4, 2)):
             for nc in (1, 2, 4, 8, 16, 32, 64):
                 ss.SCAN_CHUNK, ss.SCAN_BE, ss.SCAN_WARPS, ss.SCAN_UNROLL = T // nc, BE, warps, unroll
                 try:
-                    ms = do_bench(lambda: ss.selective_scan(*args, chunked=True), warmup=3, rep=20)
+                    us, err = time_chunked(args, ref)
                 except triton.runtime.errors.OutOfResources as e:
                     print(f"   BE={BE} warps={warps} unroll={unroll} nc={nc}: {e}", flush=True)
                     continue
-                args[-1].zero_()  # do_bench left the state after its runs
-                err = (ss.selective_scan(*args, chunked=True) - ref).abs().max().item()
-                args[-1].zero_()
-                res.append((ms * 1e3, BE, warps, unroll, nc, B * E // BE * nc * warps / sms, err))
+                res.append((us, BE, warps, unroll, nc, B * E // BE * nc * warps / sms, err))
         print(f"B={B} T={T} E={E}:", flush=True)
         for us, BE, warps, unroll, nc, wps, err in sorted(res)[:16]:
             print(f"   {us:8.1f} us  BE={BE:3d} warps={warps} unroll={unroll} chunks={nc:2d} ({wps:5.1f} warps an SM)"
@@ -87,16 +101,13 @@ def lengths() -> None:
     for B, T, E, Ls in ((1, 4096, 5120, (56, 60, 64, 68, 72, 76, 80, 84, 88, 96, 104, 112)),
                         (8, 2048, 5120, (96, 104, 112, 120, 128, 136, 144, 160))):
         args = inputs(B, T, E)
-        ref = ss.selective_scan(*args, chunked=False).clone()
+        ref = reference(args)
         print(f"B={B} T={T} E={E}:", flush=True)
         for L in Ls:
             ss.SCAN_CHUNK = L
-            ms = do_bench(lambda: ss.selective_scan(*args, chunked=True), warmup=3, rep=30)
-            args[-1].zero_()  # do_bench left the state after its runs
-            err = (ss.selective_scan(*args, chunked=True) - ref).abs().max().item()
-            args[-1].zero_()
+            us, err = time_chunked(args, ref, rep=30)
             nc = -(-T // L)
-            print(f"   L={L:3d} chunks={nc:3d} programs {B * (E // ss.SCAN_BE) * nc:5d}: {ms * 1e3:8.1f} us  max diff {err:.1e}",
+            print(f"   L={L:3d} chunks={nc:3d} programs {B * (E // ss.SCAN_BE) * nc:5d}: {us:8.1f} us  max diff {err:.1e}",
                   flush=True)
 
 
