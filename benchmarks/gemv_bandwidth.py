@@ -92,7 +92,7 @@ def main() -> None:
                 add(f"engine rmsnorm_linear {(BN, BK, warps, stages)}{' default' if (BN, BK, warps, stages) == default else ''}"
                     f" sum_last={sum_last}",
                     lambda w, BN=BN, BK=BK, warps=warps, stages=stages, sl=sum_last: ds._rmsnorm_linear_kernel[(triton.cdiv(nout, BN), 1)](
-                        h, dh, nw, w, w, out, *(out,) * 6, dh, 1, d, nout, nout, 0, 0, 1e-5, HAS_BIAS=False, IEEE=False,
+                        h, dh, nw, w, w, out, *(out,) * 6, dh, 1, d, nout, 0, 0, 1e-5, HAS_BIAS=False, IEEE=False,
                         CONV=False, ARGMAX=False, K=4, KP=4, HAS_CB=False, PENDING=True, BB=1, BN=BN, BK=BK, BJ=16, STAGES=stages,
                         SUM_LAST=sl, PDL=0, num_warps=warps))
         else:

@@ -49,7 +49,7 @@ def tune_rmsnorm_linear(n_out, d):
 
         def run():
             ds._rmsnorm_linear_kernel[(triton.cdiv(n_out, BN), 1)](
-                h, dh, nw, w, w, out, *(out,) * 7, 1, d, n_out, n_out, 0, 0, 1e-5, HAS_BIAS=False, IEEE=False,
+                h, dh, nw, w, w, out, *(out,) * 7, 1, d, n_out, 0, 0, 1e-5, HAS_BIAS=False, IEEE=False,
                 CONV=False, ARGMAX=False, K=4, KP=4, HAS_CB=False, PENDING=True, BB=1, BN=BN, BK=BK, BJ=16, STAGES=1,
                 SUM_LAST=DT in ds.DecodeStep.IN_PROJ_SUM_LAST and n_out == 4 * d and d > BK, PDL=0, num_warps=warps,
             )
@@ -140,27 +140,6 @@ def tune_sum_last(size):
     ds.DecodeStep.IN_PROJ_SUM_LAST, ds.DecodeStep.linear_blocks = default, default_linear
 
 
-def tune_late_z(size):
-    """Wide models: the share of in_proj's z rows run after conv_x_proj without waiting
-    (DecodeStep.Z_LATE), with conv_x_proj letting it launch before or after conv_x_proj's
-    own wait; whole steps, each setting twice. Last, for scale, the step without
-    conv_x_proj at all (wrong results: timing only)."""
-    from fastmamba.bench import random_model, time_graph_steps
-
-    model = random_model(size, DT)
-    default, default_early = ds.DecodeStep.Z_LATE, ds.DecodeStep.EARLY_LAUNCH
-    for _ in range(2):
-        for share, early in itertools.product((0.0, 0.25, 0.5, 1.0), (False, True)):
-            ds.DecodeStep.Z_LATE = share
-            ds.DecodeStep.EARLY_LAUNCH = default_early | {"conv_x_proj"} if early else default_early
-            print(f"{size} late z share {share}, conv_x_proj early {early}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    ds.DecodeStep.Z_LATE, ds.DecodeStep.EARLY_LAUNCH = default, default_early
-    conv_x_proj = ds.DecodeStep._conv_x_proj
-    ds.DecodeStep._conv_x_proj = lambda self, lw, conv_state: None
-    print(f"{size} without conv_x_proj (timing only): {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    ds.DecodeStep._conv_x_proj = conv_x_proj
-
-
 def tune_tile(size):
     """The tile mode's rmsnorm_linear loop (BK, pipeline stages) in whole deterministic
     batch-1 steps."""
@@ -205,10 +184,6 @@ if __name__ == "__main__":
     if "--tile" in sys.argv:
         for size in ("130m", "2.8b"):
             tune_tile(size)
-        sys.exit()
-    if "--late-z" in sys.argv:
-        for size in ("2.8b", "1.4b"):
-            tune_late_z(size)
         sys.exit()
     if "--sum-last" in sys.argv:
         for size in ("1.4b", "2.8b"):

@@ -69,31 +69,19 @@ def test_embed(case):
     assert not step.dh[: step.B].any()
 
 
-def late_z_rows(step, model) -> int:
-    """Some of in_proj's z rows, in whole row blocks, for DecodeStep.z_late_rows."""
-    E, d = model.config.d_inner, model.config.d_model
-    BN = step.linear_blocks(2 * E, d, step.BB == 1)[0]
-    return max(BN, E // 2 // BN * BN)
-
-
 @pytest.mark.parametrize(
-    "fused,conv_block,k_tile,late_z",
-    [(True, None, None, False), (False, None, None, False), (False, 16, None, False), (True, None, 8, False),
-     (False, None, 8, False), (False, None, None, True)],
-    ids=["fused", "conv-kernel", "conv-kernel-16", "fused-k-tiles", "conv-kernel-k-tiles", "conv-kernel-late-z"],
+    "fused,conv_block,k_tile", [(True, None, None), (False, None, None), (False, 16, None), (True, None, 8), (False, None, 8)],
+    ids=["fused", "conv-kernel", "conv-kernel-16", "fused-k-tiles", "conv-kernel-k-tiles"],
 )
-def test_in_proj_with_conv_and_x_proj(case, fused, conv_block, k_tile, late_z):
+def test_in_proj_with_conv_and_x_proj(case, fused, conv_block, k_tile):
     """in_proj, then the conv step and x_proj: in in_proj's x-half programs, or (wide
     models) in a kernel of their own (16 channels a program: these small models' channels
     then span several programs, whose x_proj shares meet in dbc). k_tile: in_proj walks
     d_model in tiles of 8 (one row) or 16 (tile mode), as wide models do, where the small
-    ones take it in one tile. late_z: the last z rows of in_proj in a launch of their own
-    after conv_x_proj (DecodeStep.Z_LATE)."""
+    ones take it in one tile."""
     model, step, tol = case
     step.fused_conv = fused
     step.BN_conv = conv_block or step.BN_conv
-    if late_z:
-        step.z_late_rows = late_z_rows(step, model)
     if k_tile:
         blocks = step.linear_blocks
         step.linear_blocks = lambda n, d, one_row: (lambda b: (b[0], k_tile if one_row else 16, *b[2:]))(blocks(n, d, one_row))
@@ -192,12 +180,10 @@ def test_out_proj_residual(case):
     assert not step.dh[step.B :].any()  # nothing past the batch
 
 
-@pytest.mark.parametrize("fused", [True, False, "late-z"], ids=["fused", "conv-kernel", "conv-kernel-late-z"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "conv-kernel"])
 def test_whole_step_equals_the_reference_model(case, fused):
     model, step, tol = case
-    step.fused_conv = fused is True
-    if fused == "late-z":
-        step.z_late_rows = late_z_rows(step, model)
+    step.fused_conv = fused
     c = model.config
     state = model.new_state(step.B)
     state.conv.copy_(rand(*state.conv.shape, seed=10))

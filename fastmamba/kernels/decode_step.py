@@ -189,9 +189,9 @@ def _prefetch_to_l2(ptrs):
 
 @jit
 def _let_next_kernel_launch(PDL: tl.constexpr):
-    """PDL 2 and 3: the next kernel may launch as soon as all of this one's programs have
+    """PDL 2: the next kernel may launch as soon as all of this one's programs have
     started (it still waits for this one to finish before it reads its results)."""
-    if PDL >= 2:
+    if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
 
 
@@ -199,22 +199,11 @@ def _let_next_kernel_launch(PDL: tl.constexpr):
 def _wait_for_prior_kernel(PDL: tl.constexpr):
     """With programmatic dependent launch (PDL 1 or 2) a kernel may start while the one
     before it in the stream is still finishing; it must wait here before touching anything
-    that kernel writes or reads. With PDL 1 it then lets the next kernel start early in turn.
-    PDL 3 (see _wait_at_end) does not wait here."""
-    if PDL == 1 or PDL == 2:
+    that kernel writes or reads. With PDL 1 it then lets the next kernel start early in turn."""
+    if PDL > 0:
         tl.extra.cuda.gdc_wait()
     if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@jit
-def _wait_at_end(PDL: tl.constexpr):
-    """PDL 3: a kernel that reads nothing the kernel before it writes (in_proj's late z
-    rows, see DecodeStep.Z_LATE) runs alongside it and waits only at its end, so that
-    its own end still stands for the earlier kernel's too (what the next kernel's wait
-    relies on)."""
-    if PDL == 3:
-        tl.extra.cuda.gdc_wait()
 
 
 @jit
@@ -233,19 +222,12 @@ def _embed_kernel(tok_ptr, emb_ptr, h_ptr, dh_ptr, B, D, BB: tl.constexpr, BN: t
 
 
 @jit
-def _residual_tile(h_ptr, dh_ptr, offs, mask, PENDING: tl.constexpr = True, L2_ONLY: tl.constexpr = False):
+def _residual_tile(h_ptr, dh_ptr, offs, mask, PENDING: tl.constexpr = True):
     """h + dh: the residual stream with out_proj's pending share added (float32); just h
-    where dh is known to be zero (PENDING false: the tile mode folds it first). L2_ONLY:
-    loaded past the SM's L1 (for a kernel that reads without waiting: see _wait_at_end)."""
-    if L2_ONLY:
-        h = tl.load(h_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-    else:
-        h = tl.load(h_ptr + offs, mask=mask, other=0.0)
+    where dh is known to be zero (PENDING false: the tile mode folds it first)."""
+    h = tl.load(h_ptr + offs, mask=mask, other=0.0)
     if PENDING:
-        if L2_ONLY:
-            h += _from_fixed(tl.load(dh_ptr + offs, mask=mask, other=0, cache_modifier=".cg"))
-        else:
-            h += _from_fixed(tl.load(dh_ptr + offs, mask=mask, other=0))
+        h += _from_fixed(tl.load(dh_ptr + offs, mask=mask, other=0))
     return h
 
 
@@ -267,7 +249,7 @@ def _fold_kernel(h_ptr, dh_ptr, B, D, BB: tl.constexpr, BN: tl.constexpr, PDL: t
 @jit
 def _rmsnorm_linear_kernel(
     h_ptr, dh_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, xc_ptr, dbc_ptr, best_ptr,
-    B, D, NOUT, out_stride, E, J, eps,
+    B, D, NOUT, E, J, eps,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, CONV: tl.constexpr, ARGMAX: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     HAS_CB: tl.constexpr, PENDING: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     BJ: tl.constexpr, STAGES: tl.constexpr, SUM_LAST: tl.constexpr, PDL: tl.constexpr,
@@ -296,14 +278,14 @@ def _rmsnorm_linear_kernel(
     # it in registers doubled the registers and halved the bandwidth; STAGES > 1 streams
     # tiles through shared memory instead: the tile mode's tl.dot wants it, the one-row
     # GEMV ran slower with it).
-    hk = _residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & (k < D)[None, :], PENDING, PDL == 3)
+    hk = _residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & (k < D)[None, :], PENDING)
     nw = tl.load(nw_ptr + k, mask=k < D, other=0.0)
     sq = hk * hk
     acc = _mm_terms(hk * nw[None, :], w, BB, IEEE, SUM_LAST)
     for k0 in tl.range(BK, D, BK, num_stages=STAGES):
         k = k0 + tl.arange(0, BK)
         kmask = k < D
-        hk = _residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & kmask[None, :], PENDING, PDL == 3)
+        hk = _residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & kmask[None, :], PENDING)
         nw = tl.load(nw_ptr + k, mask=kmask, other=0.0)
         w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         sq += hk * hk
@@ -311,8 +293,7 @@ def _rmsnorm_linear_kernel(
     acc = _mm_total(acc, BB, SUM_LAST) * (1.0 / tl.sqrt(tl.sum(sq, 1) / D + eps))[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nmask, other=0.0)[None, :]
-    tl.store(out_ptr + rows[:, None] * out_stride + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
-    _wait_at_end(PDL)
+    tl.store(out_ptr + rows[:, None] * NOUT + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
     if ARGMAX:  # lm_head for greedy sampling: each row's best so far, across programs
         tl.atomic_max(best_ptr + rows, tl.max(_argmax_keys(acc, n, nmask), 1), mask=rmask, sem="relaxed")
     if CONV:
@@ -620,11 +601,6 @@ class DecodeStep:
     # ms / 0.360, 370m 0.762 / 0.800, 1.4b 1.344 / 1.394; at 2.8b it once lost, 2.254 /
     # 2.239, and wins since conv_x_proj runs 128 channels a program: 1.786 / 1.796).
     EARLY_LAUNCH = frozenset({"ssm_step", "out_proj_residual"})
-    # Share of in_proj's z half (the gate's input, which only ssm_step reads) that wide
-    # models compute in a launch of their own after conv_x_proj: it reads nothing the
-    # kernels before it write after in_proj's own wait, so it streams its weights without
-    # waiting (PDL 3, _wait_at_end) while conv_x_proj's short, latency-bound programs run.
-    Z_LATE = 0.0
     # One-row in_proj with weights of these dtypes sums its products over K once, after
     # its loop (_mm_terms); lm_head, out_proj and float32 weights sum every K tile.
     # Summed after the loop, out_proj made 2.8b's bf16 step 1.939 ms against 1.800;
@@ -686,9 +662,6 @@ class DecodeStep:
         self.BE_ssm = self.SSM_BLOCK if one_row else 32
         self.BD_ssm = triton.next_power_of_2(triton.cdiv(d, triton.cdiv(E, self.BE_ssm)))  # h columns each folds
         self.fused_conv = d <= self.FUSED_CONV_UP_TO
-        # in_proj's last z rows, run after conv_x_proj (see Z_LATE): whole row blocks
-        BN_in = self.linear_blocks(2 * E, d, one_row)[0]
-        self.z_late_rows = int(E * self.Z_LATE) // BN_in * BN_in if one_row and not self.fused_conv else 0
         # The tile mode folds dh into h with a kernel of its own before each rmsnorm_linear
         # (see _fold_kernel); the one-row mode reads h + dh there and folds in ssm_step.
         self.fold_apart = not one_row
@@ -728,23 +701,17 @@ class DecodeStep:
         d = self.model.config.d_model
         _fold_kernel[(self.nt_d, self.BP // self.BB)](self.h, self.dh, self.B, d, BB=self.BB, BN=self.BN_out, **self.pdl)
 
-    def _rmsnorm_linear(self, norm_w, weight, bias, out, conv=None, argmax=False, sum_last=False, rows=None, late=False) -> None:
+    def _rmsnorm_linear(self, norm_w, weight, bias, out, conv=None, argmax=False, sum_last=False) -> None:
         """out[:B] = linear(rmsnorm(h + dh) * norm_w, weight, bias); with conv = (lw,
         conv_state), out is xz, and the x half goes on through the conv step and x_proj;
         with argmax, each row's argmax goes into `best` too (see _argmax_keys). sum_last:
         one row's products summed over K once, after the loop (_mm_terms), where d takes
         more than one K tile (in one tile the products would wait through the loop in
-        registers for nothing: 370m bf16 0.513 ms a step against 0.456). rows = (r0, r1):
-        only those outputs (blocks as for the whole weight); late: see _wait_at_end."""
+        registers for nothing: 370m bf16 0.513 ms a step against 0.456)."""
         if self.fold_apart:
             self.fold()
         n_out, d = weight.shape
         BN, BK, warps, stages = self.linear_blocks(n_out, d, self.BB == 1)
-        out_stride = out.shape[1]
-        if rows is not None:
-            r0, r1 = rows
-            weight, out, bias = weight[r0:r1], out[:, r0:r1], None if bias is None else bias[r0:r1]
-            n_out = r1 - r0
         grid = (triton.cdiv(n_out, BN), self.BP // self.BB)
         c = self.model.config
         if conv is not None:
@@ -755,11 +722,11 @@ class DecodeStep:
             conv_args = (out,) * 6
         _rmsnorm_linear_kernel[grid](
             self.h, self.dh, norm_w, weight, bias if bias is not None else weight, out, *conv_args, self.best,
-            self.B, d, n_out, out_stride, c.d_inner, self.J, c.norm_eps,
+            self.B, d, n_out, c.d_inner, self.J, c.norm_eps,
             HAS_BIAS=bias is not None, IEEE=self.ieee, CONV=conv is not None, ARGMAX=argmax, K=c.d_conv, KP=triton.next_power_of_2(c.d_conv),
             HAS_CB=conv is not None and conv[0].conv_b is not None, PENDING=not self.fold_apart,
             BB=self.BB, BN=BN, BK=BK, BJ=self.BJ, STAGES=stages, SUM_LAST=sum_last and d > BK,
-            num_warps=warps, **(dict(self.pdl, PDL=3) if late and self.pdl["PDL"] else self.pdl_for("rmsnorm_linear")),
+            num_warps=warps, **self.pdl_for("rmsnorm_linear"),
         )
 
     def in_proj(self, lw, conv_state) -> None:
@@ -770,13 +737,7 @@ class DecodeStep:
         if self.fused_conv:
             self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, conv=(lw, conv_state), sum_last=self.in_proj_sum_last)
             return
-        n_in, late = lw.in_proj_w.shape[0], self.z_late_rows
-        self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, sum_last=self.in_proj_sum_last, rows=(0, n_in - late))
-        self._conv_x_proj(lw, conv_state)
-        if late:
-            self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, sum_last=self.in_proj_sum_last, rows=(n_in - late, n_in), late=True)
-
-    def _conv_x_proj(self, lw, conv_state) -> None:
+        self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, sum_last=self.in_proj_sum_last)
         c = self.model.config
         _conv_x_proj_kernel[(triton.cdiv(c.d_inner, self.BN_conv), self.BP // self.BB)](
             self.xz, conv_state, lw.conv_w, lw.conv_b if lw.conv_b is not None else lw.conv_w,
