@@ -11,7 +11,8 @@ x_proj run, and ssm_step's blocks; --out-proj, --in-proj: only those; --wide: 1.
 2.8b only). With --lm-head it sweeps lm_head's blocks (and 130m's in_proj) in whole
 steps; with --early, which kernels let the next one launch before their own wait; with
 --sum-last, where one-row in_proj sums over K (--f32: float32 weights); with --tile, the
-tile (deterministic) mode's loop.
+tile (deterministic) mode's loop; with --preload, out_proj blocks of one tile a K split and
+in_proj's loop in shared-memory stages.
 """
 
 import itertools
@@ -140,6 +141,30 @@ def tune_sum_last(size):
     ds.DecodeStep.IN_PROJ_SUM_LAST, ds.DecodeStep.linear_blocks = default, default_linear
 
 
+def tune_preload(size):
+    """More weight bytes in flight: out_proj blocks whose K split is one tile, so that a
+    program loads all its weights before its wait (which, launched early, it reaches
+    while ssm_step runs), and in_proj's loop pipelined through shared memory (stages);
+    whole steps, each setting twice."""
+    from fastmamba.bench import random_model, time_graph_steps
+
+    model = random_model(size, DT)
+    default_linear, default_out = ds.DecodeStep.__dict__["linear_blocks"], ds.DecodeStep.__dict__["out_blocks"]
+    vocab = model.config.vocab_size
+    base_in = default_linear.__func__(4 * model.config.d_model, model.config.d_model, True)
+    outs = [None, (8, 1024, 4, 1600), (4, 1024, 4, 3200), (8, 1024, 8, 1600), (16, 1024, 8, 800), (8, 512, 4, 3200), (8, 2048, 8, 960)]
+    ins = [(*base_in[:3], 2), (*base_in[:3], 3), (*base_in[:3], 4)]
+    for _ in range(2):
+        for blocks in outs:
+            ds.DecodeStep.out_blocks = staticmethod(lambda d, b=blocks: b) if blocks else default_out
+            print(f"{size} out_proj BN, BK, warps, programs = {blocks or 'default'}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
+        ds.DecodeStep.out_blocks = default_out
+        for blocks in ins:
+            ds.DecodeStep.linear_blocks = staticmethod(lambda n, d, one_row, b=blocks: b if n != vocab else default_linear.__func__(n, d, one_row))
+            print(f"{size} in_proj BN, BK, warps, stages = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
+        ds.DecodeStep.linear_blocks = default_linear
+
+
 def tune_tile(size):
     """The tile mode's rmsnorm_linear loop (BK, pipeline stages) in whole deterministic
     batch-1 steps."""
@@ -184,6 +209,10 @@ if __name__ == "__main__":
     if "--tile" in sys.argv:
         for size in ("130m", "2.8b"):
             tune_tile(size)
+        sys.exit()
+    if "--preload" in sys.argv:
+        for size in ("2.8b", "1.4b"):
+            tune_preload(size)
         sys.exit()
     if "--sum-last" in sys.argv:
         for size in ("1.4b", "2.8b"):
