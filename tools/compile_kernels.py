@@ -139,7 +139,7 @@ def main() -> None:
         BE, warps = dg.CONV_X_PROJ_BLOCKS[torch.float32 if wdt == "*fp32" else torch.bfloat16]
         compile_kernel(dg._conv_x_proj_kernel, ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", "part_ptr", wx_ptr=wdt),
                        dict(K=4, KP=4, HAS_CB=True, SPLIT=wdt != "*fp32", IEEE=wdt == "*fp32", BB=16, BE=BE, BJ=256), num_warps=warps)
-        compile_kernel(dg._dbc_kernel, ptrs("part_ptr", "dbc_ptr", dtr_ptr=wdt), dict(SPLIT=wdt != "*fp32", BJ=256), num_warps=1)
+        compile_kernel(dg._dbc_kernel, ptrs("part_ptr", "dbc_ptr", dtr_ptr=wdt), dict(SPLIT=wdt != "*fp32", BP=128, BJ=32))
         t = ptrs("dt_ptr", "dbc_ptr", "xc_ptr", "xz_ptr", "ss_ptr", "dtb_ptr", "A_ptr", "D_ptr", y_ptr=wdt)
         compile_kernel(dg._ssm_update_kernel, t, dict(N=16, NP=16, SPLIT=wdt != "*fp32", Y_HALVES=False, BE=64))
     res.append("decode (cuBLAS products): ok")

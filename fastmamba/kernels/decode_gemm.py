@@ -60,13 +60,14 @@ def _conv_x_proj_kernel(
 
 
 @jit
-def _dbc_kernel(part_ptr, dbc_ptr, dtr_ptr, B, J, R, NPART, SPLIT: tl.constexpr, BJ: tl.constexpr):
-    # x_proj's partial sums added up in order -> dbc; its first R columns -> dt_proj's operand
+def _dbc_kernel(part_ptr, dbc_ptr, dtr_ptr, B, J, R, NPART, LD, SPLIT: tl.constexpr, BP: tl.constexpr, BJ: tl.constexpr):
+    # x_proj's partial sums of BJ columns of one row, all loaded at once (a loop over them
+    # would wait for each load in turn) and added up in a fixed order -> dbc; its first R
+    # columns -> dt_proj's operand
     row = tl.program_id(0).to(tl.int64)
-    j = tl.arange(0, BJ)
-    v = tl.zeros([BJ], dtype=tl.float32)
-    for p in range(NPART):
-        v += tl.load(part_ptr + (p * B + row) * BJ + j)
+    j = tl.program_id(1) * BJ + tl.arange(0, BJ)
+    p = tl.arange(0, BP)
+    v = tl.sum(tl.load(part_ptr + (p[:, None] * B + row) * LD + j[None, :], mask=(p < NPART)[:, None], other=0.0), 0)
     tl.store(dbc_ptr + row * J + j, v, mask=j < J)
     store_split(dtr_ptr, row * R + j, v, B * R, j < R, SPLIT)
 
@@ -148,7 +149,10 @@ def dbc_rows(partials, dbc, dtr, split=False) -> None:
     """dbc = x_proj's result (B, R+2N) f32, the sum of conv_x_proj's partials; dtr = its
     first R columns in dtr's dtype (in halves with split)."""
     B, J = dbc.shape
-    _dbc_kernel[(B,)](partials, dbc, dtr, B, J, dtr.shape[1], partials.shape[0], SPLIT=split, BJ=partials.shape[2], num_warps=1)
+    NP, _, LD = partials.shape
+    BP = triton.next_power_of_2(NP)
+    BJ = max(1, min(LD, 4096 // BP))  # columns a program: up to 4096 partials in registers
+    _dbc_kernel[(B, LD // BJ)](partials, dbc, dtr, B, J, dtr.shape[1], NP, LD, SPLIT=split, BP=BP, BJ=BJ, num_warps=4)
 
 
 def ssm_update(dt, dbc, xc, xz, ssm_state, dt_bias, A, D, R, y, split=False, y_halves=None) -> None:
