@@ -76,13 +76,13 @@ def _ssm_update_rows(
         store_split(y_ptr, row * E + e, y, B * E, em, False)
 
 
+def randn(*shape, dtype=torch.float32):
+    return torch.randn(*shape, device="cuda").to(dtype)
+
+
 def main() -> None:
     print(torch.cuda.get_device_name(), triton.__version__, flush=True)
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def randn(*shape, dtype=torch.float32):
-        return torch.randn(*shape, device="cuda", generator=g).to(dtype)
-
+    torch.manual_seed(0)
     # out_proj
     ws = [randn(D, E, dtype=BF) * 0.01 for _ in range(LAYERS)]
     y16 = randn(B, E, dtype=BF)
