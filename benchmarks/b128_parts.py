@@ -9,7 +9,6 @@ that every launch reads from memory as in a real step.
   A, dt_bias and D load once for them.
 
     python benchmarks/b128_parts.py
-    python benchmarks/b128_parts.py --conv-x-proj   # the conv step + x_proj kernel's parts
 """
 
 import sys
@@ -76,13 +75,13 @@ def _ssm_update_rows(
         store_split(y_ptr, row * E + e, y, B * E, em, False)
 
 
-def randn(*shape, dtype=torch.float32):
-    return torch.randn(*shape, device="cuda").to(dtype)
-
-
 def main() -> None:
     print(torch.cuda.get_device_name(), triton.__version__, flush=True)
-    torch.manual_seed(0)
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, device="cuda", generator=g).to(dtype)
+
     # out_proj
     ws = [randn(D, E, dtype=BF) * 0.01 for _ in range(LAYERS)]
     y16 = randn(B, E, dtype=BF)
@@ -125,25 +124,5 @@ def main() -> None:
         print(f"ssm_update rows={rows} BE={BE} warps={warps}: " + f"{time_graph_launches([lambda s=s, BE=BE, rows=rows, warps=warps: _ssm_update_rows[(triton.cdiv(E, BE), B // rows)](dt, dbc, xc, xz32, s, dtb, A, Dv, y, B, E, R, R + 2 * N, N=N, NP=N, SPLIT=True, BE=BE, ROWS=rows, num_warps=warps) for s in states]):7.2f} us", flush=True)
 
 
-def conv_x_proj_parts() -> None:
-    """The conv step and x_proj: the step's fused kernel at several blocks, the sum of its
-    partials (dbc_rows), and cuBLAS's x_proj on the two-halves operand for scale."""
-    ws = [randn(R + 2 * N, E, dtype=BF) * 0.02 for _ in range(LAYERS)]
-    states = [randn(B, E, 4) for _ in range(LAYERS)]
-    xz, xc = randn(2 * B, 2 * E), torch.empty(B, E, device="cuda")
-    cw, cb = randn(E, 4), randn(E)
-    dbc, dtr = torch.empty(B, R + 2 * N, device="cuda"), torch.empty(2 * B, R, device="cuda", dtype=BF)
-    default = dg.CONV_X_PROJ_BLOCKS[BF]
-    for blocks in (default, (128, 4), (64, 4), (128, 8), (32, 4)):
-        dg.CONV_X_PROJ_BLOCKS[BF] = blocks
-        part = dg.x_proj_partials(B, ws[0])
-        us = time_graph_launches([lambda w=w, s=s: dg.conv_x_proj(xz, s, cw, cb, w, xc, part, True) for w, s in zip(ws, states)])
-        us_dbc = time_graph_launches([lambda: dg.dbc_rows(part, dbc, dtr, True)] * LAYERS)
-        print(f"conv_x_proj {blocks} (channels, warps): {us:7.2f} us; dbc_rows over its {part.shape[0]} partials: {us_dbc:7.2f} us", flush=True)
-    dg.CONV_X_PROJ_BLOCKS[BF] = default
-    xc16, raw = randn(2 * B, E, dtype=BF), torch.empty(2 * B, R + 2 * N, device="cuda")
-    print(f"x_proj cuBLAS (256 rows): {time_graph_launches([lambda w=w: dg.gemm(xc16, w, raw) for w in ws]):7.2f} us", flush=True)
-
-
 if __name__ == "__main__":
-    conv_x_proj_parts() if "--conv-x-proj" in sys.argv else main()
+    main()

@@ -12,8 +12,7 @@ x_proj run, and ssm_step's blocks; --out-proj, --in-proj: only those; --wide: 1.
 steps; with --early, which kernels let the next one launch before their own wait; with
 --sum-last, where one-row in_proj sums over K (--f32: float32 weights); with --tile, the
 tile (deterministic) mode's loop; with --preload, out_proj blocks of one tile a K split and
-in_proj's loop in shared-memory stages; with --gemm-conv, conv_x_proj's blocks at batch 128
-(decode_gemm.py).
+in_proj's loop in shared-memory stages.
 """
 
 import itertools
@@ -166,20 +165,6 @@ def tune_preload(size):
         ds.DecodeStep.linear_blocks = default_linear
 
 
-def tune_conv_x_proj_blocks(size, batch=128):
-    """Batches above 8 (decode_gemm.py): conv_x_proj's channels a program and warps, in
-    whole steps."""
-    from fastmamba.bench import random_model, time_graph_steps
-    from fastmamba.kernels import decode_gemm as dg
-
-    model = random_model(size, DT)
-    default = dg.CONV_X_PROJ_BLOCKS[DT]
-    for blocks in [default, (128, 8), (64, 4), (32, 4), (128, 4), default]:
-        dg.CONV_X_PROJ_BLOCKS[DT] = blocks
-        print(f"{size} batch {batch} conv_x_proj channels, warps = {blocks}: {time_graph_steps(model, batch):.4f} ms/step", flush=True)
-    dg.CONV_X_PROJ_BLOCKS[DT] = default
-
-
 def tune_tile(size):
     """The tile mode's rmsnorm_linear loop (BK, pipeline stages) in whole deterministic
     batch-1 steps."""
@@ -228,10 +213,6 @@ if __name__ == "__main__":
     if "--preload" in sys.argv:
         for size in ("2.8b", "1.4b"):
             tune_preload(size)
-        sys.exit()
-    if "--gemm-conv" in sys.argv:
-        for size in ("2.8b", "130m"):
-            tune_conv_x_proj_blocks(size)
         sys.exit()
     if "--sum-last" in sys.argv:
         for size in ("1.4b", "2.8b"):

@@ -241,7 +241,7 @@ def test_gemm_step_equals_the_reference_model(checkpoints, name, dtype, batch):
 
 
 @pytest.mark.parametrize("name,dtype,batch", [("untied_bias_rank", "bfloat16", 3), ("kernel3_state8", "float32", 2)])
-def test_gemm_step_kernels(checkpoints, name, dtype, batch, monkeypatch):
+def test_gemm_step_kernels(checkpoints, name, dtype, batch):
     """16-bit weights: operands written as two halves, results read as the sum of two halves
     (split16.py); float32: one of each."""
     from fastmamba.kernels import decode_gemm as dg
@@ -276,31 +276,28 @@ def test_gemm_step_kernels(checkpoints, name, dtype, batch, monkeypatch):
         h_ref, u_ref = rn.residual_rmsnorm_ref(h, o if add else None, bias, lw.norm_w, c.norm_eps)
         assert rel_err(hk, h_ref) < 1e-6
         assert rel_err(joined(u), u_ref) < near
-    # conv step and x_proj's partial sums (in 16-channel blocks: these small models' channels
-    # span several), then dbc and dt_proj's operand
+    # conv step
     xz = rand(B, 2 * E, seed=23)
     conv_state = rand(B, E, c.d_conv, seed=24)
     ref_state = conv_state.clone()
-    xc = torch.empty(B, E, device=DEVICE)
-    dbc, dtr16 = torch.empty(B, R + 2 * N, device=DEVICE), torch.empty(P, R, device=DEVICE, dtype=sdt)
-    monkeypatch.setitem(dg.CONV_X_PROJ_BLOCKS, sdt, (16, 4))
-    partials = dg.x_proj_partials(B, lw.x_proj_w)
-    assert partials.shape[0] > 1
-    for _ in range(2):  # twice: the second step convolves the first's x
-        dg.conv_x_proj(halves(xz), conv_state, lw.conv_w, lw.conv_b, lw.x_proj_w, xc, partials, split)
-        dg.dbc_rows(partials, dbc, dtr16, split)
-        xc_ref, dbc_ref = ds.conv_x_proj_ref(xz[:, :E], ref_state, lw.conv_w, lw.conv_b, lw.x_proj_w)
-        assert rel_err(xc, xc_ref) < 1e-5
+    xc, xc16 = torch.empty(B, E, device=DEVICE), torch.empty(P, E, device=DEVICE, dtype=sdt)
+    for _ in range(2):
+        dg.conv_step(halves(xz), conv_state, lw.conv_w, lw.conv_b, xc, xc16, split)
+        ref = dg.conv_step_ref(xz[:, :E], ref_state, lw.conv_w, lw.conv_b)
+        assert rel_err(xc, ref) < 1e-5
+        assert rel_err(joined(xc16), xc) < near
         assert rel_err(conv_state, ref_state) < 1e-6
-        assert rel_err(dbc, dbc_ref) < near
-        assert rel_err(joined(dtr16), dbc[:, :R]) < near
-    # ssm update
+    # x_proj's result -> dbc and dt_proj's operand
     dbc_ref = rand(B, R + 2 * N, seed=25)
-    dbc = dbc_ref.clone()
+    dbc, dtr16 = torch.empty(B, R + 2 * N, device=DEVICE), torch.empty(P, R, device=DEVICE, dtype=sdt)
+    dg.dbc_rows(halves(dbc_ref), dbc, dtr16, split)
+    assert rel_err(dbc, dbc_ref) < 1e-6
+    assert rel_err(joined(dtr16), dbc_ref[:, :R]) < near
+    # ssm update
     dt = rand(B, E, seed=26)
     ssm_state = rand(B, E, N, seed=27)
     ref_state = ssm_state.clone()
-    ref = ds.ssm_update_ref(dt, dbc_ref[:, R : R + N], dbc_ref[:, R + N :], xc, xz[:, E:], ref_state, lw.dt_bias, lw.A, lw.D)
+    ref = dg.ssm_update_ref(dt, dbc_ref[:, R : R + N], dbc_ref[:, R + N :], xc, xz[:, E:], ref_state, lw.dt_bias, lw.A, lw.D)
     for y_halves in (True, False) if split else (False,):  # y in halves, or rounded once (out_proj's operand)
         s = ssm_state.clone()
         y = torch.zeros(P, E, device=DEVICE, dtype=sdt)

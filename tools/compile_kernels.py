@@ -26,7 +26,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -136,10 +135,8 @@ def main() -> None:
             res.append(f"decode BB={BB} {wdt}: ok")
     for wdt in ("*bf16", "*fp32"):  # the cuBLAS-product step's element-wise kernels
         compile_kernel(rn._residual_rmsnorm_kernel, ptrs("h_ptr", "o_ptr", "b_ptr", "nw_ptr", "h_out_ptr", u_ptr=wdt, eps="fp32"), dict(ADD=True, HAS_BIAS=True, O_HALVES=False, U_HALVES=wdt != "*fp32", BD=4096), num_warps=8)
-        BE, warps = dg.CONV_X_PROJ_BLOCKS[torch.float32 if wdt == "*fp32" else torch.bfloat16]
-        compile_kernel(dg._conv_x_proj_kernel, ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", "part_ptr", wx_ptr=wdt),
-                       dict(K=4, KP=4, HAS_CB=True, SPLIT=wdt != "*fp32", IEEE=wdt == "*fp32", BB=16, BE=BE, BJ=256), num_warps=warps)
-        compile_kernel(dg._dbc_kernel, ptrs("part_ptr", "dbc_ptr", dtr_ptr=wdt), dict(SPLIT=wdt != "*fp32", BP=128, BJ=32))
+        compile_kernel(dg._conv_step_kernel, ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", xc16_ptr=wdt), dict(K=4, KP=4, HAS_CB=True, SPLIT=wdt != "*fp32", BE=128))
+        compile_kernel(dg._dbc_kernel, ptrs("raw_ptr", "dbc_ptr", dtr_ptr=wdt), dict(SPLIT=wdt != "*fp32", BJ=256), num_warps=1)
         t = ptrs("dt_ptr", "dbc_ptr", "xc_ptr", "xz_ptr", "ss_ptr", "dtb_ptr", "A_ptr", "D_ptr", y_ptr=wdt)
         compile_kernel(dg._ssm_update_kernel, t, dict(N=16, NP=16, SPLIT=wdt != "*fp32", Y_HALVES=False, BE=64))
     res.append("decode (cuBLAS products): ok")

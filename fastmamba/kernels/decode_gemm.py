@@ -4,23 +4,19 @@ From batch SMALL_BATCH + 1 up (unless deterministic), one step is, per layer:
 
     residual_rmsnorm   h += o (+ out bias); u = rmsnorm(h) * norm_w, in the storage dtype (rmsnorm.py)
     cuBLAS             xz = u @ in_proj.T                    (float32 out)
-    conv_x_proj        conv step + SiLU on x -> xc (f32); each block of channels' share of
-                       xc @ x_proj.T                         -> partial sums (f32)
-    dbc_rows           the partial sums added up -> dbc; its first R columns in the storage dtype
+    conv_step          conv step + SiLU on x                 -> xc (f32), xc16 (storage)
+    cuBLAS             dbc = xc16 @ x_proj.T                 (float32 out)
+    dbc_rows           dbc's first R columns in the storage dtype
     cuBLAS             dt = dbc[:, :R] @ dt_proj.T           (float32 out)
     ssm_update         softplus, state update, D skip, gate  -> y16 (storage)
     cuBLAS             o = y16 @ out_proj.T                  (float32 out)
 
 Why: at 32-256 rows a product reads each weight once for many rows, which is what cuBLAS's
 tensor-core GEMMs do at close to the copy rate; the step's other traffic is the recurrent
-state, streamed once by the element-wise kernels. x_proj is small (R + 2N outputs) and
-needs only the conv step's output, so the conv step's programs multiply their own channels
-by x_proj's columns on the tensor cores (16-row tiles, decode_step's _mm) and leave a
-partial sum a block of channels, which dbc_rows adds up in a fixed order: no product
-launch and no conv output written in 16 bits and read back. With 16-bit weights the
-activations enter in_proj, dt_proj and lm_head as two 16-bit halves (split16.py) and
-x_proj's as two products (_mm), so they keep about 16 bits; out_proj's operand is rounded
-once (see SPLIT_OUT_PROJ). Every product accumulates in float32.
+state, streamed once by the two element-wise kernels. With 16-bit weights the activations
+enter in_proj, x_proj, dt_proj and lm_head as two 16-bit halves (split16.py), so they keep
+about 16 bits; out_proj's operand is rounded once (see SPLIT_OUT_PROJ). Every product
+accumulates in float32.
 cuBLAS may pick its algorithm by the number of rows, so a slot's bits can depend on the
 batch size here: `deterministic=True` keeps the Triton tile mode (decode_step.py) instead.
 """
@@ -28,46 +24,64 @@ batch size here: `deterministic=True` keeps the Triton tile mode (decode_step.py
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ._triton import jit, tl, triton
 from .activations import softplus
-from .decode_step import ROW_TILE, _conv_inputs, _conv_step, _mm, _x_proj_columns
+from .causal_conv1d import causal_conv1d_ref
 from .rmsnorm import residual_rmsnorm
+from .selective_scan import selective_scan_ref
 from .split16 import load_sum, store_split
+
+
+# -- reference twins -------------------------------------------------------------------------
+
+
+def conv_step_ref(x, conv_state, conv_w, conv_b):
+    """x (B, E) -> SiLU(conv) (B, E) f32; shifts x into conv_state (B, E, K)."""
+    return causal_conv1d_ref(x[:, :, None], conv_w, conv_b, conv_state)[0][:, :, 0]
+
+
+def ssm_update_ref(dt, Bm, Cm, x, z, ssm_state, dt_bias, A, D):
+    """One recurrence step from dt (B, E) before bias and softplus -> y (B, E) f32."""
+    delta = F.softplus(dt.float() + dt_bias)
+    y = selective_scan_ref(x[..., None], delta[..., None], A, Bm[..., None], Cm[..., None], D, z[..., None], ssm_state)
+    return y[..., 0]
+
 
 # -- kernels -----------------------------------------------------------------------------------
 
 
 @jit
-def _conv_x_proj_kernel(
-    xz_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, xc_ptr, part_ptr, B, E, J,
-    K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-    BB: tl.constexpr, BE: tl.constexpr, BJ: tl.constexpr,
+def _conv_step_kernel(
+    xz_ptr, cs_ptr, cw_ptr, cb_ptr, xc_ptr, xc16_ptr, B, E,
+    K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, SPLIT: tl.constexpr, BE: tl.constexpr,
 ):
-    # BB rows, BE channels: their conv step (x read as the sum of in_proj's halves), then
-    # their share of xc @ x_proj.T into this channel block's slot of the partial sums.
-    pid_e = tl.program_id(0)
-    rows = tl.program_id(1) * BB + tl.arange(0, BB)
-    rmask = rows < B
-    n = pid_e * BE + tl.arange(0, BE)
-    cw, cw_new, cb, window = _conv_inputs(rows, rmask, n, cs_ptr, cw_ptr, cb_ptr, E, K, KP, HAS_CB, BE)
-    offs = rows[:, None].to(tl.int64) * (2 * E) + n[None, :]
-    x = load_sum(xz_ptr, offs, B * 2 * E, rmask[:, None] & (n < E)[None, :], SPLIT)
-    xc = _conv_step(x, cw, cw_new, cb, window, rows, rmask, n, cs_ptr, xc_ptr, E, K, KP)
-    share = _mm(xc, _x_proj_columns(wx_ptr, n, E, J, BJ), BB, IEEE)  # (BB, BJ)
-    j = tl.arange(0, BJ)
-    tl.store(part_ptr + (pid_e * B + rows[:, None]) * BJ + j[None, :], share, mask=rmask[:, None] & (j < J)[None, :])
+    row = tl.program_id(1).to(tl.int64)
+    e = tl.program_id(0) * BE + tl.arange(0, BE)
+    em = e < E
+    kk = tl.arange(0, KP)
+    win = cs_ptr + row * E * K + e[:, None] * K + kk[None, :]  # (BE, KP) this row's window
+    old = tl.load(win + 1, mask=em[:, None] & (kk < K - 1)[None, :], other=0.0)  # the K-1 newest
+    x = load_sum(xz_ptr, row * 2 * E + e, B * 2 * E, em, SPLIT)
+    new = tl.where((kk == K - 1)[None, :], x[:, None], old)  # the window after this step
+    w = tl.load(cw_ptr + e[:, None] * K + kk[None, :], mask=em[:, None] & (kk < K)[None, :], other=0.0)
+    conv = tl.sum(new * w, 1)
+    if HAS_CB:
+        conv += tl.load(cb_ptr + e, mask=em, other=0.0)
+    tl.debug_barrier()  # the whole window is read before it is rewritten
+    tl.store(win, new, mask=em[:, None] & (kk < K)[None, :])
+    xc = conv * tl.sigmoid(conv)
+    tl.store(xc_ptr + row * E + e, xc, mask=em)
+    store_split(xc16_ptr, row * E + e, xc, B * E, em, SPLIT)
 
 
 @jit
-def _dbc_kernel(part_ptr, dbc_ptr, dtr_ptr, B, J, R, NPART, LD, SPLIT: tl.constexpr, BP: tl.constexpr, BJ: tl.constexpr):
-    # x_proj's partial sums of BJ columns of one row, all loaded at once (a loop over them
-    # would wait for each load in turn) and added up in a fixed order -> dbc; its first R
-    # columns -> dt_proj's operand
+def _dbc_kernel(raw_ptr, dbc_ptr, dtr_ptr, B, J, R, SPLIT: tl.constexpr, BJ: tl.constexpr):
+    # x_proj's float32 result (halves added) -> dbc; its first R columns -> dt_proj's operand
     row = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1) * BJ + tl.arange(0, BJ)
-    p = tl.arange(0, BP)
-    v = tl.sum(tl.load(part_ptr + (p[:, None] * B + row) * LD + j[None, :], mask=(p < NPART)[:, None], other=0.0), 0)
+    j = tl.arange(0, BJ)
+    v = load_sum(raw_ptr, row * J + j, B * J, j < J, SPLIT)
     tl.store(dbc_ptr + row * J + j, v, mask=j < J)
     store_split(dtr_ptr, row * R + j, v, B * R, j < R, SPLIT)
 
@@ -114,45 +128,27 @@ def gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
         torch.mm(a, weight.t(), out_dtype=torch.float32, out=out)
 
 
-# Channels a program and warps of ssm_update, which streams the state (2.8b, batch 128,
-# whole steps: 128 channels 5.99 ms against 6.15 at 64, other shapes no better).
+# Channels a program and warps of the two element-wise kernels that stream the state
+# (2.8b, batch 128, whole steps: ssm_update at 128 channels 5.99 ms against 6.15 at 64,
+# other shapes no better; conv_step within 0.3% from 64 to 256 channels).
+CONV_STEP_BLOCK = (128, 4)
 SSM_UPDATE_BLOCK = (128, 4)
-# conv_x_proj's channels a program (16 rows: ROW_TILE) and warps, by x_proj's dtype: its
-# (R + 2N, channels) block of x_proj's columns stays in registers (sm_90, Triton 3.6: 74
-# registers at 64 channels and 8 warps for 16-bit weights; float32's 32 channels take 176,
-# and spill from 64 on).
-CONV_X_PROJ_BLOCKS = {torch.float32: (32, 8), torch.bfloat16: (64, 8), torch.float16: (64, 8)}
 
 
-def x_proj_partials(batch: int, x_proj_w: torch.Tensor) -> torch.Tensor:
-    """conv_x_proj's partial sums of x_proj: one (batch, BJ) f32 slot a block of channels."""
-    J, E = x_proj_w.shape
-    blocks = triton.cdiv(E, CONV_X_PROJ_BLOCKS[x_proj_w.dtype][0])
-    return torch.zeros(blocks, batch, triton.next_power_of_2(J), device=x_proj_w.device)
-
-
-def conv_x_proj(xz, conv_state, conv_w, conv_b, x_proj_w, xc, partials, split=False) -> None:
-    """x = xz[:, :E] (the sum of its halves with split); xc = SiLU(conv step), updating
-    conv_state; partials[block] = xc[:, block] @ x_proj[:, block].T for each block of
-    channels (CONV_X_PROJ_BLOCKS; dbc_rows adds them up)."""
+def conv_step(xz, conv_state, conv_w, conv_b, xc, xc16, split=False) -> None:
+    """x = xz[:, :E]; xc = SiLU(conv step), also written to xc16; updates conv_state."""
     B, E, K = conv_state.shape
-    BE, warps = CONV_X_PROJ_BLOCKS[x_proj_w.dtype]
-    assert partials.shape[0] == triton.cdiv(E, BE), "partials from x_proj_partials"
-    _conv_x_proj_kernel[(triton.cdiv(E, BE), triton.cdiv(B, ROW_TILE))](
-        xz, conv_state, conv_w, conv_b if conv_b is not None else conv_w, x_proj_w, xc, partials, B, E, x_proj_w.shape[0],
-        K=K, KP=triton.next_power_of_2(K), HAS_CB=conv_b is not None, SPLIT=split, IEEE=x_proj_w.dtype == torch.float32,
-        BB=ROW_TILE, BE=BE, BJ=partials.shape[2], num_warps=warps,
+    BE, warps = CONV_STEP_BLOCK
+    _conv_step_kernel[(triton.cdiv(E, BE), B)](
+        xz, conv_state, conv_w, conv_b if conv_b is not None else conv_w, xc, xc16, B, E,
+        K=K, KP=triton.next_power_of_2(K), HAS_CB=conv_b is not None, SPLIT=split, BE=BE, num_warps=warps,
     )
 
 
-def dbc_rows(partials, dbc, dtr, split=False) -> None:
-    """dbc = x_proj's result (B, R+2N) f32, the sum of conv_x_proj's partials; dtr = its
-    first R columns in dtr's dtype (in halves with split)."""
+def dbc_rows(raw, dbc, dtr, split=False) -> None:
+    """dbc = x_proj's result (B, R+2N) f32; dtr = its first R columns in dtr's dtype."""
     B, J = dbc.shape
-    NP, _, LD = partials.shape
-    BP = triton.next_power_of_2(NP)
-    BJ = max(1, min(LD, 4096 // BP))  # columns a program: up to 4096 partials in registers
-    _dbc_kernel[(B, LD // BJ)](partials, dbc, dtr, B, J, dtr.shape[1], NP, LD, SPLIT=split, BP=BP, BJ=BJ, num_warps=4)
+    _dbc_kernel[(B,)](raw, dbc, dtr, B, J, dtr.shape[1], SPLIT=split, BJ=triton.next_power_of_2(J), num_warps=1)
 
 
 def ssm_update(dt, dbc, xc, xz, ssm_state, dt_bias, A, D, R, y, split=False, y_halves=None) -> None:
@@ -191,7 +187,8 @@ class GemmDecodeStep:
         self.u = torch.zeros(P, d, device=dev, dtype=sdt)
         self.xz = torch.zeros(P, 2 * E, **f32)
         self.xc = torch.zeros(batch, E, **f32)
-        self.partials = x_proj_partials(batch, w.layers[0].x_proj_w)
+        self.xc16 = torch.zeros(P, E, device=dev, dtype=sdt)
+        self.dbc_raw = torch.zeros(P, R + 2 * N, **f32)
         self.dbc = torch.zeros(batch, R + 2 * N, **f32)
         self.dtr16 = torch.zeros(P, R, device=dev, dtype=sdt)
         self.dt = torch.zeros(P, E, **f32)
@@ -210,8 +207,9 @@ class GemmDecodeStep:
             gemm(self.u, lw.in_proj_w, self.xz)
             if lw.in_proj_b is not None:
                 self.xz[:B] += lw.in_proj_b
-            conv_x_proj(self.xz, state.conv[i], lw.conv_w, lw.conv_b, lw.x_proj_w, self.xc, self.partials, split)
-            dbc_rows(self.partials, self.dbc, self.dtr16, split)
+            conv_step(self.xz, state.conv[i], lw.conv_w, lw.conv_b, self.xc, self.xc16, split)
+            gemm(self.xc16, lw.x_proj_w, self.dbc_raw)
+            dbc_rows(self.dbc_raw, self.dbc, self.dtr16, split)
             gemm(self.dtr16, lw.dt_proj_w, self.dt)
             ssm_update(self.dt, self.dbc, self.xc, self.xz, state.ssm[i], lw.dt_bias, lw.A, lw.D, R, self.y16, split, self.split_out)
             gemm(self.y16, lw.out_proj_w, self.o)

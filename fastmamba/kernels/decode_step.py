@@ -54,27 +54,14 @@ import torch.nn.functional as F
 
 from ._triton import INTERPRET, jit, tl, triton
 from .activations import softplus
-from .causal_conv1d import causal_conv1d_ref
+from .decode_gemm import conv_step_ref, ssm_update_ref
 from .rmsnorm import residual_rmsnorm_ref
-from .selective_scan import selective_scan_ref
 
 ROW_TILE = 16  # rows per program in tile mode (the tensor cores' smallest M)
 SMALL_BATCH = 8  # batches up to this size run one row per program, unless deterministic
 
 
 # -- reference twins -------------------------------------------------------------------------
-
-
-def conv_step_ref(x, conv_state, conv_w, conv_b):
-    """x (B, E) -> SiLU(conv) (B, E) f32; shifts x into conv_state (B, E, K)."""
-    return causal_conv1d_ref(x[:, :, None], conv_w, conv_b, conv_state)[0][:, :, 0]
-
-
-def ssm_update_ref(dt, Bm, Cm, x, z, ssm_state, dt_bias, A, D):
-    """One recurrence step from dt (B, E) before bias and softplus -> y (B, E) f32."""
-    delta = F.softplus(dt.float() + dt_bias)
-    y = selective_scan_ref(x[..., None], delta[..., None], A, Bm[..., None], Cm[..., None], D, z[..., None], ssm_state)
-    return y[..., 0]
 
 
 def rmsnorm_linear_ref(h, norm_w, eps, weight, bias=None):
