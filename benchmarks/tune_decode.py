@@ -12,7 +12,8 @@ x_proj run, and ssm_step's blocks; --out-proj, --in-proj: only those; --wide: 1.
 steps; with --early, which kernels let the next one launch before their own wait; with
 --sum-last, where one-row in_proj sums over K (--f32: float32 weights); with --tile, the
 tile (deterministic) mode's loop; with --preload, out_proj blocks of one tile a K split and
-in_proj's loop in shared-memory stages.
+in_proj's loop in shared-memory stages; with --ablate, the step without one kind of kernel
+at a time (timing only).
 """
 
 import itertools
@@ -165,6 +166,38 @@ def tune_preload(size):
         ds.DecodeStep.linear_blocks = default_linear
 
 
+def tune_ablate(size):
+    """Where a batch-1 step's time goes, in the graph: the step without one kind of kernel
+    at a time (wrong results: timing only; the difference is that kernel's cost there,
+    overlaps included), and lm_head summing after its loop in 256-wide K tiles as in_proj does."""
+    from fastmamba.bench import random_model, time_graph_steps
+
+    model = random_model(size, DT)
+    print(f"{size} as is: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
+    E, d = model.config.d_inner, model.config.d_model
+    skip = {
+        "in_proj": ("_rmsnorm_linear", lambda f: lambda self, nw, w, *a, **k: None if w.shape[0] == 2 * E else f(self, nw, w, *a, **k)),
+        "conv_x_proj": ("in_proj", lambda f: lambda self, lw, cs: self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, sum_last=self.in_proj_sum_last)),
+        "ssm_step": ("ssm_step", lambda f: lambda self, lw, s: None),
+        "out_proj": ("out_proj_residual", lambda f: lambda self, lw: None),
+        # (its first 16 outputs only: greedy sampling still needs a token)
+        "lm_head": ("lm_head", lambda f: lambda self, argmax=False: self._rmsnorm_linear(
+            self.model.weights.norm_f, self.model.weights.lm_head[:16], None, self.logits, argmax=argmax)),
+    }
+    for name, (method, make) in skip.items():
+        original = getattr(ds.DecodeStep, method)
+        setattr(ds.DecodeStep, method, make(original))
+        print(f"{size} without {name}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
+        setattr(ds.DecodeStep, method, original)
+    lm_head, linear = ds.DecodeStep.lm_head, ds.DecodeStep.__dict__["linear_blocks"]
+    vocab = model.config.vocab_size
+    ds.DecodeStep.lm_head = lambda self, argmax=False: self._rmsnorm_linear(
+        self.model.weights.norm_f, self.model.weights.lm_head, None, self.logits, argmax=argmax, sum_last=True)
+    ds.DecodeStep.linear_blocks = staticmethod(lambda n, d, one_row: (16, 256, 4, 1) if n == vocab else linear.__func__(n, d, one_row))
+    print(f"{size} lm_head summed after its loop, K tiles of 256: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
+    ds.DecodeStep.lm_head, ds.DecodeStep.linear_blocks = lm_head, linear
+
+
 def tune_tile(size):
     """The tile mode's rmsnorm_linear loop (BK, pipeline stages) in whole deterministic
     batch-1 steps."""
@@ -213,6 +246,10 @@ if __name__ == "__main__":
     if "--preload" in sys.argv:
         for size in ("2.8b", "1.4b"):
             tune_preload(size)
+        sys.exit()
+    if "--ablate" in sys.argv:
+        for size in ("2.8b", "1.4b", "130m"):
+            tune_ablate(size)
         sys.exit()
     if "--sum-last" in sys.argv:
         for size in ("1.4b", "2.8b"):
