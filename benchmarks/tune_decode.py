@@ -13,7 +13,8 @@ steps; with --early, which kernels let the next one launch before their own wait
 --sum-last, where one-row in_proj sums over K (--f32: float32 weights); with --tile, the
 tile (deterministic) mode's loop; with --preload, out_proj blocks of one tile a K split and
 in_proj's loop in shared-memory stages; with --ablate, the step without one kind of kernel
-at a time (timing only).
+at a time (timing only); with --lm-head-sum-last, lm_head (and small in_proj) summing after
+the loop in 256-wide K tiles.
 """
 
 import itertools
@@ -198,6 +199,35 @@ def tune_ablate(size):
     ds.DecodeStep.lm_head, ds.DecodeStep.linear_blocks = lm_head, linear
 
 
+def tune_lm_head_sum_last(size, dtype):
+    """lm_head (and, where d_model fits one K tile, in_proj) summing after its loop in
+    256-wide K tiles, against the blocks as they are: whole steps in the order A B B A."""
+    from fastmamba.bench import random_model, time_graph_steps
+
+    model = random_model(size, dtype)
+    lm_head, linear = ds.DecodeStep.lm_head, ds.DecodeStep.__dict__["linear_blocks"]
+    vocab, d = model.config.vocab_size, model.config.d_model
+    sum_last = dtype != torch.float32
+
+    def variant(name):
+        ds.DecodeStep.lm_head, ds.DecodeStep.linear_blocks = lm_head, linear
+        if name in ("lm_head", "both"):
+            ds.DecodeStep.lm_head = lambda self, argmax=False: self._rmsnorm_linear(
+                self.model.weights.norm_f, self.model.weights.lm_head, None, self.logits, argmax=argmax, sum_last=sum_last)
+        if name != "as is":
+            small_in = name == "both" or name == "in_proj"
+            ds.DecodeStep.linear_blocks = staticmethod(lambda n, dd, one_row: (
+                (16, 256, 4, 1) if (n == vocab and name != "in_proj") or (small_in and n == 4 * dd and dd <= 1024)
+                else linear.__func__(n, dd, one_row)))
+        return f"{size} {str(dtype)[6:]} {name}: {time_graph_steps(model, 1):.4f} ms/step"
+
+    names = ["lm_head"] + (["in_proj", "both"] if d <= 1024 and sum_last else [])
+    for order in (["as is"] + names, names[::-1] + ["as is"]):
+        for name in order:
+            print(variant(name), flush=True)
+    ds.DecodeStep.lm_head, ds.DecodeStep.linear_blocks = lm_head, linear
+
+
 def tune_tile(size):
     """The tile mode's rmsnorm_linear loop (BK, pipeline stages) in whole deterministic
     batch-1 steps."""
@@ -246,6 +276,11 @@ if __name__ == "__main__":
     if "--preload" in sys.argv:
         for size in ("2.8b", "1.4b"):
             tune_preload(size)
+        sys.exit()
+    if "--lm-head-sum-last" in sys.argv:
+        for size, dtype in (("130m", torch.bfloat16), ("370m", torch.bfloat16), ("1.4b", torch.bfloat16), ("2.8b", torch.bfloat16),
+                            ("130m", torch.float32), ("2.8b", torch.float32)):
+            tune_lm_head_sum_last(size, dtype)
         sys.exit()
     if "--ablate" in sys.argv:
         for size in ("2.8b", "1.4b", "130m"):
