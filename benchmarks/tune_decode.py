@@ -13,8 +13,8 @@ steps; with --early, which kernels let the next one launch before their own wait
 --sum-last, where one-row in_proj sums over K (--f32: float32 weights); with --tile, the
 tile (deterministic) mode's loop; with --preload, out_proj blocks of one tile a K split and
 in_proj's loop in shared-memory stages; with --ablate, the step without one kind of kernel
-at a time (timing only); with --lm-head-sum-last, lm_head (and small in_proj) summing after
-the loop in 256-wide K tiles.
+at a time (timing only); with --lm-head-sum-last, lm_head summing after its loop in 256-wide
+K tiles against every tile.
 """
 
 import itertools
@@ -54,7 +54,7 @@ def tune_rmsnorm_linear(n_out, d):
             ds._rmsnorm_linear_kernel[(triton.cdiv(n_out, BN), 1)](
                 h, dh, nw, w, w, out, *(out,) * 7, 1, d, n_out, 0, 0, 1e-5, HAS_BIAS=False, IEEE=False,
                 CONV=False, ARGMAX=False, K=4, KP=4, HAS_CB=False, PENDING=True, BB=1, BN=BN, BK=BK, BJ=16, STAGES=1,
-                SUM_LAST=DT in ds.DecodeStep.IN_PROJ_SUM_LAST and n_out == 4 * d and d > BK, PDL=0, num_warps=warps,
+                SUM_LAST=DT in ds.DecodeStep.SUM_LAST and n_out == 4 * d and d > BK, PDL=0, num_warps=warps,
             )
 
         res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BN=BN, BK=BK, warps=warps)))
@@ -127,20 +127,20 @@ def tune_early_launch(size):
 
 def tune_sum_last(size):
     """One-row in_proj summing over K in every K tile or once after the loop
-    (DecodeStep.IN_PROJ_SUM_LAST), with K tiles of 256 or 512, whole steps, each twice."""
+    (DecodeStep.SUM_LAST), with K tiles of 256 or 512, whole steps, each twice."""
     from fastmamba.bench import random_model, time_graph_steps
 
     model = random_model(size, DT)
-    default, default_linear = ds.DecodeStep.IN_PROJ_SUM_LAST, ds.DecodeStep.__dict__["linear_blocks"]
+    default, default_linear = ds.DecodeStep.SUM_LAST, ds.DecodeStep.__dict__["linear_blocks"]
     vocab = model.config.vocab_size
     for _ in range(2):
         for sum_last, BK in ((True, 256), (False, 512), (True, 512), (False, 256)):
-            ds.DecodeStep.IN_PROJ_SUM_LAST = frozenset({DT} if sum_last else ())
+            ds.DecodeStep.SUM_LAST = frozenset({DT} if sum_last else ())
             ds.DecodeStep.linear_blocks = staticmethod(
                 lambda n, d, one_row, BK=BK: (lambda b: b if n == vocab else (b[0], BK, *b[2:]))(default_linear.__func__(n, d, one_row)))
             how = "after the loop" if sum_last else "every K tile"
             print(f"{size} in_proj summed {how}, K tiles of {BK}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    ds.DecodeStep.IN_PROJ_SUM_LAST, ds.DecodeStep.linear_blocks = default, default_linear
+    ds.DecodeStep.SUM_LAST, ds.DecodeStep.linear_blocks = default, default_linear
 
 
 def tune_preload(size):
@@ -170,7 +170,7 @@ def tune_preload(size):
 def tune_ablate(size):
     """Where a batch-1 step's time goes, in the graph: the step without one kind of kernel
     at a time (wrong results: timing only; the difference is that kernel's cost there,
-    overlaps included), and lm_head summing after its loop in 256-wide K tiles as in_proj does."""
+    overlaps included)."""
     from fastmamba.bench import random_model, time_graph_steps
 
     model = random_model(size, DT)
@@ -178,7 +178,7 @@ def tune_ablate(size):
     E, d = model.config.d_inner, model.config.d_model
     skip = {
         "in_proj": ("_rmsnorm_linear", lambda f: lambda self, nw, w, *a, **k: None if w.shape[0] == 2 * E else f(self, nw, w, *a, **k)),
-        "conv_x_proj": ("in_proj", lambda f: lambda self, lw, cs: self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, sum_last=self.in_proj_sum_last)),
+        "conv_x_proj": ("in_proj", lambda f: lambda self, lw, cs: self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, sum_last=self.sum_last)),
         "ssm_step": ("ssm_step", lambda f: lambda self, lw, s: None),
         "out_proj": ("out_proj_residual", lambda f: lambda self, lw: None),
         # (its first 16 outputs only: greedy sampling still needs a token)
@@ -190,42 +190,28 @@ def tune_ablate(size):
         setattr(ds.DecodeStep, method, make(original))
         print(f"{size} without {name}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
         setattr(ds.DecodeStep, method, original)
-    lm_head, linear = ds.DecodeStep.lm_head, ds.DecodeStep.__dict__["linear_blocks"]
-    vocab = model.config.vocab_size
-    ds.DecodeStep.lm_head = lambda self, argmax=False: self._rmsnorm_linear(
-        self.model.weights.norm_f, self.model.weights.lm_head, None, self.logits, argmax=argmax, sum_last=True)
-    ds.DecodeStep.linear_blocks = staticmethod(lambda n, d, one_row: (16, 256, 4, 1) if n == vocab else linear.__func__(n, d, one_row))
-    print(f"{size} lm_head summed after its loop, K tiles of 256: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    ds.DecodeStep.lm_head, ds.DecodeStep.linear_blocks = lm_head, linear
 
 
 def tune_lm_head_sum_last(size, dtype):
-    """lm_head (and, where d_model fits one K tile, in_proj) summing after its loop in
-    256-wide K tiles, against the blocks as they are: whole steps in the order A B B A."""
+    """lm_head summing after its loop in LM_HEAD_K_TILE-wide K tiles (16-bit weights, the
+    default) against summing every K tile in linear_blocks' tiles: whole steps, A B B A.
+    (float32: the default is every tile; B is then LM_HEAD_K_TILE-wide tiles, every tile.)"""
     from fastmamba.bench import random_model, time_graph_steps
 
     model = random_model(size, dtype)
-    lm_head, linear = ds.DecodeStep.lm_head, ds.DecodeStep.__dict__["linear_blocks"]
-    vocab, d = model.config.vocab_size, model.config.d_model
-    sum_last = dtype != torch.float32
+    lm_head = ds.DecodeStep.lm_head
+    f32 = dtype == torch.float32
 
-    def variant(name):
-        ds.DecodeStep.lm_head, ds.DecodeStep.linear_blocks = lm_head, linear
-        if name in ("lm_head", "both"):
-            ds.DecodeStep.lm_head = lambda self, argmax=False: self._rmsnorm_linear(
-                self.model.weights.norm_f, self.model.weights.lm_head, None, self.logits, argmax=argmax, sum_last=sum_last)
-        if name != "as is":
-            small_in = name == "both" or name == "in_proj"
-            ds.DecodeStep.linear_blocks = staticmethod(lambda n, dd, one_row: (
-                (16, 256, 4, 1) if (n == vocab and name != "in_proj") or (small_in and n == 4 * dd and dd <= 1024)
-                else linear.__func__(n, dd, one_row)))
-        return f"{size} {str(dtype)[6:]} {name}: {time_graph_steps(model, 1):.4f} ms/step"
+    def other(self, argmax=False):
+        w = self.model.weights
+        k_tile = self.LM_HEAD_K_TILE if f32 else None
+        self._rmsnorm_linear(w.norm_f, w.lm_head, None, self.logits, argmax=argmax, k_tile=k_tile)
 
-    names = ["lm_head"] + (["in_proj", "both"] if d <= 1024 and sum_last else [])
-    for order in (["as is"] + names, names[::-1] + ["as is"]):
-        for name in order:
-            print(variant(name), flush=True)
-    ds.DecodeStep.lm_head, ds.DecodeStep.linear_blocks = lm_head, linear
+    name = "every tile, K tiles of 256" if f32 else "every tile, linear_blocks' K tiles"
+    for variant in ("default", name, name, "default"):
+        ds.DecodeStep.lm_head = lm_head if variant == "default" else other
+        print(f"{size} {str(dtype)[6:]} lm_head {variant}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
+    ds.DecodeStep.lm_head = lm_head
 
 
 def tune_tile(size):

@@ -103,9 +103,14 @@ def test_in_proj_with_conv_and_x_proj(case, fused, conv_block, k_tile):
     assert not step.dbc[:, step.J :].any() and not step.dbc[step.B :].any()  # nothing past the columns and rows
 
 
-def test_lm_head(case):
+@pytest.mark.parametrize("k_tile", [None, 8], ids=["as-is", "k-tiles"])
+def test_lm_head(case, k_tile):
+    """k_tile: lm_head walks d_model in tiles of 8, as wide models do (16-bit weights then
+    sum after the loop: DecodeStep.LM_HEAD_K_TILE), where the small ones take it in one."""
     model, step, tol = case
     c = model.config
+    if k_tile:
+        step.LM_HEAD_K_TILE = k_tile
     h = set_residual(step, rand(step.B, c.d_model, seed=1) * 3, rand(step.B, c.d_model, seed=12))
     step.lm_head()
     ref = ds.rmsnorm_linear_ref(h, model.weights.norm_f, c.norm_eps, model.weights.lm_head)
@@ -119,6 +124,7 @@ def test_lm_head_argmax_and_take_argmax(case):
     from fastmamba.sampling import SlotParams, sample_greedy
 
     model, step, _ = case
+    step.LM_HEAD_K_TILE = 8  # 16-bit weights: summed after the loop (the argmax then reads that sum)
     c, w = model.config, model.weights
     V = c.vocab_size
     h = set_residual(step, rand(step.B, c.d_model, seed=1) * 3, rand(step.B, c.d_model, seed=12))

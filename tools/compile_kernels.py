@@ -119,7 +119,7 @@ def main() -> None:
                 compile_kernel(ds._rmsnorm_linear_kernel, t, dict(
                     HAS_BIAS=True, IEEE=ieee, CONV=conv, ARGMAX=not conv, K=4, KP=4, HAS_CB=True, PENDING=BB == 1, BB=BB, BN=16,
                     BK=512 if BB == 1 else 128, BJ=128, STAGES=ds.DecodeStep.linear_blocks(3072, 768, BB == 1)[3],
-                    SUM_LAST=conv and not ieee, PDL=True))
+                    SUM_LAST=not ieee and BB == 1, PDL=True))
             t = ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", wx_ptr=wdt, dbc_ptr="*i64")
             BN = ds.DecodeStep.CONV_BLOCK if BB == 1 else 32
             compile_kernel(ds._conv_x_proj_kernel, t, dict(K=4, KP=4, HAS_CB=True, IEEE=ieee, BB=BB, BN=BN, BJ=256, PDL=True), num_warps=ds.DecodeStep.conv_warps(BN))

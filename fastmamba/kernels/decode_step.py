@@ -601,13 +601,20 @@ class DecodeStep:
     # ms / 0.360, 370m 0.762 / 0.800, 1.4b 1.344 / 1.394; at 2.8b it once lost, 2.254 /
     # 2.239, and wins since conv_x_proj runs 128 channels a program: 1.786 / 1.796).
     EARLY_LAUNCH = frozenset({"ssm_step", "out_proj_residual"})
-    # One-row in_proj with weights of these dtypes sums its products over K once, after
-    # its loop (_mm_terms); lm_head, out_proj and float32 weights sum every K tile.
+    # One-row in_proj and lm_head with weights of these dtypes sum their products over K
+    # once, after their loop (_mm_terms); out_proj and float32 weights sum every K tile.
     # Summed after the loop, out_proj made 2.8b's bf16 step 1.939 ms against 1.800;
     # float32 in_proj 3.280 against 3.152 at 2.8b (1.4b: 1.555 against 1.625). With
     # in_proj's blocks: see linear_blocks; models whose d_model fits one K tile sum it at
     # once (_rmsnorm_linear).
-    IN_PROJ_SUM_LAST = frozenset({torch.bfloat16, torch.float16})
+    SUM_LAST = frozenset({torch.bfloat16, torch.float16})
+    # lm_head's K tiles where it sums after its loop (bf16 batch 1, whole steps in the
+    # order A B B A, against linear_blocks' 1024 / 512 summed every tile: 130m 0.1900 /
+    # 0.2029 ms against 0.1955 / 0.2086, 370m 0.4538 / 0.4525 against 0.4554 / 0.4551,
+    # 1.4b 0.9914 / 0.9913 against 0.9936 / 0.9944, 2.8b 1.7631 / 1.7640 against 1.7660 /
+    # 1.7661; float32 in 256-wide tiles summed every tile lost: 130m 0.2445 against
+    # 0.2425, 2.8b 3.1620 against 3.1589; tune_decode.py --lm-head-sum-last).
+    LM_HEAD_K_TILE = 256
 
     @staticmethod
     def out_blocks(d_model: int) -> tuple[int, int, int, int]:
@@ -648,7 +655,7 @@ class DecodeStep:
         self.BB = 1 if batch <= SMALL_BATCH and not deterministic else ROW_TILE
         self.BP = triton.cdiv(batch, self.BB) * self.BB
         self.ieee = w.embedding.dtype == torch.float32
-        self.in_proj_sum_last = w.embedding.dtype in self.IN_PROJ_SUM_LAST
+        self.sum_last = w.embedding.dtype in self.SUM_LAST
         d, E, N, R = c.d_model, c.d_inner, c.d_state, c.dt_rank
         self.J, self.BJ = R + 2 * N, _pow2(R + 2 * N)
         self.BR, self.NP = _pow2(R), _pow2(N, 1)
@@ -701,17 +708,19 @@ class DecodeStep:
         d = self.model.config.d_model
         _fold_kernel[(self.nt_d, self.BP // self.BB)](self.h, self.dh, self.B, d, BB=self.BB, BN=self.BN_out, **self.pdl)
 
-    def _rmsnorm_linear(self, norm_w, weight, bias, out, conv=None, argmax=False, sum_last=False) -> None:
+    def _rmsnorm_linear(self, norm_w, weight, bias, out, conv=None, argmax=False, sum_last=False, k_tile=None) -> None:
         """out[:B] = linear(rmsnorm(h + dh) * norm_w, weight, bias); with conv = (lw,
         conv_state), out is xz, and the x half goes on through the conv step and x_proj;
         with argmax, each row's argmax goes into `best` too (see _argmax_keys). sum_last:
         one row's products summed over K once, after the loop (_mm_terms), where d takes
         more than one K tile (in one tile the products would wait through the loop in
-        registers for nothing: 370m bf16 0.513 ms a step against 0.456)."""
+        registers for nothing: 370m bf16 0.513 ms a step against 0.456). k_tile: K tiles
+        of this width instead of linear_blocks' (lm_head: LM_HEAD_K_TILE)."""
         if self.fold_apart:
             self.fold()
         n_out, d = weight.shape
         BN, BK, warps, stages = self.linear_blocks(n_out, d, self.BB == 1)
+        BK = k_tile or BK
         grid = (triton.cdiv(n_out, BN), self.BP // self.BB)
         c = self.model.config
         if conv is not None:
@@ -735,9 +744,9 @@ class DecodeStep:
         before: out_proj_residual leaves it so): in in_proj's own programs up to
         FUSED_CONV_UP_TO, else in a second kernel."""
         if self.fused_conv:
-            self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, conv=(lw, conv_state), sum_last=self.in_proj_sum_last)
+            self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, conv=(lw, conv_state), sum_last=self.sum_last)
             return
-        self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, sum_last=self.in_proj_sum_last)
+        self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, sum_last=self.sum_last)
         c = self.model.config
         _conv_x_proj_kernel[(triton.cdiv(c.d_inner, self.BN_conv), self.BP // self.BB)](
             self.xz, conv_state, lw.conv_w, lw.conv_b if lw.conv_b is not None else lw.conv_w,
@@ -750,7 +759,9 @@ class DecodeStep:
         """logits[:B] = lm_head(rmsnorm(h + dh) * norm_f); with argmax, each row's argmax
         into `best` too, for take_argmax."""
         w = self.model.weights
-        self._rmsnorm_linear(w.norm_f, w.lm_head, None, self.logits, argmax=argmax)
+        sum_last = self.sum_last and self.BB == 1
+        k_tile = self.LM_HEAD_K_TILE if sum_last else None
+        self._rmsnorm_linear(w.norm_f, w.lm_head, None, self.logits, argmax=argmax, sum_last=sum_last, k_tile=k_tile)
 
     def take_argmax(self, slots, tokens: torch.Tensor, history_row: torch.Tensor) -> None:
         """Greedy sampling after a step with argmax: tokens[:B] and history_row[:B] = the
