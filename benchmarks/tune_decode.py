@@ -231,18 +231,22 @@ def tune_tile(size):
 
 
 def tune_lm_head(size):
-    """rmsnorm_linear's blocks for lm_head alone (n_out = vocab), in whole steps; and for
-    in_proj at 130m, whose K (768) is not a multiple of 512."""
+    """rmsnorm_linear's blocks for lm_head alone (n_out = vocab), in whole steps; and with
+    --in-proj for in_proj at 130m, whose K (768) is not a multiple of 512."""
     from fastmamba.bench import random_model, time_graph_steps
 
     model = random_model(size, DT)
-    default_linear = ds.DecodeStep.__dict__["linear_blocks"]
+    default_linear, default_tile = ds.DecodeStep.__dict__["linear_blocks"], ds.DecodeStep.LM_HEAD_K_TILE
     vocab = model.config.vocab_size
     print(f"{size} default blocks: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    for blocks in [(16, 512, 4, 1), (32, 512, 4, 1), (32, 256, 4, 1), (64, 256, 4, 1), (64, 512, 8, 1), (32, 512, 8, 1), (16, 1024, 4, 1)]:
+    # (16-bit weights: lm_head's K tile is LM_HEAD_K_TILE, set to the BK here)
+    for blocks in [(8, 256, 4, 1), (32, 256, 4, 1), (16, 512, 4, 1), (32, 128, 4, 1), (16, 256, 8, 1), (64, 128, 4, 1)]:
         ds.DecodeStep.linear_blocks = staticmethod(lambda n, d, one_row, b=blocks: b if n == vocab else default_linear.__func__(n, d, one_row))
+        ds.DecodeStep.LM_HEAD_K_TILE = blocks[1]
         print(f"   lm_head BN, BK, warps, stages = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    if size == "130m":
+    ds.DecodeStep.linear_blocks, ds.DecodeStep.LM_HEAD_K_TILE = default_linear, default_tile
+    print(f"{size} default blocks again: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
+    if size == "130m" and "--in-proj" in sys.argv:
         for blocks in [(16, 256, 4, 1), (8, 256, 4, 1), (32, 256, 4, 1), (16, 1024, 4, 1)]:
             ds.DecodeStep.linear_blocks = staticmethod(lambda n, d, one_row, b=blocks: b if n != vocab else default_linear.__func__(n, d, one_row))
             print(f"   in_proj BN, BK, warps, stages = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
