@@ -175,7 +175,7 @@ def tune_ablate(size):
 
     model = random_model(size, DT)
     print(f"{size} as is: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    E, d = model.config.d_inner, model.config.d_model
+    E = model.config.d_inner
     skip = {
         "in_proj": ("_rmsnorm_linear", lambda f: lambda self, nw, w, *a, **k: None if w.shape[0] == 2 * E else f(self, nw, w, *a, **k)),
         "conv_x_proj": ("in_proj", lambda f: lambda self, lw, cs: self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, sum_last=self.sum_last)),
