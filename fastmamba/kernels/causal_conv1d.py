@@ -63,17 +63,27 @@ def _causal_conv1d_kernel(
         bias = tl.zeros([BE], dtype=tl.float32)
     t = tl.program_id(2) * BT + tl.arange(0, BT)
     acc = tl.zeros([BT, BE], dtype=tl.float32) + bias[None, :]
-    state_end = tl.where(first, -start * K, -K)  # taps at tt < state_end read the old state
-    for k in tl.static_range(K):
-        tt = t - (K - 1) + k  # input position feeding tap k
-        from_x = (tt >= start) & (tt >= 0) & (tt < T)
-        v = tl.load(x_row + tt[:, None] * sxt + e[None, :] * sxe, mask=from_x[:, None] & emask[None, :], other=0.0)
-        # positions before the chunk come from the state (index K + tt); only while the
-        # row has no padding (tt >= -(K-1) > -start*K once start > 0), since padding
-        # starts the row from zero
-        from_state = tt < state_end
-        v += tl.load(st_row + e[None, :] * K + (K + tt)[:, None], mask=from_state[:, None] & emask[None, :], other=0.0)
-        acc += v * tl.load(w_ptr + e * K + k, mask=emask, other=0.0)[None, :]
+    if first:
+        state_end = -start * K  # taps at tt < state_end read the old state
+        for k in tl.static_range(K):
+            tt = t - (K - 1) + k  # input position feeding tap k
+            from_x = (tt >= start) & (tt >= 0) & (tt < T)
+            v = tl.load(x_row + tt[:, None] * sxt + e[None, :] * sxe, mask=from_x[:, None] & emask[None, :], other=0.0)
+            # positions before the chunk come from the state (index K + tt); only while the
+            # row has no padding (tt >= -(K-1) > -start*K once start > 0), since padding
+            # starts the row from zero
+            from_state = tt < state_end
+            v += tl.load(st_row + e[None, :] * K + (K + tt)[:, None], mask=from_state[:, None] & emask[None, :], other=0.0)
+            acc += v * tl.load(w_ptr + e * K + k, mask=emask, other=0.0)[None, :]
+    else:
+        # Every other block: all taps in x (tt >= BT - K + 1 > 0), so no state loads, whose
+        # addresses run along time and, added to x's (along channels), cost a layout
+        # conversion through shared memory a tap (the kernel was bound by its instructions).
+        for k in tl.static_range(K):
+            tt = t - (K - 1) + k
+            from_x = (tt >= start) & (tt < T)
+            v = tl.load(x_row + tt[:, None] * sxt + e[None, :] * sxe, mask=from_x[:, None] & emask[None, :], other=0.0)
+            acc += v * tl.load(w_ptr + e * K + k, mask=emask, other=0.0)[None, :]
     y = acc * tl.sigmoid(acc)
     out = b.to(tl.int64) * T * E + t[:, None] * E + e[None, :]
     tl.store(y_ptr + out, y, mask=(t < T)[:, None] & emask[None, :])
