@@ -79,7 +79,9 @@ def _causal_conv1d_kernel(
         # Every other block: all taps in x (tt >= BT - K + 1 > 0), so no state loads, whose
         # addresses run along time and, added to x's (along channels), cost a layout
         # conversion through shared memory a tap: ~225 instructions a thread against ~376,
-        # 2.8b 1 x 4096 91.4 -> 83.8 us, 8 x 2048 369.1 -> 330.0 (prefill_parts.py).
+        # 2.8b 1 x 4096 91.4 -> 83.8 us, 8 x 2048 369.1 -> 330.0 (prefill_parts.py). (The
+        # loop is written out twice: one loop with the state loads in a branch still
+        # converts x's tiles for them, outside the branch.)
         for k in tl.static_range(K):
             tt = t - (K - 1) + k
             from_x = (tt >= start) & (tt < T)
