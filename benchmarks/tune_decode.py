@@ -14,8 +14,7 @@ steps; with --early, which kernels let the next one launch before their own wait
 tile (deterministic) mode's loop; with --preload, out_proj blocks of one tile a K split and
 in_proj's loop in shared-memory stages; with --ablate, the step without one kind of kernel
 at a time (timing only); with --lm-head-sum-last, lm_head summing after its loop in 256-wide
-K tiles against every tile; with --ssm-w-early, ssm_step converting dt_proj's tile before or
-after its wait.
+K tiles against every tile.
 """
 
 import itertools
@@ -215,20 +214,6 @@ def tune_lm_head_sum_last(size, dtype):
     ds.DecodeStep.lm_head = lm_head
 
 
-def tune_ssm_w_early(size):
-    """One-row ssm_step converting dt_proj's tile before its wait or after it
-    (DecodeStep.SSM_W_EARLY): whole steps, A B B A."""
-    from fastmamba.bench import random_model, time_graph_steps
-
-    model = random_model(size, DT)
-    default = ds.DecodeStep.SSM_W_EARLY
-    for early in (True, False, False, True):
-        ds.DecodeStep.SSM_W_EARLY = early
-        print(f"{size} ssm_step's dt_proj tile converted {'before' if early else 'after'} the wait: "
-              f"{time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    ds.DecodeStep.SSM_W_EARLY = default
-
-
 def tune_tile(size):
     """The tile mode's rmsnorm_linear loop (BK, pipeline stages) in whole deterministic
     batch-1 steps."""
@@ -286,10 +271,6 @@ if __name__ == "__main__":
         for size, dtype in (("130m", torch.bfloat16), ("370m", torch.bfloat16), ("1.4b", torch.bfloat16), ("2.8b", torch.bfloat16),
                             ("130m", torch.float32), ("2.8b", torch.float32)):
             tune_lm_head_sum_last(size, dtype)
-        sys.exit()
-    if "--ssm-w-early" in sys.argv:
-        for size in ("2.8b", "1.4b", "130m"):
-            tune_ssm_w_early(size)
         sys.exit()
     if "--ablate" in sys.argv:
         for size in ("2.8b", "1.4b", "130m"):

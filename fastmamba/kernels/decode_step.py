@@ -445,7 +445,7 @@ def _conv_x_proj_kernel(
 def _ssm_step_kernel(
     dbc_ptr, xc_ptr, xz_ptr, ss_ptr, dtw_ptr, dtb_ptr, A_ptr, D_ptr, y_ptr, h_ptr, dh_ptr, B, E, R, DM,
     N: tl.constexpr, NP: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, IEEE: tl.constexpr,
-    FOLD: tl.constexpr, BB: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr, W_EARLY: tl.constexpr, PDL: tl.constexpr,
+    FOLD: tl.constexpr, BB: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
 ):
     _let_next_kernel_launch(PDL)
     pid_e = tl.program_id(0)
@@ -467,12 +467,6 @@ def _ssm_step_kernel(
     sp = ss_ptr + rows[:, None, None] * (E * N) + e[None, :, None] * N + nn[None, None, :]
     sm = m[:, :, None] & nmask[None, None, :]
     s = tl.load(sp, mask=sm, other=0.0)  # (BB, BE, NP)
-    if BB == 1 and W_EARLY:
-        # dt_proj's tile in the layout dt_r arrives in, converted now rather than after the
-        # wait (there it went through shared memory: 8 barriers on the step's critical
-        # path): added to a load of dt_r's shape that reads nothing.
-        nothing = tl.load(dbc_ptr + rows[:, None] * BJ + r[None, :], mask=(rmask & False)[:, None] & (r < R)[None, :], other=0)
-        w = w.to(tl.float32) + nothing.to(tl.float32)
     _wait_for_prior_kernel(PDL)
     dtr = _from_fixed(tl.load(dbc_ptr + rows[:, None] * BJ + r[None, :], mask=rmask[:, None] & (r < R)[None, :], other=0))
     Bv = _from_fixed(tl.load(dbc_ptr + rows[:, None] * BJ + R + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0))
@@ -607,9 +601,6 @@ class DecodeStep:
     # ms / 0.360, 370m 0.762 / 0.800, 1.4b 1.344 / 1.394; at 2.8b it once lost, 2.254 /
     # 2.239, and wins since conv_x_proj runs 128 channels a program: 1.786 / 1.796).
     EARLY_LAUNCH = frozenset({"ssm_step", "out_proj_residual"})
-    # One-row ssm_step converts dt_proj's weight tile to the layout of dt_r before its wait
-    # (see _ssm_step_kernel), not after it.
-    SSM_W_EARLY = True
     # One-row in_proj and lm_head with weights of these dtypes sum their products over K
     # once, after their loop (_mm_terms); out_proj and float32 weights sum every K tile.
     # Summed after the loop, out_proj made 2.8b's bf16 step 1.939 ms against 1.800;
@@ -788,8 +779,7 @@ class DecodeStep:
         _ssm_step_kernel[(triton.cdiv(c.d_inner, self.BE_ssm), self.BP // self.BB)](
             self.dbc, self.xc, self.xz, ssm_state, lw.dt_proj_w, lw.dt_bias, lw.A, lw.D, self.y, self.h, self.dh,
             self.B, c.d_inner, c.dt_rank, c.d_model, N=c.d_state, NP=self.NP, BJ=self.BJ, BR=self.BR, IEEE=self.ieee,
-            FOLD=not self.fold_apart, BB=self.BB, BE=self.BE_ssm, BD=self.BD_ssm, W_EARLY=self.SSM_W_EARLY,
-            num_warps=4, **self.pdl_for("ssm_step"),
+            FOLD=not self.fold_apart, BB=self.BB, BE=self.BE_ssm, BD=self.BD_ssm, num_warps=4, **self.pdl_for("ssm_step"),
         )
 
     def out_proj_residual(self, lw) -> None:
