@@ -9,12 +9,14 @@ With --loops it also prints, for each loop of each kernel's SASS, how many instr
 of the kinds that bound these kernels it runs an iteration: special-function (MUFU) and
 float32 ones, loads and stores by space, barriers, shuffles, spill traffic (LDL / STL).
 Layout conversions inside a loop show up there as shared-memory stores, loads and barriers.
+With --conversions it lists each kernel's layout conversions (Triton GPU IR) with the
+source lines they come from: how the prefill conv's per-tap conversions were found.
 The GPU machine's Triton may be older than this one's, and the code each version makes
 differs: for SASS that matches the GPU's, run it with that version (a virtual environment
 with --system-site-packages and `pip install triton==<its version>`).
 Run it without TRITON_INTERPRET:
 
-    python tools/compile_kernels.py [--loops]
+    python tools/compile_kernels.py [--loops] [--conversions]
 """
 import collections
 import os
@@ -63,7 +65,32 @@ def compile_kernel(jitfn, types, constexprs, num_warps=4):
     if "--loops" in sys.argv:
         for line in loop_summary(cuobjdump(kernel.asm["cubin"], "-sass")):
             print(f"      {line}")
+    if "--conversions" in sys.argv:
+        for line in layout_conversions(kernel.asm["ttgir"]):
+            print(f"      {line}")
     return kernel
+
+
+def layout_conversions(ttgir: str) -> list[str]:
+    """Each layout conversion in the kernel's Triton GPU IR: the tensor it converts and the
+    source lines it comes from (innermost first). A conversion of a 2-D tile goes through
+    shared memory with barriers: on a kernel's critical path (after its PDL wait, or in a
+    hot loop) it costs what the SASS shows as STS / LDS / BAR."""
+    locs = dict(re.findall(r"^#(loc\d*) = loc\((.*)\)$", ttgir, re.M))
+
+    def lines(ref, seen=()):
+        text = locs.get(ref, "")
+        if ref in seen or not text:
+            return []
+        found = [f"{Path(f).name}:{n}" for f, n in re.findall(r'"([^"]+\.py)":(\d+)', text)]
+        for inner in re.findall(r"#(loc\d*)", text):
+            found += lines(inner, seen + (ref,))
+        return list(dict.fromkeys(found))
+
+    out = []
+    for m in re.finditer(r"ttg\.convert_layout %\S+ : (tensor<[^,>]+)[^\n]*loc\(#(loc\d*)\)", ttgir):
+        out.append(f"convert_layout {m.group(1)}> at {', '.join(lines(m.group(2))) or '?'}")
+    return out
 
 
 def cuobjdump(cubin: bytes, option: str) -> str:
