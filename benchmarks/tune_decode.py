@@ -253,37 +253,27 @@ def tune_lm_head(size):
     ds.DecodeStep.linear_blocks = default_linear
 
 
+# Each sweep's flag, its function and the arguments it runs with, in turn.
+BF16, F32 = torch.bfloat16, torch.float32
+SWEEPS = {
+    "--lm-head": (tune_lm_head, [("130m",), ("2.8b",), ("1.4b",)]),
+    "--tile": (tune_tile, [("130m",), ("2.8b",)]),
+    "--preload": (tune_preload, [("2.8b",), ("1.4b",)]),
+    "--lm-head-sum-last": (tune_lm_head_sum_last, [("130m", BF16), ("370m", BF16), ("1.4b", BF16), ("2.8b", BF16),
+                                                   ("130m", F32), ("2.8b", F32)]),
+    "--ablate": (tune_ablate, [("2.8b",), ("1.4b",), ("130m",)]),
+    "--sum-last": (tune_sum_last, [("1.4b",), ("2.8b",)]),
+    "--early": (tune_early_launch, [("130m",), ("370m",), ("1.4b",), ("2.8b",)]),
+}
+
+
 if __name__ == "__main__":
     print(torch.cuda.get_device_name())
-    if "--lm-head" in sys.argv:
-        for size in ("130m", "2.8b", "1.4b"):
-            tune_lm_head(size)
-        sys.exit()
-    if "--tile" in sys.argv:
-        for size in ("130m", "2.8b"):
-            tune_tile(size)
-        sys.exit()
-    if "--preload" in sys.argv:
-        for size in ("2.8b", "1.4b"):
-            tune_preload(size)
-        sys.exit()
-    if "--lm-head-sum-last" in sys.argv:
-        for size, dtype in (("130m", torch.bfloat16), ("370m", torch.bfloat16), ("1.4b", torch.bfloat16), ("2.8b", torch.bfloat16),
-                            ("130m", torch.float32), ("2.8b", torch.float32)):
-            tune_lm_head_sum_last(size, dtype)
-        sys.exit()
-    if "--ablate" in sys.argv:
-        for size in ("2.8b", "1.4b", "130m"):
-            tune_ablate(size)
-        sys.exit()
-    if "--sum-last" in sys.argv:
-        for size in ("1.4b", "2.8b"):
-            tune_sum_last(size)
-        sys.exit()
-    if "--early" in sys.argv:
-        for size in ("130m", "370m", "1.4b", "2.8b"):
-            tune_early_launch(size)
-        sys.exit()
+    for flag, (sweep, runs) in SWEEPS.items():
+        if flag in sys.argv:
+            for args in runs:
+                sweep(*args)
+            sys.exit()
     if "--in-graph" in sys.argv:  # --in-proj / --out-proj / --states: those kernels' blocks only
         parts = [p for p in ("in_proj", "states", "out_proj") if f"--{p.replace('_', '-')}" in sys.argv] or ["in_proj", "out_proj", "states"]
         for size in ("1.4b", "2.8b") if "--wide" in sys.argv else ("130m", "1.4b", "2.8b"):
