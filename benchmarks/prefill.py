@@ -69,7 +69,7 @@ def main() -> None:
             long_s = time.perf_counter() - t
             peak = torch.cuda.max_memory_allocated() / 2**30
             rows.append(dict(model=size, long_tokens=args.long, ms=round(long_s * 1e3, 1), peak_gib=round(peak, 2)))
-            print(f"{size:>6} {args.long:,}-token prompt: {long_s * 1e3:.0f} ms, peak {peak:.2f} GiB (chunks of {model.chunk})", flush=True)
+            print(f"{size:>6} {args.long:,}-token prompt: {long_s * 1e3:.0f} ms, peak {peak:.2f} GiB (chunks of {model.chunk_tokens} tokens)", flush=True)
         model = base = None  # free the weights before the next size
         torch.cuda.empty_cache()
     if args.json:
