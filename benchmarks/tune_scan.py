@@ -1,12 +1,11 @@
 """Times the prefill scan alone at public shapes for several launch configurations
 (one-pass associative scan vs the chunked two-pass scan), to choose SCAN_CHUNK, SCAN_BE,
-SCAN_WARPS, SCAN_STAGES, SCAN_GROUP and SCAN_FMA in kernels/selective_scan.py.
+SCAN_WARPS, SCAN_STAGES and SCAN_UNROLL in kernels/selective_scan.py.
 
     python benchmarks/tune_scan.py             # the sweep
     python benchmarks/tune_scan.py --passes    # each pass's time at the defaults
     python benchmarks/tune_scan.py --split     # chunks a row x channels a program
     python benchmarks/tune_scan.py --lengths   # chunk lengths near the defaults
-    python benchmarks/tune_scan.py --fma       # steps an iteration and exps on the float32 pipes
 """
 
 import itertools
@@ -61,12 +60,12 @@ def main() -> None:
         res = []
         ss.SCAN_FEW_PROGRAMS = 0  # L as given
         # (BE 64 and 2 warps a program lost at every shape in earlier sweeps; RESULTS.md)
-        for L, BE, warps, stages, group in itertools.product((32, 64, 128), (128,), (1,), (3, 4), (1, 2, 4)):
-            ss.SCAN_CHUNK, ss.SCAN_BE, ss.SCAN_WARPS, ss.SCAN_STAGES, ss.SCAN_GROUP = L, BE, warps, stages, (group, group)
+        for L, BE, warps, stages, unroll in itertools.product((32, 64, 128), (128,), (1,), (3, 4), (1, 2, 4)):
+            ss.SCAN_CHUNK, ss.SCAN_BE, ss.SCAN_WARPS, ss.SCAN_STAGES, ss.SCAN_UNROLL = L, BE, warps, stages, unroll
             us, err = time_chunked(args, ref)
-            res.append((us, L, BE, warps, stages, group, err))
-        for us, L, BE, warps, stages, group, err in sorted(res)[:8]:
-            print(f"   chunked L={L:3d} BE={BE:3d} warps={warps} stages={stages} group={group}: {us:8.1f} us  (max diff {err:.1e})",
+            res.append((us, L, BE, warps, stages, unroll, err))
+        for us, L, BE, warps, stages, unroll, err in sorted(res)[:8]:
+            print(f"   chunked L={L:3d} BE={BE:3d} warps={warps} stages={stages} unroll={unroll}: {us:8.1f} us  (max diff {err:.1e})",
                   flush=True)
 
 
@@ -80,18 +79,18 @@ def split() -> None:
         args = inputs(B, T, E)
         ref = reference(args)
         res = []
-        for BE, warps, group in ((32, 1, 2), (32, 1, 4), (64, 2, 2), (64, 1, 2), (128, 1, 2), (128, 4, 2)):
+        for BE, warps, unroll in ((32, 1, 2), (32, 1, 4), (64, 2, 2), (64, 1, 2), (128, 1, 2), (128, 4, 2)):
             for nc in (1, 2, 4, 8, 16, 32, 64):
-                ss.SCAN_CHUNK, ss.SCAN_BE, ss.SCAN_WARPS, ss.SCAN_GROUP = T // nc, BE, warps, (group, group)
+                ss.SCAN_CHUNK, ss.SCAN_BE, ss.SCAN_WARPS, ss.SCAN_UNROLL = T // nc, BE, warps, unroll
                 try:
                     us, err = time_chunked(args, ref)
                 except triton.runtime.errors.OutOfResources as e:
-                    print(f"   BE={BE} warps={warps} group={group} nc={nc}: {e}", flush=True)
+                    print(f"   BE={BE} warps={warps} unroll={unroll} nc={nc}: {e}", flush=True)
                     continue
-                res.append((us, BE, warps, group, nc, B * E // BE * nc * warps / sms, err))
+                res.append((us, BE, warps, unroll, nc, B * E // BE * nc * warps / sms, err))
         print(f"B={B} T={T} E={E}:", flush=True)
-        for us, BE, warps, group, nc, wps, err in sorted(res)[:16]:
-            print(f"   {us:8.1f} us  BE={BE:3d} warps={warps} group={group} chunks={nc:2d} ({wps:5.1f} warps an SM)"
+        for us, BE, warps, unroll, nc, wps, err in sorted(res)[:16]:
+            print(f"   {us:8.1f} us  BE={BE:3d} warps={warps} unroll={unroll} chunks={nc:2d} ({wps:5.1f} warps an SM)"
                   f"  max diff {err:.1e}", flush=True)
 
 
@@ -110,33 +109,6 @@ def lengths() -> None:
             nc = -(-T // L)
             print(f"   L={L:3d} chunks={nc:3d} programs {B * (E // ss.SCAN_BE) * nc:5d}: {us:8.1f} us  max diff {err:.1e}",
                   flush=True)
-
-
-def fma() -> None:
-    """Steps a loop iteration (GROUP) and how many of them take their decays' exps on the
-    float32 pipes (FMA), for each pass apart: pass 1 at its defaults while pass 2 is swept
-    and the other way round, then the best of each together."""
-    options = ((2, 0), (4, 0), (4, 1), (8, 0), (8, 1), (8, 2))
-    defaults = ss.SCAN_GROUP, ss.SCAN_FMA
-    for B, T, E in ((1, 4096, 5120), (8, 2048, 5120), (1, 16384, 5120), (1, 16384, 1536)):
-        args = inputs(B, T, E)
-        ref = reference(args)
-        print(f"B={B} T={T} E={E}:", flush=True)
-        best = []
-        for p in (0, 1):
-            res = []
-            for g, f in options:
-                group, fma = list(defaults[0]), list(defaults[1])
-                group[p], fma[p] = g, f
-                ss.SCAN_GROUP, ss.SCAN_FMA = tuple(group), tuple(fma)
-                us, err = time_chunked(args, ref)
-                res.append((us, g, f, err))
-                print(f"   pass {p + 1} group={g} fma={f}: {us:8.1f} us  (max diff {err:.1e})", flush=True)
-            best.append(min(res)[1:3])
-        ss.SCAN_GROUP, ss.SCAN_FMA = (best[0][0], best[1][0]), (best[0][1], best[1][1])
-        us, err = time_chunked(args, ref)
-        print(f"   both best, group={ss.SCAN_GROUP} fma={ss.SCAN_FMA}: {us:8.1f} us  (max diff {err:.1e})", flush=True)
-        ss.SCAN_GROUP, ss.SCAN_FMA = defaults
 
 
 def passes() -> None:
@@ -164,7 +136,5 @@ if __name__ == "__main__":
         split()
     elif "--lengths" in sys.argv:
         lengths()
-    elif "--fma" in sys.argv:
-        fma()
     else:
         main()

@@ -172,13 +172,13 @@ def main() -> None:
     # the scans write y in out_proj's dtype
     t = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A_ptr", "D_ptr", "st_ptr", y_ptr="*bf16", start_ptr="*i32")
     compile_kernel(ss._selective_scan_kernel, t, dict(N=16, NP=16, BE=8, BT=32))
-    chunk = dict(N=16, NP=16, BE=ss.SCAN_BE, STAGES=ss.SCAN_STAGES)
+    chunk = dict(N=16, NP=16, BE=ss.SCAN_BE, STAGES=ss.SCAN_STAGES, UNROLL=ss.SCAN_UNROLL)
     t = ptrs("x_ptr", "dt_ptr", "B_ptr", "A2t_ptr", "sum_ptr", "dts_ptr", start_ptr="*i32")
-    compile_kernel(ss._scan_summary_kernel, t, dict(chunk, GROUP=ss.SCAN_GROUP[0], FMA=ss.SCAN_FMA[0]), num_warps=ss.SCAN_WARPS)
+    compile_kernel(ss._scan_summary_kernel, t, chunk, num_warps=ss.SCAN_WARPS)
     t = ptrs("st_ptr", "init_ptr", "sum_ptr", "dts_ptr", "A2t_ptr", start_ptr="*i32")
     compile_kernel(ss._scan_prefix_kernel, t, dict(N=16, NP=16, BE=ss.SCAN_PREFIX_BE, STAGES=ss.SCAN_STAGES), num_warps=ss.SCAN_PREFIX_WARPS)
     t = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A2t_ptr", "D_ptr", "st_ptr", "sum_ptr", "init_ptr", y_ptr="*bf16", start_ptr="*i32")
-    compile_kernel(ss._scan_chunks_kernel, t, dict(chunk, GROUP=ss.SCAN_GROUP[1], FMA=ss.SCAN_FMA[1]), num_warps=ss.SCAN_WARPS)
+    compile_kernel(ss._scan_chunks_kernel, t, chunk, num_warps=ss.SCAN_WARPS)
     for wdt in ("*bf16", "*fp16", "*fp32"):
         compile_kernel(st._step_size_kernel, ptrs("r_ptr", "b_ptr", "out_ptr", w_ptr=wdt), dict(
             IEEE=wdt == "*fp32", BM=st.STEP_BM, BN=st.STEP_BN, BK=st.STEP_BK), num_warps=st.STEP_WARPS)

@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import jit, tl, triton
-from .activations import exp2_fma
 from .causal_conv1d import _pad_mask
 
 
@@ -109,17 +108,6 @@ def _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n,
 
 
 @jit
-def _decay(x, FMA: tl.constexpr):
-    """2^x: on the special-function unit, or for FMA on the float32 pipes (exp2_fma). Both
-    passes are bound by the special-function unit's exp2 rate, and run the decays of FMA of
-    every GROUP steps on the float32 pipes, which have room."""
-    if FMA:
-        return exp2_fma(x)
-    else:
-        return tl.exp2(x)
-
-
-@jit
 def _chunk_program(A2t_ptr, start_ptr, E, N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr):
     """What both passes' programs start from: one row b, BE channels e, chunk c; this
     row's start; and log2(e) * A for the channels, loaded from its (N, E) transpose so
@@ -145,7 +133,7 @@ def _chunk_program(A2t_ptr, start_ptr, E, N: tl.constexpr, NP: tl.constexpr, BE:
 def _scan_summary_kernel(
     x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, A2t_ptr, start_ptr,
     sum_ptr, dts_ptr, T, E, L,
-    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr, GROUP: tl.constexpr, FMA: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
 ):
     # Pass 1. One program: one row, BE channels, one chunk of L steps, walked step by step
     # from a zero state: the state the chunk leaves when it starts alone, and its summed
@@ -157,11 +145,10 @@ def _scan_summary_kernel(
     s = tl.zeros([BE, NP], dtype=tl.float32)
     dt_sum = tl.zeros([BE], dtype=tl.float32)
     x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
-    for t0 in tl.range(c * L, tl.minimum(c * L + L, T), GROUP, num_stages=STAGES):
-        for j in tl.static_range(GROUP):  # (L is a multiple of GROUP; steps past T are zero)
-            x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t0 + j, start, T)
-            s = s * _decay(dt[:, None] * A2, j >= GROUP - FMA) + (dt * x)[:, None] * Bt[None, :]
-            dt_sum += dt
+    for t in tl.range(c * L, tl.minimum(c * L + L, T), num_stages=STAGES, loop_unroll_factor=UNROLL):
+        x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, start, T)
+        s = s * tl.exp2(dt[:, None] * A2) + (dt * x)[:, None] * Bt[None, :]
+        dt_sum += dt
     tl.store(sum_ptr + ((b64 * slots + c) * N + n[None, :]) * E + e[:, None], s, mask=sm)
     tl.store(dts_ptr + (b64 * slots + c) * E + e, dt_sum, mask=emask)
 
@@ -198,7 +185,7 @@ def _scan_prefix_kernel(
 def _scan_chunks_kernel(
     x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, C_ptr, scb, scn, sct,
     z_ptr, szb, sze, szt, A2t_ptr, D_ptr, st_ptr, y_ptr, start_ptr, sum_ptr, init_ptr, T, E, L,
-    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr, GROUP: tl.constexpr, FMA: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
 ):
     # Pass 2. One program: one row, BE channels, one chunk. It starts from the state
     # _scan_prefix_kernel left in the summary slot of the chunk before it (chunk 0 from its
@@ -213,17 +200,13 @@ def _scan_chunks_kernel(
         s = tl.load(sum_ptr + ((b64 * (nc - 1) + c - 1) * N + n[None, :]) * E + e[:, None], mask=sm, other=0.0)
     x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
     C_row, z_row, y_row = C_ptr + b64 * scb, z_ptr + b64 * szb, y_ptr + b64 * T * E
-    for t0 in tl.range(c * L, tl.minimum(c * L + L, T), GROUP, num_stages=STAGES):
-        for j in tl.static_range(GROUP):  # (L is a multiple of GROUP; steps past T are zero)
-            t = t0 + j
-            x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, start, T)
-            s = s * _decay(dt[:, None] * A2, j >= GROUP - FMA) + (dt * x)[:, None] * Bt[None, :]
-            tn, te = t + tl.zeros_like(n), t + tl.zeros_like(e)
-            Ct = tl.load(C_row + t * sct + n * scn, mask=nmask & (tn < T), other=0.0)
-            em = emask & (te < T)
-            z = tl.load(z_row + t * szt + e * sze, mask=em, other=0.0)
-            y = tl.sum(s * Ct[None, :], 1) + Dv * x
-            tl.store(y_row + t * E + e, y * z * tl.sigmoid(z), mask=em)
+    for t in tl.range(c * L, tl.minimum(c * L + L, T), num_stages=STAGES, loop_unroll_factor=UNROLL):
+        x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, start, T)
+        s = s * tl.exp2(dt[:, None] * A2) + (dt * x)[:, None] * Bt[None, :]
+        Ct = tl.load(C_row + t * sct + n * scn, mask=nmask, other=0.0)
+        z = tl.load(z_row + t * szt + e * sze, mask=emask, other=0.0)
+        y = tl.sum(s * Ct[None, :], 1) + Dv * x
+        tl.store(y_row + t * E + e, y * z * tl.sigmoid(z), mask=emask)
     if c == nc - 1:
         tl.store(st_ptr + b64 * E * N + e[:, None] * N + n[None, :], s, mask=sm)
 
@@ -238,8 +221,7 @@ SCAN_BE = 128  # channels per program
 SCAN_WARPS = 1
 SCAN_PREFIX_BE, SCAN_PREFIX_WARPS = 32, 4  # the pass between: few steps, so many small programs
 SCAN_STAGES = 4  # software pipelining of each step's loads (tl.range num_stages)
-SCAN_GROUP = (2, 2)  # steps a loop iteration, (pass 1, pass 2): 1 x 4096 317 us against 340 with 1
-SCAN_FMA = (0, 0)  # of them, how many take their decays' exps on the float32 pipes (exp2_fma)
+SCAN_UNROLL = 2  # steps a loop iteration (tl.range loop_unroll_factor): 1 x 4096 317 us against 340 with 1
 LOG2E = 1.4426950408889634
 SCAN_CHUNKED_FROM = 1024  # prompt steps from which the chunked scan is used
 
@@ -278,7 +260,7 @@ def selective_scan(x, delta, A, Bm, Cm, D, z, state, start=None, out_dtype=torch
         if grid[2] > 1:  # one chunk starts from the layer's state alone: no summaries to make
             _scan_summary_kernel[grid[:2] + (slots,)](
                 *xdb, A2t, start, sums, dt_sums, T, E, L,
-                N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, GROUP=SCAN_GROUP[0], FMA=SCAN_FMA[0], num_warps=SCAN_WARPS,
+                N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, UNROLL=SCAN_UNROLL, num_warps=SCAN_WARPS,
             )
         _scan_prefix_kernel[(Bsz, triton.cdiv(E, SCAN_PREFIX_BE))](
             state, start, init, sums, dt_sums, A2t, E, grid[2] - 1,
@@ -286,7 +268,7 @@ def selective_scan(x, delta, A, Bm, Cm, D, z, state, start=None, out_dtype=torch
         )
         _scan_chunks_kernel[grid](
             *xdb, *cz, A2t, D, state, y, start, sums, init, T, E, L,
-            N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, GROUP=SCAN_GROUP[1], FMA=SCAN_FMA[1], num_warps=SCAN_WARPS,
+            N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, UNROLL=SCAN_UNROLL, num_warps=SCAN_WARPS,
         )
         return y.transpose(1, 2)
     BE, BT = 8, 32
