@@ -132,16 +132,17 @@ def test_interleaved_streams_on_the_gpu_equal_separate_ones(real_shape_ckpt):
     assert [y.token_id for _, y in together] == lm.generate([40, 50], max_tokens=10, stop_token_ids=[]).token_ids
 
 
-def test_graph_prefill_equals_eager_prefill(real_shape_ckpt):
-    """A short prompt's prefill replayed from a CUDA graph, padded to the graph's length,
-    gives what the eager prefill of the unpadded prompts gives."""
+@pytest.mark.parametrize("B,T,length,pad_row1", [(2, 20, 32, 7), (1, 1100, 1536, 0)])  # the second: the chunked scan
+def test_graph_prefill_equals_eager_prefill(real_shape_ckpt, B, T, length, pad_row1):
+    """A prompt's prefill replayed from a CUDA graph, padded to the graph's length, gives
+    what the eager prefill of the unpadded prompts gives."""
     from fastmamba.engine import GraphPrefill
 
     model = fastmamba.load(real_shape_ckpt, device="cuda", dtype="bfloat16").model
-    ids = torch.randint(0, 50280, (2, 20), device="cuda")
-    start = torch.tensor([0, 7], dtype=torch.int32, device="cuda")  # row 1: a 13-token prompt
-    graph = GraphPrefill(model, 2, 32)
-    eager_state = model.new_state(2)
+    ids = torch.randint(0, 50280, (B, T), device="cuda")
+    start = torch.tensor([0, pad_row1][:B], dtype=torch.int32, device="cuda")  # row 1: a shorter prompt
+    graph = GraphPrefill(model, B, length)
+    eager_state = model.new_state(B)
     eager = model.prefill(ids, eager_state, start, last_only=True)
     for _ in range(2):  # replays start afresh
         logits, state = graph(ids, start)
