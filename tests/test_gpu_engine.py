@@ -132,10 +132,13 @@ def test_interleaved_streams_on_the_gpu_equal_separate_ones(real_shape_ckpt):
     assert [y.token_id for _, y in together] == lm.generate([40, 50], max_tokens=10, stop_token_ids=[]).token_ids
 
 
-@pytest.mark.parametrize("B,T,length,pad_row1", [(2, 20, 32, 7), (1, 1100, 1536, 0)])  # the second: the chunked scan
-def test_graph_prefill_equals_eager_prefill(real_shape_ckpt, B, T, length, pad_row1):
-    """A prompt's prefill replayed from a CUDA graph, padded to the graph's length, gives
-    what the eager prefill of the unpadded prompts gives."""
+# (1100 in 1536 on the H200: logits 1.8e-3 off, the state 5.4e-4; 20 in 32: equal)
+@pytest.mark.parametrize("B,T,length,pad_row1,tol", [(2, 20, 32, 7, 1e-4), (1, 1100, 1536, 0, 5e-3)])
+def test_graph_prefill_equals_eager_prefill(real_shape_ckpt, B, T, length, pad_row1, tol):
+    """A prompt's prefill replayed from a CUDA graph, padded to the graph's length: bitwise
+    the eager prefill of the same padded prompts, and close to the unpadded prompts' (the
+    products' shapes differ, and with them cuBLAS's summation order and the bf16 roundings
+    of what follows; the second case also moves the chunked scan's chunk boundaries)."""
     from fastmamba.engine import GraphPrefill
 
     model = fastmamba.load(real_shape_ckpt, device="cuda", dtype="bfloat16").model
@@ -144,7 +147,10 @@ def test_graph_prefill_equals_eager_prefill(real_shape_ckpt, B, T, length, pad_r
     graph = GraphPrefill(model, B, length)
     eager_state = model.new_state(B)
     eager = model.prefill(ids, eager_state, start, last_only=True)
+    padded = torch.cat([torch.zeros(B, length - T, dtype=ids.dtype, device="cuda"), ids], dim=1)
+    eager_padded = model.prefill(padded, model.new_state(B), start + (length - T), last_only=True)
     for _ in range(2):  # replays start afresh
         logits, state = graph(ids, start)
-        assert rel_err(logits, eager) < 1e-4
-        assert rel_err(state.ssm, eager_state.ssm) < 1e-4 and rel_err(state.conv, eager_state.conv) < 1e-4
+        assert torch.equal(logits, eager_padded)
+        assert rel_err(logits, eager) < tol
+        assert rel_err(state.ssm, eager_state.ssm) < tol and rel_err(state.conv, eager_state.conv) < tol
