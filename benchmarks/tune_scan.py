@@ -6,6 +6,7 @@ SCAN_WARPS, SCAN_STAGES and SCAN_UNROLL in kernels/selective_scan.py.
     python benchmarks/tune_scan.py --passes    # each pass's time at the defaults
     python benchmarks/tune_scan.py --split     # chunks a row x channels a program
     python benchmarks/tune_scan.py --lengths   # chunk lengths near the defaults
+    python benchmarks/tune_scan.py --depth     # batch 8: few chunks, deep load pipelines
 """
 
 import itertools
@@ -94,6 +95,29 @@ def split() -> None:
                   f"  max diff {err:.1e}", flush=True)
 
 
+def depth() -> None:
+    """Few chunks at batch 8 (rows give parallelism: one chunk means no summary pass, half
+    the exps), where a program's walk is long: channels a program, chunks a row and the
+    depth of each step's load pipeline (tl.range num_stages)."""
+    ss.SCAN_FEW_PROGRAMS = 0  # L as given
+    B, T, E = 8, 2048, 5120
+    args = inputs(B, T, E)
+    ref = reference(args)
+    res = []
+    for BE, nc, stages in itertools.product((32, 64, 128), (1, 2, 4, 16), (4, 8, 12)):
+        ss.SCAN_CHUNK, ss.SCAN_BE, ss.SCAN_WARPS, ss.SCAN_STAGES, ss.SCAN_UNROLL = T // nc, BE, 1, stages, 2
+        try:
+            us, err = time_chunked(args, ref)
+        except triton.runtime.errors.OutOfResources as e:
+            print(f"   BE={BE} chunks={nc} stages={stages}: {e}", flush=True)
+            continue
+        res.append((us, BE, nc, stages, err))
+        print(f"   {us:8.1f} us  BE={BE:3d} chunks={nc:2d} stages={stages:2d}  max diff {err:.1e}", flush=True)
+    print(f"B={B} T={T} E={E}, best:", flush=True)
+    for us, BE, nc, stages, err in sorted(res)[:8]:
+        print(f"   {us:8.1f} us  BE={BE:3d} chunks={nc:2d} stages={stages:2d}", flush=True)
+
+
 def lengths() -> None:
     """The chunked scan at its default blocks for chunk lengths around the defaults: the
     number of programs against the GPU's resident slots (whole waves or a ragged last one)."""
@@ -136,5 +160,7 @@ if __name__ == "__main__":
         split()
     elif "--lengths" in sys.argv:
         lengths()
+    elif "--depth" in sys.argv:
+        depth()
     else:
         main()
