@@ -48,6 +48,7 @@ class LanguageModel:
         self.deterministic = deterministic
         self._graph_decoders: dict[int, GraphDecoder] = {}
         self._graph_prefills: dict[tuple[int, int], GraphPrefill] = {}
+        self._prefill_pool = None  # the prefill graphs' one memory pool (see GraphPrefill)
 
     def _decoder(self, batch: int):
         if self.engine == "reference":
@@ -68,7 +69,9 @@ class LanguageModel:
             return self.model.prefill(padded, state, start, last_only=True), state
         graph = self._graph_prefills.get((B, bucket))
         if graph is None:  # captured once per batch size and bucket, then reused
-            graph = self._graph_prefills[(B, bucket)] = GraphPrefill(self.model, B, bucket)
+            if self._prefill_pool is None:
+                self._prefill_pool = torch.cuda.graph_pool_handle()
+            graph = self._graph_prefills[(B, bucket)] = GraphPrefill(self.model, B, bucket, self._prefill_pool)
         return graph(padded, start)
 
     @property

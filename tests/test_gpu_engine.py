@@ -154,3 +154,24 @@ def test_graph_prefill_equals_eager_prefill(real_shape_ckpt, B, T, length, pad_r
         assert torch.equal(logits, eager_padded)
         assert rel_err(logits, eager) < tol
         assert rel_err(state.ssm, eager_state.ssm) < tol and rel_err(state.conv, eager_state.conv) < tol
+
+
+def test_prefill_graphs_sharing_a_pool_replay_in_any_order(real_shape_ckpt):
+    """Prefill graphs of one memory pool (as LanguageModel keeps them) reuse each other's
+    scratch; replayed in turns, in and against the order of their captures, each still
+    gives its own prompts' logits and state, bitwise those of the eager prefill."""
+    from fastmamba.engine import GraphPrefill
+
+    model = fastmamba.load(real_shape_ckpt, device="cuda", dtype="bfloat16").model
+    pool = torch.cuda.graph_pool_handle()
+    cases = []
+    for B, length in ((1, 1024), (2, 64), (1, 1536)):
+        ids = torch.randint(0, 50280, (B, length), device="cuda")
+        start = torch.zeros(B, dtype=torch.int32, device="cuda")
+        eager_state = model.new_state(B)
+        eager = model.prefill(ids, eager_state, start, last_only=True)
+        cases.append((GraphPrefill(model, B, length, pool), ids, start, eager, eager_state))
+    for i in (2, 0, 1, 0, 2, 1):
+        graph, ids, start, eager, eager_state = cases[i]
+        logits, state = graph(ids, start)
+        assert torch.equal(logits, eager) and torch.equal(state.ssm, eager_state.ssm), i
