@@ -6,6 +6,7 @@ SCAN_WARPS, SCAN_STAGES and SCAN_UNROLL in kernels/selective_scan.py.
     python benchmarks/tune_scan.py --passes    # each pass's time at the defaults
     python benchmarks/tune_scan.py --split     # chunks a row x channels a program
     python benchmarks/tune_scan.py --lengths   # chunk lengths near the defaults
+    python benchmarks/tune_scan.py --lengths --long   # the same for 16384-token chunks
     python benchmarks/tune_scan.py --depth     # batch 8: few chunks, deep load pipelines
 """
 
@@ -122,8 +123,12 @@ def lengths() -> None:
     """The chunked scan at its default blocks for chunk lengths around the defaults: the
     number of programs against the GPU's resident slots (whole waves or a ragged last one)."""
     ss.SCAN_FEW_PROGRAMS = 0  # L as given
-    for B, T, E, Ls in ((1, 4096, 5120, (56, 60, 64, 68, 72, 76, 80, 84, 88, 96, 104, 112)),
-                        (8, 2048, 5120, (96, 104, 112, 120, 128, 136, 144, 160))):
+    shapes = ((1, 4096, 5120, (56, 60, 64, 68, 72, 76, 80, 84, 88, 96, 104, 112)),
+              (8, 2048, 5120, (96, 104, 112, 120, 128, 136, 144, 160)))
+    if "--long" in sys.argv:  # the one-chunk prompts of Mamba.chunk_tokens: 2.8b and 130m widths
+        shapes = ((1, 8192, 5120, (48, 64, 80, 96, 112, 128, 160, 192, 256)),
+                  (1, 16384, 1536, (64, 96, 128, 192, 256, 384, 512)))
+    for B, T, E, Ls in shapes:
         args = inputs(B, T, E)
         ref = reference(args)
         print(f"B={B} T={T} E={E}:", flush=True)
