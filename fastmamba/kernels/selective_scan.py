@@ -213,10 +213,13 @@ def _scan_chunks_kernel(
 
 # The chunked scan's launch (benchmarks/tune_scan.py, H200): chunks of SCAN_CHUNK steps, or
 # half that where full chunks would give fewer than SCAN_FEW_PROGRAMS programs (2.8b widths,
-# with the prefix pass: 1 x 4096 375 us against 440 with 128-step chunks, 391 with 32;
-# 8 x 2048 keeps 128: 1323 us against 1337 with 64).
+# with the prefix pass: 1 x 4096, 1280 programs, 375 us against 440 with 128-step chunks,
+# 391 with 32; 8 x 2048 keeps 128: 1323 us against 1337 with 64). From 1536 programs up,
+# 128 steps win (the means of four runs, A B B A twice, 128 against 64: 2.8b 1 x 8192, 2560
+# programs, 525.0 against 541.4; 370m 1 x 16384, 2048, 433.9 against 474.7; 130m 1 x
+# 16384, 1536, 357.8 against 377.8).
 SCAN_CHUNK = 128
-SCAN_FEW_PROGRAMS = 4096
+SCAN_FEW_PROGRAMS = 1536
 SCAN_BE = 128  # channels per program
 SCAN_WARPS = 1
 SCAN_PREFIX_BE, SCAN_PREFIX_WARPS = 32, 4  # the pass between: few steps, so many small programs
