@@ -133,8 +133,8 @@ class GraphPrefill:
     position's logits and the state, both owned by the graph: use them before the next call.
 
     pool: a memory pool the graph shares with other prefill graphs, so that their
-    activations take the space of the largest one's rather than of all together. The
-    graphs then reuse each other's scratch: the logits are valid until the next call of
+    activations reuse one space instead of taking one each. The graphs then overwrite each
+    other's scratch: the logits are valid until the next call of
     any graph of the pool (the state lies outside it).
     """
 
