@@ -10,13 +10,15 @@ of the kinds that bound these kernels it runs an iteration: special-function (MU
 float32 ones, loads and stores by space, barriers, shuffles, spill traffic (LDL / STL).
 Layout conversions inside a loop show up there as shared-memory stores, loads and barriers.
 With --conversions it lists each kernel's layout conversions (Triton GPU IR) with the
-source lines they come from: how the prefill conv's per-tap conversions were found.
+source lines they come from: how the prefill conv's per-tap conversions were found. With
+--mix it prints the whole kernel's instruction mix (code outside loops too: how the step-size
+kernel's softplus epilogue was found to be most of its instructions).
 The GPU machine's Triton may be older than this one's, and the code each version makes
 differs: for SASS that matches the GPU's, run it with that version (a virtual environment
 with --system-site-packages and `pip install triton==<its version>`).
 Run it without TRITON_INTERPRET:
 
-    python tools/compile_kernels.py [--loops] [--conversions]
+    python tools/compile_kernels.py [--loops] [--conversions] [--mix]
 """
 import collections
 import os
@@ -62,6 +64,8 @@ def compile_kernel(jitfn, types, constexprs, num_warps=4):
     src = ASTSource(jitfn, sig, {(names.index(k),): v for k, v in constexprs.items()}, aligned)
     kernel = triton.compile(src, target=target, options={"num_warps": num_warps})
     print(f"  {jitfn.__name__:28s} {resource_usage(kernel.asm['cubin'])}  {constexprs}")
+    if "--mix" in sys.argv:  # the whole kernel's, loops or not (an epilogue's cost shows here)
+        print(f"      kernel: {instruction_mix([i for _, i in sass_code(cuobjdump(kernel.asm['cubin'], '-sass'))])}")
     if "--loops" in sys.argv:
         for line in loop_summary(cuobjdump(kernel.asm["cubin"], "-sass")):
             print(f"      {line}")
@@ -112,21 +116,30 @@ def resource_usage(cubin: bytes) -> str:
 LOOP_KINDS = ("MUFU", "FFMA", "FMUL", "FADD", "HMMA", "HGMMA", "LDG", "STG", "LDGSTS", "LDS", "STS", "BAR", "SHFL", "LDL", "STL")
 
 
+def sass_code(sass: str) -> list[tuple[int, str]]:
+    """(address, instruction) for each instruction of a SASS listing."""
+    return [(int(a, 16), i.strip()) for a, i in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+
+
+def instruction_mix(body: list[str]) -> str:
+    """How many of `body`'s instructions run, those of LOOP_KINDS, and apart those that
+    never run (predicated on @!PT: placeholders the assembler leaves)."""
+    runs = [re.sub(r"^@!?U?P\w+\s+", "", i) for i in body if not i.startswith("@!PT ")]
+    ops = collections.Counter(i.split()[0].split(".")[0] for i in runs)
+    kinds = " ".join(f"{k} {ops[k]}" for k in LOOP_KINDS if ops[k])
+    never = len(body) - len(runs)
+    return f"{len(runs)} instructions; {kinds}" + (f"; never run {never}" if never else "")
+
+
 def loop_summary(sass: str) -> list[str]:
-    """One line a loop (a backward branch): its instructions, those of LOOP_KINDS, and
-    apart those that never run (predicated on @!PT: placeholders the assembler leaves)."""
-    code = [(int(a, 16), i.strip()) for a, i in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    """One line a loop (a backward branch): its instruction_mix."""
+    code = sass_code(sass)
     lines = []
     for addr, ins in code:
         branch = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", ins)
         if branch and int(branch.group(1), 16) < addr:
             start = int(branch.group(1), 16)
-            body = [i for a, i in code if start <= a <= addr]
-            runs = [re.sub(r"^@!?U?P\w+\s+", "", i) for i in body if not i.startswith("@!PT ")]
-            ops = collections.Counter(i.split()[0].split(".")[0] for i in runs)
-            kinds = " ".join(f"{k} {ops[k]}" for k in LOOP_KINDS if ops[k])
-            never = len(body) - len(runs)
-            lines.append(f"loop {start:#x}-{addr:#x}: {len(runs)} instructions; {kinds}" + (f"; never run {never}" if never else ""))
+            lines.append(f"loop {start:#x}-{addr:#x}: " + instruction_mix([i for a, i in code if start <= a <= addr]))
     return lines
 
 
