@@ -113,15 +113,16 @@ class GraphDecoder:
         return self.history
 
 
+GRAPH_PREFILL_TOKENS = 4096  # batch x bucket length up to which prefill runs as a CUDA graph
 # Padded prompt lengths with a graph each: powers of two up to 512, then steps of 512 up to
-# GRAPH_PREFILL_TOKENS (generate.py), so that a prompt pads by at most 512 tokens above 512.
+# GRAPH_PREFILL_TOKENS, so that a prompt pads by at most 512 tokens above 512.
 # Eager prefill is host-bound up to a few thousand tokens (H200, bf16, ms eager / graph: 130m
 # 1 x 2048 17.9 / 3.8; 370m 1 x 2048 36.4 / 8.4; 1.4b 1 x 1024 20.4 / 9.9; 2.8b 1 x 1024
 # 44.6 / 18.9, 1 x 2048 43.1 / 33.2; at 4096 tokens both alike), so even a prompt padded to
 # nearly twice its length is faster in a graph. A graph holds its activations' memory: the
 # prefill graphs share one pool (GraphPrefill), four of 1024-4096 tokens 322 MiB reserved on
 # 130m and 904 on 2.8b, against 636 and 1574 with a pool each.
-PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 1536, 2048, 2560, 3072, 3584, 4096)
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512) + tuple(range(1024, GRAPH_PREFILL_TOKENS + 1, 512))
 
 
 class GraphPrefill:

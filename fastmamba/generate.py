@@ -8,7 +8,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .engine import PREFILL_BUCKETS, GraphDecoder, GraphPrefill, ReferenceDecoder
+from .engine import GRAPH_PREFILL_TOKENS, PREFILL_BUCKETS, GraphDecoder, GraphPrefill, ReferenceDecoder
 from .model import Mamba
 from .sampling import SamplingParams, pick_sampler, resolve_seed
 from .tokenizer import IncrementalDecoder, Tokenizer
@@ -26,9 +26,6 @@ class Generation:
 class StreamPiece:
     token_id: int | None  # None only for a last piece that flushes held-back text
     text: str | None
-
-
-GRAPH_PREFILL_TOKENS = 4096  # batch x bucket length up to which prefill runs as a CUDA graph
 
 
 class LanguageModel:
