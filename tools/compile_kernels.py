@@ -64,11 +64,13 @@ def compile_kernel(jitfn, types, constexprs, num_warps=4):
     src = ASTSource(jitfn, sig, {(names.index(k),): v for k, v in constexprs.items()}, aligned)
     kernel = triton.compile(src, target=target, options={"num_warps": num_warps})
     print(f"  {jitfn.__name__:28s} {resource_usage(kernel.asm['cubin'])}  {constexprs}")
-    if "--mix" in sys.argv:  # the whole kernel's, loops or not (an epilogue's cost shows here)
-        print(f"      kernel: {instruction_mix([i for _, i in sass_code(cuobjdump(kernel.asm['cubin'], '-sass'))])}")
-    if "--loops" in sys.argv:
-        for line in loop_summary(cuobjdump(kernel.asm["cubin"], "-sass")):
-            print(f"      {line}")
+    if "--mix" in sys.argv or "--loops" in sys.argv:
+        code = sass_code(cuobjdump(kernel.asm["cubin"], "-sass"))
+        if "--mix" in sys.argv:  # the whole kernel's, loops or not (an epilogue's cost shows here)
+            print(f"      kernel: {instruction_mix([i for _, i in code])}")
+        if "--loops" in sys.argv:
+            for line in loop_summary(code):
+                print(f"      {line}")
     if "--conversions" in sys.argv:
         for line in layout_conversions(kernel.asm["ttgir"]):
             print(f"      {line}")
@@ -131,9 +133,8 @@ def instruction_mix(body: list[str]) -> str:
     return f"{len(runs)} instructions; {kinds}" + (f"; never run {never}" if never else "")
 
 
-def loop_summary(sass: str) -> list[str]:
-    """One line a loop (a backward branch): its instruction_mix."""
-    code = sass_code(sass)
+def loop_summary(code: list[tuple[int, str]]) -> list[str]:
+    """One line a loop (a backward branch) of sass_code's listing: its instruction_mix."""
     lines = []
     for addr, ins in code:
         branch = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", ins)
