@@ -84,7 +84,12 @@ def test_in_proj_with_conv_and_x_proj(case, fused, conv_block, k_tile):
     step.BN_conv = conv_block or step.BN_conv
     if k_tile:
         blocks = step.linear_blocks
-        step.linear_blocks = lambda n, d, one_row: (lambda b: (b[0], k_tile if one_row else 16, *b[2:]))(blocks(n, d, one_row))
+
+        def narrow_k(n_out, d, one_row):  # linear_blocks' (BN, BK, warps, stages), BK narrowed
+            BN, _, warps, stages = blocks(n_out, d, one_row)
+            return BN, k_tile if one_row else 16, warps, stages
+
+        step.linear_blocks = narrow_k
     lw, c = model.weights.layers[-1], model.config
     conv_state = rand(step.B, c.d_inner, c.d_conv, seed=3)
     ref_state = conv_state.clone()
