@@ -18,7 +18,7 @@ from fastmamba.kernels import causal_conv1d as cc  # noqa: E402
 
 
 def main() -> None:
-    for B, T, E in ((1, 4096, 5120), (8, 2048, 5120)):
+    for B, T, E in ((1, 8192, 5120), (8, 2048, 5120)):
         xz = torch.randn(B, T, 2 * E, device="cuda")
         x = xz[..., :E].transpose(1, 2)  # as the model passes it: in_proj's x half
         w, b = torch.randn(E, 4, device="cuda"), torch.randn(E, device="cuda")
@@ -28,9 +28,9 @@ def main() -> None:
         # (each call updates the conv state it is given: the checks start from the same one)
         ref = cc.causal_conv1d(x, w, b, state0.clone(), None, torch.bfloat16)[0].clone()
         rows = []
-        for BE, BT, warps in itertools.product((16, 32, 64, 128), (16, 32, 64, 128), (4, 8, 16)):
-            if BE * BT > 16384 or BE * BT < 512 or BE * BT < 32 * warps:
-                continue
+        # (a program walks BT steps, each thread `per` neighbouring channels of BE)
+        for BE, per, BT in itertools.product((128, 256, 512), (1, 2, 4), (8, 16, 32, 64)):
+            warps = BE // (32 * per)
             cc.CONV_BE, cc.CONV_BT, cc.CONV_WARPS = BE, BT, warps
             us = do_bench(lambda: cc.causal_conv1d(x, w, b, state, None, torch.bfloat16), warmup=3, rep=20) * 1e3
             err = (cc.causal_conv1d(x, w, b, state0.clone(), None, torch.bfloat16)[0] - ref).abs().max().item()

@@ -42,57 +42,68 @@ def causal_conv1d_ref(
 
 
 @jit
+def _input_at(x_row, sxe, sxt, st_row, e, emask, p, start, K: tl.constexpr):
+    """The inputs at position p (a scalar; negative before the chunk) of channels e: zero
+    at padding (p < start); before the chunk from the old conv state (index K + p) while
+    the row has no padding (p < -start * K: p < 0 where start is 0, never where the row is
+    padded, since padding starts the row from zero)."""
+    pp = p + tl.zeros_like(e)  # (BE,) vectors of p: masks stay tensors
+    v = tl.load(x_row + p * sxt + e * sxe, mask=emask & (pp >= start) & (pp >= 0), other=0.0)
+    return v + tl.load(st_row + e * K + (K + p), mask=emask & (pp >= -K) & (pp < -start * K), other=0.0)
+
+
+@jit
+def _tap_weight(w_ptr, e, emask, j: tl.constexpr, K: tl.constexpr):
+    """The weights of the tap j steps back (0: the newest input); zero for the taps a
+    kernel narrower than MAX_K lacks."""
+    if j < K:
+        return tl.load(w_ptr + e * K + (K - 1 - j), mask=emask, other=0.0)
+    else:
+        return tl.zeros_like(e).to(tl.float32)
+
+
+@jit
 def _causal_conv1d_kernel(
     x_ptr, sxb, sxe, sxt, w_ptr, b_ptr, st_ptr, y_ptr, y2_ptr, start_ptr, T, E,
     K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, COPY: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
 ):
-    # One program: one row, BE channels, BT time steps (y is (B, T, E), channels
-    # contiguous). Only the first time block reads the old conv state (its taps reach back
-    # before the chunk) and only it writes the new one, after its reads, so no other
-    # program can see a half-updated state. (BT >= K: the taps of later blocks stay in x.)
-    b = tl.program_id(0)
-    e = tl.program_id(1) * BE + tl.arange(0, BE)
-    first = tl.program_id(2) == 0
+    # One program: BE channels of one row, BT time steps walked one after another with the
+    # last inputs in registers (a window of MAX_K = 4: narrower kernels weigh the oldest
+    # with zero), so each step loads one row of new inputs and stores one row of outputs.
+    # Against (time x channels) tiles with a load a tap: 2.8b widths 1 x 8192 142.5 ->
+    # 128.5 us, 8 x 2048 288.1 -> 243.7 (a walk loading its taps each step: 156.5, 301.8).
+    # Only the first time block reaches into the old conv state (the window before step 0)
+    # and only it writes the new one, after its reads, so no other program can see a
+    # half-updated state.
+    e = tl.program_id(0) * BE + tl.arange(0, BE)
+    t0 = tl.program_id(1) * BT
+    b64 = tl.program_id(2).to(tl.int64)
     emask = e < E
-    start = tl.load(start_ptr + b)
-    x_row = x_ptr + b.to(tl.int64) * sxb
-    st_row = st_ptr + b.to(tl.int64) * E * K
+    start = tl.load(start_ptr + b64)
+    x_row = x_ptr + b64 * sxb
+    st_row = st_ptr + b64 * E * K
+    y_row = y_ptr + b64 * T * E
+    y2_row = y2_ptr + b64 * T * E
+    # the weights of the inputs 3, 2, 1 and 0 steps back
+    w3, w2, w1, w0 = (_tap_weight(w_ptr, e, emask, 3, K), _tap_weight(w_ptr, e, emask, 2, K),
+                      _tap_weight(w_ptr, e, emask, 1, K), _tap_weight(w_ptr, e, emask, 0, K))
     if HAS_BIAS:
         bias = tl.load(b_ptr + e, mask=emask, other=0.0)
     else:
         bias = tl.zeros([BE], dtype=tl.float32)
-    t = tl.program_id(2) * BT + tl.arange(0, BT)
-    acc = tl.zeros([BT, BE], dtype=tl.float32) + bias[None, :]
-    if first:
-        state_end = -start * K  # taps at tt < state_end read the old state
-        for k in tl.static_range(K):
-            tt = t - (K - 1) + k  # input position feeding tap k
-            from_x = (tt >= start) & (tt >= 0) & (tt < T)
-            v = tl.load(x_row + tt[:, None] * sxt + e[None, :] * sxe, mask=from_x[:, None] & emask[None, :], other=0.0)
-            # positions before the chunk come from the state (index K + tt); only while the
-            # row has no padding (tt >= -(K-1) > -start*K once start > 0), since padding
-            # starts the row from zero
-            from_state = tt < state_end
-            v += tl.load(st_row + e[None, :] * K + (K + tt)[:, None], mask=from_state[:, None] & emask[None, :], other=0.0)
-            acc += v * tl.load(w_ptr + e * K + k, mask=emask, other=0.0)[None, :]
-    else:
-        # Every other block: all taps in x (tt >= BT - K + 1 > 0), so no state loads, whose
-        # addresses run along time and, added to x's (along channels), cost a layout
-        # conversion through shared memory a tap: ~225 instructions a thread against ~376,
-        # 2.8b 1 x 4096 91.4 -> 83.8 us, 8 x 2048 369.1 -> 330.0 (prefill_parts.py). (The
-        # loop is written out twice: one loop with the state loads in a branch still
-        # converts x's tiles for them, outside the branch.)
-        for k in tl.static_range(K):
-            tt = t - (K - 1) + k
-            from_x = (tt >= start) & (tt < T)
-            v = tl.load(x_row + tt[:, None] * sxt + e[None, :] * sxe, mask=from_x[:, None] & emask[None, :], other=0.0)
-            acc += v * tl.load(w_ptr + e * K + k, mask=emask, other=0.0)[None, :]
-    y = acc * tl.sigmoid(acc)
-    out = b.to(tl.int64) * T * E + t[:, None] * E + e[None, :]
-    tl.store(y_ptr + out, y, mask=(t < T)[:, None] & emask[None, :])
-    if COPY:  # y in the next product's dtype, rounded as a cast would
-        tl.store(y2_ptr + out, y.to(y2_ptr.dtype.element_ty), mask=(t < T)[:, None] & emask[None, :])
-    if first:
+    # the window: the inputs 3, 2 and 1 steps before the block's first step
+    x3 = _input_at(x_row, sxe, sxt, st_row, e, emask, t0 - 3, start, K)
+    x2 = _input_at(x_row, sxe, sxt, st_row, e, emask, t0 - 2, start, K)
+    x1 = _input_at(x_row, sxe, sxt, st_row, e, emask, t0 - 1, start, K)
+    for t in range(t0, tl.minimum(t0 + BT, T)):
+        x0 = tl.load(x_row + t * sxt + e * sxe, mask=emask & (t + tl.zeros_like(e) >= start), other=0.0)
+        acc = bias + w3 * x3 + w2 * x2 + w1 * x1 + w0 * x0  # oldest tap first, as F.conv1d's sum
+        y = acc * tl.sigmoid(acc)
+        tl.store(y_row + t * E + e, y, mask=emask)
+        if COPY:  # y in the next product's dtype, rounded as a cast would
+            tl.store(y2_row + t * E + e, y.to(y2_ptr.dtype.element_ty), mask=emask)
+        x3, x2, x1 = x2, x1, x0
+    if t0 == 0:
         # New state: inputs at positions T-K .. T-1 (older ones from the old state).
         kk = tl.arange(0, KP)
         p = T - K + kk
@@ -104,9 +115,10 @@ def _causal_conv1d_kernel(
 
 
 # Channels and time steps a program, and its warps (benchmarks/tune_conv.py, H200, 2.8b
-# widths, bf16 second output): 32 x 32 with 8 warps 82 us at 1 x 4096 (~120 with 64 x 32
-# and 4 warps), 347 us at 8 x 2048; small programs, many in flight, do best.
-CONV_BE, CONV_BT, CONV_WARPS = 32, 32, 8
+# widths, bf16 second output): 256 channels (4 a thread: 16-byte loads) and 16 steps, 128.5
+# us at 1 x 8192, 243.7 at 8 x 2048 (128-512 channels and 8-32 steps within 2.5%).
+CONV_BE, CONV_BT, CONV_WARPS = 256, 16, 2
+MAX_K = 4  # the kernel's window; wider convs (no public checkpoint has one) run the reference
 
 
 def causal_conv1d(x, weight, bias, state, start=None, dtype=torch.float32):
@@ -116,14 +128,16 @@ def causal_conv1d(x, weight, bias, state, start=None, dtype=torch.float32):
     which saves a cast's pass over the float32 one; the same tensor when dtype is float32)."""
     B, E, T = x.shape
     K = weight.shape[-1]
+    if K > MAX_K:
+        y = causal_conv1d_ref(x, weight, bias, state, start)[0].transpose(1, 2).contiguous()
+        return y.transpose(1, 2), y.to(dtype).transpose(1, 2)
     y = torch.empty(B, T, E, device=x.device, dtype=torch.float32)
     y2 = y if dtype == torch.float32 else torch.empty(B, T, E, device=x.device, dtype=dtype)
     if start is None:
         start = torch.zeros(B, device=x.device, dtype=torch.int32)
-    BE, BT = CONV_BE, max(CONV_BT, triton.next_power_of_2(K))
-    _causal_conv1d_kernel[(B, triton.cdiv(E, BE), triton.cdiv(T, BT))](
+    _causal_conv1d_kernel[(triton.cdiv(E, CONV_BE), triton.cdiv(T, CONV_BT), B)](
         x, x.stride(0), x.stride(1), x.stride(2), weight, bias if bias is not None else weight, state, y, y2,
-        start, T, E, K=K, KP=triton.next_power_of_2(K), HAS_BIAS=bias is not None, COPY=y2 is not y, BE=BE, BT=BT,
+        start, T, E, K=K, KP=triton.next_power_of_2(K), HAS_BIAS=bias is not None, COPY=y2 is not y, BE=CONV_BE, BT=CONV_BT,
         num_warps=CONV_WARPS,
     )
     return y.transpose(1, 2), y2.transpose(1, 2)
