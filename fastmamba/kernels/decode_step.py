@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import INTERPRET, jit, tl, triton
-from .activations import softplus
+from .activations import silu, softplus
 from .decode_gemm import conv_step_ref, ssm_update_ref
 from .rmsnorm import residual_rmsnorm_ref
 
@@ -392,7 +392,7 @@ def _conv_step(x, cw, cw_new, cb, window, rows, rmask, n, cs_ptr, xc_ptr, E, K: 
     cmask = n < E
     m = rmask[:, None] & cmask[None, :]
     conv = tl.sum(window * cw[None, :, :], 2) + x * cw_new[None, :] + cb[None, :]
-    xc = conv * tl.sigmoid(conv)
+    xc = silu(conv)
     tl.store(xc_ptr + rows[:, None] * E + n[None, :], xc, mask=m)
     # The window, shifted left by one, goes back where it came from, with x last. Every
     # thread read its part before the wait; the barrier keeps a write from landing before
@@ -490,7 +490,7 @@ def _ssm_step_kernel(
         tl.store(h_ptr + offs, h_new, mask=hm)
         tl.store(dh_ptr + offs, tl.zeros([BB, BD], dtype=tl.int64), mask=hm)
     y = tl.sum(s * Cv[:, None, :], 2) + Dv[None, :] * x
-    y = y * (z * tl.sigmoid(z))
+    y = y * silu(z)
     tl.store(y_ptr + rows[:, None] * E + e[None, :], y, mask=m)
 
 

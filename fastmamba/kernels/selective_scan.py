@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import jit, tl, triton
+from .activations import silu
 from .causal_conv1d import _pad_mask
 
 
@@ -86,7 +87,7 @@ def _selective_scan_kernel(
         states = decay_cum * s[None, :, :] + inp_cum  # (BT, BE, NP): the state after each step
         y = tl.sum(states * Ct[:, None, :], 2) + Dv[None, :] * x
         z = tl.load(z_ptr + b64 * szb + t[:, None] * szt + e[None, :] * sze, mask=m, other=0.0)
-        y = y * z * tl.sigmoid(z)
+        y = y * silu(z)
         tl.store(y_ptr + b64 * T * E + t[:, None] * E + e[None, :], y, mask=(t < T)[:, None] & emask[None, :])
         last = tl.minimum(t0 + BT, T) - 1
         s = tl.sum(tl.where((t == last)[:, None, None], states, 0.0), 0)
@@ -206,7 +207,7 @@ def _scan_chunks_kernel(
         Ct = tl.load(C_row + t * sct + n * scn, mask=nmask, other=0.0)
         z = tl.load(z_row + t * szt + e * sze, mask=emask, other=0.0)
         y = tl.sum(s * Ct[None, :], 1) + Dv * x
-        tl.store(y_row + t * E + e, y * z * tl.sigmoid(z), mask=emask)
+        tl.store(y_row + t * E + e, y * silu(z), mask=emask)
     if c == nc - 1:
         tl.store(st_ptr + b64 * E * N + e[:, None] * N + n[None, :], s, mask=sm)
 
