@@ -97,6 +97,17 @@ def test_step_size_softplus_elementwise():
     assert ((delta.double().cpu() - exact).abs() / exact).max() < 1e-5
 
 
+def test_conv_silu_elementwise():
+    """silu of exactly known inputs (zero inputs and weights, so the conv's output is
+    silu(bias)) over [-60, 60]: each element within 1e-5 of float64's, relative."""
+    v = torch.linspace(-60.0, 60.0, 6000, device=DEVICE)  # (an even count: 0 is not among them)
+    E = v.numel()
+    state = torch.zeros(1, E, 4, device=DEVICE)
+    y = causal_conv1d(torch.zeros(1, E, 1, device=DEVICE), torch.zeros(E, 4, device=DEVICE), v, state)[0][0, :, 0]
+    exact = torch.nn.functional.silu(v.double().cpu())
+    assert ((y.double().cpu() - exact).abs() / exact.abs()).max() < 1e-5
+
+
 def engines(path, dtype):
     """The same checkpoint as the reference model and as the Triton-prefill model."""
     ref = fastmamba.load(path, dtype=dtype).model
