@@ -136,9 +136,10 @@ def causal_conv1d(x, weight, bias, state, start=None, dtype=torch.float32):
     y2 = y if dtype == torch.float32 else torch.empty(B, T, E, device=x.device, dtype=dtype)
     if start is None:
         start = torch.zeros(B, device=x.device, dtype=torch.int32)
-    _causal_conv1d_kernel[(triton.cdiv(E, CONV_BE), triton.cdiv(T, CONV_BT), B)](
+    BT = max(CONV_BT, MAX_K - 1)  # so that only the first block's window reaches before the chunk
+    _causal_conv1d_kernel[(triton.cdiv(E, CONV_BE), triton.cdiv(T, BT), B)](
         x, x.stride(0), x.stride(1), x.stride(2), weight, bias if bias is not None else weight, state, y, y2,
-        start, T, E, K=K, KP=triton.next_power_of_2(K), HAS_BIAS=bias is not None, COPY=y2 is not y, BE=CONV_BE, BT=CONV_BT,
+        start, T, E, K=K, KP=triton.next_power_of_2(K), HAS_BIAS=bias is not None, COPY=y2 is not y, BE=CONV_BE, BT=BT,
         num_warps=CONV_WARPS,
     )
     return y.transpose(1, 2), y2.transpose(1, 2)
