@@ -44,11 +44,12 @@ def causal_conv1d_ref(
 
 @jit
 def _input_at(x_row, sxe, sxt, st_row, e, emask, p, start, K: tl.constexpr):
-    """The inputs at position p (a scalar; negative before the chunk) of channels e: zero
+    """The inputs at position p (negative before the chunk) of channels e, where emask: zero
     at padding (p < start); before the chunk from the old conv state (index K + p) while
     the row has no padding (p < -start * K: p < 0 where start is 0, never where the row is
-    padded, since padding starts the row from zero)."""
-    pp = p + tl.zeros_like(e)  # (BE,) vectors of p: masks stay tensors
+    padded, since padding starts the row from zero). p is a scalar, or positions that
+    broadcast against e (the new state: a (BE, KP) tile)."""
+    pp = p + tl.zeros_like(e)  # p broadcast to e's shape: masks stay tensors
     v = tl.load(x_row + p * sxt + e * sxe, mask=emask & (pp >= start) & (pp >= 0), other=0.0)
     return v + tl.load(st_row + e * K + (K + p), mask=emask & (pp >= -K) & (pp < -start * K), other=0.0)
 
@@ -107,10 +108,8 @@ def _causal_conv1d_kernel(
     if t0 == 0:
         # New state: inputs at positions T-K .. T-1 (older ones from the old state).
         kk = tl.arange(0, KP)
-        p = T - K + kk
         m = emask[:, None] & (kk < K)[None, :]
-        new = tl.load(x_row + p[None, :] * sxt + e[:, None] * sxe, mask=m & ((p >= start) & (p >= 0))[None, :], other=0.0)
-        new += tl.load(st_row + e[:, None] * K + (K + p)[None, :], mask=m & (p < -start * K)[None, :], other=0.0)
+        new = _input_at(x_row, sxe, sxt, st_row, e[:, None], m, (T - K + kk)[None, :], start, K)
         tl.debug_barrier()  # all reads of the old state before it is rewritten
         tl.store(st_row + e[:, None] * K + kk[None, :], new, mask=m)
 
