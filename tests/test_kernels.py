@@ -235,7 +235,7 @@ def test_a_slot_is_bitwise_the_same_in_any_batch(checkpoints, batch, slot, rows,
 
 @pytest.mark.parametrize("name,dtype,batch", [("untied_bias_rank", "bfloat16", 9), ("kernel3_state8", "float32", 20)])
 def test_gemm_step_equals_the_reference_model(checkpoints, name, dtype, batch):
-    """Whole steps of the step that make_decode_step picks above SMALL_BATCH rows."""
+    """Whole steps of the step that make_decode_step picks above one_row_up_to rows."""
     from fastmamba.kernels.decode_gemm import GemmDecodeStep
 
     model = fastmamba.load(checkpoints[name], device=DEVICE, dtype=dtype).model

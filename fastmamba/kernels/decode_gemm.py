@@ -1,6 +1,6 @@
 """The decode step for larger batches: cuBLAS products and four Triton kernels a layer.
 
-From batch SMALL_BATCH + 1 up (unless deterministic), one step is, per layer:
+Above decode_step.one_row_up_to rows (unless deterministic), one step is, per layer:
 
     residual_rmsnorm   h += o (+ out bias); u = rmsnorm(h) * norm_w, in the storage dtype (rmsnorm.py)
     cuBLAS             xz = u @ in_proj.T                    (float32 out)

@@ -41,8 +41,8 @@ Why it is shaped this way:
   conv_x_proj x_proj's columns; in ssm_step the layer's state), and only then waits for
   the previous kernel's results (`_wait_for_prior_kernel`). Some let the next kernel
   launch even before their own wait (`DecodeStep.EARLY_LAUNCH`).
-- Batches above SMALL_BATCH run through cuBLAS instead (decode_gemm.py), unless
-  deterministic: see `make_decode_step`.
+- Larger batches run through cuBLAS instead (decode_gemm.py), unless deterministic: from
+  batch 3 up on bf16 2.8b, 4 on 1.4b, 7 on 370m, 9 on 130m (see `one_row_up_to`).
 """
 
 from __future__ import annotations
@@ -209,8 +209,8 @@ def _wait_for_prior_kernel(PDL: tl.constexpr):
 @jit
 def _embed_kernel(tok_ptr, emb_ptr, h_ptr, dh_ptr, B, D, BB: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
     _wait_for_prior_kernel(PDL)
-    pid_n = tl.program_id(0)
-    pid_b = tl.program_id(1)
+    pid_b = tl.program_id(0)  # rows first: see DecodeStep
+    pid_n = tl.program_id(1)
     rows = pid_b * BB + tl.arange(0, BB)
     cols = pid_n * BN + tl.arange(0, BN)
     rmask = rows < B
@@ -237,8 +237,8 @@ def _fold_kernel(h_ptr, dh_ptr, B, D, BB: tl.constexpr, BN: tl.constexpr, PDL: t
     # rmsnorm_linear: there every program would otherwise convert all of its 16 rows'
     # dh (int64) in every K step.
     _wait_for_prior_kernel(PDL)
-    rows = tl.program_id(1) * BB + tl.arange(0, BB)
-    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    rows = tl.program_id(0) * BB + tl.arange(0, BB)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
     offs, m = rows[:, None] * D + cols[None, :], (rows < B)[:, None] & (cols < D)[None, :]
     h_new = _residual_tile(h_ptr, dh_ptr, offs, m)
     tl.debug_barrier()  # every element read before any is rewritten (the layouts differ)
@@ -255,8 +255,8 @@ def _rmsnorm_linear_kernel(
     BJ: tl.constexpr, STAGES: tl.constexpr, SUM_LAST: tl.constexpr, PDL: tl.constexpr,
 ):
     _let_next_kernel_launch(PDL)
-    pid_n = tl.program_id(0)
-    pid_b = tl.program_id(1)
+    pid_b = tl.program_id(0)  # rows first: see DecodeStep
+    pid_n = tl.program_id(1)
     rows = pid_b * BB + tl.arange(0, BB)
     rmask = rows < B
     n = pid_n * BN + tl.arange(0, BN)
@@ -428,8 +428,8 @@ def _conv_x_proj_kernel(
     # The conv step and x_proj as a kernel of their own, for wide models (see
     # DecodeStep.FUSED_CONV_UP_TO): the same work as in_proj's epilogue, on x from xz.
     _let_next_kernel_launch(PDL)
-    pid_n = tl.program_id(0)
-    pid_b = tl.program_id(1)
+    pid_b = tl.program_id(0)  # rows first: see DecodeStep
+    pid_n = tl.program_id(1)
     rows = pid_b * BB + tl.arange(0, BB)
     rmask = rows < B
     n = pid_n * BN + tl.arange(0, BN)
@@ -448,8 +448,8 @@ def _ssm_step_kernel(
     FOLD: tl.constexpr, BB: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
 ):
     _let_next_kernel_launch(PDL)
-    pid_e = tl.program_id(0)
-    pid_b = tl.program_id(1)
+    pid_b = tl.program_id(0)
+    pid_e = tl.program_id(1)
     rows = pid_b * BB + tl.arange(0, BB)
     rmask = rows < B
     e = pid_e * BE + tl.arange(0, BE)
@@ -501,9 +501,9 @@ def _out_proj_residual_kernel(
     BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
 ):
     _let_next_kernel_launch(PDL)
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    pid_b = tl.program_id(2)
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     rows = pid_b * BB + tl.arange(0, BB)
     rmask = rows < B
     n = pid_n * BN + tl.arange(0, BN)
@@ -549,11 +549,28 @@ def use_pdl(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9 and "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 
+def one_row_up_to(d_model: int, dtype: torch.dtype) -> int:
+    """The largest batch that make_decode_step gives the one-row kernels; larger ones go to
+    cuBLAS. A one-row step reads every weight once a row (the rows of a weight tile run side
+    by side, so the copies after the first come from L2), so each row adds about as much
+    L2 traffic as a batch-1 step's memory traffic, where cuBLAS reads each weight once for
+    all rows at a cost that hardly grows with them. The crossover falls as the model
+    widens. Whole graph-replayed steps on the H200, ms, one-row against cuBLAS: bf16 130m
+    batch 8 0.661 / 0.696; 370m 6 1.386 / 1.752, 8 1.719 / 1.420; 1.4b 3 1.956 / 2.054, 4
+    2.421 / 2.068; 2.8b 2 2.546 / 3.184, 3 3.324 / 3.205; float32 130m 8 0.807 / 1.182,
+    2.8b 3 5.511 / 9.432, 4 7.210 / 6.341."""
+    if d_model <= 768:
+        return SMALL_BATCH
+    if d_model <= 1024:
+        return 6
+    return 3 if d_model <= 2048 or dtype == torch.float32 else 2
+
+
 def make_decode_step(model, batch: int, deterministic: bool = False):
     """The fastest decode step for this batch size: Triton GEMVs (one row a program) up to
-    SMALL_BATCH rows, cuBLAS products above (decode_gemm.py); with `deterministic`, the
+    one_row_up_to rows, cuBLAS products above (decode_gemm.py); with `deterministic`, the
     Triton tile mode at every batch size, so that a slot's bits never depend on the batch."""
-    if batch > SMALL_BATCH and not deterministic:
+    if batch > one_row_up_to(model.config.d_model, model.weights.embedding.dtype) and not deterministic:
         from .decode_gemm import GemmDecodeStep
 
         return GemmDecodeStep(model, batch)
@@ -567,6 +584,13 @@ class DecodeStep:
     batches up to SMALL_BATCH, 16-row tiles above, or tiles always when deterministic),
     never otherwise on the batch size, so within a mode a slot's result is the same for
     every batch size.
+
+    Every kernel's grid has the rows (or row tiles) as its first, fastest-varying axis:
+    the programs that read the same weight tile for different rows are launched side by
+    side, so the tile comes from memory once and from L2 for the other rows. With the rows
+    last, each row's programs swept the whole matrix before the next row's began, and a
+    matrix larger than L2 was read from memory once a row (2.8b bf16: batch 8 9.63 ms a
+    step against 7.31, batch 2 2.92 against 2.55; deterministic batch 128 unchanged).
     """
 
     # One-row launch settings, chosen by timing whole graph-replayed batch-1 steps
@@ -700,13 +724,13 @@ class DecodeStep:
     def embed(self, tokens: torch.Tensor) -> None:
         """h[:B] = embedding[tokens], dh = 0."""
         emb = self.model.weights.embedding
-        grid = (self.nt_d, self.BP // self.BB)
+        grid = (self.BP // self.BB, self.nt_d)
         _embed_kernel[grid](tokens, emb, self.h, self.dh, self.B, emb.shape[1], BB=self.BB, BN=self.BN_out, **self.pdl)
 
     def fold(self) -> None:
         """h += dh, dh = 0 (the tile mode, before each rmsnorm_linear)."""
         d = self.model.config.d_model
-        _fold_kernel[(self.nt_d, self.BP // self.BB)](self.h, self.dh, self.B, d, BB=self.BB, BN=self.BN_out, **self.pdl)
+        _fold_kernel[(self.BP // self.BB, self.nt_d)](self.h, self.dh, self.B, d, BB=self.BB, BN=self.BN_out, **self.pdl)
 
     def _rmsnorm_linear(self, norm_w, weight, bias, out, conv=None, argmax=False, sum_last=False, k_tile=None) -> None:
         """out[:B] = linear(rmsnorm(h + dh) * norm_w, weight, bias); with conv = (lw,
@@ -721,7 +745,7 @@ class DecodeStep:
         n_out, d = weight.shape
         BN, BK, warps, stages = self.linear_blocks(n_out, d, self.BB == 1)
         BK = k_tile or BK
-        grid = (triton.cdiv(n_out, BN), self.BP // self.BB)
+        grid = (self.BP // self.BB, triton.cdiv(n_out, BN))
         c = self.model.config
         if conv is not None:
             lw, conv_state = conv
@@ -748,7 +772,7 @@ class DecodeStep:
             return
         self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, sum_last=self.sum_last)
         c = self.model.config
-        _conv_x_proj_kernel[(triton.cdiv(c.d_inner, self.BN_conv), self.BP // self.BB)](
+        _conv_x_proj_kernel[(self.BP // self.BB, triton.cdiv(c.d_inner, self.BN_conv))](
             self.xz, conv_state, lw.conv_w, lw.conv_b if lw.conv_b is not None else lw.conv_w,
             lw.x_proj_w, self.xc, self.dbc, self.B, c.d_inner, self.J,
             K=c.d_conv, KP=triton.next_power_of_2(c.d_conv), HAS_CB=lw.conv_b is not None, IEEE=self.ieee,
@@ -776,7 +800,7 @@ class DecodeStep:
         """y from dbc, xc and the z half of xz; updates ssm_state (B, E, N); folds dh into h
         (h += dh, dh = 0)."""
         c = self.model.config
-        _ssm_step_kernel[(triton.cdiv(c.d_inner, self.BE_ssm), self.BP // self.BB)](
+        _ssm_step_kernel[(self.BP // self.BB, triton.cdiv(c.d_inner, self.BE_ssm))](
             self.dbc, self.xc, self.xz, ssm_state, lw.dt_proj_w, lw.dt_bias, lw.A, lw.D, self.y, self.h, self.dh,
             self.B, c.d_inner, c.dt_rank, c.d_model, N=c.d_state, NP=self.NP, BJ=self.BJ, BR=self.BR, IEEE=self.ieee,
             FOLD=not self.fold_apart, BB=self.BB, BE=self.BE_ssm, BD=self.BD_ssm, num_warps=4, **self.pdl_for("ssm_step"),
@@ -785,7 +809,7 @@ class DecodeStep:
     def out_proj_residual(self, lw) -> None:
         """dh += y @ out_proj.T + bias (dh is zero before: ssm_step leaves it so); zeroes dbc."""
         c = self.model.config
-        _out_proj_residual_kernel[(self.nt_d, self.nsplit_out, self.BP // self.BB)](
+        _out_proj_residual_kernel[(self.BP // self.BB, self.nt_d, self.nsplit_out)](
             self.y, lw.out_proj_w, lw.out_proj_b if lw.out_proj_b is not None else lw.out_proj_w,
             self.dh, self.dbc, self.B, c.d_model, c.d_inner, self.kchunk_out,
             HAS_BIAS=lw.out_proj_b is not None, IEEE=self.ieee,
