@@ -557,9 +557,10 @@ def one_row_up_to(d_model: int, dtype: torch.dtype) -> int:
     all rows at a cost that hardly grows with them. The crossover falls as the model
     widens. Whole graph-replayed steps on the H200, ms, one-row against cuBLAS: bf16 130m
     batch 8 0.661 / 0.696; 370m 6 1.386 / 1.752, 8 1.719 / 1.420; 1.4b 3 1.956 / 2.054, 4
-    2.421 / 2.068; 2.8b 2 2.546 / 3.184, 3 3.324 / 3.205; float32 130m 8 0.807 / 1.182,
+    2.421 / 2.068; 2.8b 2 2.546 / 3.184, 3 3.324 / 3.205; float32 (cuBLAS's float32
+    products are slower still) 130m 8 0.807 / 1.182, 370m 6 1.522 one-row, 7 4.534 cuBLAS,
     2.8b 3 5.511 / 9.432, 4 7.210 / 6.341."""
-    if d_model <= 768:
+    if d_model <= 768 or (d_model <= 1024 and dtype == torch.float32):
         return SMALL_BATCH
     if d_model <= 1024:
         return 6
