@@ -42,8 +42,9 @@ def softplus(v):
     F.softplus with its default threshold): the step size of every SSM kernel.
 
     log1p(u), u = exp(v), as log2(1 + u) ln 2 where u >= 1/32: there the result is >= 0.03
-    and lg2.approx's absolute error stays within 5e-6 of it (measured on an H200). Below, where 1 + u would lose
-    u's low bits, four terms of log1p's series: the next, u^5 / 5, is within 2e-7 of u."""
+    and lg2.approx's absolute error stays within 5e-6 of it (measured on an H200). Below,
+    where 1 + u would lose u's low bits, four terms of log1p's series: the next, u^5 / 5,
+    is within 2e-7 of u."""
     u = tl.exp2(v * LOG2E)
     series = u * (1.0 - u * (0.5 - u * (0.3333333333333333 - u * 0.25)))
     log1p = tl.where(u >= 0.03125, _log2_approx(1.0 + u) * LN2, series)
