@@ -86,14 +86,14 @@ def main() -> None:
             h = torch.randn(1, d, device="cuda")
             dh = torch.zeros(1, d, device="cuda", dtype=torch.int64)
             nw = torch.ones(d, device="cuda")
-            default = ds.DecodeStep.linear_blocks(nout, d, True)
+            default = ds.DecodeStep.linear_blocks(nout, d)
             for (BN, BK, warps, stages), sum_last in itertools.product(
                     (default, (8, 512, 4, 1), (8, 256, 4, 1), (16, 256, 4, 1), (8, 1024, 8, 1)), (False, True)):
                 add(f"engine rmsnorm_linear {(BN, BK, warps, stages)}{' default' if (BN, BK, warps, stages) == default else ''}"
                     f" sum_last={sum_last}",
-                    lambda w, BN=BN, BK=BK, warps=warps, stages=stages, sl=sum_last: ds._rmsnorm_linear_kernel[(triton.cdiv(nout, BN), 1)](
-                        h, dh, nw, w, w, out, *(out,) * 6, dh, 1, d, nout, 0, 0, 1e-5, HAS_BIAS=False, IEEE=False,
-                        CONV=False, ARGMAX=False, K=4, KP=4, HAS_CB=False, PENDING=True, BB=1, BN=BN, BK=BK, BJ=16, STAGES=stages,
+                    lambda w, BN=BN, BK=BK, warps=warps, stages=stages, sl=sum_last: ds._rmsnorm_linear_kernel[(1, triton.cdiv(nout, BN))](
+                        h, dh, nw, w, w, out, *(out,) * 6, dh, 1, d, nout, 0, 0, 1e-5, HAS_BIAS=False,
+                        CONV=False, ARGMAX=False, K=4, KP=4, HAS_CB=False, BN=BN, BK=BK, BJ=16, STAGES=stages,
                         SUM_LAST=sl, PDL=0, num_warps=warps))
         else:
             y = torch.randn(1, d, device="cuda")
@@ -107,8 +107,8 @@ def main() -> None:
                 kchunk = triton.cdiv(triton.cdiv(d, ns), BK) * BK
                 ns = triton.cdiv(d, kchunk)
                 add(f"engine out_proj {(BN, BK, warps)} splits={ns}{' default' if ((BN, BK, warps), programs) == default else ''}",
-                    lambda w, BN=BN, BK=BK, warps=warps, nt=nt, ns=ns, kc=kchunk: ds._out_proj_residual_kernel[(nt, ns, 1)](
-                        y, w, w, dh, dbc, 1, nout, d, kc, HAS_BIAS=False, IEEE=False, BB=1, BN=BN, BK=BK, BJ=16, PDL=0, num_warps=warps))
+                    lambda w, BN=BN, BK=BK, warps=warps, nt=nt, ns=ns, kc=kchunk: ds._out_proj_residual_kernel[(1, nt, ns)](
+                        y, w, w, dh, dbc, 1, nout, d, kc, HAS_BIAS=False, BN=BN, BK=BK, BJ=16, PDL=0, num_warps=warps))
         for BN, BK, warps, splits, acc2d in () if "--engine" in sys.argv else itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (1, 2, 4), (0, 1)):
             if BN * BK > 16384 or BN * BK < 2048 or triton.cdiv(nout, BN) * splits < 264:
                 continue

@@ -21,7 +21,7 @@ def main() -> None:
     ap.add_argument("--model", default="2.8b")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--deterministic", action="store_true", help="the tile mode at every batch size")
+    ap.add_argument("--deterministic", action="store_true", help="the batch-invariant step")
     args = ap.parse_args()
     model = random_model(args.model, parse_dtype(args.dtype))
     step = make_decode_step(model, args.batch, args.deterministic)  # the step the engine would run

@@ -10,11 +10,10 @@ neighbours, so its best blocks need not be the step's (--states: where the conv 
 x_proj run, and ssm_step's blocks; --out-proj, --in-proj: only those; --wide: 1.4b and
 2.8b only). With --lm-head it sweeps lm_head's blocks (and 130m's in_proj) in whole
 steps; with --early, which kernels let the next one launch before their own wait; with
---sum-last, where one-row in_proj sums over K (--f32: float32 weights); with --tile, the
-tile (deterministic) mode's loop; with --preload, out_proj blocks of one tile a K split and
-in_proj's loop in shared-memory stages; with --ablate, the step without one kind of kernel
-at a time (timing only); with --lm-head-sum-last, lm_head summing after its loop in 256-wide
-K tiles against every tile.
+--sum-last, where one-row in_proj sums over K (--f32: float32 weights); with --preload,
+out_proj blocks of one tile a K split and in_proj's loop in shared-memory stages; with
+--ablate, the step without one kind of kernel at a time (timing only); with
+--lm-head-sum-last, lm_head summing after its loop in 256-wide K tiles against every tile.
 """
 
 import itertools
@@ -51,9 +50,9 @@ def tune_rmsnorm_linear(n_out, d):
             continue
 
         def run():
-            ds._rmsnorm_linear_kernel[(triton.cdiv(n_out, BN), 1)](
-                h, dh, nw, w, w, out, *(out,) * 7, 1, d, n_out, 0, 0, 1e-5, HAS_BIAS=False, IEEE=False,
-                CONV=False, ARGMAX=False, K=4, KP=4, HAS_CB=False, PENDING=True, BB=1, BN=BN, BK=BK, BJ=16, STAGES=1,
+            ds._rmsnorm_linear_kernel[(1, triton.cdiv(n_out, BN))](
+                h, dh, nw, w, w, out, *(out,) * 7, 1, d, n_out, 0, 0, 1e-5, HAS_BIAS=False,
+                CONV=False, ARGMAX=False, K=4, KP=4, HAS_CB=False, BN=BN, BK=BK, BJ=16, STAGES=1,
                 SUM_LAST=DT in ds.DecodeStep.SUM_LAST and n_out == 4 * d and d > BK, PDL=0, num_warps=warps,
             )
 
@@ -73,9 +72,9 @@ def tune_out_proj(d, E):
         nt = triton.cdiv(d, BN)
 
         def run():
-            ds._out_proj_residual_kernel[(nt, ns, 1)](
-                y, w, w, dh, dbc, 1, d, E, kchunk, HAS_BIAS=False, IEEE=False,
-                BB=1, BN=BN, BK=BK, BJ=16, PDL=0, num_warps=warps,
+            ds._out_proj_residual_kernel[(1, nt, ns)](
+                y, w, w, dh, dbc, 1, d, E, kchunk, HAS_BIAS=False,
+                BN=BN, BK=BK, BJ=16, PDL=0, num_warps=warps,
             )
 
         res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BN=BN, nsplit=ns, BK=BK, warps=warps)))
@@ -91,7 +90,7 @@ def tune_in_graph(size, parts=("in_proj", "out_proj", "states")):
     vocab = model.config.vocab_size
     print(f"{size} batch 1, default blocks: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     for blocks in [] if "in_proj" not in parts else [(8, 512, 4, 1), (8, 256, 4, 1), (8, 1024, 8, 1), (16, 256, 4, 1), (16, 1024, 8, 1), (4, 1024, 4, 1), (16, 512, 4, 2)]:
-        ds.DecodeStep.linear_blocks = staticmethod(lambda n, d, one_row, b=blocks: b if n != vocab else default_linear.__func__(n, d, one_row))
+        ds.DecodeStep.linear_blocks = staticmethod(lambda n, d, b=blocks: b if n != vocab else default_linear.__func__(n, d))
         print(f"   in_proj BN, BK, warps, stages = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     ds.DecodeStep.linear_blocks = default_linear
     for blocks, programs in [] if "out_proj" not in parts else [((8, 512, 4), 1280), ((8, 512, 4), 960), ((8, 256, 4), 1280), ((16, 512, 8), 640), ((4, 1024, 4), 1280), ((8, 1024, 8), 640)]:
@@ -137,7 +136,7 @@ def tune_sum_last(size):
         for sum_last, BK in ((True, 256), (False, 512), (True, 512), (False, 256)):
             ds.DecodeStep.SUM_LAST = frozenset({DT} if sum_last else ())
             ds.DecodeStep.linear_blocks = staticmethod(
-                lambda n, d, one_row, BK=BK: (lambda b: b if n == vocab else (b[0], BK, *b[2:]))(default_linear.__func__(n, d, one_row)))
+                lambda n, d, BK=BK: (lambda b: b if n == vocab else (b[0], BK, *b[2:]))(default_linear.__func__(n, d)))
             how = "after the loop" if sum_last else "every K tile"
             print(f"{size} in_proj summed {how}, K tiles of {BK}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     ds.DecodeStep.SUM_LAST, ds.DecodeStep.linear_blocks = default, default_linear
@@ -153,7 +152,7 @@ def tune_preload(size):
     model = random_model(size, DT)
     default_linear, default_out = ds.DecodeStep.__dict__["linear_blocks"], ds.DecodeStep.__dict__["out_blocks"]
     vocab = model.config.vocab_size
-    base_in = default_linear.__func__(4 * model.config.d_model, model.config.d_model, True)
+    base_in = default_linear.__func__(4 * model.config.d_model, model.config.d_model)
     outs = [None, (8, 1024, 4, 1600), (4, 1024, 4, 3200), (8, 1024, 8, 1600), (16, 1024, 8, 800), (8, 512, 4, 3200), (8, 2048, 8, 960)]
     ins = [(*base_in[:3], 2), (*base_in[:3], 3), (*base_in[:3], 4)]
     for _ in range(2):
@@ -162,7 +161,7 @@ def tune_preload(size):
             print(f"{size} out_proj BN, BK, warps, programs = {blocks or 'default'}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
         ds.DecodeStep.out_blocks = default_out
         for blocks in ins:
-            ds.DecodeStep.linear_blocks = staticmethod(lambda n, d, one_row, b=blocks: b if n != vocab else default_linear.__func__(n, d, one_row))
+            ds.DecodeStep.linear_blocks = staticmethod(lambda n, d, b=blocks: b if n != vocab else default_linear.__func__(n, d))
             print(f"{size} in_proj BN, BK, warps, stages = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
         ds.DecodeStep.linear_blocks = default_linear
 
@@ -214,22 +213,6 @@ def tune_lm_head_sum_last(size, dtype):
     ds.DecodeStep.lm_head = lm_head
 
 
-def tune_tile(size):
-    """The tile mode's rmsnorm_linear loop (BK, pipeline stages) in whole deterministic
-    batch-1 steps."""
-    from fastmamba.bench import random_model, time_graph_steps
-
-    model = random_model(size, DT)
-    default = ds.DecodeStep.__dict__["linear_blocks"]
-    print(f"{size} deterministic, default blocks: {time_graph_steps(model, 1, deterministic=True):.4f} ms/step", flush=True)
-    for BK, stages in [(128, 1), (128, 2), (128, 3), (64, 4), (256, 2)]:
-        ds.DecodeStep.linear_blocks = staticmethod(
-            lambda n, d, one_row, BK=BK, st=stages: default.__func__(n, d, one_row) if one_row else (default.__func__(n, d, one_row)[0], BK, 4, st)
-        )
-        print(f"   BK {BK}, {stages} stages: {time_graph_steps(model, 1, deterministic=True):.4f} ms/step", flush=True)
-    ds.DecodeStep.linear_blocks = default
-
-
 def tune_lm_head(size):
     """rmsnorm_linear's blocks for lm_head alone (n_out = vocab), in whole steps; and with
     --in-proj for in_proj at 130m, whose K (768) is not a multiple of 512."""
@@ -241,14 +224,14 @@ def tune_lm_head(size):
     print(f"{size} default blocks: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     # (16-bit weights: lm_head's K tile is LM_HEAD_K_TILE, set to the BK here)
     for blocks in [(8, 256, 4, 1), (32, 256, 4, 1), (16, 512, 4, 1), (32, 128, 4, 1), (16, 256, 8, 1), (64, 128, 4, 1)]:
-        ds.DecodeStep.linear_blocks = staticmethod(lambda n, d, one_row, b=blocks: b if n == vocab else default_linear.__func__(n, d, one_row))
+        ds.DecodeStep.linear_blocks = staticmethod(lambda n, d, b=blocks: b if n == vocab else default_linear.__func__(n, d))
         ds.DecodeStep.LM_HEAD_K_TILE = blocks[1]
         print(f"   lm_head BN, BK, warps, stages = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     ds.DecodeStep.linear_blocks, ds.DecodeStep.LM_HEAD_K_TILE = default_linear, default_tile
     print(f"{size} default blocks again: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     if size == "130m" and "--in-proj" in sys.argv:
         for blocks in [(16, 256, 4, 1), (8, 256, 4, 1), (32, 256, 4, 1), (16, 1024, 4, 1)]:
-            ds.DecodeStep.linear_blocks = staticmethod(lambda n, d, one_row, b=blocks: b if n != vocab else default_linear.__func__(n, d, one_row))
+            ds.DecodeStep.linear_blocks = staticmethod(lambda n, d, b=blocks: b if n != vocab else default_linear.__func__(n, d))
             print(f"   in_proj BN, BK, warps, stages = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     ds.DecodeStep.linear_blocks = default_linear
 
@@ -257,7 +240,6 @@ def tune_lm_head(size):
 BF16, F32 = torch.bfloat16, torch.float32
 SWEEPS = {
     "--lm-head": (tune_lm_head, [("130m",), ("2.8b",), ("1.4b",)]),
-    "--tile": (tune_tile, [("130m",), ("2.8b",)]),
     "--preload": (tune_preload, [("2.8b",), ("1.4b",)]),
     "--lm-head-sum-last": (tune_lm_head_sum_last, [("130m", BF16), ("370m", BF16), ("1.4b", BF16), ("2.8b", BF16),
                                                    ("130m", F32), ("2.8b", F32)]),

@@ -47,8 +47,9 @@ def load(
     engine: "triton" (GPU kernels and CUDA graphs, the default on CUDA) or "reference"
     (the pure-PyTorch path, the default and only choice on the CPU).
     deterministic: on the GPU, make a slot's logits bitwise the same whatever the batch
-    size (the decode kernels then use one tiling for every batch; see RESULTS.md for the
-    cost at batch 1). Without it this holds for batches of up to 8 and for batches above 8.
+    size (the decode step's products then sum each output in one fixed order at every batch
+    size; see benchmarks/RESULTS.md for the cost). Without it this holds only among the
+    small batches of the one-row kernels (decode_step.one_row_up_to).
     Raises CheckpointError (a ValueError) naming the file and tensor or key on bad input.
     """
     storage = parse_dtype(dtype)

@@ -190,7 +190,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--batches", default="1,32,128")
     ap.add_argument("--hf", action="store_true", help="also time transformers' MambaForCausalLM (batch 1)")
-    ap.add_argument("--deterministic", action="store_true", help="one kernel tiling for every batch size")
+    ap.add_argument("--deterministic", action="store_true", help="the batch-invariant step (load(deterministic=True))")
     ap.add_argument("--json", help="write the results here")
 
 

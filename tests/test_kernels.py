@@ -18,13 +18,13 @@ pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 
-CASES = [  # (checkpoint, dtype, batch, deterministic): batches up to 8 run one row a program
-    ("odd_vocab_tied", "float32", 3, False),
-    ("untied_bias_rank", "bfloat16", 17, False),  # two row tiles, biases on, dt_rank 3
-    ("kernel3_state8", "float16", 5, False),
-    ("kernel3_state8", "bfloat16", 2, True),  # the tile mode at a small batch
-    ("kernel2_state4_wide", "float32", 1, False),
-    ("kernel2_state4_wide", "float32", 9, False),
+CASES = [  # (checkpoint, dtype, batch) of the one-row step (DecodeStep)
+    ("odd_vocab_tied", "float32", 3),
+    ("untied_bias_rank", "bfloat16", 4),  # biases on, dt_rank 3
+    ("kernel3_state8", "float16", 5),
+    ("kernel3_state8", "bfloat16", 2),
+    ("kernel2_state4_wide", "float32", 1),
+    ("kernel2_state4_wide", "float32", 8),
 ]
 
 
@@ -37,11 +37,11 @@ def rand(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
-@pytest.fixture(params=CASES, ids=[f"{n}-{d}-B{b}{'-det' if det else ''}" for n, d, b, det in CASES])
+@pytest.fixture(params=CASES, ids=[f"{n}-{d}-B{b}" for n, d, b in CASES])
 def case(request, checkpoints):
-    name, dtype, batch, deterministic = request.param
+    name, dtype, batch = request.param
     lm = fastmamba.load(checkpoints[name], device=DEVICE, dtype=dtype)
-    step = ds.DecodeStep(lm.model, batch, deterministic)
+    step = ds.DecodeStep(lm.model, batch)
     return lm.model, step, TOL[lm.model.weights.embedding.dtype]
 
 
@@ -77,17 +77,16 @@ def test_in_proj_with_conv_and_x_proj(case, fused, conv_block, k_tile):
     """in_proj, then the conv step and x_proj: in in_proj's x-half programs, or (wide
     models) in a kernel of their own (16 channels a program: these small models' channels
     then span several programs, whose x_proj shares meet in dbc). k_tile: in_proj walks
-    d_model in tiles of 8 (one row) or 16 (tile mode), as wide models do, where the small
-    ones take it in one tile."""
+    d_model in tiles of 8, as wide models do, where the small ones take it in one tile."""
     model, step, tol = case
     step.fused_conv = fused
     step.BN_conv = conv_block or step.BN_conv
     if k_tile:
         blocks = step.linear_blocks
 
-        def narrow_k(n_out, d, one_row):  # linear_blocks' (BN, BK, warps, stages), BK narrowed
-            BN, _, warps, stages = blocks(n_out, d, one_row)
-            return BN, k_tile if one_row else 16, warps, stages
+        def narrow_k(n_out, d):  # linear_blocks' (BN, BK, warps, stages), BK narrowed
+            BN, _, warps, stages = blocks(n_out, d)
+            return BN, k_tile, warps, stages
 
         step.linear_blocks = narrow_k
     lw, c = model.weights.layers[-1], model.config
@@ -97,15 +96,13 @@ def test_in_proj_with_conv_and_x_proj(case, fused, conv_block, k_tile):
         h = set_residual(step, rand(step.B, c.d_model, seed=1 + t) * 3, rand(step.B, c.d_model, seed=12 + t))
         step.dbc.zero_()  # as out_proj_residual leaves it: the splits add into it
         step.in_proj(lw, conv_state)
-        if step.fold_apart:  # the tile mode folds dh into h first
-            assert torch.equal(step.h[: step.B], h) and not step.dh.any()
         xz = ds.rmsnorm_linear_ref(h, lw.norm_w, c.norm_eps, lw.in_proj_w, lw.in_proj_b)
         assert rel_err(step.xz[: step.B], xz) < tol
         xc, dbc = ds.conv_x_proj_ref(step.xz[: step.B, : c.d_inner], ref_state, lw.conv_w, lw.conv_b, lw.x_proj_w)
         assert rel_err(step.xc[: step.B], xc) < 1e-5
         assert rel_err(ds.from_fixed(step.dbc[: step.B, : step.J]), dbc) < tol
         assert torch.equal(conv_state, ref_state)
-    assert not step.dbc[:, step.J :].any() and not step.dbc[step.B :].any()  # nothing past the columns and rows
+    assert not step.dbc[:, step.J :].any()  # nothing past the columns
 
 
 @pytest.mark.parametrize("k_tile", [None, 8], ids=["as-is", "k-tiles"])
@@ -167,10 +164,7 @@ def test_ssm_step(case):
     ref_state = ssm_state.clone()
     h = set_residual(step, rand(step.B, c.d_model, seed=13), rand(step.B, c.d_model, seed=14))
     step.ssm_step(lw, ssm_state)
-    if step.fold_apart:  # the tile mode folds dh into h before rmsnorm_linear instead
-        assert torch.equal(residual(step), h)
-    else:
-        assert torch.equal(step.h[: step.B], h) and not step.dh.any()  # dh folded into h
+    assert torch.equal(step.h[: step.B], h) and not step.dh.any()  # dh folded into h
     z = step.xz[: step.B, c.d_inner :]
     y = ds.ssm_step_ref(ds.from_fixed(step.dbc[: step.B, : step.J]), step.xc[: step.B], z, ref_state, lw.dt_proj_w, lw.dt_bias, lw.A, lw.D)
     assert rel_err(step.y[: step.B], y) < tol
@@ -188,7 +182,6 @@ def test_out_proj_residual(case):
         h = ds.out_proj_residual_ref(step.y[: step.B], lw.out_proj_w, lw.out_proj_b, h)
         assert rel_err(residual(step), h) < tol
     assert not step.dbc[: step.B].any()
-    assert not step.dh[step.B :].any()  # nothing past the batch
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "conv-kernel"])
@@ -210,37 +203,62 @@ def test_whole_step_equals_the_reference_model(case, fused):
 
 @pytest.mark.parametrize(
     "batch,slot,rows,deterministic",
-    [(20, 16, [16], True), (8, 5, [5], False), (32, 20, list(range(16, 25)), False)],
+    [(20, 16, [16], True), (70, 3, [9, 3, 40], True), (8, 5, [5], False), (7, 2, list(range(5)), False)],
 )
 def test_a_slot_is_bitwise_the_same_in_any_batch(checkpoints, batch, slot, rows, deterministic):
-    """Deterministic mode: any batch size. Default: within the one-row mode (batch <= 8),
-    and within the tile mode (batch > 8), here 32 against 9. (The slot keeps its place in
-    its 16-row tile: the interpreter's numpy matmul, unlike the tensor cores, may round rows
-    of a tile differently; on the GPU tests/test_gpu_engine.py moves the slot freely.)"""
+    """Deterministic mode: any batch size (70 rows take other product tiles than 1 or 3 on
+    the GPU; the interpreter keeps one tiling, see gemm._tiles). Default: within the
+    one-row mode (up to one_row_up_to rows)."""
     model = fastmamba.load(checkpoints["untied_bias_rank"], device=DEVICE, dtype="bfloat16").model
     tokens = torch.randint(0, model.config.vocab_size, (batch,), device=DEVICE)
     big_state = model.new_state(batch)
     big_state.ssm.copy_(rand(*big_state.ssm.shape, seed=12))
     small_state = big_state.rows(rows)
-    big, small = ds.DecodeStep(model, batch, deterministic), ds.DecodeStep(model, len(rows), deterministic)
-    assert big.BB == small.BB
+    big, small = ds.make_decode_step(model, batch, deterministic), ds.make_decode_step(model, len(rows), deterministic)
+    assert type(big) is type(small)
     for _ in range(2):
         many = big(tokens, big_state)[slot].clone()
         few = small(tokens[rows], small_state)[rows.index(slot)]
         assert torch.equal(many, few)
 
 
-# -- the cuBLAS-product step's element-wise kernels (kernels/decode_gemm.py) -------------------
+# -- the products' step and its element-wise kernels (kernels/decode_gemm.py, gemm.py) ---------
 
 
-@pytest.mark.parametrize("name,dtype,batch", [("untied_bias_rank", "bfloat16", 9), ("kernel3_state8", "float32", 20)])
-def test_gemm_step_equals_the_reference_model(checkpoints, name, dtype, batch):
-    """Whole steps of the step that make_decode_step picks above one_row_up_to rows."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("M,N,K,splits", [(1, 40, 24, 1), (5, 33, 100, 3), (70, 48, 64, 8)])
+def test_gemm_matches_its_ref_in_every_chunk(dtype, M, N, K, splits):
+    """gemm.py's product: its K chunks (as many as split_count says, each K_ALIGN-aligned)
+    add up to the product; the first chunk alone is the product over its own K range."""
+    from fastmamba.kernels import gemm as gm
+
+    dt = getattr(torch, dtype)
+    a, w = rand(M, K, seed=30).to(dt), rand(N, K, seed=31).to(dt)
+    S = gm.split_count(K, splits)
+    assert S == min(splits, -(-K // gm.K_ALIGN))
+    out = torch.full((S * M, N), float("nan"), device=DEVICE)
+    gm.gemm(a, w, out, splits)
+    parts = out.view(S, M, N)
+    assert rel_err(parts.sum(0), gm.gemm_ref(a, w)) < 1e-5
+    first = -(-K // S // gm.K_ALIGN) * gm.K_ALIGN if S > 1 else K
+    assert rel_err(parts[0], gm.gemm_ref(a[:, :first], w[:, :first])) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "name,dtype,batch,deterministic",
+    [("untied_bias_rank", "bfloat16", 9, False), ("kernel3_state8", "float32", 20, False),
+     ("untied_bias_rank", "bfloat16", 3, True), ("kernel3_state8", "float32", 2, True), ("odd_vocab_tied", "float16", 17, True)],
+)
+def test_gemm_step_equals_the_reference_model(checkpoints, name, dtype, batch, deterministic):
+    """Whole steps of the step that make_decode_step picks above one_row_up_to rows, and at
+    every batch size when deterministic (products through gemm.py, in K chunks)."""
     from fastmamba.kernels.decode_gemm import GemmDecodeStep
 
     model = fastmamba.load(checkpoints[name], device=DEVICE, dtype=dtype).model
-    step = ds.make_decode_step(model, batch)
+    step = ds.make_decode_step(model, batch, deterministic)
     assert isinstance(step, GemmDecodeStep)
+    if deterministic:  # these models' x_proj and out_proj are long enough for two chunks or more
+        assert step.chunks["x_proj"] >= 2 and step.chunks["out_proj"] >= 2
     state = model.new_state(batch)
     state.ssm.copy_(rand(*state.ssm.shape, seed=11))
     ref_state = fastmamba.MambaState(state.conv.clone(), state.ssm.clone())
@@ -251,10 +269,14 @@ def test_gemm_step_equals_the_reference_model(checkpoints, name, dtype, batch):
     assert rel_err(state.ssm, ref_state.ssm) < tol
 
 
-@pytest.mark.parametrize("name,dtype,batch", [("untied_bias_rank", "bfloat16", 3), ("kernel3_state8", "float32", 2)])
-def test_gemm_step_kernels(checkpoints, name, dtype, batch):
-    """16-bit weights: operands written as two halves, results read as the sum of two halves
-    (split16.py); float32: one of each."""
+@pytest.mark.parametrize(
+    "name,dtype,batch,chunks",
+    [("untied_bias_rank", "bfloat16", 3, 1), ("kernel3_state8", "float32", 2, 1), ("untied_bias_rank", "bfloat16", 2, 3), ("kernel3_state8", "float32", 3, 2)],
+)
+def test_gemm_step_kernels(checkpoints, name, dtype, batch, chunks):
+    """16-bit weights: operands written as two halves, results read as the sum of their
+    parts, two halves (split16.py) for each of `chunks` K chunks (the deterministic step's
+    products, gemm.py); float32: one operand, results in `chunks` parts."""
     from fastmamba.kernels import decode_gemm as dg
     from fastmamba.kernels import rmsnorm as rn
 
@@ -264,12 +286,11 @@ def test_gemm_step_kernels(checkpoints, name, dtype, batch):
     split = sdt != torch.float32
     E, N, R, B = c.d_inner, c.d_state, c.dt_rank, batch
     P = 2 * B if split else B
+    H = 2 if split else 1
 
-    def halves(v):  # a float32 result as the products leave it: (P, n) rows that sum to v
-        if not split:
-            return v.clone()
-        part = rand(*v.shape, seed=99)
-        return torch.cat([v - part, part])
+    def in_parts(v, n=H * chunks):  # a float32 result as the products leave it: n blocks of B rows that sum to v
+        rest = [rand(*v.shape, seed=99 + i) * 0.1 for i in range(n - 1)]
+        return torch.cat([v - sum(rest, torch.zeros_like(v))] + rest)
 
     near = 1e-4 if split else 1e-6  # two bf16 halves keep ~16 bits (the interpreter truncates)
 
@@ -280,10 +301,10 @@ def test_gemm_step_kernels(checkpoints, name, dtype, batch):
     # when its operand is not split) whole
     h, o = rand(B, c.d_model, seed=20), rand(B, c.d_model, seed=21)
     bias = rand(c.d_model, seed=22)
-    for add, o_halves in ((False, split), (True, split), (True, False)):
+    for add, o_parts in ((False, H * chunks), (True, H * chunks), (True, chunks)):
         hk, u = h.clone(), torch.empty(P, c.d_model, device=DEVICE, dtype=sdt)
-        o_in = (halves(o) if o_halves else o.clone()) if add else None
-        rn.residual_rmsnorm(hk, o_in, bias if add else None, lw.norm_w, c.norm_eps, u, o_halves=o_halves, u_halves=split)
+        o_in = in_parts(o, o_parts) if add else None
+        rn.residual_rmsnorm(hk, o_in, bias if add else None, lw.norm_w, c.norm_eps, u, o_parts=o_parts, u_halves=split)
         h_ref, u_ref = rn.residual_rmsnorm_ref(h, o if add else None, bias, lw.norm_w, c.norm_eps)
         assert rel_err(hk, h_ref) < 1e-6
         assert rel_err(joined(u), u_ref) < near
@@ -293,7 +314,7 @@ def test_gemm_step_kernels(checkpoints, name, dtype, batch):
     ref_state = conv_state.clone()
     xc, xc16 = torch.empty(B, E, device=DEVICE), torch.empty(P, E, device=DEVICE, dtype=sdt)
     for _ in range(2):
-        dg.conv_step(halves(xz), conv_state, lw.conv_w, lw.conv_b, xc, xc16, split)
+        dg.conv_step(in_parts(xz), conv_state, lw.conv_w, lw.conv_b, xc, xc16, split, H * chunks)
         ref = dg.conv_step_ref(xz[:, :E], ref_state, lw.conv_w, lw.conv_b)
         assert rel_err(xc, ref) < 1e-5
         assert rel_err(joined(xc16), xc) < near
@@ -301,7 +322,7 @@ def test_gemm_step_kernels(checkpoints, name, dtype, batch):
     # x_proj's result -> dbc and dt_proj's operand
     dbc_ref = rand(B, R + 2 * N, seed=25)
     dbc, dtr16 = torch.empty(B, R + 2 * N, device=DEVICE), torch.empty(P, R, device=DEVICE, dtype=sdt)
-    dg.dbc_rows(halves(dbc_ref), dbc, dtr16, split)
+    dg.dbc_rows(in_parts(dbc_ref), dbc, dtr16, split, H * chunks)
     assert rel_err(dbc, dbc_ref) < 1e-6
     assert rel_err(joined(dtr16), dbc_ref[:, :R]) < near
     # ssm update
@@ -312,7 +333,7 @@ def test_gemm_step_kernels(checkpoints, name, dtype, batch):
     for y_halves in (True, False) if split else (False,):  # y in halves, or rounded once (out_proj's operand)
         s = ssm_state.clone()
         y = torch.zeros(P, E, device=DEVICE, dtype=sdt)
-        dg.ssm_update(halves(dt), dbc, xc, halves(xz), s, lw.dt_bias, lw.A, lw.D, R, y, split, y_halves)
+        dg.ssm_update(in_parts(dt), dbc, xc, in_parts(xz), s, lw.dt_bias, lw.A, lw.D, R, y, split, y_halves, H * chunks, H * chunks)
         assert rel_err(s, ref_state) < 1e-5
         if y_halves:
             assert rel_err(joined(y), ref) < near

@@ -37,6 +37,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from fastmamba.kernels import causal_conv1d as cc  # noqa: E402
 from fastmamba.kernels import decode_gemm as dg  # noqa: E402
 from fastmamba.kernels import decode_step as ds  # noqa: E402
+from fastmamba.kernels import gemm as gm  # noqa: E402
 from fastmamba.kernels import rmsnorm as rn  # noqa: E402
 from fastmamba.kernels import sampler as sp  # noqa: E402
 from fastmamba.kernels import selective_scan as ss  # noqa: E402
@@ -151,35 +152,36 @@ def ptrs(*names, **others):
 
 def main() -> None:
     res = []
-    for BB in (1, 16):  # the one-row mode and the tile mode
-        for wdt in ("*bf16", "*fp16", "*fp32"):
-            ieee = wdt == "*fp32"
-            t = ptrs("h_ptr", "nw_ptr", "b_ptr", "out_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", w_ptr=wdt, wx_ptr=wdt,
-                     dh_ptr="*i64", dbc_ptr="*i64", best_ptr="*i64", eps="fp32")
-            for conv in (True, False):  # in_proj with the conv step and x_proj; lm_head with the argmax
-                compile_kernel(ds._rmsnorm_linear_kernel, t, dict(
-                    HAS_BIAS=True, IEEE=ieee, CONV=conv, ARGMAX=not conv, K=4, KP=4, HAS_CB=True, PENDING=BB == 1, BB=BB, BN=16,
-                    BK=512 if BB == 1 else 128, BJ=128, STAGES=ds.DecodeStep.linear_blocks(3072, 768, BB == 1)[3],
-                    SUM_LAST=not ieee and BB == 1, PDL=True))
-            t = ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", wx_ptr=wdt, dbc_ptr="*i64")
-            BN = ds.DecodeStep.CONV_BLOCK if BB == 1 else 32
-            compile_kernel(ds._conv_x_proj_kernel, t, dict(K=4, KP=4, HAS_CB=True, IEEE=ieee, BB=BB, BN=BN, BJ=256, PDL=True), num_warps=ds.DecodeStep.conv_warps(BN))
-            t = ptrs("xc_ptr", "xz_ptr", "ss_ptr", "dtb_ptr", "A_ptr", "D_ptr", "y_ptr", "h_ptr", dtw_ptr=wdt, dbc_ptr="*i64", dh_ptr="*i64")
-            compile_kernel(ds._ssm_step_kernel, t, dict(N=16, NP=16, BJ=128, BR=64, IEEE=ieee, FOLD=BB == 1, BB=BB, BE=32, BD=16, PDL=True))
-            t = {"best_ptr": "*i64", "tok_ptr": "*i64", "hist_ptr": "*i64", "step_ptr": "*i64", "seen_ptr": "*i1"}
-            compile_kernel(ds._take_argmax_kernel, t, dict(BR=8, PDL=True))
-            compile_kernel(ds._fold_kernel, ptrs("h_ptr", dh_ptr="*i64"), dict(BB=BB, BN=32, PDL=True))
-            t = ptrs("y_ptr", "b_ptr", w_ptr=wdt, dh_ptr="*i64", dbc_ptr="*i64")
-            compile_kernel(ds._out_proj_residual_kernel, t, dict(HAS_BIAS=True, IEEE=ieee, BB=BB, BN=32, BK=256 if BB == 1 else 64, BJ=128, PDL=True))
-            t = {"tok_ptr": "*i64", "emb_ptr": wdt, "h_ptr": "*fp32", "dh_ptr": "*i64"}
-            compile_kernel(ds._embed_kernel, t, dict(BB=BB, BN=32, PDL=True))
-            res.append(f"decode BB={BB} {wdt}: ok")
+    for wdt in ("*bf16", "*fp16", "*fp32"):  # the one-row step (decode_step.py)
+        f32 = wdt == "*fp32"
+        t = ptrs("h_ptr", "nw_ptr", "b_ptr", "out_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", w_ptr=wdt, wx_ptr=wdt,
+                 dh_ptr="*i64", dbc_ptr="*i64", best_ptr="*i64", eps="fp32")
+        for conv in (True, False):  # in_proj with the conv step and x_proj; lm_head with the argmax
+            compile_kernel(ds._rmsnorm_linear_kernel, t, dict(
+                HAS_BIAS=True, CONV=conv, ARGMAX=not conv, K=4, KP=4, HAS_CB=True, BN=16,
+                BK=512, BJ=128, STAGES=ds.DecodeStep.linear_blocks(3072, 768)[3], SUM_LAST=not f32, PDL=True))
+        t = ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", wx_ptr=wdt, dbc_ptr="*i64")
+        BN = ds.DecodeStep.CONV_BLOCK
+        compile_kernel(ds._conv_x_proj_kernel, t, dict(K=4, KP=4, HAS_CB=True, BN=BN, BJ=256, PDL=True), num_warps=ds.DecodeStep.conv_warps(BN))
+        t = ptrs("xc_ptr", "xz_ptr", "ss_ptr", "dtb_ptr", "A_ptr", "D_ptr", "y_ptr", "h_ptr", dtw_ptr=wdt, dbc_ptr="*i64", dh_ptr="*i64")
+        compile_kernel(ds._ssm_step_kernel, t, dict(N=16, NP=16, BJ=128, BR=64, BE=32, BD=16, PDL=True))
+        t = {"best_ptr": "*i64", "tok_ptr": "*i64", "hist_ptr": "*i64", "step_ptr": "*i64", "seen_ptr": "*i1"}
+        compile_kernel(ds._take_argmax_kernel, t, dict(BR=8, PDL=True))
+        t = ptrs("y_ptr", "b_ptr", w_ptr=wdt, dh_ptr="*i64", dbc_ptr="*i64")
+        compile_kernel(ds._out_proj_residual_kernel, t, dict(HAS_BIAS=True, BN=32, BK=256, BJ=128, PDL=True))
+        t = {"tok_ptr": "*i64", "emb_ptr": wdt, "h_ptr": "*fp32", "dh_ptr": "*i64"}
+        compile_kernel(ds._embed_kernel, t, dict(BN=32, PDL=True))
+        # the deterministic step's products (gemm.py), in the tiles of 1 and of 128 rows
+        for M in (2, 256):
+            BM, BN, BK = gm._tiles(M, 5120, 2560, f32)
+            compile_kernel(gm._gemm_kernel, ptrs("out_ptr", a_ptr=wdt, w_ptr=wdt), dict(F32=f32, BM=BM, BN=BN, BK=BK, STAGES=3))
+        res.append(f"decode {wdt}: ok")
     for wdt in ("*bf16", "*fp32"):  # the cuBLAS-product step's element-wise kernels
-        compile_kernel(rn._residual_rmsnorm_kernel, ptrs("h_ptr", "o_ptr", "b_ptr", "nw_ptr", "h_out_ptr", u_ptr=wdt, eps="fp32"), dict(ADD=True, HAS_BIAS=True, O_HALVES=False, U_HALVES=wdt != "*fp32", BD=4096), num_warps=8)
-        compile_kernel(dg._conv_step_kernel, ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", xc16_ptr=wdt), dict(K=4, KP=4, HAS_CB=True, SPLIT=wdt != "*fp32", BE=128))
-        compile_kernel(dg._dbc_kernel, ptrs("raw_ptr", "dbc_ptr", dtr_ptr=wdt), dict(SPLIT=wdt != "*fp32", BJ=256), num_warps=1)
+        compile_kernel(rn._residual_rmsnorm_kernel, ptrs("h_ptr", "o_ptr", "b_ptr", "nw_ptr", "h_out_ptr", u_ptr=wdt, eps="fp32"), dict(ADD=True, HAS_BIAS=True, O_PARTS=1, U_HALVES=wdt != "*fp32", BD=4096), num_warps=8)
+        compile_kernel(dg._conv_step_kernel, ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", xc16_ptr=wdt), dict(K=4, KP=4, HAS_CB=True, XZ_PARTS=2, SPLIT=wdt != "*fp32", BE=128))
+        compile_kernel(dg._dbc_kernel, ptrs("raw_ptr", "dbc_ptr", dtr_ptr=wdt), dict(RAW_PARTS=2, SPLIT=wdt != "*fp32", BJ=256), num_warps=1)
         t = ptrs("dt_ptr", "dbc_ptr", "xc_ptr", "xz_ptr", "ss_ptr", "dtb_ptr", "A_ptr", "D_ptr", y_ptr=wdt)
-        compile_kernel(dg._ssm_update_kernel, t, dict(N=16, NP=16, SPLIT=wdt != "*fp32", Y_HALVES=False, BE=64))
+        compile_kernel(dg._ssm_update_kernel, t, dict(N=16, NP=16, DT_PARTS=2, XZ_PARTS=2, Y_HALVES=False, BE=64))
     res.append("decode (cuBLAS products): ok")
     t = ptrs("x_ptr", "w_ptr", "b_ptr", "st_ptr", "y_ptr", y2_ptr="*bf16", start_ptr="*i32")
     compile_kernel(cc._causal_conv1d_kernel, t, dict(K=4, KP=4, HAS_BIAS=True, COPY=True, BE=cc.CONV_BE, BT=cc.CONV_BT), num_warps=cc.CONV_WARPS)

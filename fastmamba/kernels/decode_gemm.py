@@ -1,6 +1,8 @@
-"""The decode step for larger batches: cuBLAS products and four Triton kernels a layer.
+"""The decode step for larger batches, and the deterministic one: products and four Triton
+kernels a layer.
 
-Above decode_step.one_row_up_to rows (unless deterministic), one step is, per layer:
+Above decode_step.one_row_up_to rows, and at every batch size with `deterministic=True`,
+one step is, per layer:
 
     residual_rmsnorm   h += o (+ out bias); u = rmsnorm(h) * norm_w, in the storage dtype (rmsnorm.py)
     cuBLAS             xz = u @ in_proj.T                    (float32 out)
@@ -18,7 +20,9 @@ enter in_proj, x_proj, dt_proj and lm_head as two 16-bit halves (split16.py), so
 about 16 bits; out_proj's operand is rounded once (see SPLIT_OUT_PROJ). Every product
 accumulates in float32.
 cuBLAS may pick its algorithm by the number of rows, so a slot's bits can depend on the
-batch size here: `deterministic=True` keeps the Triton tile mode (decode_step.py) instead.
+batch size. `deterministic=True` runs the products through gemm.py instead, whose rows'
+results never do; the element-wise kernels treat each row alone either way, so then a
+slot's logits are bitwise the same in any batch.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import torch.nn.functional as F
 from ._triton import jit, tl, triton
 from .activations import silu, softplus
 from .causal_conv1d import causal_conv1d_ref
+from .gemm import gemm as invariant_gemm
+from .gemm import split_count
 from .rmsnorm import residual_rmsnorm
 from .selective_scan import selective_scan_ref
 from .split16 import load_sum, store_split
@@ -55,7 +61,7 @@ def ssm_update_ref(dt, Bm, Cm, x, z, ssm_state, dt_bias, A, D):
 @jit
 def _conv_step_kernel(
     xz_ptr, cs_ptr, cw_ptr, cb_ptr, xc_ptr, xc16_ptr, B, E,
-    K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, SPLIT: tl.constexpr, BE: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, XZ_PARTS: tl.constexpr, SPLIT: tl.constexpr, BE: tl.constexpr,
 ):
     row = tl.program_id(1).to(tl.int64)
     e = tl.program_id(0) * BE + tl.arange(0, BE)
@@ -63,7 +69,7 @@ def _conv_step_kernel(
     kk = tl.arange(0, KP)
     win = cs_ptr + row * E * K + e[:, None] * K + kk[None, :]  # (BE, KP) this row's window
     old = tl.load(win + 1, mask=em[:, None] & (kk < K - 1)[None, :], other=0.0)  # the K-1 newest
-    x = load_sum(xz_ptr, row * 2 * E + e, B * 2 * E, em, SPLIT)
+    x = load_sum(xz_ptr, row * 2 * E + e, B * 2 * E, em, XZ_PARTS)
     new = tl.where((kk == K - 1)[None, :], x[:, None], old)  # the window after this step
     w = tl.load(cw_ptr + e[:, None] * K + kk[None, :], mask=em[:, None] & (kk < K)[None, :], other=0.0)
     conv = tl.sum(new * w, 1)
@@ -77,11 +83,11 @@ def _conv_step_kernel(
 
 
 @jit
-def _dbc_kernel(raw_ptr, dbc_ptr, dtr_ptr, B, J, R, SPLIT: tl.constexpr, BJ: tl.constexpr):
-    # x_proj's float32 result (halves added) -> dbc; its first R columns -> dt_proj's operand
+def _dbc_kernel(raw_ptr, dbc_ptr, dtr_ptr, B, J, R, RAW_PARTS: tl.constexpr, SPLIT: tl.constexpr, BJ: tl.constexpr):
+    # x_proj's float32 result (its parts added) -> dbc; its first R columns -> dt_proj's operand
     row = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BJ)
-    v = load_sum(raw_ptr, row * J + j, B * J, j < J, SPLIT)
+    v = load_sum(raw_ptr, row * J + j, B * J, j < J, RAW_PARTS)
     tl.store(dbc_ptr + row * J + j, v, mask=j < J)
     store_split(dtr_ptr, row * R + j, v, B * R, j < R, SPLIT)
 
@@ -89,19 +95,19 @@ def _dbc_kernel(raw_ptr, dbc_ptr, dtr_ptr, B, J, R, SPLIT: tl.constexpr, BJ: tl.
 @jit
 def _ssm_update_kernel(
     dt_ptr, dbc_ptr, xc_ptr, xz_ptr, ss_ptr, dtb_ptr, A_ptr, D_ptr, y_ptr, B, E, R, J,
-    N: tl.constexpr, NP: tl.constexpr, SPLIT: tl.constexpr, Y_HALVES: tl.constexpr, BE: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, DT_PARTS: tl.constexpr, XZ_PARTS: tl.constexpr, Y_HALVES: tl.constexpr, BE: tl.constexpr,
 ):
     row = tl.program_id(1).to(tl.int64)
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     em = e < E
     n = tl.arange(0, NP)
     nm = n < N
-    dt = load_sum(dt_ptr, row * E + e, B * E, em, SPLIT) + tl.load(dtb_ptr + e, mask=em, other=0.0)
+    dt = load_sum(dt_ptr, row * E + e, B * E, em, DT_PARTS) + tl.load(dtb_ptr + e, mask=em, other=0.0)
     dt = softplus(dt)
     Bv = tl.load(dbc_ptr + row * J + R + n, mask=nm, other=0.0)
     Cv = tl.load(dbc_ptr + row * J + R + N + n, mask=nm, other=0.0)
     x = tl.load(xc_ptr + row * E + e, mask=em, other=0.0)
-    z = load_sum(xz_ptr, row * 2 * E + E + e, B * 2 * E, em, SPLIT)
+    z = load_sum(xz_ptr, row * 2 * E + E + e, B * 2 * E, em, XZ_PARTS)
     A = tl.load(A_ptr + e[:, None] * N + n[None, :], mask=em[:, None] & nm[None, :], other=0.0)
     sp = ss_ptr + row * E * N + e[:, None] * N + n[None, :]
     sm = em[:, None] & nm[None, :]
@@ -115,11 +121,13 @@ def _ssm_update_kernel(
 
 
 # -- launchers -----------------------------------------------------------------------------------
-# split: the products' operands and results have 2B rows, halves as in split16.py.
+# split: the products' operands and results have 2B rows, halves as in split16.py. *_parts:
+# how many B-row blocks a product's float32 result comes in (default: 2 with split, else 1;
+# more where the deterministic step's products write each K chunk apart, gemm.py).
 
 
 def gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-    """out = a @ weight.T in float32; a in the weight's dtype."""
+    """out = a @ weight.T in float32 through cuBLAS; a in the weight's dtype."""
     if weight.dtype == torch.float32:
         torch.mm(a, weight.t(), out=out)
     elif a.device.type == "cpu":  # (the interpreter's tests) no 16-bit mm into float32 there: upcast, exact
@@ -135,35 +143,46 @@ CONV_STEP_BLOCK = (128, 4)
 SSM_UPDATE_BLOCK = (128, 4)
 
 
-def conv_step(xz, conv_state, conv_w, conv_b, xc, xc16, split=False) -> None:
+def _parts(parts, split) -> int:
+    return parts if parts is not None else (2 if split else 1)
+
+
+def conv_step(xz, conv_state, conv_w, conv_b, xc, xc16, split=False, xz_parts=None) -> None:
     """x = xz[:, :E]; xc = SiLU(conv step), also written to xc16; updates conv_state."""
     B, E, K = conv_state.shape
     BE, warps = CONV_STEP_BLOCK
     _conv_step_kernel[(triton.cdiv(E, BE), B)](
         xz, conv_state, conv_w, conv_b if conv_b is not None else conv_w, xc, xc16, B, E,
-        K=K, KP=triton.next_power_of_2(K), HAS_CB=conv_b is not None, SPLIT=split, BE=BE, num_warps=warps,
+        K=K, KP=triton.next_power_of_2(K), HAS_CB=conv_b is not None, XZ_PARTS=_parts(xz_parts, split), SPLIT=split,
+        BE=BE, num_warps=warps,
     )
 
 
-def dbc_rows(raw, dbc, dtr, split=False) -> None:
+def dbc_rows(raw, dbc, dtr, split=False, raw_parts=None) -> None:
     """dbc = x_proj's result (B, R+2N) f32; dtr = its first R columns in dtr's dtype."""
     B, J = dbc.shape
-    _dbc_kernel[(B,)](raw, dbc, dtr, B, J, dtr.shape[1], SPLIT=split, BJ=triton.next_power_of_2(J), num_warps=1)
+    _dbc_kernel[(B,)](
+        raw, dbc, dtr, B, J, dtr.shape[1], RAW_PARTS=_parts(raw_parts, split), SPLIT=split,
+        BJ=triton.next_power_of_2(J), num_warps=1,
+    )
 
 
-def ssm_update(dt, dbc, xc, xz, ssm_state, dt_bias, A, D, R, y, split=False, y_halves=None) -> None:
+def ssm_update(dt, dbc, xc, xz, ssm_state, dt_bias, A, D, R, y, split=False, y_halves=None, dt_parts=None, xz_parts=None) -> None:
     """y = gated output of one recurrence step (B and C from dbc[:, R:]); updates ssm_state.
     split: dt and xz in halves; y_halves (default: split): y written in halves."""
     B, E, N = ssm_state.shape
     BE, warps = SSM_UPDATE_BLOCK
     _ssm_update_kernel[(triton.cdiv(E, BE), B)](
         dt, dbc, xc, xz, ssm_state, dt_bias, A, D, y, B, E, R, dbc.shape[1],
-        N=N, NP=triton.next_power_of_2(N), SPLIT=split, Y_HALVES=split if y_halves is None else y_halves, BE=BE, num_warps=warps,
+        N=N, NP=triton.next_power_of_2(N), DT_PARTS=_parts(dt_parts, split), XZ_PARTS=_parts(xz_parts, split),
+        Y_HALVES=split if y_halves is None else y_halves, BE=BE, num_warps=warps,
     )
 
 
 class GemmDecodeStep:
-    """One decode step for a fixed batch size through cuBLAS products; same interface as
+    """One decode step for a fixed batch size through cuBLAS products, or with
+    `deterministic` through gemm.py's, whose rows' bits do not depend on the batch size
+    (every other kernel here treats each row alone); same interface as
     decode_step.DecodeStep (`__call__(tokens, state) -> logits`, `.logits`)."""
 
     # out_proj's operand y rounded once to 16 bits rather than split in two halves: half
@@ -171,53 +190,78 @@ class GemmDecodeStep:
     # 6.29). The halves matter where rounding moves the logits most: in_proj's and
     # x_proj's operands (lm_head's are kept split too).
     SPLIT_OUT_PROJ = False
+    # Deterministic: the K chunks each product asks of gemm.py. Fixed per product, never by
+    # the batch size (they set the order of the sums). The short-and-wide x_proj and
+    # out_proj need them for enough programs at batch 1; more chunks cost their reads at
+    # large batches. Each product alone, 2.8b bf16, µs at batch 1 / 128 (operands of 2 /
+    # 256 rows), 1 / 2 / 4 / 8 chunks: out_proj 25.7 / 30.6, 18.4 / 26.0, 15.1 / 24.2, 14.5 /
+    # 28.2; x_proj 22.3 / 22.0, 13.3 / 14.2, 9.2 / 9.8, 7.3 / 8.6; in_proj 25.3 / 39.5,
+    # 23.5 / 42.2 (benchmarks/RESULTS.md).
+    SPLITS = dict(in_proj=1, x_proj=8, dt_proj=1, out_proj=4, lm_head=1)
 
-    def __init__(self, model, batch: int):
+    def __init__(self, model, batch: int, deterministic: bool = False):
         c, w = model.config, model.weights
         dev, sdt = w.embedding.device, w.embedding.dtype
-        self.model, self.B = model, batch
+        self.model, self.B, self.deterministic = model, batch, deterministic
         self.split = sdt != torch.float32  # 16-bit operands in two halves (split16.py)
         self.split_out = self.split and self.SPLIT_OUT_PROJ
         P = 2 * batch if self.split else batch  # rows of the products
         Po = 2 * batch if self.split_out else batch  # rows of out_proj's product
         d, E, N, R = c.d_model, c.d_inner, c.d_state, c.dt_rank
+        # the K chunks each product's result comes in (see SPLITS)
+        K = dict(in_proj=d, x_proj=E, dt_proj=R, out_proj=E, lm_head=d)
+        self.chunks = {p: split_count(K[p], self.SPLITS[p]) if deterministic else 1 for p in K}
+        assert self.chunks["lm_head"] == 1
         f32 = dict(device=dev, dtype=torch.float32)
         self.h = torch.zeros(batch, d, **f32)
-        self.o = torch.zeros(Po, d, **f32)
+        self.o = torch.zeros(self.chunks["out_proj"] * Po, d, **f32)
         self.u = torch.zeros(P, d, device=dev, dtype=sdt)
-        self.xz = torch.zeros(P, 2 * E, **f32)
+        self.xz = torch.zeros(self.chunks["in_proj"] * P, 2 * E, **f32)
         self.xc = torch.zeros(batch, E, **f32)
         self.xc16 = torch.zeros(P, E, device=dev, dtype=sdt)
-        self.dbc_raw = torch.zeros(P, R + 2 * N, **f32)
+        self.dbc_raw = torch.zeros(self.chunks["x_proj"] * P, R + 2 * N, **f32)
         self.dbc = torch.zeros(batch, R + 2 * N, **f32)
         self.dtr16 = torch.zeros(P, R, device=dev, dtype=sdt)
-        self.dt = torch.zeros(P, E, **f32)
+        self.dt = torch.zeros(self.chunks["dt_proj"] * P, E, **f32)
         self.y16 = torch.zeros(Po, E, device=dev, dtype=sdt)
         self.logits_raw = torch.zeros(P, c.vocab_size, **f32) if self.split else None
         self.logits = torch.zeros(batch, c.vocab_size, **f32)
+        # each result's B-row blocks, for its consumer to add up
+        halves = 2 if self.split else 1
+        self.parts = {p: n * halves for p, n in self.chunks.items()}
+        self.parts["out_proj"] = self.chunks["out_proj"] * (2 if self.split_out else 1)
+
+    def product(self, name: str, a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+        if self.deterministic:
+            invariant_gemm(a, weight, out, self.SPLITS[name])
+        else:
+            gemm(a, weight, out)
 
     def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:
         c, w = self.model.config, self.model.weights
-        R, eps, B, split = c.dt_rank, c.norm_eps, self.B, self.split
+        R, eps, B, split, parts = c.dt_rank, c.norm_eps, self.B, self.split, self.parts
         torch.index_select(w.embedding, 0, tokens, out=self.u[:B])  # u as scratch for the lookup
         self.h.copy_(self.u[:B])
         prev = None  # the previous layer's out_proj bias, added with its output
         for i, lw in enumerate(w.layers):
-            residual_rmsnorm(self.h, self.o if i else None, prev, lw.norm_w, eps, self.u, o_halves=self.split_out, u_halves=split)
-            gemm(self.u, lw.in_proj_w, self.xz)
+            residual_rmsnorm(self.h, self.o if i else None, prev, lw.norm_w, eps, self.u, o_parts=parts["out_proj"], u_halves=split)
+            self.product("in_proj", self.u, lw.in_proj_w, self.xz)
             if lw.in_proj_b is not None:
                 self.xz[:B] += lw.in_proj_b
-            conv_step(self.xz, state.conv[i], lw.conv_w, lw.conv_b, self.xc, self.xc16, split)
-            gemm(self.xc16, lw.x_proj_w, self.dbc_raw)
-            dbc_rows(self.dbc_raw, self.dbc, self.dtr16, split)
-            gemm(self.dtr16, lw.dt_proj_w, self.dt)
-            ssm_update(self.dt, self.dbc, self.xc, self.xz, state.ssm[i], lw.dt_bias, lw.A, lw.D, R, self.y16, split, self.split_out)
-            gemm(self.y16, lw.out_proj_w, self.o)
+            conv_step(self.xz, state.conv[i], lw.conv_w, lw.conv_b, self.xc, self.xc16, split, parts["in_proj"])
+            self.product("x_proj", self.xc16, lw.x_proj_w, self.dbc_raw)
+            dbc_rows(self.dbc_raw, self.dbc, self.dtr16, split, parts["x_proj"])
+            self.product("dt_proj", self.dtr16, lw.dt_proj_w, self.dt)
+            ssm_update(
+                self.dt, self.dbc, self.xc, self.xz, state.ssm[i], lw.dt_bias, lw.A, lw.D, R, self.y16,
+                split, self.split_out, parts["dt_proj"], parts["in_proj"],
+            )
+            self.product("out_proj", self.y16, lw.out_proj_w, self.o)
             prev = lw.out_proj_b
-        residual_rmsnorm(self.h, self.o, prev, w.norm_f, eps, self.u, o_halves=self.split_out, u_halves=split)
+        residual_rmsnorm(self.h, self.o, prev, w.norm_f, eps, self.u, o_parts=parts["out_proj"], u_halves=split)
         if split:
-            gemm(self.u, w.lm_head, self.logits_raw)
+            self.product("lm_head", self.u, w.lm_head, self.logits_raw)
             torch.add(self.logits_raw[:B], self.logits_raw[B:], out=self.logits)
         else:
-            gemm(self.u, w.lm_head, self.logits)
+            self.product("lm_head", self.u, w.lm_head, self.logits)
         return self.logits

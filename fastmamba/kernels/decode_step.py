@@ -20,19 +20,16 @@ pays up to d_model 1024; wider models run the conv step and x_proj as a kernel o
 own, `conv_x_proj`, which loads x_proj's columns before its wait (DecodeStep.FUSED_CONV_UP_TO).
 
 Why it is shaped this way:
-- Small batches (up to SMALL_BATCH rows) run one row per program with float32
-  multiply-and-sum products: bandwidth-bound GEMVs. The tile mode runs rows in tiles of 16
-  through the tensor cores (`tl.dot`); the engine uses it in deterministic mode. Within a
-  mode every reduction runs over a fixed split of K in a fixed order, so a row's result
-  never depends on the other rows or on how many there are; `deterministic=True` uses the
-  tile mode for every batch size, so a slot is bitwise the same from batch 1 to 256. Rows
-  past the batch are masked.
+- Small batches (up to one_row_up_to rows) run one row per program with float32
+  multiply-and-sum products: bandwidth-bound GEMVs. Every reduction runs over a fixed split
+  of K in a fixed order, so a row's result never depends on the other rows or on how many
+  there are (up to one_row_up_to; `deterministic=True` runs decode_gemm.py's step with
+  batch-invariant products instead, at every batch size).
 - Short-and-wide products (x_proj, out_proj) are split over K so that enough programs
   stream the weights. Their partial sums meet by atomic adds in fixed point (FIXED_ONE)
   in dbc and dh: exact in any order, so deterministic, and with no round trip to wait
   for (no last program adding splits up). The next kernel but one zeroes each for the
-  next layer: out_proj zeroes dbc, ssm_step folds dh into h (in the tile mode a small
-  kernel of its own does, before each rmsnorm_linear: see _fold_kernel).
+  next layer: out_proj zeroes dbc, ssm_step folds dh into h.
 - rmsnorm_linear sums the row's squares along its own product loop and scales the sums
   at the end, so it needs no pass over h first.
 - On Hopper the kernels launch with programmatic dependent launch: each starts while the
@@ -41,8 +38,8 @@ Why it is shaped this way:
   conv_x_proj x_proj's columns; in ssm_step the layer's state), and only then waits for
   the previous kernel's results (`_wait_for_prior_kernel`). Some let the next kernel
   launch even before their own wait (`DecodeStep.EARLY_LAUNCH`).
-- Larger batches run through cuBLAS instead (decode_gemm.py), unless deterministic: from
-  batch 3 up on bf16 2.8b, 4 on 1.4b, 7 on 370m, 9 on 130m (see `one_row_up_to`).
+- Larger batches run through cuBLAS instead (decode_gemm.py): from batch 3 up on bf16
+  2.8b, 4 on 1.4b, 7 on 370m, 9 on 130m (see `one_row_up_to`).
 """
 
 from __future__ import annotations
@@ -57,8 +54,7 @@ from .activations import silu, softplus
 from .decode_gemm import conv_step_ref, ssm_update_ref
 from .rmsnorm import residual_rmsnorm_ref
 
-ROW_TILE = 16  # rows per program in tile mode (the tensor cores' smallest M)
-SMALL_BATCH = 8  # batches up to this size run one row per program, unless deterministic
+SMALL_BATCH = 8  # the most rows make_decode_step gives the one-row kernels (see one_row_up_to)
 
 
 # -- reference twins -------------------------------------------------------------------------
@@ -96,46 +92,28 @@ def embed_ref(tokens, embedding):
 
 
 @jit
-def _mm(x, w, BB: tl.constexpr, IEEE: tl.constexpr):
-    """x (BB, K) f32 times w (N, K).T -> (BB, N) f32.
-
-    BB = 1 (small batches): a float32 multiply-and-sum per row, the fastest way to stream a
-    matrix past one vector. BB = 16: tensor cores (`tl.dot`) with float32 accumulation;
-    float32 weights get exact float32 products (IEEE); 16-bit weights meet x split into a
-    16-bit head and a 16-bit remainder (two products), so the activations keep about 16
-    bits instead of 8 (bf16). Under the interpreter the operands are upcast (see _triton).
-    """
-    if BB == 1:
-        return tl.sum(w.to(tl.float32) * x, axis=1)[None, :]
-    elif IEEE:
-        return tl.dot(x, tl.trans(w), input_precision="ieee")
-    else:
-        hi = x.to(w.dtype)
-        lo = (x - hi.to(tl.float32)).to(w.dtype)
-        wt = tl.trans(w)
-        if INTERPRET:
-            wt = wt.to(tl.float32)
-            return tl.dot(hi.to(tl.float32), wt, input_precision="ieee") + tl.dot(lo.to(tl.float32), wt, input_precision="ieee")
-        else:
-            return tl.dot(lo, wt, tl.dot(hi, wt))
+def _mm(x, w):
+    """x (1, K) f32 times w (N, K).T -> (1, N) f32: a float32 multiply-and-sum, the fastest
+    way to stream a matrix past one row (16-bit weights upcast exactly, float32 products)."""
+    return tl.sum(w.to(tl.float32) * x, axis=1)[None, :]
 
 
 @jit
-def _mm_terms(x, w, BB: tl.constexpr, IEEE: tl.constexpr, SUM_LAST: tl.constexpr):
+def _mm_terms(x, w, SUM_LAST: tl.constexpr):
     """_mm's products for one K tile, to add up over a loop of K tiles and finish with
-    _mm_total. One row with SUM_LAST: the (N, K) products themselves, unsummed (their sum
-    across the tile's threads and warps, a shared-memory round trip with barriers, then
-    runs once after the loop instead of once a tile); otherwise _mm's (BB, N)."""
-    if BB == 1 and SUM_LAST:
+    _mm_total. With SUM_LAST: the (N, K) products themselves, unsummed (their sum across
+    the tile's threads and warps, a shared-memory round trip with barriers, then runs once
+    after the loop instead of once a tile); otherwise _mm's (1, N)."""
+    if SUM_LAST:
         return w.to(tl.float32) * x
     else:
-        return _mm(x, w, BB, IEEE)
+        return _mm(x, w)
 
 
 @jit
-def _mm_total(acc, BB: tl.constexpr, SUM_LAST: tl.constexpr):
-    """The (BB, N) product from the _mm_terms added up over K."""
-    if BB == 1 and SUM_LAST:
+def _mm_total(acc, SUM_LAST: tl.constexpr):
+    """The (1, N) product from the _mm_terms added up over K."""
+    if SUM_LAST:
         return tl.sum(acc, axis=1)[None, :]
     else:
         return acc
@@ -207,57 +185,38 @@ def _wait_for_prior_kernel(PDL: tl.constexpr):
 
 
 @jit
-def _embed_kernel(tok_ptr, emb_ptr, h_ptr, dh_ptr, B, D, BB: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
+def _embed_kernel(tok_ptr, emb_ptr, h_ptr, dh_ptr, B, D, BN: tl.constexpr, PDL: tl.constexpr):
     _wait_for_prior_kernel(PDL)
     pid_b = tl.program_id(0)  # rows first: see DecodeStep
     pid_n = tl.program_id(1)
-    rows = pid_b * BB + tl.arange(0, BB)
+    rows = pid_b + tl.arange(0, 1)  # the row, as a 1-vector: tiles are (1, n)
     cols = pid_n * BN + tl.arange(0, BN)
     rmask = rows < B
     m = rmask[:, None] & (cols < D)[None, :]
     tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
     x = tl.load(emb_ptr + tok[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
     tl.store(h_ptr + rows[:, None] * D + cols[None, :], x, mask=m)
-    tl.store(dh_ptr + rows[:, None] * D + cols[None, :], tl.zeros([BB, BN], dtype=tl.int64), mask=m)
+    tl.store(dh_ptr + rows[:, None] * D + cols[None, :], tl.zeros([1, BN], dtype=tl.int64), mask=m)
 
 
 @jit
-def _residual_tile(h_ptr, dh_ptr, offs, mask, PENDING: tl.constexpr = True):
-    """h + dh: the residual stream with out_proj's pending share added (float32); just h
-    where dh is known to be zero (PENDING false: the tile mode folds it first)."""
-    h = tl.load(h_ptr + offs, mask=mask, other=0.0)
-    if PENDING:
-        h += _from_fixed(tl.load(dh_ptr + offs, mask=mask, other=0))
-    return h
-
-
-@jit
-def _fold_kernel(h_ptr, dh_ptr, B, D, BB: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
-    # The tile mode's fold of dh into h (h += dh, dh = 0), a kernel of its own before each
-    # rmsnorm_linear: there every program would otherwise convert all of its 16 rows'
-    # dh (int64) in every K step.
-    _wait_for_prior_kernel(PDL)
-    rows = tl.program_id(0) * BB + tl.arange(0, BB)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    offs, m = rows[:, None] * D + cols[None, :], (rows < B)[:, None] & (cols < D)[None, :]
-    h_new = _residual_tile(h_ptr, dh_ptr, offs, m)
-    tl.debug_barrier()  # every element read before any is rewritten (the layouts differ)
-    tl.store(h_ptr + offs, h_new, mask=m)
-    tl.store(dh_ptr + offs, tl.zeros([BB, BN], dtype=tl.int64), mask=m)
+def _residual_tile(h_ptr, dh_ptr, offs, mask):
+    """h + dh: the residual stream with out_proj's pending share added (float32)."""
+    return tl.load(h_ptr + offs, mask=mask, other=0.0) + _from_fixed(tl.load(dh_ptr + offs, mask=mask, other=0))
 
 
 @jit
 def _rmsnorm_linear_kernel(
     h_ptr, dh_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, xc_ptr, dbc_ptr, best_ptr,
     B, D, NOUT, E, J, eps,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, CONV: tl.constexpr, ARGMAX: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-    HAS_CB: tl.constexpr, PENDING: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CONV: tl.constexpr, ARGMAX: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+    HAS_CB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     BJ: tl.constexpr, STAGES: tl.constexpr, SUM_LAST: tl.constexpr, PDL: tl.constexpr,
 ):
     _let_next_kernel_launch(PDL)
     pid_b = tl.program_id(0)  # rows first: see DecodeStep
     pid_n = tl.program_id(1)
-    rows = pid_b * BB + tl.arange(0, BB)
+    rows = pid_b + tl.arange(0, 1)  # the row, as a 1-vector: tiles are (1, n)
     rmask = rows < B
     n = pid_n * BN + tl.arange(0, BN)
     nmask = n < NOUT
@@ -276,21 +235,20 @@ def _rmsnorm_linear_kernel(
     # h is the residual plus the last out_proj's share, still in dh (see ssm_step).
     # The first tile's product, then the rest in a loop (carrying a prefetched tile through
     # it in registers doubled the registers and halved the bandwidth; STAGES > 1 streams
-    # tiles through shared memory instead: the tile mode's tl.dot wants it, the one-row
-    # GEMV ran slower with it).
-    hk = _residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & (k < D)[None, :], PENDING)
+    # tiles through shared memory instead: slower here).
+    hk = _residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & (k < D)[None, :])
     nw = tl.load(nw_ptr + k, mask=k < D, other=0.0)
     sq = hk * hk
-    acc = _mm_terms(hk * nw[None, :], w, BB, IEEE, SUM_LAST)
+    acc = _mm_terms(hk * nw[None, :], w, SUM_LAST)
     for k0 in tl.range(BK, D, BK, num_stages=STAGES):
         k = k0 + tl.arange(0, BK)
         kmask = k < D
-        hk = _residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & kmask[None, :], PENDING)
+        hk = _residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & kmask[None, :])
         nw = tl.load(nw_ptr + k, mask=kmask, other=0.0)
         w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         sq += hk * hk
-        acc += _mm_terms(hk * nw[None, :], w, BB, IEEE, SUM_LAST)
-    acc = _mm_total(acc, BB, SUM_LAST) * (1.0 / tl.sqrt(tl.sum(sq, 1) / D + eps))[:, None]
+        acc += _mm_terms(hk * nw[None, :], w, SUM_LAST)
+    acc = _mm_total(acc, SUM_LAST) * (1.0 / tl.sqrt(tl.sum(sq, 1) / D + eps))[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nmask, other=0.0)[None, :]
     tl.store(out_ptr + rows[:, None] * NOUT + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
@@ -302,7 +260,7 @@ def _rmsnorm_linear_kernel(
             # x_proj's columns are loaded only now, from L2 (prefetched before the wait: 130m
             # 0.196 ms a step against 0.203 from memory); loaded into registers before the
             # wait, they slowed the whole step 1.3x (bf16) to 3.5x (float32)
-            _add_x_proj_share(xc, _x_proj_columns(wx_ptr, n, E, J, BJ), rows, rmask, dbc_ptr, J, IEEE, BB, BJ)
+            _add_x_proj_share(xc, _x_proj_columns(wx_ptr, n, E, J, BJ), rows, rmask, dbc_ptr, J, BJ)
 
 
 # Greedy sampling inside lm_head: every program offers its outputs' largest value per row
@@ -329,7 +287,7 @@ def _flip_negative(bits):
 
 @jit
 def _argmax_keys(v, n, nmask):
-    """(BB, BN) float32 values of outputs n -> int64 keys: the value's bits made to order
+    """(1, BN) float32 values of outputs n -> int64 keys: the value's bits made to order
     as signed integers in the high half, 2^32 - 1 - n in the low; masked outputs lowest."""
     key = tl.where(v != v, 0x7FFFFFFF, _ordered_bits(v))
     low = _LOW32 - n.to(tl.int64)
@@ -369,7 +327,7 @@ def _take_argmax_kernel(best_ptr, tok_ptr, hist_ptr, step_ptr, seen_ptr, B, V, B
 def _conv_inputs(rows, rmask, n, cs_ptr, cw_ptr, cb_ptr, E, K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, BN: tl.constexpr):
     """What the conv step of channels n needs besides x: the conv weights (BN, KP) with
     the newest tap apart (BN,), the bias (BN,) and the window's K - 1 newer inputs
-    (BB, BN, KP)."""
+    (1, BN, KP)."""
     cmask = n < E
     kk = tl.arange(0, KP)
     older = kk < K - 1
@@ -387,7 +345,7 @@ def _conv_inputs(rows, rmask, n, cs_ptr, cw_ptr, cb_ptr, E, K: tl.constexpr, KP:
 
 @jit
 def _conv_step(x, cw, cw_new, cb, window, rows, rmask, n, cs_ptr, xc_ptr, E, K: tl.constexpr, KP: tl.constexpr):
-    """Channels n's conv step + SiLU on x (BB, BN) -> xc (stored, and returned with zeros
+    """Channels n's conv step + SiLU on x (1, BN) -> xc (stored, and returned with zeros
     past E); the window shifts by one, x in. The rest comes from _conv_inputs."""
     cmask = n < E
     m = rmask[:, None] & cmask[None, :]
@@ -413,24 +371,23 @@ def _x_proj_columns(wx_ptr, n, E, J, BJ: tl.constexpr):
 
 
 @jit
-def _add_x_proj_share(xc, wx, rows, rmask, dbc_ptr, J, IEEE: tl.constexpr, BB: tl.constexpr, BJ: tl.constexpr):
+def _add_x_proj_share(xc, wx, rows, rmask, dbc_ptr, J, BJ: tl.constexpr):
     """This program's share of xc @ x_proj.T, added to dbc in fixed point (exact in any order)."""
     j = tl.arange(0, BJ)
-    _add_fixed(dbc_ptr + rows[:, None] * BJ + j[None, :], _mm(xc, wx, BB, IEEE), rmask[:, None] & (j < J)[None, :])
+    _add_fixed(dbc_ptr + rows[:, None] * BJ + j[None, :], _mm(xc, wx), rmask[:, None] & (j < J)[None, :])
 
 
 @jit
 def _conv_x_proj_kernel(
     xz_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, xc_ptr, dbc_ptr, B, E, J,
-    K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, IEEE: tl.constexpr,
-    BB: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
 ):
     # The conv step and x_proj as a kernel of their own, for wide models (see
     # DecodeStep.FUSED_CONV_UP_TO): the same work as in_proj's epilogue, on x from xz.
     _let_next_kernel_launch(PDL)
     pid_b = tl.program_id(0)  # rows first: see DecodeStep
     pid_n = tl.program_id(1)
-    rows = pid_b * BB + tl.arange(0, BB)
+    rows = pid_b + tl.arange(0, 1)  # the row, as a 1-vector: tiles are (1, n)
     rmask = rows < B
     n = pid_n * BN + tl.arange(0, BN)
     cw, cw_new, cb, window = _conv_inputs(rows, rmask, n, cs_ptr, cw_ptr, cb_ptr, E, K, KP, HAS_CB, BN)
@@ -438,19 +395,19 @@ def _conv_x_proj_kernel(
     _wait_for_prior_kernel(PDL)
     x = tl.load(xz_ptr + rows[:, None] * (2 * E) + n[None, :], mask=rmask[:, None] & (n < E)[None, :], other=0.0)
     xc = _conv_step(x, cw, cw_new, cb, window, rows, rmask, n, cs_ptr, xc_ptr, E, K, KP)
-    _add_x_proj_share(xc, wx, rows, rmask, dbc_ptr, J, IEEE, BB, BJ)
+    _add_x_proj_share(xc, wx, rows, rmask, dbc_ptr, J, BJ)
 
 
 @jit
 def _ssm_step_kernel(
     dbc_ptr, xc_ptr, xz_ptr, ss_ptr, dtw_ptr, dtb_ptr, A_ptr, D_ptr, y_ptr, h_ptr, dh_ptr, B, E, R, DM,
-    N: tl.constexpr, NP: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, IEEE: tl.constexpr,
-    FOLD: tl.constexpr, BB: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr,
+    BE: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
 ):
     _let_next_kernel_launch(PDL)
     pid_b = tl.program_id(0)
     pid_e = tl.program_id(1)
-    rows = pid_b * BB + tl.arange(0, BB)
+    rows = pid_b + tl.arange(0, 1)  # the row, as a 1-vector: tiles are (1, n)
     rmask = rows < B
     e = pid_e * BE + tl.arange(0, BE)
     emask = e < E
@@ -466,29 +423,28 @@ def _ssm_step_kernel(
     Dv = tl.load(D_ptr + e, mask=emask, other=0.0)
     sp = ss_ptr + rows[:, None, None] * (E * N) + e[None, :, None] * N + nn[None, None, :]
     sm = m[:, :, None] & nmask[None, None, :]
-    s = tl.load(sp, mask=sm, other=0.0)  # (BB, BE, NP)
+    s = tl.load(sp, mask=sm, other=0.0)  # (1, BE, NP)
     _wait_for_prior_kernel(PDL)
     dtr = _from_fixed(tl.load(dbc_ptr + rows[:, None] * BJ + r[None, :], mask=rmask[:, None] & (r < R)[None, :], other=0))
     Bv = _from_fixed(tl.load(dbc_ptr + rows[:, None] * BJ + R + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0))
     Cv = _from_fixed(tl.load(dbc_ptr + rows[:, None] * BJ + R + N + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0))
     x = tl.load(xc_ptr + rows[:, None] * E + e[None, :], mask=m, other=0.0)
     z = tl.load(xz_ptr + rows[:, None] * (2 * E) + E + e[None, :], mask=m, other=0.0)
-    if FOLD:  # in_proj has read h + dh: this program folds its BD columns of dh into h
-        # and zeroes them for the next out_proj
-        cols = pid_e * BD + tl.arange(0, BD)
-        offs, hm = rows[:, None] * DM + cols[None, :], rmask[:, None] & (cols < DM)[None, :]
-        h_new = _residual_tile(h_ptr, dh_ptr, offs, hm)
-    dt = _mm(dtr, w, BB, IEEE) + dtb[None, :]  # (BB, BE)
+    # in_proj has read h + dh: this program folds its BD columns of dh into h and zeroes
+    # them for the next out_proj
+    cols = pid_e * BD + tl.arange(0, BD)
+    offs, hm = rows[:, None] * DM + cols[None, :], rmask[:, None] & (cols < DM)[None, :]
+    h_new = _residual_tile(h_ptr, dh_ptr, offs, hm)
+    dt = _mm(dtr, w) + dtb[None, :]  # (1, BE)
     dt = softplus(dt)
     s = s * tl.exp(dt[:, :, None] * A[None, :, :]) + (dt * x)[:, :, None] * Bv[:, None, :]
     # Every thread holding an element of the state or of h / dh has read it before it is
-    # rewritten (dh's zeros go out in another layout than dh came in: without a barrier
-    # the tile mode lost shares of dh on the GPU).
+    # rewritten (dh's zeros go out in another layout than dh came in: without a barrier a
+    # 16-row version of this kernel lost shares of dh on the GPU).
     tl.debug_barrier()
     tl.store(sp, s, mask=sm)
-    if FOLD:
-        tl.store(h_ptr + offs, h_new, mask=hm)
-        tl.store(dh_ptr + offs, tl.zeros([BB, BD], dtype=tl.int64), mask=hm)
+    tl.store(h_ptr + offs, h_new, mask=hm)
+    tl.store(dh_ptr + offs, tl.zeros([1, BD], dtype=tl.int64), mask=hm)
     y = tl.sum(s * Cv[:, None, :], 2) + Dv[None, :] * x
     y = y * silu(z)
     tl.store(y_ptr + rows[:, None] * E + e[None, :], y, mask=m)
@@ -497,14 +453,13 @@ def _ssm_step_kernel(
 @jit
 def _out_proj_residual_kernel(
     y_ptr, w_ptr, b_ptr, dh_ptr, dbc_ptr, B, D, E, KCHUNK,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-    BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
 ):
     _let_next_kernel_launch(PDL)
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
-    rows = pid_b * BB + tl.arange(0, BB)
+    rows = pid_b + tl.arange(0, 1)  # the row, as a 1-vector: tiles are (1, n)
     rmask = rows < B
     n = pid_n * BN + tl.arange(0, BN)
     nmask = n < D
@@ -516,15 +471,15 @@ def _out_proj_residual_kernel(
     # the next layer's in_proj (jj >= 0 there, jj >= BJ or more in the others)
     jj = tl.arange(0, BJ)
     first = jj[None, :] >= (pid_n + pid_s) * BJ
-    tl.store(dbc_ptr + rows[:, None] * BJ + jj[None, :], tl.zeros([BB, BJ], dtype=tl.int64), mask=rmask[:, None] & first)
-    acc = tl.zeros([BB, BN], dtype=tl.float32)
+    tl.store(dbc_ptr + rows[:, None] * BJ + jj[None, :], tl.zeros([1, BJ], dtype=tl.int64), mask=rmask[:, None] & first)
+    acc = tl.zeros([1, BN], dtype=tl.float32)
     for k0 in range(pid_s * KCHUNK, k_end, BK):
         k = k0 + tl.arange(0, BK)
         yk = tl.load(y_ptr + rows[:, None] * E + k[None, :], mask=rmask[:, None] & (k < k_end)[None, :], other=0.0)
         w_now = w
         k = k + BK  # the next tile (nothing past this split's end)
         w = tl.load(w_ptr + n[:, None] * E + k[None, :], mask=nmask[:, None] & (k < k_end)[None, :], other=0.0)
-        acc += _mm(yk, w_now, BB, IEEE)
+        acc += _mm(yk, w_now)
     if HAS_BIAS:  # once, with the first split (n >= pid_s * D holds there only)
         acc += tl.load(b_ptr + n, mask=nmask & (n >= pid_s * D), other=0.0)[None, :]
     # This split's share of y @ W.T, added to dh in fixed point (exact in any order); the
@@ -569,34 +524,33 @@ def one_row_up_to(d_model: int, dtype: torch.dtype) -> int:
 
 def make_decode_step(model, batch: int, deterministic: bool = False):
     """The fastest decode step for this batch size: Triton GEMVs (one row a program) up to
-    one_row_up_to rows, cuBLAS products above (decode_gemm.py); with `deterministic`, the
-    Triton tile mode at every batch size, so that a slot's bits never depend on the batch."""
-    if batch > one_row_up_to(model.config.d_model, model.weights.embedding.dtype) and not deterministic:
+    one_row_up_to rows, cuBLAS products above (decode_gemm.py); with `deterministic`,
+    decode_gemm.py's step with its batch-invariant products at every batch size, so that a
+    slot's bits never depend on the batch."""
+    if deterministic or batch > one_row_up_to(model.config.d_model, model.weights.embedding.dtype):
         from .decode_gemm import GemmDecodeStep
 
-        return GemmDecodeStep(model, batch)
-    return DecodeStep(model, batch, deterministic)
+        return GemmDecodeStep(model, batch, deterministic)
+    return DecodeStep(model, batch)
 
 
 class DecodeStep:
     """Launch plan and scratch buffers for one batch size; `__call__` runs one decode step.
 
-    Block sizes depend on the model's shapes and on the mode only (one row a program for
-    batches up to SMALL_BATCH, 16-row tiles above, or tiles always when deterministic),
-    never otherwise on the batch size, so within a mode a slot's result is the same for
-    every batch size.
+    One row a program. Block sizes depend on the model's shapes only, never on the batch
+    size, so a slot's result is the same for every batch size it runs at.
 
-    Every kernel's grid has the rows (or row tiles) as its first, fastest-varying axis:
+    Every kernel's grid has the rows as its first, fastest-varying axis:
     the programs that read the same weight tile for different rows are launched side by
     side, so the tile comes from memory once and from L2 for the other rows. With the rows
     last, each row's programs swept the whole matrix before the next row's began, and a
     matrix larger than L2 was read from memory once a row (2.8b bf16: batch 8 9.63 ms a
-    step against 7.31, batch 2 2.92 against 2.55; deterministic batch 128 unchanged).
+    step against 7.31, batch 2 2.92 against 2.55).
     """
 
-    # One-row launch settings, chosen by timing whole graph-replayed batch-1 steps
-    # (benchmarks/tune_decode.py --in-graph); the tile mode keeps its own, set in __init__.
-    SSM_BLOCK = 16  # ssm_step: channels a program, one row (2.24 ms at 2.8b against 2.26 with 32)
+    # Launch settings, chosen by timing whole graph-replayed batch-1 steps
+    # (benchmarks/tune_decode.py --in-graph).
+    SSM_BLOCK = 16  # ssm_step: channels a program (2.24 ms at 2.8b against 2.26 with 32)
     # in_proj does the conv step and x_proj itself up to this d_model; wider models run them
     # as a kernel of their own. bf16 batch 1, ms a step, in in_proj against on their own
     # (H200, 2026-11-30): 130m 0.232 / 0.282, 370m 0.498 / 0.622 (on their own: the
@@ -606,7 +560,7 @@ class DecodeStep:
     # (Re-measured with 128-channel conv_x_proj programs: 130m 0.211 / 0.221, 370m 0.457 /
     # 0.496; 1.4b 1.618 / 0.995, 2.8b 2.389 / 1.798.)
     FUSED_CONV_UP_TO = 1024
-    # conv_x_proj's channels a program (one row) where it runs alone (see conv_warps): its
+    # conv_x_proj's channels a program where it runs alone (see conv_warps): its
     # programs all finish at once, right after the wait, and each adds its share of all of
     # x_proj's outputs to the same few addresses, so fewer programs queue fewer atomic adds
     # there. bf16 batch 1, ms a step, 32 / 64 / 128 / 256 channels: 1.4b 1.100 / 1.022 /
@@ -620,13 +574,13 @@ class DecodeStep:
         at 128 channels, tools/compile_kernels.py)."""
         return max(4, block // 16)
 
-    # One-row kernels that let the next kernel launch as soon as all their programs have
+    # Kernels that let the next kernel launch as soon as all their programs have
     # started instead of after their wait (PDL 2), so that it loads its first weights
     # sooner: ssm_step and out_proj (bf16 batch 1, whole steps, against none: 130m 0.339
     # ms / 0.360, 370m 0.762 / 0.800, 1.4b 1.344 / 1.394; at 2.8b it once lost, 2.254 /
     # 2.239, and wins since conv_x_proj runs 128 channels a program: 1.786 / 1.796).
     EARLY_LAUNCH = frozenset({"ssm_step", "out_proj_residual"})
-    # One-row in_proj and lm_head with weights of these dtypes sum their products over K
+    # in_proj and lm_head with weights of these dtypes sum their products over K
     # once, after their loop (_mm_terms); out_proj and float32 weights sum every K tile.
     # Summed after the loop, out_proj made 2.8b's bf16 step 1.939 ms against 1.800;
     # float32 in_proj 3.280 against 3.152 at 2.8b (1.4b: 1.555 against 1.625). With
@@ -643,16 +597,16 @@ class DecodeStep:
 
     @staticmethod
     def out_blocks(d_model: int) -> tuple[int, int, int, int]:
-        """out_proj's one-row BN, BK, warps, and the programs to aim for by splitting K.
+        """out_proj's BN, BK, warps, and the programs to aim for by splitting K.
         Whole bf16 batch-1 steps: (8, 512, 4) and 640 against (32, 256, 4) and 320: 130m
         0.398 ms / 0.430, 2.8b 2.494 / 2.512; above d_model 1024 (8, 256, 4) and 1280
         against those: 1.4b 1.137 / 1.140, 2.8b 1.959 / 1.976 (fresh processes, twice)."""
         return (8, 256, 4, 1280) if d_model > 1024 else (8, 512, 4, 640)
 
     @staticmethod
-    def linear_blocks(n_out: int, d: int, one_row: bool) -> tuple[int, int, int, int]:
+    def linear_blocks(n_out: int, d: int) -> tuple[int, int, int, int]:
         """rmsnorm_linear's (BN, BK, warps, pipeline stages of its loop) for n_out outputs of
-        d inputs. One row: 16 rows a program (2.8b in_proj: 2.72 ms a step against 2.82
+        d inputs: 16 rows a program (2.8b in_proj: 2.72 ms a step against 2.82
         with 32; lm_head: 130m 0.333 ms against 0.339 with 64, 2.8b 2.238 / 2.250), and
         rows of up to 1024 in one tile, all of it loaded before the wait (130m in_proj
         0.331 ms against 0.339 in two tiles of 512); tune_decode.py --in-graph, --lm-head.
@@ -663,60 +617,44 @@ class DecodeStep:
         summed every step 2.016 / 1.152: tune_decode.py --sum-last); so does float32's,
         summed every tile (2.8b 3.152 against 3.189 with 512, 1.4b 1.625 against 1.603-1.613:
         --sum-last --f32)."""
-        if one_row:  # 1.4b's in_proj (n_out = 4 d) 8 rows a program: 1.120 ms against 1.140
-            # (2.8b's: 2.240 against 1.976)
-            in_proj = n_out == 4 * d
-            return (8 if 1024 < d <= 2048 and in_proj else 16), (1024 if d <= 1024 else (256 if in_proj else 512)), 4, 1
-        # tiles (tl.dot), loop pipelined 4 deep as at 1ec7c2d (deterministic batch 1: 130m
-        # 0.645 ms, 2.8b 5.86), where the loop read h alone as it does again now (see
-        # _fold_kernel; while it read dh too, 1 stage was best: 0.77 / 9.2 against 1.04 /
-        # 12.9). To re-measure: tune_decode.py --tile.
-        return (64 if n_out > 16384 else (32 if n_out > 8192 else 16)), 128, 4, 4
+        # 1.4b's in_proj (n_out = 4 d) 8 rows a program: 1.120 ms against 1.140 (2.8b's:
+        # 2.240 against 1.976)
+        in_proj = n_out == 4 * d
+        return (8 if 1024 < d <= 2048 and in_proj else 16), (1024 if d <= 1024 else (256 if in_proj else 512)), 4, 1
 
-    def __init__(self, model, batch: int, deterministic: bool = False):
+    def __init__(self, model, batch: int):
         c, w = model.config, model.weights
         dev = w.embedding.device
         self.model, self.B = model, batch
-        self.BB = 1 if batch <= SMALL_BATCH and not deterministic else ROW_TILE
-        self.BP = triton.cdiv(batch, self.BB) * self.BB
-        self.ieee = w.embedding.dtype == torch.float32
         self.sum_last = w.embedding.dtype in self.SUM_LAST
         d, E, N, R = c.d_model, c.d_inner, c.d_state, c.dt_rank
         self.J, self.BJ = R + 2 * N, _pow2(R + 2 * N)
         self.BR, self.NP = _pow2(R), _pow2(N, 1)
         # out_proj: BN_out-wide tiles of d, K split so that enough programs stream the weights.
-        one_row = self.BB == 1
-        self.BN_out, self.BK_out, self.warps_out, programs = self.out_blocks(d) if one_row else (32, 64, 4, 320)
+        self.BN_out, self.BK_out, self.warps_out, programs = self.out_blocks(d)
         self.nt_d = triton.cdiv(d, self.BN_out)
         self.nsplit_out = max(1, min(16, programs // self.nt_d, triton.cdiv(E, self.BK_out)))
         self.kchunk_out = triton.cdiv(triton.cdiv(E, self.nsplit_out), self.BK_out) * self.BK_out
         self.nsplit_out = triton.cdiv(E, self.kchunk_out)  # whole BK steps per split may need fewer
-        self.BE_ssm = self.SSM_BLOCK if one_row else 32
+        self.BE_ssm = self.SSM_BLOCK
         self.BD_ssm = triton.next_power_of_2(triton.cdiv(d, triton.cdiv(E, self.BE_ssm)))  # h columns each folds
         self.fused_conv = d <= self.FUSED_CONV_UP_TO
-        # The tile mode folds dh into h with a kernel of its own before each rmsnorm_linear
-        # (see _fold_kernel); the one-row mode reads h + dh there and folds in ssm_step.
-        self.fold_apart = not one_row
-        # tile mode: 32 channels (at 64, 2.8b's 256 x 64 x_proj tile held across the wait
-        # went with 48 us a call against 15 for the earlier kernel's 32-channel sub-tiles)
-        self.BN_conv = self.CONV_BLOCK if one_row else 32
+        self.BN_conv = self.CONV_BLOCK
         f32 = dict(device=dev, dtype=torch.float32)
-        BP = self.BP
-        self.h = torch.zeros(BP, d, **f32)
-        self.dh = torch.zeros(BP, d, device=dev, dtype=torch.int64)  # out_proj's share, fixed point
-        self.xz = torch.zeros(BP, 2 * E, **f32)
-        self.xc = torch.zeros(BP, E, **f32)
-        self.y = torch.zeros(BP, E, **f32)
-        self.dbc = torch.zeros(BP, self.BJ, device=dev, dtype=torch.int64)  # fixed point: see FIXED_ONE
-        self.logits = torch.zeros(BP, c.vocab_size, **f32)
-        self.best = torch.full((BP,), ARGMAX_EMPTY, device=dev, dtype=torch.int64)  # see _argmax_keys
+        self.h = torch.zeros(batch, d, **f32)
+        self.dh = torch.zeros(batch, d, device=dev, dtype=torch.int64)  # out_proj's share, fixed point
+        self.xz = torch.zeros(batch, 2 * E, **f32)
+        self.xc = torch.zeros(batch, E, **f32)
+        self.y = torch.zeros(batch, E, **f32)
+        self.dbc = torch.zeros(batch, self.BJ, device=dev, dtype=torch.int64)  # fixed point: see FIXED_ONE
+        self.logits = torch.zeros(batch, c.vocab_size, **f32)
+        self.best = torch.full((batch,), ARGMAX_EMPTY, device=dev, dtype=torch.int64)  # see _argmax_keys
         pdl = use_pdl(dev)
         self.pdl = dict(PDL=1, launch_pdl=True) if pdl else dict(PDL=0)
-        self.early = self.EARLY_LAUNCH if one_row else frozenset()
 
     def pdl_for(self, kernel: str) -> dict:
         """The PDL launch settings for one of the step's kernels (see _let_next_kernel_launch)."""
-        if self.pdl["PDL"] and kernel in self.early:
+        if self.pdl["PDL"] and kernel in self.EARLY_LAUNCH:
             return dict(self.pdl, PDL=2)
         return self.pdl
 
@@ -725,13 +663,7 @@ class DecodeStep:
     def embed(self, tokens: torch.Tensor) -> None:
         """h[:B] = embedding[tokens], dh = 0."""
         emb = self.model.weights.embedding
-        grid = (self.BP // self.BB, self.nt_d)
-        _embed_kernel[grid](tokens, emb, self.h, self.dh, self.B, emb.shape[1], BB=self.BB, BN=self.BN_out, **self.pdl)
-
-    def fold(self) -> None:
-        """h += dh, dh = 0 (the tile mode, before each rmsnorm_linear)."""
-        d = self.model.config.d_model
-        _fold_kernel[(self.BP // self.BB, self.nt_d)](self.h, self.dh, self.B, d, BB=self.BB, BN=self.BN_out, **self.pdl)
+        _embed_kernel[(self.B, self.nt_d)](tokens, emb, self.h, self.dh, self.B, emb.shape[1], BN=self.BN_out, **self.pdl)
 
     def _rmsnorm_linear(self, norm_w, weight, bias, out, conv=None, argmax=False, sum_last=False, k_tile=None) -> None:
         """out[:B] = linear(rmsnorm(h + dh) * norm_w, weight, bias); with conv = (lw,
@@ -741,12 +673,10 @@ class DecodeStep:
         more than one K tile (in one tile the products would wait through the loop in
         registers for nothing: 370m bf16 0.513 ms a step against 0.456). k_tile: K tiles
         of this width instead of linear_blocks' (lm_head: LM_HEAD_K_TILE)."""
-        if self.fold_apart:
-            self.fold()
         n_out, d = weight.shape
-        BN, BK, warps, stages = self.linear_blocks(n_out, d, self.BB == 1)
+        BN, BK, warps, stages = self.linear_blocks(n_out, d)
         BK = k_tile or BK
-        grid = (self.BP // self.BB, triton.cdiv(n_out, BN))
+        grid = (self.B, triton.cdiv(n_out, BN))
         c = self.model.config
         if conv is not None:
             lw, conv_state = conv
@@ -757,9 +687,9 @@ class DecodeStep:
         _rmsnorm_linear_kernel[grid](
             self.h, self.dh, norm_w, weight, bias if bias is not None else weight, out, *conv_args, self.best,
             self.B, d, n_out, c.d_inner, self.J, c.norm_eps,
-            HAS_BIAS=bias is not None, IEEE=self.ieee, CONV=conv is not None, ARGMAX=argmax, K=c.d_conv, KP=triton.next_power_of_2(c.d_conv),
-            HAS_CB=conv is not None and conv[0].conv_b is not None, PENDING=not self.fold_apart,
-            BB=self.BB, BN=BN, BK=BK, BJ=self.BJ, STAGES=stages, SUM_LAST=sum_last and d > BK,
+            HAS_BIAS=bias is not None, CONV=conv is not None, ARGMAX=argmax, K=c.d_conv, KP=triton.next_power_of_2(c.d_conv),
+            HAS_CB=conv is not None and conv[0].conv_b is not None,
+            BN=BN, BK=BK, BJ=self.BJ, STAGES=stages, SUM_LAST=sum_last and d > BK,
             num_warps=warps, **self.pdl_for("rmsnorm_linear"),
         )
 
@@ -773,20 +703,19 @@ class DecodeStep:
             return
         self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, sum_last=self.sum_last)
         c = self.model.config
-        _conv_x_proj_kernel[(self.BP // self.BB, triton.cdiv(c.d_inner, self.BN_conv))](
+        _conv_x_proj_kernel[(self.B, triton.cdiv(c.d_inner, self.BN_conv))](
             self.xz, conv_state, lw.conv_w, lw.conv_b if lw.conv_b is not None else lw.conv_w,
             lw.x_proj_w, self.xc, self.dbc, self.B, c.d_inner, self.J,
-            K=c.d_conv, KP=triton.next_power_of_2(c.d_conv), HAS_CB=lw.conv_b is not None, IEEE=self.ieee,
-            BB=self.BB, BN=self.BN_conv, BJ=self.BJ, num_warps=self.conv_warps(self.BN_conv), **self.pdl_for("conv_x_proj"),
+            K=c.d_conv, KP=triton.next_power_of_2(c.d_conv), HAS_CB=lw.conv_b is not None,
+            BN=self.BN_conv, BJ=self.BJ, num_warps=self.conv_warps(self.BN_conv), **self.pdl_for("conv_x_proj"),
         )
 
     def lm_head(self, argmax: bool = False) -> None:
         """logits[:B] = lm_head(rmsnorm(h + dh) * norm_f); with argmax, each row's argmax
         into `best` too, for take_argmax."""
         w = self.model.weights
-        sum_last = self.sum_last and self.BB == 1
-        k_tile = self.LM_HEAD_K_TILE if sum_last else None
-        self._rmsnorm_linear(w.norm_f, w.lm_head, None, self.logits, argmax=argmax, sum_last=sum_last, k_tile=k_tile)
+        k_tile = self.LM_HEAD_K_TILE if self.sum_last else None
+        self._rmsnorm_linear(w.norm_f, w.lm_head, None, self.logits, argmax=argmax, sum_last=self.sum_last, k_tile=k_tile)
 
     def take_argmax(self, slots, tokens: torch.Tensor, history_row: torch.Tensor) -> None:
         """Greedy sampling after a step with argmax: tokens[:B] and history_row[:B] = the
@@ -801,20 +730,19 @@ class DecodeStep:
         """y from dbc, xc and the z half of xz; updates ssm_state (B, E, N); folds dh into h
         (h += dh, dh = 0)."""
         c = self.model.config
-        _ssm_step_kernel[(self.BP // self.BB, triton.cdiv(c.d_inner, self.BE_ssm))](
+        _ssm_step_kernel[(self.B, triton.cdiv(c.d_inner, self.BE_ssm))](
             self.dbc, self.xc, self.xz, ssm_state, lw.dt_proj_w, lw.dt_bias, lw.A, lw.D, self.y, self.h, self.dh,
-            self.B, c.d_inner, c.dt_rank, c.d_model, N=c.d_state, NP=self.NP, BJ=self.BJ, BR=self.BR, IEEE=self.ieee,
-            FOLD=not self.fold_apart, BB=self.BB, BE=self.BE_ssm, BD=self.BD_ssm, num_warps=4, **self.pdl_for("ssm_step"),
+            self.B, c.d_inner, c.dt_rank, c.d_model, N=c.d_state, NP=self.NP, BJ=self.BJ, BR=self.BR,
+            BE=self.BE_ssm, BD=self.BD_ssm, num_warps=4, **self.pdl_for("ssm_step"),
         )
 
     def out_proj_residual(self, lw) -> None:
         """dh += y @ out_proj.T + bias (dh is zero before: ssm_step leaves it so); zeroes dbc."""
         c = self.model.config
-        _out_proj_residual_kernel[(self.BP // self.BB, self.nt_d, self.nsplit_out)](
+        _out_proj_residual_kernel[(self.B, self.nt_d, self.nsplit_out)](
             self.y, lw.out_proj_w, lw.out_proj_b if lw.out_proj_b is not None else lw.out_proj_w,
             self.dh, self.dbc, self.B, c.d_model, c.d_inner, self.kchunk_out,
-            HAS_BIAS=lw.out_proj_b is not None, IEEE=self.ieee,
-            BB=self.BB, BN=self.BN_out, BK=self.BK_out, BJ=self.BJ, num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),
+            HAS_BIAS=lw.out_proj_b is not None, BN=self.BN_out, BK=self.BK_out, BJ=self.BJ, num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),
         )
 
     def __call__(self, tokens: torch.Tensor, state, argmax: bool = False) -> torch.Tensor:

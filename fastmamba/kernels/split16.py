@@ -4,7 +4,9 @@ A 16-bit product (cuBLAS, tensor cores) rounds its activations to 8 (bf16) or 11
 mantissa bits; on real-shape models that alone moves bf16 logits by 2-5% against the float32
 reference. Writing v as hi = round(v) and lo = round(v - hi) in rows [0, B) and [B, 2B) of
 one (2B, K) operand costs a product twice as tall but still one read of the weights; the
-consumer adds the two halves of the float32 result.
+consumer adds the two halves of the float32 result. A result may come in more parts than
+two (load_sum's PARTS): the deterministic step's products split over K (gemm.py) write each
+chunk's share of both halves apart.
 """
 
 from ._triton import jit, tl
@@ -20,9 +22,10 @@ def store_split(ptr, offs, v, lo, mask, SPLIT: tl.constexpr):
 
 
 @jit
-def load_sum(ptr, offs, lo, mask, SPLIT: tl.constexpr):
-    """The float32 value at offs, plus (with SPLIT) the one at offs + lo."""
+def load_sum(ptr, offs, lo, mask, PARTS: tl.constexpr):
+    """The float32 value at offs plus those at offs + lo, offs + 2 lo, ..., PARTS of them,
+    added in that order."""
     v = tl.load(ptr + offs, mask=mask, other=0.0)
-    if SPLIT:
-        v += tl.load(ptr + lo + offs, mask=mask, other=0.0)
+    for p in tl.static_range(1, PARTS):
+        v += tl.load(ptr + p * lo + offs, mask=mask, other=0.0)
     return v

@@ -1,0 +1,102 @@
+"""A product whose rows' results never depend on how many rows there are: the products of
+the deterministic decode step.
+
+cuBLAS picks its algorithm (tiles, split over K, reduction order) by the shape, so a row's
+bits change with the batch size. Here every output element is one fixed sum: its K range is
+cut into `splits` chunks whose bounds depend on K and `splits` only (not on the rows), each
+chunk summed in order of K by the tensor cores (16 steps of K at a time, float32
+accumulation), and the chunks land in their own slices of the output, which the consumer
+adds up in a fixed order (split16.load_sum). The row and column tiles follow the number of
+rows: the tensor cores treat each row alone and chain the same steps of K whatever the
+tile, which the GPU tests check bitwise (on the H200, 16-bit operands gave the same bits in
+mma.sync tiles of 16 rows and wgmma tiles of 64 and 128, 32-128 columns, 32-256 steps of K).
+float32 weights go through three TF32 products (`tf32x3`: products within ~2^-22 of
+float32's), whose three sums interleave by tile of K: there the K tile stays fixed.
+
+With splits > 1 a short-and-wide product (x_proj, out_proj) gets enough programs to stream
+its weights at batch 1, where one program a tile of columns would leave most of the GPU idle.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._triton import INTERPRET, jit, tl, triton
+
+K_ALIGN = 16  # chunk bounds fall on multiples of the tensor cores' step of K
+
+
+def gemm_ref(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """a (M, K) @ weight (N, K).T in float32."""
+    return F.linear(a.float(), weight.float())
+
+
+@jit(do_not_specialize=["M"])
+def _gemm_kernel(
+    a_ptr, w_ptr, out_ptr, M, N, K, KCHUNK,
+    F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+):
+    # (M is not specialised on its value: the code must not change with the batch size.)
+    pid_m = tl.program_id(0)  # row tiles first, so that the tiles sharing weights run together
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)  # the K chunk
+    rows = pid_m * BM + tl.arange(0, BM)
+    n = pid_n * BN + tl.arange(0, BN)
+    rmask, nmask = rows < M, n < N
+    rows64 = rows.to(tl.int64)
+    k_end = tl.minimum((pid_s + 1) * KCHUNK, K)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in tl.range(pid_s * KCHUNK, k_end, BK, num_stages=STAGES):
+        k = k0 + tl.arange(0, BK)
+        kmask = k < k_end
+        a = tl.load(a_ptr + rows64[:, None] * K + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if F32:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision="tf32x3")
+        elif INTERPRET:  # (the interpreter's tl.dot of 16-bit operands: see _triton)
+            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    out = out_ptr + pid_s * M * N + rows64[:, None] * N + n[None, :]
+    tl.store(out, acc, mask=rmask[:, None] & nmask[None, :])
+
+
+def split_count(K: int, splits: int) -> int:
+    """How many K chunks gemm writes for `splits` asked of a K-long sum (fewer where K is
+    too short for them)."""
+    return triton.cdiv(K, _chunk(K, splits))
+
+
+def _chunk(K: int, splits: int) -> int:
+    return triton.cdiv(triton.cdiv(K, splits), K_ALIGN) * K_ALIGN
+
+
+def _tiles(M: int, N: int, K: int, f32: bool) -> tuple[int, int, int]:
+    """(BM, BN, BK) for M rows. Chosen on the H200 at the public shapes (each product alone,
+    batch 1 to 128: benchmarks/RESULTS.md); none of them changes a result, but float32's BK."""
+    if INTERPRET:  # numpy's matmul plus the accumulator rounds at every tile of K, unlike
+        # the tensor cores' chain: there the tiles stay the same for every M
+        return 16, 32, 32
+    if M <= 16:  # one small row tile: narrow column tiles, many programs
+        BM, BN, BK = 16, 32, 128
+    elif M <= 64:
+        BM, BN, BK = 64, 32, 128
+    else:
+        BM, BN, BK = 64, (128 if N >= 1024 else 32), 64
+    if f32:
+        BN, BK = 32, 32
+    return BM, BN, min(BK, max(16, triton.next_power_of_2(K)))
+
+
+def gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, splits: int = 1) -> None:
+    """out[s * M:(s + 1) * M] = a @ weight[:, chunk s].T for each K chunk s (split_count of
+    them; they add up to the whole product), float32. a (M, K) in the weight's dtype."""
+    M, K = a.shape
+    N = weight.shape[0]
+    chunk = _chunk(K, splits)
+    assert out.shape == (triton.cdiv(K, chunk) * M, N) and out.is_contiguous() and a.is_contiguous()
+    f32 = weight.dtype == torch.float32
+    BM, BN, BK = _tiles(M, N, K, f32)
+    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), triton.cdiv(K, chunk))
+    _gemm_kernel[grid](a, weight, out, M, N, K, chunk, F32=f32, BM=BM, BN=BN, BK=BK, STAGES=3, num_warps=4)
