@@ -9,7 +9,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .engine import GRAPH_PREFILL_TOKENS, PREFILL_BUCKETS, GraphDecoder, GraphPrefill, ReferenceDecoder
-from .model import Mamba
+from .model import Mamba, MambaState
 from .sampling import SamplingParams, pick_sampler, resolve_seed
 from .tokenizer import IncrementalDecoder, Tokenizer
 
@@ -70,6 +70,25 @@ class LanguageModel:
                 self._prefill_pool = torch.cuda.graph_pool_handle()
             graph = self._graph_prefills[(B, bucket)] = GraphPrefill(self.model, B, bucket, self._prefill_pool)
         return graph(padded, start)
+
+    def _prefill_prompts(self, all_ids: list[list[int]]) -> tuple[torch.Tensor, MambaState]:
+        """Each prompt's last-token logits (B, V) and the state after it. The prompts
+        prefill together, left-padded to the longest (padding leaves a row's state
+        untouched). With `deterministic`, each prefills alone, as `generate` would prefill it
+        (so its logits are bitwise the same in any batch): a batched prefill's products and
+        scan chunks follow the batch's shape, and with them a row's rounding."""
+        if self.deterministic and len(all_ids) > 1:
+            logits, conv, ssm = [], [], []
+            for ids in all_ids:  # (copies: a prefill graph's outputs are its own, rewritten next call)
+                one, state = self._prefill_prompts([ids])
+                logits.append(one.clone())
+                conv.append(state.conv.clone())
+                ssm.append(state.ssm.clone())
+            return torch.cat(logits), MambaState(torch.cat(conv, 1), torch.cat(ssm, 1))
+        longest = max(len(ids) for ids in all_ids)
+        padded = torch.tensor([[0] * (longest - len(ids)) + ids for ids in all_ids], device=self.device)
+        start = torch.tensor([longest - len(ids) for ids in all_ids], device=self.device, dtype=torch.int32)
+        return self._prefill(padded, start)
 
     @property
     def device(self) -> torch.device:
@@ -179,15 +198,11 @@ class LanguageModel:
     def _decode(self, all_ids: list[list[int]], params: list[SamplingParams]):
         """Yields, per step, each slot's new token (None once finished) and finish reason.
 
-        The prompts are prefilled together, left-padded to the longest (padding leaves a
-        row's state untouched), then all slots decode together; a finished slot keeps its
-        place in the batch but yields nothing more.
+        The prompts are prefilled (_prefill_prompts), then all slots decode together; a
+        finished slot keeps its place in the batch but yields nothing more.
         """
         B = len(all_ids)
-        longest = max(len(ids) for ids in all_ids)
-        padded = torch.tensor([[0] * (longest - len(ids)) + ids for ids in all_ids], device=self.device)
-        start = torch.tensor([longest - len(ids) for ids in all_ids], device=self.device, dtype=torch.int32)
-        logits, state = self._prefill(padded, start)  # (B, V)
+        logits, state = self._prefill_prompts(all_ids)  # (B, V)
 
         decoder = self._decoder(B)
         requests = [(p, resolve_seed(p.seed), ids) for ids, p in zip(all_ids, params)]

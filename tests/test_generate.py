@@ -22,6 +22,18 @@ def ids_lm(checkpoints):
 PROMPTS = ["To be, or not", "Ünïcödé wörds, naïve café and a much longer prompt to continue", "a"]
 
 
+def test_deterministic_prefills_each_prompt_as_it_would_alone(checkpoints):
+    """Deterministic mode: a batch's prefill gives each prompt bitwise its logits and state
+    alone (the default prefills the prompts together, left-padded)."""
+    lm = fastmamba.load(checkpoints["untied_bias_rank"], deterministic=True)
+    prompts = [[5, 17, 3, 40], list(range(1, 30)), [7]]
+    logits, state = lm._prefill_prompts(prompts)
+    for i, ids in enumerate(prompts):
+        alone, alone_state = lm._prefill_prompts([ids])
+        assert torch.equal(logits[i], alone[0])
+        assert torch.equal(state.conv[:, i], alone_state.conv[:, 0]) and torch.equal(state.ssm[:, i], alone_state.ssm[:, 0])
+
+
 def test_generate_text_prompt(lm):
     g = lm.generate("To be, or not to be", max_tokens=12, stop_token_ids=[])
     assert len(g.token_ids) == 12 and g.finish_reason == "length"

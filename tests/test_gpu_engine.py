@@ -96,6 +96,18 @@ def test_a_slot_is_bitwise_the_same_alone_or_beside_127_others(dtype, real_shape
             assert torch.equal(many, few(tokens[rows], few_state)), rows
 
 
+def test_deterministic_batch_prefill_is_bitwise_each_prompt_alone(real_shape_ckpt):
+    """Through the prefill graphs (two prompts share one: its outputs must be copied before
+    the next replay)."""
+    lm = fastmamba.load(real_shape_ckpt, device="cuda", dtype="bfloat16", deterministic=True)
+    prompts = [[1, 2, 3], list(range(10, 40)), [7], list(range(100, 700))]
+    logits, state = lm._prefill_prompts(prompts)
+    for i, ids in enumerate(prompts):
+        alone, alone_state = lm._prefill_prompts([ids])
+        assert torch.equal(logits[i], alone[0]), i
+        assert torch.equal(state.ssm[:, i], alone_state.ssm[:, 0]), i
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_generate_batch_equals_alone_on_the_gpu(temperature, deterministic, real_shape_ckpt):
