@@ -58,7 +58,7 @@ def _gemm_kernel(
             acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, tl.trans(w), acc)
-    out = out_ptr + pid_s * M * N + rows64[:, None] * N + n[None, :]
+    out = out_ptr + pid_s.to(tl.int64) * M * N + rows64[:, None] * N + n[None, :]
     tl.store(out, acc, mask=rmask[:, None] & nmask[None, :])
 
 
