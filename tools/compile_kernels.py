@@ -174,14 +174,14 @@ def main() -> None:
         # the deterministic step's products (gemm.py), in the tiles of 1 and of 128 rows
         for M in (2, 256):
             BM, BN, BK = gm._tiles(M, 5120, 2560, f32)
-            compile_kernel(gm._gemm_kernel, ptrs("out_ptr", a_ptr=wdt, w_ptr=wdt), dict(F32=f32, BM=BM, BN=BN, BK=BK, STAGES=3))
+            compile_kernel(gm._gemm_kernel, ptrs("out_ptr", a_ptr=wdt, w_ptr=wdt), dict(F32=f32, BM=BM, BN=BN, BK=BK, STAGES=3, PDL=True))
         res.append(f"decode {wdt}: ok")
     for wdt in ("*bf16", "*fp32"):  # the cuBLAS-product step's element-wise kernels
-        compile_kernel(rn._residual_rmsnorm_kernel, ptrs("h_ptr", "o_ptr", "b_ptr", "nw_ptr", "h_out_ptr", u_ptr=wdt, eps="fp32"), dict(ADD=True, HAS_BIAS=True, O_PARTS=1, U_HALVES=wdt != "*fp32", BD=4096), num_warps=8)
-        compile_kernel(dg._conv_step_kernel, ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", xc16_ptr=wdt), dict(K=4, KP=4, HAS_CB=True, XZ_PARTS=2, SPLIT=wdt != "*fp32", BE=128))
-        compile_kernel(dg._dbc_kernel, ptrs("raw_ptr", "dbc_ptr", dtr_ptr=wdt), dict(RAW_PARTS=2, SPLIT=wdt != "*fp32", BJ=256), num_warps=1)
+        compile_kernel(rn._residual_rmsnorm_kernel, ptrs("h_ptr", "o_ptr", "b_ptr", "nw_ptr", "h_out_ptr", u_ptr=wdt, eps="fp32"), dict(ADD=True, HAS_BIAS=True, O_PARTS=1, U_HALVES=wdt != "*fp32", BD=4096, PDL=True), num_warps=8)
+        compile_kernel(dg._conv_step_kernel, ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", xc16_ptr=wdt), dict(K=4, KP=4, HAS_CB=True, XZ_PARTS=2, SPLIT=wdt != "*fp32", BE=128, PDL=True))
+        compile_kernel(dg._dbc_kernel, ptrs("raw_ptr", "dbc_ptr", dtr_ptr=wdt), dict(RAW_PARTS=2, SPLIT=wdt != "*fp32", BJ=256, PDL=True), num_warps=1)
         t = ptrs("dt_ptr", "dbc_ptr", "xc_ptr", "xz_ptr", "ss_ptr", "dtb_ptr", "A_ptr", "D_ptr", y_ptr=wdt)
-        compile_kernel(dg._ssm_update_kernel, t, dict(N=16, NP=16, DT_PARTS=2, XZ_PARTS=2, Y_HALVES=False, BE=64))
+        compile_kernel(dg._ssm_update_kernel, t, dict(N=16, NP=16, DT_PARTS=2, XZ_PARTS=2, Y_HALVES=False, BE=64, PDL=True))
     res.append("decode (cuBLAS products): ok")
     t = ptrs("x_ptr", "w_ptr", "b_ptr", "st_ptr", "y_ptr", y2_ptr="*bf16", start_ptr="*i32")
     compile_kernel(cc._causal_conv1d_kernel, t, dict(K=4, KP=4, HAS_BIAS=True, COPY=True, BE=cc.CONV_BE, BT=cc.CONV_BT), num_warps=cc.CONV_WARPS)

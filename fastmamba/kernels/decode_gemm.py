@@ -35,6 +35,7 @@ from .activations import silu, softplus
 from .causal_conv1d import causal_conv1d_ref
 from .gemm import gemm as invariant_gemm
 from .gemm import split_count
+from .pdl import pdl_launch, wait_for_prior_kernel
 from .rmsnorm import residual_rmsnorm
 from .selective_scan import selective_scan_ref
 from .split16 import load_sum, store_split
@@ -62,7 +63,9 @@ def ssm_update_ref(dt, Bm, Cm, x, z, ssm_state, dt_bias, A, D):
 def _conv_step_kernel(
     xz_ptr, cs_ptr, cw_ptr, cb_ptr, xc_ptr, xc16_ptr, B, E,
     K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, XZ_PARTS: tl.constexpr, SPLIT: tl.constexpr, BE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_prior_kernel(PDL)
     row = tl.program_id(1).to(tl.int64)
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     em = e < E
@@ -83,8 +86,9 @@ def _conv_step_kernel(
 
 
 @jit
-def _dbc_kernel(raw_ptr, dbc_ptr, dtr_ptr, B, J, R, RAW_PARTS: tl.constexpr, SPLIT: tl.constexpr, BJ: tl.constexpr):
+def _dbc_kernel(raw_ptr, dbc_ptr, dtr_ptr, B, J, R, RAW_PARTS: tl.constexpr, SPLIT: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr):
     # x_proj's float32 result (its parts added) -> dbc; its first R columns -> dt_proj's operand
+    wait_for_prior_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BJ)
     v = load_sum(raw_ptr, row * J + j, B * J, j < J, RAW_PARTS)
@@ -96,22 +100,25 @@ def _dbc_kernel(raw_ptr, dbc_ptr, dtr_ptr, B, J, R, RAW_PARTS: tl.constexpr, SPL
 def _ssm_update_kernel(
     dt_ptr, dbc_ptr, xc_ptr, xz_ptr, ss_ptr, dtb_ptr, A_ptr, D_ptr, y_ptr, B, E, R, J,
     N: tl.constexpr, NP: tl.constexpr, DT_PARTS: tl.constexpr, XZ_PARTS: tl.constexpr, Y_HALVES: tl.constexpr, BE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(1).to(tl.int64)
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     em = e < E
     n = tl.arange(0, NP)
     nm = n < N
+    # Before the wait: the layer's state (this kernel's own, from the last step) and constants.
+    A = tl.load(A_ptr + e[:, None] * N + n[None, :], mask=em[:, None] & nm[None, :], other=0.0)
+    sp = ss_ptr + row * E * N + e[:, None] * N + n[None, :]
+    sm = em[:, None] & nm[None, :]
+    s = tl.load(sp, mask=sm, other=0.0)
+    wait_for_prior_kernel(PDL)
     dt = load_sum(dt_ptr, row * E + e, B * E, em, DT_PARTS) + tl.load(dtb_ptr + e, mask=em, other=0.0)
     dt = softplus(dt)
     Bv = tl.load(dbc_ptr + row * J + R + n, mask=nm, other=0.0)
     Cv = tl.load(dbc_ptr + row * J + R + N + n, mask=nm, other=0.0)
     x = tl.load(xc_ptr + row * E + e, mask=em, other=0.0)
     z = load_sum(xz_ptr, row * 2 * E + E + e, B * 2 * E, em, XZ_PARTS)
-    A = tl.load(A_ptr + e[:, None] * N + n[None, :], mask=em[:, None] & nm[None, :], other=0.0)
-    sp = ss_ptr + row * E * N + e[:, None] * N + n[None, :]
-    sm = em[:, None] & nm[None, :]
-    s = tl.load(sp, mask=sm, other=0.0)
     s = s * tl.exp(dt[:, None] * A) + (dt * x)[:, None] * Bv[None, :]
     tl.debug_barrier()  # every thread holding an element has read it before it is rewritten
     tl.store(sp, s, mask=sm)
@@ -123,7 +130,8 @@ def _ssm_update_kernel(
 # -- launchers -----------------------------------------------------------------------------------
 # split: the products' operands and results have 2B rows, halves as in split16.py. *_parts:
 # how many B-row blocks a product's float32 result comes in (default: 2 with split, else 1;
-# more where the deterministic step's products write each K chunk apart, gemm.py).
+# more where the deterministic step's products write each K chunk apart, gemm.py). pdl:
+# launch options from pdl.pdl_launch (default: a plain launch).
 
 
 def gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
@@ -147,27 +155,27 @@ def _parts(parts, split) -> int:
     return parts if parts is not None else (2 if split else 1)
 
 
-def conv_step(xz, conv_state, conv_w, conv_b, xc, xc16, split=False, xz_parts=None) -> None:
+def conv_step(xz, conv_state, conv_w, conv_b, xc, xc16, split=False, xz_parts=None, pdl=None) -> None:
     """x = xz[:, :E]; xc = SiLU(conv step), also written to xc16; updates conv_state."""
     B, E, K = conv_state.shape
     BE, warps = CONV_STEP_BLOCK
     _conv_step_kernel[(triton.cdiv(E, BE), B)](
         xz, conv_state, conv_w, conv_b if conv_b is not None else conv_w, xc, xc16, B, E,
         K=K, KP=triton.next_power_of_2(K), HAS_CB=conv_b is not None, XZ_PARTS=_parts(xz_parts, split), SPLIT=split,
-        BE=BE, num_warps=warps,
+        BE=BE, num_warps=warps, **(pdl or dict(PDL=0)),
     )
 
 
-def dbc_rows(raw, dbc, dtr, split=False, raw_parts=None) -> None:
+def dbc_rows(raw, dbc, dtr, split=False, raw_parts=None, pdl=None) -> None:
     """dbc = x_proj's result (B, R+2N) f32; dtr = its first R columns in dtr's dtype."""
     B, J = dbc.shape
     _dbc_kernel[(B,)](
         raw, dbc, dtr, B, J, dtr.shape[1], RAW_PARTS=_parts(raw_parts, split), SPLIT=split,
-        BJ=triton.next_power_of_2(J), num_warps=1,
+        BJ=triton.next_power_of_2(J), num_warps=1, **(pdl or dict(PDL=0)),
     )
 
 
-def ssm_update(dt, dbc, xc, xz, ssm_state, dt_bias, A, D, R, y, split=False, y_halves=None, dt_parts=None, xz_parts=None) -> None:
+def ssm_update(dt, dbc, xc, xz, ssm_state, dt_bias, A, D, R, y, split=False, y_halves=None, dt_parts=None, xz_parts=None, pdl=None) -> None:
     """y = gated output of one recurrence step (B and C from dbc[:, R:]); updates ssm_state.
     split: dt and xz in halves; y_halves (default: split): y written in halves."""
     B, E, N = ssm_state.shape
@@ -175,7 +183,7 @@ def ssm_update(dt, dbc, xc, xz, ssm_state, dt_bias, A, D, R, y, split=False, y_h
     _ssm_update_kernel[(triton.cdiv(E, BE), B)](
         dt, dbc, xc, xz, ssm_state, dt_bias, A, D, y, B, E, R, dbc.shape[1],
         N=N, NP=triton.next_power_of_2(N), DT_PARTS=_parts(dt_parts, split), XZ_PARTS=_parts(xz_parts, split),
-        Y_HALVES=split if y_halves is None else y_halves, BE=BE, num_warps=warps,
+        Y_HALVES=split if y_halves is None else y_halves, BE=BE, num_warps=warps, **(pdl or dict(PDL=0)),
     )
 
 
@@ -230,35 +238,40 @@ class GemmDecodeStep:
         halves = 2 if self.split else 1
         self.parts = {p: n * halves for p, n in self.chunks.items()}
         self.parts["out_proj"] = self.chunks["out_proj"] * (2 if self.split_out else 1)
+        # The Triton kernels launch with PDL (pdl.py) in the deterministic step, whose products
+        # are Triton's too (2.8b bf16, ms a step, batch 1 / 128: 2.575 / 6.846 against 2.904 /
+        # 6.983 without; 130m 0.448 / 0.965 against 0.575 / 1.020); between cuBLAS products
+        # it lost (2.8b batch 128: 6.057 against 5.984).
+        self.pdl = pdl_launch(dev) if deterministic else dict(PDL=0)
 
     def product(self, name: str, a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
         if self.deterministic:
-            invariant_gemm(a, weight, out, self.SPLITS[name])
+            invariant_gemm(a, weight, out, self.SPLITS[name], self.pdl)
         else:
             gemm(a, weight, out)
 
     def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:
         c, w = self.model.config, self.model.weights
-        R, eps, B, split, parts = c.dt_rank, c.norm_eps, self.B, self.split, self.parts
+        R, eps, B, split, parts, pdl = c.dt_rank, c.norm_eps, self.B, self.split, self.parts, self.pdl
         torch.index_select(w.embedding, 0, tokens, out=self.u[:B])  # u as scratch for the lookup
         self.h.copy_(self.u[:B])
         prev = None  # the previous layer's out_proj bias, added with its output
         for i, lw in enumerate(w.layers):
-            residual_rmsnorm(self.h, self.o if i else None, prev, lw.norm_w, eps, self.u, o_parts=parts["out_proj"], u_halves=split)
+            residual_rmsnorm(self.h, self.o if i else None, prev, lw.norm_w, eps, self.u, o_parts=parts["out_proj"], u_halves=split, pdl=pdl)
             self.product("in_proj", self.u, lw.in_proj_w, self.xz)
             if lw.in_proj_b is not None:
                 self.xz[:B] += lw.in_proj_b
-            conv_step(self.xz, state.conv[i], lw.conv_w, lw.conv_b, self.xc, self.xc16, split, parts["in_proj"])
+            conv_step(self.xz, state.conv[i], lw.conv_w, lw.conv_b, self.xc, self.xc16, split, parts["in_proj"], pdl)
             self.product("x_proj", self.xc16, lw.x_proj_w, self.dbc_raw)
-            dbc_rows(self.dbc_raw, self.dbc, self.dtr16, split, parts["x_proj"])
+            dbc_rows(self.dbc_raw, self.dbc, self.dtr16, split, parts["x_proj"], pdl)
             self.product("dt_proj", self.dtr16, lw.dt_proj_w, self.dt)
             ssm_update(
                 self.dt, self.dbc, self.xc, self.xz, state.ssm[i], lw.dt_bias, lw.A, lw.D, R, self.y16,
-                split, self.split_out, parts["dt_proj"], parts["in_proj"],
+                split, self.split_out, parts["dt_proj"], parts["in_proj"], pdl,
             )
             self.product("out_proj", self.y16, lw.out_proj_w, self.o)
             prev = lw.out_proj_b
-        residual_rmsnorm(self.h, self.o, prev, w.norm_f, eps, self.u, o_parts=parts["out_proj"], u_halves=split)
+        residual_rmsnorm(self.h, self.o, prev, w.norm_f, eps, self.u, o_parts=parts["out_proj"], u_halves=split, pdl=pdl)
         if split:
             self.product("lm_head", self.u, w.lm_head, self.logits_raw)
             torch.add(self.logits_raw[:B], self.logits_raw[B:], out=self.logits)

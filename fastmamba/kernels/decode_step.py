@@ -36,7 +36,7 @@ Why it is shaped this way:
   previous one drains, loads what the previous kernel does not write (its first weight
   tile; in in_proj also the conv weights and window, and x_proj's columns into L2; in
   conv_x_proj x_proj's columns; in ssm_step the layer's state), and only then waits for
-  the previous kernel's results (`_wait_for_prior_kernel`). Some let the next kernel
+  the previous kernel's results (pdl.py). Some let the next kernel
   launch even before their own wait (`DecodeStep.EARLY_LAUNCH`).
 - Larger batches run through cuBLAS instead (decode_gemm.py): from batch 3 up on bf16
   2.8b, 4 on 1.4b, 7 on 370m, 9 on 130m (see `one_row_up_to`).
@@ -44,14 +44,13 @@ Why it is shaped this way:
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from ._triton import INTERPRET, jit, tl, triton
 from .activations import silu, softplus
 from .decode_gemm import conv_step_ref, ssm_update_ref
+from .pdl import let_next_kernel_launch, pdl_launch, wait_for_prior_kernel
 from .rmsnorm import residual_rmsnorm_ref
 
 SMALL_BATCH = 8  # the most rows make_decode_step gives the one-row kernels (see one_row_up_to)
@@ -166,27 +165,8 @@ def _prefetch_to_l2(ptrs):
 
 
 @jit
-def _let_next_kernel_launch(PDL: tl.constexpr):
-    """PDL 2: the next kernel may launch as soon as all of this one's programs have
-    started (it still waits for this one to finish before it reads its results)."""
-    if PDL == 2:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@jit
-def _wait_for_prior_kernel(PDL: tl.constexpr):
-    """With programmatic dependent launch (PDL 1 or 2) a kernel may start while the one
-    before it in the stream is still finishing; it must wait here before touching anything
-    that kernel writes or reads. With PDL 1 it then lets the next kernel start early in turn."""
-    if PDL > 0:
-        tl.extra.cuda.gdc_wait()
-    if PDL == 1:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@jit
 def _embed_kernel(tok_ptr, emb_ptr, h_ptr, dh_ptr, B, D, BN: tl.constexpr, PDL: tl.constexpr):
-    _wait_for_prior_kernel(PDL)
+    wait_for_prior_kernel(PDL)
     pid_b = tl.program_id(0)  # rows first: see DecodeStep
     pid_n = tl.program_id(1)
     rows = pid_b + tl.arange(0, 1)  # the row, as a 1-vector: tiles are (1, n)
@@ -213,7 +193,7 @@ def _rmsnorm_linear_kernel(
     HAS_CB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     BJ: tl.constexpr, STAGES: tl.constexpr, SUM_LAST: tl.constexpr, PDL: tl.constexpr,
 ):
-    _let_next_kernel_launch(PDL)
+    let_next_kernel_launch(PDL)
     pid_b = tl.program_id(0)  # rows first: see DecodeStep
     pid_n = tl.program_id(1)
     rows = pid_b + tl.arange(0, 1)  # the row, as a 1-vector: tiles are (1, n)
@@ -228,7 +208,7 @@ def _rmsnorm_linear_kernel(
         if pid_n * BN < E:  # x_proj's columns into L2 (loaded after the GEMV: see below)
             j = tl.minimum(tl.arange(0, BJ), J - 1)
             _prefetch_to_l2(wx_ptr + j[:, None] * E + pid_n * BN + tl.arange(0, 2)[None, :] * (BN - 1))
-    _wait_for_prior_kernel(PDL)
+    wait_for_prior_kernel(PDL)
     # rmsnorm(h) * nw @ W.T = rstd * ((h * nw) @ W.T): the row's squares add up along the
     # same loop, element-wise (one sum across threads at the end, not one a tile), and
     # scale the sums at the end, so no pass over h comes first.
@@ -313,7 +293,7 @@ def _advance_slots(tok, rows, m, step_ptr, seen_ptr, V, BR: tl.constexpr):
 def _take_argmax_kernel(best_ptr, tok_ptr, hist_ptr, step_ptr, seen_ptr, B, V, BR: tl.constexpr, PDL: tl.constexpr):
     # After an lm_head with ARGMAX: the tokens (into tokens and a row of history), the
     # slots advanced; `best` emptied for the next lm_head.
-    _wait_for_prior_kernel(PDL)
+    wait_for_prior_kernel(PDL)
     rows = tl.arange(0, BR)
     m = rows < B
     tok = _token_of_key(tl.load(best_ptr + rows, mask=m, other=0))
@@ -384,7 +364,7 @@ def _conv_x_proj_kernel(
 ):
     # The conv step and x_proj as a kernel of their own, for wide models (see
     # DecodeStep.FUSED_CONV_UP_TO): the same work as in_proj's epilogue, on x from xz.
-    _let_next_kernel_launch(PDL)
+    let_next_kernel_launch(PDL)
     pid_b = tl.program_id(0)  # rows first: see DecodeStep
     pid_n = tl.program_id(1)
     rows = pid_b + tl.arange(0, 1)  # the row, as a 1-vector: tiles are (1, n)
@@ -392,7 +372,7 @@ def _conv_x_proj_kernel(
     n = pid_n * BN + tl.arange(0, BN)
     cw, cw_new, cb, window = _conv_inputs(rows, rmask, n, cs_ptr, cw_ptr, cb_ptr, E, K, KP, HAS_CB, BN)
     wx = _x_proj_columns(wx_ptr, n, E, J, BJ)  # before the wait too: here registers are plenty
-    _wait_for_prior_kernel(PDL)
+    wait_for_prior_kernel(PDL)
     x = tl.load(xz_ptr + rows[:, None] * (2 * E) + n[None, :], mask=rmask[:, None] & (n < E)[None, :], other=0.0)
     xc = _conv_step(x, cw, cw_new, cb, window, rows, rmask, n, cs_ptr, xc_ptr, E, K, KP)
     _add_x_proj_share(xc, wx, rows, rmask, dbc_ptr, J, BJ)
@@ -404,7 +384,7 @@ def _ssm_step_kernel(
     N: tl.constexpr, NP: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr,
     BE: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
 ):
-    _let_next_kernel_launch(PDL)
+    let_next_kernel_launch(PDL)
     pid_b = tl.program_id(0)
     pid_e = tl.program_id(1)
     rows = pid_b + tl.arange(0, 1)  # the row, as a 1-vector: tiles are (1, n)
@@ -424,7 +404,7 @@ def _ssm_step_kernel(
     sp = ss_ptr + rows[:, None, None] * (E * N) + e[None, :, None] * N + nn[None, None, :]
     sm = m[:, :, None] & nmask[None, None, :]
     s = tl.load(sp, mask=sm, other=0.0)  # (1, BE, NP)
-    _wait_for_prior_kernel(PDL)
+    wait_for_prior_kernel(PDL)
     dtr = _from_fixed(tl.load(dbc_ptr + rows[:, None] * BJ + r[None, :], mask=rmask[:, None] & (r < R)[None, :], other=0))
     Bv = _from_fixed(tl.load(dbc_ptr + rows[:, None] * BJ + R + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0))
     Cv = _from_fixed(tl.load(dbc_ptr + rows[:, None] * BJ + R + N + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0))
@@ -455,7 +435,7 @@ def _out_proj_residual_kernel(
     y_ptr, w_ptr, b_ptr, dh_ptr, dbc_ptr, B, D, E, KCHUNK,
     HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
 ):
-    _let_next_kernel_launch(PDL)
+    let_next_kernel_launch(PDL)
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -466,7 +446,7 @@ def _out_proj_residual_kernel(
     k_end = tl.minimum((pid_s + 1) * KCHUNK, E)
     k = pid_s * KCHUNK + tl.arange(0, BK)  # the first weight tile is on its way before the wait
     w = tl.load(w_ptr + n[:, None] * E + k[None, :], mask=nmask[:, None] & (k < k_end)[None, :], other=0.0)
-    _wait_for_prior_kernel(PDL)
+    wait_for_prior_kernel(PDL)
     # ssm_step has read dbc: the first program of each row tile zeroes the tile's rows for
     # the next layer's in_proj (jj >= 0 there, jj >= BJ or more in the others)
     jj = tl.arange(0, BJ)
@@ -492,16 +472,6 @@ def _out_proj_residual_kernel(
 
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
-
-
-def use_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch: Hopper or newer, a Triton that can launch with it,
-    and not switched off with FASTMAMBA_PDL=0 (to measure what it brings)."""
-    if INTERPRET or device.type != "cuda" or os.environ.get("FASTMAMBA_PDL") == "0":
-        return False
-    from triton.backends.nvidia.compiler import CUDAOptions
-
-    return torch.cuda.get_device_capability(device)[0] >= 9 and "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 
 def one_row_up_to(d_model: int, dtype: torch.dtype) -> int:
@@ -649,11 +619,10 @@ class DecodeStep:
         self.dbc = torch.zeros(batch, self.BJ, device=dev, dtype=torch.int64)  # fixed point: see FIXED_ONE
         self.logits = torch.zeros(batch, c.vocab_size, **f32)
         self.best = torch.full((batch,), ARGMAX_EMPTY, device=dev, dtype=torch.int64)  # see _argmax_keys
-        pdl = use_pdl(dev)
-        self.pdl = dict(PDL=1, launch_pdl=True) if pdl else dict(PDL=0)
+        self.pdl = pdl_launch(dev)
 
     def pdl_for(self, kernel: str) -> dict:
-        """The PDL launch settings for one of the step's kernels (see _let_next_kernel_launch)."""
+        """The PDL launch settings for one of the step's kernels (see pdl.let_next_kernel_launch)."""
         if self.pdl["PDL"] and kernel in self.EARLY_LAUNCH:
             return dict(self.pdl, PDL=2)
         return self.pdl

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import INTERPRET, jit, tl, triton
+from .pdl import wait_for_prior_kernel
 
 K_ALIGN = 16  # chunk bounds fall on multiples of the tensor cores' step of K
 
@@ -35,9 +36,10 @@ def gemm_ref(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @jit(do_not_specialize=["M"])
 def _gemm_kernel(
     a_ptr, w_ptr, out_ptr, M, N, K, KCHUNK,
-    F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+    F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     # (M is not specialised on its value: the code must not change with the batch size.)
+    wait_for_prior_kernel(PDL)
     pid_m = tl.program_id(0)  # row tiles first, so that the tiles sharing weights run together
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)  # the K chunk
@@ -89,9 +91,10 @@ def _tiles(M: int, N: int, K: int, f32: bool) -> tuple[int, int, int]:
     return BM, BN, min(BK, max(16, triton.next_power_of_2(K)))
 
 
-def gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, splits: int = 1) -> None:
+def gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, splits: int = 1, pdl: dict | None = None) -> None:
     """out[s * M:(s + 1) * M] = a @ weight[:, chunk s].T for each K chunk s (split_count of
-    them; they add up to the whole product), float32. a (M, K) in the weight's dtype."""
+    them; they add up to the whole product), float32. a (M, K) in the weight's dtype. pdl:
+    launch options from pdl.pdl_launch (default: a plain launch)."""
     M, K = a.shape
     N = weight.shape[0]
     chunk = _chunk(K, splits)
@@ -99,4 +102,4 @@ def gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, splits: int =
     f32 = weight.dtype == torch.float32
     BM, BN, BK = _tiles(M, N, K, f32)
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), triton.cdiv(K, chunk))
-    _gemm_kernel[grid](a, weight, out, M, N, K, chunk, F32=f32, BM=BM, BN=BN, BK=BK, STAGES=3, num_warps=4)
+    _gemm_kernel[grid](a, weight, out, M, N, K, chunk, F32=f32, BM=BM, BN=BN, BK=BK, STAGES=3, num_warps=4, **(pdl or dict(PDL=0)))
