@@ -35,7 +35,7 @@ from .activations import silu, softplus
 from .causal_conv1d import causal_conv1d_ref
 from .gemm import gemm as invariant_gemm
 from .gemm import split_count
-from .pdl import pdl_launch, wait_for_prior_kernel
+from .pdl import NO_PDL, pdl_launch, wait_for_prior_kernel
 from .rmsnorm import residual_rmsnorm
 from .selective_scan import selective_scan_ref
 from .split16 import load_sum, store_split
@@ -155,27 +155,27 @@ def _parts(parts, split) -> int:
     return parts if parts is not None else (2 if split else 1)
 
 
-def conv_step(xz, conv_state, conv_w, conv_b, xc, xc16, split=False, xz_parts=None, pdl=None) -> None:
+def conv_step(xz, conv_state, conv_w, conv_b, xc, xc16, split=False, xz_parts=None, pdl=NO_PDL) -> None:
     """x = xz[:, :E]; xc = SiLU(conv step), also written to xc16; updates conv_state."""
     B, E, K = conv_state.shape
     BE, warps = CONV_STEP_BLOCK
     _conv_step_kernel[(triton.cdiv(E, BE), B)](
         xz, conv_state, conv_w, conv_b if conv_b is not None else conv_w, xc, xc16, B, E,
         K=K, KP=triton.next_power_of_2(K), HAS_CB=conv_b is not None, XZ_PARTS=_parts(xz_parts, split), SPLIT=split,
-        BE=BE, num_warps=warps, **(pdl or dict(PDL=0)),
+        BE=BE, num_warps=warps, **pdl,
     )
 
 
-def dbc_rows(raw, dbc, dtr, split=False, raw_parts=None, pdl=None) -> None:
+def dbc_rows(raw, dbc, dtr, split=False, raw_parts=None, pdl=NO_PDL) -> None:
     """dbc = x_proj's result (B, R+2N) f32; dtr = its first R columns in dtr's dtype."""
     B, J = dbc.shape
     _dbc_kernel[(B,)](
         raw, dbc, dtr, B, J, dtr.shape[1], RAW_PARTS=_parts(raw_parts, split), SPLIT=split,
-        BJ=triton.next_power_of_2(J), num_warps=1, **(pdl or dict(PDL=0)),
+        BJ=triton.next_power_of_2(J), num_warps=1, **pdl,
     )
 
 
-def ssm_update(dt, dbc, xc, xz, ssm_state, dt_bias, A, D, R, y, split=False, y_halves=None, dt_parts=None, xz_parts=None, pdl=None) -> None:
+def ssm_update(dt, dbc, xc, xz, ssm_state, dt_bias, A, D, R, y, split=False, y_halves=None, dt_parts=None, xz_parts=None, pdl=NO_PDL) -> None:
     """y = gated output of one recurrence step (B and C from dbc[:, R:]); updates ssm_state.
     split: dt and xz in halves; y_halves (default: split): y written in halves."""
     B, E, N = ssm_state.shape
@@ -183,7 +183,7 @@ def ssm_update(dt, dbc, xc, xz, ssm_state, dt_bias, A, D, R, y, split=False, y_h
     _ssm_update_kernel[(triton.cdiv(E, BE), B)](
         dt, dbc, xc, xz, ssm_state, dt_bias, A, D, y, B, E, R, dbc.shape[1],
         N=N, NP=triton.next_power_of_2(N), DT_PARTS=_parts(dt_parts, split), XZ_PARTS=_parts(xz_parts, split),
-        Y_HALVES=split if y_halves is None else y_halves, BE=BE, num_warps=warps, **(pdl or dict(PDL=0)),
+        Y_HALVES=split if y_halves is None else y_halves, BE=BE, num_warps=warps, **pdl,
     )
 
 
@@ -242,7 +242,7 @@ class GemmDecodeStep:
         # are Triton's too (2.8b bf16, ms a step, batch 1 / 128: 2.575 / 6.846 against 2.904 /
         # 6.983 without; 130m 0.448 / 0.965 against 0.575 / 1.020); between cuBLAS products
         # it lost (2.8b batch 128: 6.057 against 5.984).
-        self.pdl = pdl_launch(dev) if deterministic else dict(PDL=0)
+        self.pdl = pdl_launch(dev) if deterministic else NO_PDL
 
     def product(self, name: str, a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
         if self.deterministic:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import INTERPRET, jit, tl, triton
-from .pdl import wait_for_prior_kernel
+from .pdl import NO_PDL, wait_for_prior_kernel
 
 K_ALIGN = 16  # chunk bounds fall on multiples of the tensor cores' step of K
 
@@ -91,7 +91,7 @@ def _tiles(M: int, N: int, K: int, f32: bool) -> tuple[int, int, int]:
     return BM, BN, min(BK, max(16, triton.next_power_of_2(K)))
 
 
-def gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, splits: int = 1, pdl: dict | None = None) -> None:
+def gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, splits: int = 1, pdl: dict = NO_PDL) -> None:
     """out[s * M:(s + 1) * M] = a @ weight[:, chunk s].T for each K chunk s (split_count of
     them; they add up to the whole product), float32. a (M, K) in the weight's dtype. pdl:
     launch options from pdl.pdl_launch (default: a plain launch)."""
@@ -102,4 +102,4 @@ def gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, splits: int =
     f32 = weight.dtype == torch.float32
     BM, BN, BK = _tiles(M, N, K, f32)
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), triton.cdiv(K, chunk))
-    _gemm_kernel[grid](a, weight, out, M, N, K, chunk, F32=f32, BM=BM, BN=BN, BK=BK, STAGES=3, num_warps=4, **(pdl or dict(PDL=0)))
+    _gemm_kernel[grid](a, weight, out, M, N, K, chunk, F32=f32, BM=BM, BN=BN, BK=BK, STAGES=3, num_warps=4, **pdl)

@@ -44,6 +44,9 @@ def use_pdl(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9 and "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 
+NO_PDL = dict(PDL=0)  # the launch options of a plain launch (never modified: unpacked or copied)
+
+
 def pdl_launch(device: torch.device) -> dict:
     """The launch options of a kernel that takes a PDL constexpr: PDL 1 where it is used."""
-    return dict(PDL=1, launch_pdl=True) if use_pdl(device) else dict(PDL=0)
+    return dict(PDL=1, launch_pdl=True) if use_pdl(device) else NO_PDL

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import jit, tl, triton
-from .pdl import wait_for_prior_kernel
+from .pdl import NO_PDL, wait_for_prior_kernel
 from .split16 import load_sum, store_split
 
 
@@ -44,7 +44,7 @@ def _residual_rmsnorm_kernel(
     store_split(u_ptr, row * D + k, u, LO, km, U_HALVES)
 
 
-def residual_rmsnorm(h, o, bias, norm_w, eps, u, h_out=None, o_parts=1, u_halves=False, pdl=None) -> None:
+def residual_rmsnorm(h, o, bias, norm_w, eps, u, h_out=None, o_parts=1, u_halves=False, pdl=NO_PDL) -> None:
     """h_out = h + o + bias (o None: nothing is added or written); u = rmsnorm(h_out) * norm_w
     in u's dtype. All (rows, d) contiguous; h_out defaults to h (in place). o_parts: o has
     that many times h's rows, a float32 result in parts to add (split16.load_sum); u_halves:
@@ -56,7 +56,7 @@ def residual_rmsnorm(h, o, bias, norm_w, eps, u, h_out=None, o_parts=1, u_halves
         h, o if o is not None else h, bias if bias is not None else h, norm_w, h if h_out is None else h_out, u, D, eps,
         rows * D, ADD=o is not None, HAS_BIAS=bias is not None, O_PARTS=o_parts, U_HALVES=u_halves,
         BD=triton.next_power_of_2(D),
-        num_warps=8 if D > 2048 else 4, **(pdl or dict(PDL=0)),
+        num_warps=8 if D > 2048 else 4, **pdl,
     )
 
 
