@@ -173,8 +173,9 @@ def main() -> None:
         compile_kernel(ds._embed_kernel, t, dict(BN=32, PDL=True))
         # the deterministic step's products (gemm.py), in the tiles of 1 and of 128 rows
         for M in (2, 256):
-            BM, BN, BK = gm._tiles(M, 5120, 2560, f32)
-            compile_kernel(gm._gemm_kernel, ptrs("out_ptr", a_ptr=wdt, w_ptr=wdt), dict(F32=f32, BM=BM, BN=BN, BK=BK, STAGES=3, PDL=True))
+            t = gm._tiles(M, 5120, 2560, 1, f32, sms=132)
+            compile_kernel(gm._gemm_kernel, ptrs("out_ptr", a_ptr=wdt, w_ptr=wdt), dict(
+                F32=f32, BM=t.BM, BN=t.BN, BK=t.BK, STAGES=t.stages, PDL=True), num_warps=t.warps)
         res.append(f"decode {wdt}: ok")
     for wdt in ("*bf16", "*fp32"):  # the cuBLAS-product step's element-wise kernels
         compile_kernel(rn._residual_rmsnorm_kernel, ptrs("h_ptr", "o_ptr", "b_ptr", "nw_ptr", "h_out_ptr", u_ptr=wdt, eps="fp32"), dict(ADD=True, HAS_BIAS=True, O_PARTS=1, U_HALVES=wdt != "*fp32", BD=4096, PDL=True), num_warps=8)

@@ -19,6 +19,9 @@ its weights at batch 1, where one program a tile of columns would leave most of 
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -74,21 +77,43 @@ def _chunk(K: int, splits: int) -> int:
     return triton.cdiv(triton.cdiv(K, splits), K_ALIGN) * K_ALIGN
 
 
-def _tiles(M: int, N: int, K: int, f32: bool) -> tuple[int, int, int]:
-    """(BM, BN, BK) for M rows. Chosen on the H200 at the public shapes (each product alone,
-    batch 1 to 128: benchmarks/RESULTS.md); none of them changes a result, but float32's BK."""
+class Tiles(NamedTuple):
+    BM: int  # rows
+    BN: int  # columns (weight rows)
+    BK: int  # steps of K a loop iteration
+    stages: int  # loads in flight (tl.range num_stages)
+    warps: int
+
+
+def _tiles(M: int, N: int, K: int, chunks: int, f32: bool, sms: int) -> Tiles:
+    """The tiles for M rows of a product in `chunks` K chunks on a GPU of `sms`
+    multiprocessors. Chosen on the H200 at the public shapes (each product alone, then whole
+    steps at batch 1 and 128: benchmarks/RESULTS.md); none of them changes a result, but
+    float32's BK. A vocabulary-wide N is lm_head's."""
     if INTERPRET:  # numpy's matmul plus the accumulator rounds at every tile of K, unlike
         # the tensor cores' chain: there the tiles stay the same for every M
-        return 16, 32, 32
-    if M <= 16:  # one small row tile: narrow column tiles, many programs
-        BM, BN, BK = 16, 32, 128
+        return Tiles(16, 32, 32, 3, 4)
+    vocab = N >= 16384
+    if f32:  # tf32x3: BK fixed
+        t = Tiles(16 if M <= 16 else 64, 32, 32, 3, 4)
+    elif M <= 16:  # one small row tile: narrow column tiles, many programs
+        t = Tiles(16, 64, 128, 2, 4) if vocab else Tiles(16, 32, 128, 4, 4)
     elif M <= 64:
-        BM, BN, BK = 64, 32, 128
+        t = Tiles(64, 32, 128, 3, 4)
+    elif vocab:
+        t = Tiles(128, 128, 64, 3, 8)
     else:
-        BM, BN, BK = 64, (128 if N >= 1024 else 32), 64
-    if f32:
-        BN, BK = 32, 32
-    return BM, BN, min(BK, max(16, triton.next_power_of_2(K)))
+        t = Tiles(64, 128 if N >= 1024 else 64, 64, 4, 4)
+        # Four stages fit two programs an SM: where the grid needs more, three (three an SM)
+        # keep it to one wave (2.8b in_proj at 128 rows: 320 programs on 132 SMs).
+        if triton.cdiv(M, t.BM) * triton.cdiv(N, t.BN) * chunks > 2 * sms:
+            t = t._replace(stages=3)
+    return t._replace(BK=min(t.BK, max(16, triton.next_power_of_2(K))))
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, splits: int = 1, pdl: dict = NO_PDL) -> None:
@@ -100,6 +125,6 @@ def gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, splits: int =
     chunk = _chunk(K, splits)
     assert out.shape == (triton.cdiv(K, chunk) * M, N) and out.is_contiguous() and a.is_contiguous()
     f32 = weight.dtype == torch.float32
-    BM, BN, BK = _tiles(M, N, K, f32)
-    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), triton.cdiv(K, chunk))
-    _gemm_kernel[grid](a, weight, out, M, N, K, chunk, F32=f32, BM=BM, BN=BN, BK=BK, STAGES=3, num_warps=4, **pdl)
+    t = _tiles(M, N, K, triton.cdiv(K, chunk), f32, _multiprocessors(weight.device))
+    grid = (triton.cdiv(M, t.BM), triton.cdiv(N, t.BN), triton.cdiv(K, chunk))
+    _gemm_kernel[grid](a, weight, out, M, N, K, chunk, F32=f32, BM=t.BM, BN=t.BN, BK=t.BK, STAGES=t.stages, num_warps=t.warps, **pdl)
