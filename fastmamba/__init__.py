@@ -49,8 +49,9 @@ def load(
     deterministic: on the GPU, make a slot's logits bitwise the same whatever the batch
     size (the decode step's products then sum each output in one fixed order at every batch
     size, and a batch's prompts prefill one at a time; see benchmarks/RESULTS.md for the
-    cost). Without it this holds only for the decode steps of the small batches of the
-    one-row kernels (decode_step.one_row_up_to).
+    cost). Without it this holds among the batch sizes whose decode step avoids cuBLAS,
+    within each of their two ranges: the small batches of the one-row kernels
+    (decode_step.one_row_up_to) and those up to decode_step.triton_products_up_to.
     Raises CheckpointError (a ValueError) naming the file and tensor or key on bad input.
     """
     storage = parse_dtype(dtype)

@@ -26,8 +26,11 @@ def rel_err(a, b) -> float:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("B,deterministic", [(4, False), (4, True), (40, False), (40, True)])
-def test_engine_logits_match_the_cpu_reference(dtype, B, deterministic, real_shape_ckpt):
+@pytest.mark.parametrize("B,kind", [(4, "default"), (4, "deterministic"), (40, "default"), (40, "deterministic"), (40, "cublas")])
+def test_engine_logits_match_the_cpu_reference(dtype, B, kind, real_shape_ckpt):
+    """The step make_decode_step picks (B 4: one-row kernels; 40: Triton products, or
+    cuBLAS's for float32), the deterministic one, and cuBLAS's products for every dtype."""
+    from fastmamba.kernels.decode_gemm import GemmDecodeStep
     from fastmamba.kernels.decode_step import make_decode_step
 
     # The reference stores the weights in the same dtype (upcast per product), so the
@@ -36,7 +39,7 @@ def test_engine_logits_match_the_cpu_reference(dtype, B, deterministic, real_sha
     gpu = fastmamba.load(real_shape_ckpt, device="cuda", dtype=dtype).model
     tokens = torch.randint(0, 50280, (B, 12))
     cpu_state, gpu_state = cpu.new_state(B), gpu.new_state(B)
-    step = make_decode_step(gpu, B, deterministic)  # B 40: cuBLAS products unless deterministic
+    step = GemmDecodeStep(gpu, B) if kind == "cublas" else make_decode_step(gpu, B, kind == "deterministic")
     for t in range(12):
         ref = cpu.step(tokens[:, t], cpu_state)
         out = step(tokens[:, t].cuda(), gpu_state)

@@ -203,12 +203,13 @@ def test_whole_step_equals_the_reference_model(case, fused):
 
 @pytest.mark.parametrize(
     "batch,slot,rows,deterministic",
-    [(20, 16, [16], True), (70, 3, [9, 3, 40], True), (8, 5, [5], False), (7, 2, list(range(5)), False)],
+    [(20, 16, [16], True), (70, 3, [9, 3, 40], True), (4, 3, [3], False), (40, 2, list(range(5)), False)],
 )
 def test_a_slot_is_bitwise_the_same_in_any_batch(checkpoints, batch, slot, rows, deterministic):
     """Deterministic mode: any batch size (70 rows take other product tiles than 1 or 3 on
     the GPU; the interpreter keeps one tiling, see gemm._tiles). Default: within the
-    one-row mode (up to one_row_up_to rows)."""
+    one-row mode (up to one_row_up_to rows: 4 here), and within the Triton products' range
+    above it."""
     model = fastmamba.load(checkpoints["untied_bias_rank"], device=DEVICE, dtype="bfloat16").model
     tokens = torch.randint(0, model.config.vocab_size, (batch,), device=DEVICE)
     big_state = model.new_state(batch)
@@ -244,20 +245,37 @@ def test_gemm_matches_its_ref_in_every_chunk(dtype, M, N, K, splits):
     assert rel_err(parts[0], gm.gemm_ref(a[:, :first], w[:, :first])) < 1e-5
 
 
+def test_make_decode_step_routes_by_batch_size(checkpoints):
+    """One-row kernels, then Triton products (16-bit weights), then cuBLAS's; deterministic:
+    Triton products at every batch size."""
+    from fastmamba.kernels.decode_gemm import GemmDecodeStep
+
+    for dtype, one_row, triton in (("bfloat16", 4, 256), ("float32", 8, 0)):
+        model = fastmamba.load(checkpoints["kernel3_state8"], device=DEVICE, dtype=dtype).model
+        assert (ds.one_row_up_to(model.config.d_model, model.weights.embedding.dtype), ds.triton_products_up_to(
+            model.config.d_model, model.weights.embedding.dtype)) == (one_row, triton)
+        for batch, deterministic, kind in ((one_row, False, None), (one_row + 1, False, triton > one_row), (257, False, False),
+                                           (1, True, True), (257, True, True)):
+            step = ds.make_decode_step(model, batch, deterministic)
+            if kind is None:
+                assert isinstance(step, ds.DecodeStep)
+            else:
+                assert isinstance(step, GemmDecodeStep) and step.triton_products == kind, (dtype, batch, deterministic)
+
+
 @pytest.mark.parametrize(
-    "name,dtype,batch,deterministic",
+    "name,dtype,batch,triton_products",
     [("untied_bias_rank", "bfloat16", 9, False), ("kernel3_state8", "float32", 20, False),
      ("untied_bias_rank", "bfloat16", 3, True), ("kernel3_state8", "float32", 2, True), ("odd_vocab_tied", "float16", 17, True)],
 )
-def test_gemm_step_equals_the_reference_model(checkpoints, name, dtype, batch, deterministic):
-    """Whole steps of the step that make_decode_step picks above one_row_up_to rows, and at
-    every batch size when deterministic (products through gemm.py, in K chunks)."""
+def test_gemm_step_equals_the_reference_model(checkpoints, name, dtype, batch, triton_products):
+    """Whole steps of decode_gemm.py's step, its products through cuBLAS or through
+    gemm.py (in K chunks)."""
     from fastmamba.kernels.decode_gemm import GemmDecodeStep
 
     model = fastmamba.load(checkpoints[name], device=DEVICE, dtype=dtype).model
-    step = ds.make_decode_step(model, batch, deterministic)
-    assert isinstance(step, GemmDecodeStep)
-    if deterministic:  # these models' x_proj and out_proj are long enough for two chunks or more
+    step = GemmDecodeStep(model, batch, triton_products)
+    if triton_products:  # these models' x_proj and out_proj are long enough for two chunks or more
         assert step.chunks["x_proj"] >= 2 and step.chunks["out_proj"] >= 2
     state = model.new_state(batch)
     state.ssm.copy_(rand(*state.ssm.shape, seed=11))

@@ -2,7 +2,8 @@
 kernels a layer.
 
 Above decode_step.one_row_up_to rows, and at every batch size with `deterministic=True`,
-one step is, per layer:
+one step is, per layer (the products through cuBLAS or through gemm.py's Triton GEMM, see
+below):
 
     residual_rmsnorm   h += o (+ out bias); u = rmsnorm(h) * norm_w, in the storage dtype (rmsnorm.py)
     cuBLAS             xz = u @ in_proj.T                    (float32 out)
@@ -20,9 +21,11 @@ enter in_proj, x_proj, dt_proj and lm_head as two 16-bit halves (split16.py), so
 about 16 bits; out_proj's operand is rounded once (see SPLIT_OUT_PROJ). Every product
 accumulates in float32.
 cuBLAS may pick its algorithm by the number of rows, so a slot's bits can depend on the
-batch size. `deterministic=True` runs the products through gemm.py instead, whose rows'
-results never do; the element-wise kernels treat each row alone either way, so then a
-slot's logits are bitwise the same in any batch.
+batch size. gemm.py's products never do, and the element-wise kernels treat each row alone
+either way, so with them a slot's logits are bitwise the same in any batch:
+`deterministic=True` runs them at every batch size, and the default step wherever they
+beat cuBLAS (up to decode_step.triton_products_up_to rows: with PDL between all the
+step's kernels, the Triton step is faster than cuBLAS's up to 64 rows on the wide models).
 """
 
 from __future__ import annotations
@@ -130,7 +133,7 @@ def _ssm_update_kernel(
 # -- launchers -----------------------------------------------------------------------------------
 # split: the products' operands and results have 2B rows, halves as in split16.py. *_parts:
 # how many B-row blocks a product's float32 result comes in (default: 2 with split, else 1;
-# more where the deterministic step's products write each K chunk apart, gemm.py). pdl:
+# more where gemm.py's products write each K chunk apart). pdl:
 # launch options from pdl.pdl_launch (default: a plain launch).
 
 
@@ -189,7 +192,7 @@ def ssm_update(dt, dbc, xc, xz, ssm_state, dt_bias, A, D, R, y, split=False, y_h
 
 class GemmDecodeStep:
     """One decode step for a fixed batch size through cuBLAS products, or with
-    `deterministic` through gemm.py's, whose rows' bits do not depend on the batch size
+    `triton_products` through gemm.py's, whose rows' bits do not depend on the batch size
     (every other kernel here treats each row alone); same interface as
     decode_step.DecodeStep (`__call__(tokens, state) -> logits`, `.logits`)."""
 
@@ -198,7 +201,7 @@ class GemmDecodeStep:
     # 6.29). The halves matter where rounding moves the logits most: in_proj's and
     # x_proj's operands (lm_head's are kept split too).
     SPLIT_OUT_PROJ = False
-    # Deterministic: the K chunks each product asks of gemm.py. Fixed per product, never by
+    # The K chunks each product asks of gemm.py. Fixed per product, never by
     # the batch size (they set the order of the sums). The short-and-wide x_proj and
     # out_proj need them for enough programs at batch 1; more chunks cost their reads at
     # large batches. Each product alone, 2.8b bf16, µs at batch 1 / 128 (operands of 2 /
@@ -207,10 +210,10 @@ class GemmDecodeStep:
     # 23.5 / 42.2 (benchmarks/RESULTS.md).
     SPLITS = dict(in_proj=1, x_proj=8, dt_proj=1, out_proj=4, lm_head=1)
 
-    def __init__(self, model, batch: int, deterministic: bool = False):
+    def __init__(self, model, batch: int, triton_products: bool = False):
         c, w = model.config, model.weights
         dev, sdt = w.embedding.device, w.embedding.dtype
-        self.model, self.B, self.deterministic = model, batch, deterministic
+        self.model, self.B, self.triton_products = model, batch, triton_products
         self.split = sdt != torch.float32  # 16-bit operands in two halves (split16.py)
         self.split_out = self.split and self.SPLIT_OUT_PROJ
         P = 2 * batch if self.split else batch  # rows of the products
@@ -218,7 +221,7 @@ class GemmDecodeStep:
         d, E, N, R = c.d_model, c.d_inner, c.d_state, c.dt_rank
         # the K chunks each product's result comes in (see SPLITS)
         K = dict(in_proj=d, x_proj=E, dt_proj=R, out_proj=E, lm_head=d)
-        self.chunks = {p: split_count(K[p], self.SPLITS[p]) if deterministic else 1 for p in K}
+        self.chunks = {p: split_count(K[p], self.SPLITS[p]) if triton_products else 1 for p in K}
         assert self.chunks["lm_head"] == 1
         f32 = dict(device=dev, dtype=torch.float32)
         self.h = torch.zeros(batch, d, **f32)
@@ -238,14 +241,13 @@ class GemmDecodeStep:
         halves = 2 if self.split else 1
         self.parts = {p: n * halves for p, n in self.chunks.items()}
         self.parts["out_proj"] = self.chunks["out_proj"] * (2 if self.split_out else 1)
-        # The Triton kernels launch with PDL (pdl.py) in the deterministic step, whose products
-        # are Triton's too (2.8b bf16, ms a step, batch 1 / 128: 2.575 / 6.846 against 2.904 /
+        # The Triton kernels launch with PDL (pdl.py) where the products are Triton's too (2.8b bf16, ms a step, batch 1 / 128: 2.575 / 6.846 against 2.904 /
         # 6.983 without; 130m 0.448 / 0.965 against 0.575 / 1.020); between cuBLAS products
         # it lost (2.8b batch 128: 6.057 against 5.984).
-        self.pdl = pdl_launch(dev) if deterministic else NO_PDL
+        self.pdl = pdl_launch(dev) if triton_products else NO_PDL
 
     def product(self, name: str, a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-        if self.deterministic:
+        if self.triton_products:
             invariant_gemm(a, weight, out, self.SPLITS[name], self.pdl)
         else:
             gemm(a, weight, out)

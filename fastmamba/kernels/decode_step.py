@@ -38,8 +38,10 @@ Why it is shaped this way:
   conv_x_proj x_proj's columns; in ssm_step the layer's state), and only then waits for
   the previous kernel's results (pdl.py). Some let the next kernel
   launch even before their own wait (`DecodeStep.EARLY_LAUNCH`).
-- Larger batches run through cuBLAS instead (decode_gemm.py): from batch 3 up on bf16
-  2.8b, 4 on 1.4b, 7 on 370m, 9 on 130m (see `one_row_up_to`).
+- Larger batches run decode_gemm.py's step instead, from batch 2 up on bf16 2.8b, 3 on
+  1.4b, 4 on 370m, 5 on 130m (`one_row_up_to`): its products through gemm.py's Triton GEMM
+  up to 64 rows on the wide models and 256 on the narrow ones (`triton_products_up_to`),
+  through cuBLAS beyond.
 """
 
 from __future__ import annotations
@@ -476,32 +478,46 @@ def _pow2(n: int, least: int = 16) -> int:
 
 def one_row_up_to(d_model: int, dtype: torch.dtype) -> int:
     """The largest batch that make_decode_step gives the one-row kernels; larger ones go to
-    cuBLAS. A one-row step reads every weight once a row (the rows of a weight tile run side
-    by side, so the copies after the first come from L2), so each row adds about as much
-    L2 traffic as a batch-1 step's memory traffic, where cuBLAS reads each weight once for
-    all rows at a cost that hardly grows with them. The crossover falls as the model
-    widens. Whole graph-replayed steps on the H200, ms, one-row against cuBLAS: bf16 130m
-    batch 8 0.661 / 0.696; 370m 6 1.386 / 1.752, 8 1.719 / 1.420; 1.4b 3 1.956 / 2.054, 4
-    2.421 / 2.068; 2.8b 2 2.546 / 3.184, 3 3.324 / 3.205; float32 (cuBLAS's float32
-    products are slower still) 130m 8 0.807 / 1.182, 370m 6 1.522 one-row, 7 4.534 cuBLAS,
-    2.8b 3 5.511 / 9.432, 4 7.210 / 6.341."""
-    if d_model <= 768 or (d_model <= 1024 and dtype == torch.float32):
-        return SMALL_BATCH
-    if d_model <= 1024:
-        return 6
-    return 3 if d_model <= 2048 or dtype == torch.float32 else 2
+    decode_gemm.py's step. A one-row step reads every weight once a row (the rows of a
+    weight tile run side by side, so the copies after the first come from L2), so each row
+    adds about as much L2 traffic as a batch-1 step's memory traffic, where a product reads
+    each weight once for all rows at a cost that hardly grows with them. The crossover falls
+    as the model widens. Whole graph-replayed steps on the H200, ms, one-row against the
+    Triton products (16-bit) or cuBLAS (float32): bf16 130m batch 4 0.409 / 0.446, 8 0.665 /
+    0.460; 370m 4 1.030 / 0.926; 1.4b 2 1.442 / 1.472, 3 1.940 / 1.489; 2.8b 2 2.547 /
+    2.480; float32 130m 8 0.803 / 1.183, 2.8b 3 5.514 / 9.329, 4 7.396 / 6.311."""
+    if dtype == torch.float32:
+        return SMALL_BATCH if d_model <= 1024 else 3
+    if d_model <= 768:
+        return 4
+    return 3 if d_model <= 1024 else 2 if d_model <= 2048 else 1
+
+
+def triton_products_up_to(d_model: int, dtype: torch.dtype) -> int:
+    """The largest batch whose default step runs its products through gemm.py (the
+    batch-invariant Triton GEMM of the deterministic mode, its kernels chained by PDL);
+    larger ones through cuBLAS. 16-bit weights, whole steps on the H200, ms, Triton against
+    cuBLAS: 2.8b batch 8 2.608 / 3.311, 32 3.450 / 3.969, 64 4.601 / 4.635, 128 6.567 /
+    5.974; 1.4b 32 2.147 / 2.460, 64 2.830 / 2.869, 128 3.709 / 3.671; 370m 128 2.107 /
+    2.149; 130m 32 0.544 / 0.733, 256 1.278 / 1.304. float32 (three TF32 products a tile)
+    wins and loses by shape (2.8b 16 7.27 / 10.23, 32 11.22 / 9.95): cuBLAS there."""
+    if dtype == torch.float32:
+        return 0
+    return 256 if d_model <= 1024 else 64
 
 
 def make_decode_step(model, batch: int, deterministic: bool = False):
     """The fastest decode step for this batch size: Triton GEMVs (one row a program) up to
-    one_row_up_to rows, cuBLAS products above (decode_gemm.py); with `deterministic`,
-    decode_gemm.py's step with its batch-invariant products at every batch size, so that a
-    slot's bits never depend on the batch."""
-    if deterministic or batch > one_row_up_to(model.config.d_model, model.weights.embedding.dtype):
-        from .decode_gemm import GemmDecodeStep
+    one_row_up_to rows, decode_gemm.py's step above, its products through gemm.py up to
+    triton_products_up_to rows and through cuBLAS beyond; with `deterministic`,
+    decode_gemm.py's step with gemm.py's batch-invariant products at every batch size, so
+    that a slot's bits never depend on the batch."""
+    d, dtype = model.config.d_model, model.weights.embedding.dtype
+    if not deterministic and batch <= one_row_up_to(d, dtype):
+        return DecodeStep(model, batch)
+    from .decode_gemm import GemmDecodeStep
 
-        return GemmDecodeStep(model, batch, deterministic)
-    return DecodeStep(model, batch)
+    return GemmDecodeStep(model, batch, triton_products=deterministic or batch <= triton_products_up_to(d, dtype))
 
 
 class DecodeStep:
