@@ -203,13 +203,15 @@ def test_whole_step_equals_the_reference_model(case, fused):
 
 @pytest.mark.parametrize(
     "batch,slot,rows,deterministic",
-    [(20, 16, [16], True), (70, 3, [9, 3, 40], True), (4, 3, [3], False), (40, 2, list(range(5)), False)],
+    [(20, 16, [16], True), (70, 3, [9, 3, 40], True), (4, 3, [3], False), (21, 2, list(range(5)), False)],
 )
 def test_a_slot_is_bitwise_the_same_in_any_batch(checkpoints, batch, slot, rows, deterministic):
     """Deterministic mode: any batch size (70 rows take other product tiles than 1 or 3 on
     the GPU; the interpreter keeps one tiling, see gemm._tiles). Default: within the
     one-row mode (up to one_row_up_to rows: 4 here), and within the Triton products' range
-    above it."""
+    above it as far as in_proj goes to cuBLAS (CUBLAS_IN_PROJ_ABOVE). (The interpreter's
+    numpy products may round a row by its place in the tile: 21 rows put slot 2's low half
+    where 5 rows do, at row 7 of a 16-row tile.)"""
     model = fastmamba.load(checkpoints["untied_bias_rank"], device=DEVICE, dtype="bfloat16").model
     tokens = torch.randint(0, model.config.vocab_size, (batch,), device=DEVICE)
     big_state = model.new_state(batch)
@@ -254,28 +256,34 @@ def test_make_decode_step_routes_by_batch_size(checkpoints):
         model = fastmamba.load(checkpoints["kernel3_state8"], device=DEVICE, dtype=dtype).model
         assert (ds.one_row_up_to(model.config.d_model, model.weights.embedding.dtype), ds.triton_products_up_to(
             model.config.d_model, model.weights.embedding.dtype)) == (one_row, triton)
-        for batch, deterministic, kind in ((one_row, False, None), (one_row + 1, False, triton > one_row), (257, False, False),
-                                           (1, True, True), (257, True, True)):
+        cases = [(one_row, False, None, None), (257, False, False, "all"), (1, True, True, "none"), (257, True, True, "none")]
+        if triton:  # the Triton products, in_proj through cuBLAS above CUBLAS_IN_PROJ_ABOVE rows
+            cases += [(one_row + 1, False, True, "none"), (ds.CUBLAS_IN_PROJ_ABOVE + 1, False, True, "in_proj")]
+        else:
+            cases += [(one_row + 1, False, False, "all")]
+        for batch, deterministic, triton_products, cublas in cases:
             step = ds.make_decode_step(model, batch, deterministic)
-            if kind is None:
+            if triton_products is None:
                 assert isinstance(step, ds.DecodeStep)
-            else:
-                assert isinstance(step, GemmDecodeStep) and step.triton_products == kind, (dtype, batch, deterministic)
+                continue
+            assert isinstance(step, GemmDecodeStep) and step.triton_products == triton_products, (dtype, batch, deterministic)
+            assert step.cublas_products == dict(all=set(step.SPLITS), none=set(), in_proj={"in_proj"})[cublas]
 
 
 @pytest.mark.parametrize(
-    "name,dtype,batch,triton_products",
-    [("untied_bias_rank", "bfloat16", 9, False), ("kernel3_state8", "float32", 20, False),
-     ("untied_bias_rank", "bfloat16", 3, True), ("kernel3_state8", "float32", 2, True), ("odd_vocab_tied", "float16", 17, True)],
+    "name,dtype,batch,products",
+    [("untied_bias_rank", "bfloat16", 9, "cublas"), ("kernel3_state8", "float32", 20, "cublas"),
+     ("untied_bias_rank", "bfloat16", 3, "triton"), ("kernel3_state8", "float32", 2, "triton"),
+     ("odd_vocab_tied", "float16", 17, "triton"), ("untied_bias_rank", "bfloat16", 6, "triton, cuBLAS in_proj")],
 )
-def test_gemm_step_equals_the_reference_model(checkpoints, name, dtype, batch, triton_products):
+def test_gemm_step_equals_the_reference_model(checkpoints, name, dtype, batch, products):
     """Whole steps of decode_gemm.py's step, its products through cuBLAS or through
-    gemm.py (in K chunks)."""
+    gemm.py (in K chunks), or all but in_proj through gemm.py."""
     from fastmamba.kernels.decode_gemm import GemmDecodeStep
 
     model = fastmamba.load(checkpoints[name], device=DEVICE, dtype=dtype).model
-    step = GemmDecodeStep(model, batch, triton_products)
-    if triton_products:  # these models' x_proj and out_proj are long enough for two chunks or more
+    step = GemmDecodeStep(model, batch, products != "cublas", cublas_in_proj="in_proj" in products)
+    if products != "cublas":  # these models' x_proj and out_proj are long enough for two chunks or more
         assert step.chunks["x_proj"] >= 2 and step.chunks["out_proj"] >= 2
     state = model.new_state(batch)
     state.ssm.copy_(rand(*state.ssm.shape, seed=11))

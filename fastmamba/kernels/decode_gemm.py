@@ -24,8 +24,8 @@ cuBLAS may pick its algorithm by the number of rows, so a slot's bits can depend
 batch size. gemm.py's products never do, and the element-wise kernels treat each row alone
 either way, so with them a slot's logits are bitwise the same in any batch:
 `deterministic=True` runs them at every batch size, and the default step wherever they
-beat cuBLAS (up to decode_step.triton_products_up_to rows: with PDL between all the
-step's kernels, the Triton step is faster than cuBLAS's up to 64 rows on the wide models).
+beat cuBLAS (with PDL between all the step's kernels): all five up to 32 rows, all but
+in_proj up to decode_step.triton_products_up_to rows.
 """
 
 from __future__ import annotations
@@ -193,8 +193,9 @@ def ssm_update(dt, dbc, xc, xz, ssm_state, dt_bias, A, D, R, y, split=False, y_h
 class GemmDecodeStep:
     """One decode step for a fixed batch size through cuBLAS products, or with
     `triton_products` through gemm.py's, whose rows' bits do not depend on the batch size
-    (every other kernel here treats each row alone); same interface as
-    decode_step.DecodeStep (`__call__(tokens, state) -> logits`, `.logits`)."""
+    (every other kernel here treats each row alone), but for in_proj's with
+    `cublas_in_proj`; same interface as decode_step.DecodeStep (`__call__(tokens, state)
+    -> logits`, `.logits`)."""
 
     # out_proj's operand y rounded once to 16 bits rather than split in two halves: half
     # the rows in the largest product after in_proj (2.8b batch 128: 6.12 ms a step against
@@ -210,10 +211,16 @@ class GemmDecodeStep:
     # 23.5 / 42.2 (benchmarks/RESULTS.md).
     SPLITS = dict(in_proj=1, x_proj=8, dt_proj=1, out_proj=4, lm_head=1)
 
-    def __init__(self, model, batch: int, triton_products: bool = False):
+    def __init__(self, model, batch: int, triton_products: bool = False, cublas_in_proj: bool = False):
         c, w = model.config, model.weights
         dev, sdt = w.embedding.device, w.embedding.dtype
         self.model, self.B, self.triton_products = model, batch, triton_products
+        # the products through cuBLAS, the rest through gemm.py (in_proj's result is one part
+        # either way: SPLITS)
+        self.cublas_products = set() if triton_products else set(self.SPLITS)
+        if cublas_in_proj:
+            self.cublas_products.add("in_proj")
+        assert self.SPLITS["in_proj"] == 1
         self.split = sdt != torch.float32  # 16-bit operands in two halves (split16.py)
         self.split_out = self.split and self.SPLIT_OUT_PROJ
         P = 2 * batch if self.split else batch  # rows of the products
@@ -221,7 +228,7 @@ class GemmDecodeStep:
         d, E, N, R = c.d_model, c.d_inner, c.d_state, c.dt_rank
         # the K chunks each product's result comes in (see SPLITS)
         K = dict(in_proj=d, x_proj=E, dt_proj=R, out_proj=E, lm_head=d)
-        self.chunks = {p: split_count(K[p], self.SPLITS[p]) if triton_products else 1 for p in K}
+        self.chunks = {p: 1 if p in self.cublas_products else split_count(K[p], self.SPLITS[p]) for p in K}
         assert self.chunks["lm_head"] == 1
         f32 = dict(device=dev, dtype=torch.float32)
         self.h = torch.zeros(batch, d, **f32)
@@ -247,7 +254,7 @@ class GemmDecodeStep:
         self.pdl = pdl_launch(dev) if triton_products else NO_PDL
 
     def product(self, name: str, a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-        if self.triton_products:
+        if name not in self.cublas_products:
             invariant_gemm(a, weight, out, self.SPLITS[name], self.pdl)
         else:
             gemm(a, weight, out)

@@ -40,8 +40,8 @@ Why it is shaped this way:
   launch even before their own wait (`DecodeStep.EARLY_LAUNCH`).
 - Larger batches run decode_gemm.py's step instead, from batch 2 up on bf16 2.8b, 3 on
   1.4b, 4 on 370m, 5 on 130m (`one_row_up_to`): its products through gemm.py's Triton GEMM
-  up to 64 rows on the wide models and 256 on the narrow ones (`triton_products_up_to`),
-  through cuBLAS beyond.
+  (in_proj through cuBLAS above 32 rows) up to 128 rows on the wide models and 256 on the
+  narrow ones (`triton_products_up_to`), all through cuBLAS beyond.
 """
 
 from __future__ import annotations
@@ -495,29 +495,41 @@ def one_row_up_to(d_model: int, dtype: torch.dtype) -> int:
 
 def triton_products_up_to(d_model: int, dtype: torch.dtype) -> int:
     """The largest batch whose default step runs its products through gemm.py (the
-    batch-invariant Triton GEMM of the deterministic mode, its kernels chained by PDL);
-    larger ones through cuBLAS. 16-bit weights, whole steps on the H200, ms, Triton against
-    cuBLAS: 2.8b batch 8 2.608 / 3.311, 32 3.450 / 3.969, 64 4.601 / 4.635, 128 6.567 /
-    5.974; 1.4b 32 2.147 / 2.460, 64 2.830 / 2.869, 128 3.709 / 3.671; 370m 128 2.107 /
-    2.149; 130m 32 0.544 / 0.733, 256 1.278 / 1.304. float32 (three TF32 products a tile)
-    wins and loses by shape (2.8b 16 7.27 / 10.23, 32 11.22 / 9.95): cuBLAS there."""
+    batch-invariant Triton GEMM of the deterministic mode, its kernels chained by PDL;
+    in_proj through cuBLAS above CUBLAS_IN_PROJ_ABOVE rows); larger ones all through
+    cuBLAS. 16-bit weights, whole steps on the H200, ms, Triton / Triton with cuBLAS's
+    in_proj / cuBLAS: 2.8b batch 16 3.062 / 3.072 / 3.497, 32 3.445 / 3.494 / 3.965, 48
+    4.220 / 3.907 / 4.363, 64 4.602 / 4.280 / 4.621, 128 6.522 / 5.880 / 5.953, 256 11.749 /
+    10.165 / 9.640; 1.4b 64 2.826 / 2.616 / 2.864, 128 3.704 / 3.543 / 3.654, 256 6.570 /
+    5.747 / 5.631; 130m 128 0.910 / 0.860 / 0.955, 256 1.273 / 1.249 / 1.303. float32
+    (three TF32 products a tile) wins and loses by shape (2.8b 16 7.27 / - / 10.23, 32
+    11.22 / - / 9.95): cuBLAS there."""
     if dtype == torch.float32:
         return 0
-    return 256 if d_model <= 1024 else 64
+    return 256 if d_model <= 1024 else 128
+
+
+# Above this many rows the default step's in_proj, the largest product, goes to cuBLAS (see
+# triton_products_up_to): gemm.py's 64-row tiles read its weights at 1.3 TB/s there.
+CUBLAS_IN_PROJ_ABOVE = 32
 
 
 def make_decode_step(model, batch: int, deterministic: bool = False):
     """The fastest decode step for this batch size: Triton GEMVs (one row a program) up to
     one_row_up_to rows, decode_gemm.py's step above, its products through gemm.py up to
-    triton_products_up_to rows and through cuBLAS beyond; with `deterministic`,
-    decode_gemm.py's step with gemm.py's batch-invariant products at every batch size, so
-    that a slot's bits never depend on the batch."""
+    triton_products_up_to rows (in_proj through cuBLAS above CUBLAS_IN_PROJ_ABOVE) and
+    through cuBLAS beyond; with `deterministic`, decode_gemm.py's step with gemm.py's
+    batch-invariant products at every batch size, so that a slot's bits never depend on
+    the batch."""
     d, dtype = model.config.d_model, model.weights.embedding.dtype
     if not deterministic and batch <= one_row_up_to(d, dtype):
         return DecodeStep(model, batch)
     from .decode_gemm import GemmDecodeStep
 
-    return GemmDecodeStep(model, batch, triton_products=deterministic or batch <= triton_products_up_to(d, dtype))
+    if deterministic:
+        return GemmDecodeStep(model, batch, triton_products=True)
+    triton = batch <= triton_products_up_to(d, dtype)
+    return GemmDecodeStep(model, batch, triton_products=triton, cublas_in_proj=triton and batch > CUBLAS_IN_PROJ_ABOVE)
 
 
 class DecodeStep:
