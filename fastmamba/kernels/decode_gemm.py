@@ -215,12 +215,10 @@ class GemmDecodeStep:
         c, w = model.config, model.weights
         dev, sdt = w.embedding.device, w.embedding.dtype
         self.model, self.B, self.triton_products = model, batch, triton_products
-        # the products through cuBLAS, the rest through gemm.py (in_proj's result is one part
-        # either way: SPLITS)
+        # the products through cuBLAS; the rest through gemm.py
         self.cublas_products = set() if triton_products else set(self.SPLITS)
         if cublas_in_proj:
             self.cublas_products.add("in_proj")
-        assert self.SPLITS["in_proj"] == 1
         self.split = sdt != torch.float32  # 16-bit operands in two halves (split16.py)
         self.split_out = self.split and self.SPLIT_OUT_PROJ
         P = 2 * batch if self.split else batch  # rows of the products
@@ -248,9 +246,10 @@ class GemmDecodeStep:
         halves = 2 if self.split else 1
         self.parts = {p: n * halves for p, n in self.chunks.items()}
         self.parts["out_proj"] = self.chunks["out_proj"] * (2 if self.split_out else 1)
-        # The Triton kernels launch with PDL (pdl.py) where the products are Triton's too (2.8b bf16, ms a step, batch 1 / 128: 2.575 / 6.846 against 2.904 /
-        # 6.983 without; 130m 0.448 / 0.965 against 0.575 / 1.020); between cuBLAS products
-        # it lost (2.8b batch 128: 6.057 against 5.984).
+        # The Triton kernels launch with PDL (pdl.py) where the products are Triton's too
+        # (deterministic step, 2.8b bf16, ms a step, batch 1 / 128: 2.575 / 6.846 against
+        # 2.904 / 6.983 without; 130m 0.448 / 0.965 against 0.575 / 1.020); between cuBLAS
+        # products it lost (2.8b batch 128: 6.057 against 5.984).
         self.pdl = pdl_launch(dev) if triton_products else NO_PDL
 
     def product(self, name: str, a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
