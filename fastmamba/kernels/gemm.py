@@ -123,8 +123,9 @@ def gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, splits: int =
     M, K = a.shape
     N = weight.shape[0]
     chunk = _chunk(K, splits)
-    assert out.shape == (triton.cdiv(K, chunk) * M, N) and out.is_contiguous() and a.is_contiguous()
+    chunks = triton.cdiv(K, chunk)
+    assert out.shape == (chunks * M, N) and out.is_contiguous() and a.is_contiguous()
     f32 = weight.dtype == torch.float32
-    t = _tiles(M, N, K, triton.cdiv(K, chunk), f32, _multiprocessors(weight.device))
-    grid = (triton.cdiv(M, t.BM), triton.cdiv(N, t.BN), triton.cdiv(K, chunk))
+    t = _tiles(M, N, K, chunks, f32, _multiprocessors(weight.device))
+    grid = (triton.cdiv(M, t.BM), triton.cdiv(N, t.BN), chunks)
     _gemm_kernel[grid](a, weight, out, M, N, K, chunk, F32=f32, BM=t.BM, BN=t.BN, BK=t.BK, STAGES=t.stages, num_warps=t.warps, **pdl)
