@@ -1,5 +1,5 @@
 """Which decode step is fastest at which batch size: the numbers behind make_decode_step's
-routing (decode_step.one_row_up_to, triton_products_up_to, CUBLAS_IN_PROJ_ABOVE).
+routing (decode_step.one_row_up_to, triton_products_up_to, cublas_in_proj).
 
 For each public shape and batch size it times whole graph-replayed steps (random weights,
 greedy sampling, as `fastmamba bench`) of every candidate step:

@@ -209,7 +209,7 @@ def test_a_slot_is_bitwise_the_same_in_any_batch(checkpoints, batch, slot, rows,
     """Deterministic mode: any batch size (70 rows take other product tiles than 1 or 3 on
     the GPU; the interpreter keeps one tiling, see gemm._tiles). Default: within the
     one-row mode (up to one_row_up_to rows: 4 here), and within the Triton products' range
-    above it as far as in_proj goes to cuBLAS (CUBLAS_IN_PROJ_ABOVE). (The interpreter's
+    above it as far as in_proj goes to cuBLAS (cublas_in_proj). (The interpreter's
     numpy products may round a row by its place in the tile: 21 rows put slot 2's low half
     where 5 rows do, at row 7 of a 16-row tile.)"""
     model = fastmamba.load(checkpoints["untied_bias_rank"], device=DEVICE, dtype="bfloat16").model
@@ -248,26 +248,27 @@ def test_gemm_matches_its_ref_in_every_chunk(dtype, M, N, K, splits):
 
 
 def test_make_decode_step_routes_by_batch_size(checkpoints):
-    """One-row kernels, then Triton products (16-bit weights), then cuBLAS's; deterministic:
-    Triton products at every batch size."""
+    """One-row kernels, then Triton products (in_proj through cuBLAS above 32 rows with
+    16-bit weights, from 17 to 64 with float32), then cuBLAS's; deterministic: Triton
+    products at every batch size."""
     from fastmamba.kernels.decode_gemm import GemmDecodeStep
 
-    for dtype, one_row, triton in (("bfloat16", 4, 256), ("float32", 8, 0)):
+    always = [(1, True, "triton"), (257, True, "triton"), (257, False, "cublas")]  # (batch, deterministic, products)
+    for dtype, one_row, cases in (
+        ("bfloat16", 4, [(5, False, "triton"), (32, False, "triton"), (33, False, "in_proj"), (256, False, "in_proj")]),
+        ("float32", 8, [(9, False, "triton"), (16, False, "triton"), (17, False, "in_proj"), (64, False, "in_proj"),
+                        (65, False, "triton"), (256, False, "triton")]),
+    ):
         model = fastmamba.load(checkpoints["kernel3_state8"], device=DEVICE, dtype=dtype).model
-        assert (ds.one_row_up_to(model.config.d_model, model.weights.embedding.dtype), ds.triton_products_up_to(
-            model.config.d_model, model.weights.embedding.dtype)) == (one_row, triton)
-        cases = [(one_row, False, None, None), (257, False, False, "all"), (1, True, True, "none"), (257, True, True, "none")]
-        if triton:  # the Triton products, in_proj through cuBLAS above CUBLAS_IN_PROJ_ABOVE rows
-            cases += [(one_row + 1, False, True, "none"), (ds.CUBLAS_IN_PROJ_ABOVE + 1, False, True, "in_proj")]
-        else:
-            cases += [(one_row + 1, False, False, "all")]
-        for batch, deterministic, triton_products, cublas in cases:
+        storage = model.weights.embedding.dtype
+        assert ds.one_row_up_to(model.config.d_model, storage) == one_row
+        assert ds.triton_products_up_to(model.config.d_model, storage) == 256
+        assert isinstance(ds.make_decode_step(model, one_row), ds.DecodeStep)
+        for batch, deterministic, products in always + cases:
             step = ds.make_decode_step(model, batch, deterministic)
-            if triton_products is None:
-                assert isinstance(step, ds.DecodeStep)
-                continue
-            assert isinstance(step, GemmDecodeStep) and step.triton_products == triton_products, (dtype, batch, deterministic)
-            assert step.cublas_products == dict(all=set(step.SPLITS), none=set(), in_proj={"in_proj"})[cublas]
+            assert isinstance(step, GemmDecodeStep) and step.triton_products == (products != "cublas"), (dtype, batch)
+            cublas = dict(cublas=set(step.SPLITS), triton=set(), in_proj={"in_proj"})[products]
+            assert step.cublas_products == cublas, (dtype, batch, deterministic)
 
 
 @pytest.mark.parametrize(

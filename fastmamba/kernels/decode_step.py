@@ -40,8 +40,9 @@ Why it is shaped this way:
   launch even before their own wait (`DecodeStep.EARLY_LAUNCH`).
 - Larger batches run decode_gemm.py's step instead, from batch 2 up on bf16 2.8b, 3 on
   1.4b, 4 on 370m, 5 on 130m (`one_row_up_to`): its products through gemm.py's Triton GEMM
-  (in_proj through cuBLAS above 32 rows) up to 128 rows on the wide models and 256 on the
-  narrow ones (`triton_products_up_to`), all through cuBLAS beyond.
+  (in_proj through cuBLAS above 32 rows: `cublas_in_proj`) up to 128 rows on the wide
+  models and 256 on the narrow ones (`triton_products_up_to`), all through cuBLAS beyond.
+  float32 weights likewise above 8 rows on 130m and 370m, 3 on 1.4b and 2.8b.
 """
 
 from __future__ import annotations
@@ -495,29 +496,37 @@ def one_row_up_to(d_model: int, dtype: torch.dtype) -> int:
 
 def triton_products_up_to(d_model: int, dtype: torch.dtype) -> int:
     """The largest batch whose default step runs its products through gemm.py (the
-    batch-invariant Triton GEMM of the deterministic mode, its kernels chained by PDL;
-    in_proj through cuBLAS above CUBLAS_IN_PROJ_ABOVE rows); larger ones all through
-    cuBLAS. 16-bit weights, whole steps on the H200, ms, Triton / Triton with cuBLAS's
-    in_proj / cuBLAS: 2.8b batch 16 3.062 / 3.072 / 3.497, 32 3.445 / 3.494 / 3.965, 48
-    4.220 / 3.907 / 4.363, 64 4.602 / 4.280 / 4.621, 128 6.522 / 5.880 / 5.953, 256 11.749 /
-    10.165 / 9.640; 1.4b 64 2.826 / 2.616 / 2.864, 128 3.704 / 3.543 / 3.654, 256 6.570 /
-    5.747 / 5.631; 130m 128 0.910 / 0.860 / 0.955, 256 1.273 / 1.249 / 1.303. float32
-    (three TF32 products a tile) wins and loses by shape (2.8b 16 7.27 / - / 10.23, 32
-    11.22 / - / 9.95): cuBLAS there."""
+    batch-invariant Triton GEMM of the deterministic mode, its kernels chained by PDL; in_proj
+    through cuBLAS where cublas_in_proj says); larger ones all through cuBLAS. Whole steps on
+    the H200, ms, Triton / Triton with cuBLAS's in_proj / cuBLAS: bf16 2.8b batch 16 3.062 /
+    3.072 / 3.497, 32 3.445 / 3.494 / 3.965, 48 4.220 / 3.907 / 4.363, 64 4.602 / 4.280 /
+    4.621, 128 6.522 / 5.880 / 5.953, 256 11.749 / 10.165 / 9.640; 1.4b 64 2.826 / 2.616 /
+    2.864, 128 3.704 / 3.543 / 3.654, 256 6.570 / 5.747 / 5.631; 130m 128 0.910 / 0.860 /
+    0.955, 256 1.273 / 1.249 / 1.303. float32 (three TF32 products a tile): 130m 128 1.768 /
+    1.715 / 1.950, 256 2.333 / 2.503 / 2.967; 1.4b 128 8.962 / 9.810 / 11.372, 256 16.863 /
+    17.619 / 18.990; 2.8b 128 18.111 / 18.826 / 20.804 (256 not measured)."""
     if dtype == torch.float32:
-        return 0
+        return 256 if d_model <= 2048 else 128
     return 256 if d_model <= 1024 else 128
 
 
-# Above this many rows the default step's in_proj, the largest product, goes to cuBLAS (see
-# triton_products_up_to): gemm.py's 64-row tiles read its weights at 1.3 TB/s there.
-CUBLAS_IN_PROJ_ABOVE = 32
+def cublas_in_proj(batch: int, dtype: torch.dtype) -> bool:
+    """Whether the default step's in_proj, the largest product, goes to cuBLAS within
+    triton_products_up_to. 16-bit weights: above 32 rows, where gemm.py's 64-row tiles read
+    its weights at 1.3 TB/s (tables in triton_products_up_to). float32: from 17 to 64 rows,
+    where tf32x3's 64-row tiles run mostly empty rows (whole steps, ms, Triton / Triton with
+    cuBLAS's in_proj / cuBLAS: 1.4b batch 16 4.050 / 5.307 / 6.932, 32 6.860 / 5.811 /
+    5.712, 64 7.246 / 6.869 / 7.157; 2.8b 16 7.301 / 8.422 / 10.269, 32 11.261 / 10.047 /
+    9.909, 64 12.562 / 12.097 / 12.527; 370m 32 2.886 / 2.617 / 2.968)."""
+    if dtype == torch.float32:
+        return 16 < batch <= 64
+    return batch > 32
 
 
 def make_decode_step(model, batch: int, deterministic: bool = False):
     """The fastest decode step for this batch size: Triton GEMVs (one row a program) up to
     one_row_up_to rows, decode_gemm.py's step above, its products through gemm.py up to
-    triton_products_up_to rows (in_proj through cuBLAS above CUBLAS_IN_PROJ_ABOVE) and
+    triton_products_up_to rows (in_proj through cuBLAS where cublas_in_proj says) and
     through cuBLAS beyond; with `deterministic`, decode_gemm.py's step with gemm.py's
     batch-invariant products at every batch size, so that a slot's bits never depend on
     the batch."""
@@ -529,7 +538,7 @@ def make_decode_step(model, batch: int, deterministic: bool = False):
     if deterministic:
         return GemmDecodeStep(model, batch, triton_products=True)
     triton = batch <= triton_products_up_to(d, dtype)
-    return GemmDecodeStep(model, batch, triton_products=triton, cublas_in_proj=triton and batch > CUBLAS_IN_PROJ_ABOVE)
+    return GemmDecodeStep(model, batch, triton_products=triton, cublas_in_proj=triton and cublas_in_proj(batch, dtype))
 
 
 class DecodeStep:
