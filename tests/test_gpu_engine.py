@@ -28,8 +28,8 @@ def rel_err(a, b) -> float:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("B,kind", [(4, "default"), (4, "deterministic"), (40, "default"), (40, "deterministic"), (40, "cublas")])
 def test_engine_logits_match_the_cpu_reference(dtype, B, kind, real_shape_ckpt):
-    """The step make_decode_step picks (B 4: one-row kernels; 40: Triton products, or
-    cuBLAS's for float32), the deterministic one, and cuBLAS's products for every dtype."""
+    """The step make_decode_step picks (B 4: one-row kernels; 40: Triton products, in_proj
+    through cuBLAS), the deterministic one, and cuBLAS's products for every dtype."""
     from fastmamba.kernels.decode_gemm import GemmDecodeStep
     from fastmamba.kernels.decode_step import make_decode_step
 
