@@ -72,7 +72,7 @@ def main() -> None:
     rows = 4 * 2**30 // (2 * D) // BN * BN
     w = torch.randn(rows, D, device="cuda").to(torch.bfloat16)
     x, out = torch.randn(D, device="cuda"), torch.empty(rows, device="cuda")
-    us = time_graph_launches([lambda: _chain_kernel[(rows // BN,)](w, x, out, out, out, D, 0, BN=BN, BK=BK, MODE=0)], reps=5)
+    us = time_graph_launches([lambda w=w: _chain_kernel[(rows // BN,)](w, x, out, out, out, D, 0, BN=BN, BK=BK, MODE=0)], reps=5)
     print(f"sustained read: {w.numel() * 2 / 2**30:.1f} GiB in {us:.0f} us, {w.numel() * 2 / us / 1e6:.2f} TB/s", flush=True)
     del w
     for D in (5120, 3584, 2048, 1024, 512):
@@ -84,7 +84,7 @@ def main() -> None:
         for name, mode in MODES.items():
             kw = dict(launch_pdl=True) if mode else {}
 
-            def launch(i, mode=mode, kw=kw):
+            def launch(i, mode=mode, kw=kw, ws=ws):  # (bound now: ws is deleted after the loop)
                 _chain_kernel[(P,)](ws[i], vecs[i], vecs[i + 1], cnt[i], cnt[i + 1], D, P if i else 0,
                                     BN=BN, BK=BK, MODE=mode, num_warps=4, **kw)
 
