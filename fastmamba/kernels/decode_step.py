@@ -514,10 +514,12 @@ def cublas_in_proj(batch: int, dtype: torch.dtype) -> bool:
     """Whether the default step's in_proj, the largest product, goes to cuBLAS within
     triton_products_up_to. 16-bit weights: above 32 rows, where gemm.py's 64-row tiles read
     its weights at 1.3 TB/s (tables in triton_products_up_to). float32: from 17 to 64 rows,
-    where tf32x3's 64-row tiles run mostly empty rows (whole steps, ms, Triton / Triton with
-    cuBLAS's in_proj / cuBLAS: 1.4b batch 16 4.050 / 5.307 / 6.932, 32 6.860 / 5.811 /
-    5.712, 64 7.246 / 6.869 / 7.157; 2.8b 16 7.301 / 8.422 / 10.269, 32 11.261 / 10.047 /
-    9.909, 64 12.562 / 12.097 / 12.527; 370m 32 2.886 / 2.617 / 2.968)."""
+    where tf32x3's tiles read in_proj's weights twice (16-row tiles, up to 32 rows) or run
+    partly empty (64-row tiles). Whole steps, ms, Triton / Triton with cuBLAS's in_proj /
+    cuBLAS: 1.4b batch 16 4.050 / 5.307 / 6.932, 32 6.062 / 5.471 / 5.712, 64 7.246 / 6.869
+    / 7.157; 2.8b 16 7.301 / 8.422 / 10.269, 32 10.605 / 9.498 / 9.909, 64 12.562 / 12.097 /
+    12.527 (at 24-32 rows 130m and 370m gain 2-5% with Triton's in_proj: 370m 32 2.210 /
+    2.320)."""
     if dtype == torch.float32:
         return 16 < batch <= 64
     return batch > 32
