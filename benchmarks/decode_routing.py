@@ -15,6 +15,7 @@ heats).
 
     python benchmarks/decode_routing.py                          # bf16, 4 shapes, 1-256 rows
     python benchmarks/decode_routing.py --models 2.8b --batches 16,32,48 --dtypes float32
+    python benchmarks/decode_routing.py --candidates Triton,Triton+cuBLAS   # only these two
 """
 
 import argparse
@@ -63,13 +64,17 @@ def main() -> None:
     ap.add_argument("--models", default="130m,370m,1.4b,2.8b")
     ap.add_argument("--dtypes", default="bfloat16")
     ap.add_argument("--batches", default="1,2,3,4,8,16,32,48,64,128,256")
+    ap.add_argument("--candidates", default=",".join(CANDIDATES), help="comma-separated, of: " + ", ".join(CANDIDATES))
     args = ap.parse_args()
+    chosen = args.candidates.split(",")
+    if unknown := set(chosen) - set(CANDIDATES):
+        ap.error(f"--candidates: unknown {', '.join(sorted(unknown))}")
     print(torch.cuda.get_device_name(), flush=True)
     for size in args.models.split(","):
         for dtype in map(parse_dtype, args.dtypes.split(",")):
             model = bench.random_model(size, dtype)
             for batch in map(int, args.batches.split(",")):
-                names = [n for n in CANDIDATES if n != "one-row" or batch <= decode_step.SMALL_BATCH]
+                names = [n for n in chosen if n != "one-row" or batch <= decode_step.SMALL_BATCH]
                 runs = {n: [] for n in names}
                 for n in names + names[::-1]:
                     runs[n].append(time_step(model, batch, CANDIDATES[n]))

@@ -249,14 +249,14 @@ def test_gemm_matches_its_ref_in_every_chunk(dtype, M, N, K, splits):
 
 def test_make_decode_step_routes_by_batch_size(checkpoints):
     """One-row kernels, then Triton products (in_proj through cuBLAS above 32 rows with
-    16-bit weights, from 17 to 64 with float32), then cuBLAS's; deterministic: Triton
-    products at every batch size."""
+    16-bit weights, from 33 to 64 with float32 on narrow models, also from 17 and up to 6 on
+    wide ones), then cuBLAS's; deterministic: Triton products at every batch size."""
     from fastmamba.kernels.decode_gemm import GemmDecodeStep
 
     always = [(1, True, "triton"), (257, True, "triton"), (257, False, "cublas")]  # (batch, deterministic, products)
     for dtype, one_row, cases in (
         ("bfloat16", 4, [(5, False, "triton"), (32, False, "triton"), (33, False, "in_proj"), (256, False, "in_proj")]),
-        ("float32", 8, [(9, False, "triton"), (16, False, "triton"), (17, False, "in_proj"), (64, False, "in_proj"),
+        ("float32", 8, [(9, False, "triton"), (32, False, "triton"), (33, False, "in_proj"), (64, False, "in_proj"),
                         (65, False, "triton"), (256, False, "triton")]),
     ):
         model = fastmamba.load(checkpoints["kernel3_state8"], device=DEVICE, dtype=dtype).model
@@ -269,6 +269,8 @@ def test_make_decode_step_routes_by_batch_size(checkpoints):
             assert isinstance(step, GemmDecodeStep) and step.triton_products == (products != "cublas"), (dtype, batch)
             cublas = dict(cublas=set(step.SPLITS), triton=set(), in_proj={"in_proj"})[products]
             assert step.cublas_products == cublas, (dtype, batch, deterministic)
+    wide = [b for b in range(4, 70) if ds.cublas_in_proj(b, 2560, torch.float32)]  # above one_row_up_to's 3
+    assert wide == [4, 5, 6] + list(range(17, 65))
 
 
 @pytest.mark.parametrize(

@@ -40,9 +40,10 @@ Why it is shaped this way:
   launch even before their own wait (`DecodeStep.EARLY_LAUNCH`).
 - Larger batches run decode_gemm.py's step instead, from batch 2 up on bf16 2.8b, 3 on
   1.4b, 4 on 370m, 5 on 130m (`one_row_up_to`): its products through gemm.py's Triton GEMM
-  (in_proj through cuBLAS above 32 rows: `cublas_in_proj`) up to 128 rows on the wide
-  models and 256 on the narrow ones (`triton_products_up_to`), all through cuBLAS beyond.
-  float32 weights likewise above 8 rows on 130m and 370m, 3 on 1.4b and 2.8b.
+  (in_proj through cuBLAS above 32 rows, and at some float32 batch sizes: `cublas_in_proj`)
+  up to 128 rows on the wide models and 256 on the narrow ones (`triton_products_up_to`),
+  all through cuBLAS beyond. float32 weights likewise above 8 rows on 130m and 370m, 3 on
+  1.4b and 2.8b.
 """
 
 from __future__ import annotations
@@ -510,18 +511,21 @@ def triton_products_up_to(d_model: int, dtype: torch.dtype) -> int:
     return 256 if d_model <= 1024 else 128
 
 
-def cublas_in_proj(batch: int, dtype: torch.dtype) -> bool:
+def cublas_in_proj(batch: int, d_model: int, dtype: torch.dtype) -> bool:
     """Whether the default step's in_proj, the largest product, goes to cuBLAS within
     triton_products_up_to. 16-bit weights: above 32 rows, where gemm.py's 64-row tiles read
-    its weights at 1.3 TB/s (tables in triton_products_up_to). float32: from 17 to 64 rows,
-    where tf32x3's tiles read in_proj's weights twice (16-row tiles, up to 32 rows) or run
-    partly empty (64-row tiles). Whole steps, ms, Triton / Triton with cuBLAS's in_proj /
-    cuBLAS: 1.4b batch 16 4.050 / 5.307 / 6.932, 32 6.062 / 5.471 / 5.712, 64 7.246 / 6.869
-    / 7.157; 2.8b 16 7.301 / 8.422 / 10.269, 32 10.605 / 9.498 / 9.909, 64 12.562 / 12.097 /
-    12.527 (at 24-32 rows 130m and 370m gain 2-5% with Triton's in_proj: 370m 32 2.210 /
-    2.320)."""
+    its weights at 1.3 TB/s (tables in triton_products_up_to). float32: from 33 to 64 rows,
+    where tf32x3's 64-row tiles run partly empty, and on the wide models also from 17 (its
+    16-row tiles read in_proj's weights again each 16 rows) and up to 6 (where cuBLAS picks
+    a GEMV-like kernel). Whole steps, ms, Triton / Triton with cuBLAS's in_proj (/ cuBLAS):
+    1.4b batch 4 3.699 / 3.442, 6 3.779 / 3.604, 7 3.819 / 4.307, 16 4.050 / 5.307 / 6.932,
+    32 6.062 / 5.471 / 5.712, 64 7.246 / 6.869 / 7.157; 2.8b 4 6.384 / 5.767, 5 6.400 /
+    6.299, 6 6.675 / 6.621, 7 6.511 / 7.348, 16 7.301 / 8.422 / 10.269, 32 10.605 / 9.498 /
+    9.909, 64 12.562 / 12.097 / 12.527; 130m 17 0.933 / 0.946, 32 0.960 / 0.983, 40 1.232 /
+    1.152, 64 1.381 / 1.296; 370m 17 2.169 / 2.296, 32 2.250 / 2.379, 40 2.958 / 2.767, 64
+    3.503 / 3.298."""
     if dtype == torch.float32:
-        return 16 < batch <= 64
+        return 32 < batch <= 64 or (d_model > 1024 and (batch <= 6 or 16 < batch <= 64))
     return batch > 32
 
 
@@ -540,7 +544,7 @@ def make_decode_step(model, batch: int, deterministic: bool = False):
     if deterministic:
         return GemmDecodeStep(model, batch, triton_products=True)
     triton = batch <= triton_products_up_to(d, dtype)
-    return GemmDecodeStep(model, batch, triton_products=triton, cublas_in_proj=triton and cublas_in_proj(batch, dtype))
+    return GemmDecodeStep(model, batch, triton_products=triton, cublas_in_proj=triton and cublas_in_proj(batch, d, dtype))
 
 
 class DecodeStep:
