@@ -1,6 +1,9 @@
-"""End-to-end decode speed as a user sees it: `LanguageModel.generate` of 256 tokens at
-batch 1 (host loop, read-backs and all), with 1 and with several decode steps per graph
-replay (engine.STEPS_PER_READ). Random weights at public shapes, bf16, greedy.
+"""End-to-end decode speed as a user sees it: `LanguageModel.generate` at batch 1 (host
+loop, read-backs and all), with 1 and with several decode steps per graph replay
+(engine.STEPS_PER_READ), against the graph replays alone (`fastmamba bench`'s number).
+Random weights at public shapes, bf16, greedy, a 3-token prompt; the Triton prefill, as
+`fastmamba.load` gives on a GPU. It prints the first token's time (prefill, first sample,
+the decoder's set-up) and the time a token after it, (t(257 tokens) - t(1 token)) / 256.
 
     python benchmarks/generate_speed.py
 """
@@ -14,26 +17,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from fastmamba import engine  # noqa: E402
-from fastmamba.bench import random_model  # noqa: E402
+from fastmamba.bench import random_model, time_graph_steps  # noqa: E402
 from fastmamba.generate import LanguageModel  # noqa: E402
+from fastmamba.model import Mamba, triton_ops  # noqa: E402
+
+TOKENS = 256
+
+
+def best_ms(lm: LanguageModel, max_tokens: int, reps: int = 5) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        lm.generate([1, 2, 3], max_tokens=max_tokens, stop_token_ids=[])
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
 
 
 def main() -> None:
-    tokens = 256
     for size in ("130m", "2.8b"):
-        model = random_model(size, torch.bfloat16)
+        base = random_model(size, torch.bfloat16)
+        model = Mamba(base.config, base.weights, triton_ops())
+        print(f"{size:>5} graph replays alone: {time_graph_steps(model, 1):.3f} ms/step", flush=True)
         for steps in (1, 4, 8):
             engine.STEPS_PER_READ = steps
             lm = LanguageModel(model, None, engine="triton")
-            lm.generate([1, 2, 3], max_tokens=tokens, stop_token_ids=[])  # capture, compile
-            best = float("inf")
-            for _ in range(3):
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                lm.generate([1, 2, 3], max_tokens=tokens, stop_token_ids=[])
-                best = min(best, time.perf_counter() - t)
-            print(f"{size:>5} steps per read-back {steps}: {best / tokens * 1e3:.3f} ms/token end to end", flush=True)
-        model = None
+            lm.generate([1, 2, 3], max_tokens=TOKENS + 1, stop_token_ids=[])  # capture, compile
+            first, whole = best_ms(lm, 1), best_ms(lm, TOKENS + 1)
+            print(
+                f"{size:>5} steps per read-back {steps}: first token {first:.3f} ms, then "
+                f"{(whole - first) / TOKENS:.3f} ms/token end to end",
+                flush=True,
+            )
+        model = base = None
         torch.cuda.empty_cache()
 
 

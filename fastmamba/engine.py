@@ -35,7 +35,34 @@ def capture_graph(body: Callable[[], object], pool=None) -> tuple[torch.cuda.CUD
     return graph, out
 
 
+class HostTokens:
+    """A block of token ids on its way to the host. From the GPU it is copied into pinned
+    memory without waiting, so the host can queue the next block of decode steps before it
+    reads this one: the GPU then runs on while the host handles these tokens, instead of
+    idling from each read-back to the next launch."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.done = None
+        if tokens.is_cuda:
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host = tokens.clone()
+
+    def tolist(self) -> list:
+        """The ids, once they have arrived (the host waits for them here, not sooner)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
 class ReferenceDecoder:
+    # Whether the host should queue the next block before reading this one: not on the
+    # CPU, where a step queued ahead is a step computed, and wasted if a stop token comes.
+    runs_ahead = False
+
     def __init__(self, model: Mamba, batch: int):
         self.model = model
         self.busy = False  # set while a generation uses it
@@ -61,10 +88,13 @@ class GraphDecoder:
     """Decode step + sampling for a fixed batch size, as CUDA graphs (one per sampler).
 
     One replay runs `steps` steps and leaves their tokens in `history` (steps, B), so the
-    host reads back (and waits for the GPU) once per `steps` tokens; the GPU otherwise
-    idles while the host handles each step. A generation that stops inside a replay
-    discards the steps after its stop.
+    host reads back once per `steps` tokens; and it queues the next replay before it reads
+    one (`runs_ahead`, HostTokens), so the GPU does not wait for the host in between. A
+    generation that stops inside a replay discards the steps after its stop (and, where a
+    stop token ends it, the replay queued after it).
     """
+
+    runs_ahead = True
 
     def __init__(self, model: Mamba, batch: int, deterministic: bool = False, steps: int | None = None):
         from .kernels.decode_step import make_decode_step

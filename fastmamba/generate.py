@@ -8,7 +8,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .engine import GRAPH_PREFILL_TOKENS, PREFILL_BUCKETS, GraphDecoder, GraphPrefill, ReferenceDecoder
+from .engine import GRAPH_PREFILL_TOKENS, PREFILL_BUCKETS, GraphDecoder, GraphPrefill, HostTokens, ReferenceDecoder
 from .model import Mamba, MambaState
 from .sampling import SamplingParams, pick_sampler, resolve_seed
 from .tokenizer import IncrementalDecoder, Tokenizer
@@ -210,9 +210,13 @@ class LanguageModel:
         remaining = [p.max_tokens for p in params]
         decoder.busy = True
         try:
-            tokens = decoder.begin(state, logits, pick_sampler(params, self.engine == "triton"), requests)[None]
+            first = decoder.begin(state, logits, pick_sampler(params, self.engine == "triton"), requests)
+            block = HostTokens(first[None])  # (steps, B) ids, the only device -> host traffic
             while True:
-                for host in tokens.tolist():  # the only device -> host traffic: (steps, B) ids
+                # The next block of steps goes into the queue before this one is read, where
+                # a slot needs tokens past it (unless a stop token comes first).
+                ahead = HostTokens(decoder.next()) if decoder.runs_ahead and max(remaining) > len(block.host) else None
+                for host in block.tolist():
                     out, reasons = [None] * B, [None] * B
                     for i, t in enumerate(host):
                         if remaining[i] == 0:
@@ -227,6 +231,6 @@ class LanguageModel:
                     yield out, reasons
                     if not any(remaining):
                         return
-                tokens = decoder.next()
+                block = ahead or HostTokens(decoder.next())
         finally:
             decoder.busy = False

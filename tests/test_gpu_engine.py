@@ -135,6 +135,23 @@ def test_gpu_greedy_generate_matches_cpu_in_float32(real_shape_ckpt):
     assert a == b
 
 
+def test_generations_after_a_stop_token_on_the_gpu(real_shape_ckpt):
+    """The host queues a replay before it reads the one before (GraphDecoder.runs_ahead),
+    so a generation that ends on a stop token leaves one queued: the next generation on the
+    same decoder must not feel it. And one token alone queues nothing."""
+    cpu = fastmamba.load(real_shape_ckpt)
+    gpu = fastmamba.load(real_shape_ckpt, device="cuda")
+    prompt = [11, 22, 33]
+    full = cpu.generate(prompt, max_tokens=20, stop_token_ids=[]).token_ids
+    stop = full[6]
+    stopped = gpu.generate(prompt, max_tokens=20, stop_token_ids=[stop])
+    assert stopped.token_ids == full[: full.index(stop)] and stopped.finish_reason == "stop"
+    other = cpu.generate([5, 6], max_tokens=9, stop_token_ids=[]).token_ids
+    assert gpu.generate([5, 6], max_tokens=9, stop_token_ids=[]).token_ids == other
+    assert gpu.generate(prompt, max_tokens=1, stop_token_ids=[]).token_ids == full[:1]
+    assert gpu.generate(prompt, max_tokens=20, stop_token_ids=[]).token_ids == full
+
+
 def test_default_model_on_the_gpu_writes_the_cpu_text():
     cpu = fastmamba.load()
     gpu = fastmamba.load(device="cuda")
