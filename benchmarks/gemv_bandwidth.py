@@ -94,7 +94,7 @@ def main() -> None:
                     lambda w, BN=BN, BK=BK, warps=warps, stages=stages, sl=sum_last: ds._rmsnorm_linear_kernel[(1, triton.cdiv(nout, BN))](
                         h, dh, nw, w, w, out, *(out,) * 6, dh, 1, d, nout, 0, 0, 1e-5, HAS_BIAS=False,
                         CONV=False, ARGMAX=False, K=4, KP=4, HAS_CB=False, BN=BN, BK=BK, BJ=16, STAGES=stages,
-                        SUM_LAST=sl, PDL=0, num_warps=warps))
+                        SUM_LAST=sl, UNROLL=1, PDL=0, num_warps=warps))
         else:
             y = torch.randn(1, d, device="cuda")
             dh = torch.zeros(1, nout, device="cuda", dtype=torch.int64)

@@ -53,7 +53,7 @@ def tune_rmsnorm_linear(n_out, d):
             ds._rmsnorm_linear_kernel[(1, triton.cdiv(n_out, BN))](
                 h, dh, nw, w, w, out, *(out,) * 7, 1, d, n_out, 0, 0, 1e-5, HAS_BIAS=False,
                 CONV=False, ARGMAX=False, K=4, KP=4, HAS_CB=False, BN=BN, BK=BK, BJ=16, STAGES=1,
-                SUM_LAST=DT in ds.DecodeStep.SUM_LAST and n_out == 4 * d and d > BK, PDL=0, num_warps=warps,
+                SUM_LAST=DT in ds.DecodeStep.SUM_LAST and n_out == 4 * d and d > BK, UNROLL=1, PDL=0, num_warps=warps,
             )
 
         res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BN=BN, BK=BK, warps=warps)))

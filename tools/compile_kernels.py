@@ -159,7 +159,8 @@ def main() -> None:
         for conv in (True, False):  # in_proj with the conv step and x_proj; lm_head with the argmax
             compile_kernel(ds._rmsnorm_linear_kernel, t, dict(
                 HAS_BIAS=True, CONV=conv, ARGMAX=not conv, K=4, KP=4, HAS_CB=True, BN=16,
-                BK=512, BJ=128, STAGES=ds.DecodeStep.linear_blocks(3072, 768)[3], SUM_LAST=not f32, PDL=True))
+                BK=512, BJ=128, STAGES=ds.DecodeStep.linear_blocks(3072, 768)[3], SUM_LAST=not f32,
+                UNROLL=ds.DecodeStep.IN_PROJ_UNROLL if conv and not f32 else 1, PDL=True))
         t = ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", wx_ptr=wdt, dbc_ptr="*i64")
         BN = ds.DecodeStep.CONV_BLOCK
         compile_kernel(ds._conv_x_proj_kernel, t, dict(K=4, KP=4, HAS_CB=True, BN=BN, BJ=256, PDL=True), num_warps=ds.DecodeStep.conv_warps(BN))

@@ -195,7 +195,7 @@ def _rmsnorm_linear_kernel(
     B, D, NOUT, E, J, eps,
     HAS_BIAS: tl.constexpr, CONV: tl.constexpr, ARGMAX: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     HAS_CB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    BJ: tl.constexpr, STAGES: tl.constexpr, SUM_LAST: tl.constexpr, PDL: tl.constexpr,
+    BJ: tl.constexpr, STAGES: tl.constexpr, SUM_LAST: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr,
 ):
     let_next_kernel_launch(PDL)
     pid_b = tl.program_id(0)  # rows first: see DecodeStep
@@ -224,7 +224,7 @@ def _rmsnorm_linear_kernel(
     nw = tl.load(nw_ptr + k, mask=k < D, other=0.0)
     sq = hk * hk
     acc = _mm_terms(hk * nw[None, :], w, SUM_LAST)
-    for k0 in tl.range(BK, D, BK, num_stages=STAGES):
+    for k0 in tl.range(BK, D, BK, num_stages=STAGES, loop_unroll_factor=UNROLL):
         k = k0 + tl.arange(0, BK)
         kmask = k < D
         hk = _residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & kmask[None, :])
@@ -607,6 +607,13 @@ class DecodeStep:
     # 1.7661; float32 in 256-wide tiles summed every tile lost: 130m 0.2445 against
     # 0.2425, 2.8b 3.1620 against 3.1589; tune_decode.py --lm-head-sum-last).
     LM_HEAD_K_TILE = 256
+    # in_proj's K loop unrolled by this much where its products are summed after the loop
+    # (16-bit weights, d_model past one K tile): two tiles' loads in flight a thread, not one
+    # (bf16 batch 1, whole steps, A B C D D C B A twice, means, ms, against no unroll: 1.4b
+    # 0.9919 / 1.0070, 2.8b 1.7492 / 1.7680). lm_head unrolled gained nothing (1.4b 1.0017,
+    # 2.8b 1.7680); float32 in_proj lost at 2.8b (3.608 against 3.166, in_proj and lm_head
+    # both unrolled); 4 lost everywhere (2.8b bf16 1.992); benchmarks/RESULTS.md.
+    IN_PROJ_UNROLL = 2
 
     @staticmethod
     def out_blocks(d_model: int) -> tuple[int, int, int, int]:
@@ -677,14 +684,15 @@ class DecodeStep:
         emb = self.model.weights.embedding
         _embed_kernel[(self.B, self.nt_d)](tokens, emb, self.h, self.dh, self.B, emb.shape[1], BN=self.BN_out, **self.pdl)
 
-    def _rmsnorm_linear(self, norm_w, weight, bias, out, conv=None, argmax=False, sum_last=False, k_tile=None) -> None:
+    def _rmsnorm_linear(self, norm_w, weight, bias, out, conv=None, argmax=False, sum_last=False, k_tile=None, unroll=1) -> None:
         """out[:B] = linear(rmsnorm(h + dh) * norm_w, weight, bias); with conv = (lw,
         conv_state), out is xz, and the x half goes on through the conv step and x_proj;
         with argmax, each row's argmax goes into `best` too (see _argmax_keys). sum_last:
         one row's products summed over K once, after the loop (_mm_terms), where d takes
         more than one K tile (in one tile the products would wait through the loop in
         registers for nothing: 370m bf16 0.513 ms a step against 0.456). k_tile: K tiles
-        of this width instead of linear_blocks' (lm_head: LM_HEAD_K_TILE)."""
+        of this width instead of linear_blocks' (lm_head: LM_HEAD_K_TILE). unroll: the K loop
+        unrolled by this much where the products are summed after it (IN_PROJ_UNROLL)."""
         n_out, d = weight.shape
         BN, BK, warps, stages = self.linear_blocks(n_out, d)
         BK = k_tile or BK
@@ -701,7 +709,7 @@ class DecodeStep:
             self.B, d, n_out, c.d_inner, self.J, c.norm_eps,
             HAS_BIAS=bias is not None, CONV=conv is not None, ARGMAX=argmax, K=c.d_conv, KP=triton.next_power_of_2(c.d_conv),
             HAS_CB=conv is not None and conv[0].conv_b is not None,
-            BN=BN, BK=BK, BJ=self.BJ, STAGES=stages, SUM_LAST=sum_last and d > BK,
+            BN=BN, BK=BK, BJ=self.BJ, STAGES=stages, SUM_LAST=sum_last and d > BK, UNROLL=unroll if sum_last and d > BK else 1,
             num_warps=warps, **self.pdl_for("rmsnorm_linear"),
         )
 
@@ -710,10 +718,11 @@ class DecodeStep:
         SiLU -> xc, conv_state (B, E, K) updated, and xc @ x_proj.T added to dbc (zero
         before: out_proj_residual leaves it so): in in_proj's own programs up to
         FUSED_CONV_UP_TO, else in a second kernel."""
+        linear = dict(sum_last=self.sum_last, unroll=self.IN_PROJ_UNROLL)
         if self.fused_conv:
-            self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, conv=(lw, conv_state), sum_last=self.sum_last)
+            self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, conv=(lw, conv_state), **linear)
             return
-        self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, sum_last=self.sum_last)
+        self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, **linear)
         c = self.model.config
         _conv_x_proj_kernel[(self.B, triton.cdiv(c.d_inner, self.BN_conv))](
             self.xz, conv_state, lw.conv_w, lw.conv_b if lw.conv_b is not None else lw.conv_w,
