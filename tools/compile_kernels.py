@@ -165,7 +165,8 @@ def main() -> None:
         BN = ds.DecodeStep.CONV_BLOCK
         compile_kernel(ds._conv_x_proj_kernel, t, dict(K=4, KP=4, HAS_CB=True, BN=BN, BJ=256, PDL=True), num_warps=ds.DecodeStep.conv_warps(BN))
         t = ptrs("xc_ptr", "xz_ptr", "ss_ptr", "dtb_ptr", "A_ptr", "D_ptr", "y_ptr", "h_ptr", dtw_ptr=wdt, dbc_ptr="*i64", dh_ptr="*i64")
-        compile_kernel(ds._ssm_step_kernel, t, dict(N=16, NP=16, BJ=128, BR=64, BE=32, BD=16, PDL=True))
+        BE, warps = ds.DecodeStep.ssm_blocks(2560)
+        compile_kernel(ds._ssm_step_kernel, t, dict(N=16, NP=16, BJ=256, BR=256, BE=BE, BD=4, PDL=True), num_warps=warps)
         t = {"best_ptr": "*i64", "tok_ptr": "*i64", "hist_ptr": "*i64", "step_ptr": "*i64", "seen_ptr": "*i1"}
         compile_kernel(ds._take_argmax_kernel, t, dict(BR=8, PDL=True))
         t = ptrs("y_ptr", "b_ptr", w_ptr=wdt, dh_ptr="*i64", dbc_ptr="*i64")

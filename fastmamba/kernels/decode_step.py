@@ -563,7 +563,17 @@ class DecodeStep:
 
     # Launch settings, chosen by timing whole graph-replayed batch-1 steps
     # (benchmarks/tune_decode.py --in-graph).
-    SSM_BLOCK = 16  # ssm_step: channels a program (2.24 ms at 2.8b against 2.26 with 32)
+    @staticmethod
+    def ssm_blocks(d_model: int) -> tuple[int, int]:
+        """ssm_step's channels a program and warps: few channels a program, one warp,
+        so that the chain after its wait (dt_proj's sum over dt_rank, softplus, the state,
+        the sum over the states for y) runs in one warp's registers and shuffles, with no
+        barrier between warps, and many programs share the work. bf16 batch 1, whole steps,
+        A B C D D C B A twice, means, ms, 16 channels and 4 warps (as before) / 8 and 1 / 4
+        and 1: 130m 0.2075 / 0.2028 / **0.1978**, 370m 0.4664 / 0.4363 / **0.4260**, 1.4b
+        0.9884 / **0.9727** / 0.9778, 2.8b 1.7410 / **1.7045** / 1.7253; float32 130m 0.2463
+        / 0.2444 / **0.2395**, 2.8b 3.1276 / **3.0821** / 3.0910."""
+        return (4 if d_model <= 1024 else 8), 1
     # in_proj does the conv step and x_proj itself up to this d_model; wider models run them
     # as a kernel of their own. bf16 batch 1, ms a step, in in_proj against on their own
     # (H200, 2026-11-30): 130m 0.232 / 0.282, 370m 0.498 / 0.622 (on their own: the
@@ -656,7 +666,7 @@ class DecodeStep:
         self.nsplit_out = max(1, min(16, programs // self.nt_d, triton.cdiv(E, self.BK_out)))
         self.kchunk_out = triton.cdiv(triton.cdiv(E, self.nsplit_out), self.BK_out) * self.BK_out
         self.nsplit_out = triton.cdiv(E, self.kchunk_out)  # whole BK steps per split may need fewer
-        self.BE_ssm = self.SSM_BLOCK
+        self.BE_ssm, self.warps_ssm = self.ssm_blocks(d)
         self.BD_ssm = triton.next_power_of_2(triton.cdiv(d, triton.cdiv(E, self.BE_ssm)))  # h columns each folds
         self.fused_conv = d <= self.FUSED_CONV_UP_TO
         self.BN_conv = self.CONV_BLOCK
@@ -754,7 +764,7 @@ class DecodeStep:
         _ssm_step_kernel[(self.B, triton.cdiv(c.d_inner, self.BE_ssm))](
             self.dbc, self.xc, self.xz, ssm_state, lw.dt_proj_w, lw.dt_bias, lw.A, lw.D, self.y, self.h, self.dh,
             self.B, c.d_inner, c.dt_rank, c.d_model, N=c.d_state, NP=self.NP, BJ=self.BJ, BR=self.BR,
-            BE=self.BE_ssm, BD=self.BD_ssm, num_warps=4, **self.pdl_for("ssm_step"),
+            BE=self.BE_ssm, BD=self.BD_ssm, num_warps=self.warps_ssm, **self.pdl_for("ssm_step"),
         )
 
     def out_proj_residual(self, lw) -> None:
