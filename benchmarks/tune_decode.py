@@ -97,7 +97,7 @@ def tune_in_graph(size, parts=("in_proj", "out_proj", "states")):
         ds.DecodeStep.out_blocks = staticmethod(lambda d, b=(*blocks, programs): b)
         print(f"   out_proj BN, BK, warps = {blocks}, ~{programs} programs: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
     ds.DecodeStep.out_blocks = default_out
-    default_fused, default_conv, default_ssm = ds.DecodeStep.FUSED_CONV_UP_TO, ds.DecodeStep.CONV_BLOCK, ds.DecodeStep.ssm_blocks
+    default_fused, default_conv, default_ssm = ds.DecodeStep.FUSED_CONV_UP_TO, ds.DecodeStep.CONV_BLOCK, ds.DecodeStep.__dict__["ssm_blocks"]
     for fused_up_to, block in [] if "states" not in parts else [(1 << 20, default_conv), (0, 16), (0, 32), (0, 64), (0, 128), (0, 32), (0, 64), (0, 128)]:
         ds.DecodeStep.FUSED_CONV_UP_TO, ds.DecodeStep.CONV_BLOCK = fused_up_to, block
         how = "in in_proj" if fused_up_to else f"own kernel, {block} channels a program"
