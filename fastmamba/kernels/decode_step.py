@@ -38,7 +38,7 @@ Why it is shaped this way:
   conv_x_proj x_proj's columns; in ssm_step the layer's state), and only then waits for
   the previous kernel's results (pdl.py). Some let the next kernel
   launch even before their own wait (`DecodeStep.EARLY_LAUNCH`).
-- Larger batches run decode_gemm.py's step instead, from batch 2 up on bf16 2.8b, 3 on
+- Larger batches run decode_gemm.py's step instead, from batch 3 up on bf16 2.8b and
   1.4b, 4 on 370m, 5 on 130m (`one_row_up_to`): its products through gemm.py's Triton GEMM
   (in_proj through cuBLAS above 32 rows, and at some float32 batch sizes: `cublas_in_proj`)
   up to 128 rows on the wide models and 256 on the narrow ones (`triton_products_up_to`),
@@ -485,14 +485,15 @@ def one_row_up_to(d_model: int, dtype: torch.dtype) -> int:
     adds about as much L2 traffic as a batch-1 step's memory traffic, where a product reads
     each weight once for all rows at a cost that hardly grows with them. The crossover falls
     as the model widens. Whole graph-replayed steps on the H200, ms, one-row against the
-    Triton products (16-bit) or cuBLAS (float32): bf16 130m batch 4 0.409 / 0.446, 8 0.665 /
-    0.460; 370m 4 1.030 / 0.926; 1.4b 2 1.442 / 1.472, 3 1.940 / 1.489; 2.8b 2 2.547 /
-    2.480; float32 130m 8 0.803 / 1.183, 2.8b 3 5.514 / 9.329, 4 7.396 / 6.311."""
+    Triton products (16-bit) or cuBLAS (float32): bf16 130m batch 4 0.409 / 0.446, 5 0.461 /
+    0.450, 8 0.665 / 0.460; 370m 4 1.011 / 0.924; 1.4b 2 1.442 / 1.472, 3 1.806 / 1.490;
+    2.8b 2 2.355 / 2.479 (with one-warp ssm_step programs; 2.547 / 2.480 before); float32
+    130m 8 0.803 / 1.183, 2.8b 3 5.514 / 9.329, 4 7.396 / 6.311."""
     if dtype == torch.float32:
         return SMALL_BATCH if d_model <= 1024 else 3
     if d_model <= 768:
         return 4
-    return 3 if d_model <= 1024 else 2 if d_model <= 2048 else 1
+    return 3 if d_model <= 1024 else 2
 
 
 def triton_products_up_to(d_model: int, dtype: torch.dtype) -> int:
