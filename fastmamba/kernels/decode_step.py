@@ -570,8 +570,8 @@ class DecodeStep:
         so that the chain after its wait (dt_proj's sum over dt_rank, softplus, the state,
         the sum over the states for y) runs in one warp's registers and shuffles, with no
         barrier between warps, and many programs share the work. bf16 batch 1, whole steps,
-        A B C D D C B A twice, means, ms, 16 channels and 4 warps (as before) / 8 and 1 / 4
-        and 1: 130m 0.2075 / 0.2028 / **0.1978**, 370m 0.4664 / 0.4363 / **0.4260**, 1.4b
+        A B .. B A twice, means, ms, 16 channels and 4 warps (as before) / 8 and 1 / 4 and
+        1: 130m 0.2075 / 0.2028 / **0.1978**, 370m 0.4664 / 0.4363 / **0.4260**, 1.4b
         0.9884 / **0.9727** / 0.9778, 2.8b 1.7410 / **1.7045** / 1.7253; float32 130m 0.2463
         / 0.2444 / **0.2395**, 2.8b 3.1276 / **3.0821** / 3.0910."""
         return (4 if d_model <= 1024 else 8), 1
