@@ -51,8 +51,9 @@ def load(
     size, and a batch's prompts prefill one at a time; see benchmarks/RESULTS.md for the
     cost). Without it this holds among the batch sizes whose decode step avoids cuBLAS,
     within each of their two ranges: the small batches of the one-row kernels
-    (decode_step.one_row_up_to) and those above them up to 32 rows (16 with float32
-    weights), where in_proj goes to cuBLAS (decode_step.cublas_in_proj).
+    (decode_step.one_row_up_to) and those above them up to where in_proj goes to cuBLAS
+    (decode_step.cublas_in_proj: above 32 rows; with float32 weights on 1.4b and 2.8b,
+    only from 7 to 16 rows).
     Raises CheckpointError (a ValueError) naming the file and tensor or key on bad input.
     """
     storage = parse_dtype(dtype)

@@ -707,6 +707,7 @@ class DecodeStep:
         n_out, d = weight.shape
         BN, BK, warps, stages = self.linear_blocks(n_out, d)
         BK = k_tile or BK
+        sum_last = sum_last and d > BK
         grid = (self.B, triton.cdiv(n_out, BN))
         c = self.model.config
         if conv is not None:
@@ -720,7 +721,7 @@ class DecodeStep:
             self.B, d, n_out, c.d_inner, self.J, c.norm_eps,
             HAS_BIAS=bias is not None, CONV=conv is not None, ARGMAX=argmax, K=c.d_conv, KP=triton.next_power_of_2(c.d_conv),
             HAS_CB=conv is not None and conv[0].conv_b is not None,
-            BN=BN, BK=BK, BJ=self.BJ, STAGES=stages, SUM_LAST=sum_last and d > BK, UNROLL=unroll if sum_last and d > BK else 1,
+            BN=BN, BK=BK, BJ=self.BJ, STAGES=stages, SUM_LAST=sum_last, UNROLL=unroll if sum_last else 1,
             num_warps=warps, **self.pdl_for("rmsnorm_linear"),
         )
 
