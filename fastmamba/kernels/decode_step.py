@@ -604,7 +604,7 @@ class DecodeStep:
     # ms / 0.360, 370m 0.762 / 0.800, 1.4b 1.344 / 1.394; at 2.8b it once lost, 2.254 /
     # 2.239, and wins since conv_x_proj runs 128 channels a program: 1.786 / 1.796), and
     # conv_x_proj where it runs (the wide models; since ssm_step runs one warp a program:
-    # 1.4b 0.961 / 0.974, 2.8b 1.698 / 1.702). ssm_step reads nothing before its wait that
+    # 1.4b 0.964 / 0.973, 2.8b 1.698 / 1.701). ssm_step reads nothing before its wait that
     # in_proj or conv_x_proj write, and conv_x_proj cannot finish before in_proj has.
     EARLY_LAUNCH = frozenset({"conv_x_proj", "ssm_step", "out_proj_residual"})
     # in_proj and lm_head with weights of these dtypes sum their products over K
