@@ -16,3 +16,18 @@ def test_kernels_compile_for_hopper():
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count(": ok") == 6, r.stdout  # three decode dtypes, the products' step's kernels, prefill, sampler
+
+
+def test_step_timeline_marks_every_layer_kernel():
+    """benchmarks/step_timeline.py rewrites decode_step.py's layer kernels: each gets its
+    three marks (start, after the wait, end) and each launch the timeline's arguments, and
+    the rewritten module imports."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import step_timeline
+
+    src = step_timeline.instrumented_source()
+    kernels = len(step_timeline.KERNELS)
+    for col in range(3):
+        assert src.count(f"_timeline_mark(tm_ptr, TM_ON, {col})") == kernels
+    assert src.count("**self.timeline_args(") == kernels
+    assert hasattr(step_timeline.load_instrumented().DecodeStep, "timeline_args")
