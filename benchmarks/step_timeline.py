@@ -132,7 +132,8 @@ def timeline(ds, size: str, layers: list[int]) -> None:
     n = model.config.n_layer
     layers = sorted({*(i for i in layers if 0 <= i < n), n - 1})  # the last layer, for lm_head
     step = ds.DecodeStep(model, 1)
-    step.timeline = torch.zeros(5 * len(layers), 4096, 4, dtype=torch.int64, device="cuda")
+    rows = max(4096, model.config.vocab_size // 8)  # a row a program: more than any kernel here launches
+    step.timeline = torch.zeros(5 * len(layers), rows, 4, dtype=torch.int64, device="cuda")
     step.timeline_layers = tuple(layers)
     state, tokens = model.new_state(1), torch.zeros(1, dtype=torch.int64, device="cuda")
     stream = torch.cuda.Stream()

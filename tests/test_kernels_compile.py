@@ -18,11 +18,11 @@ def test_kernels_compile_for_hopper():
     assert r.stdout.count(": ok") == 6, r.stdout  # three decode dtypes, the products' step's kernels, prefill, sampler
 
 
-def test_step_timeline_marks_every_layer_kernel():
+def test_step_timeline_marks_every_layer_kernel(monkeypatch):
     """benchmarks/step_timeline.py rewrites decode_step.py's layer kernels: each gets its
     three marks (start, after the wait, end) and each launch the timeline's arguments, and
     the rewritten module imports."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import step_timeline
 
     src = step_timeline.instrumented_source()
