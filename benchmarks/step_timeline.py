@@ -114,39 +114,23 @@ def load_instrumented():
     return module
 
 
-def replay_ms(graph, reps=50) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        graph.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / reps
-
-
 def timeline(ds, size: str, layers: list[int]) -> None:
-    from fastmamba.bench import random_model, time_graph_steps
+    from fastmamba.bench import gpu_ms, random_model, time_graph_steps
+    from fastmamba.engine import capture_graph
 
     model = random_model(size, torch.bfloat16)
     plain = time_graph_steps(model, 1)
     n = model.config.n_layer
     layers = sorted({*(i for i in layers if 0 <= i < n), n - 1})  # the last layer, for lm_head
     step = ds.DecodeStep(model, 1)
-    rows = max(4096, model.config.vocab_size // 8)  # a row a program: more than any kernel here launches
-    step.timeline = torch.zeros(5 * len(layers), rows, 4, dtype=torch.int64, device="cuda")
+    programs = max(4096, model.config.vocab_size // 8)  # a row a program: more than any kernel here launches
+    step.timeline = torch.zeros(5 * len(layers), programs, 4, dtype=torch.int64, device="cuda")
     step.timeline_layers = tuple(layers)
     state, tokens = model.new_state(1), torch.zeros(1, dtype=torch.int64, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        step(tokens, state)  # compiles
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph, stream=stream):
-            step(tokens, state)
+    graph, _ = capture_graph(lambda: step(tokens, state))
     for _ in range(20):
         graph.replay()
-    print(f"\n{size} bf16 batch 1: plain step {plain:.4f} ms, instrumented {replay_ms(graph):.4f} ms")
+    print(f"\n{size} bf16 batch 1: plain step {plain:.4f} ms, instrumented {gpu_ms(graph.replay, 50, 1)[0]:.4f} ms")
     step.timeline.zero_()
     graph.replay()
     torch.cuda.synchronize()
@@ -155,14 +139,14 @@ def timeline(ds, size: str, layers: list[int]) -> None:
     print("µs from the first in_proj's start; quantiles 0 / 10 / 50 / 90 / 100%")
     for li, layer in enumerate(layers):
         for k, name in enumerate(SLOTS):
-            rows = tm[5 * li + k]
-            rows = rows[rows[:, 0] != 0]
-            if len(rows) == 0:
+            marks = tm[5 * li + k]
+            marks = marks[marks[:, 0] != 0]  # the programs this kernel ran
+            if len(marks) == 0:
                 continue
-            t0 = rows[:, 0].min().item() if t0 is None else t0
-            start, wait, end = [(rows[:, j] - t0).double() / 1e3 for j in range(3)]
-            per_sm = torch.bincount(rows[:, 3], minlength=1)
-            print(f"layer {layer:3d} {name:11s} {len(rows):5d} programs on {int((per_sm > 0).sum()):3d} SMs (at most {int(per_sm.max())} an SM)")
+            t0 = marks[:, 0].min().item() if t0 is None else t0
+            start, wait, end = [(marks[:, j] - t0).double() / 1e3 for j in range(3)]
+            per_sm = torch.bincount(marks[:, 3], minlength=1)
+            print(f"layer {layer:3d} {name:11s} {len(marks):5d} programs on {int((per_sm > 0).sum()):3d} SMs (at most {int(per_sm.max())} an SM)")
             for what, v in (("start", start), ("wait", wait), ("end", end)):
                 q = " ".join(f"{v.quantile(p).item():8.2f}" for p in (0, 0.1, 0.5, 0.9, 1.0))
                 print(f"    {what:5s} {q}")
