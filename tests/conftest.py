@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,6 +14,68 @@ import torch
 # the variable must be set before triton is first imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# The interpreter runs a tl.associative_scan or tl.reduce with a custom combine element by
+# element, a Python call each: most of the CPU suite's time went there (the one-pass
+# selective scan, the sampler's reductions). These replacements make the same combines in
+# the same order (each position onto the result before it, along the axis), one slice
+# across the axis at a time, the slice's other elements side by side in numpy.
+
+
+def _fold_slices(op, arrays, input, axis, keep):
+    """Combines the slices of `arrays` along `axis` in order; keep(k, acc) sees each result."""
+    acc = None
+    for k in range(arrays[0].shape[axis]):
+        here = tuple(op.to_tensor(np.take(a, k, axis=axis), arg.dtype) for a, arg in zip(arrays, input))
+        if acc is None:
+            acc = here
+        else:
+            combined = op.combine_fn.fn(*acc, *here)
+            acc = combined if isinstance(combined, tuple) else (combined,)
+        keep(k, acc)
+    return acc
+
+
+def _scan_slices(self, input):
+    arrays = [arg.handle.data for arg in input]
+    outs = [np.empty_like(a) for a in arrays]
+
+    def keep(k, acc):
+        for out, v in zip(outs, acc):
+            view = np.moveaxis(out, self.axis, 0)[k]
+            view[...] = np.reshape(v.handle.data, view.shape)
+
+    _fold_slices(self, arrays, input, self.axis, keep)
+    return [self.to_tensor(out, arg.dtype) for out, arg in zip(outs, input)]
+
+
+def _reduce_slices(self, input):
+    input, axis = self.unravel(input, self.axis)
+    arrays = [arg.handle.data for arg in input]
+    acc = _fold_slices(self, arrays, input, axis, lambda k, acc: None)
+    shape = arrays[0].shape[:axis] + arrays[0].shape[axis + 1 :]
+    ret = []
+    for v, a, arg in zip(acc, arrays, input):
+        data = np.reshape(v.handle.data, shape).astype(a.dtype)
+        if self.keep_dims:  # as the interpreter's own reduction shapes its results
+            data = np.expand_dims(data, axis) if self.axis is not None else np.reshape(data, (1,) * a.ndim)
+        elif self.axis is None:
+            data = data.item()
+        ret.append(self.to_tensor(data, arg.dtype))
+    return ret
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        interpreter = None
+    # (an interpreter laid out otherwise keeps its own)
+    if hasattr(getattr(interpreter, "ScanOps", None), "generic_scan"):
+        interpreter.ScanOps.generic_scan = _scan_slices
+    if hasattr(getattr(interpreter, "ReduceOps", None), "generic_reduce"):
+        interpreter.ReduceOps.generic_reduce = _reduce_slices
 
 CORPUS = (
     "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer "
