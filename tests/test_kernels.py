@@ -193,7 +193,7 @@ def test_whole_step_equals_the_reference_model(case, fused):
     state.conv.copy_(rand(*state.conv.shape, seed=10))
     state.ssm.copy_(rand(*state.ssm.shape, seed=11))
     ref_state = fastmamba.MambaState(state.conv.clone(), state.ssm.clone())
-    for t in range(3):
+    for t in range(2):  # the second step from the states the first left
         tokens = torch.randint(0, c.vocab_size, (step.B,), device=DEVICE)
         logits = step(tokens, state)
         ref = model.step(tokens, ref_state)
