@@ -23,8 +23,9 @@ if not torch.cuda.is_available():
 # across the axis at a time, the slice's other elements side by side in numpy.
 
 
-def _fold_slices(op, arrays, input, axis, keep):
-    """Combines the slices of `arrays` along `axis` in order; keep(k, acc) sees each result."""
+def _fold_slices(op, input, axis):
+    """Yields the result at each position along `axis`: the slices combined in order."""
+    arrays = [arg.handle.data for arg in input]
     acc = None
     for k in range(arrays[0].shape[axis]):
         here = tuple(op.to_tensor(np.take(a, k, axis=axis), arg.dtype) for a, arg in zip(arrays, input))
@@ -33,31 +34,25 @@ def _fold_slices(op, arrays, input, axis, keep):
         else:
             combined = op.combine_fn.fn(*acc, *here)
             acc = combined if isinstance(combined, tuple) else (combined,)
-        keep(k, acc)
-    return acc
+        yield acc
 
 
 def _scan_slices(self, input):
-    arrays = [arg.handle.data for arg in input]
-    outs = [np.empty_like(a) for a in arrays]
-
-    def keep(k, acc):
+    outs = [np.empty_like(arg.handle.data) for arg in input]
+    for k, acc in enumerate(_fold_slices(self, input, self.axis)):
         for out, v in zip(outs, acc):
             view = np.moveaxis(out, self.axis, 0)[k]
             view[...] = np.reshape(v.handle.data, view.shape)
-
-    _fold_slices(self, arrays, input, self.axis, keep)
     return [self.to_tensor(out, arg.dtype) for out, arg in zip(outs, input)]
 
 
 def _reduce_slices(self, input):
     input, axis = self.unravel(input, self.axis)
-    arrays = [arg.handle.data for arg in input]
-    acc = _fold_slices(self, arrays, input, axis, lambda k, acc: None)
-    shape = arrays[0].shape[:axis] + arrays[0].shape[axis + 1 :]
+    *_, acc = _fold_slices(self, input, axis)  # the last position's result
     ret = []
-    for v, a, arg in zip(acc, arrays, input):
-        data = np.reshape(v.handle.data, shape).astype(a.dtype)
+    for v, arg in zip(acc, input):
+        a = arg.handle.data
+        data = np.reshape(v.handle.data, a.shape[:axis] + a.shape[axis + 1 :]).astype(a.dtype)
         if self.keep_dims:  # as the interpreter's own reduction shapes its results
             data = np.expand_dims(data, axis) if self.axis is not None else np.reshape(data, (1,) * a.ndim)
         elif self.axis is None:
