@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import os
 from pathlib import Path
@@ -61,6 +63,40 @@ def _reduce_slices(self, input):
     return ret
 
 
+# The interpreter also patches triton.language anew (every builtin of the modules it finds in
+# the function's globals, through inspect.getmembers) at each call of a @jit helper inside a
+# kernel, though the launch patched those modules already: ~40% of the sampler tests. These
+# wrappers patch each module once a launch: inside a launch, a helper whose language modules
+# are patched already gets an empty scope, and one that sees another module (the standard
+# library's helpers use triton.language.core) patches as before. Outside a launch nothing
+# changes.
+
+
+def _patch_lang_once(interpreter):
+    patch, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    languages = (interpreter.tl, interpreter.tl.core)
+    patched = []  # while a launch runs: the ids of the language modules patched for it
+
+    def patch_lang(fn):
+        mods = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in languages}
+        if patched and mods <= patched[-1]:
+            return interpreter._LangPatchScope()
+        scope = patch(fn)
+        if patched:
+            patched[-1].update(mods)
+        return scope
+
+    def run_launch(self, *args, **kwargs):
+        patched.append(set())
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    interpreter._patch_lang = patch_lang
+    interpreter.GridExecutor.__call__ = run_launch
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     try:
         from triton.runtime import interpreter
@@ -71,6 +107,14 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         interpreter.ScanOps.generic_scan = _scan_slices
     if hasattr(getattr(interpreter, "ReduceOps", None), "generic_reduce"):
         interpreter.ReduceOps.generic_reduce = _reduce_slices
+    if all(hasattr(interpreter, a) for a in ("_patch_lang", "_LangPatchScope", "GridExecutor", "tl")):
+        _patch_lang_once(interpreter)
+    # It checks every 32-bit integer add, subtract and multiply for overflow (each operand
+    # cast to 64 bits, the result compared and asserted): ~25% of the scan tests' time. No
+    # index of these tests' tiny shapes comes near 2^31, and the compiled kernels never check.
+    options = getattr(getattr(interpreter, "interpreter_builder", None), "options", None)
+    if dataclasses.is_dataclass(options) and hasattr(options, "sanitize_overflow"):
+        interpreter.interpreter_builder.options = dataclasses.replace(options, sanitize_overflow=False)
 
 CORPUS = (
     "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer "
