@@ -1,13 +1,13 @@
 """Times the prefill scan alone at public shapes for several launch configurations
-(one-pass associative scan vs the chunked two-pass scan), to choose SCAN_CHUNK, SCAN_BE,
-SCAN_WARPS, SCAN_STAGES and SCAN_UNROLL in kernels/selective_scan.py.
+(one-pass associative scan vs the chunked two-pass scan, its thread layouts and chunks), to
+choose the SCAN_* settings and the rule of chunked_launch in kernels/selective_scan.py.
 
     python benchmarks/tune_scan.py             # the sweep
     python benchmarks/tune_scan.py --passes    # each pass's time at the defaults
-    python benchmarks/tune_scan.py --split     # chunks a row x channels a program
     python benchmarks/tune_scan.py --lengths   # chunk lengths near the defaults
     python benchmarks/tune_scan.py --lengths --long   # the same for 16384-token chunks
-    python benchmarks/tune_scan.py --depth     # batch 8: few chunks, deep load pipelines
+    python benchmarks/tune_scan.py --layouts   # channels a thread x chunks, prefill shapes
+    python benchmarks/tune_scan.py --layouts --short   # short prompts, and the one-pass scan
 """
 
 import itertools
@@ -17,8 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 from fastmamba.kernels import selective_scan as ss  # noqa: E402
 
@@ -43,12 +42,15 @@ def reference(args):
     return ref
 
 
-def time_chunked(args, ref, rep=20):
-    """µs a call of the chunked scan at the module's current settings, and its largest
-    difference from ref, both runs' checks from a zero state."""
-    us = do_bench(lambda: ss.selective_scan(*args, chunked=True), warmup=3, rep=rep) * 1e3
+def time_chunked(args, ref, launch=None, rep=20, graph=False):
+    """µs a call of the chunked scan with `launch` (default: chunked_launch's), and its
+    largest difference from ref, both runs' checks from a zero state. graph: timed as
+    CUDA-graph replays (the GPU's time alone, as prefill runs short prompts; the host's
+    launches outlast small scans)."""
+    bench = (lambda f: do_bench_cudagraph(f, rep=rep)) if graph else (lambda f: do_bench(f, warmup=3, rep=rep))
+    us = bench(lambda: ss.selective_scan(*args, chunked=True, launch=launch)) * 1e3
     args[-1].zero_()  # do_bench left the state after its runs
-    err = (ss.selective_scan(*args, chunked=True) - ref).abs().max().item()
+    err = (ss.selective_scan(*args, chunked=True, launch=launch) - ref).abs().max().item()
     args[-1].zero_()
     return us, err
 
@@ -60,69 +62,52 @@ def main() -> None:
         print(f"B={B} T={T} E={E}: one-pass {ms * 1e3:8.1f} us", flush=True)
         ref = reference(args)
         res = []
-        ss.SCAN_FEW_PROGRAMS = 0  # L as given
-        # (BE 64 and 2 warps a program lost at every shape in earlier sweeps; RESULTS.md)
-        for L, BE, warps, stages, unroll in itertools.product((32, 64, 128), (128,), (1,), (3, 4), (1, 2, 4)):
-            ss.SCAN_CHUNK, ss.SCAN_BE, ss.SCAN_WARPS, ss.SCAN_STAGES, ss.SCAN_UNROLL = L, BE, warps, stages, unroll
-            us, err = time_chunked(args, ref)
-            res.append((us, L, BE, warps, stages, unroll, err))
-        for us, L, BE, warps, stages, unroll, err in sorted(res)[:8]:
-            print(f"   chunked L={L:3d} BE={BE:3d} warps={warps} stages={stages} unroll={unroll}: {us:8.1f} us  (max diff {err:.1e})",
-                  flush=True)
+        # 4 channels a thread, one warp a program (other layouts: --layouts)
+        for L, stages, unroll in itertools.product((32, 64, 128), (3, 4), (1, 2, 4)):
+            run = ss.ScanLaunch(L, 128, 4, 1, stages, unroll)
+            us, err = time_chunked(args, ref, run)
+            res.append((us, L, stages, unroll, err))
+        for us, L, stages, unroll, err in sorted(res)[:8]:
+            print(f"   chunked L={L:3d} stages={stages} unroll={unroll}: {us:8.1f} us  (max diff {err:.1e})", flush=True)
 
 
-def split() -> None:
-    """The chunked scan at each number of chunks a row (1 = pass 2 alone, no summaries) and
-    channels a program: fewer chunks mean fewer exps (pass 1 walks all chunks but the last),
-    more channels a thread fewer loads a state; both mean fewer warps to hide latency."""
-    ss.SCAN_FEW_PROGRAMS = 0  # L as given
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for B, T, E in ((1, 4096, 5120), (8, 2048, 5120)):
+def layouts() -> None:
+    """Both thread layouts of the chunked scan (4 channels a thread, one warp a program, the
+    chunk rule of the defaults; or CPL = 1-2 channels a thread, 2-4 warps a program, 1 to
+    T / 64 chunks) at the prefill shapes of the public widths (E = 2 d_model): the launch
+    rule in selective_scan.chunked_launch comes from here."""
+    shapes = [(B, T, 5120) for B, T in ((1, 1024), (1, 2048), (1, 8192), (1, 16384), (2, 8192), (4, 4096), (8, 2048), (16, 1024))]
+    shapes += [(B, T, 1536) for B, T in ((1, 2048), (1, 16384), (8, 2048), (16, 1024))]
+    shapes += [(1, 8192, 4096), (8, 2048, 4096)]
+    if "--short" in sys.argv:  # prompts under SCAN_CHUNKED_FROM steps (the one-pass scan's), and small ones above
+        shapes = [(B, T, E) for E in (1536, 5120) for B, T in ((1, 128), (1, 512), (4, 256), (16, 256), (64, 64), (2, 1024), (1, 4096))]
+        shapes += [(4, 2048, 1536), (2, 2048, 4096), (1, 2048, 2048)]
+    for B, T, E in shapes:
         args = inputs(B, T, E)
         ref = reference(args)
+        if T < ss.SCAN_CHUNKED_FROM:
+            us = do_bench_cudagraph(lambda: ss.selective_scan(*args, chunked=False), rep=20) * 1e3
+            print(f"B={B} T={T} E={E}: the one-pass scan {us:8.1f} us", flush=True)
+        runs = {ss.chunked_launch(B, E, T)}
+        runs |= {ss.ScanLaunch(L, 128, 4, 1, ss.SCAN_STAGES, ss.SCAN_UNROLL) for L in (64, 128, T)}
+        for BE, CPL, warps in ((32, 1, 1), (64, 1, 2), (128, 1, 4), (128, 2, 2)):
+            for L in {T, T // 2, T // 4, T // 8, 256, 128, 64}:
+                if L >= min(T, 64):
+                    runs.add(ss.ScanLaunch(L, BE, CPL, warps, 3, 4))
         res = []
-        for BE, warps, unroll in ((32, 1, 2), (32, 1, 4), (64, 2, 2), (64, 1, 2), (128, 1, 2), (128, 4, 2)):
-            for nc in (1, 2, 4, 8, 16, 32, 64):
-                ss.SCAN_CHUNK, ss.SCAN_BE, ss.SCAN_WARPS, ss.SCAN_UNROLL = T // nc, BE, warps, unroll
-                try:
-                    us, err = time_chunked(args, ref)
-                except triton.runtime.errors.OutOfResources as e:
-                    print(f"   BE={BE} warps={warps} unroll={unroll} nc={nc}: {e}", flush=True)
-                    continue
-                res.append((us, BE, warps, unroll, nc, B * E // BE * nc * warps / sms, err))
-        print(f"B={B} T={T} E={E}:", flush=True)
-        for us, BE, warps, unroll, nc, wps, err in sorted(res)[:16]:
-            print(f"   {us:8.1f} us  BE={BE:3d} warps={warps} unroll={unroll} chunks={nc:2d} ({wps:5.1f} warps an SM)"
-                  f"  max diff {err:.1e}", flush=True)
-
-
-def depth() -> None:
-    """Few chunks at batch 8 (rows give parallelism: one chunk means no summary pass, half
-    the exps), where a program's walk is long: channels a program, chunks a row and the
-    depth of each step's load pipeline (tl.range num_stages)."""
-    ss.SCAN_FEW_PROGRAMS = 0  # L as given
-    B, T, E = 8, 2048, 5120
-    args = inputs(B, T, E)
-    ref = reference(args)
-    res = []
-    for BE, nc, stages in itertools.product((32, 64, 128), (1, 2, 4, 16), (4, 8, 12)):
-        ss.SCAN_CHUNK, ss.SCAN_BE, ss.SCAN_WARPS, ss.SCAN_STAGES, ss.SCAN_UNROLL = T // nc, BE, 1, stages, 2
-        try:
-            us, err = time_chunked(args, ref)
-        except triton.runtime.errors.OutOfResources as e:
-            print(f"   BE={BE} chunks={nc} stages={stages}: {e}", flush=True)
-            continue
-        res.append((us, BE, nc, stages, err))
-        print(f"   {us:8.1f} us  BE={BE:3d} chunks={nc:2d} stages={stages:2d}  max diff {err:.1e}", flush=True)
-    print(f"B={B} T={T} E={E}, best:", flush=True)
-    for us, BE, nc, stages, err in sorted(res)[:8]:
-        print(f"   {us:8.1f} us  BE={BE:3d} chunks={nc:2d} stages={stages:2d}", flush=True)
+        for run in runs:
+            us, err = time_chunked(args, ref, run, graph=True)
+            res.append((us, run, err))
+        base = next(us for us, run, _ in res if run == ss.chunked_launch(B, E, T))
+        print(f"B={B} T={T} E={E}: the default {base:8.1f} us", flush=True)
+        for us, run, err in sorted(res, key=lambda r: r[0])[:6]:
+            print(f"   {us:8.1f} us  L={run.L:5d} BE={run.BE:3d} CPL={run.CPL} warps={run.warps} stages={run.stages} "
+                  f"unroll={run.unroll}  max diff {err:.1e}", flush=True)
 
 
 def lengths() -> None:
-    """The chunked scan at its default blocks for chunk lengths around the defaults: the
+    """The chunked scan, 4 channels a thread, for chunk lengths around the defaults: the
     number of programs against the GPU's resident slots (whole waves or a ragged last one)."""
-    ss.SCAN_FEW_PROGRAMS = 0  # L as given
     shapes = ((1, 4096, 5120, (56, 60, 64, 68, 72, 76, 80, 84, 88, 96, 104, 112)),
               (8, 2048, 5120, (96, 104, 112, 120, 128, 136, 144, 160)))
     if "--long" in sys.argv:  # the one-chunk prompts of Mamba.chunk_tokens: 2.8b and 130m widths
@@ -133,8 +118,8 @@ def lengths() -> None:
         ref = reference(args)
         print(f"B={B} T={T} E={E}:", flush=True)
         for L in Ls:
-            ss.SCAN_CHUNK = L
-            us, err = time_chunked(args, ref, rep=30)
+            run = ss.ScanLaunch(L, ss.SCAN_BE, 4, ss.SCAN_WARPS, ss.SCAN_STAGES, ss.SCAN_UNROLL)
+            us, err = time_chunked(args, ref, run, rep=30)
             nc = -(-T // L)
             print(f"   L={L:3d} chunks={nc:3d} programs {B * (E // ss.SCAN_BE) * nc:5d}: {us:8.1f} us  max diff {err:.1e}",
                   flush=True)
@@ -161,11 +146,9 @@ def profile_passes(args) -> None:
 if __name__ == "__main__":
     if "--passes" in sys.argv:
         passes()
-    elif "--split" in sys.argv:
-        split()
     elif "--lengths" in sys.argv:
         lengths()
-    elif "--depth" in sys.argv:
-        depth()
+    elif "--layouts" in sys.argv:
+        layouts()
     else:
         main()

@@ -7,7 +7,7 @@ import torch
 
 import fastmamba
 from fastmamba.kernels.causal_conv1d import causal_conv1d, causal_conv1d_ref
-from fastmamba.kernels.selective_scan import selective_scan, selective_scan_ref
+from fastmamba.kernels.selective_scan import ScanLaunch, selective_scan, selective_scan_ref
 from fastmamba.kernels.step_size import step_size, step_size_ref
 from fastmamba.model import Mamba, triton_ops
 
@@ -64,12 +64,16 @@ def test_conv_and_scan_kernels_match_their_twins(B, E, T, K, start):
     ssm_state0 = torch.randn(B, E, N, device=DEVICE, generator=g)
     ssm_ref_state = ssm_state0.clone()
     y_ref = selective_scan_ref(xc_ref, delta, A, Bm, Cm, D, z, ssm_ref_state, s)
-    for chunked in (True, False):
+    # the one-pass scan; the chunked one as chunked_launch runs it here, with 4 channels a
+    # thread in 64-step chunks, and as one chunk of one channel a thread
+    scans = [dict(chunked=False), dict(chunked=True), dict(chunked=True, launch=ScanLaunch(64, 128, 4, 1, 4, 2)),
+             dict(chunked=True, launch=ScanLaunch(T, 64, 1, 2, 3, 4))]
+    for kw in scans:
         ssm_state = ssm_state0.clone()
-        y = selective_scan(xc_ref, delta, A, Bm, Cm, D, z, ssm_state, s, chunked=chunked)
-        assert rel_err(y, y_ref) < 1e-5 and rel_err(ssm_state, ssm_ref_state) < 1e-5, chunked
+        y = selective_scan(xc_ref, delta, A, Bm, Cm, D, z, ssm_state, s, **kw)
+        assert rel_err(y, y_ref) < 1e-5 and rel_err(ssm_state, ssm_ref_state) < 1e-5, kw
         # y straight in out_proj's dtype
-        assert_rounded(selective_scan(xc_ref, delta, A, Bm, Cm, D, z, ssm_state0.clone(), s, out_dtype=torch.bfloat16, chunked=chunked), y)
+        assert_rounded(selective_scan(xc_ref, delta, A, Bm, Cm, D, z, ssm_state0.clone(), s, out_dtype=torch.bfloat16, **kw), y)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

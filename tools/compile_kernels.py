@@ -51,6 +51,9 @@ target = GPUTarget("cuda", 90, 32)
 # value 1 as the constant 1, which lets loads along it vectorise; compiled as plain
 # integers here they would not, and the code would not be the code that runs.
 UNIT_STRIDES = ("sxe", "sde", "sbn", "scn", "sze", "srk")
+# Integer arguments the launcher leaves unspecialised (do_not_specialize): no alignment
+# is known of them (the scan's `zero`, see selective_scan._lane_zero).
+UNALIGNED = ("zero",)
 
 
 def compile_kernel(jitfn, types, constexprs, num_warps=4):
@@ -61,7 +64,8 @@ def compile_kernel(jitfn, types, constexprs, num_warps=4):
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     # pointers and integer sizes as the launcher specialises them at the public shapes
     # (multiples of 16), so that loads vectorise as they will on the GPU
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] == "i32" or sig[n].startswith("*")}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if n not in UNALIGNED and (sig[n] == "i32" or sig[n].startswith("*"))}
     src = ASTSource(jitfn, sig, {(names.index(k),): v for k, v in constexprs.items()}, aligned)
     kernel = triton.compile(src, target=target, options={"num_warps": num_warps})
     print(f"  {jitfn.__name__:28s} {resource_usage(kernel.asm['cubin'])}  {constexprs}")
@@ -191,13 +195,15 @@ def main() -> None:
     # the scans write y in out_proj's dtype
     t = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A_ptr", "D_ptr", "st_ptr", y_ptr="*bf16", start_ptr="*i32")
     compile_kernel(ss._selective_scan_kernel, t, dict(N=16, NP=16, BE=8, BT=32))
-    chunk = dict(N=16, NP=16, BE=ss.SCAN_BE, STAGES=ss.SCAN_STAGES, UNROLL=ss.SCAN_UNROLL)
-    t = ptrs("x_ptr", "dt_ptr", "B_ptr", "A2t_ptr", "sum_ptr", "dts_ptr", start_ptr="*i32")
-    compile_kernel(ss._scan_summary_kernel, t, chunk, num_warps=ss.SCAN_WARPS)
+    t1 = ptrs("x_ptr", "dt_ptr", "B_ptr", "A2t_ptr", "sum_ptr", "dts_ptr", start_ptr="*i32")
+    t2 = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A2t_ptr", "D_ptr", "st_ptr", "sum_ptr", "init_ptr", y_ptr="*bf16", start_ptr="*i32")
+    for B, T in ((1, 8192), (8, 2048), (1, 2048)):  # chunked_launch's three kinds of launch
+        run = ss.chunked_launch(B, 5120, T)
+        walk = dict(N=16, NP=16, BE=run.BE, CPL=run.CPL, STAGES=run.stages, UNROLL=run.unroll)
+        compile_kernel(ss._scan_summary_kernel, t1, walk, num_warps=run.warps)
+        compile_kernel(ss._scan_chunks_kernel, t2, walk, num_warps=run.warps)
     t = ptrs("st_ptr", "init_ptr", "sum_ptr", "dts_ptr", "A2t_ptr", start_ptr="*i32")
     compile_kernel(ss._scan_prefix_kernel, t, dict(N=16, NP=16, BE=ss.SCAN_PREFIX_BE, STAGES=ss.SCAN_STAGES), num_warps=ss.SCAN_PREFIX_WARPS)
-    t = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A2t_ptr", "D_ptr", "st_ptr", "sum_ptr", "init_ptr", y_ptr="*bf16", start_ptr="*i32")
-    compile_kernel(ss._scan_chunks_kernel, t, chunk, num_warps=ss.SCAN_WARPS)
     for wdt in ("*bf16", "*fp16", "*fp32"):
         compile_kernel(st._step_size_kernel, ptrs("r_ptr", "b_ptr", "out_ptr", w_ptr=wdt), dict(
             IEEE=wdt == "*fp32", BM=st.STEP_BM, BN=st.STEP_BN, BK=st.STEP_BK), num_warps=st.STEP_WARPS)

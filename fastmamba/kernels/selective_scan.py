@@ -6,6 +6,8 @@ through unchanged) and a padded row starts from a zero state.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -96,28 +98,40 @@ def _selective_scan_kernel(
 
 
 @jit
-def _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, start, T):
+def _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, start, T, ze):
     """Step t's x (BE,), step size (BE,) and B (NP,); all zero at padding and past T, so
-    that such steps leave the state unchanged."""
+    that such steps leave the state unchanged. ze: _lane_zero's offset."""
     tt = t + tl.zeros_like(e)  # (BE,) vectors of t: masks stay tensors
     em = emask & (tt >= start) & (tt < T)
-    x = tl.load(x_row + t * sxt + e * sxe, mask=em, other=0.0)
-    dt = tl.load(dt_row + t * sdt + e * sde, mask=em, other=0.0)
+    x = tl.load(x_row + t * sxt + ze + e * sxe, mask=em, other=0.0)
+    dt = tl.load(dt_row + t * sdt + ze + e * sde, mask=em, other=0.0)
     tn = t + tl.zeros_like(n)
     Bt = tl.load(B_row + t * sbt + n * sbn, mask=nmask & (tn >= start) & (tn < T), other=0.0)
     return x, dt, Bt
 
 
 @jit
-def _chunk_program(A2t_ptr, start_ptr, E, N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr):
+def _lane_zero(zero, CPL: tl.constexpr):
+    """0, as an offset that the compiler knows only to be a multiple of CPL (zero is a
+    runtime 0 that the launcher does not specialise). Added to every pointer along the
+    channels, it caps the loads' vectors at CPL channels, and so sets how many channels
+    each thread holds: CPL (each with all N states), the lanes of a warp taking 32 * CPL
+    channels side by side. Without it the loads take 4 channels a thread (16 bytes), and
+    a block of fewer than 128 channels a warp splits each channel's states over lanes
+    (shuffles and barriers in the loop)."""
+    return zero * CPL
+
+
+@jit
+def _chunk_program(A2t_ptr, start_ptr, E, zero, N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, CPL: tl.constexpr):
     """What both passes' programs start from: one row b, BE channels e, chunk c; this
-    row's start; and log2(e) * A for the channels, loaded from its (N, E) transpose so
-    that each thread holds all N states of its channels (the per-channel work, the gate
-    and the sum over N for y, then happens once per channel, in registers). Every state
-    they walk from is laid out (N, E) too, channels contiguous: a starting state in the
-    layer's layout, (E, N), made the compiler convert each step's exps to it through
-    shared memory. (Pass 2's last chunk writes the layer's new state in its own layout,
-    once, after its walk.)"""
+    row's start; _lane_zero's offset; and log2(e) * A for the channels, loaded from its
+    (N, E) transpose so that each thread holds all N states of its channels (the
+    per-channel work, the gate and the sum over N for y, then happens once per channel, in
+    registers). Every state they walk from is laid out (N, E) too, channels contiguous: a
+    starting state in the layer's layout, (E, N), made the compiler convert each step's
+    exps to it through shared memory. (Pass 2's last chunk writes the layer's new state in
+    its own layout, once, after its walk.)"""
     b64 = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BE + tl.arange(0, BE)
     c = tl.program_id(2)
@@ -126,32 +140,33 @@ def _chunk_program(A2t_ptr, start_ptr, E, N: tl.constexpr, NP: tl.constexpr, BE:
     nmask = n < N
     sm = emask[:, None] & nmask[None, :]
     start = tl.load(start_ptr + b64)
-    A2 = tl.load(A2t_ptr + n[None, :] * E + e[:, None], mask=sm, other=0.0)  # (BE, NP)
-    return b64, e, c, emask, n, nmask, sm, start, A2
+    ze = _lane_zero(zero, CPL)
+    A2 = tl.load(A2t_ptr + n[None, :] * E + ze + e[:, None], mask=sm, other=0.0)  # (BE, NP)
+    return b64, e, c, emask, n, nmask, sm, start, ze, A2
 
 
-@jit
+@jit(do_not_specialize=["zero"])
 def _scan_summary_kernel(
     x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, A2t_ptr, start_ptr,
-    sum_ptr, dts_ptr, T, E, L,
-    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
+    sum_ptr, dts_ptr, T, E, L, zero,
+    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, CPL: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
 ):
     # Pass 1. One program: one row, BE channels, one chunk of L steps, walked step by step
     # from a zero state: the state the chunk leaves when it starts alone, and its summed
     # step sizes (A times that sum is the log of the chunk's whole decay). Stored (N, E)
     # (see _chunk_program). No chunk after the last needs a start, so this pass runs all
     # chunks but the last (none where the scan is one chunk).
-    b64, e, c, emask, n, nmask, sm, start, A2 = _chunk_program(A2t_ptr, start_ptr, E, N, NP, BE)
+    b64, e, c, emask, n, nmask, sm, start, ze, A2 = _chunk_program(A2t_ptr, start_ptr, E, zero, N, NP, BE, CPL)
     slots = tl.num_programs(2)
     s = tl.zeros([BE, NP], dtype=tl.float32)
     dt_sum = tl.zeros([BE], dtype=tl.float32)
     x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
     for t in tl.range(c * L, tl.minimum(c * L + L, T), num_stages=STAGES, loop_unroll_factor=UNROLL):
-        x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, start, T)
+        x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, start, T, ze)
         s = s * tl.exp2(dt[:, None] * A2) + (dt * x)[:, None] * Bt[None, :]
         dt_sum += dt
-    tl.store(sum_ptr + ((b64 * slots + c) * N + n[None, :]) * E + e[:, None], s, mask=sm)
-    tl.store(dts_ptr + (b64 * slots + c) * E + e, dt_sum, mask=emask)
+    tl.store(sum_ptr + ((b64 * slots + c) * N + n[None, :]) * E + ze + e[:, None], s, mask=sm)
+    tl.store(dts_ptr + (b64 * slots + c) * E + ze + e, dt_sum, mask=emask)
 
 
 @jit
@@ -182,43 +197,46 @@ def _scan_prefix_kernel(
         tl.store(ptrs, s, mask=sm)
 
 
-@jit
+@jit(do_not_specialize=["zero"])
 def _scan_chunks_kernel(
     x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, C_ptr, scb, scn, sct,
-    z_ptr, szb, sze, szt, A2t_ptr, D_ptr, st_ptr, y_ptr, start_ptr, sum_ptr, init_ptr, T, E, L,
-    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
+    z_ptr, szb, sze, szt, A2t_ptr, D_ptr, st_ptr, y_ptr, start_ptr, sum_ptr, init_ptr, T, E, L, zero,
+    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, CPL: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
 ):
     # Pass 2. One program: one row, BE channels, one chunk. It starts from the state
     # _scan_prefix_kernel left in the summary slot of the chunk before it (chunk 0 from its
     # copy of the layer's old state), then walks its steps again, writing y. The last chunk
     # writes the layer's new state, which no program of this pass reads.
-    b64, e, c, emask, n, nmask, sm, start, A2 = _chunk_program(A2t_ptr, start_ptr, E, N, NP, BE)
+    b64, e, c, emask, n, nmask, sm, start, ze, A2 = _chunk_program(A2t_ptr, start_ptr, E, zero, N, NP, BE, CPL)
     nc = tl.num_programs(2)
-    Dv = tl.load(D_ptr + e, mask=emask, other=0.0)
+    Dv = tl.load(D_ptr + ze + e, mask=emask, other=0.0)
     if c == 0:
-        s = tl.load(init_ptr + b64 * E * N + n[None, :] * E + e[:, None], mask=sm, other=0.0)
+        s = tl.load(init_ptr + b64 * E * N + n[None, :] * E + ze + e[:, None], mask=sm, other=0.0)
     else:  # (then there are nc - 1 summary slots a row)
-        s = tl.load(sum_ptr + ((b64 * (nc - 1) + c - 1) * N + n[None, :]) * E + e[:, None], mask=sm, other=0.0)
+        s = tl.load(sum_ptr + ((b64 * (nc - 1) + c - 1) * N + n[None, :]) * E + ze + e[:, None], mask=sm, other=0.0)
     x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
     C_row, z_row, y_row = C_ptr + b64 * scb, z_ptr + b64 * szb, y_ptr + b64 * T * E
     for t in tl.range(c * L, tl.minimum(c * L + L, T), num_stages=STAGES, loop_unroll_factor=UNROLL):
-        x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, start, T)
+        x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, start, T, ze)
         s = s * tl.exp2(dt[:, None] * A2) + (dt * x)[:, None] * Bt[None, :]
         Ct = tl.load(C_row + t * sct + n * scn, mask=nmask, other=0.0)
-        z = tl.load(z_row + t * szt + e * sze, mask=emask, other=0.0)
+        z = tl.load(z_row + t * szt + ze + e * sze, mask=emask, other=0.0)
         y = tl.sum(s * Ct[None, :], 1) + Dv * x
-        tl.store(y_row + t * E + e, y * silu(z), mask=emask)
+        tl.store(y_row + t * E + ze + e, y * silu(z), mask=emask)
     if c == nc - 1:
         tl.store(st_ptr + b64 * E * N + e[:, None] * N + n[None, :], s, mask=sm)
 
 
-# The chunked scan's launch (benchmarks/tune_scan.py, H200): chunks of SCAN_CHUNK steps, or
-# half that where full chunks would give fewer than SCAN_FEW_PROGRAMS programs (2.8b widths,
-# with the prefix pass: 1 x 4096, 1280 programs, 375 us against 440 with 128-step chunks,
-# 391 with 32; 8 x 2048 keeps 128: 1323 us against 1337 with 64). From 1536 programs up,
-# 128 steps win (the means of four runs, A B B A twice, 128 against 64: 2.8b 1 x 8192, 2560
-# programs, 525.0 against 541.4; 370m 1 x 16384, 2048, 433.9 against 474.7; 130m 1 x
-# 16384, 1536, 357.8 against 377.8).
+# The chunked scan's launch (benchmarks/tune_scan.py, H200). Two thread layouts: 4 channels
+# a thread, one warp a program (fewest instructions a state: each step's loads of B and C
+# serve 64 states; the GPU's 132 x 4 schedulers then want many chunks), or 1 channel a
+# thread, 2-4 warps a program (4x the warps for the same channels, so fewer chunks fill the
+# GPU). Chunks of SCAN_CHUNK steps, or half that where full chunks would give fewer than
+# SCAN_FEW_PROGRAMS programs (2.8b widths, with the prefix pass: 1 x 4096, 1280 programs, 375
+# us against 440 with 128-step chunks, 391 with 32). From 1536 programs up, 128 steps win
+# (the means of four runs, A B B A twice, 128 against 64: 2.8b 1 x 8192, 2560 programs, 525.0
+# against 541.4; 370m 1 x 16384, 2048, 433.9 against 474.7; 130m 1 x 16384, 1536, 357.8
+# against 377.8).
 SCAN_CHUNK = 128
 SCAN_FEW_PROGRAMS = 1536
 SCAN_BE = 128  # channels per program
@@ -227,53 +245,97 @@ SCAN_PREFIX_BE, SCAN_PREFIX_WARPS = 32, 4  # the pass between: few steps, so man
 SCAN_STAGES = 4  # software pipelining of each step's loads (tl.range num_stages)
 SCAN_UNROLL = 2  # steps a loop iteration (tl.range loop_unroll_factor): 1 x 4096 317 us against 340 with 1
 LOG2E = 1.4426950408889634
-SCAN_CHUNKED_FROM = 1024  # prompt steps from which the chunked scan is used
+# The chunked scan from SCAN_CHUNKED_FROM steps, or from SCAN_CHUNKED_WORK channel-steps
+# (B x E x T) at fewer steps: below, the one-pass scan's few launches win, above, its
+# one program a row and 8 channels (µs a scan, CUDA graphs; one-pass / chunked): 1 x 128 x
+# 5120 21.0 / 31.0, 1 x 512 x 1536 30.3 / 33.5, 4 x 256 x 1536 39.4 / 41.0; 1 x 512 x 5120
+# 85.1 / 55.6, 4 x 256 x 5120 129.5 / 75.4, 16 x 256 x 1536 154.3 / 75.0, 16 x 256 x 5120
+# 490.8 / 168.6, 64 x 64 x 5120 506.2 / 163.4.
+SCAN_CHUNKED_FROM = 1024
+SCAN_CHUNKED_WORK = 1 << 21
+# One chunk (no summaries: each exp once) where the rows' channels give 768 warps of one
+# channel a thread: 2.8b 8 x 2048 740.7 µs against 963.8 with 4 channels a thread in
+# 128-step chunks, 16 x 1024 629.7 against 925.2; 1.4b 8 x 2048 538.6 against 776.2; 130m
+# 16 x 1024 272.3 against 328.0. At 640 such warps (2.8b 4 x 4096) 4 channels a thread in
+# 128-step chunks still win (963.6 against 984.3 at best).
+SCAN_ONE_CHUNK_LANES = 24576
+# One channel a thread in chunks of 128 steps (64 where fewer than 1536 warps) below this
+# many channel-steps (B x E x T), where 4 channels a thread leave the GPU too few warps
+# (µs, CUDA graphs, 4 a thread as chosen above / 1 a thread): 2.8b 1 x 1024 146.5 / 122.9
+# (not in graphs), 2 x 1024 172.3 / 151.2; 130m 2 x 1024 78.2 / 58.6, 1 x 4096 121.9 /
+# 104.0; 370m 1 x 2048 83.2 / 75.6. From ~16M on they tie or lose: 2.8b 1 x 4096 279.0 /
+# 280.6, 1.4b 2 x 2048 205.9 / 226.2.
+SCAN_SMALL_WORK = 12 << 20
 
 
-def selective_scan(x, delta, A, Bm, Cm, D, z, state, start=None, out_dtype=torch.float32, chunked=None):
+@dataclass(frozen=True)
+class ScanLaunch:
+    """How the chunked scan runs: chunks of L steps; BE channels a program in `warps`
+    warps, CPL channels a thread (see _lane_zero); the loads' pipeline depth and steps an
+    iteration."""
+
+    L: int
+    BE: int
+    CPL: int
+    warps: int
+    stages: int
+    unroll: int
+
+
+def chunked_launch(B: int, E: int, T: int) -> ScanLaunch:
+    """The chunked scan's launch for B rows of E channels and T steps (see above)."""
+    if B * E >= SCAN_ONE_CHUNK_LANES:
+        return ScanLaunch(T, 64, 1, 2, 3, 4)
+    if B * E * T < SCAN_SMALL_WORK:
+        L = SCAN_CHUNK if B * triton.cdiv(E, 32) * triton.cdiv(T, SCAN_CHUNK) >= 1536 else SCAN_CHUNK // 2
+        return ScanLaunch(L, 128, 1, 4, 3, 4)
+    L = SCAN_CHUNK
+    if B * triton.cdiv(E, SCAN_BE) * triton.cdiv(T, L) < SCAN_FEW_PROGRAMS:
+        L //= 2
+    return ScanLaunch(L, SCAN_BE, 4, SCAN_WARPS, SCAN_STAGES, SCAN_UNROLL)
+
+
+def selective_scan(
+    x, delta, A, Bm, Cm, D, z, state, start=None, out_dtype=torch.float32, chunked=None, launch: ScanLaunch | None = None
+):
     """Triton twin of `selective_scan_ref`; inputs may be any strided views of those shapes.
     Returns a (B, E, T) view of a (B, T, E) buffer of y in out_dtype: computed in float32,
     rounded once on the way out (as out_proj's operand, which saves a cast's passes).
 
-    chunked: the two-pass scan (time cut into chunks of SCAN_CHUNK (or half) steps that run in
-    parallel, each walked step by step, with a short pass between that carries the state
-    from chunk to chunk); otherwise the one-pass scan (associative scan
-    inside chunks of 32 steps, chunks one after another). By default the two-pass scan
-    from SCAN_CHUNKED_FROM steps on, where its parallelism over time pays for its two passes."""
+    chunked: the two-pass scan (time cut into chunks that run in parallel, each walked step
+    by step, with a short pass between that carries the state from chunk to chunk; one
+    chunk where the rows alone fill the GPU); otherwise the one-pass scan (associative scan
+    inside chunks of 32 steps, chunks one after another). By default the chunked scan from
+    SCAN_CHUNKED_FROM steps or SCAN_CHUNKED_WORK channel-steps on, where its parallelism
+    pays for its passes. launch: the chunked scan's, instead of chunked_launch's."""
     Bsz, E, T = x.shape
     N = A.shape[1]
     y = torch.empty(Bsz, T, E, device=x.device, dtype=out_dtype)
     if start is None:
         start = torch.zeros(Bsz, device=x.device, dtype=torch.int32)
     if chunked is None:
-        chunked = T >= SCAN_CHUNKED_FROM
+        chunked = T >= SCAN_CHUNKED_FROM or Bsz * E * T >= SCAN_CHUNKED_WORK
     # the kernels' first arguments, each tensor with its strides: x, delta and B (all that
     # pass 1 reads), then C and z
     xdb = (x, *x.stride(), delta, *delta.stride(), Bm, *Bm.stride())
     cz = (Cm, *Cm.stride(), z, *z.stride())
     if chunked:
-        L, BE, NP = SCAN_CHUNK, SCAN_BE, triton.next_power_of_2(N)
-        if Bsz * triton.cdiv(E, BE) * triton.cdiv(T, L) < SCAN_FEW_PROGRAMS:
-            L //= 2
+        run = launch or chunked_launch(Bsz, E, T)
+        L, BE, NP = run.L, run.BE, triton.next_power_of_2(N)
         grid = (Bsz, triton.cdiv(E, BE), triton.cdiv(T, L))
         slots = max(grid[2] - 1, 1)  # pass 1's chunks: all but the last (a spare slot for one chunk)
         sums = torch.empty(Bsz, slots, N, E, device=x.device, dtype=torch.float32)
         dt_sums = torch.empty(Bsz, slots, E, device=x.device, dtype=torch.float32)
         init = torch.empty(Bsz, N, E, device=x.device, dtype=torch.float32)
         A2t = (A * LOG2E).t().contiguous()  # exp(dt * A) = exp2(dt * A2): one multiply less a state
+        walk = dict(N=N, NP=NP, BE=BE, CPL=run.CPL, STAGES=run.stages, UNROLL=run.unroll, num_warps=run.warps)
         if grid[2] > 1:  # one chunk starts from the layer's state alone: no summaries to make
-            _scan_summary_kernel[grid[:2] + (slots,)](
-                *xdb, A2t, start, sums, dt_sums, T, E, L,
-                N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, UNROLL=SCAN_UNROLL, num_warps=SCAN_WARPS,
-            )
+            _scan_summary_kernel[grid[:2] + (slots,)](*xdb, A2t, start, sums, dt_sums, T, E, L, 0, **walk)
         _scan_prefix_kernel[(Bsz, triton.cdiv(E, SCAN_PREFIX_BE))](
             state, start, init, sums, dt_sums, A2t, E, grid[2] - 1,
             N=N, NP=NP, BE=SCAN_PREFIX_BE, STAGES=SCAN_STAGES, num_warps=SCAN_PREFIX_WARPS,
         )
-        _scan_chunks_kernel[grid](
-            *xdb, *cz, A2t, D, state, y, start, sums, init, T, E, L,
-            N=N, NP=NP, BE=BE, STAGES=SCAN_STAGES, UNROLL=SCAN_UNROLL, num_warps=SCAN_WARPS,
-        )
+        _scan_chunks_kernel[grid](*xdb, *cz, A2t, D, state, y, start, sums, init, T, E, L, 0, **walk)
         return y.transpose(1, 2)
     BE, BT = 8, 32
     _selective_scan_kernel[(Bsz, triton.cdiv(E, BE))](
