@@ -246,23 +246,23 @@ SCAN_STAGES = 4  # software pipelining of each step's loads (tl.range num_stages
 SCAN_UNROLL = 2  # steps a loop iteration (tl.range loop_unroll_factor): 1 x 4096 317 us against 340 with 1
 LOG2E = 1.4426950408889634
 # The chunked scan from SCAN_CHUNKED_FROM steps, or from SCAN_CHUNKED_WORK channel-steps
-# (B x E x T) at fewer steps: below, the one-pass scan's few launches win, above, its
-# one program a row and 8 channels (µs a scan, CUDA graphs; one-pass / chunked): 1 x 128 x
-# 5120 21.0 / 31.0, 1 x 512 x 1536 30.3 / 33.5, 4 x 256 x 1536 39.4 / 41.0; 1 x 512 x 5120
-# 85.1 / 55.6, 4 x 256 x 5120 129.5 / 75.4, 16 x 256 x 1536 154.3 / 75.0, 16 x 256 x 5120
-# 490.8 / 168.6, 64 x 64 x 5120 506.2 / 163.4.
+# (B x E x T) at fewer steps: below, the one-pass scan's few launches win; above, its one
+# program a row and 8 channels walks too long (µs a scan, CUDA graphs; one-pass / chunked as
+# chunked_launch runs it): 1 x 128 x 5120 21.0 / >= 31, 1 x 512 x 1536 30.3 / 33.5, 4 x 256 x
+# 1536 39.4 / 41.9; 1 x 512 x 5120 85.1 / 56.5, 4 x 256 x 5120 129.5 / 79.6, 16 x 256 x 1536
+# 154.3 / 75.0, 16 x 256 x 5120 490.8 / 170.4, 64 x 64 x 5120 506.2 / 180.5.
 SCAN_CHUNKED_FROM = 1024
 SCAN_CHUNKED_WORK = 1 << 21
 # One chunk (no summaries: each exp once) where the rows' channels give 768 warps of one
-# channel a thread: 2.8b 8 x 2048 740.7 µs against 963.8 with 4 channels a thread in
-# 128-step chunks, 16 x 1024 629.7 against 925.2; 1.4b 8 x 2048 538.6 against 776.2; 130m
+# channel a thread (µs): 2.8b 8 x 2048 740.7 against 963.8 with 4 channels a thread in
+# 128-step chunks, 16 x 1024 635.0 against 925.2; 1.4b 8 x 2048 538.6 against 776.2; 130m
 # 16 x 1024 272.3 against 328.0. At 640 such warps (2.8b 4 x 4096) 4 channels a thread in
 # 128-step chunks still win (963.6 against 984.3 at best).
 SCAN_ONE_CHUNK_LANES = 24576
 # One channel a thread in chunks of 128 steps (64 where fewer than 1536 warps) below this
 # many channel-steps (B x E x T), where 4 channels a thread leave the GPU too few warps
-# (µs, CUDA graphs, 4 a thread as chosen above / 1 a thread): 2.8b 1 x 1024 146.5 / 122.9
-# (not in graphs), 2 x 1024 172.3 / 151.2; 130m 2 x 1024 78.2 / 58.6, 1 x 4096 121.9 /
+# (µs, CUDA graphs, 4 a thread as chosen above / 1 a thread): 2.8b 1 x 1024 > 111 / 88.1,
+# 2 x 1024 172.3 / 152.7; 130m 2 x 1024 78.2 / 58.6, 1 x 4096 121.9 /
 # 104.0; 370m 1 x 2048 83.2 / 75.6. From ~16M on they tie or lose: 2.8b 1 x 4096 279.0 /
 # 280.6, 1.4b 2 x 2048 205.9 / 226.2.
 SCAN_SMALL_WORK = 12 << 20
@@ -287,7 +287,8 @@ def chunked_launch(B: int, E: int, T: int) -> ScanLaunch:
     if B * E >= SCAN_ONE_CHUNK_LANES:
         return ScanLaunch(T, 64, 1, 2, 3, 4)
     if B * E * T < SCAN_SMALL_WORK:
-        L = SCAN_CHUNK if B * triton.cdiv(E, 32) * triton.cdiv(T, SCAN_CHUNK) >= 1536 else SCAN_CHUNK // 2
+        warps = B * triton.cdiv(E, 32) * triton.cdiv(T, SCAN_CHUNK)
+        L = SCAN_CHUNK if warps >= SCAN_FEW_PROGRAMS else SCAN_CHUNK // 2
         return ScanLaunch(L, 128, 1, 4, 3, 4)
     L = SCAN_CHUNK
     if B * triton.cdiv(E, SCAN_BE) * triton.cdiv(T, L) < SCAN_FEW_PROGRAMS:
