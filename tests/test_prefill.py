@@ -40,6 +40,7 @@ def assert_rounded(v16, v):
     "B,E,T,K,start",
     [(2, 40, 37, 4, None), (3, 16, 5, 3, [0, 2, 4]), (1, 8, 1, 4, None), (2, 70, 100, 4, [0, 50]), (1, 24, 66, 2, [3]),
      (2, 40, 300, 4, [0, 170]),  # several scan chunks, padding ending in the second
+     (2, 128, 80, 4, [0, 70]),  # full channel blocks (the scan's loads unmasked)
      (2, 16, 20, 5, [0, 3])],  # a conv wider than the kernel's window (the PyTorch fallback)
 )
 def test_conv_and_scan_kernels_match_their_twins(B, E, T, K, start):

@@ -199,7 +199,7 @@ def main() -> None:
     t2 = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A2t_ptr", "D_ptr", "st_ptr", "sum_ptr", "init_ptr", y_ptr="*bf16", start_ptr="*i32")
     for B, T in ((1, 8192), (8, 2048), (1, 2048)):  # chunked_launch's three kinds of launch
         run = ss.chunked_launch(B, 5120, T)
-        walk = dict(N=16, NP=16, BE=run.BE, CPL=run.CPL, STAGES=run.stages, UNROLL=run.unroll)
+        walk = dict(N=16, NP=16, BE=run.BE, CPL=run.CPL, EVEN=True, STAGES=run.stages, UNROLL=run.unroll)
         compile_kernel(ss._scan_summary_kernel, t1, walk, num_warps=run.warps)
         compile_kernel(ss._scan_chunks_kernel, t2, walk, num_warps=run.warps)
     t = ptrs("st_ptr", "init_ptr", "sum_ptr", "dts_ptr", "A2t_ptr", start_ptr="*i32")

@@ -98,15 +98,30 @@ def _selective_scan_kernel(
 
 
 @jit
-def _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, start, T, ze):
-    """Step t's x (BE,), step size (BE,) and B (NP,); all zero at padding and past T, so
-    that such steps leave the state unchanged. ze: _lane_zero's offset."""
-    tt = t + tl.zeros_like(e)  # (BE,) vectors of t: masks stay tensors
-    em = emask & (tt >= start) & (tt < T)
-    x = tl.load(x_row + t * sxt + ze + e * sxe, mask=em, other=0.0)
-    dt = tl.load(dt_row + t * sdt + ze + e * sde, mask=em, other=0.0)
-    tn = t + tl.zeros_like(n)
-    Bt = tl.load(B_row + t * sbt + n * sbn, mask=nmask & (tn >= start) & (tn < T), other=0.0)
+def _load(ptrs, mask, EVEN: tl.constexpr):
+    """The values at ptrs; unless EVEN (every channel block full, N a power of two), 0
+    outside mask. Masks cost each step's loads predicates and selects."""
+    if EVEN:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@jit
+def _store(ptrs, v, mask, EVEN: tl.constexpr):
+    if EVEN:
+        tl.store(ptrs, v)
+    else:
+        tl.store(ptrs, v, mask=mask)
+
+
+@jit
+def _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, ze, EVEN: tl.constexpr):
+    """Step t's x (BE,), step size (BE,) and B (NP,). ze: _lane_zero's offset. The walks
+    start at the row's first real step: padding steps leave the state unchanged."""
+    x = _load(x_row + t * sxt + ze + e * sxe, emask, EVEN)
+    dt = _load(dt_row + t * sdt + ze + e * sde, emask, EVEN)
+    Bt = _load(B_row + t * sbt + n * sbn, nmask, EVEN)
     return x, dt, Bt
 
 
@@ -149,24 +164,26 @@ def _chunk_program(A2t_ptr, start_ptr, E, zero, N: tl.constexpr, NP: tl.constexp
 def _scan_summary_kernel(
     x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, A2t_ptr, start_ptr,
     sum_ptr, dts_ptr, T, E, L, zero,
-    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, CPL: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, CPL: tl.constexpr, EVEN: tl.constexpr,
+    STAGES: tl.constexpr, UNROLL: tl.constexpr,
 ):
     # Pass 1. One program: one row, BE channels, one chunk of L steps, walked step by step
     # from a zero state: the state the chunk leaves when it starts alone, and its summed
     # step sizes (A times that sum is the log of the chunk's whole decay). Stored (N, E)
     # (see _chunk_program). No chunk after the last needs a start, so this pass runs all
-    # chunks but the last (none where the scan is one chunk).
+    # chunks but the last (none where the scan is one chunk). The walk skips padding,
+    # whose steps change nothing.
     b64, e, c, emask, n, nmask, sm, start, ze, A2 = _chunk_program(A2t_ptr, start_ptr, E, zero, N, NP, BE, CPL)
     slots = tl.num_programs(2)
     s = tl.zeros([BE, NP], dtype=tl.float32)
     dt_sum = tl.zeros([BE], dtype=tl.float32)
     x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
-    for t in tl.range(c * L, tl.minimum(c * L + L, T), num_stages=STAGES, loop_unroll_factor=UNROLL):
-        x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, start, T, ze)
+    for t in tl.range(tl.maximum(c * L, start), tl.minimum(c * L + L, T), num_stages=STAGES, loop_unroll_factor=UNROLL):
+        x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, ze, EVEN)
         s = s * tl.exp2(dt[:, None] * A2) + (dt * x)[:, None] * Bt[None, :]
         dt_sum += dt
-    tl.store(sum_ptr + ((b64 * slots + c) * N + n[None, :]) * E + ze + e[:, None], s, mask=sm)
-    tl.store(dts_ptr + (b64 * slots + c) * E + ze + e, dt_sum, mask=emask)
+    _store(sum_ptr + ((b64 * slots + c) * N + n[None, :]) * E + ze + e[:, None], s, sm, EVEN)
+    _store(dts_ptr + (b64 * slots + c) * E + ze + e, dt_sum, emask, EVEN)
 
 
 @jit
@@ -201,12 +218,14 @@ def _scan_prefix_kernel(
 def _scan_chunks_kernel(
     x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, C_ptr, scb, scn, sct,
     z_ptr, szb, sze, szt, A2t_ptr, D_ptr, st_ptr, y_ptr, start_ptr, sum_ptr, init_ptr, T, E, L, zero,
-    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, CPL: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, CPL: tl.constexpr, EVEN: tl.constexpr,
+    STAGES: tl.constexpr, UNROLL: tl.constexpr,
 ):
     # Pass 2. One program: one row, BE channels, one chunk. It starts from the state
     # _scan_prefix_kernel left in the summary slot of the chunk before it (chunk 0 from its
     # copy of the layer's old state), then walks its steps again, writing y. The last chunk
-    # writes the layer's new state, which no program of this pass reads.
+    # writes the layer's new state, which no program of this pass reads. At padding y is
+    # 0 (a padded row starts from a zero state, and x is 0 there), written without a walk.
     b64, e, c, emask, n, nmask, sm, start, ze, A2 = _chunk_program(A2t_ptr, start_ptr, E, zero, N, NP, BE, CPL)
     nc = tl.num_programs(2)
     Dv = tl.load(D_ptr + ze + e, mask=emask, other=0.0)
@@ -216,13 +235,16 @@ def _scan_chunks_kernel(
         s = tl.load(sum_ptr + ((b64 * (nc - 1) + c - 1) * N + n[None, :]) * E + ze + e[:, None], mask=sm, other=0.0)
     x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
     C_row, z_row, y_row = C_ptr + b64 * scb, z_ptr + b64 * szb, y_ptr + b64 * T * E
-    for t in tl.range(c * L, tl.minimum(c * L + L, T), num_stages=STAGES, loop_unroll_factor=UNROLL):
-        x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, start, T, ze)
+    end = tl.minimum(c * L + L, T)
+    for t in range(c * L, tl.minimum(start, end)):
+        tl.store(y_row + t * E + ze + e, tl.zeros([BE], dtype=y_ptr.dtype.element_ty), mask=emask)
+    for t in tl.range(tl.maximum(c * L, start), end, num_stages=STAGES, loop_unroll_factor=UNROLL):
+        x, dt, Bt = _step_input(x_row, sxe, sxt, dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, ze, EVEN)
         s = s * tl.exp2(dt[:, None] * A2) + (dt * x)[:, None] * Bt[None, :]
-        Ct = tl.load(C_row + t * sct + n * scn, mask=nmask, other=0.0)
-        z = tl.load(z_row + t * szt + ze + e * sze, mask=emask, other=0.0)
+        Ct = _load(C_row + t * sct + n * scn, nmask, EVEN)
+        z = _load(z_row + t * szt + ze + e * sze, emask, EVEN)
         y = tl.sum(s * Ct[None, :], 1) + Dv * x
-        tl.store(y_row + t * E + ze + e, y * silu(z), mask=emask)
+        _store(y_row + t * E + ze + e, y * silu(z), emask, EVEN)
     if c == nc - 1:
         tl.store(st_ptr + b64 * E * N + e[:, None] * N + n[None, :], s, mask=sm)
 
@@ -329,7 +351,8 @@ def selective_scan(
         dt_sums = torch.empty(Bsz, slots, E, device=x.device, dtype=torch.float32)
         init = torch.empty(Bsz, N, E, device=x.device, dtype=torch.float32)
         A2t = (A * LOG2E).t().contiguous()  # exp(dt * A) = exp2(dt * A2): one multiply less a state
-        walk = dict(N=N, NP=NP, BE=BE, CPL=run.CPL, STAGES=run.stages, UNROLL=run.unroll, num_warps=run.warps)
+        even = E % BE == 0 and N == NP
+        walk = dict(N=N, NP=NP, BE=BE, CPL=run.CPL, EVEN=even, STAGES=run.stages, UNROLL=run.unroll, num_warps=run.warps)
         if grid[2] > 1:  # one chunk starts from the layer's state alone: no summaries to make
             _scan_summary_kernel[grid[:2] + (slots,)](*xdb, A2t, start, sums, dt_sums, T, E, L, 0, **walk)
         _scan_prefix_kernel[(Bsz, triton.cdiv(E, SCAN_PREFIX_BE))](
