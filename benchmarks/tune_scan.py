@@ -93,7 +93,7 @@ def layouts() -> None:
         for BE, CPL, warps in ((32, 1, 1), (64, 1, 2), (128, 1, 4), (128, 2, 2)):
             for L in {T, T // 2, T // 4, T // 8, 256, 128, 64}:
                 if L >= min(T, 64):
-                    runs.add(ss.ScanLaunch(L, BE, CPL, warps, 3, 4))
+                    runs.add(ss.ScanLaunch(L, BE, CPL, warps, ss.SCAN_LANE_STAGES, ss.SCAN_LANE_UNROLL))
         res = []
         for run in runs:
             us, err = time_chunked(args, ref, run, graph=True)
