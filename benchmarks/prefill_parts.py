@@ -41,8 +41,8 @@ def main() -> None:
     _, u = add_norm(h, o, lw.norm_w, c.norm_eps, torch.bfloat16)
     xz = linear_storage(u, lw.in_proj_w)
     x, z = xz.transpose(1, 2).split([E, E], dim=1)
-    xc, x_in = causal_conv1d(x, lw.conv_w, lw.conv_b, conv_state, None, torch.bfloat16)
-    dbc = linear_storage(x_in.transpose(1, 2), lw.x_proj_w)
+    xc = causal_conv1d(x, lw.conv_w, lw.conv_b, conv_state, None, torch.bfloat16)
+    dbc = linear_storage(xc.transpose(1, 2), lw.x_proj_w)
     dt_r, Bm, Cm = dbc.split([R, N, N], dim=-1)
     delta = step_size(dt_r, lw.dt_proj_w, lw.dt_bias)
     y = selective_scan(xc, delta.transpose(1, 2), lw.A, Bm.transpose(1, 2), Cm.transpose(1, 2), lw.D, z, ssm_state,
@@ -52,12 +52,12 @@ def main() -> None:
         ("add + rmsnorm", lambda: add_norm(h, o, lw.norm_w, c.norm_eps, torch.bfloat16), M * d * (4 * 3 + 2), 0),
         ("in_proj (cuBLAS, f32 out)", lambda: linear_storage(u, lw.in_proj_w), M * (d * 2 + 2 * E * 4) + 2 * E * d * 2, 2 * M * d * 2 * E),
         ("  (bf16 out)", lambda: torch.mm(u.view(M, d), lw.in_proj_w.t()), M * (d * 2 + 2 * E * 2) + 2 * E * d * 2, 2 * M * d * 2 * E),
-        ("conv", lambda: causal_conv1d(x, lw.conv_w, lw.conv_b, conv_state, None, torch.bfloat16), M * E * (4 + 4 + 2), 0),
-        ("x_proj (cuBLAS)", lambda: linear_storage(x_in.transpose(1, 2), lw.x_proj_w), M * (E * 2 + (R + 2 * N) * 4), 2 * M * E * (R + 2 * N)),
+        ("conv", lambda: causal_conv1d(x, lw.conv_w, lw.conv_b, conv_state, None, torch.bfloat16), M * E * (4 + 2), 0),
+        ("x_proj (cuBLAS)", lambda: linear_storage(xc.transpose(1, 2), lw.x_proj_w), M * (E * 2 + (R + 2 * N) * 4), 2 * M * E * (R + 2 * N)),
         ("step sizes (Triton)", lambda: step_size(dt_r, lw.dt_proj_w, lw.dt_bias), M * (R * 4 + E * 4), 2 * M * R * E),
         ("  (cuBLAS dt_proj alone)", lambda: linear_storage(dt_r, lw.dt_proj_w), M * (R * 4 + E * 4), 2 * M * R * E),
         ("scan", lambda: selective_scan(xc, delta.transpose(1, 2), lw.A, Bm.transpose(1, 2), Cm.transpose(1, 2), lw.D, z,
-                                        ssm_state, out_dtype=torch.bfloat16), M * E * (4 + 4 + 4 + 2), 0),
+                                        ssm_state, out_dtype=torch.bfloat16), M * E * (2 + 4 + 4 + 2), 0),
         ("out_proj (cuBLAS)", lambda: linear_storage(y.transpose(1, 2), lw.out_proj_w), M * (E * 2 + d * 4) + E * d * 2, 2 * M * E * d),
     ]
     print(f"{args.model} {B}x{T} bf16, one layer of {c.n_layer}:")

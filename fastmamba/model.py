@@ -100,7 +100,7 @@ class Ops:
     engine: the pure-PyTorch twins (CPU) or cuBLAS products and Triton kernels (GPU)."""
 
     linear: Callable
-    conv: Callable  # causal_conv1d_ref signature: (output for the scan, output for x_proj)
+    conv: Callable  # causal_conv1d_ref signature
     step_size: Callable  # step_size_ref signature: softplus(dt_proj(dt_r) + dt_bias)
     scan: Callable  # selective_scan_ref signature
     add_norm: Callable  # add_norm_ref signature: (h + o, rmsnorm(h + o)), the norm in a given dtype
@@ -129,9 +129,10 @@ def mixer(
     E, N, R = config.d_inner, config.d_state, config.dt_rank
     xz = ops.linear(u, lw.in_proj_w, lw.in_proj_b)  # (B, T, 2E)
     x, z = xz.transpose(1, 2).split([E, E], dim=1)  # (B, E, T) each
-    # the conv's output, f32 for the scan and in x_proj's dtype for the product (GPU path)
-    x, x_in = ops.conv(x, lw.conv_w, lw.conv_b, conv_state, start, lw.x_proj_w.dtype)  # (B, E, T)
-    dt_r, Bm, Cm = ops.linear(x_in.transpose(1, 2), lw.x_proj_w).split([R, N, N], dim=-1)  # (B, T, R|N|N)
+    # the conv's output in x_proj's dtype (GPU path; the reference keeps f32): x_proj's
+    # operand, and the scan's input
+    x = ops.conv(x, lw.conv_w, lw.conv_b, conv_state, start, lw.x_proj_w.dtype)  # (B, E, T)
+    dt_r, Bm, Cm = ops.linear(x.transpose(1, 2), lw.x_proj_w).split([R, N, N], dim=-1)  # (B, T, R|N|N)
     delta = ops.step_size(dt_r, lw.dt_proj_w, lw.dt_bias)  # (B, T, E) f32
     y = ops.scan(
         x, delta.transpose(1, 2), lw.A, Bm.transpose(1, 2), Cm.transpose(1, 2), lw.D, z, ssm_state, start,

@@ -48,12 +48,13 @@ def test_conv_and_scan_kernels_match_their_twins(B, E, T, K, start):
     xz = torch.randn(B, T, 2 * E, device=DEVICE, generator=g)  # strided views, as in the model
     x, z = xz[..., :E].transpose(1, 2), xz[..., E:].transpose(1, 2)
     w, b = torch.randn(E, K, device=DEVICE, generator=g), torch.randn(E, device=DEVICE, generator=g)
-    conv_state = torch.randn(B, E, K, device=DEVICE, generator=g)
-    conv_ref_state = conv_state.clone()
+    conv_state0 = torch.randn(B, E, K, device=DEVICE, generator=g)
+    conv_state, conv_ref_state = conv_state0.clone(), conv_state0.clone()
     s = None if start is None else torch.tensor(start, dtype=torch.int32, device=DEVICE)
-    xc, xc16 = causal_conv1d(x, w, b, conv_state, s, torch.bfloat16)
-    xc_ref = causal_conv1d_ref(x, w, b, conv_ref_state, s)[0]
+    xc = causal_conv1d(x, w, b, conv_state, s)
+    xc_ref = causal_conv1d_ref(x, w, b, conv_ref_state, s)
     assert rel_err(xc, xc_ref) < 1e-5 and rel_err(conv_state, conv_ref_state) < 1e-6
+    xc16 = causal_conv1d(x, w, b, conv_state0.clone(), s, torch.bfloat16)  # as a bf16 model's
     assert_rounded(xc16, xc)
 
     N, R = 16, 3
@@ -75,6 +76,14 @@ def test_conv_and_scan_kernels_match_their_twins(B, E, T, K, start):
         assert rel_err(y, y_ref) < 1e-5 and rel_err(ssm_state, ssm_ref_state) < 1e-5, kw
         # y straight in out_proj's dtype
         assert_rounded(selective_scan(xc_ref, delta, A, Bm, Cm, D, z, ssm_state0.clone(), s, out_dtype=torch.bfloat16, **kw), y)
+    # x as a bf16 model's conv writes it (a 16-bit input, read into float32)
+    y16_ref = selective_scan_ref(xc16.float(), delta, A, Bm, Cm, D, z, ssm_state0.clone(), s)
+    for kw in scans:  # (one channel a thread loads pairs of channels: see selective_scan._x_at)
+        y16 = selective_scan(xc16, delta, A, Bm, Cm, D, z, ssm_state0.clone(), s, **kw)
+        assert rel_err(y16, y16_ref) < 1e-5, kw
+    # and 16-bit x whose channels are not contiguous: no pairs, one 16-bit load a channel
+    y16 = selective_scan(xc16.contiguous(), delta, A, Bm, Cm, D, z, ssm_state0.clone(), s, **scans[3])
+    assert rel_err(y16, y16_ref) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -109,7 +118,7 @@ def test_conv_silu_elementwise():
     v = torch.linspace(-60.0, 60.0, 6000, device=DEVICE)  # (an even count: 0 is not among them)
     E = v.numel()
     state = torch.zeros(1, E, 4, device=DEVICE)
-    y = causal_conv1d(torch.zeros(1, E, 1, device=DEVICE), torch.zeros(E, 4, device=DEVICE), v, state)[0][0, :, 0]
+    y = causal_conv1d(torch.zeros(1, E, 1, device=DEVICE), torch.zeros(E, 4, device=DEVICE), v, state)[0, :, 0]
     exact = torch.nn.functional.silu(v.double().cpu())
     assert ((y.double().cpu() - exact).abs() / exact.abs()).max() < 1e-5
 

@@ -190,16 +190,18 @@ def main() -> None:
         t = ptrs("dt_ptr", "dbc_ptr", "xc_ptr", "xz_ptr", "ss_ptr", "dtb_ptr", "A_ptr", "D_ptr", y_ptr=wdt)
         compile_kernel(dg._ssm_update_kernel, t, dict(N=16, NP=16, DT_PARTS=2, XZ_PARTS=2, Y_HALVES=False, BE=64, PDL=True))
     res.append("decode (cuBLAS products): ok")
-    t = ptrs("x_ptr", "w_ptr", "b_ptr", "st_ptr", "y_ptr", y2_ptr="*bf16", start_ptr="*i32")
-    compile_kernel(cc._causal_conv1d_kernel, t, dict(K=4, KP=4, HAS_BIAS=True, COPY=True, BE=cc.CONV_BE, BT=cc.CONV_BT), num_warps=cc.CONV_WARPS)
-    # the scans write y in out_proj's dtype
-    t = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A_ptr", "D_ptr", "st_ptr", y_ptr="*bf16", start_ptr="*i32")
+    t = ptrs("x_ptr", "w_ptr", "b_ptr", "st_ptr", y_ptr="*bf16", start_ptr="*i32")
+    compile_kernel(cc._causal_conv1d_kernel, t, dict(K=4, KP=4, HAS_BIAS=True, BE=cc.CONV_BE, BT=cc.CONV_BT), num_warps=cc.CONV_WARPS)
+    # the scans read the conv's output and write y in a bf16 model's dtype
+    t = ptrs("dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A_ptr", "D_ptr", "st_ptr", x_ptr="*bf16", y_ptr="*bf16", start_ptr="*i32")
     compile_kernel(ss._selective_scan_kernel, t, dict(N=16, NP=16, BE=8, BT=32))
-    t1 = ptrs("x_ptr", "dt_ptr", "B_ptr", "A2t_ptr", "sum_ptr", "dts_ptr", start_ptr="*i32")
-    t2 = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A2t_ptr", "D_ptr", "st_ptr", "sum_ptr", "init_ptr", y_ptr="*bf16", start_ptr="*i32")
     for B, T in ((1, 8192), (8, 2048), (1, 2048)):  # chunked_launch's three kinds of launch
         run = ss.chunked_launch(B, 5120, T)
-        walk = dict(N=16, NP=16, BE=run.BE, CPL=run.CPL, EVEN=True, STAGES=run.stages, UNROLL=run.unroll)
+        x = dict(x_ptr="*bf16") if run.CPL > 1 else dict(x_ptr="*i32")  # (pairs of channels: see ss._x_at)
+        t1 = ptrs("dt_ptr", "B_ptr", "A2t_ptr", "sum_ptr", "dts_ptr", **x, start_ptr="*i32")
+        t2 = ptrs("dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A2t_ptr", "D_ptr", "st_ptr", "sum_ptr", "init_ptr", **x, y_ptr="*bf16", start_ptr="*i32")
+        walk = dict(N=16, NP=16, BE=run.BE, CPL=run.CPL, EVEN=True, STAGES=run.stages, UNROLL=run.unroll,
+                    X16=None if run.CPL > 1 else triton.language.bfloat16)
         compile_kernel(ss._scan_summary_kernel, t1, walk, num_warps=run.warps)
         compile_kernel(ss._scan_chunks_kernel, t2, walk, num_warps=run.warps)
     t = ptrs("st_ptr", "init_ptr", "sum_ptr", "dts_ptr", "A2t_ptr", start_ptr="*i32")

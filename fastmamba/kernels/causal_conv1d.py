@@ -3,6 +3,11 @@
 Prefill runs it over a whole prompt chunk at once. Rows of a batch may be left-padded:
 positions before `start[b]` count as zero input, and a padded row (start > 0) starts from a
 zero state, exactly as if the row began at `start`.
+
+Its output is an activation (after the SiLU), like the norm's output that in_proj reads and
+the scan's y that out_proj reads, so the Triton kernel writes it once, in the storage dtype
+of the model: x_proj takes it as its operand and the scan reads the same values (the
+pre-activations, x before the conv, stay float32: DESIGN §4).
 """
 
 from __future__ import annotations
@@ -27,8 +32,8 @@ def causal_conv1d_ref(
     bias: torch.Tensor | None,  # (E,)
     state: torch.Tensor,  # (B, E, K) the last K inputs, newest last; updated in place
     start: torch.Tensor | None = None,  # (B,) first real position of each row (left padding)
-    dtype: torch.dtype | None = None,  # for the second output; the reference ignores it
-) -> tuple[torch.Tensor, torch.Tensor]:  # (B, E, T) float32, SiLU applied; twice (see causal_conv1d)
+    dtype: torch.dtype | None = None,  # the Triton kernel's output dtype; the reference keeps float32
+) -> torch.Tensor:  # (B, E, T) float32, SiLU applied
     K = weight.shape[-1]
     x = x.float()
     if start is not None:
@@ -38,8 +43,7 @@ def causal_conv1d_ref(
     full = torch.cat([state[:, :, 1:], x], dim=-1)  # (B, E, K-1+T)
     y = F.conv1d(full, weight[:, None, :], bias, groups=weight.shape[0])  # (B, E, T)
     state.copy_(torch.cat([state, x], dim=-1)[:, :, -K:])
-    y = F.silu(y)
-    return y, y
+    return F.silu(y)
 
 
 @jit
@@ -66,12 +70,13 @@ def _tap_weight(w_ptr, e, emask, j: tl.constexpr, K: tl.constexpr):
 
 @jit
 def _causal_conv1d_kernel(
-    x_ptr, sxb, sxe, sxt, w_ptr, b_ptr, st_ptr, y_ptr, y2_ptr, start_ptr, T, E,
-    K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, COPY: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
+    x_ptr, sxb, sxe, sxt, w_ptr, b_ptr, st_ptr, y_ptr, start_ptr, T, E,
+    K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
 ):
     # One program: BE channels of one row, BT time steps walked one after another with the
     # last inputs in registers (a window of MAX_K = 4: narrower kernels weigh the oldest
-    # with zero), so each step loads one row of new inputs and stores one row of outputs.
+    # with zero), so each step loads one row of new inputs and stores one row of outputs,
+    # rounded to y's dtype as a cast would.
     # Against (time x channels) tiles with a load a tap: 2.8b widths 1 x 8192 142.5 ->
     # 128.5 us, 8 x 2048 288.1 -> 243.7 (a walk loading its taps each step: 156.5, 301.8).
     # Only the first time block reaches into the old conv state (the window before step 0)
@@ -85,7 +90,6 @@ def _causal_conv1d_kernel(
     x_row = x_ptr + b64 * sxb
     st_row = st_ptr + b64 * E * K
     y_row = y_ptr + b64 * T * E
-    y2_row = y2_ptr + b64 * T * E
     # the weights of the inputs 3, 2, 1 and 0 steps back
     w3, w2, w1, w0 = (_tap_weight(w_ptr, e, emask, 3, K), _tap_weight(w_ptr, e, emask, 2, K),
                       _tap_weight(w_ptr, e, emask, 1, K), _tap_weight(w_ptr, e, emask, 0, K))
@@ -100,10 +104,7 @@ def _causal_conv1d_kernel(
     for t in range(t0, tl.minimum(t0 + BT, T)):
         x0 = tl.load(x_row + t * sxt + e * sxe, mask=emask & (t + tl.zeros_like(e) >= start), other=0.0)
         acc = bias + w3 * x3 + w2 * x2 + w1 * x1 + w0 * x0  # oldest tap first, as F.conv1d's sum
-        y = silu(acc)
-        tl.store(y_row + t * E + e, y, mask=emask)
-        if COPY:  # y in the next product's dtype, rounded as a cast would
-            tl.store(y2_row + t * E + e, y.to(y2_ptr.dtype.element_ty), mask=emask)
+        tl.store(y_row + t * E + e, silu(acc).to(y_ptr.dtype.element_ty), mask=emask)
         x3, x2, x1 = x2, x1, x0
     if t0 == 0:
         # New state: inputs at positions T-K .. T-1 (older ones from the old state).
@@ -115,30 +116,28 @@ def _causal_conv1d_kernel(
 
 
 # Channels and time steps a program, and its warps (benchmarks/tune_conv.py, H200, 2.8b
-# widths, bf16 second output): 256 channels (4 a thread: 16-byte loads) and 16 steps, 128.5
-# us at 1 x 8192, 243.7 at 8 x 2048 (128-512 channels and 8-32 steps within 2.5%).
-CONV_BE, CONV_BT, CONV_WARPS = 256, 16, 2
+# widths, bf16 output): 128 channels (2 a thread) and 8 steps, 85.8 us at 1 x 8192 (2.93
+# TB/s), 159.1 at 8 x 2048 (3.16 TB/s); 256 channels and 16 steps 90.7 / 166.6 (the choice
+# when the kernel also wrote a float32 copy: 128.5 / 243.7 then).
+CONV_BE, CONV_BT, CONV_WARPS = 128, 8, 2
 MAX_K = 4  # the kernel's window; wider convs (no public checkpoint has one) run the reference
 
 
 def causal_conv1d(x, weight, bias, state, start=None, dtype=torch.float32):
-    """Triton twin of `causal_conv1d_ref`; x may be any strided (B, E, T) view. Returns
-    (B, E, T) views of (B, T, E) buffers (the layout the projections want): the float32
-    output, for the scan, and the same in `dtype`, for x_proj (written by the same kernel,
-    which saves a cast's pass over the float32 one; the same tensor when dtype is float32)."""
+    """Triton twin of `causal_conv1d_ref`; x may be any strided (B, E, T) view. Returns a
+    (B, E, T) view of a (B, T, E) buffer (the layout x_proj wants) in `dtype`: computed in
+    float32, rounded once on the way out."""
     B, E, T = x.shape
     K = weight.shape[-1]
     if K > MAX_K:
-        y = causal_conv1d_ref(x, weight, bias, state, start)[0].transpose(1, 2).contiguous()
-        return y.transpose(1, 2), y.to(dtype).transpose(1, 2)
-    y = torch.empty(B, T, E, device=x.device, dtype=torch.float32)
-    y2 = y if dtype == torch.float32 else torch.empty(B, T, E, device=x.device, dtype=dtype)
+        return causal_conv1d_ref(x, weight, bias, state, start).transpose(1, 2).to(dtype).contiguous().transpose(1, 2)
+    y = torch.empty(B, T, E, device=x.device, dtype=dtype)
     if start is None:
         start = torch.zeros(B, device=x.device, dtype=torch.int32)
     BT = max(CONV_BT, MAX_K - 1)  # so that only the first block's window reaches before the chunk
     _causal_conv1d_kernel[(triton.cdiv(E, CONV_BE), triton.cdiv(T, BT), B)](
-        x, x.stride(0), x.stride(1), x.stride(2), weight, bias if bias is not None else weight, state, y, y2,
-        start, T, E, K=K, KP=triton.next_power_of_2(K), HAS_BIAS=bias is not None, COPY=y2 is not y, BE=CONV_BE, BT=BT,
+        x, x.stride(0), x.stride(1), x.stride(2), weight, bias if bias is not None else weight, state, y,
+        start, T, E, K=K, KP=triton.next_power_of_2(K), HAS_BIAS=bias is not None, BE=CONV_BE, BT=BT,
         num_warps=CONV_WARPS,
     )
-    return y.transpose(1, 2), y2.transpose(1, 2)
+    return y.transpose(1, 2)

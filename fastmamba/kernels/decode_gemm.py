@@ -49,7 +49,7 @@ from .split16 import load_sum, store_split
 
 def conv_step_ref(x, conv_state, conv_w, conv_b):
     """x (B, E) -> SiLU(conv) (B, E) f32; shifts x into conv_state (B, E, K)."""
-    return causal_conv1d_ref(x[:, :, None], conv_w, conv_b, conv_state)[0][:, :, 0]
+    return causal_conv1d_ref(x[:, :, None], conv_w, conv_b, conv_state)[:, :, 0]
 
 
 def ssm_update_ref(dt, Bm, Cm, x, z, ssm_state, dt_bias, A, D):
