@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from .config import MambaConfig
 from .kernels.causal_conv1d import causal_conv1d_ref
 from .kernels.rmsnorm import add_norm_ref
-from .kernels.selective_scan import selective_scan_ref
-from .kernels.step_size import step_size_ref
+from .kernels.selective_scan import step_and_scan_ref
 
 
 @dataclass
@@ -101,21 +100,19 @@ class Ops:
 
     linear: Callable
     conv: Callable  # causal_conv1d_ref signature
-    step_size: Callable  # step_size_ref signature: softplus(dt_proj(dt_r) + dt_bias)
-    scan: Callable  # selective_scan_ref signature
+    scan: Callable  # step_and_scan_ref signature: step sizes softplus(dt_proj(dt_r) + dt_bias), then the scan
     add_norm: Callable  # add_norm_ref signature: (h + o, rmsnorm(h + o)), the norm in a given dtype
 
 
-REFERENCE_OPS = Ops(linear, causal_conv1d_ref, step_size_ref, selective_scan_ref, add_norm_ref)
+REFERENCE_OPS = Ops(linear, causal_conv1d_ref, step_and_scan_ref, add_norm_ref)
 
 
 def triton_ops() -> Ops:
     from .kernels.causal_conv1d import causal_conv1d
     from .kernels.rmsnorm import add_norm
-    from .kernels.selective_scan import selective_scan
-    from .kernels.step_size import step_size
+    from .kernels.selective_scan import step_and_scan
 
-    return Ops(linear_storage, causal_conv1d, step_size, selective_scan, add_norm)
+    return Ops(linear_storage, causal_conv1d, step_and_scan, add_norm)
 
 
 def mixer(
@@ -133,9 +130,8 @@ def mixer(
     # operand, and the scan's input
     x = ops.conv(x, lw.conv_w, lw.conv_b, conv_state, start, lw.x_proj_w.dtype)  # (B, E, T)
     dt_r, Bm, Cm = ops.linear(x.transpose(1, 2), lw.x_proj_w).split([R, N, N], dim=-1)  # (B, T, R|N|N)
-    delta = ops.step_size(dt_r, lw.dt_proj_w, lw.dt_bias)  # (B, T, E) f32
     y = ops.scan(
-        x, delta.transpose(1, 2), lw.A, Bm.transpose(1, 2), Cm.transpose(1, 2), lw.D, z, ssm_state, start,
+        x, dt_r, lw.dt_proj_w, lw.dt_bias, lw.A, Bm.transpose(1, 2), Cm.transpose(1, 2), lw.D, z, ssm_state, start,
         out_dtype=lw.out_proj_w.dtype,  # y as out_proj reads it (GPU path; the reference keeps f32)
     )  # (B, E, T)
     return ops.linear(y.transpose(1, 2), lw.out_proj_w, lw.out_proj_b)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fastmamba
 from fastmamba.kernels.causal_conv1d import causal_conv1d, causal_conv1d_ref
-from fastmamba.kernels.selective_scan import ScanLaunch, selective_scan, selective_scan_ref
+from fastmamba.kernels import selective_scan as ss
+from fastmamba.kernels.selective_scan import ScanLaunch, selective_scan, selective_scan_ref, step_and_scan, step_and_scan_ref
 from fastmamba.kernels.step_size import step_size, step_size_ref
 from fastmamba.model import Mamba, triton_ops
 
@@ -84,6 +86,52 @@ def test_conv_and_scan_kernels_match_their_twins(B, E, T, K, start):
     # and 16-bit x whose channels are not contiguous: no pairs, one 16-bit load a channel
     y16 = selective_scan(xc16.contiguous(), delta, A, Bm, Cm, D, z, ssm_state0.clone(), s, **scans[3])
     assert rel_err(y16, y16_ref) < 1e-5
+
+    # dt_proj's output before its bias and softplus, which the walks then take (step_and_scan
+    # at large batches): against the step sizes made first
+    dt = torch.randn(B, T, E, device=DEVICE, generator=g).transpose(1, 2) * 3
+    dt_bias = torch.randn(E, device=DEVICE, generator=g) - 2
+    ssm_ref_state = ssm_state0.clone()
+    y_ref = selective_scan_ref(xc_ref, F.softplus(dt + dt_bias[:, None]), A, Bm, Cm, D, z, ssm_ref_state, s)
+    for kw in scans:  # (the kernels' softplus is within 5e-6 of torch's: test_step_size_softplus_elementwise)
+        ssm_state = ssm_state0.clone()
+        y = selective_scan(xc_ref, dt, A, Bm, Cm, D, z, ssm_state, s, dt_bias=dt_bias, **kw)
+        assert rel_err(y, y_ref) < 2e-5 and rel_err(ssm_state, ssm_ref_state) < 2e-5, kw
+
+
+@pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16])
+def test_step_and_scan_as_one_chunk(monkeypatch, wdt):
+    """The scan as one chunk (forced here at a small shape) runs dt_proj alone and takes the
+    softplus in its walk: against the reference (float32 weights), and against the step
+    sizes made first by step_size.py's kernel (16-bit weights, whose products both paths
+    take with dt_r rounded to the weights' dtype)."""
+    B, E, T, N, R = 2, 40, 100, 16, 3
+    g = gen(3)
+    xz = torch.randn(B, T, 2 * E, device=DEVICE, generator=g)
+    x, z = xz[..., :E].transpose(1, 2), xz[..., E:].transpose(1, 2)
+    dbc = torch.randn(B, T, R + 2 * N, device=DEVICE, generator=g)
+    dt_r, Bm, Cm = dbc[..., :R], dbc[..., R : R + N].transpose(1, 2), dbc[..., R + N :].transpose(1, 2)
+    w = (torch.randn(E, R, device=DEVICE, generator=g)).to(wdt)
+    bias = torch.randn(E, device=DEVICE, generator=g) - 1
+    A = -torch.rand(E, N, device=DEVICE, generator=g) * 4
+    D = torch.randn(E, device=DEVICE, generator=g)
+    state0 = torch.randn(B, E, N, device=DEVICE, generator=g)
+    start = torch.tensor([0, 30], dtype=torch.int32, device=DEVICE)
+    ref_state = state0.clone()
+    if wdt == torch.float32:
+        ref = step_and_scan_ref(x, dt_r, w, bias, A, Bm, Cm, D, z, ref_state, start)
+    else:
+        ref = step_and_scan(x, dt_r, w, bias, A, Bm, Cm, D, z, ref_state, start)  # (not one chunk at this shape)
+    monkeypatch.setattr(ss, "SCAN_CHUNKED_WORK", 1)
+    monkeypatch.setattr(ss, "SCAN_ONE_CHUNK_LANES", 1)
+    monkeypatch.setattr(ss, "SCAN_SOFTPLUS_FROM_RANK", 1)
+    assert ss.chunked_launch(B, E, T).L >= T
+    state = state0.clone()
+    y = step_and_scan(x, dt_r, w, bias, A, Bm, Cm, D, z, state, start)
+    # (on the CPU, 16-bit weights: the interpreter truncates dt_r where a cast rounds, and
+    # the CPU's bf16 product rounds its output to bf16)
+    tol = 2e-5 if GPU or wdt == torch.float32 else 1e-2
+    assert rel_err(y, ref) < tol and rel_err(state, ref_state) < tol
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

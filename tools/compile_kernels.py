@@ -198,12 +198,15 @@ def main() -> None:
     for B, T in ((1, 8192), (8, 2048), (1, 2048)):  # chunked_launch's three kinds of launch
         run = ss.chunked_launch(B, 5120, T)
         x = dict(x_ptr="*bf16") if run.CPL > 1 else dict(x_ptr="*i32")  # (pairs of channels: see ss._x_at)
-        t1 = ptrs("dt_ptr", "B_ptr", "A2t_ptr", "sum_ptr", "dts_ptr", **x, start_ptr="*i32")
-        t2 = ptrs("dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A2t_ptr", "D_ptr", "st_ptr", "sum_ptr", "init_ptr", **x, y_ptr="*bf16", start_ptr="*i32")
+        t1 = ptrs("dt_ptr", "B_ptr", "A2t_ptr", "sum_ptr", "dts_ptr", "dtb_ptr", **x, start_ptr="*i32")
+        t2 = ptrs("dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A2t_ptr", "D_ptr", "st_ptr", "sum_ptr", "init_ptr", "dtb_ptr", **x, y_ptr="*bf16",
+                  start_ptr="*i32")
         walk = dict(N=16, NP=16, BE=run.BE, CPL=run.CPL, EVEN=True, STAGES=run.stages, UNROLL=run.unroll,
-                    X16=None if run.CPL > 1 else triton.language.bfloat16)
+                    X16=None if run.CPL > 1 else triton.language.bfloat16, RAW_DT=False)
         compile_kernel(ss._scan_summary_kernel, t1, walk, num_warps=run.warps)
         compile_kernel(ss._scan_chunks_kernel, t2, walk, num_warps=run.warps)
+        if run.L >= T:  # one chunk: the walk takes each step's softplus too (ss.step_and_scan)
+            compile_kernel(ss._scan_chunks_kernel, t2, {**walk, "RAW_DT": True}, num_warps=run.warps)
     t = ptrs("st_ptr", "init_ptr", "sum_ptr", "dts_ptr", "A2t_ptr", start_ptr="*i32")
     compile_kernel(ss._scan_prefix_kernel, t, dict(N=16, NP=16, BE=ss.SCAN_PREFIX_BE, STAGES=ss.SCAN_STAGES), num_warps=ss.SCAN_PREFIX_WARPS)
     for wdt in ("*bf16", "*fp16", "*fp32"):

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import jit, tl, triton
-from .activations import silu
+from .activations import silu, softplus
 from .causal_conv1d import _pad_mask
+from .step_size import step_size, step_size_ref
 
 
 def selective_scan_ref(
@@ -116,10 +117,15 @@ def _store(ptrs, v, mask, EVEN: tl.constexpr):
 
 
 @jit
-def _step_input(dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, ze, EVEN: tl.constexpr):
-    """Step t's step size (BE,) and B (NP,). ze: _lane_zero's offset. The walks start at
-    the row's first real step: padding steps leave the state unchanged."""
+def _step_input(dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, ze, dtb, EVEN: tl.constexpr,
+                RAW_DT: tl.constexpr):
+    """Step t's step size (BE,) and B (NP,). ze: _lane_zero's offset. RAW_DT: dt_row holds
+    dt_proj's output before the bias dtb (the channels') and the softplus (see
+    selective_scan), else the step sizes themselves. The walks start at the row's first
+    real step: padding steps leave the state unchanged."""
     dt = _load(dt_row + t * sdt + ze + e * sde, emask, EVEN)
+    if RAW_DT:
+        dt = softplus(dt + dtb)
     Bt = _load(B_row + t * sbt + n * sbn, nmask, EVEN)
     return dt, Bt
 
@@ -174,12 +180,22 @@ def _chunk_program(A2t_ptr, start_ptr, E, zero, N: tl.constexpr, NP: tl.constexp
     return b64, e, c, emask, n, nmask, sm, start, ze, A2
 
 
+@jit
+def _dt_bias(dtb_ptr, e, emask, ze, BE: tl.constexpr, RAW_DT: tl.constexpr):
+    """The channels' dt bias where the walks make their step sizes (RAW_DT), else zeros
+    that nothing reads."""
+    if RAW_DT:
+        return tl.load(dtb_ptr + ze + e, mask=emask, other=0.0)
+    else:
+        return tl.zeros([BE], dtype=tl.float32)
+
+
 @jit(do_not_specialize=["zero"])
 def _scan_summary_kernel(
     x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, A2t_ptr, start_ptr,
-    sum_ptr, dts_ptr, T, E, L, zero,
+    sum_ptr, dts_ptr, dtb_ptr, T, E, L, zero,
     N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, CPL: tl.constexpr, EVEN: tl.constexpr,
-    STAGES: tl.constexpr, UNROLL: tl.constexpr, X16: tl.constexpr,
+    STAGES: tl.constexpr, UNROLL: tl.constexpr, X16: tl.constexpr, RAW_DT: tl.constexpr,
 ):
     # Pass 1. One program: one row, BE channels, one chunk of L steps, walked step by step
     # from a zero state: the state the chunk leaves when it starts alone, and its summed
@@ -188,13 +204,14 @@ def _scan_summary_kernel(
     # chunks but the last (none where the scan is one chunk). The walk skips padding,
     # whose steps change nothing.
     b64, e, c, emask, n, nmask, sm, start, ze, A2 = _chunk_program(A2t_ptr, start_ptr, E, zero, N, NP, BE, CPL)
+    dtb = _dt_bias(dtb_ptr, e, emask, ze, BE, RAW_DT)
     slots = tl.num_programs(2)
     s = tl.zeros([BE, NP], dtype=tl.float32)
     dt_sum = tl.zeros([BE], dtype=tl.float32)
     x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
     for t in tl.range(tl.maximum(c * L, start), tl.minimum(c * L + L, T), num_stages=STAGES, loop_unroll_factor=UNROLL):
         x = _x_at(x_row, sxe, sxt, e, emask, t, ze, EVEN, X16)
-        dt, Bt = _step_input(dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, ze, EVEN)
+        dt, Bt = _step_input(dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, ze, dtb, EVEN, RAW_DT)
         s = s * tl.exp2(dt[:, None] * A2) + (dt * x)[:, None] * Bt[None, :]
         dt_sum += dt
     _store(sum_ptr + ((b64 * slots + c) * N + n[None, :]) * E + ze + e[:, None], s, sm, EVEN)
@@ -232,9 +249,9 @@ def _scan_prefix_kernel(
 @jit(do_not_specialize=["zero"])
 def _scan_chunks_kernel(
     x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, C_ptr, scb, scn, sct,
-    z_ptr, szb, sze, szt, A2t_ptr, D_ptr, st_ptr, y_ptr, start_ptr, sum_ptr, init_ptr, T, E, L, zero,
+    z_ptr, szb, sze, szt, A2t_ptr, D_ptr, st_ptr, y_ptr, start_ptr, sum_ptr, init_ptr, dtb_ptr, T, E, L, zero,
     N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, CPL: tl.constexpr, EVEN: tl.constexpr,
-    STAGES: tl.constexpr, UNROLL: tl.constexpr, X16: tl.constexpr,
+    STAGES: tl.constexpr, UNROLL: tl.constexpr, X16: tl.constexpr, RAW_DT: tl.constexpr,
 ):
     # Pass 2. One program: one row, BE channels, one chunk. It starts from the state
     # _scan_prefix_kernel left in the summary slot of the chunk before it (chunk 0 from its
@@ -244,6 +261,7 @@ def _scan_chunks_kernel(
     b64, e, c, emask, n, nmask, sm, start, ze, A2 = _chunk_program(A2t_ptr, start_ptr, E, zero, N, NP, BE, CPL)
     nc = tl.num_programs(2)
     Dv = tl.load(D_ptr + ze + e, mask=emask, other=0.0)
+    dtb = _dt_bias(dtb_ptr, e, emask, ze, BE, RAW_DT)
     if c == 0:
         s = tl.load(init_ptr + b64 * E * N + n[None, :] * E + ze + e[:, None], mask=sm, other=0.0)
     else:  # (then there are nc - 1 summary slots a row)
@@ -255,7 +273,7 @@ def _scan_chunks_kernel(
         tl.store(y_row + t * E + ze + e, tl.zeros([BE], dtype=y_ptr.dtype.element_ty), mask=emask)
     for t in tl.range(tl.maximum(c * L, start), end, num_stages=STAGES, loop_unroll_factor=UNROLL):
         x = _x_at(x_row, sxe, sxt, e, emask, t, ze, EVEN, X16)
-        dt, Bt = _step_input(dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, ze, EVEN)
+        dt, Bt = _step_input(dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, ze, dtb, EVEN, RAW_DT)
         s = s * tl.exp2(dt[:, None] * A2) + (dt * x)[:, None] * Bt[None, :]
         Ct = _load(C_row + t * sct + n * scn, nmask, EVEN)
         z = _load(z_row + t * szt + ze + e * sze, emask, EVEN)
@@ -304,6 +322,12 @@ SCAN_ONE_CHUNK_LANES = 24576
 # 104.0; 370m 1 x 2048 83.2 / 75.6. From ~16M on they tie or lose: 2.8b 1 x 4096 279.0 /
 # 280.6, 1.4b 2 x 2048 205.9 / 226.2.
 SCAN_SMALL_WORK = 12 << 20
+# step_and_scan: the one-chunk walk takes the softplus itself, after dt_proj alone, from
+# this dt_rank up (µs, CUDA graphs, step sizes made first / in the walk; cuBLAS's dt_proj
+# alone): 2.8b widths 8 x 2048 939.9 / 905.7 (114.6), 16 x 1024 808.9 / 760.6; 1.4b 8 x
+# 2048 696.2 / 667.4; but 130m (dt_rank 48) 16 x 1024 318.0 / 325.9, where the step-size
+# kernel's product is small.
+SCAN_SOFTPLUS_FROM_RANK = 128
 # One channel a thread: its loads' pipeline depth and steps a loop iteration (2.8b 8 x 2048,
 # one chunk: 733 µs; 2 stages 875, 1 stage 2612; 8 steps an iteration 745, 16 751).
 SCAN_LANE_STAGES, SCAN_LANE_UNROLL = 3, 4
@@ -321,6 +345,11 @@ class ScanLaunch:
     warps: int
     stages: int
     unroll: int
+
+
+def _chunked(B: int, E: int, T: int) -> bool:
+    """Whether selective_scan runs the chunked scan by default."""
+    return T >= SCAN_CHUNKED_FROM or B * E * T >= SCAN_CHUNKED_WORK
 
 
 def chunked_launch(B: int, E: int, T: int) -> ScanLaunch:
@@ -350,7 +379,8 @@ def _as_words(x: torch.Tensor):
 
 
 def selective_scan(
-    x, delta, A, Bm, Cm, D, z, state, start=None, out_dtype=torch.float32, chunked=None, launch: ScanLaunch | None = None
+    x, delta, A, Bm, Cm, D, z, state, start=None, out_dtype=torch.float32, chunked=None, launch: ScanLaunch | None = None,
+    dt_bias=None,
 ):
     """Triton twin of `selective_scan_ref`; inputs may be any strided views of those shapes.
     Returns a (B, E, T) view of a (B, T, E) buffer of y in out_dtype: computed in float32,
@@ -361,14 +391,19 @@ def selective_scan(
     chunk where the rows alone fill the GPU); otherwise the one-pass scan (associative scan
     inside chunks of 32 steps, chunks one after another). By default the chunked scan from
     SCAN_CHUNKED_FROM steps or SCAN_CHUNKED_WORK channel-steps on, where its parallelism
-    pays for its passes. launch: the chunked scan's, instead of chunked_launch's."""
+    pays for its passes. launch: the chunked scan's, instead of chunked_launch's.
+
+    dt_bias (E,): delta is dt_proj's output before this bias and the softplus, which the
+    chunked scan's walks then add and take at each step (see step_and_scan)."""
     Bsz, E, T = x.shape
     N = A.shape[1]
     y = torch.empty(Bsz, T, E, device=x.device, dtype=out_dtype)
     if start is None:
         start = torch.zeros(Bsz, device=x.device, dtype=torch.int32)
     if chunked is None:
-        chunked = T >= SCAN_CHUNKED_FROM or Bsz * E * T >= SCAN_CHUNKED_WORK
+        chunked = _chunked(Bsz, E, T)
+    if dt_bias is not None and not chunked:
+        delta, dt_bias = F.softplus(delta + dt_bias[:, None]), None
     # the kernels' first arguments, each tensor with its strides: x, delta and B (all that
     # pass 1 reads), then C and z
     xdb = (x, *x.stride(), delta, *delta.stride(), Bm, *Bm.stride())
@@ -386,17 +421,41 @@ def selective_scan(
         xw, x16 = _as_words(x) if run.CPL == 1 else (x, None)  # (see _x_at)
         xdb = (xw, *xw.stride(), *xdb[4:])
         walk = dict(N=N, NP=NP, BE=BE, CPL=run.CPL, EVEN=even, STAGES=run.stages, UNROLL=run.unroll, X16=x16,
-                    num_warps=run.warps)
+                    RAW_DT=dt_bias is not None, num_warps=run.warps)
+        dtb = D if dt_bias is None else dt_bias  # (a placeholder the kernels never read without RAW_DT)
         if grid[2] > 1:  # one chunk starts from the layer's state alone: no summaries to make
-            _scan_summary_kernel[grid[:2] + (slots,)](*xdb, A2t, start, sums, dt_sums, T, E, L, 0, **walk)
+            _scan_summary_kernel[grid[:2] + (slots,)](*xdb, A2t, start, sums, dt_sums, dtb, T, E, L, 0, **walk)
         _scan_prefix_kernel[(Bsz, triton.cdiv(E, SCAN_PREFIX_BE))](
             state, start, init, sums, dt_sums, A2t, E, grid[2] - 1,
             N=N, NP=NP, BE=SCAN_PREFIX_BE, STAGES=SCAN_STAGES, num_warps=SCAN_PREFIX_WARPS,
         )
-        _scan_chunks_kernel[grid](*xdb, *cz, A2t, D, state, y, start, sums, init, T, E, L, 0, **walk)
+        _scan_chunks_kernel[grid](*xdb, *cz, A2t, D, state, y, start, sums, init, dtb, T, E, L, 0, **walk)
         return y.transpose(1, 2)
     BE, BT = 8, 32
     _selective_scan_kernel[(Bsz, triton.cdiv(E, BE))](
         *xdb, *cz, A, D, state, y, start, T, E, N=N, NP=triton.next_power_of_2(N), BE=BE, BT=BT, num_warps=4,
     )
     return y.transpose(1, 2)
+
+
+def step_and_scan_ref(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, state, start=None, out_dtype=None) -> torch.Tensor:
+    """The step sizes (step_size.step_size_ref) from x_proj's dt_r (B, T, R), then the scan
+    (selective_scan_ref); the other arguments as there."""
+    delta = step_size_ref(dt_r, dt_w, dt_b)  # (B, T, E)
+    return selective_scan_ref(x, delta.transpose(1, 2), A, Bm, Cm, D, z, state, start)
+
+
+def step_and_scan(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, state, start=None, out_dtype=torch.float32) -> torch.Tensor:
+    """Triton twin of `step_and_scan_ref`. Where the scan runs as one chunk (large batches)
+    of a wide model (SCAN_SOFTPLUS_FROM_RANK), dt_proj runs alone (cuBLAS) and the walk
+    takes each step's softplus itself, once a channel and step as step_size.py's kernel
+    would, without that kernel's pass over memory; otherwise that kernel writes the step
+    sizes first (the chunked scan's two passes would take every softplus twice)."""
+    Bsz, E, T = x.shape
+    if _chunked(Bsz, E, T) and chunked_launch(Bsz, E, T).L >= T and dt_r.shape[-1] >= SCAN_SOFTPLUS_FROM_RANK:
+        from ..model import linear_storage  # (the model imports this file)
+
+        dt = linear_storage(dt_r, dt_w)  # (B, T, E) float32, before the bias
+        return selective_scan(x, dt.transpose(1, 2), A, Bm, Cm, D, z, state, start, out_dtype, dt_bias=dt_b)
+    delta = step_size(dt_r, dt_w, dt_b)
+    return selective_scan(x, delta.transpose(1, 2), A, Bm, Cm, D, z, state, start, out_dtype)
