@@ -17,7 +17,7 @@ from triton.testing import do_bench  # noqa: E402
 from fastmamba.bench import random_model  # noqa: E402
 from fastmamba.kernels.causal_conv1d import causal_conv1d  # noqa: E402
 from fastmamba.kernels.rmsnorm import add_norm  # noqa: E402
-from fastmamba.kernels.selective_scan import selective_scan  # noqa: E402
+from fastmamba.kernels.selective_scan import selective_scan, step_and_scan  # noqa: E402
 from fastmamba.kernels.step_size import step_size  # noqa: E402
 from fastmamba.model import Mamba, linear_storage, triton_ops  # noqa: E402
 
@@ -54,10 +54,14 @@ def main() -> None:
         ("  (bf16 out)", lambda: torch.mm(u.view(M, d), lw.in_proj_w.t()), M * (d * 2 + 2 * E * 2) + 2 * E * d * 2, 2 * M * d * 2 * E),
         ("conv", lambda: causal_conv1d(x, lw.conv_w, lw.conv_b, conv_state, None, torch.bfloat16), M * E * (4 + 2), 0),
         ("x_proj (cuBLAS)", lambda: linear_storage(xc.transpose(1, 2), lw.x_proj_w), M * (E * 2 + (R + 2 * N) * 4), 2 * M * E * (R + 2 * N)),
-        ("step sizes (Triton)", lambda: step_size(dt_r, lw.dt_proj_w, lw.dt_bias), M * (R * 4 + E * 4), 2 * M * R * E),
+        ("step sizes + scan (step_and_scan)", lambda: step_and_scan(xc, dt_r, lw.dt_proj_w, lw.dt_bias, lw.A, Bm.transpose(1, 2),
+                                                                     Cm.transpose(1, 2), lw.D, z, ssm_state, out_dtype=torch.bfloat16),
+         M * E * (2 + 4 + 4 + 2), 0),
+        ("  (step sizes, Triton)", lambda: step_size(dt_r, lw.dt_proj_w, lw.dt_bias), M * (R * 4 + E * 4), 2 * M * R * E),
         ("  (cuBLAS dt_proj alone)", lambda: linear_storage(dt_r, lw.dt_proj_w), M * (R * 4 + E * 4), 2 * M * R * E),
-        ("scan", lambda: selective_scan(xc, delta.transpose(1, 2), lw.A, Bm.transpose(1, 2), Cm.transpose(1, 2), lw.D, z,
-                                        ssm_state, out_dtype=torch.bfloat16), M * E * (2 + 4 + 4 + 2), 0),
+        ("  (scan from those step sizes)", lambda: selective_scan(xc, delta.transpose(1, 2), lw.A, Bm.transpose(1, 2),
+                                                                 Cm.transpose(1, 2), lw.D, z, ssm_state, out_dtype=torch.bfloat16),
+         M * E * (2 + 4 + 4 + 2), 0),
         ("out_proj (cuBLAS)", lambda: linear_storage(y.transpose(1, 2), lw.out_proj_w), M * (E * 2 + d * 4) + E * d * 2, 2 * M * E * d),
     ]
     print(f"{args.model} {B}x{T} bf16, one layer of {c.n_layer}:")
