@@ -86,6 +86,10 @@ def test_conv_and_scan_kernels_match_their_twins(B, E, T, K, start):
     # and 16-bit x whose channels are not contiguous: no pairs, one 16-bit load a channel
     y16 = selective_scan(xc16.contiguous(), delta, A, Bm, Cm, D, z, ssm_state0.clone(), s, **scans[3])
     assert rel_err(y16, y16_ref) < 1e-5
+    # and a float16 model's (the pairs' halves read back as float16)
+    xch = causal_conv1d(x, w, b, conv_state0.clone(), s, torch.float16)
+    yh = selective_scan(xch, delta, A, Bm, Cm, D, z, ssm_state0.clone(), s, **scans[3])
+    assert rel_err(yh, selective_scan_ref(xch.float(), delta, A, Bm, Cm, D, z, ssm_state0.clone(), s)) < 1e-5
 
     # dt_proj's output before its bias and softplus, which the walks then take (step_and_scan
     # at large batches): against the step sizes made first
