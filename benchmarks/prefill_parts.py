@@ -19,7 +19,7 @@ from fastmamba.kernels.causal_conv1d import causal_conv1d  # noqa: E402
 from fastmamba.kernels.rmsnorm import add_norm  # noqa: E402
 from fastmamba.kernels.selective_scan import selective_scan, step_and_scan  # noqa: E402
 from fastmamba.kernels.step_size import step_size  # noqa: E402
-from fastmamba.model import Mamba, linear_storage, triton_ops  # noqa: E402
+from fastmamba.model import Mamba, in_proj_dtype, linear_storage, triton_ops  # noqa: E402
 
 
 def main() -> None:
@@ -39,7 +39,8 @@ def main() -> None:
 
     # the mixer's operations in order (model.mixer), each input made by the one before
     _, u = add_norm(h, o, lw.norm_w, c.norm_eps, torch.bfloat16)
-    xz = linear_storage(u, lw.in_proj_w)
+    xz_dtype = in_proj_dtype(lw.in_proj_w.dtype)  # (bf16: x and z in 2 bytes)
+    xz = linear_storage(u, lw.in_proj_w, None, xz_dtype)
     x, z = xz.transpose(1, 2).split([E, E], dim=1)
     xc = causal_conv1d(x, lw.conv_w, lw.conv_b, conv_state, None, torch.bfloat16)
     dbc = linear_storage(xc.transpose(1, 2), lw.x_proj_w)
@@ -50,18 +51,18 @@ def main() -> None:
     M = B * T
     parts = [  # name, operation, bytes moved, FLOPs
         ("add + rmsnorm", lambda: add_norm(h, o, lw.norm_w, c.norm_eps, torch.bfloat16), M * d * (4 * 3 + 2), 0),
-        ("in_proj (cuBLAS, f32 out)", lambda: linear_storage(u, lw.in_proj_w), M * (d * 2 + 2 * E * 4) + 2 * E * d * 2, 2 * M * d * 2 * E),
-        ("  (bf16 out)", lambda: torch.mm(u.view(M, d), lw.in_proj_w.t()), M * (d * 2 + 2 * E * 2) + 2 * E * d * 2, 2 * M * d * 2 * E),
-        ("conv", lambda: causal_conv1d(x, lw.conv_w, lw.conv_b, conv_state, None, torch.bfloat16), M * E * (4 + 2), 0),
+        ("in_proj (cuBLAS, bf16 out)", lambda: linear_storage(u, lw.in_proj_w, None, xz_dtype), M * (d * 2 + 2 * E * 2) + 2 * E * d * 2, 2 * M * d * 2 * E),
+        ("  (f32 out)", lambda: linear_storage(u, lw.in_proj_w), M * (d * 2 + 2 * E * 4) + 2 * E * d * 2, 2 * M * d * 2 * E),
+        ("conv", lambda: causal_conv1d(x, lw.conv_w, lw.conv_b, conv_state, None, torch.bfloat16), M * E * (2 + 2), 0),
         ("x_proj (cuBLAS)", lambda: linear_storage(xc.transpose(1, 2), lw.x_proj_w), M * (E * 2 + (R + 2 * N) * 4), 2 * M * E * (R + 2 * N)),
         ("step sizes + scan (step_and_scan)", lambda: step_and_scan(xc, dt_r, lw.dt_proj_w, lw.dt_bias, lw.A, Bm.transpose(1, 2),
                                                                      Cm.transpose(1, 2), lw.D, z, ssm_state, out_dtype=torch.bfloat16),
-         M * E * (2 + 4 + 4 + 2), 0),
+         M * E * (2 + 4 + 2 + 2), 0),
         ("  (step sizes, Triton)", lambda: step_size(dt_r, lw.dt_proj_w, lw.dt_bias), M * (R * 4 + E * 4), 2 * M * R * E),
         ("  (cuBLAS dt_proj alone)", lambda: linear_storage(dt_r, lw.dt_proj_w), M * (R * 4 + E * 4), 2 * M * R * E),
         ("  (scan from those step sizes)", lambda: selective_scan(xc, delta.transpose(1, 2), lw.A, Bm.transpose(1, 2),
                                                                  Cm.transpose(1, 2), lw.D, z, ssm_state, out_dtype=torch.bfloat16),
-         M * E * (2 + 4 + 4 + 2), 0),
+         M * E * (2 + 4 + 2 + 2), 0),
         ("out_proj (cuBLAS)", lambda: linear_storage(y.transpose(1, 2), lw.out_proj_w), M * (E * 2 + d * 4) + E * d * 2, 2 * M * E * d),
     ]
     print(f"{args.model} {B}x{T} bf16, one layer of {c.n_layer}:")

@@ -73,24 +73,43 @@ class MambaState:
         return MambaState(self.conv[:, index].clone(), self.ssm[:, index].clone())
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias with float32 accumulation whatever the weight's storage dtype."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype=None) -> torch.Tensor:
+    """x @ weight.T + bias with float32 accumulation whatever the weight's storage dtype.
+    out_dtype: linear_storage's output dtype; the reference keeps float32."""
     return F.linear(x.float(), weight.float(), bias)
 
 
-def linear_storage(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`linear` as a GPU product in the weight's own dtype (cuBLAS, float32 accumulation and
-    float32 output), without a float32 copy of the weight; the activations are rounded to
-    that dtype (a no-op when they arrive in it)."""
+def linear_storage(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """`linear` as a GPU product in the weight's own dtype (cuBLAS, float32 accumulation),
+    without a float32 copy of the weight; the activations are rounded to that dtype (a no-op
+    when they arrive in it). The output in out_dtype: float32, or the weight's dtype (the
+    float32 sum plus bias, rounded once)."""
     if weight.dtype == torch.float32:
         return F.linear(x.float(), weight, bias)
     x2 = x.reshape(-1, x.shape[-1]).to(weight.dtype)
-    if x.is_cuda:  # straight to float32: no extra pass over the output
-        y = torch.mm(x2, weight.t(), out_dtype=torch.float32)
-    else:  # (the Triton interpreter's tests on the CPU)
+    rounded = out_dtype == weight.dtype and bias is None
+    if not x.is_cuda:  # (the Triton interpreter's tests on the CPU)
         y = F.linear(x2, weight).float()
+    elif rounded:
+        y = torch.mm(x2, weight.t())
+    else:  # straight to float32: no extra pass over the output
+        y = torch.mm(x2, weight.t(), out_dtype=torch.float32)
     y = y.view(*x.shape[:-1], weight.shape[0])
-    return y if bias is None else y + bias
+    return (y if bias is None else y + bias).to(out_dtype)
+
+
+def in_proj_dtype(weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of in_proj's output (x before the conv, z before the gate) on the GPU path.
+    bfloat16 for bfloat16 weights: it has float32's range, so nothing overflows, and what
+    these values feed is rounded to bfloat16 anyway (the conv's output, the gated y).
+    float32 otherwise: float16's range could overflow on the public checkpoints'
+    magnitudes (DESIGN §4). (CPU emulation, 256-token prompts, logits' largest difference
+    over their largest: the bundled model 4.3e-3 from the float32-math reference with
+    bfloat16 weights against 8.4e-3 with these rounded too; transformers' bfloat16 model
+    1.1e-2. benchmarks/RESULTS.md, twenty-fifth session.)"""
+    return torch.bfloat16 if weight_dtype == torch.bfloat16 else torch.float32
 
 
 @dataclass(frozen=True)
@@ -124,7 +143,7 @@ def mixer(
     start (B,): left padding, see kernels/causal_conv1d.py.
     """
     E, N, R = config.d_inner, config.d_state, config.dt_rank
-    xz = ops.linear(u, lw.in_proj_w, lw.in_proj_b)  # (B, T, 2E)
+    xz = ops.linear(u, lw.in_proj_w, lw.in_proj_b, in_proj_dtype(lw.in_proj_w.dtype))  # (B, T, 2E)
     x, z = xz.transpose(1, 2).split([E, E], dim=1)  # (B, E, T) each
     # the conv's output in x_proj's dtype (GPU path; the reference keeps f32): x_proj's
     # operand, and the scan's input

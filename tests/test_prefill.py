@@ -11,7 +11,7 @@ from fastmamba.kernels.causal_conv1d import causal_conv1d, causal_conv1d_ref
 from fastmamba.kernels import selective_scan as ss
 from fastmamba.kernels.selective_scan import ScanLaunch, selective_scan, selective_scan_ref, step_and_scan, step_and_scan_ref
 from fastmamba.kernels.step_size import step_size, step_size_ref
-from fastmamba.model import Mamba, triton_ops
+from fastmamba.model import Mamba, in_proj_dtype, linear_storage, triton_ops
 
 pytest.importorskip("triton")
 GPU = torch.cuda.is_available()
@@ -80,7 +80,7 @@ def test_conv_and_scan_kernels_match_their_twins(B, E, T, K, start):
         assert_rounded(selective_scan(xc_ref, delta, A, Bm, Cm, D, z, ssm_state0.clone(), s, out_dtype=torch.bfloat16, **kw), y)
     # x as a bf16 model's conv writes it (a 16-bit input, read into float32)
     y16_ref = selective_scan_ref(xc16.float(), delta, A, Bm, Cm, D, z, ssm_state0.clone(), s)
-    for kw in scans:  # (one channel a thread loads pairs of channels: see selective_scan._x_at)
+    for kw in scans:  # (one channel a thread loads pairs of channels: see selective_scan._channels_at)
         y16 = selective_scan(xc16, delta, A, Bm, Cm, D, z, ssm_state0.clone(), s, **kw)
         assert rel_err(y16, y16_ref) < 1e-5, kw
     # and 16-bit x whose channels are not contiguous: no pairs, one 16-bit load a channel
@@ -90,6 +90,18 @@ def test_conv_and_scan_kernels_match_their_twins(B, E, T, K, start):
     xch = causal_conv1d(x, w, b, conv_state0.clone(), s, torch.float16)
     yh = selective_scan(xch, delta, A, Bm, Cm, D, z, ssm_state0.clone(), s, **scans[3])
     assert rel_err(yh, selective_scan_ref(xch.float(), delta, A, Bm, Cm, D, z, ssm_state0.clone(), s)) < 1e-5
+    # x and z as a bf16 model's in_proj writes them (model.in_proj_dtype): the conv reads a
+    # 16-bit x, the scan a 16-bit z (pairs of channels where one channel a thread)
+    xz16 = xz.to(torch.bfloat16)
+    x16, z16 = xz16[..., :E].transpose(1, 2), xz16[..., E:].transpose(1, 2)
+    cs, cs_ref = conv_state0.clone(), conv_state0.clone()
+    xc_from16 = causal_conv1d(x16, w, b, cs, s)
+    assert rel_err(xc_from16, causal_conv1d_ref(x16, w, b, cs_ref, s)) < 1e-5 and rel_err(cs, cs_ref) < 1e-6
+    assert rel_err(xc_from16, xc_ref) > 0  # (x16 is not x)
+    yz_ref = selective_scan_ref(xc_ref, delta, A, Bm, Cm, D, z16, ssm_state0.clone(), s)
+    for kw in scans:
+        yz = selective_scan(xc_ref, delta, A, Bm, Cm, D, z16, ssm_state0.clone(), s, **kw)
+        assert rel_err(yz, yz_ref) < 1e-5, kw
 
     # dt_proj's output before its bias and softplus, which the walks then take (step_and_scan
     # at large batches): against the step sizes made first
@@ -173,6 +185,23 @@ def test_conv_silu_elementwise():
     y = causal_conv1d(torch.zeros(1, E, 1, device=DEVICE), torch.zeros(E, 4, device=DEVICE), v, state)[0, :, 0]
     exact = torch.nn.functional.silu(v.double().cpu())
     assert ((y.double().cpu() - exact).abs() / exact.abs()).max() < 1e-5
+
+
+def test_in_proj_writes_bf16_for_bf16_weights():
+    """A bf16 model's in_proj writes x and z in bf16 (float32's range, nothing overflows);
+    float16 and float32 models' in float32 (float16's range could: DESIGN §4). The rounded
+    output is the float32 one (plus bias) rounded once."""
+    assert in_proj_dtype(torch.bfloat16) == torch.bfloat16
+    assert in_proj_dtype(torch.float16) == torch.float32 and in_proj_dtype(torch.float32) == torch.float32
+    g = gen(4)
+    u = torch.randn(3, 5, 64, device=DEVICE, generator=g)
+    w = torch.randn(48, 64, device=DEVICE, generator=g).to(torch.bfloat16)
+    for bias in (None, torch.randn(48, device=DEVICE, generator=g)):
+        y = linear_storage(u, w, bias)
+        y16 = linear_storage(u, w, bias, torch.bfloat16)
+        assert y.dtype == torch.float32 and y16.dtype == torch.bfloat16 and y16.shape == y.shape == (3, 5, 48)
+        # (cuBLAS may sum in another order for a 16-bit output: within a bf16 step, not bitwise)
+        assert ((y16.float() - y).abs() <= y.abs() * 2**-7).all()
 
 
 def engines(path, dtype):

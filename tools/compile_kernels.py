@@ -190,23 +190,25 @@ def main() -> None:
         t = ptrs("dt_ptr", "dbc_ptr", "xc_ptr", "xz_ptr", "ss_ptr", "dtb_ptr", "A_ptr", "D_ptr", y_ptr=wdt)
         compile_kernel(dg._ssm_update_kernel, t, dict(N=16, NP=16, DT_PARTS=2, XZ_PARTS=2, Y_HALVES=False, BE=64, PDL=True))
     res.append("decode (cuBLAS products): ok")
-    t = ptrs("x_ptr", "w_ptr", "b_ptr", "st_ptr", y_ptr="*bf16", start_ptr="*i32")
+    # a bf16 model's prefill: in_proj writes x and z in bf16 (model.in_proj_dtype), the conv
+    # writes its output and the scans y in bf16
+    t = ptrs("w_ptr", "b_ptr", "st_ptr", x_ptr="*bf16", y_ptr="*bf16", start_ptr="*i32")
     compile_kernel(cc._causal_conv1d_kernel, t, dict(K=4, KP=4, HAS_BIAS=True, BE=cc.CONV_BE, BT=cc.CONV_BT), num_warps=cc.CONV_WARPS)
-    # the scans read the conv's output and write y in a bf16 model's dtype
-    t = ptrs("dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A_ptr", "D_ptr", "st_ptr", x_ptr="*bf16", y_ptr="*bf16", start_ptr="*i32")
+    t = ptrs("dt_ptr", "B_ptr", "C_ptr", "A_ptr", "D_ptr", "st_ptr", x_ptr="*bf16", z_ptr="*bf16", y_ptr="*bf16", start_ptr="*i32")
     compile_kernel(ss._selective_scan_kernel, t, dict(N=16, NP=16, BE=8, BT=32))
     for B, T in ((1, 8192), (8, 2048), (1, 2048)):  # chunked_launch's three kinds of launch
         run = ss.chunked_launch(B, 5120, T)
-        x = dict(x_ptr="*bf16") if run.CPL > 1 else dict(x_ptr="*i32")  # (pairs of channels: see ss._x_at)
-        t1 = ptrs("dt_ptr", "B_ptr", "A2t_ptr", "sum_ptr", "dts_ptr", "dtb_ptr", **x, start_ptr="*i32")
-        t2 = ptrs("dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A2t_ptr", "D_ptr", "st_ptr", "sum_ptr", "init_ptr", "dtb_ptr", **x, y_ptr="*bf16",
+        # (one channel a thread reads x and z as pairs of channels: see ss._channels_at)
+        xz = dict(x_ptr="*bf16", z_ptr="*bf16") if run.CPL > 1 else dict(x_ptr="*i32", z_ptr="*i32")
+        half = None if run.CPL > 1 else triton.language.bfloat16
+        t1 = ptrs("dt_ptr", "B_ptr", "A2t_ptr", "sum_ptr", "dts_ptr", "dtb_ptr", x_ptr=xz["x_ptr"], start_ptr="*i32")
+        t2 = ptrs("dt_ptr", "B_ptr", "C_ptr", "A2t_ptr", "D_ptr", "st_ptr", "sum_ptr", "init_ptr", "dtb_ptr", **xz, y_ptr="*bf16",
                   start_ptr="*i32")
-        walk = dict(N=16, NP=16, BE=run.BE, CPL=run.CPL, EVEN=True, STAGES=run.stages, UNROLL=run.unroll,
-                    X16=None if run.CPL > 1 else triton.language.bfloat16, RAW_DT=False)
+        walk = dict(N=16, NP=16, BE=run.BE, CPL=run.CPL, EVEN=True, STAGES=run.stages, UNROLL=run.unroll, X16=half, RAW_DT=False)
         compile_kernel(ss._scan_summary_kernel, t1, walk, num_warps=run.warps)
-        compile_kernel(ss._scan_chunks_kernel, t2, walk, num_warps=run.warps)
+        compile_kernel(ss._scan_chunks_kernel, t2, {**walk, "Z16": half}, num_warps=run.warps)
         if run.L >= T:  # one chunk: the walk takes each step's softplus too (ss.step_and_scan)
-            compile_kernel(ss._scan_chunks_kernel, t2, {**walk, "RAW_DT": True}, num_warps=run.warps)
+            compile_kernel(ss._scan_chunks_kernel, t2, {**walk, "Z16": half, "RAW_DT": True}, num_warps=run.warps)
     t = ptrs("st_ptr", "init_ptr", "sum_ptr", "dts_ptr", "A2t_ptr", start_ptr="*i32")
     compile_kernel(ss._scan_prefix_kernel, t, dict(N=16, NP=16, BE=ss.SCAN_PREFIX_BE, STAGES=ss.SCAN_STAGES), num_warps=ss.SCAN_PREFIX_WARPS)
     for wdt in ("*bf16", "*fp16", "*fp32"):

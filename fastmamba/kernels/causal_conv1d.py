@@ -6,8 +6,8 @@ zero state, exactly as if the row began at `start`.
 
 Its output is an activation (after the SiLU), like the norm's output that in_proj reads and
 the scan's y that out_proj reads, so the Triton kernel writes it once, in the storage dtype
-of the model: x_proj takes it as its operand and the scan reads the same values (the
-pre-activations, x before the conv, stay float32: DESIGN §4).
+of the model: x_proj takes it as its operand and the scan reads the same values. Its input
+x comes in in_proj's output dtype (model.in_proj_dtype); the sums run in float32.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _input_at(x_row, sxe, sxt, st_row, e, emask, p, start, K: tl.constexpr):
     padded, since padding starts the row from zero). p is a scalar, or positions that
     broadcast against e (the new state: a (BE, KP) tile)."""
     pp = p + tl.zeros_like(e)  # p broadcast to e's shape: masks stay tensors
-    v = tl.load(x_row + p * sxt + e * sxe, mask=emask & (pp >= start) & (pp >= 0), other=0.0)
+    v = tl.load(x_row + p * sxt + e * sxe, mask=emask & (pp >= start) & (pp >= 0), other=0.0).to(tl.float32)
     return v + tl.load(st_row + e * K + (K + p), mask=emask & (pp >= -K) & (pp < -start * K), other=0.0)
 
 
@@ -102,7 +102,7 @@ def _causal_conv1d_kernel(
     x2 = _input_at(x_row, sxe, sxt, st_row, e, emask, t0 - 2, start, K)
     x1 = _input_at(x_row, sxe, sxt, st_row, e, emask, t0 - 1, start, K)
     for t in range(t0, tl.minimum(t0 + BT, T)):
-        x0 = tl.load(x_row + t * sxt + e * sxe, mask=emask & (t + tl.zeros_like(e) >= start), other=0.0)
+        x0 = tl.load(x_row + t * sxt + e * sxe, mask=emask & (t + tl.zeros_like(e) >= start), other=0.0).to(tl.float32)
         acc = bias + w3 * x3 + w2 * x2 + w1 * x1 + w0 * x0  # oldest tap first, as F.conv1d's sum
         tl.store(y_row + t * E + e, silu(acc).to(y_ptr.dtype.element_ty), mask=emask)
         x3, x2, x1 = x2, x1, x0

@@ -89,7 +89,7 @@ def _selective_scan_kernel(
         decay_cum, inp_cum = tl.associative_scan((decay, inp), 0, _combine)
         states = decay_cum * s[None, :, :] + inp_cum  # (BT, BE, NP): the state after each step
         y = tl.sum(states * Ct[:, None, :], 2) + Dv[None, :] * x
-        z = tl.load(z_ptr + b64 * szb + t[:, None] * szt + e[None, :] * sze, mask=m, other=0.0)
+        z = tl.load(z_ptr + b64 * szb + t[:, None] * szt + e[None, :] * sze, mask=m, other=0.0).to(tl.float32)
         y = y * silu(z)
         tl.store(y_ptr + b64 * T * E + t[:, None] * E + e[None, :], y, mask=(t < T)[:, None] & emask[None, :])
         last = tl.minimum(t0 + BT, T) - 1
@@ -131,18 +131,18 @@ def _step_input(dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, ze, dt
 
 
 @jit
-def _x_at(x_row, sxe, sxt, e, emask, t, ze, EVEN: tl.constexpr, X16: tl.constexpr):
-    """Step t's x (BE,). X16: x is 16-bit (this dtype) and x_row points to it as 32-bit
-    words, each holding channels 2i and 2i + 1 (sxe, sxt in words). The walks' loads are
-    pipelined by asynchronous copies of 4, 8 or 16 bytes a thread: a 16-bit x at one
-    channel a thread is too narrow for them and was a plain load waited for in its own step
-    (2.8b 8 x 2048, one chunk: 1233 us against 739 with float32 x), so each thread loads
-    its channel's word and keeps its half."""
-    if X16 is None:
-        return _load(x_row + t * sxt + ze + e * sxe, emask, EVEN)
+def _channels_at(row, se, st, e, emask, t, ze, EVEN: tl.constexpr, HALF: tl.constexpr):
+    """Step t's x or z (BE,), in float32. HALF: the values are 16-bit (this dtype) and row
+    points to them as 32-bit words, each holding channels 2i and 2i + 1 (se, st in words).
+    The walks' loads are pipelined by asynchronous copies of 4, 8 or 16 bytes a thread: a
+    16-bit value at one channel a thread is too narrow for them and was a plain load waited
+    for in its own step (2.8b 8 x 2048, one chunk: 1233 us against 739 with float32 x), so
+    each thread loads its channel's word and keeps its half."""
+    if HALF is None:
+        return _load(row + t * st + ze + e * se, emask, EVEN).to(tl.float32)
     else:
-        w = _load(x_row + t * sxt + ze + (e >> 1) * sxe, emask, EVEN)
-        return tl.where((e & 1) == 1, w >> 16, w).to(tl.int16).to(X16, bitcast=True)
+        w = _load(row + t * st + ze + (e >> 1) * se, emask, EVEN)
+        return tl.where((e & 1) == 1, w >> 16, w).to(tl.int16).to(HALF, bitcast=True).to(tl.float32)
 
 
 @jit
@@ -210,7 +210,7 @@ def _scan_summary_kernel(
     dt_sum = tl.zeros([BE], dtype=tl.float32)
     x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
     for t in tl.range(tl.maximum(c * L, start), tl.minimum(c * L + L, T), num_stages=STAGES, loop_unroll_factor=UNROLL):
-        x = _x_at(x_row, sxe, sxt, e, emask, t, ze, EVEN, X16)
+        x = _channels_at(x_row, sxe, sxt, e, emask, t, ze, EVEN, X16)
         dt, Bt = _step_input(dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, ze, dtb, EVEN, RAW_DT)
         s = s * tl.exp2(dt[:, None] * A2) + (dt * x)[:, None] * Bt[None, :]
         dt_sum += dt
@@ -251,7 +251,7 @@ def _scan_chunks_kernel(
     x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, C_ptr, scb, scn, sct,
     z_ptr, szb, sze, szt, A2t_ptr, D_ptr, st_ptr, y_ptr, start_ptr, sum_ptr, init_ptr, dtb_ptr, T, E, L, zero,
     N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, CPL: tl.constexpr, EVEN: tl.constexpr,
-    STAGES: tl.constexpr, UNROLL: tl.constexpr, X16: tl.constexpr, RAW_DT: tl.constexpr,
+    STAGES: tl.constexpr, UNROLL: tl.constexpr, X16: tl.constexpr, Z16: tl.constexpr, RAW_DT: tl.constexpr,
 ):
     # Pass 2. One program: one row, BE channels, one chunk. It starts from the state
     # _scan_prefix_kernel left in the summary slot of the chunk before it (chunk 0 from its
@@ -272,11 +272,11 @@ def _scan_chunks_kernel(
     for t in range(c * L, tl.minimum(start, end)):
         tl.store(y_row + t * E + ze + e, tl.zeros([BE], dtype=y_ptr.dtype.element_ty), mask=emask)
     for t in tl.range(tl.maximum(c * L, start), end, num_stages=STAGES, loop_unroll_factor=UNROLL):
-        x = _x_at(x_row, sxe, sxt, e, emask, t, ze, EVEN, X16)
+        x = _channels_at(x_row, sxe, sxt, e, emask, t, ze, EVEN, X16)
         dt, Bt = _step_input(dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, ze, dtb, EVEN, RAW_DT)
         s = s * tl.exp2(dt[:, None] * A2) + (dt * x)[:, None] * Bt[None, :]
         Ct = _load(C_row + t * sct + n * scn, nmask, EVEN)
-        z = _load(z_row + t * szt + ze + e * sze, emask, EVEN)
+        z = _channels_at(z_row, sze, szt, e, emask, t, ze, EVEN, Z16)
         y = tl.sum(s * Ct[None, :], 1) + Dv * x
         _store(y_row + t * E + ze + e, y * silu(z), emask, EVEN)
     if c == nc - 1:
@@ -370,8 +370,8 @@ _TL_16BIT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def _as_words(x: torch.Tensor):
-    """A 16-bit x (B, E, T), channels contiguous, as (B, E / 2, T) 32-bit words and its
-    dtype in Triton (see _x_at); any other x as it is, and None."""
+    """A 16-bit x or z (B, E, T), channels contiguous, as (B, E / 2, T) 32-bit words and its
+    dtype in Triton (see _channels_at); any other tensor as it is, and None."""
     pairs = x.stride(1) == 1 and x.shape[1] % 2 == 0 and x.stride(0) % 2 == 0 and x.stride(2) % 2 == 0
     if x.dtype not in _TL_16BIT or not pairs or x.data_ptr() % 4:
         return x, None
@@ -418,8 +418,10 @@ def selective_scan(
         init = torch.empty(Bsz, N, E, device=x.device, dtype=torch.float32)
         A2t = (A * LOG2E).t().contiguous()  # exp(dt * A) = exp2(dt * A2): one multiply less a state
         even = E % BE == 0 and N == NP
-        xw, x16 = _as_words(x) if run.CPL == 1 else (x, None)  # (see _x_at)
+        xw, x16 = _as_words(x) if run.CPL == 1 else (x, None)  # (see _channels_at)
+        zw, z16 = _as_words(z) if run.CPL == 1 else (z, None)
         xdb = (xw, *xw.stride(), *xdb[4:])
+        cz = (*cz[:4], zw, *zw.stride())
         walk = dict(N=N, NP=NP, BE=BE, CPL=run.CPL, EVEN=even, STAGES=run.stages, UNROLL=run.unroll, X16=x16,
                     RAW_DT=dt_bias is not None, num_warps=run.warps)
         dtb = D if dt_bias is None else dt_bias  # (a placeholder the kernels never read without RAW_DT)
@@ -429,7 +431,7 @@ def selective_scan(
             state, start, init, sums, dt_sums, A2t, E, grid[2] - 1,
             N=N, NP=NP, BE=SCAN_PREFIX_BE, STAGES=SCAN_STAGES, num_warps=SCAN_PREFIX_WARPS,
         )
-        _scan_chunks_kernel[grid](*xdb, *cz, A2t, D, state, y, start, sums, init, dtb, T, E, L, 0, **walk)
+        _scan_chunks_kernel[grid](*xdb, *cz, A2t, D, state, y, start, sums, init, dtb, T, E, L, 0, Z16=z16, **walk)
         return y.transpose(1, 2)
     BE, BT = 8, 32
     _selective_scan_kernel[(Bsz, triton.cdiv(E, BE))](
