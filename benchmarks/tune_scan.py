@@ -23,9 +23,12 @@ from fastmamba.kernels import selective_scan as ss  # noqa: E402
 
 
 def inputs(B, T, E, N=16, R=160):
+    """The scan's inputs as a bf16 model's prefill makes them: x (the conv's output) and z
+    (in_proj's) in bf16, views into (B, T, *) buffers."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    xz = torch.randn(B, T, 2 * E, device="cuda", generator=g)
-    x, z = torch.randn(B, T, E, device="cuda", generator=g).transpose(1, 2), xz[..., E:].transpose(1, 2)
+    xz = torch.randn(B, T, 2 * E, device="cuda", generator=g).to(torch.bfloat16)
+    x = torch.randn(B, T, E, device="cuda", generator=g).to(torch.bfloat16).transpose(1, 2)
+    z = xz[..., E:].transpose(1, 2)
     delta = torch.nn.functional.softplus(torch.randn(B, T, E, device="cuda", generator=g) - 4).transpose(1, 2)
     dbc = torch.randn(B, T, R + 2 * N, device="cuda", generator=g)
     A = -torch.arange(1, N + 1, device="cuda").float().repeat(E, 1)
