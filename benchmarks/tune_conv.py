@@ -1,6 +1,7 @@
 """Times the prefill conv kernel alone at 2.8b widths for several block shapes, to choose
 CONV_BE, CONV_BT and CONV_WARPS in kernels/causal_conv1d.py. Prints µs a call and the rate
-at which it moves its bytes (x read once in float32, y written once in bfloat16).
+at which it moves its bytes (x read and y written once, both in bfloat16, as a bf16
+model's prefill runs it: model.in_proj_dtype).
 
     python benchmarks/tune_conv.py
 """
@@ -19,17 +20,17 @@ from fastmamba.kernels import causal_conv1d as cc  # noqa: E402
 
 def main() -> None:
     for B, T, E in ((1, 8192, 5120), (8, 2048, 5120)):
-        xz = torch.randn(B, T, 2 * E, device="cuda")
+        xz = torch.randn(B, T, 2 * E, device="cuda").to(torch.bfloat16)
         x = xz[..., :E].transpose(1, 2)  # as the model passes it: in_proj's x half
         w, b = torch.randn(E, 4, device="cuda"), torch.randn(E, device="cuda")
         state = torch.randn(B, E, 4, device="cuda")
         state0 = state.clone()
-        nbytes = B * T * E * (4 + 2)
+        nbytes = B * T * E * (2 + 2)
         # (each call updates the conv state it is given: the checks start from the same one)
         ref = cc.causal_conv1d(x, w, b, state0.clone(), None, torch.bfloat16).float()
         rows = []
         # (a program walks BT steps, each thread `per` neighbouring channels of BE)
-        for BE, per, BT in itertools.product((128, 256, 512), (1, 2, 4), (8, 16, 32, 64)):
+        for BE, per, BT in itertools.product((128, 256, 512), (1, 2, 4), (4, 8, 16, 32)):
             warps = BE // (32 * per)
             cc.CONV_BE, cc.CONV_BT, cc.CONV_WARPS = BE, BT, warps
             us = do_bench(lambda: cc.causal_conv1d(x, w, b, state, None, torch.bfloat16), warmup=3, rep=20) * 1e3
