@@ -1,7 +1,7 @@
-"""Times the prefill conv kernel alone at 2.8b widths for several block shapes, to choose
-CONV_BE, CONV_BT and CONV_WARPS in kernels/causal_conv1d.py. Prints µs a call and the rate
-at which it moves its bytes (x read and y written once, both in bfloat16, as a bf16
-model's prefill runs it: model.in_proj_dtype).
+"""Times the prefill conv kernel alone at 2.8b widths for several block shapes and loop
+settings, to choose CONV_BE, CONV_BT, CONV_WARPS, CONV_STAGES and CONV_UNROLL in
+kernels/causal_conv1d.py. Prints µs a call and the rate at which it moves its bytes (x read
+and y written once, both in bfloat16, as a bf16 model's prefill runs it: model.in_proj_dtype).
 
     python benchmarks/tune_conv.py
 """
@@ -30,15 +30,16 @@ def main() -> None:
         ref = cc.causal_conv1d(x, w, b, state0.clone(), None, torch.bfloat16).float()
         rows = []
         # (a program walks BT steps, each thread `per` neighbouring channels of BE)
-        for BE, per, BT in itertools.product((128, 256, 512), (1, 2, 4), (4, 8, 16, 32)):
+        for BE, per, BT, stages, unroll in itertools.product((128, 256, 512), (2, 4), (8, 16, 32), (1, 2, 3), (1, 2, 4)):
             warps = BE // (32 * per)
-            cc.CONV_BE, cc.CONV_BT, cc.CONV_WARPS = BE, BT, warps
+            cc.CONV_BE, cc.CONV_BT, cc.CONV_WARPS, cc.CONV_STAGES, cc.CONV_UNROLL = BE, BT, warps, stages, unroll
             us = do_bench(lambda: cc.causal_conv1d(x, w, b, state, None, torch.bfloat16), warmup=3, rep=20) * 1e3
             err = (cc.causal_conv1d(x, w, b, state0.clone(), None, torch.bfloat16).float() - ref).abs().max().item()
-            rows.append((us, BE, BT, warps, err))
+            rows.append((us, BE, BT, warps, stages, unroll, err))
         print(f"B={B} T={T} E={E} ({nbytes / 1e6:.0f} MB moved):", flush=True)
-        for us, BE, BT, warps, err in sorted(rows)[:8]:
-            print(f"   BE={BE:3d} BT={BT:3d} warps={warps}: {us:7.1f} us  {nbytes / us / 1e6:4.2f} TB/s  (max diff {err:.1e})", flush=True)
+        for us, BE, BT, warps, stages, unroll, err in sorted(rows)[:8]:
+            print(f"   BE={BE:3d} BT={BT:3d} warps={warps} stages={stages} unroll={unroll}: {us:7.1f} us  "
+                  f"{nbytes / us / 1e6:4.2f} TB/s  (max diff {err:.1e})", flush=True)
 
 
 if __name__ == "__main__":

@@ -193,7 +193,8 @@ def main() -> None:
     # a bf16 model's prefill: in_proj writes x and z in bf16 (model.in_proj_dtype), the conv
     # writes its output and the scans y in bf16
     t = ptrs("w_ptr", "b_ptr", "st_ptr", x_ptr="*bf16", y_ptr="*bf16", start_ptr="*i32")
-    compile_kernel(cc._causal_conv1d_kernel, t, dict(K=4, KP=4, HAS_BIAS=True, BE=cc.CONV_BE, BT=cc.CONV_BT), num_warps=cc.CONV_WARPS)
+    compile_kernel(cc._causal_conv1d_kernel, t, dict(K=4, KP=4, HAS_BIAS=True, BE=cc.CONV_BE, BT=cc.CONV_BT,
+                                                     STAGES=cc.CONV_STAGES, UNROLL=cc.CONV_UNROLL), num_warps=cc.CONV_WARPS)
     t = ptrs("dt_ptr", "B_ptr", "C_ptr", "A_ptr", "D_ptr", "st_ptr", x_ptr="*bf16", z_ptr="*bf16", y_ptr="*bf16", start_ptr="*i32")
     compile_kernel(ss._selective_scan_kernel, t, dict(N=16, NP=16, BE=8, BT=32))
     for B, T in ((1, 8192), (8, 2048), (1, 2048)):  # chunked_launch's three kinds of launch

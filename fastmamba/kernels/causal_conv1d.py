@@ -72,6 +72,7 @@ def _tap_weight(w_ptr, e, emask, j: tl.constexpr, K: tl.constexpr):
 def _causal_conv1d_kernel(
     x_ptr, sxb, sxe, sxt, w_ptr, b_ptr, st_ptr, y_ptr, start_ptr, T, E,
     K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
+    STAGES: tl.constexpr, UNROLL: tl.constexpr,
 ):
     # One program: BE channels of one row, BT time steps walked one after another with the
     # last inputs in registers (a window of MAX_K = 4: narrower kernels weigh the oldest
@@ -101,7 +102,9 @@ def _causal_conv1d_kernel(
     x3 = _input_at(x_row, sxe, sxt, st_row, e, emask, t0 - 3, start, K)
     x2 = _input_at(x_row, sxe, sxt, st_row, e, emask, t0 - 2, start, K)
     x1 = _input_at(x_row, sxe, sxt, st_row, e, emask, t0 - 1, start, K)
-    for t in range(t0, tl.minimum(t0 + BT, T)):
+    # (the loads pipelined and UNROLL steps an iteration, so that several rows of x are in
+    # flight a thread: see CONV_STAGES)
+    for t in tl.range(t0, tl.minimum(t0 + BT, T), num_stages=STAGES, loop_unroll_factor=UNROLL):
         x0 = tl.load(x_row + t * sxt + e * sxe, mask=emask & (t + tl.zeros_like(e) >= start), other=0.0).to(tl.float32)
         acc = bias + w3 * x3 + w2 * x2 + w1 * x1 + w0 * x0  # oldest tap first, as F.conv1d's sum
         tl.store(y_row + t * E + e, silu(acc).to(y_ptr.dtype.element_ty), mask=emask)
@@ -115,11 +118,13 @@ def _causal_conv1d_kernel(
         tl.store(st_row + e[:, None] * K + kk[None, :], new, mask=m)
 
 
-# Channels and time steps a program, and its warps (benchmarks/tune_conv.py, H200, 2.8b
-# widths, bf16 output): 128 channels (2 a thread) and 8 steps, 85.8 us at 1 x 8192 (2.93
-# TB/s), 159.1 at 8 x 2048 (3.16 TB/s); 256 channels and 16 steps 90.7 / 166.6 (the choice
-# when the kernel also wrote a float32 copy: 128.5 / 243.7 then).
-CONV_BE, CONV_BT, CONV_WARPS = 128, 8, 2
+# Channels and time steps a program, its warps, and its loop's pipeline depth and steps an
+# iteration (benchmarks/tune_conv.py, H200, 2.8b widths, bf16 x and output, µs): 256
+# channels (4 a thread), 32 steps, 3 stages, 4 steps an iteration 55.4 at 1 x 8192 (3.03
+# TB/s), 97.4 at 8 x 2048 (3.45 TB/s), where the plain loop (128 channels, 8 steps: one row
+# of x in flight a thread) took 70.5 / 126.3; outputs bitwise the same.
+CONV_BE, CONV_BT, CONV_WARPS = 256, 32, 2
+CONV_STAGES, CONV_UNROLL = 3, 4
 MAX_K = 4  # the kernel's window; wider convs (no public checkpoint has one) run the reference
 
 
@@ -138,6 +143,6 @@ def causal_conv1d(x, weight, bias, state, start=None, dtype=torch.float32):
     _causal_conv1d_kernel[(triton.cdiv(E, CONV_BE), triton.cdiv(T, BT), B)](
         x, x.stride(0), x.stride(1), x.stride(2), weight, bias if bias is not None else weight, state, y,
         start, T, E, K=K, KP=triton.next_power_of_2(K), HAS_BIAS=bias is not None, BE=CONV_BE, BT=BT,
-        num_warps=CONV_WARPS,
+        STAGES=CONV_STAGES, UNROLL=CONV_UNROLL, num_warps=CONV_WARPS,
     )
     return y.transpose(1, 2)
