@@ -404,12 +404,16 @@ def selective_scan(
         chunked = _chunked(Bsz, E, T)
     if dt_bias is not None and not chunked:
         delta, dt_bias = F.softplus(delta + dt_bias[:, None]), None
+    run = (launch or chunked_launch(Bsz, E, T)) if chunked else None
+    # a 16-bit x and z as words of two channels where a thread holds one (see _channels_at)
+    words = chunked and run.CPL == 1
+    xw, x16 = _as_words(x) if words else (x, None)
+    zw, z16 = _as_words(z) if words else (z, None)
     # the kernels' first arguments, each tensor with its strides: x, delta and B (all that
     # pass 1 reads), then C and z
-    xdb = (x, *x.stride(), delta, *delta.stride(), Bm, *Bm.stride())
-    cz = (Cm, *Cm.stride(), z, *z.stride())
+    xdb = (xw, *xw.stride(), delta, *delta.stride(), Bm, *Bm.stride())
+    cz = (Cm, *Cm.stride(), zw, *zw.stride())
     if chunked:
-        run = launch or chunked_launch(Bsz, E, T)
         L, BE, NP = run.L, run.BE, triton.next_power_of_2(N)
         grid = (Bsz, triton.cdiv(E, BE), triton.cdiv(T, L))
         slots = max(grid[2] - 1, 1)  # pass 1's chunks: all but the last (a spare slot for one chunk)
@@ -418,10 +422,6 @@ def selective_scan(
         init = torch.empty(Bsz, N, E, device=x.device, dtype=torch.float32)
         A2t = (A * LOG2E).t().contiguous()  # exp(dt * A) = exp2(dt * A2): one multiply less a state
         even = E % BE == 0 and N == NP
-        xw, x16 = _as_words(x) if run.CPL == 1 else (x, None)  # (see _channels_at)
-        zw, z16 = _as_words(z) if run.CPL == 1 else (z, None)
-        xdb = (xw, *xw.stride(), *xdb[4:])
-        cz = (*cz[:4], zw, *zw.stride())
         walk = dict(N=N, NP=NP, BE=BE, CPL=run.CPL, EVEN=even, STAGES=run.stages, UNROLL=run.unroll, X16=x16,
                     RAW_DT=dt_bias is not None, num_warps=run.warps)
         dtb = D if dt_bias is None else dt_bias  # (a placeholder the kernels never read without RAW_DT)
