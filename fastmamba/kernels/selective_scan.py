@@ -454,10 +454,13 @@ def step_and_scan(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, state, start=None, out_d
     would, without that kernel's pass over memory; otherwise that kernel writes the step
     sizes first (the chunked scan's two passes would take every softplus twice)."""
     Bsz, E, T = x.shape
-    if _chunked(Bsz, E, T) and chunked_launch(Bsz, E, T).L >= T and dt_r.shape[-1] >= SCAN_SOFTPLUS_FROM_RANK:
+    run = chunked_launch(Bsz, E, T) if _chunked(Bsz, E, T) else None
+    if run is not None and run.L >= T and dt_r.shape[-1] >= SCAN_SOFTPLUS_FROM_RANK:
         from ..model import linear_storage  # (the model imports this file)
 
         dt = linear_storage(dt_r, dt_w)  # (B, T, E) float32, before the bias
-        return selective_scan(x, dt.transpose(1, 2), A, Bm, Cm, D, z, state, start, out_dtype, dt_bias=dt_b)
+        return selective_scan(
+            x, dt.transpose(1, 2), A, Bm, Cm, D, z, state, start, out_dtype, chunked=True, launch=run, dt_bias=dt_b
+        )
     delta = step_size(dt_r, dt_w, dt_b)
     return selective_scan(x, delta.transpose(1, 2), A, Bm, Cm, D, z, state, start, out_dtype)
