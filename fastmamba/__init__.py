@@ -11,6 +11,7 @@ from .config import MambaConfig
 from .errors import CheckpointError
 from .kernels._triton import HAVE_TRITON
 from .generate import Generation, LanguageModel, StreamPiece
+from .hub import is_hub_id, resolve as resolve_hub_id
 from .model import REFERENCE_OPS, Mamba, MambaState, triton_ops
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
@@ -35,12 +36,23 @@ def default_model_dir() -> Path:
     return Path(__file__).parent / "default_model"
 
 
+def checkpoint_folder(path) -> Path:
+    """The folder `load` reads for `path`: the bundled model, a folder, or a hub id's snapshot."""
+    if path is None:
+        return default_model_dir()
+    if is_hub_id(path):
+        return resolve_hub_id(path)
+    return Path(path)
+
+
 def load(
     path=None, *, device="cpu", dtype="float32", engine: str | None = None, deterministic: bool = False
 ) -> LanguageModel:
     """Loads a Mamba checkpoint folder (HF or original state-spaces format).
 
-    path: the folder; None loads the bundled default model.
+    path: a checkpoint folder, or a HuggingFace hub id `org/name` (the local HF cache is
+    read first, then the hub; HF_HOME and HF_HUB_OFFLINE apply); a folder of that name
+    wins when it exists. None loads the bundled default model.
     device: "cpu" or "cuda" (or a torch.device).
     dtype: storage of the large matrices, "float32", "bfloat16" or "float16" (or a torch
     dtype); accumulation, states, norms and logits are float32 whatever it is.
@@ -69,7 +81,7 @@ def load(
         engine = "triton" if dev.type == "cuda" and HAVE_TRITON else "reference"
     if engine not in ("triton", "reference") or (engine == "triton" and (dev.type != "cuda" or not HAVE_TRITON)):
         raise ValueError(f"engine must be 'reference', or 'triton' on a CUDA device with Triton installed; got {engine!r}")
-    folder = Path(path) if path is not None else default_model_dir()
+    folder = checkpoint_folder(path)
     config, weights = load_checkpoint(folder, dev, storage)
     tok_file = folder / "tokenizer.json"
     tokenizer = Tokenizer(tok_file) if tok_file.exists() else None

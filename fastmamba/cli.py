@@ -11,6 +11,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="fastmamba",
         description="Inference engine for Mamba state-space language models.",
     )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"fastmamba {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     gen = commands.add_parser(
         "generate",
@@ -18,7 +21,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Continue PROMPT with a Mamba model, streaming the text to stdout as it is produced.",
     )
     gen.add_argument("prompt", metavar="PROMPT", help="the text to continue")
-    gen.add_argument("--model", metavar="DIR", help="checkpoint folder (HF or original format); default: the bundled model")
+    gen.add_argument("--model", metavar="DIR|ORG/NAME", help="checkpoint folder (HF or original format) or a HuggingFace hub id org/name; default: the bundled model")
     gen.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     gen.add_argument("--dtype", default="float32", help="storage of the weights: float32, bfloat16/bf16, float16/fp16")
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")

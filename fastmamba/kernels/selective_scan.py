@@ -366,16 +366,18 @@ def chunked_launch(B: int, E: int, T: int) -> ScanLaunch:
     return ScanLaunch(L, SCAN_BE, 4, SCAN_WARPS, SCAN_STAGES, SCAN_UNROLL)
 
 
-_TL_16BIT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_16BIT = (torch.bfloat16, torch.float16)
 
 
 def _as_words(x: torch.Tensor):
     """A 16-bit x or z (B, E, T), channels contiguous, as (B, E / 2, T) 32-bit words and its
     dtype in Triton (see _channels_at); any other tensor as it is, and None."""
     pairs = x.stride(1) == 1 and x.shape[1] % 2 == 0 and x.stride(0) % 2 == 0 and x.stride(2) % 2 == 0
-    if x.dtype not in _TL_16BIT or not pairs or x.data_ptr() % 4:
+    if x.dtype not in _16BIT or not pairs or x.data_ptr() % 4:
         return x, None
-    return x.transpose(1, 2).view(torch.int32).transpose(1, 2), _TL_16BIT[x.dtype]
+    # tl names are read here, at launch, never at import: a CPU install has no Triton.
+    as_tl = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16
+    return x.transpose(1, 2).view(torch.int32).transpose(1, 2), as_tl
 
 
 def selective_scan(
