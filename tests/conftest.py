@@ -112,6 +112,21 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     # It checks every 32-bit integer add, subtract and multiply for overflow (each operand
     # cast to 64 bits, the result compared and asserted): ~25% of the scan tests' time. No
     # index of these tests' tiny shapes comes near 2^31, and the compiled kernels never check.
+    # Its tl.dot is numpy's float32 matmul, whose rounding of a row can depend on the row's
+    # place in the tile (BLAS handles edge rows with other kernels), while the compiled
+    # kernels sum every row in one order: the batch-invariance tests compare a row at two
+    # places. Products summed in float64 (each one exact) and rounded once are a row's own.
+    builder_class = type(getattr(interpreter, "interpreter_builder", None))
+    if hasattr(builder_class, "create_dot"):
+        float_dot = builder_class.create_dot
+
+        def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+            if not a.data.dtype == b.data.dtype == d.data.dtype == np.float32:
+                return float_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+            exact = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)) + d.data
+            return interpreter.TensorHandle(exact.astype(np.float32), d.dtype.scalar)
+
+        builder_class.create_dot = create_dot
     options = getattr(getattr(interpreter, "interpreter_builder", None), "options", None)
     if dataclasses.is_dataclass(options) and hasattr(options, "sanitize_overflow"):
         interpreter.interpreter_builder.options = dataclasses.replace(options, sanitize_overflow=False)
