@@ -1,89 +1,41 @@
-"""fastmamba: an inference engine for Mamba state-space language models."""
+"""fastmamba: an inference engine for Mamba state-space language models.
+
+The names below are imported on first use, so that `import fastmamba` (and the command
+line's start, where Ctrl-C must stay quiet) does not wait for PyTorch.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import torch
-
-from .checkpoint import load_checkpoint, parse_dtype
-from .config import MambaConfig
-from .errors import CheckpointError
-from .kernels._triton import HAVE_TRITON
-from .generate import Generation, LanguageModel, StreamPiece
-from .hub import is_hub_id, resolve as resolve_hub_id
-from .model import REFERENCE_OPS, Mamba, MambaState, triton_ops
-from .sampling import SamplingParams
-from .tokenizer import Tokenizer
+import importlib
 
 __version__ = "0.1.0"
-__all__ = [
-    "load",
-    "default_model_dir",
-    "CheckpointError",
-    "SamplingParams",
-    "Generation",
-    "StreamPiece",
-    "LanguageModel",
-    "Mamba",
-    "MambaState",
-    "MambaConfig",
-]
+
+# public name -> the module that defines it
+_HOMES = {
+    "load": "loader",
+    "default_model_dir": "loader",
+    "CheckpointError": "errors",
+    "SamplingParams": "sampling",
+    "Generation": "generate",
+    "StreamPiece": "generate",
+    "LanguageModel": "generate",
+    "Mamba": "model",
+    "MambaState": "model",
+    "MambaConfig": "config",
+    "Tokenizer": "tokenizer",
+    "HAVE_TRITON": "kernels._triton",
+}
+__all__ = list(_HOMES)
 
 
-def default_model_dir() -> Path:
-    """The folder of the small model that ships inside the package."""
-    return Path(__file__).parent / "default_model"
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'fastmamba' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
 
 
-def checkpoint_folder(path) -> Path:
-    """The folder `load` reads for `path`: the bundled model, a folder, or a hub id's snapshot."""
-    if path is None:
-        return default_model_dir()
-    if is_hub_id(path):
-        return resolve_hub_id(path)
-    return Path(path)
-
-
-def load(
-    path=None, *, device="cpu", dtype="float32", engine: str | None = None, deterministic: bool = False
-) -> LanguageModel:
-    """Loads a Mamba checkpoint folder (HF or original state-spaces format).
-
-    path: a checkpoint folder, or a HuggingFace hub id `org/name` (the local HF cache is
-    read first, then the hub; HF_HOME and HF_HUB_OFFLINE apply); a folder of that name
-    wins when it exists. None loads the bundled default model.
-    device: "cpu" or "cuda" (or a torch.device).
-    dtype: storage of the large matrices, "float32", "bfloat16" or "float16" (or a torch
-    dtype); accumulation, states, norms and logits are float32 whatever it is.
-    engine: "triton" (GPU kernels and CUDA graphs, the default on CUDA) or "reference"
-    (the pure-PyTorch path, the default and only choice on the CPU).
-    deterministic: on the GPU, make a slot's logits bitwise the same whatever the batch
-    size (the decode step's products then sum each output in one fixed order at every batch
-    size, and a batch's prompts prefill one at a time; see benchmarks/RESULTS.md for the
-    cost). Without it this holds among the batch sizes whose decode step avoids cuBLAS,
-    within each of their two ranges: the small batches of the one-row kernels
-    (decode_step.one_row_up_to) and those above them up to where in_proj goes to cuBLAS
-    (decode_step.cublas_in_proj: above 32 rows; with float32 weights on 1.4b and 2.8b,
-    only from 7 to 16 rows).
-    Raises CheckpointError (a ValueError) naming the file and tensor or key on bad input.
-    """
-    storage = parse_dtype(dtype)
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for, but PyTorch sees no CUDA GPU here")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if engine is None:
-        engine = "triton" if dev.type == "cuda" and HAVE_TRITON else "reference"
-    if engine not in ("triton", "reference") or (engine == "triton" and (dev.type != "cuda" or not HAVE_TRITON)):
-        raise ValueError(f"engine must be 'reference', or 'triton' on a CUDA device with Triton installed; got {engine!r}")
-    folder = checkpoint_folder(path)
-    config, weights = load_checkpoint(folder, dev, storage)
-    tok_file = folder / "tokenizer.json"
-    tokenizer = Tokenizer(tok_file) if tok_file.exists() else None
-    model = Mamba(config, weights, triton_ops() if engine == "triton" else REFERENCE_OPS)
-    return LanguageModel(model, tokenizer, folder, engine=engine, deterministic=deterministic)
+def __dir__():
+    return sorted(set(globals()) | set(_HOMES))

@@ -8,7 +8,6 @@ Optionally times HF transformers' MambaForCausalLM at the same shape for a ratio
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import time
@@ -183,15 +182,6 @@ def run(sizes, dtypes, batches, hf: bool, out: str | None, deterministic: bool =
         with open(out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), copy_bandwidth_tbs=bw / 1e12, rows=rows), f, indent=2)
     return rows
-
-
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--models", default="130m,370m,1.4b,2.8b", help="comma-separated public shapes")
-    ap.add_argument("--dtypes", default="bfloat16,float32")
-    ap.add_argument("--batches", default="1,32,128")
-    ap.add_argument("--hf", action="store_true", help="also time transformers' MambaForCausalLM (batch 1)")
-    ap.add_argument("--deterministic", action="store_true", help="the batch-invariant step (load(deterministic=True))")
-    ap.add_argument("--json", help="write the results here")
 
 
 def main_from_args(args) -> int:

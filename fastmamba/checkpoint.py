@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -55,41 +57,101 @@ def expected_shapes(c: MambaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def inside(folder: Path, name) -> Path:
+    """folder / name, refused unless it names a file inside the checkpoint folder: no
+    absolute path, no '..', no symlink that leads out. The one exception is the HF cache's
+    own layout, where a snapshot's files are links into the repo's `blobs` folder."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{folder}: file name {name!r} is not a non-empty string")
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        raise CheckpointError(f"{folder}: file name {name!r} points outside the checkpoint folder")
+    path = folder / name
+    try:
+        home = folder.resolve()
+        real = path.resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop, a permission error
+        raise CheckpointError(f"{path}: cannot resolve the path ({type(e).__name__}: {e})") from None
+    roots = [home] + ([home.parent.parent / "blobs"] if home.parent.name == "snapshots" else [])
+    if not any(real == r or r in real.parents for r in roots):
+        raise CheckpointError(f"{path}: leads to {real}, outside the checkpoint folder")
+    return path
+
+
 def _weight_files(folder: Path) -> list[Path]:
     """The weights files of a checkpoint folder, shards resolved through their index."""
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index = folder / index_name
         if index.exists():
+            index = inside(folder, index_name)
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-                names = sorted(set(weight_map.values()))
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+                items = sorted(weight_map.items())
+            except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
                 raise CheckpointError(f"{index}: not a valid shard index ({type(e).__name__}: {e})") from None
-            files = [folder / n for n in names]
+            for tensor, shard in items:
+                if not isinstance(shard, str):
+                    raise CheckpointError(f"{index}: weight_map['{tensor}'] is {shard!r}, not a file name")
+            files = [inside(folder, n) for n in sorted({shard for _, shard in items})]
             for f in files:
-                if not f.exists():
+                if not f.is_file():
                     raise CheckpointError(f"{index}: shard file {f.name} is missing")
             return files
     for name in ("model.safetensors", "pytorch_model.bin"):
         if (folder / name).exists():
-            return [folder / name]
+            return [inside(folder, name)]
     raise CheckpointError(f"{folder}: no weights file (model.safetensors, pytorch_model.bin or a shard index)")
 
 
-def _read_file(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        if path.suffix == ".safetensors":
+class _WeightsFile:
+    """One weights file: its tensors' names, shapes and dtypes from the header alone, so a
+    config can be checked against them before any data is read; the data on demand."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._lazy: dict[str, torch.Tensor] | None = None  # a .bin's tensors, memory-mapped
+        try:
+            if path.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                with safe_open(str(path), framework="pt") as f:
+                    slices = {name: f.get_slice(name) for name in f.keys()}
+                    # safetensors names its dtypes F16, BF16, F32, F64, F8_*, I64, BOOL, ...
+                    self.header = {n: (tuple(s.get_shape()), s.get_dtype().startswith(("F", "BF"))) for n, s in slices.items()}
+            else:
+                self._lazy = _torch_load(path)
+                if not isinstance(self._lazy, dict) or not all(isinstance(t, torch.Tensor) for t in self._lazy.values()):
+                    raise CheckpointError(f"{path}: not a mapping of tensor names to tensors")
+                self.header = {n: (tuple(t.shape), t.is_floating_point()) for n, t in self._lazy.items()}
+        except CheckpointError:
+            raise
+        except Exception as e:  # the libraries raise many types for truncated or corrupt files
+            raise CheckpointError(f"{path}: cannot read weights ({_one_line(e)})") from None
+        for name in self.header:
+            if not isinstance(name, str):
+                raise CheckpointError(f"{path}: tensor name {name!r} is not a string")
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        if self._lazy is not None:
+            return self._lazy
+        try:
             from safetensors.torch import load_file
 
-            tensors = load_file(str(path))
-        else:
-            # weights_only: a .bin file is never allowed to run code while unpickling.
-            tensors = torch.load(str(path), map_location="cpu", weights_only=True)
-    except Exception as e:  # the libraries raise many types for truncated or corrupt files
-        raise CheckpointError(f"{path}: cannot read weights ({_one_line(e)})") from None
-    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
-        raise CheckpointError(f"{path}: not a mapping of tensor names to tensors")
-    return tensors
+            return load_file(str(self.path))
+        except Exception as e:
+            raise CheckpointError(f"{self.path}: cannot read weights ({_one_line(e)})") from None
+
+
+def _torch_load(path: Path):
+    # weights_only: a .bin file is never allowed to run code while unpickling. torch warns
+    # (three lines) before it refuses such a file; the refusal itself is the message.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:  # memory-mapped: the header is read now, each tensor's data when it is used
+            return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            return torch.load(str(path), map_location="cpu", weights_only=True)  # the legacy format
 
 
 def _one_line(e: Exception) -> str:
@@ -101,49 +163,67 @@ def _one_line(e: Exception) -> str:
     return f"{type(e).__name__}: {text[:200]}"
 
 
+_LAYER = re.compile(r"backbone\.layers\.(\d+)\.")
+
+
 def read_tensors(folder: Path, config: MambaConfig) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
-    """All tensors by HF name, checked against the config: (tensors, file each came from)."""
-    tensors: dict[str, torch.Tensor] = {}
+    """All tensors by HF name, checked against the config: (tensors, file each came from).
+
+    Names, shapes and dtypes are checked from the files' headers first, so a config that
+    implies absurd sizes costs no more than the files' headers do."""
+    opened = [_WeightsFile(path) for path in _weight_files(folder)]
+    header: dict[str, tuple[tuple[int, ...], bool]] = {}
     origin: dict[str, Path] = {}
-    for path in _weight_files(folder):
-        for name, t in _read_file(path).items():
+    source: dict[str, tuple[_WeightsFile, str]] = {}  # HF name -> (file, name in the file)
+    for f in opened:
+        for stored, entry in f.header.items():
             # The original format names the embedding in the singular.
-            if name == "backbone.embedding.weight":
-                name = "backbone.embeddings.weight"
-            if name in tensors:
-                raise CheckpointError(f"{path}: tensor '{name}' also appears in {origin[name]}")
-            tensors[name] = t
-            origin[name] = path
+            name = "backbone.embeddings.weight" if stored == "backbone.embedding.weight" else stored
+            if name in header:
+                raise CheckpointError(f"{f.path}: tensor '{name}' also appears in {origin[name]}")
+            header[name], origin[name], source[name] = entry, f.path, (f, stored)
     files = ", ".join(sorted({p.name for p in origin.values()})) or "weights"
     # Checkpoints saved from a tied model (the original format's torch.save of a state dict)
-    # may repeat the embedding as lm_head.weight: accept it only if it is the same tensor.
-    if config.tie_embeddings and "lm_head.weight" in tensors:
-        head, emb = tensors.pop("lm_head.weight"), tensors.get("backbone.embeddings.weight")
-        if emb is None or head.shape != emb.shape or not torch.equal(head, emb):
-            raise CheckpointError(
-                f"{origin['lm_head.weight']}: tensor 'lm_head.weight' differs from the embedding, "
-                "but the config ties them (tie_word_embeddings / tie_embeddings is true)"
-            )
+    # may repeat the embedding as lm_head.weight: accepted below if it is the same tensor.
+    repeated_head = config.tie_embeddings and "lm_head.weight" in header
+    # The layer count first: expected_shapes enumerates every layer, so it runs only once
+    # the files are known to hold them.
+    present = {int(m.group(1)) for n in header if (m := _LAYER.match(n))}
+    if config.n_layer > len(present):
+        first = next(i for i in range(config.n_layer) if i not in present)
+        raise CheckpointError(
+            f"{folder / files}: missing tensor 'backbone.layers.{first}.norm.weight': config.json says "
+            f"{config.n_layer} layers, the weights hold {len(present)}"
+        )
     expected = expected_shapes(config)
-    missing = [n for n in expected if n not in tensors]
+    missing = [n for n in expected if n not in header]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{folder / files}: missing tensor '{missing[0]}'{more}")
-    unexpected = sorted(n for n in tensors if n not in expected)
+    unexpected = sorted(n for n in header if n not in expected and not (repeated_head and n == "lm_head.weight"))
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise CheckpointError(
             f"{origin[unexpected[0]]}: unexpected tensor '{unexpected[0]}'{more} for the sizes in config.json"
         )
     for name, shape in expected.items():
-        t = tensors[name]
-        if tuple(t.shape) != shape:
+        if header[name][0] != shape:
             raise CheckpointError(
-                f"{origin[name]}: tensor '{name}' has shape {tuple(t.shape)}, config.json implies {shape}"
+                f"{origin[name]}: tensor '{name}' has shape {header[name][0]}, config.json implies {shape}"
             )
-        if not t.is_floating_point():
-            raise CheckpointError(f"{origin[name]}: tensor '{name}' has dtype {t.dtype}, expected floating point")
-        if not torch.isfinite(t).all():
+        if not header[name][1]:
+            raise CheckpointError(f"{origin[name]}: tensor '{name}' is not floating point")
+    data = {id(f): f.tensors() for f in opened}
+    tensors = {name: data[id(f)][stored] for name, (f, stored) in source.items()}
+    if repeated_head:
+        head, emb = tensors.pop("lm_head.weight"), tensors["backbone.embeddings.weight"]
+        if head.shape != emb.shape or not torch.equal(head, emb):
+            raise CheckpointError(
+                f"{origin['lm_head.weight']}: tensor 'lm_head.weight' differs from the embedding, "
+                "but the config ties them (tie_word_embeddings / tie_embeddings is true)"
+            )
+    for name in expected:
+        if not torch.isfinite(tensors[name]).all():
             raise CheckpointError(f"{origin[name]}: tensor '{name}' holds NaN or inf values")
     return tensors, origin
 
@@ -196,6 +276,6 @@ def load_checkpoint(path, device, dtype: torch.dtype) -> tuple[MambaConfig, Mamb
         raise CheckpointError(f"{folder}: no such checkpoint folder")
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: a checkpoint is a folder holding config.json and weights")
-    config = MambaConfig.from_file(folder / "config.json")
+    config = MambaConfig.from_file(inside(folder, "config.json"))
     tensors, origin = read_tensors(folder, config)
     return config, build_weights(config, tensors, origin, device, dtype)

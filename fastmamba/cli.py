@@ -1,27 +1,44 @@
-"""The `fastmamba` command."""
+"""The `fastmamba` command.
+
+Its promise: output on stdout, and any error as one line on stderr with exit code 2; Ctrl-C
+exits 130 and a closed or broken stdout 141 (as SIGPIPE would), both without a word. The
+heavy imports (PyTorch) happen inside `main`, so a Ctrl-C while they load is quiet too.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+EXIT_ERROR, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 2, 130, 141
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as the one line every other error is (`--help` stays full)."""
+
+    def error(self, message: str):
+        raise _UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+class _UsageError(Exception):
+    pass
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fastmamba",
-        description="Inference engine for Mamba state-space language models.",
-    )
     from . import __version__
 
+    parser = _Parser(prog="fastmamba", description="Inference engine for Mamba state-space language models.")
     parser.add_argument("--version", action="version", version=f"fastmamba {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     gen = commands.add_parser(
         "generate",
         help="continue a prompt, streaming the text to stdout",
         description="Continue PROMPT with a Mamba model, streaming the text to stdout as it is produced.",
     )
     gen.add_argument("prompt", metavar="PROMPT", help="the text to continue")
-    gen.add_argument("--model", metavar="DIR|ORG/NAME", help="checkpoint folder (HF or original format) or a HuggingFace hub id org/name; default: the bundled model")
+    gen.add_argument("--model", metavar="DIR|ORG/NAME",
+                     help="checkpoint folder (HF or original format) or a HuggingFace hub id; default: the bundled model")
     gen.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     gen.add_argument("--dtype", default="float32", help="storage of the weights: float32, bfloat16/bf16, float16/fp16")
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
@@ -30,49 +47,96 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
     gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability (0 = off)")
     gen.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style penalty (1.0 = off)")
-    gen.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
+    gen.add_argument("--seed", type=int, default=None, help="random seed for sampling, 0 to 2^32-1 (default: random)")
+    gen.add_argument("--threads", type=int, default=None,
+                     help="CPU threads for PyTorch (default: 1, which does not collapse beside a busy neighbour)")
     bench = commands.add_parser(
         "bench",
         help="time GPU decode at the public model shapes (random weights)",
         description="Time the GPU decode step at the public Mamba shapes with random weights: "
         "ms/token, tokens/s and the fraction of the memory floor.",
     )
-    from .bench import add_arguments
-
-    add_arguments(bench)
+    add_bench_arguments(bench)
     return parser
 
 
+def add_bench_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--models", default="130m,370m,1.4b,2.8b", help="comma-separated public shapes")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--batches", default="1,32,128")
+    ap.add_argument("--hf", action="store_true", help="also time transformers' MambaForCausalLM (batch 1)")
+    ap.add_argument("--deterministic", action="store_true", help="the batch-invariant step (load(deterministic=True))")
+    ap.add_argument("--json", help="write the results here")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
     try:
+        parser = _parser()
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return EXIT_ERROR
         if args.command == "bench":
             from .bench import main_from_args
 
             return main_from_args(args)
         return _generate(args)
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return _stdout_gone()
+    except _UsageError as e:
+        return _fail(str(e))
     except (ValueError, TypeError, OSError, RuntimeError) as e:
-        # One short line naming the culprit; the library's messages already do.
-        print(f"fastmamba: error: {_one_line(str(e))}", file=sys.stderr)
-        return 2
+        return _fail(str(e))  # the library's messages already name the culprit
     except Exception as e:  # anything unforeseen still ends as one line, not a traceback
-        print(f"fastmamba: error: {type(e).__name__}: {_one_line(str(e))}", file=sys.stderr)
-        return 2
+        return _fail(f"{type(e).__name__}: {e}")
 
 
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
+def _fail(message: str) -> int:
+    if sys.stderr is not None:
+        print(f"fastmamba: error: {' '.join(message.split())}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+def _stdout_gone() -> int:
+    """The reader of stdout went away: end quietly, and keep Python's exit-time flush of
+    stdout from raising again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, AttributeError, ValueError):
+        pass
+    return EXIT_BROKEN_PIPE
+
+
+def _prompt_text(prompt: str) -> str:
+    """The prompt as text; bytes that are not UTF-8 reach argv as lone surrogates."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raw = os.fsencode(prompt)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"PROMPT is not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start})") from None
+        raise ValueError("PROMPT holds characters that are not valid text (lone surrogates)") from None
+    return prompt
 
 
 def _generate(args) -> int:
+    if sys.stdout is None:  # started with stdout closed: nowhere to write the text
+        return EXIT_BROKEN_PIPE
+    if args.model is not None and not args.model.strip():
+        raise ValueError("--model is empty: give a checkpoint folder or a hub id org/name")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    prompt = _prompt_text(args.prompt)
+
+    import torch
+
     import fastmamba
 
+    torch.set_num_threads(args.threads or 1)
     params = fastmamba.SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -85,11 +149,14 @@ def _generate(args) -> int:
     if args.model is None and not (fastmamba.default_model_dir() / "config.json").exists():
         raise ValueError("no bundled model in this install: pass --model DIR")
     lm = fastmamba.load(args.model, device=args.device, dtype=args.dtype)
+    if lm.tokenizer is None:
+        raise ValueError(f"the model in {lm.path} has no tokenizer.json: give --model a folder with one")
     out = sys.stdout
-    for piece in lm.stream(args.prompt, params):
+    for piece in lm.stream(prompt, params):
         out.write(piece.text or "")
         out.flush()
     out.write("\n")
+    out.flush()
     return 0
 
 

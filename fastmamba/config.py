@@ -36,12 +36,18 @@ class MambaConfig:
     def from_dict(cls, raw: dict, source: str = "config.json") -> "MambaConfig":
         """Builds a config from an HF (`hidden_size`, ...) or original (`d_model`, ...) dict."""
         if "hidden_size" in raw:
-            return _from_hf(raw, source)
-        if "d_model" in raw:
-            return _from_original(raw, source)
-        raise CheckpointError(
-            f"{source}: neither 'hidden_size' (HF format) nor 'd_model' (original format) is present"
-        )
+            config = _from_hf(raw, source)
+        elif "d_model" in raw:
+            config = _from_original(raw, source)
+        else:
+            raise CheckpointError(
+                f"{source}: neither 'hidden_size' (HF format) nor 'd_model' (original format) is present"
+            )
+        if config.eos_token_id >= config.vocab_size:
+            raise CheckpointError(
+                f"{source}: key 'eos_token_id' is {config.eos_token_id}, outside the vocabulary [0, {config.vocab_size})"
+            )
+        return config
 
     @classmethod
     def from_file(cls, path: Path) -> "MambaConfig":
@@ -49,8 +55,10 @@ class MambaConfig:
             raw = json.loads(Path(path).read_text())
         except FileNotFoundError:
             raise CheckpointError(f"{path}: config.json not found") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise CheckpointError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
+        except OSError as e:  # a folder of that name, a symlink loop, no permission
+            raise CheckpointError(f"{path}: cannot read config.json ({type(e).__name__}: {e.strerror or e})") from None
         if not isinstance(raw, dict):
             raise CheckpointError(f"{path}: expected a JSON object")
         return cls.from_dict(raw, str(path))
@@ -89,11 +97,11 @@ def _get(raw: dict, key: str, kind, source: str, default=None):
     if kind is int:
         ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
     elif kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
     else:
         ok = isinstance(value, kind)
     if not ok:
-        expected = {int: "a positive integer", float: "a positive number", bool: "true or false"}
+        expected = {int: "a positive integer", float: "a positive finite number", bool: "true or false"}
         raise CheckpointError(f"{source}: key '{key}' must be {expected.get(kind, kind.__name__)}, got {value!r}")
     return value
 

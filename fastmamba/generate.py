@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -109,9 +110,13 @@ class LanguageModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Float32 logits (B, T, V) of whole sequences (V may include padding columns)."""
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+        """Float32 logits (B, T, V) of whole sequences (V may include padding columns).
+
+        input_ids: an integer tensor (B, T) with B, T >= 1; anything else is a ValueError."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or not _is_integer(input_ids.dtype):
             raise ValueError("input_ids must be an integer tensor of shape (batch, time)")
+        if input_ids.numel() == 0:
+            raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: give at least one row of one token")
         self._check_ids(input_ids.flatten().tolist(), "input_ids")
         return self.model.forward(input_ids.to(self.device, torch.int64))
 
@@ -137,13 +142,16 @@ class LanguageModel:
         self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[Generation]:
         """Generates for several prompts together; each result is what `generate` gives alone."""
-        if isinstance(prompts, (str, bytes)) or not len(prompts):
-            raise ValueError("prompts must be a non-empty list of prompts")
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        params = list(params)
-        if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
-            raise ValueError(f"params must be one SamplingParams or a list of {len(prompts)} of them")
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError(f"prompts must be a non-empty list of prompts, got {_describe(prompts)}")
+        if params is None or isinstance(params, (SamplingParams, dict)):
+            params = [SamplingParams.from_kwargs(params, {})] * len(prompts)
+        elif isinstance(params, (list, tuple)) and len(params) == len(prompts):
+            params = [SamplingParams.from_kwargs(p, {}) if isinstance(p, dict) else p for p in params]
+        if not isinstance(params, list) or len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError(f"params must be one SamplingParams (or dict) or a list of {len(prompts)} of them")
+        for p in params:
+            self._check_ids(p.stop_token_ids or [], "SamplingParams.stop_token_ids")
         all_ids = [self.encode(p) for p in prompts]
         decoders = [IncrementalDecoder(self.tokenizer) if self.tokenizer else None for _ in prompts]
         texts = [[] for _ in prompts]
@@ -170,29 +178,39 @@ class LanguageModel:
     # -- internals -------------------------------------------------------------------------
 
     def encode(self, prompt) -> list[int]:
-        """Token ids of a prompt given as text or as token ids."""
+        """Token ids of a prompt: a str, or token ids (a list or tuple of ints, a 1-D integer
+        tensor or numpy array). Anything else is a ValueError naming the problem."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 where = f" in {self.path}" if self.path else ""
                 raise ValueError(f"this model has no tokenizer.json{where}: pass the prompt as a list of token ids")
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, torch.Tensor):
-            ids = prompt.flatten().tolist()
-        else:
             try:
-                ids = list(prompt)
-            except TypeError:
-                raise ValueError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}") from None
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"the prompt is not valid text: a lone surrogate at character {e.start}") from None
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+        elif hasattr(prompt, "dtype") and hasattr(prompt, "tolist"):  # a torch tensor or numpy array
+            kind = getattr(prompt, "ndim", None)
+            if kind != 1 or not _is_integer(prompt.dtype):
+                raise ValueError(f"a prompt of token ids must be 1-D integers, got {_describe(prompt)}")
+            ids = prompt.tolist()
+        else:
+            hint = " (decode bytes to str first)" if isinstance(prompt, (bytes, bytearray)) else ""
+            raise ValueError(f"a prompt is a str or a list of token ids, got {_describe(prompt)}{hint}")
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
         self._check_ids(ids, "prompt")
-        return ids
+        return [int(t) for t in ids]
 
-    def _check_ids(self, ids: list, what: str) -> None:
+    def _check_ids(self, ids, what: str) -> None:
         V = self.config.vocab_size
         for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V:
-                raise ValueError(f"{what} holds token id {t!r}, outside the vocabulary [0, {V})")
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise ValueError(f"{what} holds {t!r} ({type(t).__name__}), not an integer token id")
+            if not 0 <= t < V:
+                raise ValueError(f"{what} holds token id {int(t)}, outside the vocabulary [0, {V})")
 
     @torch.inference_mode()
     def _decode(self, all_ids: list[list[int]], params: list[SamplingParams]):
@@ -234,3 +252,17 @@ class LanguageModel:
                 block = ahead or HostTokens(decoder.next())
         finally:
             decoder.busy = False
+
+
+def _is_integer(dtype) -> bool:
+    """True for the integer dtypes of torch and numpy (not bool, float or complex)."""
+    if isinstance(dtype, torch.dtype):
+        return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+    return getattr(dtype, "kind", None) in ("i", "u")
+
+
+def _describe(value) -> str:
+    shape = getattr(value, "shape", None)
+    if shape is not None and hasattr(value, "dtype"):
+        return f"{type(value).__name__} of shape {tuple(shape)} and dtype {value.dtype}"
+    return f"{type(value).__name__} {value!r}"[:120]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 MASK32 = 0xFFFFFFFF
+FLOAT32_MAX = 3.4028234663852886e38  # the sampler computes in float32: larger values cannot be held
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0 = off
     min_p: float = 0.0  # 0 = off
     repetition_penalty: float = 1.0  # 1.0 = off; HF semantics, over prompt and generated tokens
-    seed: int | None = None  # None = a fresh random seed per request
+    seed: int | None = None  # 0 <= seed < 2**32 (a slot's random stream is 32-bit); None = a fresh random seed
     stop_token_ids: tuple[int, ...] | None = None  # None = the model's eos; () = none
 
     def __post_init__(self):
@@ -35,13 +36,13 @@ class SamplingParams:
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)
 
-        def is_num(v):
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+        def is_num(v):  # finite, and within float32's range, which the sampler computes in
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= FLOAT32_MAX
 
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
         if not is_num(self.temperature) or not 0 <= self.temperature < float("inf"):
-            bad("temperature", "must be a finite number >= 0")
+            bad("temperature", "must be a number >= 0 within float32's range")
         if not is_int(self.top_k) or self.top_k < 0:
             bad("top_k", "must be an integer >= 0")
         if not is_num(self.top_p) or not 0 < self.top_p <= 1:
@@ -49,9 +50,9 @@ class SamplingParams:
         if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
         if not is_num(self.repetition_penalty) or not 0 < self.repetition_penalty < float("inf"):
-            bad("repetition_penalty", "must be a finite number > 0")
-        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
-            bad("seed", "must be None or an integer >= 0")
+            bad("repetition_penalty", "must be a number > 0 within float32's range")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MASK32):
+            bad("seed", "must be None or an integer from 0 to 2**32 - 1")
         if self.stop_token_ids is not None:
             try:
                 ids = tuple(self.stop_token_ids)
@@ -62,8 +63,13 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", ids)
 
     @classmethod
-    def from_kwargs(cls, params: "SamplingParams | None", kwargs: dict) -> "SamplingParams":
-        """`params` with any keyword overrides; an unknown keyword is a TypeError naming it."""
+    def from_kwargs(cls, params: "SamplingParams | dict | None", kwargs: dict) -> "SamplingParams":
+        """`params` (a SamplingParams, a dict of its fields, or None) with any keyword
+        overrides; an unknown field is a TypeError naming it."""
+        if isinstance(params, dict):
+            params, kwargs = None, {**params, **kwargs}
+        elif params is not None and not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, a dict of its fields or None, got {type(params).__name__}")
         names = {f.name for f in fields(cls)}
         for key in kwargs:
             if key not in names:
@@ -73,7 +79,7 @@ class SamplingParams:
 
 def resolve_seed(seed: int | None) -> int:
     """The 32-bit seed a slot's random stream starts from; None draws a fresh one."""
-    return secrets.randbits(32) if seed is None else seed & MASK32
+    return secrets.randbits(32) if seed is None else seed
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:

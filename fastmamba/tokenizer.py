@@ -25,7 +25,7 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self._tok.get_vocab_size()
+        return self._tok.get_vocab_size(with_added_tokens=True)
 
 
 class IncrementalDecoder:

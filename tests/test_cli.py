@@ -67,3 +67,57 @@ def test_help_lists_the_options():
     for flag in ["--model", "--device", "--dtype", "--max-tokens", "--temperature", "--top-k", "--top-p",
                  "--min-p", "--repetition-penalty", "--seed"]:
         assert flag in r.stdout
+
+
+# -- the one-line promise under odd conditions ----------------------------------------------
+
+
+def test_argparse_errors_are_one_line():
+    assert_one_line_error(run("generate"), "PROMPT")
+    assert_one_line_error(run("generate", "--no-such-flag", "hi"), "--no-such-flag")
+    assert_one_line_error(run("nonsense"), "nonsense")
+
+
+def test_an_empty_model_flag():
+    assert_one_line_error(run("generate", "--model", "", "hi"), "--model")
+
+
+def test_a_model_without_tokenizer_speaks_cli(checkpoints):
+    assert_one_line_error(run("generate", "--model", str(checkpoints["odd_vocab_tied"]), "hi"), "tokenizer.json", "--model")
+
+
+def test_a_prompt_that_is_not_utf8(text_checkpoint):
+    r = subprocess.run([sys.executable, "-m", "fastmamba.cli", "generate", "--model", str(text_checkpoint),
+                        b"To be \xff"], capture_output=True, timeout=120)
+    assert r.returncode == 2 and b"Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and b"UTF-8" in r.stderr and b"0xff" in r.stderr
+
+
+def test_a_broken_pipe_exits_quietly(text_checkpoint):
+    cmd = f"{sys.executable} -m fastmamba.cli generate --model {text_checkpoint} --max-tokens 400 'To be' | head -c 10"
+    r = subprocess.run(["bash", "-c", f"set -o pipefail; {cmd}"], capture_output=True, text=True, timeout=120)
+    assert len(r.stdout) <= 10 and r.stderr == "" and r.returncode == 141
+
+
+def test_a_closed_stdout_exits_quietly(text_checkpoint):
+    cmd = f"{sys.executable} -m fastmamba.cli generate --model {text_checkpoint} --max-tokens 4 'To be' >&-"
+    r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
+    assert r.stderr == "" and r.returncode == 141
+
+
+def test_ctrl_c_while_importing_is_quiet(text_checkpoint):
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "fastmamba.cli", "generate", "--model", str(text_checkpoint), "hi"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # inside the imports of torch, long before the first token
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and err == "", err
+
+
+def test_threads_flag(text_checkpoint):
+    r = run("generate", "--model", str(text_checkpoint), "--threads", "2", "--max-tokens", "4", "To be")
+    assert r.returncode == 0 and r.stdout == fastmamba.load(text_checkpoint).generate("To be", max_tokens=4).text + "\n"
+    assert_one_line_error(run("generate", "--threads", "0", "hi"), "--threads")

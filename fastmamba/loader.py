@@ -1,0 +1,81 @@
+"""`fastmamba.load`: a checkpoint folder or hub id to a LanguageModel on a device and engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .checkpoint import inside, load_checkpoint, parse_dtype
+from .errors import CheckpointError
+from .generate import LanguageModel
+from .hub import is_hub_id, resolve as resolve_hub_id
+from .kernels._triton import HAVE_TRITON
+from .model import REFERENCE_OPS, Mamba, triton_ops
+from .tokenizer import Tokenizer
+
+
+def default_model_dir() -> Path:
+    """The folder of the small model that ships inside the package."""
+    return Path(__file__).parent / "default_model"
+
+
+def checkpoint_folder(path) -> Path:
+    """The folder `load` reads for `path`: the bundled model, a folder, or a hub id's snapshot."""
+    if path is None:
+        return default_model_dir()
+    if isinstance(path, str) and not path.strip():
+        raise ValueError("the model path is empty: give a checkpoint folder or a hub id org/name")
+    if is_hub_id(path):
+        return resolve_hub_id(path)
+    return Path(path)
+
+
+def load(
+    path=None, *, device="cpu", dtype="float32", engine: str | None = None, deterministic: bool = False
+) -> LanguageModel:
+    """Loads a Mamba checkpoint folder (HF or original state-spaces format).
+
+    path: a checkpoint folder, or a HuggingFace hub id `org/name` (the local HF cache is
+    read first, then the hub; HF_HOME and HF_HUB_OFFLINE apply); a folder of that name
+    wins when it exists. None loads the bundled default model.
+    device: "cpu" or "cuda" (or a torch.device).
+    dtype: storage of the large matrices, "float32", "bfloat16" or "float16" (or a torch
+    dtype); accumulation, states, norms and logits are float32 whatever it is.
+    engine: "triton" (GPU kernels and CUDA graphs, the default on CUDA) or "reference"
+    (the pure-PyTorch path, the default and only choice on the CPU).
+    deterministic: on the GPU, make a slot's logits bitwise the same whatever the batch
+    size (the decode step's products then sum each output in one fixed order at every batch
+    size, and a batch's prompts prefill one at a time; see benchmarks/RESULTS.md for the
+    cost). Without it this holds among the batch sizes whose decode step avoids cuBLAS,
+    within each of their two ranges: the small batches of the one-row kernels
+    (decode_step.one_row_up_to) and those above them up to where in_proj goes to cuBLAS
+    (decode_step.cublas_in_proj: above 32 rows; with float32 weights on 1.4b and 2.8b,
+    only from 7 to 16 rows).
+    Raises CheckpointError (a ValueError) naming the file and tensor or key on bad input.
+    """
+    storage = parse_dtype(dtype)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but PyTorch sees no CUDA GPU here")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if engine is None:
+        engine = "triton" if dev.type == "cuda" and HAVE_TRITON else "reference"
+    if engine not in ("triton", "reference") or (engine == "triton" and (dev.type != "cuda" or not HAVE_TRITON)):
+        raise ValueError(f"engine must be 'reference', or 'triton' on a CUDA device with Triton installed; got {engine!r}")
+    folder = checkpoint_folder(path)
+    config, weights = load_checkpoint(folder, dev, storage)
+    tokenizer = None
+    if (folder / "tokenizer.json").exists():
+        tokenizer = Tokenizer(inside(folder, "tokenizer.json"))
+        if tokenizer.vocab_size > config.vocab_size:
+            raise CheckpointError(
+                f"{tokenizer.path}: the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
+                f"{config.vocab_size} (vocab_size in config.json)"
+            )
+    model = Mamba(config, weights, triton_ops() if engine == "triton" else REFERENCE_OPS)
+    return LanguageModel(model, tokenizer, folder, engine=engine, deterministic=deterministic)

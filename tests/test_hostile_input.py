@@ -1,0 +1,186 @@
+"""Hostile and odd input: every case ends in one clear error naming the culprit."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import fastmamba
+from test_loader import edit_config, load_error
+
+
+@pytest.fixture()
+def ckpt(tmp_path, text_checkpoint):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(text_checkpoint, dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def lm(text_checkpoint):
+    return fastmamba.load(text_checkpoint)
+
+
+# -- the loader ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layers", [10_000_000, 10**9])
+def test_a_huge_layer_count_fails_at_once(ckpt, layers):
+    edit_config(ckpt, lambda c: c.update(num_hidden_layers=layers))
+    t0 = time.perf_counter()
+    load_error(ckpt, "model.safetensors", "missing tensor 'backbone.layers.2.norm.weight'", f"{layers} layers")
+    assert time.perf_counter() - t0 < 5
+
+
+def test_huge_sizes_fail_against_the_header(ckpt):
+    edit_config(ckpt, lambda c: c.update(hidden_size=10**12, vocab_size=10**12))
+    load_error(ckpt, "model.safetensors", "config.json implies")
+
+
+def sharded(folder, weight_map):
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "sub/../../x.safetensors"])
+def test_a_shard_outside_the_folder_is_refused(ckpt, shard):
+    shutil.copy(ckpt / "model.safetensors", ckpt.parent / "outside.safetensors")
+    sharded(ckpt, {"backbone.norm_f.weight": shard})
+    load_error(ckpt, shard, "outside the checkpoint folder")
+
+
+def test_a_symlink_out_of_the_folder_is_refused(ckpt):
+    outside = ckpt.parent / "elsewhere.safetensors"
+    (ckpt / "model.safetensors").rename(outside)
+    (ckpt / "model.safetensors").symlink_to(outside)
+    load_error(ckpt, "model.safetensors", "outside the checkpoint folder")
+
+
+def test_a_symlink_inside_the_folder_loads(ckpt):
+    (ckpt / "model.safetensors").rename(ckpt / "weights.data")
+    (ckpt / "model.safetensors").symlink_to("weights.data")
+    assert fastmamba.load(ckpt).config.n_layer == 2
+
+
+def test_a_weight_map_value_that_is_not_a_string(ckpt):
+    sharded(ckpt, {"backbone.norm_f.weight": 7})
+    load_error(ckpt, "model.safetensors.index.json", "weight_map['backbone.norm_f.weight']", "7")
+
+
+def test_config_that_is_a_folder_or_a_symlink_loop(ckpt):
+    (ckpt / "config.json").unlink()
+    (ckpt / "config.json").mkdir()
+    load_error(ckpt, "config.json")
+    (ckpt / "config.json").rmdir()
+    (ckpt / "config.json").symlink_to("config.json")
+    load_error(ckpt, "config.json")
+
+
+def test_pickled_code_is_refused_without_a_warning(ckpt, recwarn):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    (ckpt / "model.safetensors").unlink()
+    torch.save({"x": Evil()}, ckpt / "pytorch_model.bin")
+    load_error(ckpt, "pytorch_model.bin", "never unpickled")
+    assert not [w for w in recwarn if "weights_only" in str(w.message)]
+
+
+def test_eos_outside_the_vocabulary(ckpt):
+    edit_config(ckpt, lambda c: c.update(eos_token_id=10**6))
+    load_error(ckpt, "config.json", "eos_token_id", "outside the vocabulary")
+
+
+def test_a_tokenizer_larger_than_the_model(ckpt):
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    V = tensors["backbone.embeddings.weight"].shape[0]
+    tensors["backbone.embeddings.weight"] = tensors["backbone.embeddings.weight"][: V - 10].clone()
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    edit_config(ckpt, lambda c: c.update(vocab_size=V - 10))
+    load_error(ckpt, "tokenizer.json", f"{V} tokens", f"model's {V - 10}")
+
+
+def test_non_finite_config_number(ckpt):
+    (ckpt / "config.json").write_text((ckpt / "config.json").read_text().replace('"layer_norm_epsilon": 1e-05', '"layer_norm_epsilon": Infinity'))
+    load_error(ckpt, "config.json", "layer_norm_epsilon")
+
+
+def test_an_empty_model_path():
+    with pytest.raises(ValueError, match="empty"):
+        fastmamba.load("")
+
+
+# -- prompts and ids -------------------------------------------------------------------------
+
+
+def test_numpy_and_tensor_ids_are_token_ids(lm):
+    ids = lm.encode("To be")
+    expected = lm.generate(ids, max_tokens=4).token_ids
+    assert lm.generate(np.array(ids, dtype=np.int64), max_tokens=4).token_ids == expected
+    assert lm.generate(np.array(ids, dtype=np.uint16), max_tokens=4).token_ids == expected
+    assert lm.generate(torch.tensor(ids), max_tokens=4).token_ids == expected
+    assert lm.generate([np.int64(i) for i in ids], max_tokens=4).token_ids == expected
+
+
+@pytest.mark.parametrize(
+    "prompt, fragment",
+    [
+        (b"To be", "bytes"),
+        (1.5, "float"),
+        ([1, 2.5], "not an integer token id"),
+        (torch.tensor([[1, 2]]), "1-D"),
+        (torch.tensor([1.0, 2.0]), "1-D integers"),
+        (np.array([1.0]), "1-D integers"),
+        ("To be \udcff", "lone surrogate"),
+        ([], "empty"),
+        ([10**6], "outside the vocabulary"),
+    ],
+)
+def test_bad_prompts(lm, prompt, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        lm.generate(prompt, max_tokens=2)
+
+
+@pytest.mark.parametrize("shape", [(1, 0), (0, 3)])
+def test_forward_of_nothing(lm, shape):
+    with pytest.raises(ValueError, match="at least one"):
+        lm.forward(torch.zeros(shape, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("field, value", [("temperature", 1e39), ("repetition_penalty", 1e39), ("temperature", float("nan"))])
+def test_values_beyond_float32(field, value):
+    with pytest.raises(ValueError, match=field):
+        fastmamba.SamplingParams(**{field: value})
+
+
+def test_params_as_a_dict(lm):
+    assert lm.generate("To be", {"max_tokens": 2}).token_ids == lm.generate("To be", max_tokens=2).token_ids
+    with pytest.raises(TypeError, match="max_tokns"):
+        lm.generate("To be", {"max_tokns": 2})
+    with pytest.raises(TypeError, match="params must be"):
+        lm.generate("To be", 5)
+
+
+def test_generate_batch_of_nothing(lm):
+    for bad in (None, [], "a"):
+        with pytest.raises(ValueError, match="prompts must be a non-empty list"):
+            lm.generate_batch(bad)
+
+
+def test_stop_ids_outside_the_vocabulary(lm):
+    with pytest.raises(ValueError, match="stop_token_ids.*outside the vocabulary"):
+        lm.generate("To be", max_tokens=2, stop_token_ids=[10**6])
+
+
+@pytest.mark.parametrize("seed", [2**32, -1])
+def test_seed_range(seed):
+    with pytest.raises(ValueError, match="seed"):
+        fastmamba.SamplingParams(seed=seed)
+    assert fastmamba.SamplingParams(seed=2**32 - 1).seed == 2**32 - 1
