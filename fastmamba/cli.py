@@ -132,11 +132,8 @@ def _generate(args) -> int:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
     prompt = _prompt_text(args.prompt)
 
-    import torch
-
     import fastmamba
 
-    torch.set_num_threads(args.threads or 1)
     params = fastmamba.SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -148,7 +145,7 @@ def _generate(args) -> int:
     )
     if args.model is None and not (fastmamba.default_model_dir() / "config.json").exists():
         raise ValueError("no bundled model in this install: pass --model DIR")
-    lm = fastmamba.load(args.model, device=args.device, dtype=args.dtype)
+    lm = fastmamba.load(args.model, device=args.device, dtype=args.dtype, threads=args.threads)
     if lm.tokenizer is None:
         raise ValueError(f"the model in {lm.path} has no tokenizer.json: give --model a folder with one")
     out = sys.stdout

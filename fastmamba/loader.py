@@ -32,7 +32,13 @@ def checkpoint_folder(path) -> Path:
 
 
 def load(
-    path=None, *, device="cpu", dtype="float32", engine: str | None = None, deterministic: bool = False
+    path=None,
+    *,
+    device="cpu",
+    dtype="float32",
+    engine: str | None = None,
+    deterministic: bool = False,
+    threads: int | None = None,
 ) -> LanguageModel:
     """Loads a Mamba checkpoint folder (HF or original state-spaces format).
 
@@ -52,8 +58,13 @@ def load(
     (decode_step.one_row_up_to) and those above them up to where in_proj goes to cuBLAS
     (decode_step.cublas_in_proj: above 32 rows; with float32 weights on 1.4b and 2.8b,
     only from 7 to 16 rows).
+    threads: PyTorch's CPU threads while the model computes on the CPU (restored after each
+    call): None means 1, which does not collapse when another process holds a core; 0
+    leaves PyTorch's own setting.
     Raises CheckpointError (a ValueError) naming the file and tensor or key on bad input.
     """
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 0):
+        raise ValueError(f"threads must be None or an integer >= 0, got {threads!r}")
     storage = parse_dtype(dtype)
     try:
         dev = torch.device(device)
@@ -78,4 +89,4 @@ def load(
                 f"{config.vocab_size} (vocab_size in config.json)"
             )
     model = Mamba(config, weights, triton_ops() if engine == "triton" else REFERENCE_OPS)
-    return LanguageModel(model, tokenizer, folder, engine=engine, deterministic=deterministic)
+    return LanguageModel(model, tokenizer, folder, engine=engine, deterministic=deterministic, threads=threads)
