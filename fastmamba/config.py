@@ -24,6 +24,9 @@ class MambaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     eos_token_id: int = 0
+    # Falcon-Mamba: after x_proj, dt_r, B and C are each RMS-normalised over their last
+    # dimension, with no weight, with this eps; None: plain Mamba, no such norm.
+    dbc_norm_eps: float | None = None
 
     def __post_init__(self):
         # Derived sizes are resolved here so every reader sees plain numbers.
@@ -64,10 +67,13 @@ class MambaConfig:
         return cls.from_dict(raw, str(path))
 
     def to_hf_dict(self) -> dict:
-        """The HF `MambaConfig` keys for this config (used when writing a checkpoint)."""
+        """The HF `MambaConfig` (or `FalconMambaConfig`) keys for this config (used when
+        writing a checkpoint)."""
+        falcon = {"mixer_rms_eps": self.dbc_norm_eps} if self.dbc_norm_eps is not None else {}
         return {
-            "architectures": ["MambaForCausalLM"],
-            "model_type": "mamba",
+            "architectures": ["FalconMambaForCausalLM" if falcon else "MambaForCausalLM"],
+            "model_type": "falcon_mamba" if falcon else "mamba",
+            **falcon,
             "hidden_size": self.d_model,
             "num_hidden_layers": self.n_layer,
             "vocab_size": self.vocab_size,
@@ -114,9 +120,17 @@ def _dt_rank(value, key: str, source: str) -> int:
     raise CheckpointError(f"{source}: key '{key}' must be \"auto\" or a positive integer, got {value!r}")
 
 
+_MODEL_TYPES = ("mamba", "falcon_mamba")
+
+
 def _from_hf(raw: dict, source: str) -> MambaConfig:
-    if raw.get("model_type", "mamba") != "mamba":
-        raise CheckpointError(f"{source}: model_type is {raw['model_type']!r}, only 'mamba' (Mamba-1) is supported")
+    model_type = raw.get("model_type", "mamba")
+    if model_type not in _MODEL_TYPES:
+        raise CheckpointError(
+            f"{source}: model_type is {model_type!r}; supported: 'mamba' (Mamba-1) and 'falcon_mamba' "
+            "(Mamba-2, 'mamba2', and hybrids such as Jamba or Zamba are not)"
+        )
+    falcon = model_type == "falcon_mamba"
     d_model = _get(raw, "hidden_size", int, source)
     expand = _get(raw, "expand", int, source, 2)
     return MambaConfig(
@@ -132,6 +146,7 @@ def _from_hf(raw: dict, source: str) -> MambaConfig:
         norm_eps=_get(raw, "layer_norm_epsilon", float, source, 1e-5),
         tie_embeddings=_get(raw, "tie_word_embeddings", bool, source, True),
         eos_token_id=_eos(raw, source),
+        dbc_norm_eps=_get(raw, "mixer_rms_eps", float, source, 1e-6) if falcon else None,
     )
 
 

@@ -100,6 +100,13 @@ def linear_storage(
     return (y if bias is None else y + bias).to(out_dtype)
 
 
+def rms_unweighted(t: torch.Tensor, eps: float) -> torch.Tensor:
+    """t / rms(t) over the last dimension, in float32: Falcon-Mamba's norm of x_proj's
+    dt_r, B and C (it has no weight)."""
+    t = t.float()
+    return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def in_proj_dtype(weight_dtype: torch.dtype) -> torch.dtype:
     """The dtype of in_proj's output (x before the conv, z before the gate) on the GPU path.
     bfloat16 for bfloat16 weights: it has float32's range, so nothing overflows, and what
@@ -149,6 +156,8 @@ def mixer(
     # operand, and the scan's input
     x = ops.conv(x, lw.conv_w, lw.conv_b, conv_state, start, lw.x_proj_w.dtype)  # (B, E, T)
     dt_r, Bm, Cm = ops.linear(x.transpose(1, 2), lw.x_proj_w).split([R, N, N], dim=-1)  # (B, T, R|N|N)
+    if config.dbc_norm_eps is not None:  # Falcon-Mamba
+        dt_r, Bm, Cm = (rms_unweighted(t, config.dbc_norm_eps) for t in (dt_r, Bm, Cm))
     y = ops.scan(
         x, dt_r, lw.dt_proj_w, lw.dt_bias, lw.A, Bm.transpose(1, 2), Cm.transpose(1, 2), lw.D, z, ssm_state, start,
         out_dtype=lw.out_proj_w.dtype,  # y as out_proj reads it (GPU path; the reference keeps f32)

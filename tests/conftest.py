@@ -171,9 +171,14 @@ HF_CONFIGS = {
 }
 
 
-def save_hf_checkpoint(folder: Path, seed: int = 0, tokenizer: bool = False, **overrides) -> Path:
-    """A random HF MambaForCausalLM at tiny sizes, saved with save_pretrained."""
-    from transformers import MambaConfig, MambaForCausalLM
+def save_hf_checkpoint(folder: Path, seed: int = 0, tokenizer: bool = False, falcon: bool = False, **overrides) -> Path:
+    """A random HF MambaForCausalLM (FalconMambaForCausalLM with `falcon`) at tiny sizes,
+    saved with save_pretrained."""
+    if falcon:
+        from transformers import FalconMambaConfig as MambaConfig
+        from transformers import FalconMambaForCausalLM as MambaForCausalLM
+    else:
+        from transformers import MambaConfig, MambaForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
     args = dict(hidden_size=16, num_hidden_layers=2, state_size=16, vocab_size=101)
@@ -229,6 +234,25 @@ def save_original_checkpoint(folder: Path, vocab: int = 98, multiple: int = 8, s
     )
     (out / "config.json").write_text(json.dumps(cfg))
     return out, hf_dir
+
+
+FALCON_CONFIGS = {
+    # Falcon-Mamba: x_proj's dt_r, B and C RMS-normalised (eps mixer_rms_eps)
+    "falcon_tied": dict(vocab_size=101, mixer_rms_eps=1e-6),
+    "falcon_untied_rank": dict(
+        vocab_size=97, tie_word_embeddings=False, time_step_rank=5, use_bias=True, mixer_rms_eps=1e-5
+    ),
+    "falcon_wide_state8": dict(vocab_size=64, hidden_size=24, state_size=8, conv_kernel=3, mixer_rms_eps=1e-5),
+}
+
+
+@pytest.fixture(scope="session")
+def falcon_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("falcon")
+    return {
+        name: save_hf_checkpoint(root / name, seed=20 + i, falcon=True, **cfg)
+        for i, (name, cfg) in enumerate(FALCON_CONFIGS.items())
+    }
 
 
 @pytest.fixture(scope="session")

@@ -168,9 +168,11 @@ def main() -> None:
         t = ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", wx_ptr=wdt, dbc_ptr="*i64")
         BN = ds.DecodeStep.CONV_BLOCK
         compile_kernel(ds._conv_x_proj_kernel, t, dict(K=4, KP=4, HAS_CB=True, BN=BN, BJ=256, PDL=True), num_warps=ds.DecodeStep.conv_warps(BN))
-        t = ptrs("xc_ptr", "xz_ptr", "ss_ptr", "dtb_ptr", "A_ptr", "D_ptr", "y_ptr", "h_ptr", dtw_ptr=wdt, dbc_ptr="*i64", dh_ptr="*i64")
+        t = ptrs("xc_ptr", "xz_ptr", "ss_ptr", "dtb_ptr", "A_ptr", "D_ptr", "y_ptr", "h_ptr", dtw_ptr=wdt, dbc_ptr="*i64", dh_ptr="*i64",
+                 eps="fp32")
         BE, warps = ds.DecodeStep.ssm_blocks(2560)
-        compile_kernel(ds._ssm_step_kernel, t, dict(N=16, NP=16, BJ=256, BR=256, BE=BE, BD=4, PDL=True), num_warps=warps)
+        for norm in (False, True):  # plain Mamba, Falcon-Mamba
+            compile_kernel(ds._ssm_step_kernel, t, dict(N=16, NP=16, BJ=256, BR=256, BE=BE, BD=4, DBC_NORM=norm, PDL=True), num_warps=warps)
         t = {"best_ptr": "*i64", "tok_ptr": "*i64", "hist_ptr": "*i64", "step_ptr": "*i64", "seen_ptr": "*i1"}
         compile_kernel(ds._take_argmax_kernel, t, dict(BR=8, PDL=True))
         t = ptrs("y_ptr", "b_ptr", w_ptr=wdt, dh_ptr="*i64", dbc_ptr="*i64")
@@ -186,7 +188,9 @@ def main() -> None:
     for wdt in ("*bf16", "*fp32"):  # the cuBLAS-product step's element-wise kernels
         compile_kernel(rn._residual_rmsnorm_kernel, ptrs("h_ptr", "o_ptr", "b_ptr", "nw_ptr", "h_out_ptr", u_ptr=wdt, eps="fp32"), dict(ADD=True, HAS_BIAS=True, O_PARTS=1, U_HALVES=wdt != "*fp32", BD=4096, PDL=True), num_warps=8)
         compile_kernel(dg._conv_step_kernel, ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", xc16_ptr=wdt), dict(K=4, KP=4, HAS_CB=True, XZ_PARTS=2, SPLIT=wdt != "*fp32", BE=128, PDL=True))
-        compile_kernel(dg._dbc_kernel, ptrs("raw_ptr", "dbc_ptr", dtr_ptr=wdt), dict(RAW_PARTS=2, SPLIT=wdt != "*fp32", BJ=256, PDL=True), num_warps=1)
+        for norm in (False, True):
+            compile_kernel(dg._dbc_kernel, ptrs("raw_ptr", "dbc_ptr", dtr_ptr=wdt, eps="fp32"),
+                           dict(RAW_PARTS=2, SPLIT=wdt != "*fp32", BJ=256, DBC_NORM=norm, PDL=True), num_warps=1)
         t = ptrs("dt_ptr", "dbc_ptr", "xc_ptr", "xz_ptr", "ss_ptr", "dtb_ptr", "A_ptr", "D_ptr", y_ptr=wdt)
         compile_kernel(dg._ssm_update_kernel, t, dict(N=16, NP=16, DT_PARTS=2, XZ_PARTS=2, Y_HALVES=False, BE=64, PDL=True))
     res.append("decode (cuBLAS products): ok")

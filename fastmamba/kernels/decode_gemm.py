@@ -89,12 +89,22 @@ def _conv_step_kernel(
 
 
 @jit
-def _dbc_kernel(raw_ptr, dbc_ptr, dtr_ptr, B, J, R, RAW_PARTS: tl.constexpr, SPLIT: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr):
+def _dbc_kernel(
+    raw_ptr, dbc_ptr, dtr_ptr, B, J, R, N, eps,
+    RAW_PARTS: tl.constexpr, SPLIT: tl.constexpr, BJ: tl.constexpr, DBC_NORM: tl.constexpr, PDL: tl.constexpr,
+):
     # x_proj's float32 result (its parts added) -> dbc; its first R columns -> dt_proj's operand
     wait_for_prior_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BJ)
     v = load_sum(raw_ptr, row * J + j, B * J, j < J, RAW_PARTS)
+    if DBC_NORM:  # Falcon-Mamba: dt_r, B and C each over its rms (lanes past J hold 0)
+        is_dt, is_b = j < R, (j >= R) & (j < R + N)
+        sq = v * v
+        inv_dt = tl.rsqrt(tl.sum(tl.where(is_dt, sq, 0.0), 0) / R + eps)
+        inv_b = tl.rsqrt(tl.sum(tl.where(is_b, sq, 0.0), 0) / N + eps)
+        inv_c = tl.rsqrt(tl.sum(tl.where(j >= R + N, sq, 0.0), 0) / N + eps)
+        v = v * tl.where(is_dt, inv_dt, tl.where(is_b, inv_b, inv_c))
     tl.store(dbc_ptr + row * J + j, v, mask=j < J)
     store_split(dtr_ptr, row * R + j, v, B * R, j < R, SPLIT)
 
@@ -169,12 +179,14 @@ def conv_step(xz, conv_state, conv_w, conv_b, xc, xc16, split=False, xz_parts=No
     )
 
 
-def dbc_rows(raw, dbc, dtr, split=False, raw_parts=None, pdl=NO_PDL) -> None:
-    """dbc = x_proj's result (B, R+2N) f32; dtr = its first R columns in dtr's dtype."""
+def dbc_rows(raw, dbc, dtr, split=False, raw_parts=None, pdl=NO_PDL, norm_eps=None) -> None:
+    """dbc = x_proj's result (B, R+2N) f32; dtr = its first R columns in dtr's dtype.
+    norm_eps (Falcon-Mamba): dt_r, B and C each RMS-normalised with this eps first."""
     B, J = dbc.shape
+    R = dtr.shape[1]
     _dbc_kernel[(B,)](
-        raw, dbc, dtr, B, J, dtr.shape[1], RAW_PARTS=_parts(raw_parts, split), SPLIT=split,
-        BJ=triton.next_power_of_2(J), num_warps=1, **pdl,
+        raw, dbc, dtr, B, J, R, (J - R) // 2, norm_eps or 0.0, RAW_PARTS=_parts(raw_parts, split), SPLIT=split,
+        BJ=triton.next_power_of_2(J), DBC_NORM=norm_eps is not None, num_warps=1, **pdl,
     )
 
 
@@ -271,7 +283,7 @@ class GemmDecodeStep:
                 self.xz[:B] += lw.in_proj_b
             conv_step(self.xz, state.conv[i], lw.conv_w, lw.conv_b, self.xc, self.xc16, split, parts["in_proj"], pdl)
             self.product("x_proj", self.xc16, lw.x_proj_w, self.dbc_raw)
-            dbc_rows(self.dbc_raw, self.dbc, self.dtr16, split, parts["x_proj"], pdl)
+            dbc_rows(self.dbc_raw, self.dbc, self.dtr16, split, parts["x_proj"], pdl, c.dbc_norm_eps)
             self.product("dt_proj", self.dtr16, lw.dt_proj_w, self.dt)
             ssm_update(
                 self.dt, self.dbc, self.xc, self.xz, state.ssm[i], lw.dt_bias, lw.A, lw.D, R, self.y16,

@@ -384,9 +384,9 @@ def _conv_x_proj_kernel(
 
 @jit
 def _ssm_step_kernel(
-    dbc_ptr, xc_ptr, xz_ptr, ss_ptr, dtw_ptr, dtb_ptr, A_ptr, D_ptr, y_ptr, h_ptr, dh_ptr, B, E, R, DM,
+    dbc_ptr, xc_ptr, xz_ptr, ss_ptr, dtw_ptr, dtb_ptr, A_ptr, D_ptr, y_ptr, h_ptr, dh_ptr, B, E, R, DM, eps,
     N: tl.constexpr, NP: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr,
-    BE: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
+    BE: tl.constexpr, BD: tl.constexpr, DBC_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     let_next_kernel_launch(PDL)
     pid_b = tl.program_id(0)
@@ -412,6 +412,10 @@ def _ssm_step_kernel(
     dtr = _from_fixed(tl.load(dbc_ptr + rows[:, None] * BJ + r[None, :], mask=rmask[:, None] & (r < R)[None, :], other=0))
     Bv = _from_fixed(tl.load(dbc_ptr + rows[:, None] * BJ + R + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0))
     Cv = _from_fixed(tl.load(dbc_ptr + rows[:, None] * BJ + R + N + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0))
+    if DBC_NORM:  # Falcon-Mamba: dt_r, B and C each over its rms (masked lanes hold 0)
+        dtr = dtr * tl.rsqrt(tl.sum(dtr * dtr, 1)[:, None] / R + eps)
+        Bv = Bv * tl.rsqrt(tl.sum(Bv * Bv, 1)[:, None] / N + eps)
+        Cv = Cv * tl.rsqrt(tl.sum(Cv * Cv, 1)[:, None] / N + eps)
     x = tl.load(xc_ptr + rows[:, None] * E + e[None, :], mask=m, other=0.0)
     z = tl.load(xz_ptr + rows[:, None] * (2 * E) + E + e[None, :], mask=m, other=0.0)
     # in_proj has read h + dh: this program folds its BD columns of dh into h and zeroes
@@ -768,8 +772,9 @@ class DecodeStep:
         c = self.model.config
         _ssm_step_kernel[(self.B, triton.cdiv(c.d_inner, self.BE_ssm))](
             self.dbc, self.xc, self.xz, ssm_state, lw.dt_proj_w, lw.dt_bias, lw.A, lw.D, self.y, self.h, self.dh,
-            self.B, c.d_inner, c.dt_rank, c.d_model, N=c.d_state, NP=self.NP, BJ=self.BJ, BR=self.BR,
-            BE=self.BE_ssm, BD=self.BD_ssm, num_warps=self.warps_ssm, **self.pdl_for("ssm_step"),
+            self.B, c.d_inner, c.dt_rank, c.d_model, c.dbc_norm_eps or 0.0, N=c.d_state, NP=self.NP, BJ=self.BJ,
+            BR=self.BR, BE=self.BE_ssm, BD=self.BD_ssm, DBC_NORM=c.dbc_norm_eps is not None, num_warps=self.warps_ssm,
+            **self.pdl_for("ssm_step"),
         )
 
     def out_proj_residual(self, lw) -> None:
