@@ -1,7 +1,8 @@
 """Prefill benchmark: tokens/s of the Triton prefill at public shapes (random weights, bf16),
-time to first token for 128- and 2048-token prompts, and peak memory of a 100k-token prompt.
+time to first token for 128- and 2048-token prompts, and peak memory of a 100k-token prompt;
+with --hf, transformers' forward over the same 1 x 8192 prompt for a ratio.
 
-    python benchmarks/prefill.py --json prefill.json
+    python benchmarks/prefill.py --models 130m,2.8b,falcon-7b [--hf] --json prefill.json
 """
 
 import argparse
@@ -14,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from fastmamba.bench import random_model  # noqa: E402
+from fastmamba.bench import SHAPES, hf_model, random_model  # noqa: E402
 from fastmamba.model import Mamba, triton_ops  # noqa: E402
 from fastmamba.generate import LanguageModel  # noqa: E402
 
@@ -36,11 +37,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json")
     ap.add_argument("--long", type=int, default=100_000, help="tokens of the long-prompt run on 130m")
+    ap.add_argument("--models", default="130m,2.8b", help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--hf", action="store_true", help="also time transformers' forward at 1 x 8192")
     args = ap.parse_args()
     rows = []
     print(f"device: {torch.cuda.get_device_name()}")
     print(f"{'model':>6} {'shape':>8} {'ms':>9} {'tokens/s':>10} {'peak GiB':>8}")
-    for size in ("130m", "2.8b"):
+    for size in args.models.split(","):
         base = random_model(size, torch.bfloat16)
         model = Mamba(base.config, base.weights, triton_ops())
         V = model.config.vocab_size
@@ -52,6 +55,15 @@ def main() -> None:
                        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
             rows.append(row)
             print(f"{size:>6} {B:>3}x{T:<5} {row['ms']:9.2f} {row['tokens_per_s']:10,} {row['peak_gib']:8.2f}", flush=True)
+        if args.hf:
+            hf = hf_model(model.config, torch.bfloat16)
+            ids = torch.randint(0, V, (1, 8192), device="cuda")
+            with torch.inference_mode():
+                s = timed(lambda: hf(ids, use_cache=False).logits[:, -1], repeat=1)
+            rows.append(dict(model=size, batch=1, tokens=8192, hf_ms=round(s * 1e3, 1)))
+            print(f"{size:>6} transformers, 1x8192: {s * 1e3:.0f} ms", flush=True)
+            hf = None
+            torch.cuda.empty_cache()
         # Time to first token: a prompt in, the first token's id back on the host, through
         # the public generation path (its graph-captured prefill), against the eager prefill.
         lm = LanguageModel(model, None, engine="triton")

@@ -17,20 +17,22 @@ import torch
 from .config import MambaConfig
 from .model import LayerWeights, Mamba, MambaWeights
 
-SHAPES = {  # d_model, n_layer (vocab 50280, d_state 16, d_conv 4, expand 2)
-    "130m": (768, 24),
-    "370m": (1024, 48),
-    "790m": (1536, 48),
-    "1.4b": (2048, 48),
-    "2.8b": (2560, 64),
+SHAPES = {  # the public checkpoints' sizes (d_state 16, d_conv 4; vocab as published)
+    "130m": MambaConfig(d_model=768, n_layer=24, vocab_size=50280),
+    "370m": MambaConfig(d_model=1024, n_layer=48, vocab_size=50280),
+    "790m": MambaConfig(d_model=1536, n_layer=48, vocab_size=50280),
+    "1.4b": MambaConfig(d_model=2048, n_layer=48, vocab_size=50280),
+    "2.8b": MambaConfig(d_model=2560, n_layer=64, vocab_size=50280),
+    # tiiuae/falcon-mamba-7b: d_inner 8192 (not expand * d_model), dt_rank 256, untied head
+    "falcon-7b": MambaConfig(d_model=4096, n_layer=64, vocab_size=65024, d_inner=8192, dt_rank=256,
+                             tie_embeddings=False, dbc_norm_eps=1e-6),
 }
 
 
 def random_model(size: str, dtype: torch.dtype, device="cuda") -> Mamba:
     """A Mamba with random weights of realistic spread at a public shape, built on the device."""
-    d, L = SHAPES[size]
-    c = MambaConfig(d_model=d, n_layer=L, vocab_size=50280)
-    E, R, N, K = c.d_inner, c.dt_rank, c.d_state, c.d_conv
+    c = SHAPES[size]
+    d, L, E, R, N, K = c.d_model, c.n_layer, c.d_inner, c.dt_rank, c.d_state, c.d_conv
     g = torch.Generator(device=device).manual_seed(0)
 
     def mat(rows, cols, scale=None):
@@ -57,13 +59,16 @@ def random_model(size: str, dtype: torch.dtype, device="cuda") -> Mamba:
         for _ in range(L)
     ]
     emb = mat(c.vocab_size, d, 0.02)
-    return Mamba(c, MambaWeights(embedding=emb, layers=layers, norm_f=vec(d, 1.0), lm_head=emb))
+    head = emb if c.tie_embeddings else mat(c.vocab_size, d)
+    return Mamba(c, MambaWeights(embedding=emb, layers=layers, norm_f=vec(d, 1.0), lm_head=head))
 
 
 def step_bytes(model: Mamba, batch: int) -> tuple[int, int]:
     """(weight bytes, state bytes) one decode step must move at the least."""
     w = model.weights
-    tensors = [w.embedding, w.norm_f] + [t for lw in w.layers for t in vars(lw).values() if t is not None]
+    # lm_head is read whole (it is the embedding when tied); of an untied embedding a step
+    # reads B rows only
+    tensors = [w.lm_head, w.norm_f] + [t for lw in w.layers for t in vars(lw).values() if t is not None]
     weight = sum(t.numel() * t.element_size() for t in tensors)
     c = model.config
     state = 2 * 4 * batch * c.n_layer * c.d_inner * (c.d_state + c.d_conv)  # f32, read and written
@@ -124,16 +129,12 @@ def time_graph_steps(model: Mamba, batch: int, steps: int = 200, deterministic: 
 
 
 def time_hf(size: str, dtype: torch.dtype, batch: int, tokens: int = 32) -> float | None:
-    """ms per generated token of transformers' MambaForCausalLM (same shape, random weights)."""
-    try:
-        from transformers import MambaConfig as HFConfig
-        from transformers import MambaForCausalLM
-    except ImportError:
+    """ms per generated token of transformers' MambaForCausalLM (FalconMambaForCausalLM for
+    Falcon-Mamba), same shape, random weights."""
+    hf = hf_model(SHAPES[size], dtype)
+    if hf is None:
         return None
-    d, L = SHAPES[size]
-    with torch.device("cuda"):
-        hf = MambaForCausalLM(HFConfig(hidden_size=d, num_hidden_layers=L, vocab_size=50280)).to(dtype).eval()
-    ids = torch.randint(0, 50280, (batch, 4), device="cuda")
+    ids = torch.randint(0, SHAPES[size].vocab_size, (batch, 4), device="cuda")
     kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
     with torch.inference_mode():
         hf.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
@@ -146,6 +147,19 @@ def time_hf(size: str, dtype: torch.dtype, batch: int, tokens: int = 32) -> floa
     gc.collect()  # HF's model holds reference cycles: free it now, not inside the next engine's peak
     torch.cuda.empty_cache()
     return ms
+
+
+def hf_model(config: MambaConfig, dtype: torch.dtype):
+    """transformers' model of this config on the GPU (random weights), or None without it."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    falcon = config.dbc_norm_eps is not None
+    hf_config = (transformers.FalconMambaConfig if falcon else transformers.MambaConfig)(**config.to_hf_dict())
+    model_class = transformers.FalconMambaForCausalLM if falcon else transformers.MambaForCausalLM
+    with torch.device("cuda"):
+        return model_class(hf_config).to(dtype).eval()
 
 
 def run(sizes, dtypes, batches, hf: bool, out: str | None, deterministic: bool = False) -> list[dict]:
