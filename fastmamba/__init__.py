@@ -24,6 +24,8 @@ _HOMES = {
     "MambaConfig": "config",
     "Tokenizer": "tokenizer",
     "HAVE_TRITON": "kernels._triton",
+    "Backbone": "backbone",
+    "BackboneConfig": "backbone",
 }
 __all__ = list(_HOMES)
 

@@ -54,6 +54,7 @@ class LanguageModel:
         self._graph_decoders: dict[int, GraphDecoder] = {}
         self._graph_prefills: dict[tuple[int, int], GraphPrefill] = {}
         self._prefill_pool = None  # the prefill graphs' one memory pool (see GraphPrefill)
+        self._backbone = None
 
     def _decoder(self, batch: int):
         if self.engine == "reference":
@@ -101,6 +102,16 @@ class LanguageModel:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    @property
+    def backbone(self):
+        """The model's layers and final norm as a fastmamba.Backbone (vectors of d_model in
+        and out) over the model's own tensors, shared, not copied."""
+        if self._backbone is None:
+            from .backbone import Backbone
+
+            self._backbone = Backbone.of_language_model(self.model)
+        return self._backbone
 
     @property
     def dtype(self) -> torch.dtype:

@@ -51,20 +51,29 @@ class MambaState:
     ssm: torch.Tensor  # (L, B, E, N) f32
 
     @classmethod
-    def zeros(cls, config: MambaConfig, batch: int, device="cpu") -> "MambaState":
+    def zeros(cls, config, batch: int, device="cpu", dtype=torch.float32) -> "MambaState":
         c = config
         return cls(
-            conv=torch.zeros(c.n_layer, batch, c.d_inner, c.d_conv, device=device),
-            ssm=torch.zeros(c.n_layer, batch, c.d_inner, c.d_state, device=device),
+            conv=torch.zeros(c.n_layer, batch, c.d_inner, c.d_conv, device=device, dtype=dtype),
+            ssm=torch.zeros(c.n_layer, batch, c.d_inner, c.d_state, device=device, dtype=dtype),
         )
 
     @property
     def batch(self) -> int:
         return self.conv.shape[1]
 
-    def reset(self, slot: int | None = None) -> None:
-        """Zeroes one slot (a sequence boundary), or all of them."""
-        rows = slice(None) if slot is None else slot
+    def reset(self, mask=None) -> None:
+        """Zeroes the slots of a sequence boundary: `mask` a (B,) bool tensor (True: reset
+        that slot; on the state's device, a masked multiply: no host sync, safe inside a
+        CUDA graph), a slot index, or None for all."""
+        if isinstance(mask, torch.Tensor):
+            if mask.shape != (self.batch,) or mask.dtype != torch.bool:
+                raise ValueError(f"mask must be a bool tensor of shape ({self.batch},), got {mask.dtype} {tuple(mask.shape)}")
+            keep = (~mask.to(self.conv.device)).to(self.conv.dtype).view(1, -1, 1, 1)
+            self.conv.mul_(keep)
+            self.ssm.mul_(keep.to(self.ssm.dtype))
+            return
+        rows = slice(None) if mask is None else mask
         self.conv[:, rows].zero_()
         self.ssm[:, rows].zero_()
 
@@ -142,25 +151,30 @@ def triton_ops() -> Ops:
 
 
 def mixer(
-    config: MambaConfig, lw: LayerWeights, u: torch.Tensor, conv_state, ssm_state, ops: Ops = REFERENCE_OPS, start=None
+    config, lw: LayerWeights, u: torch.Tensor, conv_state, ssm_state, ops: Ops = REFERENCE_OPS, start=None, resets=None
 ) -> torch.Tensor:
-    """One layer's mixer over T new tokens, continuing from and updating the layer's state.
+    """One layer's mixer over T new tokens, continuing from and updating the layer's state:
+    the one recurrent core of the language model and of fastmamba.Backbone.
 
+    config: the sizes (a MambaConfig or BackboneConfig: d_inner, d_state, dt_rank, dbc_norm_eps).
     u (B, T, d) f32 -> (B, T, d) f32. A decode step is the same call with T = 1.
     start (B,): left padding, see kernels/causal_conv1d.py.
+    resets (B, T) bool: the row's state is zero before step t (reference ops only).
     """
+    extra = {} if resets is None else {"resets": resets}
     E, N, R = config.d_inner, config.d_state, config.dt_rank
     xz = ops.linear(u, lw.in_proj_w, lw.in_proj_b, in_proj_dtype(lw.in_proj_w.dtype))  # (B, T, 2E)
     x, z = xz.transpose(1, 2).split([E, E], dim=1)  # (B, E, T) each
     # the conv's output in x_proj's dtype (GPU path; the reference keeps f32): x_proj's
     # operand, and the scan's input
-    x = ops.conv(x, lw.conv_w, lw.conv_b, conv_state, start, lw.x_proj_w.dtype)  # (B, E, T)
+    x = ops.conv(x, lw.conv_w, lw.conv_b, conv_state, start, lw.x_proj_w.dtype, **extra)  # (B, E, T)
     dt_r, Bm, Cm = ops.linear(x.transpose(1, 2), lw.x_proj_w).split([R, N, N], dim=-1)  # (B, T, R|N|N)
     if config.dbc_norm_eps is not None:  # Falcon-Mamba
         dt_r, Bm, Cm = (rms_unweighted(t, config.dbc_norm_eps) for t in (dt_r, Bm, Cm))
     y = ops.scan(
         x, dt_r, lw.dt_proj_w, lw.dt_bias, lw.A, Bm.transpose(1, 2), Cm.transpose(1, 2), lw.D, z, ssm_state, start,
         out_dtype=lw.out_proj_w.dtype,  # y as out_proj reads it (GPU path; the reference keeps f32)
+        **extra,
     )  # (B, E, T)
     return ops.linear(y.transpose(1, 2), lw.out_proj_w, lw.out_proj_b)
 

@@ -33,17 +33,39 @@ def causal_conv1d_ref(
     state: torch.Tensor,  # (B, E, K) the last K inputs, newest last; updated in place
     start: torch.Tensor | None = None,  # (B,) first real position of each row (left padding)
     dtype: torch.dtype | None = None,  # the Triton kernel's output dtype; the reference keeps float32
+    resets: torch.Tensor | None = None,  # (B, T) bool: the row starts afresh at t (an episode's first step)
 ) -> torch.Tensor:  # (B, E, T) float32, SiLU applied
     K = weight.shape[-1]
+    T = x.shape[-1]
     x = x.float()
     if start is not None:
         x = x * _pad_mask(start, x.shape[-1], x.device)
         state.mul_((start == 0).view(-1, 1, 1))  # a padded row starts afresh
     # The K-1 older inputs in the state are the left context of the first new input.
     full = torch.cat([state[:, :, 1:], x], dim=-1)  # (B, E, K-1+T)
-    y = F.conv1d(full, weight[:, None, :], bias, groups=weight.shape[0])  # (B, E, T)
-    state.copy_(torch.cat([state, x], dim=-1)[:, :, -K:])
+    recent = torch.cat([state, x], dim=-1)[:, :, -K:]  # the last K inputs: the new state
+    if resets is None:
+        y = F.conv1d(full, weight[:, None, :], bias, groups=weight.shape[0])  # (B, E, T)
+    else:
+        # A window at t reads the inputs of times t-K+1 .. t; those before the row's latest
+        # reset at or before t are zeros (as after state.reset), and so are they in the state.
+        first = segment_starts(resets, K)  # (B, T)
+        times = torch.arange(T, device=x.device)[:, None] + torch.arange(1 - K, 1, device=x.device)  # (T, K)
+        keep = (times[None] >= first[:, :, None])[:, None]  # (B, 1, T, K)
+        y = (full.unfold(-1, K, 1) * keep * weight[None, :, None, :]).sum(-1)  # (B, E, T)
+        if bias is not None:
+            y = y + bias[None, :, None]
+        recent = recent * (torch.arange(T - K, T, device=x.device)[None] >= first[:, -1:])[:, None, :]
+    state.copy_(recent)
     return F.silu(y)
+
+
+def segment_starts(resets: torch.Tensor, K: int) -> torch.Tensor:
+    """(B, T) bool reset flags -> (B, T) int64: the latest reset position at or before each t,
+    or -K - 1 (before anything a conv window or state holds) where the row has none yet."""
+    T = resets.shape[-1]
+    positions = torch.arange(T, device=resets.device).expand_as(resets)
+    return torch.where(resets, positions, -K - 1).cummax(dim=-1).values
 
 
 @jit

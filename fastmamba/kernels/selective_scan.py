@@ -28,8 +28,10 @@ def selective_scan_ref(
     state: torch.Tensor,  # (B, E, N) float32, updated in place to the state after the last step
     start: torch.Tensor | None = None,  # (B,) first real position of each row (left padding)
     out_dtype: torch.dtype | None = None,  # the Triton scan's y dtype; the reference keeps float32
+    resets: torch.Tensor | None = None,  # (B, T) bool: the row's state is zero before step t
 ) -> torch.Tensor:  # (B, E, T) float32
-    """The recurrence one time step after another, in float32: the oracle for the Triton scan."""
+    """The recurrence one time step after another, in float32: the oracle for the Triton scan.
+    A reset is a decay of zero at its step."""
     x, z, delta = x.float(), z.float(), delta.float()
     s = state.clone()  # autograd may save s; the in-place write below must not change it
     if start is not None:
@@ -39,6 +41,8 @@ def selective_scan_ref(
     ys = []
     for t in range(x.shape[-1]):
         decay = torch.exp(delta[:, :, t, None] * A)  # (B, E, N)
+        if resets is not None:
+            decay = decay * (~resets[:, t]).view(-1, 1, 1)
         s = s * decay + (delta[:, :, t] * x[:, :, t])[:, :, None] * Bm[:, None, :, t]
         ys.append(torch.einsum("ben,bn->be", s, Cm[:, :, t]))  # (B, E)
     state.copy_(s)
@@ -442,11 +446,11 @@ def selective_scan(
     return y.transpose(1, 2)
 
 
-def step_and_scan_ref(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, state, start=None, out_dtype=None) -> torch.Tensor:
+def step_and_scan_ref(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, state, start=None, out_dtype=None, resets=None) -> torch.Tensor:
     """The step sizes (step_size.step_size_ref) from x_proj's dt_r (B, T, R), then the scan
     (selective_scan_ref); the other arguments as there."""
     delta = step_size_ref(dt_r, dt_w, dt_b)  # (B, T, E)
-    return selective_scan_ref(x, delta.transpose(1, 2), A, Bm, Cm, D, z, state, start)
+    return selective_scan_ref(x, delta.transpose(1, 2), A, Bm, Cm, D, z, state, start, resets=resets)
 
 
 def step_and_scan(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, state, start=None, out_dtype=torch.float32) -> torch.Tensor:

@@ -1,0 +1,309 @@
+"""fastmamba.Backbone: the recurrent core over vectors, its sequence pass with resets, its
+step, gradients, files; against transformers' MambaModel and a float64 oracle."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastmamba
+from fastmamba import Backbone, BackboneConfig
+
+TOL = 1e-5
+
+
+def rel_err(a, b) -> float:
+    assert torch.isfinite(a).all()
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def make(seed=0, **kw) -> Backbone:
+    torch.manual_seed(seed)
+    cfg = dict(input_dim=6, d_model=16, n_layer=2, d_state=8)
+    cfg.update(kw)
+    bb = Backbone(BackboneConfig(**cfg))
+    with torch.no_grad():  # spread the constants (norms 1, D 1) so a misread would show
+        for name, p in bb.named_parameters():
+            if name.endswith(("norm.weight", "norm_f.weight", ".D")):
+                p.add_(0.3 * torch.randn_like(p))
+    return bb
+
+
+def xs(B, T, dim=6, seed=1):
+    return torch.randn(B, T, dim, generator=torch.Generator().manual_seed(seed))
+
+
+def test_matches_transformers_mamba_model():
+    from transformers import MambaConfig, MambaModel
+
+    torch.manual_seed(0)
+    hf = MambaModel(MambaConfig(hidden_size=16, num_hidden_layers=3, state_size=8, vocab_size=10, time_step_rank=3,
+                                use_conv_bias=True, use_bias=True)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    bb = Backbone(BackboneConfig(input_dim=16, d_model=16, n_layer=3, d_state=8, dt_rank=3, proj_bias=True))
+    sd = {k: v for k, v in hf.state_dict().items() if not k.startswith("embeddings.")}
+    bb.load_state_dict(sd)  # the same names, strictly
+    x = xs(2, 11, 16)
+    with torch.no_grad():
+        ref = hf(inputs_embeds=x).last_hidden_state
+    y, _ = bb(x)
+    assert y.dtype == torch.float32 and rel_err(y, ref) < 1e-4
+
+
+def test_input_proj_exists_when_widths_differ_or_asked():
+    assert make().input_proj is not None
+    assert make(input_dim=16).input_proj is None
+    assert make(input_dim=16, input_proj=True).input_proj is not None
+    assert "input_proj.weight" in make().state_dict() and "norm_f.weight" in make().state_dict()
+    with pytest.raises(ValueError, match="input_proj"):
+        BackboneConfig(input_dim=6, d_model=16, n_layer=1, input_proj=False)
+
+
+def test_fresh_parameters_follow_mamba_ssm_init():
+    bb = make(seed=3, d_model=64, n_layer=4)
+    m = bb.layers[0].mixer
+    assert torch.equal(m.A_log, torch.log(torch.arange(1, 9.0)).repeat(128, 1))
+    dt = F.softplus(m.dt_proj.bias)
+    assert 1e-3 * 0.99 <= dt.min() and dt.max() <= 0.1 * 1.01
+    assert m.dt_proj.weight.abs().max() <= 4**-0.5  # dt_rank ceil(64 / 16) = 4
+    torch.manual_seed(3)
+    again = Backbone(BackboneConfig(input_dim=6, d_model=64, n_layer=4, d_state=8))
+    assert torch.equal(again.layers[0].mixer.in_proj.weight, m.in_proj.weight)  # torch's RNG seeds it
+
+
+def test_steps_equal_the_sequence_and_halves_equal_one_pass():
+    bb = make()
+    x = xs(3, 12)
+    with torch.no_grad():
+        y, final = bb(x)
+        state = bb.new_state(3)
+        steps = torch.stack([bb.step(x[:, t], state) for t in range(12)], 1)
+        assert rel_err(steps, y) < TOL and rel_err(state.ssm, final.ssm) < TOL and rel_err(state.conv, final.conv) < TOL
+        y1, mid = bb(x[:, :5])
+        y2, end = bb(x[:, 5:], mid)
+    assert rel_err(torch.cat([y1, y2], 1), y) < TOL and rel_err(end.ssm, final.ssm) < TOL
+
+
+def test_the_given_state_is_not_modified():
+    bb = make()
+    state = bb.new_state(2)
+    with torch.no_grad():
+        _, state = bb(xs(2, 4))
+        before = (state.conv.clone(), state.ssm.clone())
+        bb(xs(2, 3, seed=5), state)
+    assert torch.equal(state.conv, before[0]) and torch.equal(state.ssm, before[1])
+
+
+@pytest.mark.parametrize("t0", [1, 2, 7])  # inside the conv's window of the start, and past it
+def test_a_reset_restarts_that_row_alone_from_zeros(t0):
+    bb = make(d_conv=4)
+    x = xs(3, 10)
+    with torch.no_grad():
+        _, warm = bb(xs(3, 6, seed=9))  # a non-zero state before the sequence
+        resets = torch.zeros(3, 10, dtype=torch.bool)
+        resets[1, t0] = True
+        y, final = bb(x, warm, resets)
+        plain, plain_final = bb(x, warm)
+        fresh, fresh_final = bb(x[1:2, t0:])  # row 1 from zeros at t0
+    assert rel_err(y[1, t0:], fresh[0]) < TOL and rel_err(final.ssm[:, 1], fresh_final.ssm[:, 0]) < TOL
+    assert rel_err(final.conv[:, 1], fresh_final.conv[:, 0]) < TOL
+    # before the reset, and the other rows: as without it (the conv with resets sums its
+    # taps in another order than F.conv1d)
+    assert rel_err(y[1, :t0], plain[1, :t0]) < TOL
+    assert rel_err(y[[0, 2]], plain[[0, 2]]) < TOL and rel_err(final.ssm[:, [0, 2]], plain_final.ssm[:, [0, 2]]) < TOL
+
+
+def test_reset_at_step_zero_ignores_the_state():
+    bb = make()
+    x = xs(2, 5)
+    with torch.no_grad():
+        _, warm = bb(xs(2, 3, seed=4))
+        y, _ = bb(x, warm, torch.tensor([[True] + [False] * 4] * 2))
+        cold, _ = bb(x)
+    assert rel_err(y, cold) < TOL
+
+
+def test_masked_reset_touches_only_its_slots():
+    bb = make()
+    with torch.no_grad():
+        _, state = bb(xs(4, 5))
+    before = (state.conv.clone(), state.ssm.clone())
+    state.reset(torch.tensor([False, True, False, True]))
+    assert not state.conv[:, [1, 3]].any() and not state.ssm[:, [1, 3]].any()
+    assert torch.equal(state.conv[:, [0, 2]], before[0][:, [0, 2]]) and torch.equal(state.ssm[:, [0, 2]], before[1][:, [0, 2]])
+    state.reset(0)
+    assert not state.ssm[:, 0].any() and torch.equal(state.ssm[:, 2], before[1][:, 2])
+    with pytest.raises(ValueError, match="mask"):
+        state.reset(torch.tensor([True, False]))
+
+
+def reference64(bb: Backbone, x, conv0, ssm0, resets):
+    """The backbone's math written out plainly in float64, step by step (the oracle)."""
+    c = bb.config
+    p = {k: v.double() for k, v in bb.named_parameters()}
+    h = x.double() @ p["input_proj.weight"].T + p["input_proj.bias"]
+    B, T, _ = x.shape
+    E, N, R, K = c.d_inner, c.d_state, c.dt_rank, c.d_conv
+
+    def rms(v, w):
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + c.norm_eps) * w
+
+    for i in range(c.n_layer):
+        q = lambda n: p[f"layers.{i}.mixer.{n}"]  # noqa: E731
+        u = rms(h, p[f"layers.{i}.norm.weight"])
+        xz = u @ q("in_proj.weight").T
+        conv, s, outs = conv0[i].double(), ssm0[i].double(), []
+        A = -torch.exp(q("A_log"))
+        for t in range(T):
+            keep = (~resets[:, t]).double().view(B, 1, 1)
+            conv, s = conv * keep, s * keep
+            conv = torch.cat([conv[:, :, 1:], xz[:, t, :E, None]], -1)
+            xc = F.silu((conv * q("conv1d.weight")[:, 0]).sum(-1) + q("conv1d.bias"))
+            dbc = xc @ q("x_proj.weight").T
+            dt = F.softplus(dbc[:, :R] @ q("dt_proj.weight").T + q("dt_proj.bias"))
+            s = s * torch.exp(dt[..., None] * A) + (dt * xc)[..., None] * dbc[:, None, R:R + N]
+            y = (s * dbc[:, None, R + N:]).sum(-1) + q("D") * xc
+            outs.append(y * F.silu(xz[:, t, E:]))
+        h = h + torch.stack(outs, 1) @ q("out_proj.weight").T
+    return rms(h, p["norm_f.weight"])
+
+
+def test_gradients_match_a_float64_oracle():
+    bb = make(n_layer=2, d_conv=3)
+    x = xs(2, 9).requires_grad_(True)
+    state = bb.new_state(2)
+    state.conv.normal_(generator=torch.Generator().manual_seed(2)).requires_grad_(True)
+    state.ssm.normal_(generator=torch.Generator().manual_seed(3)).requires_grad_(True)
+    resets = torch.zeros(2, 9, dtype=torch.bool)
+    resets[0, 4] = True
+    weight = torch.randn(2, 9, 16, generator=torch.Generator().manual_seed(4))
+    y, _ = bb(x, state, resets)
+    (y * weight).sum().backward()
+    ours = {"x": x.grad, "conv": state.conv.grad, "ssm": state.ssm.grad, **{k: p.grad for k, p in bb.named_parameters()}}
+    x64, conv64, ssm64 = (t.detach().double().requires_grad_(True) for t in (x, state.conv, state.ssm))
+    bb64 = make(n_layer=2, d_conv=3)  # the same parameters (same seed), as float64 leaves
+    bb64.load_state_dict(bb.state_dict())
+    params64 = dict(bb64.named_parameters())
+    for p in params64.values():
+        p.data = p.data.double()
+    ref = reference64(bb64, x64, conv64, ssm64, resets)
+    assert rel_err(y.detach().double(), ref.detach()) < 1e-5
+    (ref * weight.double()).sum().backward()
+    theirs = {"x": x64.grad, "conv": conv64.grad, "ssm": ssm64.grad, **{k: p.grad for k, p in params64.items()}}
+    for name, g in theirs.items():
+        assert rel_err(ours[name].double(), g) < 1e-4, name
+
+
+def test_save_and_load_round_trip(tmp_path):
+    bb = make(proj_bias=True)
+    bb.save(tmp_path / "bb")
+    again = Backbone.load(tmp_path / "bb")
+    assert again.config == bb.config
+    x = xs(2, 7)
+    with torch.no_grad():
+        assert torch.equal(again(x)[0], bb(x)[0])
+    half = Backbone.load(tmp_path / "bb", dtype="bfloat16")
+    assert half.layers[0].mixer.in_proj.weight.dtype == torch.bfloat16
+
+
+def test_load_errors_name_the_file_and_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    make().save(tmp_path / "bb")
+    weights = tmp_path / "bb" / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors.pop("layers.1.mixer.x_proj.weight")
+    save_file(tensors, str(weights))
+    with pytest.raises(fastmamba.CheckpointError, match="model.safetensors.*missing tensor 'layers.1.mixer.x_proj.weight'"):
+        Backbone.load(tmp_path / "bb")
+    cfg = tmp_path / "bb" / "config.json"
+    raw = json.loads(cfg.read_text())
+    cfg.write_text(json.dumps({**raw, "d_model": -3}))
+    with pytest.raises(fastmamba.CheckpointError, match="config.json.*d_model"):
+        Backbone.load(tmp_path / "bb")
+    cfg.write_text(json.dumps({**raw, "d_modle": 3}))
+    with pytest.raises(fastmamba.CheckpointError, match="d_modle"):
+        Backbone.load(tmp_path / "bb")
+    with pytest.raises(fastmamba.CheckpointError, match="config.json"):
+        Backbone.load(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16bit_storage_close(dtype):
+    bb = make()
+    low_16 = Backbone(bb.config, dtype=dtype)
+    low_16.load_state_dict(bb.state_dict())
+    x = xs(2, 10)
+    with torch.no_grad():
+        assert low_16.layers[0].mixer.in_proj.weight.dtype == getattr(torch, dtype)
+        assert rel_err(low_16(x)[0], bb(x)[0]) < 2e-2
+
+
+def test_bad_input_names_the_argument_and_shapes():
+    bb = make()
+    with pytest.raises(ValueError, match=r"x must have shape \(B, T, 6\).*\(2, 3, 5\)"):
+        bb(torch.zeros(2, 3, 5))
+    with pytest.raises(ValueError, match=r"state has conv .*\(2, 2, 32, 4\).* needs conv \(2, 3, 32, 4\)"):
+        bb(torch.zeros(3, 4, 6), bb.new_state(2))
+    with pytest.raises(ValueError, match=r"resets must be a bool tensor of shape \(3, 4\)"):
+        bb(torch.zeros(3, 4, 6), None, torch.zeros(3, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"x must have shape \(B, 6\)"):
+        bb.step(torch.zeros(3, 7), bb.new_state(3))
+    with pytest.raises(ValueError, match="state has conv"):
+        bb.step(torch.zeros(3, 6), bb.new_state(4))
+    with pytest.raises(ValueError, match="floating-point"):
+        bb.step(np.zeros((3, 6), dtype=np.int64), bb.new_state(3))
+
+
+def test_numpy_in_numpy_out_on_the_cpu():
+    bb = make()
+    x = xs(3, 1)[:, 0]
+    a, b = bb.new_state(3), bb.new_state(3)
+    y = bb.step(x.numpy(), a)
+    assert isinstance(y, np.ndarray) and np.array_equal(y, bb.step(x, b).numpy())
+
+
+def test_the_language_models_backbone_shares_its_weights():
+    lm = fastmamba.load()
+    bb = lm.backbone
+    assert bb is lm.backbone and bb.input_proj is None
+    assert bb.layers[0].mixer.in_proj.weight.data_ptr() == lm.model.weights.layers[0].in_proj_w.data_ptr()
+    h = torch.randn(2, 6, lm.config.d_model, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        y, _ = bb(h)
+    assert rel_err(y, lm.model.backbone(h, lm.model.new_state(2))) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_graph_step_equals_eager_and_the_cpu(dtype):
+    cpu = make(d_model=128, n_layer=3, input_dim=64, d_state=16)
+    gpu = Backbone(cpu.config, device="cuda", dtype=dtype)
+    gpu.load_state_dict(cpu.state_dict())
+    cpu16 = Backbone(cpu.config, dtype=dtype)
+    cpu16.load_state_dict(cpu.state_dict())
+    B = 37
+    x = torch.randn(6, B, 64, generator=torch.Generator().manual_seed(1))
+    s_graph, s_eager, s_cpu = gpu.new_state(B), gpu.new_state(B), cpu16.new_state(B)
+    for t in range(6):
+        if t == 3:
+            done = torch.zeros(B, dtype=torch.bool)
+            done[::5] = True
+            for s in (s_graph, s_eager, s_cpu):
+                s.reset(done.to(s.conv.device))
+        y_graph = gpu.step(x[t].cuda(), s_graph)
+        with torch.no_grad():
+            y_eager = gpu._step_eager(x[t].cuda(), s_eager)
+        y_cpu = cpu16.step(x[t], s_cpu)
+        assert torch.equal(y_graph, y_eager), t
+        assert rel_err(y_graph.cpu(), y_cpu) < 1e-4, t
+    y_np = gpu.step(x[0].numpy(), s_graph)  # numpy in, numpy out, through the same graph
+    assert isinstance(y_np, np.ndarray) and y_np.shape == (B, 128)
+    seq, _ = gpu(x.transpose(0, 1).cuda())
+    assert rel_err(seq.cpu(), cpu16(x.transpose(0, 1))[0].detach()) < 1e-4
