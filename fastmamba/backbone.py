@@ -6,8 +6,10 @@ Two forms over one set of weights:
   differentiable with respect to the parameters, x and the initial state;
 - `bb.step(x, state)`: one step for a batch of environments, in place, no grad; on CUDA one
   graph replay per batch size and state.
-Both run the language model's own layer (model.mixer) with the pure-PyTorch ops, which take
-reset flags; on the GPU they are correct but not yet fast (see benchmarks/RESULTS.md).
+The sequence pass runs the language model's own layer (model.mixer) with the pure-PyTorch
+ops, which take reset flags: on the GPU correct but not yet fast (benchmarks/RESULTS.md).
+The step runs the same layer; on CUDA through the language model's decode kernels
+(KernelStep) in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch import nn
 
 from .errors import CheckpointError
 from .kernels.rmsnorm import add_norm_ref
-from .model import REFERENCE_OPS, LayerWeights, MambaState, linear, mixer
+from .model import REFERENCE_OPS, LayerWeights, MambaState, linear, linear_storage, mixer
 
 FORMAT = "fastmamba.Backbone"
 
@@ -223,6 +225,10 @@ class Backbone(nn.Module):
             graph = self._graphs[key] = _StepGraph(self, state)
         return graph(x, as_numpy)
 
+    def _apply(self, fn, *args, **kwargs):
+        self._graphs.clear()  # .to(), .cuda(), .half() move the parameters the graphs read
+        return super()._apply(fn, *args, **kwargs)
+
     def _step_eager(self, x: torch.Tensor, state: MambaState) -> torch.Tensor:
         if state.conv.dtype == torch.float32 and state.ssm.dtype == torch.float32:
             return self._layers(x[:, None], list(state.conv), list(state.ssm))[:, 0]
@@ -348,12 +354,59 @@ class Backbone(nn.Module):
         return bb
 
 
+class KernelStep:
+    """The step through the language model's decode kernels (kernels/decode_step.py: one
+    row a program at small batches; decode_gemm.py's step above), with vectors in place of
+    the embedding lookup and an identity matrix as lm_head, so that what they return is the
+    final-normed hidden state. Needs Triton and a float32 state."""
+
+    def __init__(self, bb: Backbone, batch: int):
+        from .config import MambaConfig
+        from .kernels.decode_step import make_decode_step
+        from .model import Mamba, MambaWeights, triton_ops
+
+        c = self.config = bb.config
+        self.bb = bb
+        storage = bb.layers[0].mixer.in_proj.weight.dtype
+        sizes = MambaConfig(
+            d_model=c.d_model, n_layer=c.n_layer, vocab_size=c.d_model, d_state=c.d_state, d_conv=c.d_conv,
+            d_inner=c.d_inner, dt_rank=c.dt_rank, conv_bias=c.conv_bias, proj_bias=c.proj_bias, norm_eps=c.norm_eps,
+        )
+        eye = torch.eye(c.d_model, device=bb.device, dtype=storage)
+        with torch.no_grad():  # the kernels read the parameters themselves; A is a buffer (see sync)
+            self.layers = [layer.mixer.weights(layer.norm.weight) for layer in bb.layers]
+        self.versions = tuple(layer.mixer.A_log._version for layer in bb.layers)
+        weights = MambaWeights(embedding=eye, layers=self.layers, norm_f=bb.norm_f.weight, lm_head=eye)
+        self.step = make_decode_step(Mamba(sizes, weights, triton_ops()), batch)
+
+    def sync(self) -> None:
+        """A = -exp(A_log) anew where A_log has changed since (an optimizer step bumps its
+        version counter); outside any graph, before a replay."""
+        versions = tuple(layer.mixer.A_log._version for layer in self.bb.layers)
+        if versions != self.versions:
+            with torch.no_grad():
+                for lw, layer in zip(self.layers, self.bb.layers):
+                    torch.exp(layer.mixer.A_log.float(), out=lw.A).neg_()
+            self.versions = versions
+
+    def __call__(self, x: torch.Tensor, state: MambaState) -> torch.Tensor:
+        p = self.bb.input_proj
+        h = linear_storage(x, p.weight, p.bias) if p is not None else x.float()
+        return self.step(None, state, h=h)
+
+
 class _StepGraph:
     """One batch size's step captured as a CUDA graph over one state's tensors, with its
-    static input and output and pinned host buffers for CPU and numpy input."""
+    static input and output and pinned host buffers for CPU and numpy input. The step runs
+    the decode kernels (KernelStep) where Triton is there and the state is float32, else
+    the pure-PyTorch ops."""
 
     def __init__(self, bb: Backbone, state: MambaState):
+        from .kernels._triton import HAVE_TRITON
+
         B, dev = state.batch, bb.device
+        self.kernels = KernelStep(bb, B) if HAVE_TRITON and state.conv.dtype == state.ssm.dtype == torch.float32 else None
+        run = self.kernels if self.kernels is not None else bb._step_eager
         self.x = torch.zeros(B, bb.config.input_dim, device=dev)
         self.host_x = torch.zeros(B, bb.config.input_dim, pin_memory=True)
         self.host_y = torch.zeros(B, bb.config.d_model, pin_memory=True)
@@ -363,15 +416,17 @@ class _StepGraph:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                bb._step_eager(self.x, state)
+                run(self.x, state)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.y = bb._step_eager(self.x, state)
+            self.y = run(self.x, state)
         state.conv.copy_(saved[0])
         state.ssm.copy_(saved[1])
 
     def __call__(self, x: torch.Tensor, as_numpy: bool):
+        if self.kernels is not None:
+            self.kernels.sync()
         if x.device.type == "cuda":
             self.x.copy_(x)
             self.graph.replay()

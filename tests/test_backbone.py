@@ -282,15 +282,19 @@ def test_the_language_models_backbone_shares_its_weights():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_graph_step_equals_eager_and_the_cpu(dtype):
+@pytest.mark.parametrize("B", [1, 37])  # one-row kernels; decode_gemm.py's step
+def test_gpu_graph_step_equals_eager_and_the_cpu(dtype, B):
+    from fastmamba.backbone import KernelStep
+
     cpu = make(d_model=128, n_layer=3, input_dim=64, d_state=16)
     gpu = Backbone(cpu.config, device="cuda", dtype=dtype)
     gpu.load_state_dict(cpu.state_dict())
     cpu16 = Backbone(cpu.config, dtype=dtype)
     cpu16.load_state_dict(cpu.state_dict())
-    B = 37
+    eager = KernelStep(gpu, B)
     x = torch.randn(6, B, 64, generator=torch.Generator().manual_seed(1))
     s_graph, s_eager, s_cpu = gpu.new_state(B), gpu.new_state(B), cpu16.new_state(B)
+    tol = 1e-4 if dtype == "float32" else 2e-2
     for t in range(6):
         if t == 3:
             done = torch.zeros(B, dtype=torch.bool)
@@ -299,11 +303,37 @@ def test_gpu_graph_step_equals_eager_and_the_cpu(dtype):
                 s.reset(done.to(s.conv.device))
         y_graph = gpu.step(x[t].cuda(), s_graph)
         with torch.no_grad():
-            y_eager = gpu._step_eager(x[t].cuda(), s_eager)
+            y_eager = eager(x[t].cuda(), s_eager)
         y_cpu = cpu16.step(x[t], s_cpu)
         assert torch.equal(y_graph, y_eager), t
-        assert rel_err(y_graph.cpu(), y_cpu) < 1e-4, t
+        assert rel_err(y_graph.cpu(), y_cpu) < tol, t
+    assert rel_err(s_graph.ssm.cpu(), s_cpu.ssm) < tol
     y_np = gpu.step(x[0].numpy(), s_graph)  # numpy in, numpy out, through the same graph
     assert isinstance(y_np, np.ndarray) and y_np.shape == (B, 128)
+    assert rel_err(torch.from_numpy(y_np), cpu16.step(x[0], s_cpu)) < tol
     seq, _ = gpu(x.transpose(0, 1).cuda())
     assert rel_err(seq.cpu(), cpu16(x.transpose(0, 1))[0].detach()) < 1e-4
+
+
+@pytest.mark.parametrize("batch", [2, 9])  # the one-row kernels, and decode_gemm.py's step
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernel_step_equals_the_reference_step(batch, dtype):
+    """KernelStep (the language model's decode kernels; Triton's interpreter without CUDA)."""
+    pytest.importorskip("triton")
+    from fastmamba.backbone import KernelStep
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ref = make(proj_bias=True)
+    bb = Backbone(ref.config, device=device, dtype=dtype)
+    bb.load_state_dict(ref.state_dict())
+    step = KernelStep(bb, batch)
+    s_kernels, s_ref = bb.new_state(batch), bb.new_state(batch)
+    x = torch.randn(3, batch, 6, generator=torch.Generator().manual_seed(7)).to(device)
+    tol = 1e-4 if dtype == "float32" else 2e-2
+    with torch.no_grad():
+        for t in range(3):
+            assert rel_err(step(x[t], s_kernels), bb._step_eager(x[t], s_ref)) < tol, t
+        assert rel_err(s_kernels.ssm, s_ref.ssm) < tol
+        bb.layers[1].mixer.A_log.add_(0.5)  # an optimizer's in-place update: sync picks it up
+        step.sync()
+        assert rel_err(step(x[0], s_kernels), bb._step_eager(x[0], s_ref)) < tol

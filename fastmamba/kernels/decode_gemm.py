@@ -270,11 +270,15 @@ class GemmDecodeStep:
         else:
             gemm(a, weight, out)
 
-    def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, state, h: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B,) -> logits (B, V) f32; h (B, d) f32: vectors in place of the embedding
+        lookup (fastmamba.Backbone's step; tokens unused)."""
         c, w = self.model.config, self.model.weights
         R, eps, B, split, parts, pdl = c.dt_rank, c.norm_eps, self.B, self.split, self.parts, self.pdl
-        torch.index_select(w.embedding, 0, tokens, out=self.u[:B])  # u as scratch for the lookup
-        self.h.copy_(self.u[:B])
+        if h is None:
+            torch.index_select(w.embedding, 0, tokens, out=self.u[:B])  # u as scratch for the lookup
+            h = self.u[:B]
+        self.h.copy_(h)
         prev = None  # the previous layer's out_proj bias, added with its output
         for i, lw in enumerate(w.layers):
             residual_rmsnorm(self.h, self.o if i else None, prev, lw.norm_w, eps, self.u, o_parts=parts["out_proj"], u_halves=split, pdl=pdl)

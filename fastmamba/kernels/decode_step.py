@@ -786,11 +786,16 @@ class DecodeStep:
             HAS_BIAS=lw.out_proj_b is not None, BN=self.BN_out, BK=self.BK_out, BJ=self.BJ, num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),
         )
 
-    def __call__(self, tokens: torch.Tensor, state, argmax: bool = False) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, state, argmax: bool = False, h: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B,) -> logits (B, V) f32; updates `state` (conv, ssm of B slots). With
-        argmax, take_argmax must follow (it empties `best` for the next step)."""
+        argmax, take_argmax must follow (it empties `best` for the next step). h (B, d) f32:
+        vectors in place of the embedding lookup (fastmamba.Backbone's step; tokens unused)."""
         w = self.model.weights
-        self.embed(tokens)
+        if h is None:
+            self.embed(tokens)
+        else:
+            self.h[: self.B].copy_(h)
+            self.dh.zero_()
         for i, lw in enumerate(w.layers):
             self.in_proj(lw, state.conv[i])
             self.ssm_step(lw, state.ssm[i])

@@ -1,0 +1,122 @@
+"""fastmamba.Backbone on the GPU: the step at batch 1-4096 (device tensors and numpy in and
+out), the sequence pass forward and forward + backward, beside cuDNN's LSTM and GRU steps
+in CUDA graphs and the backbone's eager step. The floor at large batches: the state read
+and written once a step, at the copy rate. With --cpu: the batch-1 step on the CPU.
+
+    python benchmarks/backbone.py --json backbone.json
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from fastmamba import Backbone, BackboneConfig  # noqa: E402
+
+SHAPES = {"128x3": dict(input_dim=64, d_model=128, n_layer=3), "512x4": dict(input_dim=64, d_model=512, n_layer=4)}
+
+
+def us_per_call(fn, reps: int, sync=True) -> float:
+    for _ in range(3):
+        fn()
+    if sync:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if sync:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) / reps * 1e6
+
+
+def graphed(fn):
+    """fn captured in a CUDA graph; returns its replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def rnn_step_us(kind: str, batch: int) -> float:
+    rnn = getattr(torch.nn, kind)(64, 256, device="cuda")
+    x = torch.randn(1, batch, 64, device="cuda")
+    h = torch.zeros(1, batch, 256, device="cuda")
+    state = (h, h.clone()) if kind == "LSTM" else h
+    with torch.no_grad():
+        replay = graphed(lambda: rnn(x, state))
+        return us_per_call(replay, 200)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--json")
+    ap.add_argument("--cpu", action="store_true", help="the batch-1 step on the CPU only")
+    args = ap.parse_args()
+    rows = []
+
+    def emit(**row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    if args.cpu:
+        torch.set_num_threads(1)
+        for name, shape in SHAPES.items():
+            bb = Backbone(BackboneConfig(**shape))
+            s = bb.new_state(1)
+            x = torch.randn(1, 64)
+            emit(device="cpu", shape=name, batch=1, step_us=round(us_per_call(lambda: bb.step(x, s), 300, sync=False), 1))
+        return
+    bw = None
+    n = 2**28
+    a, b = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
+    bw = 2 * 4 * n / (us_per_call(lambda: b.copy_(a), 20) / 1e6)
+    print(f"device: {torch.cuda.get_device_name()}, copy rate {bw / 1e12:.2f} TB/s")
+    for name, shape in SHAPES.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            torch.manual_seed(0)
+            bb = Backbone(BackboneConfig(**shape), device="cuda", dtype=dtype)
+            c = bb.config
+            for batch in (1, 16, 256, 1024, 4096):
+                s = bb.new_state(batch)
+                x = torch.randn(batch, 64, device="cuda")
+                xn = x.cpu().numpy()
+                dev = us_per_call(lambda: bb.step(x, s), 200)
+                host = us_per_call(lambda: bb.step(xn, s), 200)
+                with torch.no_grad():
+                    eager = us_per_call(lambda: bb._step_eager(x, s), 50)
+                state_bytes = 2 * 4 * batch * c.n_layer * c.d_inner * (c.d_state + c.d_conv)
+                emit(shape=name, dtype=str(dtype)[6:], batch=batch, step_us=round(dev, 1), numpy_step_us=round(host, 1),
+                     eager_step_us=round(eager, 1), floor_us=round(state_bytes / bw * 1e6, 1))
+            bb._graphs.clear()
+            if dtype == torch.float32:
+                for B, T in ((16, 64), (256, 256), (1024, 64)):
+                    x = torch.randn(B, T, 64, device="cuda")
+                    with torch.no_grad():
+                        fwd = us_per_call(lambda: bb(x), 2)
+                    def fwd_bwd():
+                        y, _ = bb(x)
+                        y.sum().backward()
+                    emit(shape=name, sequence=f"{B}x{T}", forward_ms=round(fwd / 1e3, 1),
+                         forward_backward_ms=round(us_per_call(fwd_bwd, 1) / 1e3, 1))
+            del bb
+            torch.cuda.empty_cache()
+    for kind in ("LSTM", "GRU"):
+        for batch in (1, 256, 4096):
+            emit(peer=f"cuDNN {kind}(64, 256), CUDA graph", batch=batch, step_us=round(rnn_step_us(kind, batch), 1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=2))
+
+
+if __name__ == "__main__":
+    main()
