@@ -50,6 +50,24 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="random seed for sampling, 0 to 2^32-1 (default: random)")
     gen.add_argument("--threads", type=int, default=None,
                      help="CPU threads for PyTorch (default: 1, which does not collapse beside a busy neighbour)")
+    srv = commands.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API",
+        description="Serve a Mamba model over an OpenAI-compatible HTTP API (completions, chat, streaming), "
+        "with continuous batching over state slots and a prefix state cache.",
+    )
+    srv.add_argument("--model", metavar="DIR|ORG/NAME", help="checkpoint folder or hub id; default: the bundled model")
+    srv.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    srv.add_argument("--dtype", default="float32", help="storage of the weights: float32, bfloat16/bf16, float16/fp16")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    srv.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: --model)")
+    srv.add_argument("--max-batch", type=int, default=16, help="state slots: requests decoded together (default: 16)")
+    srv.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a slot; more get 429 (default: 256)")
+    srv.add_argument("--max-prompt-tokens", type=int, default=32768, help="longest prompt accepted (default: 32768)")
+    srv.add_argument("--prefill-tokens", type=int, default=512, help="prompt tokens prefilled per engine step (default: 512)")
+    srv.add_argument("--prefix-cache-mb", type=int, default=256, help="memory for cached prefix states, MiB; 0 = off (default: 256)")
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (not on /health)")
     bench = commands.add_parser(
         "bench",
         help="time GPU decode at the public model shapes (random weights)",
@@ -80,6 +98,15 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import main_from_args
 
             return main_from_args(args)
+        if args.command == "serve":
+            for flag in ("max_batch", "max_queue", "max_prompt_tokens", "prefill_tokens", "port"):
+                if getattr(args, flag) < 1:
+                    raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+            if args.prefix_cache_mb < 0:
+                raise ValueError(f"--prefix-cache-mb must be at least 0, got {args.prefix_cache_mb}")
+            from .server import serve
+
+            return serve(args)
         return _generate(args)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

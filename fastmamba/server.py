@@ -1,0 +1,490 @@
+"""`fastmamba serve`: an OpenAI-compatible HTTP API over the serving engine (scheduler.py).
+
+The asyncio side only parses, validates, queues and streams; the engine thread owns the
+model. Endpoints: POST /v1/completions, /v1/chat/completions (both with `stream`), GET
+/v1/models, /health, /metrics, POST /tokenize, /detokenize. Errors are OpenAI's bodies
+({"error": {"message", "type", "param", "code"}}): 400 for a bad field (naming it),
+malformed JSON or an over-long prompt, 401 without the API key, 404 for an unknown model,
+429 when the queue is full; never a 500 for a client's mistake.
+"""
+
+import asyncio
+import json
+import time
+import uuid
+from pathlib import Path
+
+from .scheduler import Engine, QueueFull, Request
+from .sampling import SamplingParams
+
+# A model folder with no chat template in tokenizer_config.json (the bundled one) gets this:
+# one line a message, "role: content", then "assistant:" for the reply.
+PLAIN_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+MAX_N = 16
+MAX_LOGPROBS = 20
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def metrics_registry():
+    """The engine's metrics, named as vLLM's with a `fastmamba:` prefix, in a registry of
+    their own."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    reg = CollectorRegistry()
+    latency = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
+    m = {}
+    for name, doc in [("time_to_first_token_seconds", "time from arrival to the first token"),
+                      ("inter_token_latency_seconds", "time between a request's tokens"),
+                      ("e2e_request_latency_seconds", "time from arrival to the last token"),
+                      ("request_queue_time_seconds", "time from arrival to a state slot")]:
+        m[name] = Histogram(f"fastmamba:{name}", doc, buckets=latency, registry=reg)
+    for name, doc in [("num_requests_running", "requests holding a state slot"),
+                      ("num_requests_waiting", "requests queued for a slot"),
+                      ("state_slots_used", "state slots in use")]:
+        m[name] = Gauge(f"fastmamba:{name}", doc, registry=reg)
+    for name, doc in [("prompt_tokens_total", "prompt tokens admitted"),
+                      ("generation_tokens_total", "tokens generated"),
+                      ("prefix_cache_queries_total", "prefix cache lookups"),
+                      ("prefix_cache_hits_total", "prefix cache hits"),
+                      ("request_success_total", "requests finished")]:
+        m[name] = Counter(f"fastmamba:{name[: -len('_total')]}", doc, registry=reg)
+    return reg, m
+
+
+def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_prompt_tokens: int = 32768,
+               registry=None):
+    from fastapi import FastAPI, Request as HTTPRequest
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    app = FastAPI(title="fastmamba", docs_url=None, redoc_url=None)
+    lm = engine.lm
+    template = _chat_template(lm.path)
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def api_error(_, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, e: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return JSONResponse(APIError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, e: RequestValidationError):
+        return JSONResponse(APIError(400, str(e)).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def server_error(_, e: Exception):
+        return JSONResponse(APIError(500, f"{type(e).__name__}: {e}", kind="server_error").body(), status_code=500)
+
+    @app.middleware("http")
+    async def check_key(request: HTTPRequest, call_next):
+        if api_key and request.url.path != "/health":
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                err = APIError(401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key")
+                return JSONResponse(err.body(), status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "fastmamba"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(request: HTTPRequest):
+        body = await _json(request)
+        if "messages" in body:
+            ids = _encode(lm, _render_chat(template, body["messages"]), "messages")
+        else:
+            ids = _encode(lm, _get(body, "prompt", str, required=True), "prompt")
+        return {"tokens": ids, "count": len(ids)}
+
+    @app.post("/detokenize")
+    async def detokenize(request: HTTPRequest):
+        body = await _json(request)
+        ids = _get(body, "tokens", list, required=True)
+        _check_ids(lm, ids, "tokens")
+        return {"prompt": lm.tokenizer.decode(ids) if lm.tokenizer else None}
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest):
+        body = await _json(request)
+        _check_model(body, model_name)
+        prompts = _prompts(lm, body.get("prompt"))
+        logprobs = _get(body, "logprobs", int, None, lo=0, hi=MAX_LOGPROBS)
+        echo = _get(body, "echo", bool, False)
+        return await _serve(request, body, prompts, chat=False, top_logprobs=logprobs, echo=echo, default_max=16)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: HTTPRequest):
+        body = await _json(request)
+        _check_model(body, model_name)
+        text = _render_chat(template, body.get("messages"))
+        prompts = [(text, _encode(lm, text, "messages"))]
+        top = _get(body, "top_logprobs", int, 0, lo=0, hi=MAX_LOGPROBS)
+        top_logprobs = top if _get(body, "logprobs", bool, False) else None
+        return await _serve(request, body, prompts, chat=True, top_logprobs=top_logprobs, echo=False, default_max=256)
+
+    async def _serve(request, body, prompts, chat: bool, top_logprobs, echo: bool, default_max: int):
+        n = _get(body, "n", int, 1, lo=1, hi=MAX_N)
+        stream = _get(body, "stream", bool, False)
+        opts = _get(body, "stream_options", dict, {}) or {}
+        include_usage = bool(opts.get("include_usage", False))
+        stop = _get(body, "stop", (str, list), None)
+        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if not all(isinstance(s, str) and s for s in stop):
+            raise APIError(400, "stop must be a string or a list of non-empty strings", param="stop")
+        _get(body, "user", str, None)
+        params = _sampling(body, default_max, lm.config.vocab_size)
+        for _, ids in prompts:
+            if len(ids) > max_prompt_tokens:
+                raise APIError(400, f"the prompt has {len(ids)} tokens, more than this server's limit of "
+                               f"{max_prompt_tokens} (--max-prompt-tokens)", param="prompt", code="context_length_exceeded")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        reqs = []
+        for p, (_, ids) in enumerate(prompts):
+            for k in range(n):
+                index = p * n + k
+                seed = None if params.seed is None else (params.seed + k) % 2**32
+                choice_params = params if seed == params.seed else _replace(params, seed=seed)
+
+                def emit(kind, data, index=index):
+                    loop.call_soon_threadsafe(events.put_nowait, (index, kind, data))
+
+                reqs.append(Request(ids, choice_params, emit, stop=stop, top_logprobs=top_logprobs))
+        try:
+            for r in reqs:
+                engine.submit(r)
+        except QueueFull as e:
+            for r in reqs:
+                engine.cancel(r)
+            raise APIError(429, f"the server is busy: {e}; try again later", code="rate_limit_exceeded",
+                           kind="rate_limit_error") from None
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        shape = _Shape(rid, model_name, chat, lm, [prompts[i // n][0] if echo else "" for i in range(len(reqs))])
+        if stream:
+            return StreamingResponse(_stream(request, reqs, events, shape, include_usage), media_type="text/event-stream")
+        return await _collect(request, reqs, events, shape)
+
+    async def _collect(request, reqs, events, shape):
+        done = 0
+        try:
+            while done < len(reqs):
+                try:
+                    index, kind, data = await asyncio.wait_for(events.get(), timeout=0.25)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return JSONResponse(APIError(499, "client disconnected").body(), status_code=499)
+                    continue
+                if kind == "error":
+                    raise APIError(500, f"generation failed: {data['message']}", kind="server_error")
+                shape.add(index, kind, data)
+                done += kind == "done"
+        finally:
+            for r in reqs:
+                engine.cancel(r)
+        return shape.response()
+
+    async def _stream(request, reqs, events, shape, include_usage):
+        done = 0
+        try:
+            if shape.chat:
+                for i in range(len(reqs)):
+                    yield _sse(shape.chunk(i, {"role": "assistant", "content": ""}, None, None))
+            while done < len(reqs):
+                index, kind, data = await events.get()
+                if kind == "error":
+                    yield _sse(APIError(500, f"generation failed: {data['message']}", kind="server_error").body())
+                    break
+                piece, finish, logprob = shape.add(index, kind, data)
+                if piece or finish or logprob:
+                    delta = {"content": piece} if shape.chat else piece
+                    yield _sse(shape.chunk(index, delta, finish, logprob))
+                done += kind == "done"
+            if include_usage:
+                yield _sse(shape.usage_chunk())
+            yield "data: [DONE]\n\n"
+        finally:  # a client that went away cancels its requests and frees their slots
+            for r in reqs:
+                engine.cancel(r)
+
+    return app
+
+
+class _Shape:
+    """Builds OpenAI's response and chunk bodies from the engine's events, choice by choice."""
+
+    def __init__(self, rid, model, chat, lm, echoes):
+        self.rid, self.model, self.chat, self.lm = rid, model, chat, lm
+        self.created = int(time.time())
+        self.texts = list(echoes)
+        self.first = [True] * len(echoes)
+        self.finish = [None] * len(echoes)
+        self.logprobs = [[] for _ in echoes]
+        self.usage = dict(prompt_tokens=0, completion_tokens=0, cached_tokens=0)
+
+    def add(self, index, kind, data):
+        """One event -> (text piece, finish reason, logprob entry) for a chunk."""
+        if kind == "done":
+            self.finish[index] = data["finish_reason"]
+            for key in self.usage:
+                self.usage[key] += data[key]
+            self.texts[index] += data["tail"]
+            return data["tail"], data["finish_reason"], None
+        piece = data["text"] or ""
+        out = self.texts[index] + piece if self.first[index] else piece  # echo: the prompt goes out first
+        self.texts[index] += piece
+        self.first[index] = False
+        entry = self._logprob(data) if data["logprob"] is not None else None
+        if entry is not None:
+            self.logprobs[index].append(entry)
+        return out, None, entry
+
+    def _token(self, t: int) -> str:
+        return self.lm.tokenizer.decode([t]) if self.lm.tokenizer else str(t)
+
+    def _logprob(self, data) -> dict:
+        lp = data["logprob"]
+        if self.chat:
+            def one(t, v):
+                s = self._token(t)
+                return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8", "replace"))}
+
+            return {**one(data["token"], lp["logprob"]), "top_logprobs": [one(t, v) for t, v in lp["top"]]}
+        return {"token": self._token(data["token"]), "logprob": lp["logprob"],
+                "top": {self._token(t): v for t, v in lp["top"]}}
+
+    def _choice_logprobs(self, entries):
+        if not entries:
+            return None
+        if self.chat:
+            return {"content": entries}
+        offsets, at = [], 0
+        for e in entries:
+            offsets.append(at)
+            at += len(e["token"])
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [e["top"] for e in entries], "text_offset": offsets}
+
+    def _usage(self):
+        u = self.usage
+        return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+                "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+                "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
+
+    def response(self) -> dict:
+        choices = []
+        for i, text in enumerate(self.texts):
+            c = {"index": i, "finish_reason": self.finish[i], "logprobs": self._choice_logprobs(self.logprobs[i])}
+            c.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+            choices.append(c)
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices,
+                "usage": self._usage()}
+
+    def chunk(self, index, delta, finish, logprob) -> dict:
+        c = {"index": index, "finish_reason": finish, "logprobs": self._choice_logprobs([logprob] if logprob else [])}
+        c.update({"delta": delta} if self.chat else {"text": delta})
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": [c]}
+
+    def usage_chunk(self) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": [],
+                "usage": self._usage()}
+
+
+# -- request parsing -------------------------------------------------------------------------
+
+
+async def _json(request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list", dict: "an object"}
+
+
+def _get(body: dict, name: str, kind, default=None, lo=None, hi=None, required=False):
+    """body[name], type- and range-checked; a missing or null field is `default`."""
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise APIError(400, f"'{name}' is required", param=name)
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    ok = any(isinstance(value, k) and not (k in (int, float) and isinstance(value, bool)) for k in kinds)
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        names = " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
+        raise APIError(400, f"'{name}' must be {names}, got {json.dumps(value)[:60]}", param=name)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise APIError(400, f"'{name}' must be from {lo} to {hi}, got {value}", param=name)
+    return value
+
+
+def _check_model(body: dict, served: str) -> None:
+    model = _get(body, "model", str, served)
+    if model != served:
+        raise APIError(404, f"the model '{model}' does not exist; this server serves '{served}'", param="model",
+                       code="model_not_found")
+
+
+def _sampling(body: dict, default_max: int, vocab: int) -> SamplingParams:
+    top_k = _get(body, "top_k", int, 0)
+    seed = _get(body, "seed", int, None)
+    if seed is not None and not 0 <= seed < 2**32:
+        raise APIError(400, f"'seed' must be from 0 to 2^32 - 1, got {seed}", param="seed")
+    stop_ids = _get(body, "stop_token_ids", list, None)
+    if stop_ids is not None:
+        _check_ids_vocab(stop_ids, vocab, "stop_token_ids")
+    fields = dict(
+        max_tokens=_get(body, "max_tokens", int, default_max), temperature=_get(body, "temperature", float, 1.0),
+        top_k=0 if top_k == -1 else top_k, top_p=_get(body, "top_p", float, 1.0), min_p=_get(body, "min_p", float, 0.0),
+        repetition_penalty=_get(body, "repetition_penalty", float, 1.0), seed=seed, stop_token_ids=stop_ids,
+    )
+    try:
+        return SamplingParams(**fields)
+    except ValueError as e:  # "SamplingParams.<field> ...": name the request's field
+        field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
+        raise APIError(400, str(e).replace("SamplingParams.", "", 1), param=field) from None
+
+
+def _replace(params: SamplingParams, **kw) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, **kw)
+
+
+def _check_ids_vocab(ids, vocab: int, name: str) -> None:
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+        raise APIError(400, f"'{name}' must hold token ids from 0 to {vocab - 1}", param=name)
+
+
+def _check_ids(lm, ids, name: str) -> None:
+    if not ids:
+        raise APIError(400, f"'{name}' is empty", param=name)
+    _check_ids_vocab(ids, lm.config.vocab_size, name)
+
+
+def _encode(lm, text: str, name: str) -> list[int]:
+    try:
+        ids = lm.encode(text)
+    except ValueError as e:
+        raise APIError(400, f"'{name}': {e}", param=name) from None
+    return ids
+
+
+def _prompts(lm, prompt) -> list[tuple[str, list[int]]]:
+    """(text, ids) of each prompt: a string, a list of token ids, or a list of either."""
+    if prompt is None:
+        raise APIError(400, "'prompt' is required", param="prompt")
+    if isinstance(prompt, str):
+        return [(prompt, _encode(lm, prompt, "prompt"))]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        _check_ids(lm, prompt, "prompt")
+        return [(lm.tokenizer.decode(prompt) if lm.tokenizer else "", list(prompt))]
+    if isinstance(prompt, list) and prompt and len(prompt) <= 64:
+        return [p for item in prompt for p in _prompts(lm, item)]
+    raise APIError(400, "'prompt' must be a string, a list of token ids, or a non-empty list of those (at most 64)",
+                   param="prompt")
+
+
+def _chat_template(folder):
+    """The folder's chat template (tokenizer_config.json's, as transformers renders it), or
+    the plain one; compiled in a sandbox, as transformers does."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    source, extra = PLAIN_CHAT_TEMPLATE, {}
+    cfg = Path(folder) / "tokenizer_config.json" if folder else None
+    if cfg is not None and cfg.exists():
+        try:
+            raw = json.loads(cfg.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            raw = {}
+        if isinstance(raw.get("chat_template"), str):
+            source = raw["chat_template"]
+        extra = {k: raw[k] for k in ("bos_token", "eos_token") if isinstance(raw.get(k), str)}
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(source), extra
+
+
+def _render_chat(template, messages) -> str:
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI's parts: the text ones, joined
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
+        clean.append({"role": m["role"], "content": content})
+    compiled, extra = template
+    try:
+        return compiled.render(messages=clean, add_generation_prompt=True, **extra)
+    except Exception as e:  # a template's own error (raise_exception, a role it refuses)
+        raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def serve(args) -> int:
+    """The CLI's `serve`: loads the model, starts the engine and runs uvicorn until Ctrl-C."""
+    import sys
+
+    try:
+        import uvicorn
+    except ImportError:
+        raise ValueError("serve needs the server packages: pip install 'fastmamba[serve]'") from None
+    import fastmamba
+
+    lm = fastmamba.load(args.model, device=args.device, dtype=args.dtype)
+    if lm.tokenizer is None:
+        raise ValueError(f"the model in {lm.path} has no tokenizer.json: give --model a folder with one")
+    registry, metrics = metrics_registry()
+    engine = Engine(lm, max_batch=args.max_batch, max_queue=args.max_queue, prefill_tokens=args.prefill_tokens,
+                    prefix_cache_bytes=args.prefix_cache_mb << 20, metrics=metrics).start()
+    name = args.served_model_name or (args.model or "fastmamba-default")
+    app = create_app(engine, name, api_key=args.api_key, max_prompt_tokens=args.max_prompt_tokens, registry=registry)
+    print(f"fastmamba: serving {name} on http://{args.host}:{args.port} ({lm.device}, {lm.dtype})", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,272 @@
+"""`fastmamba serve` end to end: a server subprocess on a loopback port, driven with the
+real `openai` client and plain HTTP. Every request loop is bounded in count and time."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+import fastmamba
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *flags: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "fastmamba.cli", "serve", "--port", str(self.port), *flags],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2)
+                return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(self.proc.stdout.read())
+                time.sleep(0.3)
+        raise RuntimeError("the server did not start in 90 s")
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=120, **kw)
+
+    def post(self, path: str, body, headers=None) -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def get(self, path: str) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return r.read().decode()
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--max-batch", "16", "--served-model-name", "tiny")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return fastmamba.load()
+
+
+def test_seeded_completion_equals_generate_alone(server, lm):
+    c = server.client()
+    out = c.completions.create(model="tiny", prompt="To be, or not to be", max_tokens=20, temperature=0.8, top_p=0.95, seed=5)
+    expected = lm.generate("To be, or not to be", max_tokens=20, temperature=0.8, top_p=0.95, seed=5)
+    assert out.choices[0].text == expected.text
+    assert out.usage.prompt_tokens == expected.prompt_tokens and out.usage.completion_tokens == len(expected.token_ids)
+    assert out.choices[0].finish_reason == "length" and out.id.startswith("cmpl-")
+
+
+def test_stream_equals_non_stream(server):
+    c = server.client()
+    kw = dict(model="tiny", prompt="ROMEO.", max_tokens=24, temperature=0.7, seed=9)
+    whole = c.completions.create(**kw).choices[0].text
+    chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole
+    assert chunks[-1].usage.completion_tokens == 24 and not chunks[-1].choices
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hail"}], max_tokens=12, seed=2)
+    streamed = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hail"}], max_tokens=12, seed=2, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed) == chat.choices[0].message.content
+
+
+def test_chat_uses_the_plain_template(server, lm):
+    c = server.client()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who art thou?"}]
+    out = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=16, temperature=0)
+    prompt = "system: Be brief.\nuser: Who art thou?\nassistant:"
+    assert out.choices[0].message.content == lm.generate(prompt, max_tokens=16).text
+    assert out.choices[0].message.role == "assistant" and out.object == "chat.completion"
+
+
+def test_64_concurrent_streams_each_get_what_they_get_alone(server, lm):
+    def one(seed):
+        c = server.client()
+        stream = c.completions.create(model="tiny", prompt="KING.", max_tokens=10, temperature=0.9, seed=seed, stream=True)
+        return "".join(ch.choices[0].text for ch in stream if ch.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        texts = list(pool.map(one, range(64), timeout=300))
+    for seed, text in enumerate(texts):
+        assert text == lm.generate("KING.", max_tokens=10, temperature=0.9, seed=seed).text, seed
+    assert len(set(texts)) > 32  # the seeds really differ
+
+
+def test_stop_strings_end_the_text_and_never_split_across_chunks(server, lm):
+    full = lm.generate("To be, or not to be", max_tokens=30).text  # " a king,\nAnd to the world, ..."
+    stop = full[12:16]
+    c = server.client()
+    out = c.completions.create(model="tiny", prompt="To be, or not to be", max_tokens=30, temperature=0, stop=[stop, "zzz"])
+    assert out.choices[0].text == full[: full.index(stop)] and out.choices[0].finish_reason == "stop"
+    chunks = [ch.choices[0].text for ch in c.completions.create(
+        model="tiny", prompt="To be, or not to be", max_tokens=30, temperature=0, stop=[stop], stream=True) if ch.choices]
+    assert "".join(chunks) == out.choices[0].text and all(stop not in ch for ch in chunks)
+
+
+def test_n_choices_take_consecutive_seeds(server, lm):
+    c = server.client()
+    out = c.completions.create(model="tiny", prompt="HAMLET.", max_tokens=8, temperature=1.0, seed=40, n=3)
+    assert [ch.index for ch in out.choices] == [0, 1, 2]
+    for k, ch in enumerate(out.choices):
+        assert ch.text == lm.generate("HAMLET.", max_tokens=8, temperature=1.0, seed=40 + k).text
+
+
+def test_logprobs(server):
+    c = server.client()
+    out = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                    temperature=0, logprobs=True, top_logprobs=3)
+    entries = out.choices[0].logprobs.content
+    assert len(entries) == 5 and all(len(e.top_logprobs) == 3 for e in entries)
+    for e in entries:  # greedy: the chosen token is the most likely one
+        assert e.logprob == pytest.approx(e.top_logprobs[0].logprob) and e.logprob <= 0
+    comp = c.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0, logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == 4 and len(lp.token_logprobs) == 4 and all(len(t) == 2 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == comp.choices[0].text
+
+
+def test_echo_token_prompts_and_batches(server, lm):
+    c = server.client()
+    out = c.completions.create(model="tiny", prompt="To be", max_tokens=5, temperature=0, echo=True)
+    assert out.choices[0].text == "To be" + lm.generate("To be", max_tokens=5).text
+    ids = lm.encode("To be")
+    both = c.completions.create(model="tiny", prompt=[ids, "ROMEO."], max_tokens=5, temperature=0)
+    assert [ch.text for ch in both.choices] == [lm.generate(ids, max_tokens=5).text, lm.generate("ROMEO.", max_tokens=5).text]
+
+
+def test_prefix_cache_hit_gives_the_cold_tokens(server, lm):
+    c = server.client()
+    long_prompt = "Now is the winter of our discontent made glorious summer by this sun of York. " * 16
+    assert len(lm.encode(long_prompt)) > 256
+    cold = c.completions.create(model="tiny", prompt=long_prompt, max_tokens=12, temperature=0)
+    hot = c.completions.create(model="tiny", prompt=long_prompt, max_tokens=12, temperature=0)
+    assert hot.choices[0].text == cold.choices[0].text
+    assert hot.usage.prompt_tokens_details.cached_tokens == hot.usage.prompt_tokens
+    longer = c.completions.create(model="tiny", prompt=long_prompt + "And all the clouds", max_tokens=12, temperature=0)
+    assert longer.usage.prompt_tokens_details.cached_tokens >= 256
+    assert longer.choices[0].text == lm.generate(long_prompt + "And all the clouds", max_tokens=12).text
+    metrics = server.get("/metrics")
+    assert "fastmamba:prefix_cache_hits_total" in metrics
+
+
+def test_errors_are_openai_bodies(server):
+    def expect(status, path, body, param=None, code=None):
+        got, err = server.post(path, body)
+        assert got == status, err
+        assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["message"]
+        if param:
+            assert err["error"]["param"] == param
+        if code:
+            assert err["error"]["code"] == code
+
+    expect(400, "/v1/completions", {"prompt": "x", "temperature": -1}, param="temperature")
+    expect(400, "/v1/completions", {"prompt": "x", "max_tokens": "many"}, param="max_tokens")
+    expect(400, "/v1/completions", {"prompt": "x", "top_p": 1e39}, param="top_p")
+    expect(400, "/v1/completions", {"prompt": "x", "seed": 2**40}, param="seed")
+    expect(400, "/v1/completions", {"prompt": [10**7]}, param="prompt")
+    expect(400, "/v1/completions", {"prompt": "x", "n": 100}, param="n")
+    expect(400, "/v1/completions", {}, param="prompt")
+    expect(400, "/v1/completions", b"{not json")
+    expect(400, "/v1/completions", {"prompt": "x " * 40000}, param="prompt", code="context_length_exceeded")
+    expect(400, "/v1/chat/completions", {"messages": "hi"}, param="messages")
+    expect(400, "/v1/completions", {"prompt": "x", "stop_token_ids": [10**6]}, param="stop_token_ids")
+    expect(404, "/v1/completions", {"prompt": "x", "model": "gpt-4"}, param="model", code="model_not_found")
+    expect(404, "/v1/nothing", {})
+    c = server.client()
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model="tiny", prompt="x", temperature=-2)
+    assert c.completions.create(model="tiny", prompt="x", max_tokens=2).choices  # still serving
+
+
+def test_models_tokenize_detokenize_metrics(server, lm):
+    assert [m.id for m in server.client().models.list().data] == ["tiny"]
+    status, tok = server.post("/tokenize", {"prompt": "To be, or not"})
+    assert status == 200 and tok["tokens"] == lm.encode("To be, or not") and tok["count"] == len(tok["tokens"])
+    status, detok = server.post("/detokenize", {"tokens": tok["tokens"]})
+    assert status == 200 and detok["prompt"] == "To be, or not"
+    text = server.get("/metrics")
+    for name in ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds", "num_requests_running", "num_requests_waiting", "state_slots_used",
+                 "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "request_success_total"]:
+        assert f"fastmamba:{name}" in text, name
+
+
+def running(server) -> float:
+    for line in server.get("/metrics").splitlines():
+        if line.startswith("fastmamba:num_requests_running "):
+            return float(line.split()[1])
+    raise AssertionError("no fastmamba:num_requests_running")
+
+
+def test_a_disconnect_frees_the_slot(server):
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    body = json.dumps({"prompt": "To be", "max_tokens": 10**6, "stream": True, "temperature": 0, "stop_token_ids": []})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    resp.read1(200)  # the first chunks
+    assert running(server) >= 1
+    conn.close()
+    deadline = time.time() + 30
+    while running(server) and time.time() < deadline:
+        time.sleep(0.2)
+    assert running(server) == 0
+
+
+def test_api_key_and_queue_limit():
+    s = Server("--api-key", "sesame", "--max-batch", "1", "--max-queue", "1")
+    try:
+        assert s.get("/health")  # open without the key, as load balancers expect
+        with pytest.raises(openai.AuthenticationError):
+            s.client(api_key="wrong").completions.create(model="x", prompt="a", max_tokens=1)
+        c = s.client(api_key="sesame")
+        name = c.models.list().data[0].id
+        assert c.completions.create(model=name, prompt="a", max_tokens=2).choices
+        # one request runs, one waits, the next is refused with 429
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            long = [pool.submit(c.completions.create, model=name, prompt="a", max_tokens=10**6, temperature=0,
+                                extra_body={"stop_token_ids": []}) for _ in range(2)]
+            time.sleep(1.5)
+            with pytest.raises(openai.RateLimitError):
+                c.completions.create(model=name, prompt="a", max_tokens=1)
+            s.stop()  # ends the two long requests (their errors are expected)
+            for f in long:
+                with pytest.raises(Exception):
+                    f.result(timeout=60)
+    finally:
+        s.stop()
