@@ -6,8 +6,9 @@ Each step:
    slots (a prefix-cache hit copies the cached state into the slot);
 2. prefills admitted prompts in chunks within a token budget (`prefill_tokens` a step), so
    that running streams keep their pace behind a long prompt;
-3. decodes every running request together, one token each, and samples each request's
-   token with its own parameters and random stream, exactly as `generate` would alone.
+3. decodes every running request together, one token each, on the pool's first slots in
+   place (the decoding requests are moved there), and samples each request's token with
+   its own parameters and random stream, as `generate` would alone.
 Requests talk to the caller only through their `emit` callback (tokens with their text,
 then one "done" or "error"); one request's failure never reaches another.
 """
@@ -27,6 +28,9 @@ from .model import MambaState
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, SlotParams, pick_sampler, resolve_seed
 from .tokenizer import IncrementalDecoder
+
+
+STEPS_KEPT = 16  # decode steps (one a batch size) kept with their buffers, least recently used out
 
 
 class QueueFull(Exception):
@@ -67,6 +71,7 @@ class Engine:
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="fastmamba-engine", daemon=True)
+        self._steps: dict = {}  # batch size -> decode step (GPU engine)
         self._sampling: dict[int, tuple[SlotParams, Callable, set[int], IncrementalDecoder | None, list[str]]] = {}
 
     # -- the caller's side (any thread) -----------------------------------------------------
@@ -189,21 +194,55 @@ class Engine:
             except Exception as e:
                 self._fail(r, f"{type(e).__name__}: {e}")
 
+    def _decoding(self, r: Request | None) -> bool:
+        return r is not None and not r.finished and not r.cancelled and r.last_token is not None
+
+    def _move(self, src: int, dst: int) -> None:
+        """Swaps two slots, their requests and their state rows (either may be free)."""
+        a, b = self.slots[src], self.slots[dst]
+        for t in (self.pool.conv, self.pool.ssm):
+            row = t[:, dst].clone()
+            t[:, dst] = t[:, src]
+            t[:, src] = row
+        self.slots[src], self.slots[dst] = b, a
+        for r, i in ((a, dst), (b, src)):
+            if r is not None:
+                r.slot = i
+
     def _decode(self) -> None:
-        rows = [r for r in self.slots if r is not None and not r.finished and r.last_token is not None]
-        if not rows:
+        # The decoding requests move to the first slots, so that the step runs on the
+        # pool's first d rows in place (views of it: no gather, no scatter).
+        d = sum(self._decoding(r) for r in self.slots)
+        if not d:
             return
-        idx = torch.tensor([r.slot for r in rows], device=self.model.device)
+        holes = [i for i in range(d) if not self._decoding(self.slots[i])]
+        movers = [i for i in range(d, self.max_batch) if self._decoding(self.slots[i])]
+        for hole, mover in zip(holes, movers):
+            self._move(mover, hole)
+        rows = self.slots[:d]
         tokens = torch.tensor([r.last_token for r in rows], device=self.model.device)
-        state = MambaState(self.pool.conv[:, idx], self.pool.ssm[:, idx])
-        logits = self.model.step(tokens, state)  # (B, V)
-        self.pool.conv[:, idx] = state.conv
-        self.pool.ssm[:, idx] = state.ssm
+        logits = self._step_for(d)(tokens, MambaState(self.pool.conv[:, :d], self.pool.ssm[:, :d]))  # (d, V)
         for k, r in enumerate(rows):
             try:
                 self._sample(r, logits[k : k + 1])
             except Exception as e:
                 self._fail(r, f"{type(e).__name__}: {e}")
+
+    def _step_for(self, batch: int):
+        """The decode step at this batch size: the GPU engine's decode kernels
+        (kernels/decode_step.make_decode_step, one set of buffers a batch size), or the
+        model's reference step."""
+        if self.lm.engine != "triton":
+            return self.model.step
+        step = self._steps.pop(batch, None)
+        if step is None:
+            from .kernels.decode_step import make_decode_step
+
+            step = make_decode_step(self.model, batch, self.lm.deterministic)
+            if len(self._steps) >= STEPS_KEPT:  # each holds buffers of its batch size (logits among them)
+                self._steps.pop(next(iter(self._steps)))
+        self._steps[batch] = step  # most recently used last
+        return step
 
     def _sample(self, r: Request, logits: torch.Tensor) -> None:
         """The request's next token from logits (1, V), with its text; finishes it at a stop."""

@@ -30,6 +30,7 @@ def free_port() -> int:
 class Server:
     def __init__(self, *flags: str):
         self.port = free_port()
+        self.key = flags[flags.index("--api-key") + 1] if "--api-key" in flags else None
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "fastmamba.cli", "serve", "--port", str(self.port), *flags],
@@ -58,7 +59,8 @@ class Server:
             return e.code, json.loads(e.read())
 
     def get(self, path: str) -> str:
-        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+        headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
+        with urllib.request.urlopen(urllib.request.Request(self.url + path, headers=headers), timeout=30) as r:
             return r.read().decode()
 
     def stop(self):
@@ -224,11 +226,15 @@ def test_models_tokenize_detokenize_metrics(server, lm):
         assert f"fastmamba:{name}" in text, name
 
 
-def running(server) -> float:
+def gauge(server, name: str) -> float:
     for line in server.get("/metrics").splitlines():
-        if line.startswith("fastmamba:num_requests_running "):
+        if line.startswith(f"fastmamba:{name} "):
             return float(line.split()[1])
-    raise AssertionError("no fastmamba:num_requests_running")
+    raise AssertionError(f"no fastmamba:{name}")
+
+
+def running(server) -> float:
+    return gauge(server, "num_requests_running")
 
 
 def test_a_disconnect_frees_the_slot(server):
@@ -251,7 +257,10 @@ def test_a_disconnect_frees_the_slot(server):
 def test_api_key_and_queue_limit():
     s = Server("--api-key", "sesame", "--max-batch", "1", "--max-queue", "1")
     try:
-        assert s.get("/health")  # open without the key, as load balancers expect
+        with urllib.request.urlopen(s.url + "/health", timeout=30) as r:  # open without the key,
+            assert r.status == 200  # as load balancers expect
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(s.url + "/metrics", timeout=30)
         with pytest.raises(openai.AuthenticationError):
             s.client(api_key="wrong").completions.create(model="x", prompt="a", max_tokens=1)
         c = s.client(api_key="sesame")
@@ -261,7 +270,9 @@ def test_api_key_and_queue_limit():
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             long = [pool.submit(c.completions.create, model=name, prompt="a", max_tokens=10**6, temperature=0,
                                 extra_body={"stop_token_ids": []}) for _ in range(2)]
-            time.sleep(1.5)
+            deadline = time.time() + 60
+            while (running(s), gauge(s, "num_requests_waiting")) != (1, 1) and time.time() < deadline:
+                time.sleep(0.2)
             with pytest.raises(openai.RateLimitError):
                 c.completions.create(model=name, prompt="a", max_tokens=1)
             s.stop()  # ends the two long requests (their errors are expected)
@@ -270,3 +281,4 @@ def test_api_key_and_queue_limit():
                     f.result(timeout=60)
     finally:
         s.stop()
+

@@ -1,0 +1,188 @@
+"""Serving benchmark: `fastmamba serve`'s HTTP API under load, on loopback.
+
+An in-process server (uvicorn in a thread, the engine thread beside it) over a model with
+random weights at a public shape; an asyncio load generator with streaming clients at each
+concurrency, prompts of 64-2048 tokens and outputs of 64-512 drawn from a fixed seed (token
+ids: the model has no tokenizer). Per concurrency: output tokens/s, time to first token and
+inter-token latency (p50 / p99), and the same prompts through offline `generate_batch` at
+that batch for a ratio. Then a shared-prefix workload: a 2048-token prefix, cold and cached.
+Every loop is bounded: a fixed number of requests per level, each with a timeout.
+
+    python benchmarks/serve.py --model 2.8b --json serve.json
+"""
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from fastmamba.bench import random_model  # noqa: E402
+from fastmamba.generate import LanguageModel  # noqa: E402
+from fastmamba.model import Mamba, triton_ops  # noqa: E402
+from fastmamba.sampling import SamplingParams  # noqa: E402
+from fastmamba.scheduler import Engine  # noqa: E402
+from fastmamba.server import create_app, metrics_registry  # noqa: E402
+
+
+def pct(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+async def one(client, url, prompt, max_tokens):
+    """A streaming completion: (ttft s, inter-token gaps, tokens)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": len(prompt), "stream": True,
+            "stop_token_ids": []}
+    t0 = time.perf_counter()
+    times = []
+    async with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and chunk["choices"][0]["finish_reason"] is None:
+                    times.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return times[0] - t0, gaps, len(times)
+
+
+async def level(url, jobs, concurrency):
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    async with httpx.AsyncClient(limits=limits) as client:
+        sem = asyncio.Semaphore(concurrency)
+
+        async def run(job):
+            async with sem:
+                return await one(client, url, *job)
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(run(j) for j in jobs))
+        return results, time.perf_counter() - t0
+
+
+def engine_level(engine, jobs, concurrency):
+    """The same load straight into the engine (no HTTP): `concurrency` requests in flight."""
+    from fastmamba.scheduler import Request
+
+    results, lock, slots = [], threading.Lock(), threading.Semaphore(concurrency)
+    finished = threading.Semaphore(0)
+
+    def submit(prompt, max_tokens):
+        times, t0 = [], time.perf_counter()
+
+        def emit(kind, data):
+            if kind == "token":
+                times.append(time.perf_counter())
+            else:
+                with lock:
+                    results.append((times[0] - t0, [b - a for a, b in zip(times, times[1:])], len(times)))
+                slots.release()
+                finished.release()
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=len(prompt), stop_token_ids=[])
+        engine.submit(Request(prompt, params, emit))
+
+    t0 = time.perf_counter()
+    for job in jobs:
+        slots.acquire()
+        submit(*job)
+    for _ in jobs:
+        finished.acquire(timeout=600)
+    return results, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="2.8b")
+    ap.add_argument("--levels", default="1,16,64,256")
+    ap.add_argument("--requests", type=int, default=2, help="requests per level, as a multiple of its concurrency")
+    ap.add_argument("--engine", action="store_true", help="drive the engine directly, without HTTP (no server packages)")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    base = random_model(args.model, torch.bfloat16)
+    lm = LanguageModel(Mamba(base.config, base.weights, triton_ops()), None, engine="triton")
+    V = lm.config.vocab_size
+    registry, metrics = metrics_registry()
+    engine = Engine(lm, max_batch=max(levels), max_queue=10 * max(levels), metrics=metrics).start()
+    if args.engine:
+        server, url = None, None
+
+        def run_level(jobs, c):
+            return engine_level(engine, jobs, c)
+    else:
+        app = create_app(engine, args.model, registry=registry)
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        threading.Thread(target=server.run, daemon=True).start()
+        while not server.started:
+            time.sleep(0.1)
+        url = f"http://127.0.0.1:{port}"
+
+        def run_level(jobs, c):
+            return asyncio.run(level(url, jobs, c))
+    rng = random.Random(0)
+    rows = []
+    print(f"device: {torch.cuda.get_device_name()}, model {args.model} bf16 (random weights), "
+          f"{'engine alone' if args.engine else 'HTTP'}")
+    for c in levels:
+        n = max(16, args.requests * c) if c > 1 else 8
+        jobs = [([rng.randrange(1, V) for _ in range(rng.randint(64, 2048))], rng.randint(64, 512)) for _ in range(n)]
+        results, wall = run_level(jobs, c)
+        tokens = sum(r[2] for r in results)
+        ttft = [r[0] for r in results]
+        gaps = [g for r in results for g in r[1]]
+        # offline: the same prompts through generate_batch, `c` at a time
+        t0 = time.perf_counter()
+        for i in range(0, len(jobs), c):
+            batch = jobs[i : i + c]
+            lm.generate_batch([p for p, _ in batch], [SamplingParams(max_tokens=m, temperature=0.8, seed=len(p), stop_token_ids=[])
+                                                    for p, m in batch])
+        torch.cuda.synchronize()
+        offline = tokens / (time.perf_counter() - t0)
+        row = dict(concurrency=c, requests=n, output_tokens_per_s=round(tokens / wall), offline_tokens_per_s=round(offline),
+                   ratio=round(tokens / wall / offline, 3), ttft_p50_ms=round(pct(ttft, 0.5) * 1e3, 1),
+                   ttft_p99_ms=round(pct(ttft, 0.99) * 1e3, 1), itl_p50_ms=round(pct(gaps, 0.5) * 1e3, 2),
+                   itl_p99_ms=round(pct(gaps, 0.99) * 1e3, 2), errors=0)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    # 16 clients with 512-token prompts (the TTFT target's workload)
+    jobs = [([rng.randrange(1, V) for _ in range(512)], 64) for _ in range(32)]
+    results, _ = run_level(jobs, 16)
+    row = dict(workload="16 concurrent, 512-token prompts", ttft_p50_ms=round(pct([r[0] for r in results], 0.5) * 1e3, 1))
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    # shared prefix: the first request prefills 2048 tokens, the next resume from the cache
+    prefix = [rng.randrange(1, V) for _ in range(2048)]
+    cold = run_level([(prefix + [rng.randrange(1, V) for _ in range(16)], 16)], 1)[0][0][0]
+    hits = run_level([(prefix + [rng.randrange(1, V) for _ in range(16)], 16) for _ in range(8)], 1)[0]
+    hot = statistics.median(r[0] for r in hits)
+    row = dict(workload="shared 2048-token prefix", ttft_cold_ms=round(cold * 1e3, 1), ttft_hit_ms=round(hot * 1e3, 1),
+               speedup=round(cold / hot, 1))
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    if server is not None:
+        server.should_exit = True
+    engine.shutdown()
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), model=args.model, rows=rows), indent=2))
+
+
+if __name__ == "__main__":
+    main()
