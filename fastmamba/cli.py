@@ -68,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefill-tokens", type=int, default=512, help="prompt tokens prefilled per engine step (default: 512)")
     srv.add_argument("--prefix-cache-mb", type=int, default=256, help="memory for cached prefix states, MiB; 0 = off (default: 256)")
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (not on /health)")
+    srv.add_argument("--deterministic", action="store_true",
+                     help="GPU: a request's logits bitwise the same whatever else runs (see load(deterministic=True))")
     bench = commands.add_parser(
         "bench",
         help="time GPU decode at the public model shapes (random weights)",
