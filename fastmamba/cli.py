@@ -37,10 +37,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Continue PROMPT with a Mamba model, streaming the text to stdout as it is produced.",
     )
     gen.add_argument("prompt", metavar="PROMPT", help="the text to continue")
-    gen.add_argument("--model", metavar="DIR|ORG/NAME",
-                     help="checkpoint folder (HF or original format) or a HuggingFace hub id; default: the bundled model")
-    gen.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    gen.add_argument("--dtype", default="float32", help="storage of the weights: float32, bfloat16/bf16, float16/fp16")
+    _model_arguments(gen)
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), higher = more random")
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
@@ -48,17 +45,13 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability (0 = off)")
     gen.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style penalty (1.0 = off)")
     gen.add_argument("--seed", type=int, default=None, help="random seed for sampling, 0 to 2^32-1 (default: random)")
-    gen.add_argument("--threads", type=int, default=None,
-                     help="CPU threads for PyTorch (default: 1, which does not collapse beside a busy neighbour)")
     srv = commands.add_parser(
         "serve",
         help="serve the model over an OpenAI-compatible HTTP API",
         description="Serve a Mamba model over an OpenAI-compatible HTTP API (completions, chat, streaming), "
         "with continuous batching over state slots and a prefix state cache.",
     )
-    srv.add_argument("--model", metavar="DIR|ORG/NAME", help="checkpoint folder or hub id; default: the bundled model")
-    srv.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    srv.add_argument("--dtype", default="float32", help="storage of the weights: float32, bfloat16/bf16, float16/fp16")
+    _model_arguments(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     srv.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: --model)")
@@ -78,6 +71,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_bench_arguments(bench)
     return parser
+
+
+def _model_arguments(ap: argparse.ArgumentParser) -> None:
+    """The flags that choose the model and where it runs (generate and serve)."""
+    ap.add_argument("--model", metavar="DIR|ORG/NAME",
+                    help="checkpoint folder (HF or original format) or a HuggingFace hub id; default: the bundled model")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    ap.add_argument("--dtype", default="float32", help="storage of the weights: float32, bfloat16/bf16, float16/fp16")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads for PyTorch (default: 1, which does not collapse beside a busy neighbour)")
 
 
 def add_bench_arguments(ap: argparse.ArgumentParser) -> None:
@@ -100,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import main_from_args
 
             return main_from_args(args)
+        if args.model is not None and not args.model.strip():
+            raise ValueError("--model is empty: give a checkpoint folder or a hub id org/name")
+        if args.threads is not None and args.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {args.threads}")
         if args.command == "serve":
             for flag in ("max_batch", "max_queue", "max_prompt_tokens", "prefill_tokens", "port"):
                 if getattr(args, flag) < 1:
@@ -155,10 +162,6 @@ def _prompt_text(prompt: str) -> str:
 def _generate(args) -> int:
     if sys.stdout is None:  # started with stdout closed: nowhere to write the text
         return EXIT_BROKEN_PIPE
-    if args.model is not None and not args.model.strip():
-        raise ValueError("--model is empty: give a checkpoint folder or a hub id org/name")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {args.threads}")
     prompt = _prompt_text(args.prompt)
 
     import fastmamba

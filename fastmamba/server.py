@@ -474,7 +474,8 @@ def serve(args) -> int:
         raise ValueError("serve needs the server packages: pip install 'fastmamba[serve]'") from None
     import fastmamba
 
-    lm = fastmamba.load(args.model, device=args.device, dtype=args.dtype, deterministic=args.deterministic)
+    lm = fastmamba.load(args.model, device=args.device, dtype=args.dtype, deterministic=args.deterministic,
+                        threads=args.threads)
     if lm.tokenizer is None:
         raise ValueError(f"the model in {lm.path} has no tokenizer.json: give --model a folder with one")
     registry, metrics = metrics_registry()
