@@ -49,7 +49,7 @@ class LanguageModel:
         # PyTorch's CPU threads while this model computes (restored between calls and
         # between streamed tokens): per-token products are small, and a second thread that
         # waits for a core held by another process stalls every one of them (bundled model:
-        # 105 tokens/s with one thread beside a busy process, 23 with two). 0: as PyTorch has it.
+        # 105 tokens/s with one thread beside a busy process, 28 with two). 0: as PyTorch has it.
         self.threads = 1 if threads is None else threads
         self._graph_decoders: dict[int, GraphDecoder] = {}
         self._graph_prefills: dict[tuple[int, int], GraphPrefill] = {}
