@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefill-tokens", type=int, default=512, help="prompt tokens prefilled per engine step (default: 512)")
     srv.add_argument("--prefix-cache-mb", type=int, default=256, help="memory for cached prefix states, MiB; 0 = off (default: 256)")
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (not on /health)")
+    srv.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"],
+                     help="storage of the state slots (bfloat16: half the memory; reference engine only so far)")
     srv.add_argument("--deterministic", action="store_true",
                      help="GPU: a request's logits bitwise the same whatever else runs (see load(deterministic=True))")
     bench = commands.add_parser(

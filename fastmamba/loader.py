@@ -39,6 +39,7 @@ def load(
     engine: str | None = None,
     deterministic: bool = False,
     threads: int | None = None,
+    state_dtype="float32",
 ) -> LanguageModel:
     """Loads a Mamba checkpoint folder (HF or original state-spaces format).
 
@@ -61,8 +62,15 @@ def load(
     threads: PyTorch's CPU threads while the model computes on the CPU (restored after each
     call): None means 1, which does not collapse when another process holds a core; 0
     leaves PyTorch's own setting.
+    state_dtype: "float32" (default) or "bfloat16": the dtype the conv and ssm states are
+    stored in (updates compute in float32 and round once on store); bfloat16 halves the
+    state's memory, on the reference engine for now.
     Raises CheckpointError (a ValueError) naming the file and tensor or key on bad input.
     """
+    state = {"float32": torch.float32, "bfloat16": torch.bfloat16, torch.float32: torch.float32,
+             torch.bfloat16: torch.bfloat16}.get(state_dtype)
+    if state is None:
+        raise ValueError(f"state_dtype must be 'float32' or 'bfloat16', got {state_dtype!r}")
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 0):
         raise ValueError(f"threads must be None or an integer >= 0, got {threads!r}")
     storage = parse_dtype(dtype)
@@ -88,5 +96,7 @@ def load(
                 f"{tokenizer.path}: the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
                 f"{config.vocab_size} (vocab_size in config.json)"
             )
-    model = Mamba(config, weights, triton_ops() if engine == "triton" else REFERENCE_OPS)
+    if state != torch.float32 and engine == "triton":
+        raise ValueError("state_dtype='bfloat16' runs on the reference engine only so far: pass engine='reference'")
+    model = Mamba(config, weights, triton_ops() if engine == "triton" else REFERENCE_OPS, state_dtype=state)
     return LanguageModel(model, tokenizer, folder, engine=engine, deterministic=deterministic, threads=threads)

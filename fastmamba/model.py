@@ -186,10 +186,14 @@ class Mamba:
     outside language modelling.
     """
 
-    def __init__(self, config: MambaConfig, weights: MambaWeights, ops: Ops = REFERENCE_OPS, chunk_tokens: int = 16384):
+    def __init__(self, config: MambaConfig, weights: MambaWeights, ops: Ops = REFERENCE_OPS, chunk_tokens: int = 16384,
+                 state_dtype: torch.dtype = torch.float32):
         self.config = config
         self.weights = weights
         self.ops = ops
+        # The dtype the conv and ssm states are stored in; every update computes in float32
+        # and rounds once on store (the reference ops promote a 16-bit state as they read it).
+        self.state_dtype = state_dtype
         # Prefill runs long prompts in chunks of at most this many tokens across the batch
         # (chunk_tokens // B steps a row), so activation memory stays bounded whatever the
         # prompt. Large chunks pay: each chunk is one pass of every layer's kernels, and the
@@ -202,7 +206,7 @@ class Mamba:
         return self.weights.embedding.device
 
     def new_state(self, batch: int) -> MambaState:
-        return MambaState.zeros(self.config, batch, self.device)
+        return MambaState.zeros(self.config, batch, self.device, self.state_dtype)
 
     def backbone(self, h: torch.Tensor, state: MambaState, start=None) -> torch.Tensor:
         """All layers and the final norm over T inputs: h (B, T, d) f32 -> (B, T, d) f32."""

@@ -475,7 +475,7 @@ def serve(args) -> int:
     import fastmamba
 
     lm = fastmamba.load(args.model, device=args.device, dtype=args.dtype, deterministic=args.deterministic,
-                        threads=args.threads)
+                        threads=args.threads, state_dtype=args.state_dtype)
     if lm.tokenizer is None:
         raise ValueError(f"the model in {lm.path} has no tokenizer.json: give --model a folder with one")
     registry, metrics = metrics_registry()

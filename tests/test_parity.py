@@ -120,3 +120,19 @@ def test_other_hf_layouts_load_the_same_model(layout, tmp_path, checkpoints):
     ids = random_ids(101, (1, 8), seed=7)
     same = fastmamba.load(checkpoints["odd_vocab_tied"]).forward(ids)
     assert torch.equal(fastmamba.load(folder).forward(ids), same)
+
+
+def test_bfloat16_state_is_stored_in_bf16_and_stays_close(checkpoints):
+    path = checkpoints["untied_bias_rank"]
+    f32, bf16 = fastmamba.load(path), fastmamba.load(path, state_dtype="bfloat16")
+    state = bf16.model.new_state(2)
+    assert state.conv.dtype == state.ssm.dtype == torch.bfloat16
+    ids = random_ids(97, (2, 12), seed=8)
+    ref_state = f32.model.new_state(2)
+    for t in range(12):  # each step rounds the state once on store
+        out, ref = bf16.model.step(ids[:, t], state), f32.model.step(ids[:, t], ref_state)
+        assert rel_err(out, ref) < LOW_TOL
+    assert state.ssm.dtype == torch.bfloat16 and rel_err(state.ssm.float(), ref_state.ssm) < LOW_TOL
+    assert not torch.equal(state.ssm.float(), ref_state.ssm)  # it really is rounded
+    with pytest.raises(ValueError, match="state_dtype"):
+        fastmamba.load(path, state_dtype="int8")
