@@ -1,7 +1,7 @@
 """The Mamba-1 model in pure PyTorch: the CPU engine and the oracle for the GPU kernels.
 
 One definition for every storage dtype: the large matrices stay in their storage dtype and
-are upcast per product, so every product accumulates in float32 (DESIGN §4), as do the
+are upcast per product, so every product accumulates in float32 (docs/architecture.md), as do the
 residual stream, the conv and ssm states, and the logits.
 """
 
@@ -121,7 +121,7 @@ def in_proj_dtype(weight_dtype: torch.dtype) -> torch.dtype:
     bfloat16 for bfloat16 weights: it has float32's range, so nothing overflows, and what
     these values feed is rounded to bfloat16 anyway (the conv's output, the gated y).
     float32 otherwise: float16's range could overflow on the public checkpoints'
-    magnitudes (DESIGN §4). (CPU emulation, 256-token prompts, logits' largest difference
+    magnitudes (docs/architecture.md). (CPU emulation, 256-token prompts, logits' largest difference
     over their largest: the bundled model 4.3e-3 from the float32-math reference with
     bfloat16 weights against 8.4e-3 with these rounded too; transformers' bfloat16 model
     1.1e-2. benchmarks/RESULTS.md, twenty-fifth session.)"""

@@ -189,7 +189,7 @@ def test_conv_silu_elementwise():
 
 def test_in_proj_writes_bf16_for_bf16_weights():
     """A bf16 model's in_proj writes x and z in bf16 (float32's range, nothing overflows);
-    float16 and float32 models' in float32 (float16's range could: DESIGN §4). The rounded
+    float16 and float32 models' in float32 (float16's range could: docs/architecture.md). The rounded
     output is the float32 one (plus bias) rounded once."""
     assert in_proj_dtype(torch.bfloat16) == torch.bfloat16
     assert in_proj_dtype(torch.float16) == torch.float32 and in_proj_dtype(torch.float32) == torch.float32
