@@ -14,7 +14,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from fastmamba import Backbone, BackboneConfig  # noqa: E402
@@ -77,7 +76,6 @@ def main() -> None:
             x = torch.randn(1, 64)
             emit(device="cpu", shape=name, batch=1, step_us=round(us_per_call(lambda: bb.step(x, s), 300, sync=False), 1))
         return
-    bw = None
     n = 2**28
     a, b = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
     bw = 2 * 4 * n / (us_per_call(lambda: b.copy_(a), 20) / 1e6)
@@ -109,7 +107,7 @@ def main() -> None:
                         y.sum().backward()
                     emit(shape=name, sequence=f"{B}x{T}", forward_ms=round(fwd / 1e3, 1),
                          forward_backward_ms=round(us_per_call(fwd_bwd, 1) / 1e3, 1))
-            del bb
+            bb = None  # free the parameters and graphs before the next shape
             torch.cuda.empty_cache()
     for kind in ("LSTM", "GRU"):
         for batch in (1, 256, 4096):

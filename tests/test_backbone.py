@@ -149,7 +149,7 @@ def reference64(bb: Backbone, x, conv0, ssm0, resets):
     p = {k: v.double() for k, v in bb.named_parameters()}
     h = x.double() @ p["input_proj.weight"].T + p["input_proj.bias"]
     B, T, _ = x.shape
-    E, N, R, K = c.d_inner, c.d_state, c.dt_rank, c.d_conv
+    E, N, R = c.d_inner, c.d_state, c.dt_rank
 
     def rms(v, w):
         return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + c.norm_eps) * w
