@@ -278,6 +278,8 @@ class Backbone(nn.Module):
         large matrices' storage (default: as saved)."""
         from safetensors import safe_open
 
+        from .checkpoint import one_line
+
         folder = Path(folder)
         cfg_path, weights_path = folder / "config.json", folder / "model.safetensors"
         try:
@@ -297,7 +299,7 @@ class Backbone(nn.Module):
             with safe_open(str(weights_path), framework="pt") as f:
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
         except Exception as e:  # missing, truncated or corrupt: the library's many error types
-            raise CheckpointError(f"{weights_path}: cannot read weights ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+            raise CheckpointError(f"{weights_path}: cannot read weights ({one_line(e)})") from None
         bb = cls(config, device="meta", dtype=dtype or tensors.get("layers.0.mixer.in_proj.weight", torch.empty(0)).dtype)
         expected = bb.state_dict()
         for name, t in expected.items():

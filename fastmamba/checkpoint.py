@@ -57,6 +57,11 @@ def expected_shapes(c: MambaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# The files a folder's weights may come in, in the order they are looked for.
+INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
 def inside(folder: Path, name) -> Path:
     """folder / name, refused unless it names a file inside the checkpoint folder: no
     absolute path, no '..', no symlink that leads out. The one exception is the HF cache's
@@ -79,7 +84,7 @@ def inside(folder: Path, name) -> Path:
 
 def _weight_files(folder: Path) -> list[Path]:
     """The weights files of a checkpoint folder, shards resolved through their index."""
-    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+    for index_name in INDEX_FILES:
         index = folder / index_name
         if index.exists():
             index = inside(folder, index_name)
@@ -96,7 +101,7 @@ def _weight_files(folder: Path) -> list[Path]:
                 if not f.is_file():
                     raise CheckpointError(f"{index}: shard file {f.name} is missing")
             return files
-    for name in ("model.safetensors", "pytorch_model.bin"):
+    for name in WEIGHTS_FILES:
         if (folder / name).exists():
             return [inside(folder, name)]
     raise CheckpointError(f"{folder}: no weights file (model.safetensors, pytorch_model.bin or a shard index)")
@@ -125,7 +130,7 @@ class _WeightsFile:
         except CheckpointError:
             raise
         except Exception as e:  # the libraries raise many types for truncated or corrupt files
-            raise CheckpointError(f"{path}: cannot read weights ({_one_line(e)})") from None
+            raise CheckpointError(f"{path}: cannot read weights ({one_line(e)})") from None
         for name in self.header:
             if not isinstance(name, str):
                 raise CheckpointError(f"{path}: tensor name {name!r} is not a string")
@@ -138,7 +143,7 @@ class _WeightsFile:
 
             return load_file(str(self.path))
         except Exception as e:
-            raise CheckpointError(f"{self.path}: cannot read weights ({_one_line(e)})") from None
+            raise CheckpointError(f"{self.path}: cannot read weights ({one_line(e)})") from None
 
 
 def _torch_load(path: Path):
@@ -154,7 +159,7 @@ def _torch_load(path: Path):
             return torch.load(str(path), map_location="cpu", weights_only=True)  # the legacy format
 
 
-def _one_line(e: Exception) -> str:
+def one_line(e: Exception) -> str:
     """A library's (often multi-line) error as one short line."""
     text = str(e)
     if "weights_only" in text or "GLOBAL" in text:

@@ -27,8 +27,9 @@ def is_hub_id(path) -> bool:
 
 
 def _complete(folder: Path) -> bool:
-    has_weights = any((folder / n).exists() for n in ("model.safetensors", "model.safetensors.index.json",
-                                                       "pytorch_model.bin", "pytorch_model.bin.index.json"))
+    from .checkpoint import INDEX_FILES, WEIGHTS_FILES
+
+    has_weights = any((folder / n).exists() for n in INDEX_FILES + WEIGHTS_FILES)
     return (folder / "config.json").exists() and has_weights
 
 

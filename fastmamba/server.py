@@ -9,6 +9,7 @@ malformed JSON or an over-long prompt, 401 without the API key, 404 for an unkno
 """
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -171,7 +172,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
             for k in range(n):
                 index = p * n + k
                 seed = None if params.seed is None else (params.seed + k) % 2**32
-                choice_params = params if seed == params.seed else _replace(params, seed=seed)
+                choice_params = params if seed == params.seed else dataclasses.replace(params, seed=seed)
 
                 def emit(kind, data, index=index):
                     loop.call_soon_threadsafe(events.put_nowait, (index, kind, data))
@@ -379,12 +380,6 @@ def _sampling(body: dict, default_max: int, vocab: int) -> SamplingParams:
     except ValueError as e:  # "SamplingParams.<field> ...": name the request's field
         field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
         raise APIError(400, str(e).replace("SamplingParams.", "", 1), param=field) from None
-
-
-def _replace(params: SamplingParams, **kw) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(params, **kw)
 
 
 def _check_ids_vocab(ids, vocab: int, name: str) -> None:
