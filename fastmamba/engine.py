@@ -187,3 +187,93 @@ class GraphPrefill:
         self.start.copy_(start + pad)
         self.graph.replay()
         return self.logits, self.state
+
+
+# Batch sizes the serving engine's decode graphs are captured at; a step of d running
+# requests replays the smallest bucket >= d (the rows above d are padding). Steps cost
+# about the same over a few rows more (the weights dominate the bytes), and a graph a
+# batch size up to 256 would take hundreds of captures.
+POOL_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def pool_buckets(max_batch: int) -> tuple[int, ...]:
+    """The buckets a pool of max_batch slots uses: those below it, and max_batch itself."""
+    return tuple(b for b in POOL_BUCKETS if b < max_batch) + (max_batch,)
+
+
+class PoolDecodeGraphs:
+    """The Triton decode step over the first rows of a state pool, as one CUDA graph per
+    bucket of batch sizes (the serving engine's decode).
+
+    The graphs read the token ids from `tokens` and update the pool's rows in place: the
+    requests that decode are kept in the pool's first rows, so a step needs no gather or
+    scatter of states. All graphs are captured at construction, while the pool is unused,
+    because a capture's warm-up calls run the step on the rows it captures.
+    """
+
+    def __init__(self, model: Mamba, pool: MambaState, deterministic: bool = False):
+        from .kernels.decode_step import make_decode_step
+
+        max_batch = pool.conv.shape[1]
+        self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=model.device)
+        self.buckets = pool_buckets(max_batch)
+        mempool = torch.cuda.graph_pool_handle()  # one replays at a time: they share scratch
+        self.graphs = {}
+        for b in self.buckets:
+            step = make_decode_step(model, b, deterministic)
+            rows = MambaState(pool.conv[:, :b], pool.ssm[:, :b])
+            ids = self.tokens[:b]
+            self.graphs[b] = capture_graph(lambda: step(ids, rows), mempool) + (step,)
+        pool.reset()
+
+    def bucket(self, batch: int) -> int:
+        return next(b for b in self.buckets if b >= batch)
+
+    def __call__(self, tokens: list[int]) -> torch.Tensor:
+        """Decodes rows 0..len(tokens)-1 of the pool (and the padding rows up to the
+        bucket, whose state the caller must keep aside); logits (bucket, V) f32, valid
+        until the next call."""
+        d = len(tokens)
+        self.tokens[:d].copy_(torch.tensor(tokens), non_blocking=True)
+        graph, logits, _ = self.graphs[self.bucket(d)]
+        graph.replay()
+        return logits
+
+
+class ChunkPrefillGraphs:
+    """Prefill of one slot's next tokens, continuing from its state, as CUDA graphs of
+    chunk lengths 1, 2, 4, ... up to `longest` (the serving engine's prefill).
+
+    A chunk runs as its binary pieces (200 tokens: 128 + 64 + 8), each an exact graph with
+    no padding: left padding would put zeros where the slot's last tokens belong in the
+    conv window. A slot's state is copied into the graphs' one-slot state and back.
+    """
+
+    def __init__(self, model: Mamba, longest: int):
+        self.state = model.new_state(1)
+        self.lengths = [1 << k for k in range(longest.bit_length()) if 1 << k <= longest][::-1]
+        mempool = torch.cuda.graph_pool_handle()
+        self.graphs = {}
+        for n in self.lengths:
+            ids = torch.zeros(1, n, dtype=torch.int64, device=model.device)
+
+            def body(ids=ids):
+                return model.prefill(ids, self.state, last_only=True)
+
+            self.graphs[n] = (ids,) + capture_graph(body, mempool)
+
+    def __call__(self, ids: torch.Tensor, slot: MambaState) -> torch.Tensor:
+        """ids (1, T) -> logits (1, V) after the last, valid until the next call; updates
+        `slot` (one slot's state, (L, 1, ...))."""
+        self.state.conv.copy_(slot.conv)
+        self.state.ssm.copy_(slot.ssm)
+        at, logits = 0, None
+        for n in self.lengths:
+            while ids.shape[1] - at >= n:
+                buf, graph, logits = self.graphs[n]
+                buf.copy_(ids[:, at : at + n])
+                graph.replay()
+                at += n
+        slot.conv.copy_(self.state.conv)
+        slot.ssm.copy_(self.state.ssm)
+        return logits

@@ -136,6 +136,10 @@ class SlotParams:
             seen=torch.zeros(batch, vocab, dtype=torch.bool, device=device),
         )
 
+    def rows(self, start: int, stop: int) -> "SlotParams":
+        """Slots start..stop-1 as views: sampling through them updates these slots."""
+        return SlotParams(**{f.name: getattr(self, f.name)[start:stop] for f in fields(self)})
+
     def set_slots(self, requests) -> None:
         """Configures slots 0, 1, ... from (params, seed, prompt_ids) per request."""
         for i, (params, seed, prompt_ids) in enumerate(requests):

@@ -7,8 +7,11 @@ Each step:
 2. prefills admitted prompts in chunks within a token budget (`prefill_tokens` a step), so
    that running streams keep their pace behind a long prompt;
 3. decodes every running request together, one token each, on the pool's first slots in
-   place (the decoding requests are moved there), and samples each request's token with
-   its own parameters and random stream, as `generate` would alone.
+   place (the decoding requests are moved there), and samples every request's token in one
+   call, each with its own parameters and random stream, as `generate` would alone.
+On the GPU engine the decode step and the prefill chunks replay CUDA graphs captured when
+the engine is built (engine.PoolDecodeGraphs, engine.ChunkPrefillGraphs): launched from
+Python, a 2.8b step is hundreds of kernel launches, which cost more than the GPU's work.
 Requests talk to the caller only through their `emit` callback (tokens with their text,
 then one "done" or "error"); one request's failure never reaches another.
 """
@@ -19,7 +22,7 @@ import itertools
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch
@@ -28,9 +31,6 @@ from .model import MambaState
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, SlotParams, pick_sampler, resolve_seed
 from .tokenizer import IncrementalDecoder
-
-
-STEPS_KEPT = 16  # decode steps (one a batch size) kept with their buffers, least recently used out
 
 
 class QueueFull(Exception):
@@ -67,12 +67,18 @@ class Engine:
         self.metrics = metrics
         self.pool = self.model.new_state(max_batch)  # one slot a running request
         self.slots: list[Request | None] = [None] * max_batch
+        self.slot_params = SlotParams.empty(max_batch, self.model.config.vocab_size, self.model.device)
         self.waiting: queue.Queue[Request] = queue.Queue()
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="fastmamba-engine", daemon=True)
-        self._steps: dict = {}  # batch size -> decode step (GPU engine)
-        self._sampling: dict[int, tuple[SlotParams, Callable, set[int], IncrementalDecoder | None, list[str]]] = {}
+        self._sampling: dict[int, tuple[set[int], IncrementalDecoder | None, list[str]]] = {}
+        self.decode_graphs = self.prefill_graphs = None
+        if lm.engine == "triton":
+            from .engine import ChunkPrefillGraphs, PoolDecodeGraphs
+
+            self.decode_graphs = PoolDecodeGraphs(self.model, self.pool, lm.deterministic)
+            self.prefill_graphs = ChunkPrefillGraphs(self.model, self.cache.interval)
 
     # -- the caller's side (any thread) -----------------------------------------------------
 
@@ -136,7 +142,9 @@ class Engine:
             r = self.waiting.get()
             if r.cancelled:
                 continue
-            i = self.slots.index(None)
+            # new requests take the highest free slot: the decoding ones gather at the
+            # lowest, so the padding rows of a decode bucket are rarely anyone's
+            i = max(k for k, s in enumerate(self.slots) if s is None)
             r.slot = i
             self.slots[i] = r
             self._gauges()
@@ -148,13 +156,10 @@ class Engine:
 
     def _begin(self, r: Request) -> None:
         params = r.params
-        V = self.model.config.vocab_size
-        slot_params = SlotParams.empty(1, V, self.model.device)
-        slot_params.set_slot(0, params, resolve_seed(params.seed), r.ids)
-        sampler = pick_sampler([params], self.lm.engine == "triton")
+        self.slot_params.set_slot(r.slot, params, resolve_seed(params.seed), r.ids)
         stops = set(params.stop_token_ids) if params.stop_token_ids is not None else {self.model.config.eos_token_id}
         decoder = IncrementalDecoder(self.lm.tokenizer) if self.lm.tokenizer else None
-        self._sampling[r.id] = (slot_params, sampler, stops, decoder, [""])
+        self._sampling[r.id] = (stops, decoder, [""])
         self._count("prompt_tokens_total", len(r.ids))
         self.pool.reset(r.slot)
         self._count("prefix_cache_queries_total")
@@ -165,45 +170,49 @@ class Engine:
             self.pool.ssm[:, r.slot : r.slot + 1].copy_(hit.ssm)
             r.pos = r.cached_tokens = n
             if n == len(r.ids):
-                self._sample(r, hit.logits[None])
+                self._sample_one(r, hit.logits[None])
 
     def _slot_state(self, i: int) -> MambaState:
         return MambaState(self.pool.conv[:, i : i + 1], self.pool.ssm[:, i : i + 1])
 
     def _prefill(self) -> None:
         budget = self.prefill_tokens
-        for r in list(self.slots):
-            if budget <= 0:
-                break
-            if r is None or r.finished or r.pos >= len(r.ids):
-                continue
+        # oldest first, each as far as the budget goes: the earliest request's first token comes first
+        for r in sorted((r for r in self.slots if r is not None), key=lambda r: r.arrived):
             try:
-                # chunks end on the cache's interval grid, so a prefix hit resumes exactly
-                # where a cold prefill would cut
-                grid = (r.pos // self.cache.interval + 1) * self.cache.interval
-                end = min(len(r.ids), r.pos + budget, grid)
-                chunk = torch.tensor([r.ids[r.pos : end]], device=self.model.device)
-                view = self._slot_state(r.slot)
-                logits = self.model.prefill(chunk, view, last_only=True)  # (1, V)
-                budget -= end - r.pos
-                r.pos = end
-                if end == len(r.ids) or end % self.cache.interval == 0:
-                    self.cache.store(r.ids[:end], view.conv, view.ssm, logits[0])
-                if end == len(r.ids):
-                    self._sample(r, logits)
+                while budget > 0 and not r.finished and r.pos < len(r.ids):
+                    # chunks end on the cache's interval grid, so a prefix hit resumes exactly
+                    # where a cold prefill would cut
+                    grid = (r.pos // self.cache.interval + 1) * self.cache.interval
+                    end = min(len(r.ids), r.pos + budget, grid)
+                    chunk = torch.tensor([r.ids[r.pos : end]], device=self.model.device)
+                    view = self._slot_state(r.slot)
+                    if self.prefill_graphs is not None:
+                        logits = self.prefill_graphs(chunk, view)  # (1, V)
+                    else:
+                        logits = self.model.prefill(chunk, view, last_only=True)
+                    budget -= end - r.pos
+                    r.pos = end
+                    if end == len(r.ids) or end % self.cache.interval == 0:
+                        self.cache.store(r.ids[:end], view.conv, view.ssm, logits[0])
+                    if end == len(r.ids):
+                        self._sample_one(r, logits)
             except Exception as e:
                 self._fail(r, f"{type(e).__name__}: {e}")
+            if budget <= 0:
+                break
 
     def _decoding(self, r: Request | None) -> bool:
         return r is not None and not r.finished and not r.cancelled and r.last_token is not None
 
     def _move(self, src: int, dst: int) -> None:
-        """Swaps two slots, their requests and their state rows (either may be free)."""
+        """Swaps two slots: their requests, state rows and sampling rows (either may be free)."""
         a, b = self.slots[src], self.slots[dst]
         for t in (self.pool.conv, self.pool.ssm):
-            row = t[:, dst].clone()
-            t[:, dst] = t[:, src]
-            t[:, src] = row
+            _swap(t[:, src], t[:, dst])
+        for f in fields(self.slot_params):
+            t = getattr(self.slot_params, f.name)
+            _swap(t[src], t[dst])
         self.slots[src], self.slots[dst] = b, a
         for r, i in ((a, dst), (b, src)):
             if r is not None:
@@ -220,34 +229,36 @@ class Engine:
         for hole, mover in zip(holes, movers):
             self._move(mover, hole)
         rows = self.slots[:d]
-        tokens = torch.tensor([r.last_token for r in rows], device=self.model.device)
-        logits = self._step_for(d)(tokens, MambaState(self.pool.conv[:, :d], self.pool.ssm[:, :d]))  # (d, V)
+        last = [r.last_token for r in rows]
+        if self.decode_graphs is None:
+            logits = self.model.step(torch.tensor(last, device=self.model.device),
+                                     MambaState(self.pool.conv[:, :d], self.pool.ssm[:, :d]))
+        else:
+            # the rows between d and the bucket are padding: keep aside any that hold a
+            # request still prefilling
+            bucket = self.decode_graphs.bucket(d)
+            kept = [(i, self.pool.conv[:, i].clone(), self.pool.ssm[:, i].clone())
+                    for i in range(d, bucket) if self.slots[i] is not None]
+            logits = self.decode_graphs(last)
+            for i, conv, ssm in kept:
+                self.pool.conv[:, i].copy_(conv)
+                self.pool.ssm[:, i].copy_(ssm)
+        sampler = pick_sampler([r.params for r in rows], self.lm.engine == "triton")
+        tokens = sampler(logits[:d], self.slot_params.rows(0, d)).tolist()  # the step's one wait
         for k, r in enumerate(rows):
             try:
-                self._sample(r, logits[k : k + 1])
+                self._accept(r, tokens[k], logits[k])
             except Exception as e:
                 self._fail(r, f"{type(e).__name__}: {e}")
 
-    def _step_for(self, batch: int):
-        """The decode step at this batch size: the GPU engine's decode kernels
-        (kernels/decode_step.make_decode_step, one set of buffers a batch size), or the
-        model's reference step."""
-        if self.lm.engine != "triton":
-            return self.model.step
-        step = self._steps.pop(batch, None)
-        if step is None:
-            from .kernels.decode_step import make_decode_step
+    def _sample_one(self, r: Request, logits: torch.Tensor) -> None:
+        """The first token of a request whose prompt is prefilled, from logits (1, V)."""
+        sampler = pick_sampler([r.params], self.lm.engine == "triton")
+        self._accept(r, int(sampler(logits, self.slot_params.rows(r.slot, r.slot + 1))[0]), logits[0])
 
-            step = make_decode_step(self.model, batch, self.lm.deterministic)
-            if len(self._steps) >= STEPS_KEPT:  # each holds buffers of its batch size (logits among them)
-                self._steps.pop(next(iter(self._steps)))
-        self._steps[batch] = step  # most recently used last
-        return step
-
-    def _sample(self, r: Request, logits: torch.Tensor) -> None:
-        """The request's next token from logits (1, V), with its text; finishes it at a stop."""
-        slot_params, sampler, stops, decoder, held = self._sampling[r.id]
-        token = int(sampler(logits, slot_params)[0])
+    def _accept(self, r: Request, token: int, logits: torch.Tensor) -> None:
+        """The request's sampled token (from logits (V,)), with its text; finishes it at a stop."""
+        stops, decoder, held = self._sampling[r.id]
         now = time.perf_counter()
         if r.first_token_at is None:
             r.first_token_at = now
@@ -260,7 +271,7 @@ class Engine:
             return self._finish(r, "stop")
         r.generated += 1
         self._count("generation_tokens_total")
-        logprob = self._logprobs(logits[0], token, r.top_logprobs) if r.top_logprobs is not None else None
+        logprob = self._logprobs(logits, token, r.top_logprobs) if r.top_logprobs is not None else None
         text = decoder.push(token) if decoder else None
         if text is not None and r.stop:
             text, hit = _hold_stop(held, text, r.stop)
@@ -279,7 +290,7 @@ class Engine:
     def _finish(self, r: Request, reason: str, at_stop_string: bool = False) -> None:
         if r.finished:
             return
-        _, _, _, decoder, held = self._sampling[r.id]
+        _, decoder, held = self._sampling[r.id]
         # the text still held back: a stop string's possible start, a character's first bytes
         tail = "" if at_stop_string else held[0] + (decoder.flush() if decoder else "")
         r.finished = True
@@ -312,6 +323,12 @@ class Engine:
     def _gauge(self, name: str, value: int) -> None:
         if self.metrics is not None:
             self.metrics[name].set(value)
+
+
+def _swap(a: torch.Tensor, b: torch.Tensor) -> None:
+    row = a.clone()
+    a.copy_(b)
+    b.copy_(row)
 
 
 def _hold_stop(held: list[str], text: str, stops: tuple[str, ...]) -> tuple[str, bool]:

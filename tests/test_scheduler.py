@@ -40,3 +40,27 @@ def test_the_engine_on_the_gpu_generates_what_generate_does_alone(text_checkpoin
             assert outs[k] == lm.generate(ids, params).token_ids, k
     finally:
         engine.shutdown()
+
+
+@pytest.mark.gpu
+def test_chunk_prefill_graphs_continue_a_slot_as_the_eager_prefill_does(text_checkpoint):
+    """The serving engine's prefill graphs (binary pieces, state copied in and out) against
+    the model's own prefill over the same chunk, from the same non-zero state."""
+    import torch
+
+    from fastmamba.engine import ChunkPrefillGraphs
+
+    lm = fastmamba.load(text_checkpoint, device="cuda")
+    model = lm.model
+    graphs = ChunkPrefillGraphs(model, 64)
+    ids = torch.randint(1, model.config.vocab_size, (1, 40 + 77), device="cuda")
+    with torch.inference_mode():
+        eager, slot = model.new_state(1), model.new_state(1)
+        model.prefill(ids[:, :40], eager)
+        slot.conv.copy_(eager.conv)
+        slot.ssm.copy_(eager.ssm)
+        want = model.prefill(ids[:, 40:], eager, last_only=True)
+        got = graphs(ids[:, 40:], slot).clone()  # 77 = 64 + 8 + 4 + 1
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(slot.ssm, eager.ssm, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(slot.conv, eager.conv, rtol=1e-4, atol=1e-4)
