@@ -46,12 +46,15 @@ async def one(client, url, prompt, max_tokens):
     t0 = time.perf_counter()
     times = []
     async with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
-        if r.status_code != 200:
+        if r.status_code != 200:  # an error body, reported and counted
             print("error:", r.status_code, (await r.aread())[:200], flush=True)
             return float("nan"), [], -1
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
                 chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    print("error:", chunk["error"], flush=True)
+                    return float("nan"), [], -1
                 if chunk.get("choices") and chunk["choices"][0]["finish_reason"] is None:
                     times.append(time.perf_counter())
     gaps = [b - a for a, b in zip(times, times[1:])]
@@ -112,11 +115,15 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2, help="requests per level, as a multiple of its concurrency")
     ap.add_argument("--prefill-tokens", type=int, default=512, help="the engine's prefill budget a step")
     ap.add_argument("--engine", action="store_true", help="drive the engine directly, without HTTP (no server packages)")
+    ap.add_argument("--cpu", action="store_true", help="a smoke run on the CPU's reference engine (use a small --model)")
     ap.add_argument("--json")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
-    base = random_model(args.model, torch.bfloat16)
-    lm = LanguageModel(Mamba(base.config, base.weights, triton_ops()), None, engine="triton")
+    if args.cpu:
+        lm = LanguageModel(random_model(args.model, torch.float32, device="cpu"), None, engine="reference")
+    else:
+        base = random_model(args.model, torch.bfloat16)
+        lm = LanguageModel(Mamba(base.config, base.weights, triton_ops()), None, engine="triton")
     V = lm.config.vocab_size
     registry, metrics = metrics_registry()
     t0 = time.perf_counter()
@@ -145,7 +152,8 @@ def main() -> None:
             return asyncio.run(level(url, jobs, c))
     rng = random.Random(0)
     rows = []
-    print(f"device: {torch.cuda.get_device_name()}, model {args.model} bf16 (random weights), "
+    device = "CPU" if args.cpu else torch.cuda.get_device_name()
+    print(f"device: {device}, model {args.model} {lm.model.weights.embedding.dtype} (random weights), "
           f"{'engine alone' if args.engine else 'HTTP'}")
     for c in levels:
         n = max(16, args.requests * c) if c > 1 else 8
@@ -157,7 +165,7 @@ def main() -> None:
         ttft = [r[0] for r in results if r[2] > 0]
         # the decode step alone at this batch (graph-replayed, sampling included): the
         # inter-token latency's yardstick
-        step_ms = time_graph_steps(lm.model, c, params=SamplingParams(temperature=0.8))
+        step_ms = float("nan") if args.cpu else time_graph_steps(lm.model, c, params=SamplingParams(temperature=0.8))
         gaps = [g for r in results for g in r[1]]
         # offline: the same prompts through generate_batch, `c` at a time
         t0 = time.perf_counter()
@@ -165,7 +173,8 @@ def main() -> None:
             batch = jobs[i : i + c]
             lm.generate_batch([p for p, _ in batch], [SamplingParams(max_tokens=m, temperature=0.8, seed=len(p), stop_token_ids=[])
                                                     for p, m in batch])
-        torch.cuda.synchronize()
+        if not args.cpu:
+            torch.cuda.synchronize()
         offline = tokens / (time.perf_counter() - t0)
         row = dict(concurrency=c, requests=n, prefill_tokens=args.prefill_tokens, output_tokens_per_s=round(tokens / wall), offline_tokens_per_s=round(offline),
                    ratio=round(tokens / wall / offline, 3), ttft_p50_ms=round(pct(ttft, 0.5) * 1e3, 1),
@@ -193,7 +202,7 @@ def main() -> None:
         server.should_exit = True
     engine.shutdown()
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), model=args.model, rows=rows), indent=2))
+        Path(args.json).write_text(json.dumps(dict(device=device, model=args.model, rows=rows), indent=2))
 
 
 if __name__ == "__main__":

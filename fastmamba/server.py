@@ -223,7 +223,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
                     yield _sse(APIError(500, f"generation failed: {data['message']}", kind="server_error").body())
                     break
                 piece, finish, logprob = shape.add(index, kind, data)
-                if piece or finish or logprob:
+                # a chunk for every token, its text empty where the token ends no character
+                # (or the model has no tokenizer): clients count and time tokens by chunks
+                if kind == "token" or piece or finish:
                     delta = {"content": piece} if shape.chat else piece
                     yield _sse(shape.chunk(index, delta, finish, logprob))
                 done += kind == "done"
