@@ -1,7 +1,8 @@
 """Serving benchmark: `fastmamba serve`'s HTTP API under load, on loopback.
 
 An in-process server (uvicorn in a thread, the engine thread beside it) over a model with
-random weights at a public shape; an asyncio load generator with streaming clients at each
+random weights at a public shape; an asyncio load generator (in processes of its own, so
+that it does not share the server's interpreter lock) with streaming clients at each
 concurrency, prompts of 64-2048 tokens and outputs of 64-512 drawn from a fixed seed (token
 ids: the model has no tokenizer). Per concurrency: output tokens/s, time to first token and
 inter-token latency (p50 / p99), and the same prompts through offline `generate_batch` at
@@ -77,6 +78,27 @@ async def level(url, jobs, concurrency):
         return results, time.perf_counter() - t0
 
 
+def client_level(url, jobs, concurrency):
+    """level() in a process of its own (the load generator must not share the server's
+    interpreter lock): returns (results, wall s)."""
+    return asyncio.run(level(url, jobs, concurrency))
+
+
+def http_level(clients, url, jobs, concurrency):
+    """The load split over the client processes, each with its share of the concurrency;
+    results in the jobs' order."""
+    n = min(len(clients), concurrency)
+    shares = [list(range(k, len(jobs), n)) for k in range(n)]
+    t0 = time.perf_counter()
+    futures = [clients[k].submit(client_level, url, [jobs[i] for i in share], concurrency // n + (k < concurrency % n))
+               for k, share in enumerate(shares)]
+    results = [None] * len(jobs)
+    for share, f in zip(shares, futures):
+        for i, r in zip(share, f.result()[0]):
+            results[i] = r
+    return results, time.perf_counter() - t0
+
+
 def engine_level(engine, jobs, concurrency):
     """The same load straight into the engine (no HTTP): `concurrency` requests in flight."""
     from fastmamba.scheduler import Request
@@ -113,12 +135,16 @@ def main() -> None:
     ap.add_argument("--model", default="2.8b")
     ap.add_argument("--levels", default="1,16,64,256")
     ap.add_argument("--requests", type=int, default=2, help="requests per level, as a multiple of its concurrency")
-    ap.add_argument("--prefill-tokens", type=int, default=512, help="the engine's prefill budget a step")
+    ap.add_argument("--prompts", default="64,2048", help="prompt lengths drawn from this range")
+    ap.add_argument("--outputs", default="64,512", help="output lengths drawn from this range")
+    ap.add_argument("--clients", type=int, default=4, help="load generator processes")
+    ap.add_argument("--prefill-tokens", type=int, default=1024, help="the engine's prefill budget a step")
     ap.add_argument("--engine", action="store_true", help="drive the engine directly, without HTTP (no server packages)")
     ap.add_argument("--cpu", action="store_true", help="a smoke run on the CPU's reference engine (use a small --model)")
     ap.add_argument("--json")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
+    prompts, outputs = ([int(x) for x in a.split(",")] for a in (args.prompts, args.outputs))
     if args.cpu:
         lm = LanguageModel(random_model(args.model, torch.float32, device="cpu"), None, engine="reference")
     else:
@@ -148,8 +174,16 @@ def main() -> None:
             time.sleep(0.1)
         url = f"http://127.0.0.1:{port}"
 
+        import concurrent.futures
+        import multiprocessing
+
+        spawn = multiprocessing.get_context("spawn")
+        clients = [concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) for _ in range(args.clients)]
+        for pool in clients:  # started before any timing
+            pool.submit(int).result()
+
         def run_level(jobs, c):
-            return asyncio.run(level(url, jobs, c))
+            return http_level(clients, url, jobs, c)
     rng = random.Random(0)
     rows = []
     device = "CPU" if args.cpu else torch.cuda.get_device_name()
@@ -157,7 +191,7 @@ def main() -> None:
           f"{'engine alone' if args.engine else 'HTTP'}")
     for c in levels:
         n = max(16, args.requests * c) if c > 1 else 8
-        jobs = [([rng.randrange(1, V) for _ in range(rng.randint(64, 2048))], rng.randint(64, 512)) for _ in range(n)]
+        jobs = [([rng.randrange(1, V) for _ in range(rng.randint(*prompts))], rng.randint(*outputs)) for _ in range(n)]
         results, wall = run_level(jobs, c)
         # no stop tokens: every request must bring exactly its max_tokens
         lost = sum(r[2] != m for r, (_, m) in zip(results, jobs))

@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-batch", type=int, default=16, help="state slots: requests decoded together (default: 16)")
     srv.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a slot; more get 429 (default: 256)")
     srv.add_argument("--max-prompt-tokens", type=int, default=32768, help="longest prompt accepted (default: 32768)")
-    srv.add_argument("--prefill-tokens", type=int, default=512, help="prompt tokens prefilled per engine step (default: 512)")
+    srv.add_argument("--prefill-tokens", type=int, default=1024, help="prompt tokens prefilled per engine step (default: 1024)")
     srv.add_argument("--prefix-cache-mb", type=int, default=256, help="memory for cached prefix states, MiB; 0 = off (default: 256)")
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (not on /health)")
     srv.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"],

@@ -26,10 +26,16 @@ class CachedState:
         return sum(t.numel() * t.element_size() for t in (self.conv, self.ssm, self.logits))
 
 
+# The serving engine's prefill chunks end on this grid, so that a prefix hit resumes
+# where a cold prefill cuts; 512 because a 2.8b prefill runs at ~21 µs a token in
+# 512-token chunks against ~33 in 256-token ones (H200, bf16).
+INTERVAL = 512
+
+
 class PrefixCache:
     """Token prefixes -> CachedState, LRU under `budget_bytes` (0 turns it off)."""
 
-    def __init__(self, budget_bytes: int, interval: int = 256):
+    def __init__(self, budget_bytes: int, interval: int = INTERVAL):
         self.budget = budget_bytes
         self.interval = interval  # inside long prompts, a state is kept every this many tokens
         self._entries: OrderedDict[tuple[int, ...], CachedState] = OrderedDict()

@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from .engine import HostTokens
 from .model import MambaState
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, SlotParams, pick_sampler, resolve_seed
@@ -59,7 +60,7 @@ class Request:
 
 
 class Engine:
-    def __init__(self, lm, max_batch: int = 16, max_queue: int = 256, prefill_tokens: int = 512,
+    def __init__(self, lm, max_batch: int = 16, max_queue: int = 256, prefill_tokens: int = 1024,
                  prefix_cache_bytes: int = 256 << 20, metrics=None):
         self.lm, self.model = lm, lm.model
         self.max_batch, self.max_queue, self.prefill_tokens = max_batch, max_queue, prefill_tokens
@@ -244,7 +245,9 @@ class Engine:
                 self.pool.conv[:, i].copy_(conv)
                 self.pool.ssm[:, i].copy_(ssm)
         sampler = pick_sampler([r.params for r in rows], self.lm.engine == "triton")
-        tokens = sampler(logits[:d], self.slot_params.rows(0, d)).tolist()  # the step's one wait
+        # the step's one wait, on an event, which lets the HTTP side run meanwhile (a wait
+        # inside .tolist() would hold the interpreter's lock until the GPU is done)
+        tokens = HostTokens(sampler(logits[:d], self.slot_params.rows(0, d))).tolist()
         for k, r in enumerate(rows):
             try:
                 self._accept(r, tokens[k], logits[k])

@@ -170,14 +170,16 @@ def test_echo_token_prompts_and_batches(server, lm):
 
 def test_prefix_cache_hit_gives_the_cold_tokens(server, lm):
     c = server.client()
-    long_prompt = "Now is the winter of our discontent made glorious summer by this sun of York. " * 16
-    assert len(lm.encode(long_prompt)) > 256
+    from fastmamba.prefix_cache import INTERVAL
+
+    long_prompt = "Now is the winter of our discontent made glorious summer by this sun of York. " * 32
+    assert len(lm.encode(long_prompt)) > INTERVAL
     cold = c.completions.create(model="tiny", prompt=long_prompt, max_tokens=12, temperature=0)
     hot = c.completions.create(model="tiny", prompt=long_prompt, max_tokens=12, temperature=0)
     assert hot.choices[0].text == cold.choices[0].text
     assert hot.usage.prompt_tokens_details.cached_tokens == hot.usage.prompt_tokens
     longer = c.completions.create(model="tiny", prompt=long_prompt + "And all the clouds", max_tokens=12, temperature=0)
-    assert longer.usage.prompt_tokens_details.cached_tokens >= 256
+    assert longer.usage.prompt_tokens_details.cached_tokens >= INTERVAL
     assert longer.choices[0].text == lm.generate(long_prompt + "And all the clouds", max_tokens=12).text
     metrics = server.get("/metrics")
     assert "fastmamba:prefix_cache_hits_total" in metrics
