@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field, fields
@@ -84,6 +85,9 @@ class Engine:
     # -- the caller's side (any thread) -----------------------------------------------------
 
     def start(self) -> "Engine":
+        # The engine thread shares the interpreter with the HTTP side; at Python's default
+        # 5 ms switch interval a step ready to launch could wait that long for the lock.
+        sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
         self._thread.start()
         return self
 

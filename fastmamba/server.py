@@ -11,6 +11,7 @@ malformed JSON or an over-long prompt, 401 without the API key, 404 for an unkno
 import asyncio
 import dataclasses
 import json
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -165,7 +166,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
             if len(ids) > max_prompt_tokens:
                 raise APIError(400, f"the prompt has {len(ids)} tokens, more than this server's limit of "
                                f"{max_prompt_tokens} (--max-prompt-tokens)", param="prompt", code="context_length_exceeded")
-        loop = asyncio.get_running_loop()
+        mailbox = _mailbox(app)
         events: asyncio.Queue = asyncio.Queue()
         reqs = []
         for p, (_, ids) in enumerate(prompts):
@@ -175,7 +176,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
                 choice_params = params if seed == params.seed else dataclasses.replace(params, seed=seed)
 
                 def emit(kind, data, index=index):
-                    loop.call_soon_threadsafe(events.put_nowait, (index, kind, data))
+                    mailbox.put(events, (index, kind, data))
 
                 reqs.append(Request(ids, choice_params, emit, stop=stop, top_logprobs=top_logprobs))
         try:
@@ -237,6 +238,37 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
                 engine.cancel(r)
 
     return app
+
+
+class _Mailbox:
+    """Events from the engine thread to the event loop: one wake-up of the loop for all the
+    events the engine sends in a burst (a decode step's tokens), not one a token."""
+
+    def __init__(self, loop):
+        self.loop, self.items, self.lock, self.pending = loop, [], threading.Lock(), False
+
+    def put(self, events: asyncio.Queue, item) -> None:
+        with self.lock:
+            self.items.append((events, item))
+            if self.pending:
+                return
+            self.pending = True
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self.lock:
+            items, self.items, self.pending = self.items, [], False
+        for events, item in items:
+            events.put_nowait(item)
+
+
+def _mailbox(app) -> _Mailbox:
+    """The app's mailbox on the running event loop (made at the first request)."""
+    loop = asyncio.get_running_loop()
+    box = getattr(app.state, "mailbox", None)
+    if box is None or box.loop is not loop:
+        box = app.state.mailbox = _Mailbox(loop)
+    return box
 
 
 class _Shape:
