@@ -22,6 +22,7 @@ import triton.language as tl  # noqa: E402
 
 from fastmamba.bench import time_graph_launches  # noqa: E402
 from fastmamba.kernels import decode_gemm as dg  # noqa: E402
+from fastmamba.kernels import products  # noqa: E402
 from fastmamba.kernels.activations import softplus  # noqa: E402
 from fastmamba.kernels.split16 import load_sum, store_split  # noqa: E402
 
@@ -88,7 +89,7 @@ def main() -> None:
     o = torch.empty(B, D, device="cuda")
     oT = torch.empty(D, B, device="cuda")
     ref = torch.mm(y16, ws[0].t(), out_dtype=torch.float32)
-    print(f"out_proj cuBLAS y @ W.T: {time_graph_launches([lambda w=w: dg.gemm(y16, w, o) for w in ws]):7.2f} us", flush=True)
+    print(f"out_proj cuBLAS y @ W.T: {time_graph_launches([lambda w=w: products.cublas_gemm(y16, w, o) for w in ws]):7.2f} us", flush=True)
     print(f"out_proj cuBLAS W @ y.T: {time_graph_launches([lambda w=w: torch.mm(w, y16.t(), out_dtype=torch.float32, out=oT) for w in ws]):7.2f} us", flush=True)
     for BN, S, BK, stages, warps in ((64, 4, 64, 4, 4), (64, 2, 64, 4, 4), (128, 4, 64, 3, 8), (32, 4, 128, 3, 4), (64, 8, 64, 4, 4), (128, 8, 64, 3, 8)):
         kchunk = triton.cdiv(E, S)
@@ -108,9 +109,9 @@ def main() -> None:
     u = randn(2 * B, D, dtype=BF)
     xz = torch.empty(2 * B, 2 * E, device="cuda")
     xzT = torch.empty(2 * E, 2 * B, device="cuda")
-    print(f"in_proj cuBLAS u @ W.T (256 rows): {time_graph_launches([lambda w=w: dg.gemm(u, w, xz) for w in ws]):7.2f} us", flush=True)
+    print(f"in_proj cuBLAS u @ W.T (256 rows): {time_graph_launches([lambda w=w: products.cublas_gemm(u, w, xz) for w in ws]):7.2f} us", flush=True)
     print(f"in_proj cuBLAS W @ u.T (256 rows): {time_graph_launches([lambda w=w: torch.mm(w, u.t(), out_dtype=torch.float32, out=xzT) for w in ws]):7.2f} us", flush=True)
-    print(f"in_proj cuBLAS u @ W.T (128 rows): {time_graph_launches([lambda w=w: dg.gemm(u[:B], w, xz[:B]) for w in ws]):7.2f} us", flush=True)
+    print(f"in_proj cuBLAS u @ W.T (128 rows): {time_graph_launches([lambda w=w: products.cublas_gemm(u[:B], w, xz[:B]) for w in ws]):7.2f} us", flush=True)
     del ws
     # ssm_update
     states = [torch.zeros(B, E, N, device="cuda") for _ in range(LAYERS)]

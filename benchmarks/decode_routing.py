@@ -1,15 +1,15 @@
-"""Which decode step is fastest at which batch size: the numbers behind make_decode_step's
-routing (decode_step.one_row_up_to, triton_products_up_to, cublas_in_proj).
+"""Which decode step is fastest at which batch size: the numbers behind the plan table
+(fastmamba/decode_plan.py).
 
 For each public shape and batch size it times whole graph-replayed steps (random weights,
 greedy sampling, as `fastmamba bench`) of every candidate step:
 
-    one-row          decode_step.DecodeStep (batches up to decode_step.SMALL_BATCH)
+    one-row          decode_step.DecodeStep (batches up to 8)
     cuBLAS           decode_gemm.GemmDecodeStep, its products through cuBLAS
-    Triton           ... through gemm.py's batch-invariant GEMM (the deterministic step)
-    Triton+cuBLAS    ... through gemm.py but in_proj through cuBLAS
+    Triton           ... through products.py's batch-invariant GEMM (the deterministic step)
+    Triton+cuBLAS    ... through products.py but in_proj through cuBLAS
 
-and marks the fastest, and the one make_decode_step picks. The candidates run in the
+and marks the fastest, and the one the table picks. The candidates run in the
 order A B C D D C B A and each time is the mean of its two runs (a GPU's clock drifts as it
 heats).
 
@@ -28,35 +28,19 @@ import torch  # noqa: E402
 
 from fastmamba import bench  # noqa: E402
 from fastmamba.checkpoint import parse_dtype  # noqa: E402
-from fastmamba.kernels import decode_step  # noqa: E402
-from fastmamba.kernels.decode_gemm import GemmDecodeStep  # noqa: E402
+from fastmamba.decode_plan import ALL, IN_PROJ, NONE, DecodePlan, plan_for  # noqa: E402
 
 CANDIDATES = {
-    "one-row": lambda model, batch: decode_step.DecodeStep(model, batch),
-    "cuBLAS": lambda model, batch: GemmDecodeStep(model, batch),
-    "Triton": lambda model, batch: GemmDecodeStep(model, batch, triton_products=True),
-    "Triton+cuBLAS": lambda model, batch: GemmDecodeStep(model, batch, triton_products=True, cublas_in_proj=True),
+    "one-row": DecodePlan("one-row"),
+    "cuBLAS": DecodePlan("products", ALL, pdl=False),
+    "Triton": DecodePlan("products", NONE),
+    "Triton+cuBLAS": DecodePlan("products", IN_PROJ),
 }
-ROUTED = decode_step.make_decode_step
 
 
-def describe(step) -> str:
-    """The candidate's name for a step make_decode_step built."""
-    if isinstance(step, decode_step.DecodeStep):
-        return "one-row"
-    if not step.triton_products:
-        return "cuBLAS"
-    return "Triton+cuBLAS" if step.cublas_products else "Triton"
-
-
-def time_step(model, batch: int, make) -> float:
-    # GraphDecoder builds its step through decode_step.make_decode_step: swapped for the
-    # candidate's while it captures
-    decode_step.make_decode_step = lambda m, b, deterministic=False: make(m, b)
-    try:
-        return bench.time_graph_steps(model, batch, steps=100)
-    finally:
-        decode_step.make_decode_step = ROUTED
+def describe(plan: DecodePlan) -> str:
+    """The candidate's name for a plan."""
+    return next(n for n, p in CANDIDATES.items() if (p.step, p.cublas) == (plan.step, plan.cublas))
 
 
 def main() -> None:
@@ -74,13 +58,13 @@ def main() -> None:
         for dtype in map(parse_dtype, args.dtypes.split(",")):
             model = bench.random_model(size, dtype)
             for batch in map(int, args.batches.split(",")):
-                names = [n for n in chosen if n != "one-row" or batch <= decode_step.SMALL_BATCH]
+                names = [n for n in chosen if n != "one-row" or batch <= 8]
                 runs = {n: [] for n in names}
                 for n in names + names[::-1]:
-                    runs[n].append(time_step(model, batch, CANDIDATES[n]))
+                    runs[n].append(bench.time_graph_steps(model, batch, steps=100, plan=CANDIDATES[n]))
                 ms = {n: sum(t) / len(t) for n, t in runs.items()}
                 best = min(ms, key=ms.get)
-                routed = describe(ROUTED(model, batch))
+                routed = describe(plan_for(model.config, dtype, batch))
                 cells = "  ".join(f"{n} {t:.4f}{'*' if n == best else ''}" for n, t in ms.items())
                 print(f"{size:>5} {str(dtype).removeprefix('torch.'):>8} batch {batch:3d}: {cells}  (routed: {routed})", flush=True)
             del model

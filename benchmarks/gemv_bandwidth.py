@@ -26,6 +26,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from fastmamba.bench import time_graph_launches  # noqa: E402
+from fastmamba.decode_plan import one_row_blocks  # noqa: E402
 from fastmamba.kernels import decode_step as ds  # noqa: E402
 
 LAYERS = 24
@@ -86,7 +87,7 @@ def main() -> None:
             h = torch.randn(1, d, device="cuda")
             dh = torch.zeros(1, d, device="cuda", dtype=torch.int64)
             nw = torch.ones(d, device="cuda")
-            default = ds.DecodeStep.linear_blocks(nout, d)
+            default = one_row_blocks(d, nout // 2, 50280, torch.bfloat16).in_proj
             for (BN, BK, warps, stages), sum_last in itertools.product(
                     (default, (8, 512, 4, 1), (8, 256, 4, 1), (16, 256, 4, 1), (8, 1024, 8, 1)), (False, True)):
                 add(f"engine rmsnorm_linear {(BN, BK, warps, stages)}{' default' if (BN, BK, warps, stages) == default else ''}"
@@ -99,7 +100,7 @@ def main() -> None:
             y = torch.randn(1, d, device="cuda")
             dh = torch.zeros(1, nout, device="cuda", dtype=torch.int64)
             dbc = torch.zeros(1, 16, device="cuda", dtype=torch.int64)
-            *blocks, programs = ds.DecodeStep.out_blocks(nout)
+            *blocks, programs = one_row_blocks(nout, 2 * nout, 50280, torch.bfloat16).out_proj
             default = (tuple(blocks), programs)
             for (BN, BK, warps), programs in (default, ((8, 512, 4), 1280), ((8, 256, 4), 1280), ((16, 512, 8), 1280)):
                 nt = triton.cdiv(nout, BN)

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 from fastmamba import engine  # noqa: E402
 from fastmamba.bench import random_model, time_graph_steps  # noqa: E402
-from fastmamba.generate import LanguageModel  # noqa: E402
+from fastmamba.language_model import LanguageModel  # noqa: E402
 from fastmamba.model import Mamba, triton_ops  # noqa: E402
 
 TOKENS = 256

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 from fastmamba.bench import SHAPES, hf_model, random_model  # noqa: E402
 from fastmamba.model import Mamba, triton_ops  # noqa: E402
-from fastmamba.generate import LanguageModel  # noqa: E402
+from fastmamba.language_model import LanguageModel  # noqa: E402
 
 
 def timed(fn, repeat=3) -> float:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from fastmamba.bench import random_model, time_graph_steps  # noqa: E402
-from fastmamba.generate import LanguageModel  # noqa: E402
+from fastmamba.language_model import LanguageModel  # noqa: E402
 from fastmamba.model import Mamba, triton_ops  # noqa: E402
 from fastmamba.sampling import SamplingParams  # noqa: E402
 from fastmamba.scheduler import Engine  # noqa: E402

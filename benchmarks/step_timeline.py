@@ -70,7 +70,7 @@ def _replace_once(src: str, old: str, new: str) -> str:
 
 def instrumented_source() -> str:
     """decode_step.py with the timeline marks in its layer kernels and launches."""
-    src = SOURCE.read_text().replace("from ._triton", "from fastmamba.kernels._triton").replace("from .", "from fastmamba.kernels.")
+    src = SOURCE.read_text().replace("from ..", "from fastmamba.").replace("from .", "from fastmamba.kernels.")
     src = _replace_once(src, "\n\n@jit\ndef _embed_kernel", MARK + "\n\n@jit\ndef _embed_kernel")
     lines, out, i, done = src.split("\n"), [], 0, set()
     while i < len(lines):
@@ -116,7 +116,7 @@ def load_instrumented():
 
 def timeline(ds, size: str, layers: list[int]) -> None:
     from fastmamba.bench import gpu_ms, random_model, time_graph_steps
-    from fastmamba.engine import capture_graph
+    from fastmamba.cuda_graphs import capture_graph
 
     model = random_model(size, torch.bfloat16)
     plain = time_graph_steps(model, 1)

@@ -1,11 +1,11 @@
 """Sweeps block sizes of the one-row (batch <= 8) decode kernels at the public shapes.
 
 Times each kernel alone (triton.testing.do_bench, median) for a grid of configurations and
-prints the best few per shape with the achieved weight bandwidth, to choose DecodeStep's
-defaults.  python benchmarks/tune_decode.py
+prints the best few per shape with the achieved weight bandwidth, to choose the one-row
+step's settings (decode_plan.one_row_blocks).  python benchmarks/tune_decode.py
 
 With --in-graph it times whole graph-replayed batch-1 steps instead, changing the block
-sizes of one kernel at a time: alone, a kernel sees its weights partly in L2 and no
+sizes of one kernel at a time (each variant a DecodePlan passed to the step): alone, a kernel sees its weights partly in L2 and no
 neighbours, so its best blocks need not be the step's (--states: where the conv step and
 x_proj run, and ssm_step's blocks; --out-proj, --in-proj: only those; --wide: 1.4b and
 2.8b only). With --lm-head it sweeps lm_head's blocks (and 130m's in_proj) in whole
@@ -18,6 +18,7 @@ out_proj blocks of one tile a K split and in_proj's loop in shared-memory stages
 
 import itertools
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -26,9 +27,22 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from fastmamba.decode_plan import DecodePlan, one_row_blocks  # noqa: E402
 from fastmamba.kernels import decode_step as ds  # noqa: E402
 
 DT = torch.float32 if "--f32" in sys.argv else torch.bfloat16
+
+
+def defaults(model, dtype=None):
+    c = model.config
+    return one_row_blocks(c.d_model, c.d_inner, c.vocab_size, dtype or DT)
+
+
+def step_ms(model, dtype=None, **changes) -> float:
+    """A whole graph-replayed batch-1 step with the one-row step's settings changed."""
+    from fastmamba.bench import time_graph_steps
+
+    return time_graph_steps(model, 1, plan=DecodePlan("one-row", blocks=replace(defaults(model, dtype), **changes)))
 
 
 def report(name, results, nbytes):
@@ -53,7 +67,7 @@ def tune_rmsnorm_linear(n_out, d):
             ds._rmsnorm_linear_kernel[(1, triton.cdiv(n_out, BN))](
                 h, dh, nw, w, w, out, *(out,) * 7, 1, d, n_out, 0, 0, 1e-5, HAS_BIAS=False,
                 CONV=False, ARGMAX=False, K=4, KP=4, HAS_CB=False, BN=BN, BK=BK, BJ=16, STAGES=1,
-                SUM_LAST=DT in ds.DecodeStep.SUM_LAST and n_out == 4 * d and d > BK, UNROLL=1, PDL=0, num_warps=warps,
+                SUM_LAST=DT != torch.float32 and n_out == 4 * d and d > BK, UNROLL=1, PDL=0, num_warps=warps,
             )
 
         res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BN=BN, BK=BK, warps=warps)))
@@ -82,64 +96,45 @@ def tune_out_proj(d, E):
 
 
 def tune_in_graph(size, parts=("in_proj", "out_proj", "states")):
-    from fastmamba.bench import random_model, time_graph_steps
+    from fastmamba.bench import random_model
 
     model = random_model(size, DT)
-    default_linear = ds.DecodeStep.__dict__["linear_blocks"]  # the staticmethod itself
-    default_out = ds.DecodeStep.__dict__["out_blocks"]
-    vocab = model.config.vocab_size
-    print(f"{size} batch 1, default blocks: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
+    print(f"{size} batch 1, default blocks: {step_ms(model):.4f} ms/step", flush=True)
     for blocks in [] if "in_proj" not in parts else [(8, 512, 4, 1), (8, 256, 4, 1), (8, 1024, 8, 1), (16, 256, 4, 1), (16, 1024, 8, 1), (4, 1024, 4, 1), (16, 512, 4, 2)]:
-        ds.DecodeStep.linear_blocks = staticmethod(lambda n, d, b=blocks: b if n != vocab else default_linear.__func__(n, d))
-        print(f"   in_proj BN, BK, warps, stages = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    ds.DecodeStep.linear_blocks = default_linear
+        print(f"   in_proj BN, BK, warps, stages = {blocks}: {step_ms(model, in_proj=blocks):.4f} ms/step", flush=True)
     for blocks, programs in [] if "out_proj" not in parts else [((8, 512, 4), 1280), ((8, 512, 4), 960), ((8, 256, 4), 1280), ((16, 512, 8), 640), ((4, 1024, 4), 1280), ((8, 1024, 8), 640)]:
-        ds.DecodeStep.out_blocks = staticmethod(lambda d, b=(*blocks, programs): b)
-        print(f"   out_proj BN, BK, warps = {blocks}, ~{programs} programs: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    ds.DecodeStep.out_blocks = default_out
-    default_fused, default_conv, default_ssm = ds.DecodeStep.FUSED_CONV_UP_TO, ds.DecodeStep.CONV_BLOCK, ds.DecodeStep.__dict__["ssm_blocks"]
-    for fused_up_to, block in [] if "states" not in parts else [(1 << 20, default_conv), (0, 16), (0, 32), (0, 64), (0, 128), (0, 32), (0, 64), (0, 128)]:
-        ds.DecodeStep.FUSED_CONV_UP_TO, ds.DecodeStep.CONV_BLOCK = fused_up_to, block
-        how = "in in_proj" if fused_up_to else f"own kernel, {block} channels a program"
-        print(f"   conv step + x_proj {how}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    ds.DecodeStep.FUSED_CONV_UP_TO, ds.DecodeStep.CONV_BLOCK = default_fused, default_conv
+        print(f"   out_proj BN, BK, warps = {blocks}, ~{programs} programs: {step_ms(model, out_proj=(*blocks, programs)):.4f} ms/step", flush=True)
+    for in_in_proj, block in [] if "states" not in parts else [(True, 128), (False, 16), (False, 32), (False, 64), (False, 128)]:
+        how = "in in_proj" if in_in_proj else f"own kernel, {block} channels a program"
+        print(f"   conv step + x_proj {how}: {step_ms(model, conv_in_in_proj=in_in_proj, conv_block=block):.4f} ms/step", flush=True)
     for blocks in () if "states" not in parts else ((2, 1), (4, 1), (8, 1), (16, 1), (8, 2), (16, 4), (32, 4)):
-        ds.DecodeStep.ssm_blocks = staticmethod(lambda d, b=blocks: b)
-        print(f"   ssm_step channels, warps = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    ds.DecodeStep.ssm_blocks = default_ssm
+        print(f"   ssm_step channels, warps = {blocks}: {step_ms(model, ssm_block=blocks):.4f} ms/step", flush=True)
 
 
 def tune_early_launch(size):
-    """Which kernels let the next one launch before their own wait (DecodeStep.EARLY_LAUNCH)."""
-    from fastmamba.bench import random_model, time_graph_steps
+    """Which kernels let the next one launch before their own wait (OneRowBlocks.early_launch)."""
+    from fastmamba.bench import random_model
 
     model = random_model(size, DT)
-    default = ds.DecodeStep.EARLY_LAUNCH
-    print(f"{size} early launch by default {sorted(default)}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
+    print(f"{size} early launch by default {sorted(defaults(model).early_launch)}: {step_ms(model):.4f} ms/step", flush=True)
     for early in [(), ("ssm_step",), ("ssm_step", "out_proj_residual"), ("rmsnorm_linear", "ssm_step", "out_proj_residual"),
                   ("rmsnorm_linear", "out_proj_residual"), ("rmsnorm_linear",),
                   ("conv_x_proj", "ssm_step", "out_proj_residual"), ("conv_x_proj",), ("conv_x_proj", "ssm_step")]:  # conv_x_proj: wide models only
-        ds.DecodeStep.EARLY_LAUNCH = frozenset(early)
-        print(f"{size} early launch {early}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    ds.DecodeStep.EARLY_LAUNCH = default
+        print(f"{size} early launch {early}: {step_ms(model, early_launch=frozenset(early)):.4f} ms/step", flush=True)
 
 
 def tune_sum_last(size):
     """One-row in_proj summing over K in every K tile or once after the loop
-    (DecodeStep.SUM_LAST), with K tiles of 256 or 512, whole steps, each twice."""
-    from fastmamba.bench import random_model, time_graph_steps
+    (OneRowBlocks.in_proj_sum_last), with K tiles of 256 or 512, whole steps, each twice."""
+    from fastmamba.bench import random_model
 
     model = random_model(size, DT)
-    default, default_linear = ds.DecodeStep.SUM_LAST, ds.DecodeStep.__dict__["linear_blocks"]
-    vocab = model.config.vocab_size
+    BN, _, warps, stages = defaults(model).in_proj
     for _ in range(2):
         for sum_last, BK in ((True, 256), (False, 512), (True, 512), (False, 256)):
-            ds.DecodeStep.SUM_LAST = frozenset({DT} if sum_last else ())
-            ds.DecodeStep.linear_blocks = staticmethod(
-                lambda n, d, BK=BK: (lambda b: b if n == vocab else (b[0], BK, *b[2:]))(default_linear.__func__(n, d)))
             how = "after the loop" if sum_last else "every K tile"
-            print(f"{size} in_proj summed {how}, K tiles of {BK}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    ds.DecodeStep.SUM_LAST, ds.DecodeStep.linear_blocks = default, default_linear
+            ms = step_ms(model, in_proj_sum_last=sum_last, in_proj=(BN, BK, warps, stages))
+            print(f"{size} in_proj summed {how}, K tiles of {BK}: {ms:.4f} ms/step", flush=True)
 
 
 def tune_preload(size):
@@ -147,23 +142,18 @@ def tune_preload(size):
     program loads all its weights before its wait (which, launched early, it reaches
     while ssm_step runs), and in_proj's loop pipelined through shared memory (stages);
     whole steps, each setting twice."""
-    from fastmamba.bench import random_model, time_graph_steps
+    from fastmamba.bench import random_model
 
     model = random_model(size, DT)
-    default_linear, default_out = ds.DecodeStep.__dict__["linear_blocks"], ds.DecodeStep.__dict__["out_blocks"]
-    vocab = model.config.vocab_size
-    base_in = default_linear.__func__(4 * model.config.d_model, model.config.d_model)
+    base_in = defaults(model).in_proj
     outs = [None, (8, 1024, 4, 1600), (4, 1024, 4, 3200), (8, 1024, 8, 1600), (16, 1024, 8, 800), (8, 512, 4, 3200), (8, 2048, 8, 960)]
     ins = [(*base_in[:3], 2), (*base_in[:3], 3), (*base_in[:3], 4)]
     for _ in range(2):
         for blocks in outs:
-            ds.DecodeStep.out_blocks = staticmethod(lambda d, b=blocks: b) if blocks else default_out
-            print(f"{size} out_proj BN, BK, warps, programs = {blocks or 'default'}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-        ds.DecodeStep.out_blocks = default_out
+            ms = step_ms(model, **({"out_proj": blocks} if blocks else {}))
+            print(f"{size} out_proj BN, BK, warps, programs = {blocks or 'default'}: {ms:.4f} ms/step", flush=True)
         for blocks in ins:
-            ds.DecodeStep.linear_blocks = staticmethod(lambda n, d, b=blocks: b if n != vocab else default_linear.__func__(n, d))
-            print(f"{size} in_proj BN, BK, warps, stages = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-        ds.DecodeStep.linear_blocks = default_linear
+            print(f"{size} in_proj BN, BK, warps, stages = {blocks}: {step_ms(model, in_proj=blocks):.4f} ms/step", flush=True)
 
 
 def tune_ablate(size):
@@ -177,12 +167,13 @@ def tune_ablate(size):
     E = model.config.d_inner
     skip = {
         "in_proj": ("_rmsnorm_linear", lambda f: lambda self, nw, w, *a, **k: None if w.shape[0] == 2 * E else f(self, nw, w, *a, **k)),
-        "conv_x_proj": ("in_proj", lambda f: lambda self, lw, cs: self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, sum_last=self.sum_last)),
+        "conv_x_proj": ("in_proj", lambda f: lambda self, lw, cs: self._rmsnorm_linear(
+            lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, self.in_proj_blocks, sum_last=self.sum_last)),
         "ssm_step": ("ssm_step", lambda f: lambda self, lw, s: None),
         "out_proj": ("out_proj_residual", lambda f: lambda self, lw: None),
         # (its first 16 outputs only: greedy sampling still needs a token)
         "lm_head": ("lm_head", lambda f: lambda self, argmax=False: self._rmsnorm_linear(
-            self.model.weights.norm_f, self.model.weights.lm_head[:16], None, self.logits, argmax=argmax)),
+            self.model.weights.norm_f, self.model.weights.lm_head[:16], None, self.logits, self.lm_head_blocks, argmax=argmax)),
     }
     for name, (method, make) in skip.items():
         original = getattr(ds.DecodeStep, method)
@@ -192,48 +183,35 @@ def tune_ablate(size):
 
 
 def tune_lm_head_sum_last(size, dtype):
-    """lm_head summing after its loop in LM_HEAD_K_TILE-wide K tiles (16-bit weights, the
-    default) against summing every K tile in linear_blocks' tiles: whole steps, A B B A.
-    (float32: the default is every tile; B is then LM_HEAD_K_TILE-wide tiles, every tile.)"""
-    from fastmamba.bench import random_model, time_graph_steps
+    """lm_head summing after its loop in 256-wide K tiles (16-bit weights, the default)
+    against summing every K tile in the in_proj-style tiles: whole steps, A B B A.
+    (float32: the default is every tile; B is then 256-wide tiles, every tile.)"""
+    from fastmamba.bench import random_model
 
     model = random_model(size, dtype)
-    lm_head = ds.DecodeStep.lm_head
     f32 = dtype == torch.float32
-
-    def other(self, argmax=False):
-        w = self.model.weights
-        k_tile = self.LM_HEAD_K_TILE if f32 else None
-        self._rmsnorm_linear(w.norm_f, w.lm_head, None, self.logits, argmax=argmax, k_tile=k_tile)
-
-    name = "every tile, K tiles of 256" if f32 else "every tile, linear_blocks' K tiles"
+    BN, _, warps, stages = defaults(model, dtype).lm_head
+    linear_bk = defaults(model, torch.float32).lm_head[1]  # the tiles lm_head takes where it sums every tile
+    other = dict(lm_head_sum_last=False, lm_head=(BN, 256 if f32 else linear_bk, warps, stages))
+    name = "every tile, K tiles of 256" if f32 else "every tile, linear K tiles"
     for variant in ("default", name, name, "default"):
-        ds.DecodeStep.lm_head = lm_head if variant == "default" else other
-        print(f"{size} {str(dtype)[6:]} lm_head {variant}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    ds.DecodeStep.lm_head = lm_head
+        ms = step_ms(model, dtype, **({} if variant == "default" else other))
+        print(f"{size} {str(dtype)[6:]} lm_head {variant}: {ms:.4f} ms/step", flush=True)
 
 
 def tune_lm_head(size):
     """rmsnorm_linear's blocks for lm_head alone (n_out = vocab), in whole steps; and with
     --in-proj for in_proj at 130m, whose K (768) is not a multiple of 512."""
-    from fastmamba.bench import random_model, time_graph_steps
+    from fastmamba.bench import random_model
 
     model = random_model(size, DT)
-    default_linear, default_tile = ds.DecodeStep.__dict__["linear_blocks"], ds.DecodeStep.LM_HEAD_K_TILE
-    vocab = model.config.vocab_size
-    print(f"{size} default blocks: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    # (16-bit weights: lm_head's K tile is LM_HEAD_K_TILE, set to the BK here)
+    print(f"{size} default blocks: {step_ms(model):.4f} ms/step", flush=True)
     for blocks in [(8, 256, 4, 1), (32, 256, 4, 1), (16, 512, 4, 1), (32, 128, 4, 1), (16, 256, 8, 1), (64, 128, 4, 1)]:
-        ds.DecodeStep.linear_blocks = staticmethod(lambda n, d, b=blocks: b if n == vocab else default_linear.__func__(n, d))
-        ds.DecodeStep.LM_HEAD_K_TILE = blocks[1]
-        print(f"   lm_head BN, BK, warps, stages = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    ds.DecodeStep.linear_blocks, ds.DecodeStep.LM_HEAD_K_TILE = default_linear, default_tile
-    print(f"{size} default blocks again: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
+        print(f"   lm_head BN, BK, warps, stages = {blocks}: {step_ms(model, lm_head=blocks):.4f} ms/step", flush=True)
+    print(f"{size} default blocks again: {step_ms(model):.4f} ms/step", flush=True)
     if size == "130m" and "--in-proj" in sys.argv:
         for blocks in [(16, 256, 4, 1), (8, 256, 4, 1), (32, 256, 4, 1), (16, 1024, 4, 1)]:
-            ds.DecodeStep.linear_blocks = staticmethod(lambda n, d, b=blocks: b if n != vocab else default_linear.__func__(n, d))
-            print(f"   in_proj BN, BK, warps, stages = {blocks}: {time_graph_steps(model, 1):.4f} ms/step", flush=True)
-    ds.DecodeStep.linear_blocks = default_linear
+            print(f"   in_proj BN, BK, warps, stages = {blocks}: {step_ms(model, in_proj=blocks):.4f} ms/step", flush=True)
 
 
 # Each sweep's flag, its function and the arguments it runs with, in turn.

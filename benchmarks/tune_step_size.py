@@ -15,7 +15,7 @@ import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from fastmamba.kernels import step_size as st  # noqa: E402
-from fastmamba.model import linear_storage  # noqa: E402
+from fastmamba.kernels.products import linear_storage  # noqa: E402
 
 
 def main() -> None:

@@ -26,7 +26,8 @@ from torch import nn
 
 from .errors import CheckpointError
 from .kernels.rmsnorm import add_norm_ref
-from .model import REFERENCE_OPS, LayerWeights, MambaState, linear, linear_storage, mixer
+from .kernels.products import linear_storage
+from .model import REFERENCE_OPS, LayerWeights, MambaState, linear, mixer
 
 FORMAT = "fastmamba.Backbone"
 

@@ -103,7 +103,7 @@ def copy_bandwidth(gib: float = 2.0) -> float:
 def time_graph_launches(launches, reps: int = 20) -> float:
     """µs per launch: the callables captured in order in one CUDA graph, replayed `reps`
     times; the best of three such runs."""
-    from .engine import capture_graph
+    from .cuda_graphs import capture_graph
 
     graph, _ = capture_graph(lambda: [f() for f in launches])
     graph.replay()
@@ -111,14 +111,15 @@ def time_graph_launches(launches, reps: int = 20) -> float:
     return min(gpu_ms(graph.replay, reps, 3)) * 1e3 / len(launches)
 
 
-def time_graph_steps(model: Mamba, batch: int, steps: int = 200, deterministic: bool = False, params=None) -> float:
+def time_graph_steps(model: Mamba, batch: int, steps: int = 200, deterministic: bool = False, params=None, plan=None) -> float:
     """Median ms per replayed decode step, sampling included: greedy, or with `params`
-    (SamplingParams) the sampler that generation would pick for them."""
-    from .engine import GraphDecoder
+    (SamplingParams) the sampler that generation would pick for them. plan: a
+    decode_plan.DecodePlan instead of the table's."""
+    from .cuda_graphs import GraphDecoder
     from .sampling import SamplingParams, pick_sampler
 
     params = params or SamplingParams()
-    dec = GraphDecoder(model, batch, deterministic)
+    dec = GraphDecoder(model, batch, deterministic, plan=plan)
     logits = torch.randn(batch, model.config.vocab_size, device="cuda")
     reqs = [(params, 0, [1])] * batch
     dec.begin(model.new_state(batch), logits, pick_sampler([params], True), reqs)

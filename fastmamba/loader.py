@@ -8,7 +8,7 @@ import torch
 
 from .checkpoint import inside, load_checkpoint, parse_dtype
 from .errors import CheckpointError
-from .generate import LanguageModel
+from .language_model import LanguageModel
 from .hub import is_hub_id, resolve as resolve_hub_id
 from .kernels._triton import HAVE_TRITON
 from .model import REFERENCE_OPS, Mamba, triton_ops
@@ -54,11 +54,8 @@ def load(
     deterministic: on the GPU, make a slot's logits bitwise the same whatever the batch
     size (the decode step's products then sum each output in one fixed order at every batch
     size, and a batch's prompts prefill one at a time; see benchmarks/RESULTS.md for the
-    cost). Without it this holds among the batch sizes whose decode step avoids cuBLAS,
-    within each of their two ranges: the small batches of the one-row kernels
-    (decode_step.one_row_up_to) and those above them up to where in_proj goes to cuBLAS
-    (decode_step.cublas_in_proj: above 32 rows; with float32 weights on 1.4b and 2.8b,
-    only from 7 to 16 rows).
+    cost). Without it this holds within each batch range that
+    fastmamba.decode_plan.batch_invariant_ranges(d_model, dtype) lists (the README's table).
     threads: PyTorch's CPU threads while the model computes on the CPU (restored after each
     call): None means 1, which does not collapse when another process holds a core; 0
     leaves PyTorch's own setting.

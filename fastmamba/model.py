@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from .config import MambaConfig
 from .kernels.causal_conv1d import causal_conv1d_ref
+from .kernels.products import linear_storage
 from .kernels.rmsnorm import add_norm_ref
 from .kernels.selective_scan import step_and_scan_ref
 
@@ -84,29 +85,8 @@ class MambaState:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype=None) -> torch.Tensor:
     """x @ weight.T + bias with float32 accumulation whatever the weight's storage dtype.
-    out_dtype: linear_storage's output dtype; the reference keeps float32."""
+    out_dtype: kernels/products.linear_storage's output dtype; the reference keeps float32."""
     return F.linear(x.float(), weight.float(), bias)
-
-
-def linear_storage(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """`linear` as a GPU product in the weight's own dtype (cuBLAS, float32 accumulation),
-    without a float32 copy of the weight; the activations are rounded to that dtype (a no-op
-    when they arrive in it). The output in out_dtype: float32, or the weight's dtype (the
-    float32 sum plus bias, rounded once)."""
-    if weight.dtype == torch.float32:
-        return F.linear(x.float(), weight, bias)
-    x2 = x.reshape(-1, x.shape[-1]).to(weight.dtype)
-    rounded = out_dtype == weight.dtype and bias is None
-    if not x.is_cuda:  # (the Triton interpreter's tests on the CPU)
-        y = F.linear(x2, weight).float()
-    elif rounded:
-        y = torch.mm(x2, weight.t())
-    else:  # straight to float32: no extra pass over the output
-        y = torch.mm(x2, weight.t(), out_dtype=torch.float32)
-    y = y.view(*x.shape[:-1], weight.shape[0])
-    return (y if bias is None else y + bias).to(out_dtype)
 
 
 def rms_unweighted(t: torch.Tensor, eps: float) -> torch.Tensor:
@@ -124,7 +104,7 @@ def in_proj_dtype(weight_dtype: torch.dtype) -> torch.dtype:
     magnitudes (docs/architecture.md). (CPU emulation, 256-token prompts, logits' largest difference
     over their largest: the bundled model 4.3e-3 from the float32-math reference with
     bfloat16 weights against 8.4e-3 with these rounded too; transformers' bfloat16 model
-    1.1e-2. benchmarks/RESULTS.md, twenty-fifth session.)"""
+    1.1e-2. benchmarks/RESULTS.md, "Numerics".)"""
     return torch.bfloat16 if weight_dtype == torch.bfloat16 else torch.float32
 
 

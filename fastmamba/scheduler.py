@@ -10,7 +10,7 @@ Each step:
    place (the decoding requests are moved there), and samples every request's token in one
    call, each with its own parameters and random stream, as `generate` would alone.
 On the GPU engine the decode step and the prefill chunks replay CUDA graphs captured when
-the engine is built (engine.PoolDecodeGraphs, engine.ChunkPrefillGraphs): launched from
+the engine is built (cuda_graphs.PoolDecodeGraphs, cuda_graphs.ChunkPrefillGraphs): launched from
 Python, a 2.8b step is hundreds of kernel launches, which cost more than the GPU's work.
 Requests talk to the caller only through their `emit` callback (tokens with their text,
 then one "done" or "error"); one request's failure never reaches another.
@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from .engine import HostTokens
+from .cuda_graphs import HostTokens
 from .model import MambaState
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, SlotParams, pick_sampler, resolve_seed
@@ -77,7 +77,7 @@ class Engine:
         self._sampling: dict[int, tuple[set[int], IncrementalDecoder | None, list[str]]] = {}
         self.decode_graphs = self.prefill_graphs = None
         if lm.engine == "triton":
-            from .engine import ChunkPrefillGraphs, PoolDecodeGraphs
+            from .cuda_graphs import ChunkPrefillGraphs, PoolDecodeGraphs
 
             self.decode_graphs = PoolDecodeGraphs(self.model, self.pool, lm.deterministic)
             self.prefill_graphs = ChunkPrefillGraphs(self.model, self.cache.interval)

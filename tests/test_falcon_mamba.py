@@ -128,7 +128,9 @@ def test_decode_steps_equal_the_reference(falcon_checkpoints, name, dtype, batch
     if step_kind == "one-row":
         step = DecodeStep(model, batch)
     else:
-        step = GemmDecodeStep(model, batch, triton_products=step_kind == "triton products")
+        from fastmamba.decode_plan import ALL, NONE, DecodePlan
+
+        step = GemmDecodeStep(model, batch, DecodePlan("products", NONE if step_kind == "triton products" else ALL))
     state = model.new_state(batch)
     state.ssm.copy_(torch.randn(state.ssm.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE))
     ref_state = fastmamba.MambaState(state.conv.clone(), state.ssm.clone())

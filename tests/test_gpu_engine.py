@@ -48,7 +48,7 @@ def test_engine_logits_match_the_cpu_reference(dtype, B, kind, real_shape_ckpt):
 
 
 def test_graph_replay_equals_eager_bitwise(real_shape_ckpt):
-    from fastmamba.engine import GraphDecoder
+    from fastmamba.cuda_graphs import GraphDecoder
     from fastmamba.kernels.decode_step import DecodeStep
     from fastmamba.sampling import SamplingParams, sample
 
@@ -62,7 +62,7 @@ def test_graph_replay_equals_eager_bitwise(real_shape_ckpt):
     dec = GraphDecoder(model, B)
     tokens = dec.begin(state, logits, sample, reqs).clone()
 
-    eager = fastmamba.engine.ReferenceDecoder(model, B)  # only for its slots
+    eager = fastmamba.cuda_graphs.ReferenceDecoder(model, B)  # only for its slots
     eager_step, eager_state = DecodeStep(model, B), fastmamba.MambaState(state.conv.clone(), state.ssm.clone())
     assert torch.equal(eager.begin(eager_state, logits, sample, reqs), tokens)
     et = tokens
@@ -175,7 +175,7 @@ def test_graph_prefill_equals_eager_prefill(real_shape_ckpt, B, T, length, pad_r
     the eager prefill of the same padded prompts, and close to the unpadded prompts' (the
     products' shapes differ, and with them cuBLAS's summation order and the bf16 roundings
     of what follows; the second case also moves the chunked scan's chunk boundaries)."""
-    from fastmamba.engine import GraphPrefill
+    from fastmamba.cuda_graphs import GraphPrefill
 
     model = fastmamba.load(real_shape_ckpt, device="cuda", dtype="bfloat16").model
     ids = torch.randint(0, 50280, (B, T), device="cuda")
@@ -196,7 +196,7 @@ def test_prefill_graphs_sharing_a_pool_replay_in_any_order(real_shape_ckpt):
     """Prefill graphs of one memory pool (as LanguageModel keeps them) reuse each other's
     scratch; replayed in turns, in and against the order of their captures, each still
     gives its own prompts' logits and state, bitwise those of the eager prefill."""
-    from fastmamba.engine import GraphPrefill
+    from fastmamba.cuda_graphs import GraphPrefill
 
     model = fastmamba.load(real_shape_ckpt, device="cuda", dtype="bfloat16").model
     pool = torch.cuda.graph_pool_handle()

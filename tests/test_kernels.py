@@ -81,14 +81,9 @@ def test_in_proj_with_conv_and_x_proj(case, fused, conv_block, k_tile):
     model, step, tol = case
     step.fused_conv = fused
     step.BN_conv = conv_block or step.BN_conv
-    if k_tile:
-        blocks = step.linear_blocks
-
-        def narrow_k(n_out, d):  # linear_blocks' (BN, BK, warps, stages), BK narrowed
-            BN, _, warps, stages = blocks(n_out, d)
-            return BN, k_tile, warps, stages
-
-        step.linear_blocks = narrow_k
+    if k_tile:  # in_proj's (BN, BK, warps, stages), BK narrowed
+        BN, _, warps, stages = step.in_proj_blocks
+        step.in_proj_blocks = BN, k_tile, warps, stages
     lw, c = model.weights.layers[-1], model.config
     conv_state = rand(step.B, c.d_inner, c.d_conv, seed=3)
     ref_state = conv_state.clone()
@@ -108,11 +103,12 @@ def test_in_proj_with_conv_and_x_proj(case, fused, conv_block, k_tile):
 @pytest.mark.parametrize("k_tile", [None, 8], ids=["as-is", "k-tiles"])
 def test_lm_head(case, k_tile):
     """k_tile: lm_head walks d_model in tiles of 8, as wide models do (16-bit weights then
-    sum after the loop: DecodeStep.LM_HEAD_K_TILE), where the small ones take it in one."""
+    sum after the loop: OneRowBlocks.lm_head), where the small ones take it in one."""
     model, step, tol = case
     c = model.config
     if k_tile:
-        step.LM_HEAD_K_TILE = k_tile
+        BN, _, warps, stages = step.lm_head_blocks
+        step.lm_head_blocks = BN, k_tile, warps, stages
     h = set_residual(step, rand(step.B, c.d_model, seed=1) * 3, rand(step.B, c.d_model, seed=12))
     step.lm_head()
     ref = ds.rmsnorm_linear_ref(h, model.weights.norm_f, c.norm_eps, model.weights.lm_head)
@@ -126,7 +122,8 @@ def test_lm_head_argmax_and_take_argmax(case):
     from fastmamba.sampling import SlotParams, sample_greedy
 
     model, step, _ = case
-    step.LM_HEAD_K_TILE = 8  # 16-bit weights: summed after the loop (the argmax then reads that sum)
+    BN, _, warps, stages = step.lm_head_blocks
+    step.lm_head_blocks = BN, 8, warps, stages  # 16-bit weights: summed after the loop (the argmax then reads that sum)
     c, w = model.config, model.weights
     V = c.vocab_size
     h = set_residual(step, rand(step.B, c.d_model, seed=1) * 3, rand(step.B, c.d_model, seed=12))
@@ -207,9 +204,8 @@ def test_whole_step_equals_the_reference_model(case, fused):
 )
 def test_a_slot_is_bitwise_the_same_in_any_batch(checkpoints, batch, slot, rows, deterministic):
     """Deterministic mode: any batch size (70 rows take other product tiles than 1 or 3 on
-    the GPU; the interpreter keeps one tiling, see gemm._tiles). Default: within the
-    one-row mode (up to one_row_up_to rows: 4 here), and within the Triton products' range
-    above it as far as in_proj goes to cuBLAS (cublas_in_proj). (The interpreter's
+    the GPU; the interpreter keeps one tiling, see products._tiles). Default: within one of
+    decode_plan.batch_invariant_ranges (here 1-4 and 5-32). (The interpreter's
     numpy products may round a row by its place in the tile: 21 rows put slot 2's low half
     where 5 rows do, at row 7 of a 16-row tile.)"""
     model = fastmamba.load(checkpoints["untied_bias_rank"], device=DEVICE, dtype="bfloat16").model
@@ -225,52 +221,49 @@ def test_a_slot_is_bitwise_the_same_in_any_batch(checkpoints, batch, slot, rows,
         assert torch.equal(many, few)
 
 
-# -- the products' step and its element-wise kernels (kernels/decode_gemm.py, gemm.py) ---------
+# -- the products' step and its element-wise kernels (kernels/decode_gemm.py, products.py) ---------
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("M,N,K,splits", [(1, 40, 24, 1), (5, 33, 100, 3), (70, 48, 64, 8)])
 def test_gemm_matches_its_ref_in_every_chunk(dtype, M, N, K, splits):
-    """gemm.py's product: its K chunks (as many as split_count says, each K_ALIGN-aligned)
+    """products.py's product: its K chunks (as many as split_count says, each K_ALIGN-aligned)
     add up to the product; the first chunk alone is the product over its own K range."""
-    from fastmamba.kernels import gemm as gm
+    from fastmamba.kernels import products as gm
 
     dt = getattr(torch, dtype)
     a, w = rand(M, K, seed=30).to(dt), rand(N, K, seed=31).to(dt)
     S = gm.split_count(K, splits)
     assert S == min(splits, -(-K // gm.K_ALIGN))
     out = torch.full((S * M, N), float("nan"), device=DEVICE)
-    gm.gemm(a, w, out, splits)
+    gm.invariant_gemm(a, w, out, splits)
     parts = out.view(S, M, N)
-    assert rel_err(parts.sum(0), gm.gemm_ref(a, w)) < 1e-5
+    assert rel_err(parts.sum(0), gm.invariant_gemm_ref(a, w)) < 1e-5
     first = -(-K // S // gm.K_ALIGN) * gm.K_ALIGN if S > 1 else K
-    assert rel_err(parts[0], gm.gemm_ref(a[:, :first], w[:, :first])) < 1e-5
+    assert rel_err(parts[0], gm.invariant_gemm_ref(a[:, :first], w[:, :first])) < 1e-5
 
 
-def test_make_decode_step_routes_by_batch_size(checkpoints):
-    """One-row kernels, then Triton products (in_proj through cuBLAS above 32 rows with
-    16-bit weights, from 33 to 64 with float32 on narrow models, also from 17 and up to 6 on
-    wide ones), then cuBLAS's; deterministic: Triton products at every batch size."""
+def test_make_decode_step_builds_what_the_plan_says(checkpoints):
+    """make_decode_step builds the step decode_plan.plan_for names, with its cuBLAS
+    products; a plan passed in wins over the table."""
+    from fastmamba.decode_plan import ALL, IN_PROJ, NONE, DecodePlan, plan_for
     from fastmamba.kernels.decode_gemm import GemmDecodeStep
 
-    always = [(1, True, "triton"), (257, True, "triton"), (257, False, "cublas")]  # (batch, deterministic, products)
-    for dtype, one_row, cases in (
-        ("bfloat16", 4, [(5, False, "triton"), (32, False, "triton"), (33, False, "in_proj"), (256, False, "in_proj")]),
-        ("float32", 8, [(9, False, "triton"), (32, False, "triton"), (33, False, "in_proj"), (64, False, "in_proj"),
-                        (65, False, "triton"), (256, False, "triton")]),
-    ):
+    for dtype in ("bfloat16", "float32"):
         model = fastmamba.load(checkpoints["kernel3_state8"], device=DEVICE, dtype=dtype).model
         storage = model.weights.embedding.dtype
-        assert ds.one_row_up_to(model.config.d_model, storage) == one_row
-        assert ds.triton_products_up_to(model.config.d_model, storage) == 256
-        assert isinstance(ds.make_decode_step(model, one_row), ds.DecodeStep)
-        for batch, deterministic, products in always + cases:
-            step = ds.make_decode_step(model, batch, deterministic)
-            assert isinstance(step, GemmDecodeStep) and step.triton_products == (products != "cublas"), (dtype, batch)
-            cublas = dict(cublas=set(step.SPLITS), triton=set(), in_proj={"in_proj"})[products]
-            assert step.cublas_products == cublas, (dtype, batch, deterministic)
-    wide = [b for b in range(4, 70) if ds.cublas_in_proj(b, 2560, torch.float32)]  # above one_row_up_to's 3
-    assert wide == [4, 5, 6] + list(range(17, 65))
+        for batch in (1, 4, 5, 9, 33, 64, 65, 257):
+            for deterministic in (False, True):
+                plan = plan_for(model.config, storage, batch, deterministic)
+                step = ds.make_decode_step(model, batch, deterministic)
+                if plan.step == "one-row":
+                    assert isinstance(step, ds.DecodeStep) and not deterministic
+                else:
+                    assert isinstance(step, GemmDecodeStep) and step.cublas_products == set(plan.cublas), (dtype, batch)
+        step = ds.make_decode_step(model, 2, plan=DecodePlan("products", IN_PROJ))
+        assert isinstance(step, GemmDecodeStep) and step.cublas_products == {"in_proj"}
+    assert plan_for(model.config, torch.bfloat16, 300).cublas == ALL
+    assert plan_for(model.config, torch.bfloat16, 300, deterministic=True).cublas == NONE
 
 
 @pytest.mark.parametrize(
@@ -281,11 +274,14 @@ def test_make_decode_step_routes_by_batch_size(checkpoints):
 )
 def test_gemm_step_equals_the_reference_model(checkpoints, name, dtype, batch, products):
     """Whole steps of decode_gemm.py's step, its products through cuBLAS or through
-    gemm.py (in K chunks), or all but in_proj through gemm.py."""
+    products.py (in K chunks), or all but in_proj through products.py."""
     from fastmamba.kernels.decode_gemm import GemmDecodeStep
 
     model = fastmamba.load(checkpoints[name], device=DEVICE, dtype=dtype).model
-    step = GemmDecodeStep(model, batch, products != "cublas", cublas_in_proj="in_proj" in products)
+    from fastmamba.decode_plan import ALL, IN_PROJ, NONE, DecodePlan
+
+    cublas = dict(cublas=ALL, triton=NONE).get(products, IN_PROJ)
+    step = GemmDecodeStep(model, batch, DecodePlan("products", cublas))
     if products != "cublas":  # these models' x_proj and out_proj are long enough for two chunks or more
         assert step.chunks["x_proj"] >= 2 and step.chunks["out_proj"] >= 2
     state = model.new_state(batch)
@@ -305,7 +301,7 @@ def test_gemm_step_equals_the_reference_model(checkpoints, name, dtype, batch, p
 def test_gemm_step_kernels(checkpoints, name, dtype, batch, chunks):
     """16-bit weights: operands written as two halves, results read as the sum of their
     parts, two halves (split16.py) for each of `chunks` K chunks (the deterministic step's
-    products, gemm.py); float32: one operand, results in `chunks` parts."""
+    products, products.py); float32: one operand, results in `chunks` parts."""
     from fastmamba.kernels import decode_gemm as dg
     from fastmamba.kernels import rmsnorm as rn
 

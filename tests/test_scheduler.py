@@ -48,7 +48,7 @@ def test_chunk_prefill_graphs_continue_a_slot_as_the_eager_prefill_does(text_che
     the model's own prefill over the same chunk, from the same non-zero state."""
     import torch
 
-    from fastmamba.engine import ChunkPrefillGraphs
+    from fastmamba.cuda_graphs import ChunkPrefillGraphs
 
     lm = fastmamba.load(text_checkpoint, device="cuda")
     model = lm.model

@@ -30,14 +30,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from fastmamba.decode_plan import one_row_blocks  # noqa: E402
 from fastmamba.kernels import causal_conv1d as cc  # noqa: E402
 from fastmamba.kernels import decode_gemm as dg  # noqa: E402
 from fastmamba.kernels import decode_step as ds  # noqa: E402
-from fastmamba.kernels import gemm as gm  # noqa: E402
+from fastmamba.kernels import products as gm  # noqa: E402
 from fastmamba.kernels import rmsnorm as rn  # noqa: E402
 from fastmamba.kernels import sampler as sp  # noqa: E402
 from fastmamba.kernels import selective_scan as ss  # noqa: E402
@@ -158,19 +160,21 @@ def main() -> None:
     res = []
     for wdt in ("*bf16", "*fp16", "*fp32"):  # the one-row step (decode_step.py)
         f32 = wdt == "*fp32"
+        narrow = one_row_blocks(768, 1536, 50280, torch.float32 if f32 else torch.bfloat16)  # 130m's
+        wide = one_row_blocks(2560, 5120, 50280, torch.float32 if f32 else torch.bfloat16)  # 2.8b's
         t = ptrs("h_ptr", "nw_ptr", "b_ptr", "out_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", w_ptr=wdt, wx_ptr=wdt,
                  dh_ptr="*i64", dbc_ptr="*i64", best_ptr="*i64", eps="fp32")
         for conv in (True, False):  # in_proj with the conv step and x_proj; lm_head with the argmax
             compile_kernel(ds._rmsnorm_linear_kernel, t, dict(
                 HAS_BIAS=True, CONV=conv, ARGMAX=not conv, K=4, KP=4, HAS_CB=True, BN=16,
-                BK=512, BJ=128, STAGES=ds.DecodeStep.linear_blocks(3072, 768)[3], SUM_LAST=not f32,
-                UNROLL=ds.DecodeStep.IN_PROJ_UNROLL if conv and not f32 else 1, PDL=True))
+                BK=512, BJ=128, STAGES=narrow.in_proj[3], SUM_LAST=not f32,
+                UNROLL=narrow.in_proj_unroll if conv and not f32 else 1, PDL=True))
         t = ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", wx_ptr=wdt, dbc_ptr="*i64")
-        BN = ds.DecodeStep.CONV_BLOCK
-        compile_kernel(ds._conv_x_proj_kernel, t, dict(K=4, KP=4, HAS_CB=True, BN=BN, BJ=256, PDL=True), num_warps=ds.DecodeStep.conv_warps(BN))
+        BN = wide.conv_block
+        compile_kernel(ds._conv_x_proj_kernel, t, dict(K=4, KP=4, HAS_CB=True, BN=BN, BJ=256, PDL=True), num_warps=max(4, BN // 16))
         t = ptrs("xc_ptr", "xz_ptr", "ss_ptr", "dtb_ptr", "A_ptr", "D_ptr", "y_ptr", "h_ptr", dtw_ptr=wdt, dbc_ptr="*i64", dh_ptr="*i64",
                  eps="fp32")
-        BE, warps = ds.DecodeStep.ssm_blocks(2560)
+        BE, warps = wide.ssm_block
         for norm in (False, True):  # plain Mamba, Falcon-Mamba
             compile_kernel(ds._ssm_step_kernel, t, dict(N=16, NP=16, BJ=256, BR=256, BE=BE, BD=4, DBC_NORM=norm, PDL=True), num_warps=warps)
         t = {"best_ptr": "*i64", "tok_ptr": "*i64", "hist_ptr": "*i64", "step_ptr": "*i64", "seen_ptr": "*i1"}
@@ -179,7 +183,7 @@ def main() -> None:
         compile_kernel(ds._out_proj_residual_kernel, t, dict(HAS_BIAS=True, BN=32, BK=256, BJ=128, PDL=True))
         t = {"tok_ptr": "*i64", "emb_ptr": wdt, "h_ptr": "*fp32", "dh_ptr": "*i64"}
         compile_kernel(ds._embed_kernel, t, dict(BN=32, PDL=True))
-        # the deterministic step's products (gemm.py), in the tiles of 1 and of 128 rows
+        # the deterministic step's products (products.py), in the tiles of 1 and of 128 rows
         for M in (2, 256):
             t = gm._tiles(M, 5120, 2560, 1, f32, sms=132)
             compile_kernel(gm._gemm_kernel, ptrs("out_ptr", a_ptr=wdt, w_ptr=wdt), dict(

@@ -1,9 +1,8 @@
 """The decode step for larger batches, and the deterministic one: products and four Triton
-kernels a layer.
+kernels a layer (where it runs: decode_plan.py's table).
 
-Above decode_step.one_row_up_to rows, and at every batch size with `deterministic=True`,
-one step is, per layer (the products through cuBLAS or through gemm.py's Triton GEMM, see
-below):
+One step is, per layer (each product through cuBLAS or through products.py's Triton GEMM,
+as the plan says):
 
     residual_rmsnorm   h += o (+ out bias); u = rmsnorm(h) * norm_w, in the storage dtype (rmsnorm.py)
     cuBLAS             xz = u @ in_proj.T                    (float32 out)
@@ -18,14 +17,13 @@ Why: at 32-256 rows a product reads each weight once for many rows, which is wha
 tensor-core GEMMs do at close to the copy rate; the step's other traffic is the recurrent
 state, streamed once by the two element-wise kernels. With 16-bit weights the activations
 enter in_proj, x_proj, dt_proj and lm_head as two 16-bit halves (split16.py), so they keep
-about 16 bits; out_proj's operand is rounded once (see SPLIT_OUT_PROJ). Every product
-accumulates in float32.
+about 16 bits; out_proj's operand is rounded once (DecodePlan.round_out_proj_once). Every
+product accumulates in float32.
 cuBLAS may pick its algorithm by the number of rows, so a slot's bits can depend on the
-batch size. gemm.py's products never do, and the element-wise kernels treat each row alone
+batch size. products.py's products never do, and the element-wise kernels treat each row alone
 either way, so with them a slot's logits are bitwise the same in any batch:
-`deterministic=True` runs them at every batch size, and the default step wherever they
-beat cuBLAS (with PDL between all the step's kernels): all five up to 32 rows, all but
-in_proj up to decode_step.triton_products_up_to rows.
+`deterministic=True` runs them at every batch size, and the default plan wherever they
+beat cuBLAS.
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ import torch.nn.functional as F
 from ._triton import jit, tl, triton
 from .activations import silu, softplus
 from .causal_conv1d import causal_conv1d_ref
-from .gemm import gemm as invariant_gemm
-from .gemm import split_count
+from .products import cublas_gemm, invariant_gemm, split_count
 from .pdl import NO_PDL, pdl_launch, wait_for_prior_kernel
 from .rmsnorm import residual_rmsnorm
 from .selective_scan import selective_scan_ref
@@ -143,18 +140,8 @@ def _ssm_update_kernel(
 # -- launchers -----------------------------------------------------------------------------------
 # split: the products' operands and results have 2B rows, halves as in split16.py. *_parts:
 # how many B-row blocks a product's float32 result comes in (default: 2 with split, else 1;
-# more where gemm.py's products write each K chunk apart). pdl:
+# more where products.py's products write each K chunk apart). pdl:
 # launch options from pdl.pdl_launch (default: a plain launch).
-
-
-def gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-    """out = a @ weight.T in float32 through cuBLAS; a in the weight's dtype."""
-    if weight.dtype == torch.float32:
-        torch.mm(a, weight.t(), out=out)
-    elif a.device.type == "cpu":  # (the interpreter's tests) no 16-bit mm into float32 there: upcast, exact
-        torch.mm(a.float(), weight.float().t(), out=out)
-    else:
-        torch.mm(a, weight.t(), out_dtype=torch.float32, out=out)
 
 
 # Channels a program and warps of the two element-wise kernels that stream the state
@@ -203,42 +190,29 @@ def ssm_update(dt, dbc, xc, xz, ssm_state, dt_bias, A, D, R, y, split=False, y_h
 
 
 class GemmDecodeStep:
-    """One decode step for a fixed batch size through cuBLAS products, or with
-    `triton_products` through gemm.py's, whose rows' bits do not depend on the batch size
-    (every other kernel here treats each row alone), but for in_proj's with
-    `cublas_in_proj`; same interface as decode_step.DecodeStep (`__call__(tokens, state)
-    -> logits`, `.logits`)."""
+    """One decode step for a fixed batch size, each projection one matrix product: through
+    cuBLAS where `plan.cublas` names it, else through products.invariant_gemm, whose rows'
+    bits do not depend on the batch size (every other kernel here treats each row alone).
+    plan: a decode_plan.DecodePlan (default: every product through cuBLAS). Same interface
+    as decode_step.DecodeStep (`__call__(tokens, state) -> logits`, `.logits`)."""
 
-    # out_proj's operand y rounded once to 16 bits rather than split in two halves: half
-    # the rows in the largest product after in_proj (2.8b batch 128: 6.12 ms a step against
-    # 6.29). The halves matter where rounding moves the logits most: in_proj's and
-    # x_proj's operands (lm_head's are kept split too).
-    SPLIT_OUT_PROJ = False
-    # The K chunks each product asks of gemm.py. Fixed per product, never by
-    # the batch size (they set the order of the sums). The short-and-wide x_proj and
-    # out_proj need them for enough programs at batch 1; more chunks cost their reads at
-    # large batches. Each product alone, 2.8b bf16, µs at batch 1 / 128 (operands of 2 /
-    # 256 rows), 1 / 2 / 4 / 8 chunks: out_proj 25.7 / 30.6, 18.4 / 26.0, 15.1 / 24.2, 14.5 /
-    # 28.2; x_proj 22.3 / 22.0, 13.3 / 14.2, 9.2 / 9.8, 7.3 / 8.6; in_proj 25.3 / 39.5,
-    # 23.5 / 42.2 (benchmarks/RESULTS.md).
-    SPLITS = dict(in_proj=1, x_proj=8, dt_proj=1, out_proj=4, lm_head=1)
+    def __init__(self, model, batch: int, plan=None):
+        from ..decode_plan import ALL, DecodePlan
 
-    def __init__(self, model, batch: int, triton_products: bool = False, cublas_in_proj: bool = False):
+        plan = plan or DecodePlan("products", ALL, pdl=False)
         c, w = model.config, model.weights
         dev, sdt = w.embedding.device, w.embedding.dtype
-        self.model, self.B, self.triton_products = model, batch, triton_products
-        # the products through cuBLAS; the rest through gemm.py
-        self.cublas_products = set() if triton_products else set(self.SPLITS)
-        if cublas_in_proj:
-            self.cublas_products.add("in_proj")
+        self.model, self.B, self.plan = model, batch, plan
+        self.cublas_products = set(plan.cublas)  # the rest through invariant_gemm
+        self.splits = dict(plan.splits)
         self.split = sdt != torch.float32  # 16-bit operands in two halves (split16.py)
-        self.split_out = self.split and self.SPLIT_OUT_PROJ
+        self.split_out = self.split and not plan.round_out_proj_once
         P = 2 * batch if self.split else batch  # rows of the products
         Po = 2 * batch if self.split_out else batch  # rows of out_proj's product
         d, E, N, R = c.d_model, c.d_inner, c.d_state, c.dt_rank
-        # the K chunks each product's result comes in (see SPLITS)
+        # the K chunks each product's result comes in (plan.splits)
         K = dict(in_proj=d, x_proj=E, dt_proj=R, out_proj=E, lm_head=d)
-        self.chunks = {p: 1 if p in self.cublas_products else split_count(K[p], self.SPLITS[p]) for p in K}
+        self.chunks = {p: 1 if p in self.cublas_products else split_count(K[p], self.splits[p]) for p in K}
         assert self.chunks["lm_head"] == 1
         f32 = dict(device=dev, dtype=torch.float32)
         self.h = torch.zeros(batch, d, **f32)
@@ -258,17 +232,13 @@ class GemmDecodeStep:
         halves = 2 if self.split else 1
         self.parts = {p: n * halves for p, n in self.chunks.items()}
         self.parts["out_proj"] = self.chunks["out_proj"] * (2 if self.split_out else 1)
-        # The Triton kernels launch with PDL (pdl.py) where the products are Triton's too
-        # (deterministic step, 2.8b bf16, ms a step, batch 1 / 128: 2.575 / 6.846 against
-        # 2.904 / 6.983 without; 130m 0.448 / 0.965 against 0.575 / 1.020); between cuBLAS
-        # products it lost (2.8b batch 128: 6.057 against 5.984).
-        self.pdl = pdl_launch(dev) if triton_products else NO_PDL
+        self.pdl = pdl_launch(dev) if plan.pdl else NO_PDL
 
     def product(self, name: str, a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
         if name not in self.cublas_products:
-            invariant_gemm(a, weight, out, self.SPLITS[name], self.pdl)
+            invariant_gemm(a, weight, out, self.splits[name], self.pdl)
         else:
-            gemm(a, weight, out)
+            cublas_gemm(a, weight, out)
 
     def __call__(self, tokens: torch.Tensor, state, h: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B,) -> logits (B, V) f32; h (B, d) f32: vectors in place of the embedding

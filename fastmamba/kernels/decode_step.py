@@ -12,19 +12,18 @@ last out_proj's share, not yet folded into h):
 
 and around the layers: `embed` before, `rmsnorm_linear` with norm_f and lm_head after (for
 greedy sampling it also finds each row's argmax, which `take_argmax` hands out as the
-tokens: see _argmax_keys).
+tokens: see argmax_keys).
 The conv step needs only its own channels of x, so it runs where they are computed, and
 x_proj's split over K is in_proj's split of x's channels: one kernel boundary a layer
 fewer (each costs a few microseconds of drain and ramp whatever the kernels' sizes). That
 pays up to d_model 1024; wider models run the conv step and x_proj as a kernel of their
-own, `conv_x_proj`, which loads x_proj's columns before its wait (DecodeStep.FUSED_CONV_UP_TO).
+own, `conv_x_proj`, which loads x_proj's columns before its wait (OneRowBlocks.conv_in_in_proj, decode_plan.py).
 
 Why it is shaped this way:
-- Small batches (up to one_row_up_to rows) run one row per program with float32
-  multiply-and-sum products: bandwidth-bound GEMVs. Every reduction runs over a fixed split
-  of K in a fixed order, so a row's result never depends on the other rows or on how many
-  there are (up to one_row_up_to; `deterministic=True` runs decode_gemm.py's step with
-  batch-invariant products instead, at every batch size).
+- Small batches (where decode_plan.py's table says "one-row") run one row per program
+  with float32 multiply-and-sum products: bandwidth-bound GEMVs. Every reduction runs over
+  a fixed split of K in a fixed order, so a row's result never depends on the other rows
+  or on how many there are.
 - Short-and-wide products (x_proj, out_proj) are split over K so that enough programs
   stream the weights. Their partial sums meet by atomic adds in fixed point (FIXED_ONE)
   in dbc and dh: exact in any order, so deterministic, and with no round trip to wait
@@ -37,13 +36,8 @@ Why it is shaped this way:
   tile; in in_proj also the conv weights and window, and x_proj's columns into L2; in
   conv_x_proj x_proj's columns; in ssm_step the layer's state), and only then waits for
   the previous kernel's results (pdl.py). Some let the next kernel
-  launch even before their own wait (`DecodeStep.EARLY_LAUNCH`).
-- Larger batches run decode_gemm.py's step instead, from batch 3 up on bf16 2.8b and
-  1.4b, 4 on 370m, 5 on 130m (`one_row_up_to`): its products through gemm.py's Triton GEMM
-  (in_proj through cuBLAS above 32 rows, and at some float32 batch sizes: `cublas_in_proj`)
-  up to 128 rows on the wide models and 256 on the narrow ones (`triton_products_up_to`),
-  all through cuBLAS beyond. float32 weights likewise above 8 rows on 130m and 370m, 3 on
-  1.4b and 2.8b.
+  launch even before their own wait (`OneRowBlocks.early_launch`).
+- Larger batches run decode_gemm.py's step instead (decode_plan.py).
 """
 
 from __future__ import annotations
@@ -53,11 +47,11 @@ import torch.nn.functional as F
 
 from ._triton import INTERPRET, jit, tl, triton
 from .activations import silu, softplus
+from .argmax_keys import ARGMAX_EMPTY, EMPTY_KEY, advance_slots, argmax_keys, token_of_key
 from .decode_gemm import conv_step_ref, ssm_update_ref
-from .pdl import let_next_kernel_launch, pdl_launch, wait_for_prior_kernel
+from .pdl import NO_PDL, let_next_kernel_launch, pdl_launch, wait_for_prior_kernel
 from .rmsnorm import residual_rmsnorm_ref
 
-SMALL_BATCH = 8  # the most rows make_decode_step gives the one-row kernels (see one_row_up_to)
 
 
 # -- reference twins -------------------------------------------------------------------------
@@ -237,7 +231,7 @@ def _rmsnorm_linear_kernel(
         acc += tl.load(b_ptr + n, mask=nmask, other=0.0)[None, :]
     tl.store(out_ptr + rows[:, None] * NOUT + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
     if ARGMAX:  # lm_head for greedy sampling: each row's best so far, across programs
-        tl.atomic_max(best_ptr + rows, tl.max(_argmax_keys(acc, n, nmask), 1), mask=rmask, sem="relaxed")
+        tl.atomic_max(best_ptr + rows, tl.max(argmax_keys(acc, n, nmask), 1), mask=rmask, sem="relaxed")
     if CONV:
         if pid_n * BN < E:  # a program of in_proj's x half: its channels' conv step, x_proj
             xc = _conv_step(acc, cw, cw_new, cb, window, rows, rmask, n, cs_ptr, xc_ptr, E, K, KP)
@@ -247,52 +241,6 @@ def _rmsnorm_linear_kernel(
             _add_x_proj_share(xc, _x_proj_columns(wx_ptr, n, E, J, BJ), rows, rmask, dbc_ptr, J, BJ)
 
 
-# Greedy sampling inside lm_head: every program offers its outputs' largest value per row
-# to an atomic max over int64 keys that order as (value, then the lower index) do, so
-# the row's argmax needs no pass over the logits, and the order of the programs cannot
-# change it (ties go to the lower index, as in torch.argmax; NaN is the largest).
-ARGMAX_EMPTY = -(2**63)  # the key no output's beats: `best` before lm_head's programs
-_EMPTY = tl.constexpr(ARGMAX_EMPTY)
-_LOW32 = tl.constexpr(2**32 - 1)
-
-
-@jit
-def _ordered_bits(v):
-    """float32 v -> int32 that order as the values do (NaN aside)."""
-    return _flip_negative((v + 0.0).to(tl.int32, bitcast=True))  # + 0.0: -0.0 ties with 0.0
-
-
-@jit
-def _flip_negative(bits):
-    """float32 bits with a negative value's magnitude bits reversed: float bits -> ordered
-    int32 (_ordered_bits) and back, being its own inverse."""
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
-
-
-@jit
-def _argmax_keys(v, n, nmask):
-    """(1, BN) float32 values of outputs n -> int64 keys: the value's bits made to order
-    as signed integers in the high half, 2^32 - 1 - n in the low; masked outputs lowest."""
-    key = tl.where(v != v, 0x7FFFFFFF, _ordered_bits(v))
-    low = _LOW32 - n.to(tl.int64)
-    packed = (key.to(tl.int64) << 32) | low[None, :]
-    return tl.where(nmask[None, :], packed, _EMPTY)
-
-
-@jit
-def _token_of_key(key):
-    """The output (token id) an _argmax_keys key stands for."""
-    return _LOW32 - (key & _LOW32)
-
-
-@jit
-def _advance_slots(tok, rows, m, step_ptr, seen_ptr, V, BR: tl.constexpr):
-    """After a token is drawn for each slot: step + 1 and the token marked seen, as
-    sampling.sample and sample_greedy do."""
-    tl.store(step_ptr + rows, tl.load(step_ptr + rows, mask=m, other=0) + 1, mask=m)
-    tl.store(seen_ptr + rows.to(tl.int64) * V + tok, tl.full([BR], 1, tl.int1), mask=m)
-
-
 @jit
 def _take_argmax_kernel(best_ptr, tok_ptr, hist_ptr, step_ptr, seen_ptr, B, V, BR: tl.constexpr, PDL: tl.constexpr):
     # After an lm_head with ARGMAX: the tokens (into tokens and a row of history), the
@@ -300,11 +248,11 @@ def _take_argmax_kernel(best_ptr, tok_ptr, hist_ptr, step_ptr, seen_ptr, B, V, B
     wait_for_prior_kernel(PDL)
     rows = tl.arange(0, BR)
     m = rows < B
-    tok = _token_of_key(tl.load(best_ptr + rows, mask=m, other=0))
+    tok = token_of_key(tl.load(best_ptr + rows, mask=m, other=0))
     tl.store(tok_ptr + rows, tok, mask=m)
     tl.store(hist_ptr + rows, tok, mask=m)
-    _advance_slots(tok, rows, m, step_ptr, seen_ptr, V, BR)
-    tl.store(best_ptr + rows, tl.full([BR], _EMPTY, tl.int64), mask=m)
+    advance_slots(tok, rows, m, step_ptr, seen_ptr, V, BR)
+    tl.store(best_ptr + rows, tl.full([BR], EMPTY_KEY, tl.int64), mask=m)
 
 
 @jit
@@ -367,7 +315,7 @@ def _conv_x_proj_kernel(
     K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
 ):
     # The conv step and x_proj as a kernel of their own, for wide models (see
-    # DecodeStep.FUSED_CONV_UP_TO): the same work as in_proj's epilogue, on x from xz.
+    # OneRowBlocks.conv_in_in_proj): the same work as in_proj's epilogue, on x from xz.
     let_next_kernel_launch(PDL)
     pid_b = tl.program_id(0)  # rows first: see DecodeStep
     pid_n = tl.program_id(1)
@@ -482,74 +430,17 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
 
 
-def one_row_up_to(d_model: int, dtype: torch.dtype) -> int:
-    """The largest batch that make_decode_step gives the one-row kernels; larger ones go to
-    decode_gemm.py's step. A one-row step reads every weight once a row (the rows of a
-    weight tile run side by side, so the copies after the first come from L2), so each row
-    adds about as much L2 traffic as a batch-1 step's memory traffic, where a product reads
-    each weight once for all rows at a cost that hardly grows with them. The crossover falls
-    as the model widens. Whole graph-replayed steps on the H200, ms, one-row against the
-    Triton products (16-bit) or cuBLAS (float32): bf16 130m batch 4 0.409 / 0.446, 5 0.461 /
-    0.450, 8 0.665 / 0.460; 370m 4 1.011 / 0.924; 1.4b 2 1.442 / 1.472, 3 1.806 / 1.490;
-    2.8b 2 2.355 / 2.479 (with one-warp ssm_step programs; 2.547 / 2.480 before); float32
-    130m 8 0.803 / 1.183, 2.8b 3 5.514 / 9.329, 4 7.396 / 6.311."""
-    if dtype == torch.float32:
-        return SMALL_BATCH if d_model <= 1024 else 3
-    if d_model <= 768:
-        return 4
-    return 3 if d_model <= 1024 else 2
+def make_decode_step(model, batch: int, deterministic: bool = False, plan=None):
+    """The decode step for this batch size as `plan` says (default: decode_plan.plan_for,
+    the table of which step and products run where)."""
+    from ..decode_plan import plan_for
 
-
-def triton_products_up_to(d_model: int, dtype: torch.dtype) -> int:
-    """The largest batch whose default step runs its products through gemm.py (the
-    batch-invariant Triton GEMM of the deterministic mode, its kernels chained by PDL; in_proj
-    through cuBLAS where cublas_in_proj says); larger ones all through cuBLAS. Whole steps on
-    the H200, ms, Triton / Triton with cuBLAS's in_proj / cuBLAS: bf16 2.8b batch 16 3.062 /
-    3.072 / 3.497, 32 3.445 / 3.494 / 3.965, 48 4.220 / 3.907 / 4.363, 64 4.602 / 4.280 /
-    4.621, 128 6.522 / 5.880 / 5.953, 256 11.749 / 10.165 / 9.640; 1.4b 64 2.826 / 2.616 /
-    2.864, 128 3.704 / 3.543 / 3.654, 256 6.570 / 5.747 / 5.631; 130m 128 0.910 / 0.860 /
-    0.955, 256 1.273 / 1.249 / 1.303. float32 (three TF32 products a tile): 130m 128 1.768 /
-    1.715 / 1.950, 256 2.333 / 2.503 / 2.967; 1.4b 128 8.962 / 9.810 / 11.372, 256 16.863 /
-    17.619 / 18.990; 2.8b 128 18.111 / 18.826 / 20.804 (256 not measured)."""
-    if dtype == torch.float32:
-        return 256 if d_model <= 2048 else 128
-    return 256 if d_model <= 1024 else 128
-
-
-def cublas_in_proj(batch: int, d_model: int, dtype: torch.dtype) -> bool:
-    """Whether the default step's in_proj, the largest product, goes to cuBLAS within
-    triton_products_up_to. 16-bit weights: above 32 rows, where gemm.py's 64-row tiles read
-    its weights at 1.3 TB/s (tables in triton_products_up_to). float32: from 33 to 64 rows,
-    where tf32x3's 64-row tiles run partly empty, and on the wide models also from 17 (its
-    16-row tiles read in_proj's weights again each 16 rows) and up to 6 (where cuBLAS picks
-    a GEMV-like kernel). Whole steps, ms, Triton / Triton with cuBLAS's in_proj (/ cuBLAS):
-    1.4b batch 4 3.699 / 3.442, 6 3.779 / 3.604, 7 3.819 / 4.307, 16 4.050 / 5.307 / 6.932,
-    32 6.062 / 5.471 / 5.712, 64 7.246 / 6.869 / 7.157; 2.8b 4 6.384 / 5.767, 5 6.400 /
-    6.299, 6 6.675 / 6.621, 7 6.511 / 7.348, 16 7.301 / 8.422 / 10.269, 32 10.605 / 9.498 /
-    9.909, 64 12.562 / 12.097 / 12.527; 130m 17 0.933 / 0.946, 32 0.960 / 0.983, 40 1.232 /
-    1.152, 64 1.381 / 1.296; 370m 17 2.169 / 2.296, 32 2.250 / 2.379, 40 2.958 / 2.767, 64
-    3.503 / 3.298."""
-    if dtype == torch.float32:
-        return 32 < batch <= 64 or (d_model > 1024 and (batch <= 6 or 16 < batch <= 64))
-    return batch > 32
-
-
-def make_decode_step(model, batch: int, deterministic: bool = False):
-    """The fastest decode step for this batch size: Triton GEMVs (one row a program) up to
-    one_row_up_to rows, decode_gemm.py's step above, its products through gemm.py up to
-    triton_products_up_to rows (in_proj through cuBLAS where cublas_in_proj says) and
-    through cuBLAS beyond; with `deterministic`, decode_gemm.py's step with gemm.py's
-    batch-invariant products at every batch size, so that a slot's bits never depend on
-    the batch."""
-    d, dtype = model.config.d_model, model.weights.embedding.dtype
-    if not deterministic and batch <= one_row_up_to(d, dtype):
-        return DecodeStep(model, batch)
+    plan = plan or plan_for(model.config, model.weights.embedding.dtype, batch, deterministic)
+    if plan.step == "one-row":
+        return DecodeStep(model, batch, plan)
     from .decode_gemm import GemmDecodeStep
 
-    if deterministic:
-        return GemmDecodeStep(model, batch, triton_products=True)
-    triton = batch <= triton_products_up_to(d, dtype)
-    return GemmDecodeStep(model, batch, triton_products=triton, cublas_in_proj=triton and cublas_in_proj(batch, d, dtype))
+    return GemmDecodeStep(model, batch, plan)
 
 
 class DecodeStep:
@@ -562,122 +453,36 @@ class DecodeStep:
     the programs that read the same weight tile for different rows are launched side by
     side, so the tile comes from memory once and from L2 for the other rows. With the rows
     last, each row's programs swept the whole matrix before the next row's began, and a
-    matrix larger than L2 was read from memory once a row (2.8b bf16: batch 8 9.63 ms a
-    step against 7.31, batch 2 2.92 against 2.55).
+    matrix larger than L2 was read from memory once a row (2.8b bf16 batch 8: 9.63 ms a
+    step against 7.31).
     """
 
-    # Launch settings, chosen by timing whole graph-replayed batch-1 steps
-    # (benchmarks/tune_decode.py --in-graph).
-    @staticmethod
-    def ssm_blocks(d_model: int) -> tuple[int, int]:
-        """ssm_step's channels a program and warps: few channels a program, one warp,
-        so that the chain after its wait (dt_proj's sum over dt_rank, softplus, the state,
-        the sum over the states for y) runs in one warp's registers and shuffles, with no
-        barrier between warps, and many programs share the work. bf16 batch 1, whole steps,
-        A B .. B A twice, means, ms, 16 channels and 4 warps (as before) / 8 and 1 / 4 and
-        1: 130m 0.2075 / 0.2028 / **0.1978**, 370m 0.4664 / 0.4363 / **0.4260**, 1.4b
-        0.9884 / **0.9727** / 0.9778, 2.8b 1.7410 / **1.7045** / 1.7253; float32 130m 0.2463
-        / 0.2444 / **0.2395**, 2.8b 3.1276 / **3.0821** / 3.0910."""
-        return (4 if d_model <= 1024 else 8), 1
-    # in_proj does the conv step and x_proj itself up to this d_model; wider models run them
-    # as a kernel of their own. bf16 batch 1, ms a step, in in_proj against on their own
-    # (H200, 2026-11-30): 130m 0.232 / 0.282, 370m 0.498 / 0.622 (on their own: the
-    # previous commit); 1.4b 1.217 / 1.140, 2.8b 2.19 / 2.008. In in_proj, x_proj's
-    # columns load after the product (held through it they cost resident programs), and
-    # the extra latency outweighs the saved boundary once the product is long.
-    # (Re-measured with 128-channel conv_x_proj programs: 130m 0.211 / 0.221, 370m 0.457 /
-    # 0.496; 1.4b 1.618 / 0.995, 2.8b 2.389 / 1.798.)
-    FUSED_CONV_UP_TO = 1024
-    # conv_x_proj's channels a program where it runs alone (see conv_warps): its
-    # programs all finish at once, right after the wait, and each adds its share of all of
-    # x_proj's outputs to the same few addresses, so fewer programs queue fewer atomic adds
-    # there. bf16 batch 1, ms a step, 32 / 64 / 128 / 256 channels: 1.4b 1.100 / 1.022 /
-    # 0.995 / 1.182, 2.8b 1.954 / 1.852 / 1.798 / 2.035.
-    CONV_BLOCK = 128
+    def __init__(self, model, batch: int, plan=None):
+        """plan: a decode_plan.DecodePlan (its blocks and PDL; default: the model's)."""
+        from ..decode_plan import DecodePlan, one_row_blocks
 
-    @staticmethod
-    def conv_warps(block: int) -> int:
-        """conv_x_proj's warps for `block` channels a program: one a 16 channels, at least 4
-        (x_proj's columns, held from before the wait, then take 100-160 registers a thread
-        at 128 channels, tools/compile_kernels.py)."""
-        return max(4, block // 16)
-
-    # Kernels that let the next kernel launch as soon as all their programs have
-    # started instead of after their wait (PDL 2), so that it loads its first weights
-    # sooner: ssm_step and out_proj (bf16 batch 1, whole steps, against none: 130m 0.339
-    # ms / 0.360, 370m 0.762 / 0.800, 1.4b 1.344 / 1.394; at 2.8b it once lost, 2.254 /
-    # 2.239, and wins since conv_x_proj runs 128 channels a program: 1.786 / 1.796), and
-    # conv_x_proj where it runs (the wide models; since ssm_step runs one warp a program:
-    # 1.4b 0.964 / 0.973, 2.8b 1.698 / 1.701). ssm_step reads nothing before its wait that
-    # in_proj or conv_x_proj write, and conv_x_proj cannot finish before in_proj has.
-    EARLY_LAUNCH = frozenset({"conv_x_proj", "ssm_step", "out_proj_residual"})
-    # in_proj and lm_head with weights of these dtypes sum their products over K
-    # once, after their loop (_mm_terms); out_proj and float32 weights sum every K tile.
-    # Summed after the loop, out_proj made 2.8b's bf16 step 1.939 ms against 1.800;
-    # float32 in_proj 3.280 against 3.152 at 2.8b (1.4b: 1.555 against 1.625). With
-    # in_proj's blocks: see linear_blocks; models whose d_model fits one K tile sum it at
-    # once (_rmsnorm_linear).
-    SUM_LAST = frozenset({torch.bfloat16, torch.float16})
-    # lm_head's K tiles where it sums after its loop (bf16 batch 1, whole steps in the
-    # order A B B A, against linear_blocks' 1024 / 512 summed every tile: 130m 0.1900 /
-    # 0.2029 ms against 0.1955 / 0.2086, 370m 0.4538 / 0.4525 against 0.4554 / 0.4551,
-    # 1.4b 0.9914 / 0.9913 against 0.9936 / 0.9944, 2.8b 1.7631 / 1.7640 against 1.7660 /
-    # 1.7661; float32 in 256-wide tiles summed every tile lost: 130m 0.2445 against
-    # 0.2425, 2.8b 3.1620 against 3.1589; tune_decode.py --lm-head-sum-last).
-    LM_HEAD_K_TILE = 256
-    # in_proj's K loop unrolled by this much where its products are summed after the loop
-    # (16-bit weights, d_model past one K tile): two tiles' loads in flight a thread, not one
-    # (bf16 batch 1, whole steps, A B C D D C B A twice, means, ms, against no unroll: 1.4b
-    # 0.9919 / 1.0070, 2.8b 1.7492 / 1.7680). lm_head unrolled gained nothing (1.4b 1.0017,
-    # 2.8b 1.7680); float32 in_proj lost at 2.8b (3.608 against 3.166, in_proj and lm_head
-    # both unrolled); 4 lost everywhere (2.8b bf16 1.992); benchmarks/RESULTS.md.
-    IN_PROJ_UNROLL = 2
-
-    @staticmethod
-    def out_blocks(d_model: int) -> tuple[int, int, int, int]:
-        """out_proj's BN, BK, warps, and the programs to aim for by splitting K.
-        Whole bf16 batch-1 steps: (8, 512, 4) and 640 against (32, 256, 4) and 320: 130m
-        0.398 ms / 0.430, 2.8b 2.494 / 2.512; above d_model 1024 (8, 256, 4) and 1280
-        against those: 1.4b 1.137 / 1.140, 2.8b 1.959 / 1.976 (fresh processes, twice)."""
-        return (8, 256, 4, 1280) if d_model > 1024 else (8, 512, 4, 640)
-
-    @staticmethod
-    def linear_blocks(n_out: int, d: int) -> tuple[int, int, int, int]:
-        """rmsnorm_linear's (BN, BK, warps, pipeline stages of its loop) for n_out outputs of
-        d inputs: 16 rows a program (2.8b in_proj: 2.72 ms a step against 2.82
-        with 32; lm_head: 130m 0.333 ms against 0.339 with 64, 2.8b 2.238 / 2.250), and
-        rows of up to 1024 in one tile, all of it loaded before the wait (130m in_proj
-        0.331 ms against 0.339 in two tiles of 512); tune_decode.py --in-graph, --lm-head.
-        Wider in_proj (n_out = 4 d), whose products are summed after the loop (sum_last),
-        walks K in tiles of 256 (bf16 batch 1, whole steps, against 512 tiles summed in
-        every step: 2.8b 1.773 / 1.775 ms against 1.800 / 1.799, 1.4b 0.995 / 0.995 against
-        0.997 / 0.998; summed after the loop with 512 tiles 1.876 / 1.034, and 256 tiles
-        summed every step 2.016 / 1.152: tune_decode.py --sum-last); so does float32's,
-        summed every tile (2.8b 3.152 against 3.189 with 512, 1.4b 1.625 against 1.603-1.613:
-        --sum-last --f32)."""
-        # 1.4b's in_proj (n_out = 4 d) 8 rows a program: 1.120 ms against 1.140 (2.8b's:
-        # 2.240 against 1.976)
-        in_proj = n_out == 4 * d
-        return (8 if 1024 < d <= 2048 and in_proj else 16), (1024 if d <= 1024 else (256 if in_proj else 512)), 4, 1
-
-    def __init__(self, model, batch: int):
         c, w = model.config, model.weights
         dev = w.embedding.device
+        blocks = (plan.blocks if plan is not None else None) or one_row_blocks(c.d_model, c.d_inner, c.vocab_size, w.embedding.dtype)
+        self.plan = plan = DecodePlan("one-row", pdl=plan.pdl if plan is not None else True, blocks=blocks)
         self.model, self.B = model, batch
-        self.sum_last = w.embedding.dtype in self.SUM_LAST
+        # the launch settings, as attributes the kernels' launchers read (tests narrow some)
+        self.in_proj_blocks, self.lm_head_blocks = blocks.in_proj, blocks.lm_head
+        self.sum_last, self.lm_head_sum_last, self.in_proj_unroll = blocks.in_proj_sum_last, blocks.lm_head_sum_last, blocks.in_proj_unroll
+        self.early_launch = blocks.early_launch
         d, E, N, R = c.d_model, c.d_inner, c.d_state, c.dt_rank
         self.J, self.BJ = R + 2 * N, _pow2(R + 2 * N)
         self.BR, self.NP = _pow2(R), _pow2(N, 1)
         # out_proj: BN_out-wide tiles of d, K split so that enough programs stream the weights.
-        self.BN_out, self.BK_out, self.warps_out, programs = self.out_blocks(d)
+        self.BN_out, self.BK_out, self.warps_out, programs = blocks.out_proj
         self.nt_d = triton.cdiv(d, self.BN_out)
         self.nsplit_out = max(1, min(16, programs // self.nt_d, triton.cdiv(E, self.BK_out)))
         self.kchunk_out = triton.cdiv(triton.cdiv(E, self.nsplit_out), self.BK_out) * self.BK_out
         self.nsplit_out = triton.cdiv(E, self.kchunk_out)  # whole BK steps per split may need fewer
-        self.BE_ssm, self.warps_ssm = self.ssm_blocks(d)
+        self.BE_ssm, self.warps_ssm = blocks.ssm_block
         self.BD_ssm = triton.next_power_of_2(triton.cdiv(d, triton.cdiv(E, self.BE_ssm)))  # h columns each folds
-        self.fused_conv = d <= self.FUSED_CONV_UP_TO
-        self.BN_conv = self.CONV_BLOCK
+        self.fused_conv = blocks.conv_in_in_proj
+        self.BN_conv = blocks.conv_block
         f32 = dict(device=dev, dtype=torch.float32)
         self.h = torch.zeros(batch, d, **f32)
         self.dh = torch.zeros(batch, d, device=dev, dtype=torch.int64)  # out_proj's share, fixed point
@@ -686,12 +491,12 @@ class DecodeStep:
         self.y = torch.zeros(batch, E, **f32)
         self.dbc = torch.zeros(batch, self.BJ, device=dev, dtype=torch.int64)  # fixed point: see FIXED_ONE
         self.logits = torch.zeros(batch, c.vocab_size, **f32)
-        self.best = torch.full((batch,), ARGMAX_EMPTY, device=dev, dtype=torch.int64)  # see _argmax_keys
-        self.pdl = pdl_launch(dev)
+        self.best = torch.full((batch,), ARGMAX_EMPTY, device=dev, dtype=torch.int64)  # see argmax_keys
+        self.pdl = pdl_launch(dev) if plan.pdl else NO_PDL
 
     def pdl_for(self, kernel: str) -> dict:
         """The PDL launch settings for one of the step's kernels (see pdl.let_next_kernel_launch)."""
-        if self.pdl["PDL"] and kernel in self.EARLY_LAUNCH:
+        if self.pdl["PDL"] and kernel in self.early_launch:
             return dict(self.pdl, PDL=2)
         return self.pdl
 
@@ -702,18 +507,16 @@ class DecodeStep:
         emb = self.model.weights.embedding
         _embed_kernel[(self.B, self.nt_d)](tokens, emb, self.h, self.dh, self.B, emb.shape[1], BN=self.BN_out, **self.pdl)
 
-    def _rmsnorm_linear(self, norm_w, weight, bias, out, conv=None, argmax=False, sum_last=False, k_tile=None, unroll=1) -> None:
-        """out[:B] = linear(rmsnorm(h + dh) * norm_w, weight, bias); with conv = (lw,
-        conv_state), out is xz, and the x half goes on through the conv step and x_proj;
-        with argmax, each row's argmax goes into `best` too (see _argmax_keys). sum_last:
-        one row's products summed over K once, after the loop (_mm_terms), where d takes
-        more than one K tile (in one tile the products would wait through the loop in
-        registers for nothing: 370m bf16 0.513 ms a step against 0.456). k_tile: K tiles
-        of this width instead of linear_blocks' (lm_head: LM_HEAD_K_TILE). unroll: the K loop
-        unrolled by this much where the products are summed after it (IN_PROJ_UNROLL)."""
+    def _rmsnorm_linear(self, norm_w, weight, bias, out, blocks, conv=None, argmax=False, sum_last=False, unroll=1) -> None:
+        """out[:B] = linear(rmsnorm(h + dh) * norm_w, weight, bias) in blocks (BN, BK, warps,
+        stages); with conv = (lw, conv_state), out is xz, and the x half goes on through the
+        conv step and x_proj; with argmax, each row's argmax goes into `best` too (see
+        argmax_keys). sum_last: one row's products summed over K once, after the loop
+        (_mm_terms), where d takes more than one K tile (in one tile the products would wait
+        through the loop in registers for nothing). unroll: the K loop unrolled by this much
+        where the products are summed after it."""
         n_out, d = weight.shape
-        BN, BK, warps, stages = self.linear_blocks(n_out, d)
-        BK = k_tile or BK
+        BN, BK, warps, stages = blocks
         sum_last = sum_last and d > BK
         grid = (self.B, triton.cdiv(n_out, BN))
         c = self.model.config
@@ -735,9 +538,9 @@ class DecodeStep:
     def in_proj(self, lw, conv_state) -> None:
         """xz[:B] = in_proj(rmsnorm(h + dh) * norm_w); then from its x half the conv step +
         SiLU -> xc, conv_state (B, E, K) updated, and xc @ x_proj.T added to dbc (zero
-        before: out_proj_residual leaves it so): in in_proj's own programs up to
-        FUSED_CONV_UP_TO, else in a second kernel."""
-        linear = dict(sum_last=self.sum_last, unroll=self.IN_PROJ_UNROLL)
+        before: out_proj_residual leaves it so): in in_proj's own programs where
+        OneRowBlocks.conv_in_in_proj says, else in a second kernel."""
+        linear = dict(blocks=self.in_proj_blocks, sum_last=self.sum_last, unroll=self.in_proj_unroll)
         if self.fused_conv:
             self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, conv=(lw, conv_state), **linear)
             return
@@ -747,15 +550,14 @@ class DecodeStep:
             self.xz, conv_state, lw.conv_w, lw.conv_b if lw.conv_b is not None else lw.conv_w,
             lw.x_proj_w, self.xc, self.dbc, self.B, c.d_inner, self.J,
             K=c.d_conv, KP=triton.next_power_of_2(c.d_conv), HAS_CB=lw.conv_b is not None,
-            BN=self.BN_conv, BJ=self.BJ, num_warps=self.conv_warps(self.BN_conv), **self.pdl_for("conv_x_proj"),
+            BN=self.BN_conv, BJ=self.BJ, num_warps=max(4, self.BN_conv // 16), **self.pdl_for("conv_x_proj"),
         )
 
     def lm_head(self, argmax: bool = False) -> None:
         """logits[:B] = lm_head(rmsnorm(h + dh) * norm_f); with argmax, each row's argmax
         into `best` too, for take_argmax."""
         w = self.model.weights
-        k_tile = self.LM_HEAD_K_TILE if self.sum_last else None
-        self._rmsnorm_linear(w.norm_f, w.lm_head, None, self.logits, argmax=argmax, sum_last=self.sum_last, k_tile=k_tile)
+        self._rmsnorm_linear(w.norm_f, w.lm_head, None, self.logits, self.lm_head_blocks, argmax=argmax, sum_last=self.lm_head_sum_last)
 
     def take_argmax(self, slots, tokens: torch.Tensor, history_row: torch.Tensor) -> None:
         """Greedy sampling after a step with argmax: tokens[:B] and history_row[:B] = the

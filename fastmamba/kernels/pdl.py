@@ -9,8 +9,6 @@ writes or reads; the decode steps' kernels all do.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ._triton import INTERPRET, jit, tl
@@ -35,9 +33,9 @@ def wait_for_prior_kernel(PDL: tl.constexpr):
 
 
 def use_pdl(device: torch.device) -> bool:
-    """Hopper or newer, a Triton that can launch with it, and not switched off with
-    FASTMAMBA_PDL=0 (to measure what it brings)."""
-    if INTERPRET or device.type != "cuda" or os.environ.get("FASTMAMBA_PDL") == "0":
+    """Hopper or newer, and a Triton that can launch with it. (Whether a decode step uses
+    it is its plan's choice: decode_plan.DecodePlan.pdl.)"""
+    if INTERPRET or device.type != "cuda":
         return False
     from triton.backends.nvidia.compiler import CUDAOptions
 

@@ -13,7 +13,7 @@ sort of the vocabulary: 270 µs at batch 1 and 2 ms at batch 128 on an H200
     _finish_kernel  greedy or sampled token per row; step + 1; the token marked seen
 
 The argmaxes are atomic maxima over int64 keys that order as (value, lower index) do
-(decode_step._argmax_keys), so the order of programs cannot change a token.
+(decode_step.argmax_keys), so the order of programs cannot change a token.
 `sample_temperature` serves rows without filters, `sample_filtered_apart` rows none of
 which combines top-k with top-p, `sample_filtered` any row; all take and update
 SlotParams exactly as `sample` does. Where `sample` sums probabilities in its sorted
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import INTERPRET, jit, tl, triton
-from .decode_step import _LOW32, ARGMAX_EMPTY, _advance_slots, _argmax_keys, _flip_negative, _ordered_bits, _token_of_key
+from .argmax_keys import ARGMAX_EMPTY, LOW32, advance_slots, argmax_keys, flip_negative, ordered_bits, token_of_key
 
 BV = 1024  # tokens a program
 
@@ -35,11 +35,11 @@ BV = 1024  # tokens a program
 @jit
 def _hash32(x):
     """sampling.hash32 on int64 tensors (values below 2^32 in, below 2^32 out)."""
-    x = x & _LOW32
+    x = x & LOW32
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _LOW32
+    x = (x * 0x7FEB352D) & LOW32
     x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _LOW32
+    x = (x * 0x846CA68B) & LOW32
     return x ^ (x >> 16)
 
 
@@ -72,7 +72,7 @@ def _scale_kernel(logits_ptr, seen_ptr, pen_ptr, temp_ptr, s_ptr, best_ptr, smax
     pen = tl.load(pen_ptr + row)
     seen = tl.load(seen_ptr + row * V + i, mask=m, other=0) != 0
     x = tl.where(seen, tl.where(x > 0, x / pen, x * pen), x)
-    tl.atomic_max(best_ptr + row, tl.max(_argmax_keys(x[None, :], i, m), axis=None), sem="relaxed")
+    tl.atomic_max(best_ptr + row, tl.max(argmax_keys(x[None, :], i, m), axis=None), sem="relaxed")
     t = tl.maximum(tl.load(temp_ptr + row), 1e-6)
     tl.store(s_ptr + row * V + i, x / t, mask=m)
     tl.atomic_max(smax_ptr + row, tl.max(tl.where(m, x / t, -float("inf")), 0), sem="relaxed")
@@ -90,12 +90,12 @@ def _pick_kernel(s_ptr, seed_ptr, step_ptr, kstar_ptr, best_ptr, V, FILTERED: tl
     if FILTERED:
         keep &= _keys(s, i, m, BV) >= tl.load(kstar_ptr + row)
     v = s + _gumbel(tl.load(seed_ptr + row), tl.load(step_ptr + row), i.to(tl.int64))
-    tl.atomic_max(best_ptr + row, tl.max(_argmax_keys(v[None, :], i, keep), axis=None), sem="relaxed")
+    tl.atomic_max(best_ptr + row, tl.max(argmax_keys(v[None, :], i, keep), axis=None), sem="relaxed")
 
 
 # -- top-k, top-p and min-p without a sort ---------------------------------------------------
 # Each filter keeps a prefix of `sample`'s stable descending order, so the kept tokens are
-# those whose key (value, then the lower index: _argmax_keys) is at least the last kept
+# those whose key (value, then the lower index: argmax_keys) is at least the last kept
 # token's, K. _filter_keys finds K per row in a few passes over the row, each spread over many
 # programs: it narrows a band of keys known to hold K (every token above the band is kept,
 # none below it) by counting the band's tokens and adding up their weights exp(s - s_max)
@@ -118,19 +118,19 @@ _LO, _HI, _ABOVE, _W_ABOVE, _N_BAND, _DONE, _WHOLE, _CAP = (tl.constexpr(i) for 
 @jit
 def _keys(s, i, m, BV: tl.constexpr):
     """(BV,) values of tokens i -> their int64 keys; masked ones below KEY_MIN."""
-    return tl.reshape(_argmax_keys(s[None, :], i, m), [BV])
+    return tl.reshape(argmax_keys(s[None, :], i, m), [BV])
 
 
 @jit
 def _key_of_value(v):
     """The lowest key of value v: a token's key >= it exactly where its value >= v."""
-    return _ordered_bits(v).to(tl.int64) << 32
+    return ordered_bits(v).to(tl.int64) << 32
 
 
 @jit
 def _value_of_key(key):
-    """The value in a key's high half (_ordered_bits undone)."""
-    return _flip_negative((key >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
+    """The value in a key's high half (ordered_bits undone)."""
+    return flip_negative((key >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
 
 
 @jit
@@ -144,7 +144,7 @@ def _first_band(s0, j, like, NB: tl.constexpr):
     """The first pass's band, every token (lo, hi), and its thresholds: values
     s0 - 0.25 * 2^j, then every token. like: an int64 scalar, for lo's type."""
     T = tl.where(j < NB - 1, _key_of_value(s0 - 0.25 * tl.exp2(j.to(tl.float32))), KEY_MIN)
-    return 0 * like + KEY_MIN, _key_of_value(s0) | _LOW32, T
+    return 0 * like + KEY_MIN, _key_of_value(s0) | LOW32, T
 
 
 @jit
@@ -401,11 +401,11 @@ def _finish_kernel(best_ptr, temp_ptr, tok_ptr, step_ptr, seen_ptr, B, V, BR: tl
     # token marked seen
     rows = tl.arange(0, BR)
     m = rows < B
-    greedy = _token_of_key(tl.load(best_ptr + rows, mask=m, other=0))
-    sampled = _token_of_key(tl.load(best_ptr + B + rows, mask=m, other=0))
+    greedy = token_of_key(tl.load(best_ptr + rows, mask=m, other=0))
+    sampled = token_of_key(tl.load(best_ptr + B + rows, mask=m, other=0))
     tok = tl.where(tl.load(temp_ptr + rows, mask=m, other=0.0) > 0, sampled, greedy)
     tl.store(tok_ptr + rows, tok, mask=m)
-    _advance_slots(tok, rows, m, step_ptr, seen_ptr, V, BR)
+    advance_slots(tok, rows, m, step_ptr, seen_ptr, V, BR)
 
 
 def _filter_keys(s: torch.Tensor, smax: torch.Tensor, p, stages) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ._triton import jit, tl, triton
 from .activations import silu, softplus
 from .causal_conv1d import _pad_mask
+from .products import linear_storage
 from .step_size import step_size, step_size_ref
 
 
@@ -292,11 +293,8 @@ def _scan_chunks_kernel(
 # serve 64 states; the GPU's 132 x 4 schedulers then want many chunks), or 1 channel a
 # thread, 2-4 warps a program (4x the warps for the same channels, so fewer chunks fill the
 # GPU). Chunks of SCAN_CHUNK steps, or half that where full chunks would give fewer than
-# SCAN_FEW_PROGRAMS programs (2.8b widths, with the prefix pass: 1 x 4096, 1280 programs, 375
-# us against 440 with 128-step chunks, 391 with 32). From 1536 programs up, 128 steps win
-# (the means of four runs, A B B A twice, 128 against 64: 2.8b 1 x 8192, 2560 programs, 525.0
-# against 541.4; 370m 1 x 16384, 2048, 433.9 against 474.7; 130m 1 x 16384, 1536, 357.8
-# against 377.8).
+# SCAN_FEW_PROGRAMS programs (2.8b 1 x 4096, 1280 programs: 375 µs against 440 with
+# 128-step chunks); from 1536 programs up 128 steps win (2.8b 1 x 8192: 525.0 against 541.4).
 SCAN_CHUNK = 128
 SCAN_FEW_PROGRAMS = 1536
 SCAN_BE = 128  # channels per program
@@ -307,24 +305,17 @@ SCAN_UNROLL = 2  # steps a loop iteration (tl.range loop_unroll_factor): 1 x 409
 LOG2E = 1.4426950408889634
 # The chunked scan from SCAN_CHUNKED_FROM steps, or from SCAN_CHUNKED_WORK channel-steps
 # (B x E x T) at fewer steps: below, the one-pass scan's few launches win; above, its one
-# program a row and 8 channels walks too long (µs a scan, CUDA graphs; one-pass / chunked as
-# chunked_launch runs it): 1 x 128 x 5120 21.0 / >= 31, 1 x 512 x 1536 30.3 / 33.5, 4 x 256 x
-# 1536 39.4 / 41.9; 1 x 512 x 5120 85.1 / 56.5, 4 x 256 x 5120 129.5 / 79.6, 16 x 256 x 1536
-# 154.3 / 75.0, 16 x 256 x 5120 490.8 / 170.4, 64 x 64 x 5120 506.2 / 180.5.
+# program a row and 8 channels walks too long (16 x 256 x 5120: 490.8 µs one-pass, 170.4
+# chunked; 1 x 128 x 5120: 21.0 against at least 31).
 SCAN_CHUNKED_FROM = 1024
 SCAN_CHUNKED_WORK = 1 << 21
 # One chunk (no summaries: each exp once) where the rows' channels give 768 warps of one
-# channel a thread (µs): 2.8b 8 x 2048 740.7 against 963.8 with 4 channels a thread in
-# 128-step chunks, 16 x 1024 635.0 against 925.2; 1.4b 8 x 2048 538.6 against 776.2; 130m
-# 16 x 1024 272.3 against 328.0. At 640 such warps (2.8b 4 x 4096) 4 channels a thread in
-# 128-step chunks still win (963.6 against 984.3 at best).
+# channel a thread (2.8b 8 x 2048: 740.7 µs against 963.8 with 4 channels a thread in
+# 128-step chunks); at 640 such warps 4 channels a thread still win.
 SCAN_ONE_CHUNK_LANES = 24576
 # One channel a thread in chunks of 128 steps (64 where fewer than 1536 warps) below this
 # many channel-steps (B x E x T), where 4 channels a thread leave the GPU too few warps
-# (µs, CUDA graphs, 4 a thread as chosen above / 1 a thread): 2.8b 1 x 1024 > 111 / 88.1,
-# 2 x 1024 172.3 / 152.7; 130m 2 x 1024 78.2 / 58.6, 1 x 4096 121.9 /
-# 104.0; 370m 1 x 2048 83.2 / 75.6. From ~16M on they tie or lose: 2.8b 1 x 4096 279.0 /
-# 280.6, 1.4b 2 x 2048 205.9 / 226.2.
+# (130m 2 x 1024: 78.2 µs with 4 a thread, 58.6 with 1); from ~16M on they tie or lose.
 SCAN_SMALL_WORK = 12 << 20
 # step_and_scan: the one-chunk walk takes the softplus itself, after dt_proj alone, from
 # this dt_rank up (µs, CUDA graphs, step sizes made first / in the walk; cuBLAS's dt_proj
@@ -462,8 +453,6 @@ def step_and_scan(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, state, start=None, out_d
     Bsz, E, T = x.shape
     run = chunked_launch(Bsz, E, T) if _chunked(Bsz, E, T) else None
     if run is not None and run.L >= T and dt_r.shape[-1] >= SCAN_SOFTPLUS_FROM_RANK:
-        from ..model import linear_storage  # (the model imports this file)
-
         dt = linear_storage(dt_r, dt_w)  # (B, T, E) float32, before the bias
         return selective_scan(
             x, dt.transpose(1, 2), A, Bm, Cm, D, z, state, start, out_dtype, chunked=True, launch=run, dt_bias=dt_b

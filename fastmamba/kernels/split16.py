@@ -5,7 +5,7 @@ mantissa bits; on real-shape models that alone moves bf16 logits by 2-5% against
 reference. Writing v as hi = round(v) and lo = round(v - hi) in rows [0, B) and [B, 2B) of
 one (2B, K) operand costs a product twice as tall but still one read of the weights; the
 consumer adds the two halves of the float32 result. A result may come in more parts than
-two (load_sum's PARTS): the deterministic step's products split over K (gemm.py) write each
+two (load_sum's PARTS): the deterministic step's products split over K (products.py) write each
 chunk's share of both halves apart.
 """
 

@@ -10,7 +10,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .engine import GRAPH_PREFILL_TOKENS, PREFILL_BUCKETS, GraphDecoder, GraphPrefill, HostTokens, ReferenceDecoder
+from .cuda_graphs import GRAPH_PREFILL_TOKENS, PREFILL_BUCKETS, GraphDecoder, GraphPrefill, HostTokens, ReferenceDecoder
 from .model import Mamba, MambaState
 from .sampling import SamplingParams, pick_sampler, resolve_seed
 from .tokenizer import IncrementalDecoder, Tokenizer

@@ -96,12 +96,12 @@ class GraphDecoder:
 
     runs_ahead = True
 
-    def __init__(self, model: Mamba, batch: int, deterministic: bool = False, steps: int | None = None):
+    def __init__(self, model: Mamba, batch: int, deterministic: bool = False, steps: int | None = None, plan=None):
         from .kernels.decode_step import make_decode_step
 
         self.model = model
         self.busy = False  # set while a generation uses it
-        self.step = make_decode_step(model, batch, deterministic)
+        self.step = make_decode_step(model, batch, deterministic, plan)  # plan: decode_plan.plan_for's unless given
         self.state = model.new_state(batch)
         self.slots = SlotParams.empty(batch, model.config.vocab_size, model.device)
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=model.device)
@@ -110,11 +110,9 @@ class GraphDecoder:
         self.graphs: dict[Pick, torch.cuda.CUDAGraph] = {}
 
     def _body(self, pick: Pick) -> None:
-        from .kernels.decode_step import DecodeStep
-
-        # Greedy sampling fused into the Triton step where it can (argmax inside lm_head):
-        # one small kernel after it instead of torch's argmax and four more launches.
-        fused = pick is sample_greedy and isinstance(self.step, DecodeStep)
+        # Greedy sampling fused into the one-row step (argmax inside lm_head): one small
+        # kernel after it instead of torch's argmax and four more launches.
+        fused = pick is sample_greedy and self.step.plan is not None and self.step.plan.step == "one-row"
         for i in range(self.steps):
             if fused:
                 self.step(self.tokens, self.state, argmax=True)
@@ -146,12 +144,10 @@ class GraphDecoder:
 GRAPH_PREFILL_TOKENS = 4096  # batch x bucket length up to which prefill runs as a CUDA graph
 # Padded prompt lengths with a graph each: powers of two up to 512, then steps of 512 up to
 # GRAPH_PREFILL_TOKENS, so that a prompt pads by at most 512 tokens above 512.
-# Eager prefill is host-bound up to a few thousand tokens (H200, bf16, ms eager / graph: 130m
-# 1 x 2048 17.9 / 3.8; 370m 1 x 2048 36.4 / 8.4; 1.4b 1 x 1024 20.4 / 9.9; 2.8b 1 x 1024
-# 44.6 / 18.9, 1 x 2048 43.1 / 33.2; at 4096 tokens both alike), so even a prompt padded to
-# nearly twice its length is faster in a graph. A graph holds its activations' memory: the
-# prefill graphs share one pool (GraphPrefill), four of 1024-4096 tokens 322 MiB reserved on
-# 130m and 904 on 2.8b, against 636 and 1574 with a pool each.
+# Eager prefill is host-bound up to a few thousand tokens (2.8b 1 x 1024: 44.6 ms eager, 18.9
+# in a graph; alike at 4096), so even a prompt padded to nearly twice its length is faster in
+# a graph. A graph holds its activations' memory: the prefill graphs share one pool
+# (GraphPrefill), about half the memory of a pool each.
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512) + tuple(range(1024, GRAPH_PREFILL_TOKENS + 1, 512))
 
 

@@ -1,5 +1,6 @@
-"""A product whose rows' results never depend on how many rows there are: the products of
-the deterministic decode step.
+"""The matrix products, one home: through cuBLAS in the weight's own dtype
+(`linear_storage`, `cublas_gemm`), and a Triton GEMM whose rows' results never depend on
+how many rows there are (`invariant_gemm`: the products of the deterministic decode step).
 
 cuBLAS picks its algorithm (tiles, split over K, reduction order) by the shape, so a row's
 bits change with the batch size. Here every output element is one fixed sum: its K range is
@@ -31,7 +32,38 @@ from .pdl import NO_PDL, wait_for_prior_kernel
 K_ALIGN = 16  # chunk bounds fall on multiples of the tensor cores' step of K
 
 
-def gemm_ref(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_storage(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """x @ weight.T + bias as a GPU product in the weight's own dtype (cuBLAS, float32
+    accumulation), without a float32 copy of the weight; the activations are rounded to that
+    dtype (a no-op when they arrive in it). The output in out_dtype: float32, or the weight's
+    dtype (the float32 sum plus bias, rounded once). (model.linear is its reference.)"""
+    if weight.dtype == torch.float32:
+        return F.linear(x.float(), weight, bias)
+    x2 = x.reshape(-1, x.shape[-1]).to(weight.dtype)
+    rounded = out_dtype == weight.dtype and bias is None
+    if not x.is_cuda:  # (the Triton interpreter's tests on the CPU)
+        y = F.linear(x2, weight).float()
+    elif rounded:
+        y = torch.mm(x2, weight.t())
+    else:  # straight to float32: no extra pass over the output
+        y = torch.mm(x2, weight.t(), out_dtype=torch.float32)
+    y = y.view(*x.shape[:-1], weight.shape[0])
+    return (y if bias is None else y + bias).to(out_dtype)
+
+
+def cublas_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+    """out = a @ weight.T in float32 through cuBLAS; a in the weight's dtype."""
+    if weight.dtype == torch.float32:
+        torch.mm(a, weight.t(), out=out)
+    elif a.device.type == "cpu":  # (the interpreter's tests) no 16-bit mm into float32 there: upcast, exact
+        torch.mm(a.float(), weight.float().t(), out=out)
+    else:
+        torch.mm(a, weight.t(), out_dtype=torch.float32, out=out)
+
+
+def invariant_gemm_ref(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """a (M, K) @ weight (N, K).T in float32."""
     return F.linear(a.float(), weight.float())
 
@@ -68,7 +100,7 @@ def _gemm_kernel(
 
 
 def split_count(K: int, splits: int) -> int:
-    """How many K chunks gemm writes for `splits` asked of a K-long sum (fewer where K is
+    """How many K chunks invariant_gemm writes for `splits` asked of a K-long sum (fewer where K is
     too short for them)."""
     return triton.cdiv(K, _chunk(K, splits))
 
@@ -123,7 +155,7 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, splits: int = 1, pdl: dict = NO_PDL) -> None:
+def invariant_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, splits: int = 1, pdl: dict = NO_PDL) -> None:
     """out[s * M:(s + 1) * M] = a @ weight[:, chunk s].T for each K chunk s (split_count of
     them; they add up to the whole product), float32. a (M, K) in the weight's dtype. pdl:
     launch options from pdl.pdl_launch (default: a plain launch)."""

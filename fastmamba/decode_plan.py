@@ -1,0 +1,200 @@
+"""The decode plan: which decode step runs, with which products, for every model width,
+weight dtype, batch size and mode. One table (ROUTES), a line of reason per entry, read by
+`plan_for`; nothing else in the code holds a routing threshold. Scripts that try another
+plan build a DecodePlan (dataclasses.replace) and pass it to make_decode_step.
+
+The two steps (docs/architecture.md, "Decode"):
+- "one-row" (kernels/decode_step.DecodeStep): one row a program, float32 multiply-and-sum
+  GEMVs; it reads every weight once a row (the copies after the first from L2), so it wins
+  at a few rows and loses as the rows, or the model's width, grow.
+- "products" (kernels/decode_gemm.GemmDecodeStep): each projection one matrix product,
+  through the batch-invariant Triton GEMM (kernels/products.invariant_gemm) or cuBLAS.
+A slot's logits are bitwise the same at every batch size within one of
+`batch_invariant_ranges` (the one-row step treats each row alone; the Triton products'
+sums have a fixed order); cuBLAS picks its algorithm by the shape. `deterministic=True`
+runs the all-Triton products step at every batch size.
+
+The table's evidence (whole graph-replayed steps on the H200): benchmarks/RESULTS.md,
+"The decode plan's evidence".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PRODUCTS = ("in_proj", "x_proj", "dt_proj", "out_proj", "lm_head")
+NONE, IN_PROJ, ALL = frozenset(), frozenset({"in_proj"}), frozenset(PRODUCTS)
+# The K chunks each Triton product sums in, fixed per product and never by the batch size
+# (they set the order of the sums). The short-and-wide x_proj and out_proj need them for
+# enough programs at batch 1; more chunks cost their reads at large batches (2.8b bf16,
+# x_proj alone at batch 1: 22.3 µs in one chunk, 7.3 in eight).
+SPLITS = (("in_proj", 1), ("x_proj", 8), ("dt_proj", 1), ("out_proj", 4), ("lm_head", 1))
+MANY = 1 << 30  # "and above"
+
+
+@dataclass(frozen=True)
+class OneRowBlocks:
+    """The one-row step's launch settings. They depend on the model's shapes and dtype
+    only, never on the batch size: a row's result must not change with the batch."""
+
+    conv_in_in_proj: bool  # the conv step and x_proj in in_proj's programs; else a conv_x_proj kernel
+    conv_block: int  # conv_x_proj's channels a program
+    ssm_block: tuple[int, int]  # ssm_step's channels a program, warps
+    out_proj: tuple[int, int, int, int]  # BN, BK, warps, programs to aim for by splitting K
+    in_proj: tuple[int, int, int, int]  # BN, BK, warps, pipeline stages
+    lm_head: tuple[int, int, int, int]  # BN, BK, warps, pipeline stages
+    in_proj_sum_last: bool  # a row's products summed over K once, after the loop (not every tile)
+    lm_head_sum_last: bool
+    in_proj_unroll: int  # the K loop unrolled by this much where summed after it
+    early_launch: frozenset  # kernels that let the next launch before their own wait (PDL 2)
+
+
+def one_row_blocks(d_model: int, d_inner: int, vocab: int, dtype: torch.dtype) -> OneRowBlocks:
+    """The one-row step's settings for a model's shapes, each chosen by timing whole
+    graph-replayed batch-1 steps (benchmarks/tune_decode.py --in-graph and its sweeps)."""
+    wide, sixteen_bit = d_model > 1024, dtype != torch.float32
+
+    def linear(n_out: int) -> tuple[int, int, int, int]:
+        # 16 rows a program (2.8b in_proj: 2.72 ms a step against 2.82 with 32), 8 for
+        # 1.4b's in_proj (1.120 against 1.140); up to 1024 of K in one tile, all of it loaded
+        # before the PDL wait; wider in_proj walks K in tiles of 256, wider lm_head 512
+        in_proj = n_out == 4 * d_model
+        BN = 8 if 1024 < d_model <= 2048 and in_proj else 16
+        return BN, 1024 if d_model <= 1024 else (256 if in_proj else 512), 4, 1
+
+    head = linear(vocab)
+    return OneRowBlocks(
+        # in in_proj the extra latency outweighs the saved boundary once the product is
+        # long (2.8b 2.19 ms a step in in_proj against 2.01 on their own; 130m 0.232 / 0.282)
+        conv_in_in_proj=not wide,
+        # few programs queue fewer atomic adds at x_proj's outputs (2.8b 1.798 ms at 128
+        # channels against 1.954 at 32)
+        conv_block=128,
+        # one warp a program: the chain after the wait runs in one warp's registers and
+        # shuffles, no barrier between warps (2.8b 1.7045 ms against 1.7410 at 16 and 4)
+        ssm_block=(8 if wide else 4, 1),
+        # K split so that ~1280 / 640 programs load a first tile before their wait (1.4b
+        # 1.137 against 1.140 with 32-row tiles)
+        out_proj=(8, 256, 4, 1280) if wide else (8, 512, 4, 640),
+        in_proj=linear(2 * d_inner),
+        # 16-bit lm_head summed after its loop walks K in 256-wide tiles (2.8b 1.7631 against 1.7660)
+        lm_head=(head[0], 256 if sixteen_bit else head[1], head[2], head[3]),
+        # summed after the loop for 16-bit weights (2.8b 1.773 against 1.800); float32's
+        # every tile (3.152 against 3.280)
+        in_proj_sum_last=sixteen_bit,
+        lm_head_sum_last=sixteen_bit,
+        # two tiles' loads in flight a thread (2.8b 1.7492 against 1.7680 unrolled by one)
+        in_proj_unroll=2,
+        # ssm_step and out_proj (and conv_x_proj where it runs) let the next kernel load its
+        # first weights sooner (1.4b 1.344 against 1.394)
+        early_launch=frozenset({"conv_x_proj", "ssm_step", "out_proj_residual"}),
+    )
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    step: str  # "one-row" or "products" (see above)
+    cublas: frozenset = NONE  # the products step's projections through cuBLAS; the rest through invariant_gemm
+    splits: tuple = SPLITS  # (projection, K chunks) for the Triton products
+    # out_proj's operand rounded once to 16 bits, not split in two halves: half the rows of
+    # the largest product after in_proj (2.8b batch 128: 6.12 ms a step against 6.29)
+    round_out_proj_once: bool = True
+    pdl: bool = True  # programmatic dependent launch between the step's kernels (Hopper and newer)
+    blocks: OneRowBlocks | None = None  # the one-row step's settings (None: one_row_blocks's)
+    reason: str = ""
+
+    def __post_init__(self):
+        if self.step not in ("one-row", "products"):
+            raise ValueError(f"DecodePlan.step must be 'one-row' or 'products', got {self.step!r}")
+        if not self.cublas <= ALL:
+            raise ValueError(f"DecodePlan.cublas: unknown projections {sorted(self.cublas - ALL)}")
+
+    @property
+    def family(self) -> str:
+        """Plans of one family give a slot the same bits at any batch size."""
+        if self.step == "one-row":
+            return "one-row"
+        return "triton products" if not self.cublas else "cublas"
+
+
+@dataclass(frozen=True)
+class Route:
+    weights: str  # "16-bit" (bfloat16, float16) or "float32"
+    widths: tuple[int, int]  # d_model, from and to
+    batches: tuple[int, int]  # batch sizes, from and to
+    step: str
+    cublas: frozenset
+    reason: str
+
+
+# PDL chains Triton kernels (deterministic step, 2.8b bf16, batch 1: 2.575 ms a step
+# against 2.904 without); between cuBLAS products it lost (batch 128: 6.057 against 5.984),
+# so a plan with every product on cuBLAS runs without it.
+ROUTES = (
+    # -- 16-bit weights ----------------------------------------------------------------------
+    Route("16-bit", (1, 768), (1, 4), "one-row", NONE,
+          "GEMVs a row a program win while the rows' L2 traffic is small (130m batch 4: 0.409 ms against 0.446)"),
+    Route("16-bit", (769, 1024), (1, 3), "one-row", NONE, "the crossover falls as the model widens (370m batch 4 loses: 1.011 / 0.924)"),
+    Route("16-bit", (1025, MANY), (1, 2), "one-row", NONE, "(2.8b batch 2: 2.355 against 2.479; 1.4b batch 3 loses: 1.806 / 1.490)"),
+    Route("16-bit", (1, 768), (5, 32), "products", NONE, "each weight read once for all rows, Triton GEMM's small tiles"),
+    Route("16-bit", (769, 1024), (4, 32), "products", NONE, "as above"),
+    Route("16-bit", (1025, MANY), (3, 32), "products", NONE, "(2.8b batch 32: 3.445 ms against cuBLAS 3.965)"),
+    Route("16-bit", (1, 1024), (33, 256), "products", IN_PROJ,
+          "above 32 rows the Triton in_proj's 64-row tiles read at 1.3 TB/s: cuBLAS's wins (130m 128: 0.860 / 0.910)"),
+    Route("16-bit", (1025, MANY), (33, 128), "products", IN_PROJ, "(2.8b batch 64: 4.280 against 4.602 all Triton)"),
+    Route("16-bit", (1, 1024), (257, MANY), "products", ALL, "cuBLAS's large tiles"),
+    Route("16-bit", (1025, MANY), (129, MANY), "products", ALL, "(2.8b batch 256: 9.640 against 10.165)"),
+    # -- float32 weights (the Triton products in three TF32 passes, tf32x3) -----------------------
+    Route("float32", (1, 1024), (1, 8), "one-row", NONE, "(130m batch 8: 0.803 ms against cuBLAS 1.183)"),
+    Route("float32", (1025, MANY), (1, 3), "one-row", NONE, "(2.8b batch 3: 5.514 against 9.329; batch 4 loses: 7.396 / 6.311)"),
+    Route("float32", (1025, MANY), (4, 6), "products", IN_PROJ, "cuBLAS picks a GEMV-like in_proj here (1.4b batch 4: 3.442 / 3.699)"),
+    Route("float32", (1025, MANY), (7, 16), "products", NONE, "(1.4b batch 16: 4.050 against 5.307 with cuBLAS's in_proj)"),
+    Route("float32", (1, 1024), (9, 32), "products", NONE, "16-row tf32x3 tiles"),
+    Route("float32", (1025, MANY), (17, 64), "products", IN_PROJ,
+          "the 16-row tiles read in_proj's weights again each 16 rows (2.8b batch 32: 9.498 / 10.605)"),
+    Route("float32", (1, 1024), (33, 64), "products", IN_PROJ, "64-row tf32x3 tiles run partly empty (130m batch 64: 1.296 / 1.381)"),
+    Route("float32", (1, 2048), (65, 256), "products", NONE, "(1.4b batch 128: 8.962 against cuBLAS 11.372)"),
+    Route("float32", (2049, MANY), (65, 128), "products", NONE, "(2.8b batch 128: 18.111 against 20.804)"),
+    Route("float32", (1, 2048), (257, MANY), "products", ALL, "cuBLAS's large tiles"),
+    Route("float32", (2049, MANY), (129, MANY), "products", ALL, "(2.8b 256 not measured with Triton's)"),
+)
+DETERMINISTIC = Route("any", (1, MANY), (1, MANY), "products", NONE,
+                      "deterministic=True: the batch-invariant Triton products at every batch size")
+
+
+def _weights(dtype: torch.dtype) -> str:
+    return "float32" if dtype == torch.float32 else "16-bit"
+
+
+def route_for(d_model: int, dtype: torch.dtype, batch: int, deterministic: bool = False) -> Route:
+    """The table's entry for this width, weight dtype, batch size and mode."""
+    if deterministic:
+        return DETERMINISTIC
+    w = _weights(dtype)
+    for r in ROUTES:
+        if r.weights == w and r.widths[0] <= d_model <= r.widths[1] and r.batches[0] <= batch <= r.batches[1]:
+            return r
+    raise ValueError(f"no decode route for d_model {d_model}, {dtype}, batch {batch}")
+
+
+def plan_for(config, dtype: torch.dtype, batch: int, deterministic: bool = False) -> DecodePlan:
+    """The decode plan for a model of this config, weights of `dtype`, `batch` rows."""
+    r = route_for(config.d_model, dtype, batch, deterministic)
+    blocks = one_row_blocks(config.d_model, config.d_inner, config.vocab_size, dtype) if r.step == "one-row" else None
+    return DecodePlan(step=r.step, cublas=r.cublas, pdl=r.cublas != ALL, blocks=blocks, reason=r.reason)
+
+
+def batch_invariant_ranges(d_model: int, dtype: torch.dtype, up_to: int = 512) -> list[tuple[int, int, str]]:
+    """(first, last, family) batch ranges, up to `up_to`, within which the default plan gives
+    a slot the same bits at every batch size (the one-row step, or the all-Triton products)."""
+    out: list[list] = []
+    for b in range(1, up_to + 1):
+        r = route_for(d_model, dtype, b)
+        family = DecodePlan(r.step, r.cublas).family
+        if out and out[-1][2] == family and out[-1][1] == b - 1:
+            out[-1][1] = b
+        else:
+            out.append([b, b, family])
+    return [tuple(x) for x in out if x[2] != "cublas"]

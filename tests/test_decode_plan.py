@@ -1,0 +1,57 @@
+"""The decode plan table (fastmamba/decode_plan.py): it covers every width, dtype and batch
+once, its plans are what the steps are built from, and the README's batch-invariance
+ranges are the table's."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastmamba.config import MambaConfig
+from fastmamba.decode_plan import ALL, IN_PROJ, MANY, NONE, ROUTES, DecodePlan, batch_invariant_ranges, plan_for, route_for
+
+WIDTHS = (64, 768, 769, 1024, 1025, 1536, 2048, 2049, 2560, 4096)
+
+
+def test_every_width_dtype_and_batch_has_exactly_one_route():
+    for d in WIDTHS:
+        for weights in ("16-bit", "float32"):
+            for b in list(range(1, 300)) + [511, 4096, MANY]:
+                hits = [r for r in ROUTES if r.weights == weights and r.widths[0] <= d <= r.widths[1]
+                        and r.batches[0] <= b <= r.batches[1]]
+                assert len(hits) == 1, (d, weights, b, hits)
+                assert hits[0].reason
+
+
+def test_plans_follow_the_table():
+    cfg = MambaConfig(d_model=2560, n_layer=1, vocab_size=100)
+    assert plan_for(cfg, torch.bfloat16, 2).step == "one-row"
+    assert (plan_for(cfg, torch.bfloat16, 3).step, plan_for(cfg, torch.bfloat16, 3).cublas) == ("products", NONE)
+    assert plan_for(cfg, torch.bfloat16, 33).cublas == IN_PROJ
+    top = plan_for(cfg, torch.bfloat16, 129)
+    assert top.cublas == ALL and not top.pdl  # PDL only where Triton kernels chain
+    assert plan_for(cfg, torch.float32, 5).cublas == IN_PROJ and plan_for(cfg, torch.float32, 10).cublas == NONE
+    for b in (1, 2, 64, 1000):
+        p = plan_for(cfg, torch.float16, b, deterministic=True)
+        assert (p.step, p.cublas, p.pdl) == ("products", NONE, True)
+    assert route_for(768, torch.bfloat16, 4).step == "one-row" and route_for(768, torch.bfloat16, 5).step == "products"
+
+
+def test_a_plan_names_known_parts_only():
+    with pytest.raises(ValueError, match="step"):
+        DecodePlan("gemv")
+    with pytest.raises(ValueError, match="lm_heads"):
+        DecodePlan("products", frozenset({"lm_heads"}))
+
+
+def test_the_readme_states_the_tables_batch_invariance_ranges():
+    readme = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
+    rows = re.findall(r"^\s*\| (\d+) \([^)]*\) \| ([^|]+) \| ([^|]+) \|$", readme, re.M)
+    assert len(rows) >= 6
+    for d, bf16, f32 in rows:
+        for text, dtype in ((bf16, torch.bfloat16), (f32, torch.float32)):
+            want = " · ".join(f"{a}-{b}" for a, b, _ in batch_invariant_ranges(int(d), dtype))
+            assert text.strip() == want, (d, dtype)
