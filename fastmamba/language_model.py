@@ -142,12 +142,20 @@ class LanguageModel:
     # -- generation --------------------------------------------------------------------------
 
     def generate(self, prompt, params: SamplingParams | None = None, **sampling) -> Generation:
-        """Continues `prompt` (a str, or a list of token ids)."""
+        """Continues `prompt` and returns a Generation (the new tokens, their text, why it
+        stopped, the prompt's length).
+
+        prompt: a str (the checkpoint needs a tokenizer) or token ids (see `encode`).
+        params: a SamplingParams or a dict of its fields; keyword arguments override fields.
+        A given seed gives the same tokens every time, alone or beside other prompts.
+        Raises ValueError naming a bad prompt or value, TypeError for an unknown option."""
         params = SamplingParams.from_kwargs(params, sampling)
         return self.generate_batch([prompt], params)[0]
 
     def stream(self, prompt, params: SamplingParams | None = None, **sampling) -> Iterator[StreamPiece]:
-        """Like `generate`, but yields each token with its text as soon as it is sampled."""
+        """Like `generate`, but yields a StreamPiece per token as soon as it is sampled: its
+        id and the text it completes (pieces never split a UTF-8 character; a last piece
+        with no token may carry held-back text). The texts concatenate to `generate`'s."""
         params = SamplingParams.from_kwargs(params, sampling)
         ids = self.encode(prompt)
         decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer else None
@@ -160,7 +168,11 @@ class LanguageModel:
     def generate_batch(
         self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[Generation]:
-        """Generates for several prompts together; each result is what `generate` gives alone."""
+        """Generates for several prompts together, one Generation each, in order; each is
+        what `generate` gives that prompt alone (same seed, same tokens).
+
+        params: one SamplingParams (or dict) for all, or a list with one per prompt.
+        Raises ValueError naming the bad prompt, parameter or stop token id."""
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError(f"prompts must be a non-empty list of prompts, got {_describe(prompts)}")
         if params is None or isinstance(params, (SamplingParams, dict)):
