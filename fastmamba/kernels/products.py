@@ -127,8 +127,7 @@ def _tiles(M: int, N: int, K: int, chunks: int, f32: bool, sms: int) -> Tiles:
         return Tiles(16, 32, 32, 3, 4)
     vocab = N >= 16384
     if f32:  # tf32x3: BK fixed; 16-row tiles up to 32 rows, where the 64-row ones run half
-        # empty (whole steps, batch 32: 1.4b 5.819 -> 5.471 ms, 2.8b 10.043 -> 9.498, with
-        # in_proj through cuBLAS), and lose from 48 rows (1.4b 64: 6.837 -> 7.126)
+        # empty (2.8b batch 32: 9.498 ms a step against 10.043), and lose from 48 rows
         t = Tiles(16 if M <= 32 else 64, 32, 32, 3, 4)
     elif M <= 16:  # one small row tile: narrow column tiles, many programs
         t = Tiles(16, 64, 128, 2, 4) if vocab else Tiles(16, 32, 128, 4, 4)

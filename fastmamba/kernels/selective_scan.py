@@ -318,13 +318,11 @@ SCAN_ONE_CHUNK_LANES = 24576
 # (130m 2 x 1024: 78.2 µs with 4 a thread, 58.6 with 1); from ~16M on they tie or lose.
 SCAN_SMALL_WORK = 12 << 20
 # step_and_scan: the one-chunk walk takes the softplus itself, after dt_proj alone, from
-# this dt_rank up (µs, CUDA graphs, step sizes made first / in the walk; cuBLAS's dt_proj
-# alone): 2.8b widths 8 x 2048 939.9 / 905.7 (114.6), 16 x 1024 808.9 / 760.6; 1.4b 8 x
-# 2048 696.2 / 667.4; but 130m (dt_rank 48) 16 x 1024 318.0 / 325.9, where the step-size
-# kernel's product is small.
+# this dt_rank up (2.8b 16 x 1024: 760.6 µs against 808.9 with the step sizes made first);
+# at 130m's dt_rank 48 the step-size kernel's product is small and it loses.
 SCAN_SOFTPLUS_FROM_RANK = 128
 # One channel a thread: its loads' pipeline depth and steps a loop iteration (2.8b 8 x 2048,
-# one chunk: 733 µs; 2 stages 875, 1 stage 2612; 8 steps an iteration 745, 16 751).
+# one chunk: 733 µs against 875 with 2 stages).
 SCAN_LANE_STAGES, SCAN_LANE_UNROLL = 3, 4
 
 
