@@ -218,18 +218,27 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
             if shape.chat:
                 for i in range(len(reqs)):
                     yield _sse(shape.chunk(i, {"role": "assistant", "content": ""}, None, None))
-            while done < len(reqs):
-                index, kind, data = await events.get()
-                if kind == "error":
-                    yield _sse(APIError(500, f"generation failed: {data['message']}", kind="server_error").body())
-                    break
-                piece, finish, logprob = shape.add(index, kind, data)
-                # a chunk for every token, its text empty where the token ends no character
-                # (or the model has no tokenizer): clients count and time tokens by chunks
-                if kind == "token" or piece or finish:
-                    delta = {"content": piece} if shape.chat else piece
-                    yield _sse(shape.chunk(index, delta, finish, logprob))
-                done += kind == "done"
+            failed = False
+            while done < len(reqs) and not failed:
+                # every event waiting goes out in one write: a loop that falls behind the
+                # engine catches up in fewer, larger writes
+                batch = [await events.get()]
+                while not events.empty():
+                    batch.append(events.get_nowait())
+                out = []
+                for index, kind, data in batch:
+                    if kind == "error":
+                        out.append(_sse(APIError(500, f"generation failed: {data['message']}", kind="server_error").body()))
+                        failed = True
+                        break
+                    piece, finish, logprob = shape.add(index, kind, data)
+                    # a chunk for every token, its text empty where the token ends no character
+                    # (or the model has no tokenizer): clients count and time tokens by chunks
+                    if kind == "token" or piece or finish:
+                        delta = {"content": piece} if shape.chat else piece
+                        out.append(_sse(shape.chunk(index, delta, finish, logprob)))
+                    done += kind == "done"
+                yield "".join(out)
             if include_usage:
                 yield _sse(shape.usage_chunk())
             yield "data: [DONE]\n\n"
