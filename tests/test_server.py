@@ -284,3 +284,15 @@ def test_api_key_and_queue_limit():
     finally:
         s.stop()
 
+
+
+def test_a_streamed_tokens_chunk_is_the_chunk_json_would_give():
+    """_Shape.sse_chunk's template (made once a choice) against the chunk's own JSON, for
+    texts that JSON must escape."""
+    from fastmamba.server import _Shape, _sse
+
+    for chat in (False, True):
+        shape = _Shape("cmpl-1", "m", chat, None, ["", ""])
+        for piece in ("hello", "", 'a"b\\\n\u00e9\u0000', "日本", "\u2028"):
+            want = _sse(shape.chunk(1, {"content": piece} if chat else piece, None, None))
+            assert shape.sse_chunk(1, piece, None, None) == want
