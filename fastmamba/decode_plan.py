@@ -113,7 +113,8 @@ class DecodePlan:
 
     @property
     def family(self) -> str:
-        """Plans of one family give a slot the same bits at any batch size."""
+        """The one-row and the all-Triton ("triton products") families each give a slot the
+        same bits at any batch size; a plan with cuBLAS products ("cublas") may not."""
         if self.step == "one-row":
             return "one-row"
         return "triton products" if not self.cublas else "cublas"
