@@ -530,6 +530,9 @@ def serve(args) -> int:
     if lm.tokenizer is None:
         raise ValueError(f"the model in {lm.path} has no tokenizer.json: give --model a folder with one")
     registry, metrics = metrics_registry()
+    if lm.engine == "triton":  # tens of seconds for a large model and --max-batch
+        print(f"fastmamba: capturing the decode and prefill graphs for up to {args.max_batch} slots ...",
+              file=sys.stderr, flush=True)
     engine = Engine(lm, max_batch=args.max_batch, max_queue=args.max_queue, prefill_tokens=args.prefill_tokens,
                     prefix_cache_bytes=args.prefix_cache_mb << 20, metrics=metrics).start()
     name = args.served_model_name or (args.model or "fastmamba-default")
