@@ -78,6 +78,32 @@ async def level(url, jobs, concurrency):
         return results, time.perf_counter() - t0
 
 
+def start_server(app):
+    """uvicorn serving `app` on a free loopback port, in a thread: (server, url)."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, f"http://127.0.0.1:{port}"
+
+
+def start_clients(n: int) -> list:
+    """n load-generator processes (each a one-worker pool), started before any timing."""
+    import concurrent.futures
+    import multiprocessing
+
+    spawn = multiprocessing.get_context("spawn")
+    clients = [concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) for _ in range(n)]
+    for pool in clients:
+        pool.submit(int).result()
+    return clients
+
+
 def client_level(url, jobs, concurrency):
     """level() in a process of its own (the load generator must not share the server's
     interpreter lock): returns (results, wall s)."""
@@ -153,8 +179,8 @@ def main() -> None:
     V = lm.config.vocab_size
     registry, metrics = metrics_registry()
     t0 = time.perf_counter()
-    engine = Engine(lm, max_batch=max(levels), max_queue=10 * max(levels), prefill_tokens=args.prefill_tokens,
-                    metrics=metrics).start()
+    slots = max(levels + [16])  # the 16-client TTFT workload too
+    engine = Engine(lm, max_batch=slots, max_queue=10 * slots, prefill_tokens=args.prefill_tokens, metrics=metrics).start()
     print(f"engine built (graphs captured) in {time.perf_counter() - t0:.1f} s", flush=True)
     if args.engine:
         server, url = None, None
@@ -162,25 +188,8 @@ def main() -> None:
         def run_level(jobs, c):
             return engine_level(engine, jobs, c)
     else:
-        app = create_app(engine, args.model, registry=registry)
-        import uvicorn
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        threading.Thread(target=server.run, daemon=True).start()
-        while not server.started:
-            time.sleep(0.1)
-        url = f"http://127.0.0.1:{port}"
-
-        import concurrent.futures
-        import multiprocessing
-
-        spawn = multiprocessing.get_context("spawn")
-        clients = [concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) for _ in range(args.clients)]
-        for pool in clients:  # started before any timing
-            pool.submit(int).result()
+        server, url = start_server(create_app(engine, args.model, registry=registry))
+        clients = start_clients(args.clients)
 
         def run_level(jobs, c):
             return http_level(clients, url, jobs, c)

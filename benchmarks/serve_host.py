@@ -10,10 +10,8 @@ their own); prints output tokens/s and the inter-token latency against the fixed
 """
 
 import argparse
-import socket
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -46,11 +44,7 @@ class HostOnlyEngine(Engine):
 
 
 def main() -> None:
-    import concurrent.futures
-    import multiprocessing
-
-    import uvicorn
-    from serve import http_level, pct
+    from serve import http_level, pct, start_clients, start_server
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, default=64)
@@ -62,20 +56,9 @@ def main() -> None:
     registry, metrics = metrics_registry()
     HostOnlyEngine.step_s = args.step_ms / 1e3
     engine = HostOnlyEngine(lm, max_batch=args.streams, metrics=metrics).start()
-    app = create_app(engine, "m", registry=registry)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    spawn = multiprocessing.get_context("spawn")
-    clients = [concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) for _ in range(args.clients)]
-    for pool in clients:
-        pool.submit(int).result()
+    server, url = start_server(create_app(engine, "m", registry=registry))
+    clients = start_clients(args.clients)
     jobs = [([1, 2, 3], args.tokens)] * args.streams
-    url = f"http://127.0.0.1:{port}"
     results, wall = http_level(clients, url, jobs, args.streams)
     tokens = sum(max(r[2], 0) for r in results)
     gaps = [g for r in results for g in r[1]]
