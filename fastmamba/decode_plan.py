@@ -99,7 +99,8 @@ class DecodePlan:
     cublas: frozenset = NONE  # the products step's projections through cuBLAS; the rest through invariant_gemm
     splits: tuple = SPLITS  # (projection, K chunks) for the Triton products
     # out_proj's operand rounded once to 16 bits, not split in two halves: half the rows of
-    # the largest product after in_proj (2.8b batch 128: 6.12 ms a step against 6.29)
+    # the largest product after in_proj (2.8b batch 128: 6.12 ms a step against 6.29). The
+    # halves stay where rounding moves the logits most: in_proj's, x_proj's and lm_head's.
     round_out_proj_once: bool = True
     pdl: bool = True  # programmatic dependent launch between the step's kernels (Hopper and newer)
     blocks: OneRowBlocks | None = None  # the one-row step's settings (None: one_row_blocks's)
