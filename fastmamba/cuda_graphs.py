@@ -5,6 +5,9 @@ the Triton decode step and the sampler as one CUDA graph, captured once per batc
 sampler and replayed each step; only the new token ids are read back by the host.
 `GraphPrefill` runs the prefill of short prompts as CUDA graphs too: a short prompt's
 prefill is a few hundred small launches, which cost more from Python than on the GPU.
+`PoolDecodeGraphs` and `ChunkPrefillGraphs` are the serving engine's (scheduler.py): the
+decode step over a pool of state slots by batch bucket, and prefill chunks that continue a
+slot's state.
 """
 
 from __future__ import annotations
