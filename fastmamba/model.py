@@ -141,6 +141,8 @@ def mixer(
     start (B,): left padding, see kernels/causal_conv1d.py.
     resets (B, T) bool: the row's state is zero before step t (reference ops only).
     """
+    if ops is REFERENCE_OPS and u.shape[1] == 1 and start is None and resets is None:
+        return _mixer_step_ref(config, lw, u, conv_state, ssm_state)
     extra = {} if resets is None else {"resets": resets}
     E, N, R = config.d_inner, config.d_state, config.dt_rank
     xz = ops.linear(u, lw.in_proj_w, lw.in_proj_b, in_proj_dtype(lw.in_proj_w.dtype))  # (B, T, 2E)
@@ -157,6 +159,29 @@ def mixer(
         **extra,
     )  # (B, E, T)
     return ops.linear(y.transpose(1, 2), lw.out_proj_w, lw.out_proj_b)
+
+
+def _mixer_step_ref(config, lw: LayerWeights, u: torch.Tensor, conv_state, ssm_state) -> torch.Tensor:
+    """`mixer` for one token on the reference ops: the same arithmetic as its sequence
+    path at T = 1 (causal_conv1d_ref's window dot product, step_size_ref, one step of
+    selective_scan_ref), without the sequence machinery (transposes, the time loop, the
+    state's copy), whose small-tensor calls cost more than the arithmetic on the CPU.
+    u (B, 1, d) -> (B, 1, d) f32; updates both states (read in float32, stored in theirs)."""
+    E, N, R = config.d_inner, config.d_state, config.dt_rank
+    xz = linear(u[:, 0], lw.in_proj_w, lw.in_proj_b)  # (B, 2E)
+    x, z = xz[:, :E], xz[:, E:]
+    window = torch.cat([conv_state[:, :, 1:].float(), x[:, :, None]], dim=-1)  # (B, E, K)
+    conv_state.copy_(window)
+    xc = (window * lw.conv_w).sum(-1)
+    xc = F.silu(xc + lw.conv_b if lw.conv_b is not None else xc)
+    dt_r, Bm, Cm = linear(xc, lw.x_proj_w).split([R, N, N], dim=-1)  # (B, R|N|N)
+    if config.dbc_norm_eps is not None:  # Falcon-Mamba
+        dt_r, Bm, Cm = (rms_unweighted(t, config.dbc_norm_eps) for t in (dt_r, Bm, Cm))
+    delta = F.softplus(linear(dt_r, lw.dt_proj_w) + lw.dt_bias)  # (B, E)
+    s = ssm_state.float() * torch.exp(delta[:, :, None] * lw.A) + (delta * xc)[:, :, None] * Bm[:, None, :]
+    ssm_state.copy_(s)
+    y = torch.bmm(s, Cm[:, :, None])[:, :, 0] + lw.D * xc
+    return linear(y * F.silu(z), lw.out_proj_w, lw.out_proj_b)[:, None]
 
 
 class Mamba:
