@@ -162,18 +162,15 @@ def mixer(
 
 
 def _mixer_step_ref(config, lw: LayerWeights, u: torch.Tensor, conv_state, ssm_state) -> torch.Tensor:
-    """`mixer` for one token on the reference ops: the same arithmetic as its sequence
-    path at T = 1 (causal_conv1d_ref's window dot product, step_size_ref, one step of
-    selective_scan_ref), without the sequence machinery (transposes, the time loop, the
-    state's copy), whose small-tensor calls cost more than the arithmetic on the CPU.
+    """`mixer` for one token on the reference ops: the conv through causal_conv1d_ref, then
+    the arithmetic of step_size_ref and one step of selective_scan_ref without the sequence
+    machinery (transposes, the time loop, the state's copy), whose small-tensor calls cost
+    more than the arithmetic on the CPU.
     u (B, 1, d) -> (B, 1, d) f32; updates both states (read in float32, stored in theirs)."""
     E, N, R = config.d_inner, config.d_state, config.dt_rank
     xz = linear(u[:, 0], lw.in_proj_w, lw.in_proj_b)  # (B, 2E)
     x, z = xz[:, :E], xz[:, E:]
-    window = torch.cat([conv_state[:, :, 1:].float(), x[:, :, None]], dim=-1)  # (B, E, K)
-    conv_state.copy_(window)
-    xc = (window * lw.conv_w).sum(-1)
-    xc = F.silu(xc + lw.conv_b if lw.conv_b is not None else xc)
+    xc = causal_conv1d_ref(x[:, :, None], lw.conv_w, lw.conv_b, conv_state)[:, :, 0]  # its one-step window
     dt_r, Bm, Cm = linear(xc, lw.x_proj_w).split([R, N, N], dim=-1)  # (B, R|N|N)
     if config.dbc_norm_eps is not None:  # Falcon-Mamba
         dt_r, Bm, Cm = (rms_unweighted(t, config.dbc_norm_eps) for t in (dt_r, Bm, Cm))
