@@ -115,7 +115,7 @@ class GraphDecoder:
     def _body(self, pick: Pick) -> None:
         # Greedy sampling fused into the one-row step (argmax inside lm_head): one small
         # kernel after it instead of torch's argmax and four more launches.
-        fused = pick is sample_greedy and self.step.plan is not None and self.step.plan.step == "one-row"
+        fused = pick is sample_greedy and self.step.plan.step == "one-row"
         for i in range(self.steps):
             if fused:
                 self.step(self.tokens, self.state, argmax=True)

@@ -459,12 +459,16 @@ class DecodeStep:
 
     def __init__(self, model, batch: int, plan=None):
         """plan: a decode_plan.DecodePlan (its blocks and PDL; default: the model's)."""
+        from dataclasses import replace
+
         from ..decode_plan import DecodePlan, one_row_blocks
 
         c, w = model.config, model.weights
         dev = w.embedding.device
-        blocks = (plan.blocks if plan is not None else None) or one_row_blocks(c.d_model, c.d_inner, c.vocab_size, w.embedding.dtype)
-        self.plan = plan = DecodePlan("one-row", pdl=plan.pdl if plan is not None else True, blocks=blocks)
+        plan = plan or DecodePlan("one-row")
+        if plan.blocks is None:
+            plan = replace(plan, blocks=one_row_blocks(c.d_model, c.d_inner, c.vocab_size, w.embedding.dtype))
+        self.plan, blocks = plan, plan.blocks
         self.model, self.B = model, batch
         # the launch settings, as attributes the kernels' launchers read (tests narrow some)
         self.in_proj_blocks, self.lm_head_blocks = blocks.in_proj, blocks.lm_head
