@@ -13,7 +13,7 @@ import torch
 import fastmamba
 from conftest import FALCON_CONFIGS
 from test_loader import edit_config, load_error
-from test_parity import F32_TOL, rel_err, random_ids
+from test_parity import F32_TOL, greedy_against_transformers, rel_err, random_ids
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -47,11 +47,7 @@ def test_logits_match_transformers(name, falcon_checkpoints, hf_falcon):
 
 @pytest.mark.parametrize("name", ["falcon_tied", "falcon_untied_rank"])
 def test_greedy_generate_matches_transformers(name, falcon_checkpoints, hf_falcon):
-    lm = fastmamba.load(falcon_checkpoints[name])
-    prompt = random_ids(lm.config.vocab_size, (1, 6), seed=2)
-    ours = lm.generate(prompt[0].tolist(), max_tokens=16, stop_token_ids=[])
-    ref = hf_falcon[name].generate(prompt, max_new_tokens=16, do_sample=False, eos_token_id=None)
-    assert ours.token_ids == ref[0, 6:].tolist()
+    greedy_against_transformers(fastmamba.load(falcon_checkpoints[name]), hf_falcon[name], 6, 16, seed=2)
 
 
 def test_steps_equal_forward(falcon_checkpoints):

@@ -53,13 +53,18 @@ def test_prefill_then_steps_equal_forward(split, checkpoints):
     assert rel_err(torch.cat([head, torch.stack(tail, 1)], 1), full) < F32_TOL
 
 
+def greedy_against_transformers(lm, hf_model, prompt_len: int, tokens: int, seed: int):
+    """Greedy generation of `tokens` from a random prompt, ours and transformers' (no eos)."""
+    prompt = random_ids(lm.config.vocab_size, (1, prompt_len), seed=seed)
+    ours = lm.generate(prompt[0].tolist(), max_tokens=tokens, stop_token_ids=[])
+    ref = hf_model.generate(prompt, max_new_tokens=tokens, do_sample=False, eos_token_id=None)
+    assert ours.token_ids == ref[0, prompt_len:].tolist()
+    return ours
+
+
 @pytest.mark.parametrize("name", ["odd_vocab_tied", "untied_bias_rank"])
 def test_greedy_generate_matches_transformers(name, checkpoints, hf_models):
-    lm = fastmamba.load(checkpoints[name])
-    prompt = random_ids(lm.config.vocab_size, (1, 7), seed=3)
-    ours = lm.generate(prompt[0].tolist(), max_tokens=20, stop_token_ids=[])
-    ref = hf_models[name].generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None)
-    assert ours.token_ids == ref[0, 7:].tolist()
+    ours = greedy_against_transformers(fastmamba.load(checkpoints[name]), hf_models[name], 7, 20, seed=3)
     assert ours.finish_reason == "length" and ours.prompt_tokens == 7
 
 
