@@ -361,7 +361,8 @@ class KernelStep:
     """The step through the language model's decode kernels (kernels/decode_step.py: one
     row a program at small batches; decode_gemm.py's step above), with vectors in place of
     the embedding lookup and an identity matrix as lm_head, so that what they return is the
-    final-normed hidden state. Needs Triton and a float32 state."""
+    final-normed hidden state. Needs Triton; the state in any float dtype (the kernels update
+    it in float32 and round once on store)."""
 
     def __init__(self, bb: Backbone, batch: int):
         from .config import MambaConfig
@@ -401,14 +402,13 @@ class KernelStep:
 class _StepGraph:
     """One batch size's step captured as a CUDA graph over one state's tensors, with its
     static input and output and pinned host buffers for CPU and numpy input. The step runs
-    the decode kernels (KernelStep) where Triton is there and the state is float32, else
-    the pure-PyTorch ops."""
+    the decode kernels (KernelStep) where Triton is there, else the pure-PyTorch ops."""
 
     def __init__(self, bb: Backbone, state: MambaState):
         from .kernels._triton import HAVE_TRITON
 
         B, dev = state.batch, bb.device
-        self.kernels = KernelStep(bb, B) if HAVE_TRITON and state.conv.dtype == state.ssm.dtype == torch.float32 else None
+        self.kernels = KernelStep(bb, B) if HAVE_TRITON else None
         run = self.kernels if self.kernels is not None else bb._step_eager
         self.x = torch.zeros(B, bb.config.input_dim, device=dev)
         self.host_x = torch.zeros(B, bb.config.input_dim, pin_memory=True)

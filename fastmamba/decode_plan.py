@@ -98,10 +98,12 @@ class DecodePlan:
     step: str  # "one-row" or "products" (see above)
     cublas: frozenset = NONE  # the products step's projections through cuBLAS; the rest through invariant_gemm
     splits: tuple = SPLITS  # (projection, K chunks) for the Triton products
-    # out_proj's operand rounded once to 16 bits, not split in two halves: half the rows of
-    # the largest product after in_proj (2.8b batch 128: 6.12 ms a step against 6.29). The
-    # halves stay where rounding moves the logits most: in_proj's, x_proj's and lm_head's.
-    round_out_proj_once: bool = True
+    # The products whose 16-bit operand enters as two 16-bit halves (kernels/split16.py,
+    # ~16 bits kept, the product twice as tall) instead of rounded once to the storage
+    # dtype. None by default: docs/architecture.md's contract rounds a 16-bit product's
+    # operand once, as transformers' and mamba_ssm's 16-bit paths do, and the halves cost
+    # time where the products are tall (2.8b batch 128, in_proj: 23.3 µs of an 87 µs layer).
+    halves: frozenset = NONE
     pdl: bool = True  # programmatic dependent launch between the step's kernels (Hopper and newer)
     blocks: OneRowBlocks | None = None  # the one-row step's settings (None: one_row_blocks's)
     reason: str = ""
@@ -109,8 +111,9 @@ class DecodePlan:
     def __post_init__(self):
         if self.step not in ("one-row", "products"):
             raise ValueError(f"DecodePlan.step must be 'one-row' or 'products', got {self.step!r}")
-        if not self.cublas <= ALL:
-            raise ValueError(f"DecodePlan.cublas: unknown projections {sorted(self.cublas - ALL)}")
+        for field in ("cublas", "halves"):
+            if not getattr(self, field) <= ALL:
+                raise ValueError(f"DecodePlan.{field}: unknown projections {sorted(getattr(self, field) - ALL)}")
 
     @property
     def family(self) -> str:

@@ -61,7 +61,7 @@ def load(
     leaves PyTorch's own setting.
     state_dtype: "float32" (default) or "bfloat16": the dtype the conv and ssm states are
     stored in (updates compute in float32 and round once on store); bfloat16 halves the
-    state's memory, on the reference engine for now.
+    state's memory and the traffic of a large batch's decode step.
     Raises CheckpointError (a ValueError) naming the file and tensor or key on bad input.
     """
     state = {"float32": torch.float32, "bfloat16": torch.bfloat16, torch.float32: torch.float32,
@@ -93,7 +93,5 @@ def load(
                 f"{tokenizer.path}: the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
                 f"{config.vocab_size} (vocab_size in config.json)"
             )
-    if state != torch.float32 and engine == "triton":
-        raise ValueError("state_dtype='bfloat16' runs on the reference engine only so far: pass engine='reference'")
     model = Mamba(config, weights, triton_ops() if engine == "triton" else REFERENCE_OPS, state_dtype=state)
     return LanguageModel(model, tokenizer, folder, engine=engine, deterministic=deterministic, threads=threads)

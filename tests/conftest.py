@@ -155,6 +155,32 @@ def text_checkpoint(tmp_path_factory) -> Path:
     return save_hf_checkpoint(tmp_path_factory.mktemp("text") / "m", seed=11, tokenizer=True)
 
 
+def relative_error(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest |a - ref| over the largest |ref|; a must be finite."""
+    assert torch.isfinite(a).all()
+    return ((a.float().cpu() - ref.float().cpu()).abs().max() / ref.float().abs().max()).item()
+
+
+def transformers_logits(path: Path, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """transformers' own model of the checkpoint at `path`, in `dtype` on the CPU: the
+    logits of ids (B, T), float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    with torch.no_grad():
+        return model(ids.cpu()).logits.float()
+
+
+def assert_within_transformers_16bit_error(logits: torch.Tensor, path: Path, ids: torch.Tensor, dtype) -> None:
+    """The accuracy bar for 16-bit storage (docs/architecture.md): logits of ids (B, T)
+    finite, and against transformers' float32 model at most 1.25x the error of
+    transformers' own model in that dtype on the same inputs."""
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype, dtype)
+    ref = transformers_logits(path, ids)
+    ours, theirs = relative_error(logits, ref), relative_error(transformers_logits(path, ids, dtype), ref)
+    assert ours <= 1.25 * theirs, f"error {ours:.3g} against transformers' float32; its {dtype} model's {theirs:.3g}"
+
+
 @pytest.fixture(scope="session")
 def hf_models(checkpoints):
     from transformers import MambaForCausalLM

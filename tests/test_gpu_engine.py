@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import fastmamba
-from conftest import save_hf_checkpoint
+from conftest import assert_within_transformers_16bit_error, save_hf_checkpoint
 
 pytestmark = pytest.mark.gpu
-TOL = {"float32": 1e-3, "bfloat16": 2e-2, "float16": 2e-2}
+F32_TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -29,22 +29,22 @@ def rel_err(a, b) -> float:
 @pytest.mark.parametrize("B,kind", [(4, "default"), (4, "deterministic"), (40, "default"), (40, "deterministic"), (40, "cublas")])
 def test_engine_logits_match_the_cpu_reference(dtype, B, kind, real_shape_ckpt):
     """The step make_decode_step picks (B 4: one-row kernels; 40: Triton products, in_proj
-    through cuBLAS), the deterministic one, and cuBLAS's products for every dtype."""
+    through cuBLAS), the deterministic one, and cuBLAS's products for every dtype. float32:
+    within 1e-3 of the CPU reference; 16-bit storage: within transformers' own 16-bit error
+    of transformers' float32 model (each product's operand is rounded once)."""
     from fastmamba.kernels.decode_gemm import GemmDecodeStep
     from fastmamba.kernels.decode_step import make_decode_step
 
-    # The reference stores the weights in the same dtype (upcast per product), so the
-    # difference is the engine's own rounding (16-bit activations into the tensor cores).
-    cpu = fastmamba.load(real_shape_ckpt, dtype=dtype).model
     gpu = fastmamba.load(real_shape_ckpt, device="cuda", dtype=dtype).model
-    tokens = torch.randint(0, 50280, (B, 12))
-    cpu_state, gpu_state = cpu.new_state(B), gpu.new_state(B)
+    ids = torch.randint(0, 50280, (B, 12), generator=torch.Generator().manual_seed(B))
     step = GemmDecodeStep(gpu, B) if kind == "cublas" else make_decode_step(gpu, B, kind == "deterministic")
-    for t in range(12):
-        ref = cpu.step(tokens[:, t], cpu_state)
-        out = step(tokens[:, t].cuda(), gpu_state)
-        assert rel_err(out, ref) < TOL[dtype], t
-    assert rel_err(gpu_state.ssm, cpu_state.ssm) < TOL[dtype]
+    gpu_state = gpu.new_state(B)
+    logits = torch.stack([step(ids[:, t].cuda(), gpu_state).cpu() for t in range(12)], 1)
+    if dtype == "float32":
+        cpu = fastmamba.load(real_shape_ckpt, dtype=dtype).model
+        assert rel_err(logits, cpu.forward(ids)) < F32_TOL
+    else:
+        assert_within_transformers_16bit_error(logits, real_shape_ckpt, ids, dtype)
 
 
 def test_graph_replay_equals_eager_bitwise(real_shape_ckpt):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import fastmamba
+from conftest import assert_within_transformers_16bit_error
 from fastmamba.kernels import decode_step as ds
 
 pytest.importorskip("triton")
@@ -285,30 +286,55 @@ def test_gemm_step_equals_the_reference_model(checkpoints, name, dtype, batch, p
     if products != "cublas":  # these models' x_proj and out_proj are long enough for two chunks or more
         assert step.chunks["x_proj"] >= 2 and step.chunks["out_proj"] >= 2
     state = model.new_state(batch)
-    state.ssm.copy_(rand(*state.ssm.shape, seed=11))
-    ref_state = fastmamba.MambaState(state.conv.clone(), state.ssm.clone())
-    tol = TOL[model.weights.embedding.dtype]
-    for _ in range(3):
-        tokens = torch.randint(0, model.config.vocab_size, (batch,), device=DEVICE)
-        assert rel_err(step(tokens, state), model.step(tokens, ref_state)) < tol
-    assert rel_err(state.ssm, ref_state.ssm) < tol
+    if dtype == "float32":
+        state.ssm.copy_(rand(*state.ssm.shape, seed=11))
+        ref_state = fastmamba.MambaState(state.conv.clone(), state.ssm.clone())
+        for _ in range(3):
+            tokens = torch.randint(0, model.config.vocab_size, (batch,), device=DEVICE)
+            assert rel_err(step(tokens, state), model.step(tokens, ref_state)) < TOL[torch.float32]
+        assert rel_err(state.ssm, ref_state.ssm) < TOL[torch.float32]
+    else:  # each product's operand rounded once: transformers' own 16-bit error is the bar
+        ids = torch.randint(0, model.config.vocab_size, (batch, 6), generator=torch.Generator().manual_seed(3))
+        logits = torch.stack([step(ids[:, t].to(DEVICE), state).to('cpu', copy=True) for t in range(ids.shape[1])], 1)
+        assert_within_transformers_16bit_error(logits, checkpoints[name], ids, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("batch,deterministic", [(2, False), (9, False), (3, True)])  # one-row; products; all Triton
+def test_decode_steps_keep_a_bfloat16_state(checkpoints, dtype, batch, deterministic):
+    """state_dtype bf16: the decode kernels read the state, update it in float32 and store
+    it rounded once, as the reference does (the products step also rounds its operands)."""
+    path = checkpoints["untied_bias_rank"]
+    model = fastmamba.load(path, device=DEVICE, dtype=dtype, state_dtype="bfloat16").model
+    ref = fastmamba.load(path, dtype=dtype, state_dtype="bfloat16").model
+    step = ds.make_decode_step(model, batch, deterministic)
+    state, ref_state = model.new_state(batch), ref.new_state(batch)
+    ids = torch.randint(0, model.config.vocab_size, (batch, 5), generator=torch.Generator().manual_seed(batch))
+    tol = 1e-3 if dtype == "float32" or step.plan.step == "one-row" else 2e-2
+    for t in range(ids.shape[1]):
+        assert rel_err(step(ids[:, t].to(DEVICE), state).cpu(), ref.step(ids[:, t], ref_state)) < tol, t
+    assert state.ssm.dtype == state.conv.dtype == torch.bfloat16
+    assert rel_err(state.ssm.float().cpu(), ref_state.ssm.float()) < max(tol, 1e-2)
+    assert rel_err(state.conv.float().cpu(), ref_state.conv.float()) < max(tol, 1e-2)
 
 
 @pytest.mark.parametrize(
-    "name,dtype,batch,chunks",
-    [("untied_bias_rank", "bfloat16", 3, 1), ("kernel3_state8", "float32", 2, 1), ("untied_bias_rank", "bfloat16", 2, 3), ("kernel3_state8", "float32", 3, 2)],
+    "name,dtype,batch,chunks,halves",
+    [("untied_bias_rank", "bfloat16", 3, 1, True), ("untied_bias_rank", "bfloat16", 3, 1, False),
+     ("kernel3_state8", "float32", 2, 1, False), ("untied_bias_rank", "bfloat16", 2, 3, True),
+     ("untied_bias_rank", "float16", 2, 3, False), ("kernel3_state8", "float32", 3, 2, False)],
 )
-def test_gemm_step_kernels(checkpoints, name, dtype, batch, chunks):
-    """16-bit weights: operands written as two halves, results read as the sum of their
-    parts, two halves (split16.py) for each of `chunks` K chunks (the deterministic step's
-    products, products.py); float32: one operand, results in `chunks` parts."""
+def test_gemm_step_kernels(checkpoints, name, dtype, batch, chunks, halves):
+    """Each operand rounded once to the storage dtype, or (halves) written as two 16-bit
+    halves (split16.py) whose results are read as the sum of their parts, two for each of
+    `chunks` K chunks (products.py's products); float32: one operand, results in `chunks` parts."""
     from fastmamba.kernels import decode_gemm as dg
     from fastmamba.kernels import rmsnorm as rn
 
     model = fastmamba.load(checkpoints[name], device=DEVICE, dtype=dtype).model
     c, lw = model.config, model.weights.layers[0]
     sdt = model.weights.embedding.dtype
-    split = sdt != torch.float32
+    split = halves
     E, N, R, B = c.d_inner, c.d_state, c.dt_rank, batch
     P = 2 * B if split else B
     H = 2 if split else 1
@@ -317,7 +343,8 @@ def test_gemm_step_kernels(checkpoints, name, dtype, batch, chunks):
         rest = [rand(*v.shape, seed=99 + i) * 0.1 for i in range(n - 1)]
         return torch.cat([v - sum(rest, torch.zeros_like(v))] + rest)
 
-    near = 1e-4 if split else 1e-6  # two bf16 halves keep ~16 bits (the interpreter truncates)
+    # two 16-bit halves keep ~16 bits; one rounding 8 (bf16) or 11 (fp16)
+    near = 1e-4 if split else {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[sdt]
 
     def joined(v16):  # the operand a product sees, back in float32
         return v16[:B].float() + v16[B:].float() if split else v16.float()
@@ -339,7 +366,7 @@ def test_gemm_step_kernels(checkpoints, name, dtype, batch, chunks):
     ref_state = conv_state.clone()
     xc, xc16 = torch.empty(B, E, device=DEVICE), torch.empty(P, E, device=DEVICE, dtype=sdt)
     for _ in range(2):
-        dg.conv_step(in_parts(xz), conv_state, lw.conv_w, lw.conv_b, xc, xc16, split, H * chunks)
+        dg.conv_step(in_parts(xz), conv_state, lw.conv_w, lw.conv_b, xc, xc16, xc16_halves=split, xz_parts=H * chunks)
         ref = dg.conv_step_ref(xz[:, :E], ref_state, lw.conv_w, lw.conv_b)
         assert rel_err(xc, ref) < 1e-5
         assert rel_err(joined(xc16), xc) < near
@@ -347,7 +374,7 @@ def test_gemm_step_kernels(checkpoints, name, dtype, batch, chunks):
     # x_proj's result -> dbc and dt_proj's operand
     dbc_ref = rand(B, R + 2 * N, seed=25)
     dbc, dtr16 = torch.empty(B, R + 2 * N, device=DEVICE), torch.empty(P, R, device=DEVICE, dtype=sdt)
-    dg.dbc_rows(in_parts(dbc_ref), dbc, dtr16, split, H * chunks)
+    dg.dbc_rows(in_parts(dbc_ref), dbc, dtr16, dtr_halves=split, raw_parts=H * chunks)
     assert rel_err(dbc, dbc_ref) < 1e-6
     assert rel_err(joined(dtr16), dbc_ref[:, :R]) < near
     # ssm update
@@ -358,12 +385,13 @@ def test_gemm_step_kernels(checkpoints, name, dtype, batch, chunks):
     for y_halves in (True, False) if split else (False,):  # y in halves, or rounded once (out_proj's operand)
         s = ssm_state.clone()
         y = torch.zeros(P, E, device=DEVICE, dtype=sdt)
-        dg.ssm_update(in_parts(dt), dbc, xc, in_parts(xz), s, lw.dt_bias, lw.A, lw.D, R, y, split, y_halves, H * chunks, H * chunks)
+        dg.ssm_update(in_parts(dt), dbc, xc, in_parts(xz), s, lw.dt_bias, lw.A, lw.D, R, y,
+                      y_halves=y_halves, dt_parts=H * chunks, xz_parts=H * chunks)
         assert rel_err(s, ref_state) < 1e-5
         if y_halves:
             assert rel_err(joined(y), ref) < near
         else:  # one rounding to the storage dtype: within its precision, and nothing in rows B..
-            assert rel_err(y[:B].float(), ref) < (1e-2 if split else 1e-6) and not y[B:].any()
+            assert rel_err(y[:B].float(), ref) < (1e-6 if sdt == torch.float32 else 1e-2) and not y[B:].any()
 
 
 SAMPLER_PARAMS = [  # every filter alone and together, greedy rows among them

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fastmamba
-from conftest import HF_CONFIGS, save_hf_checkpoint, save_original_checkpoint
+from conftest import HF_CONFIGS, assert_within_transformers_16bit_error, save_hf_checkpoint, save_original_checkpoint
 
 F32_TOL = 1e-4  # relative to the largest logit
 LOW_TOL = 2e-2  # bf16 / fp16 storage
@@ -82,21 +82,16 @@ def test_repetition_penalty_matches_transformers(checkpoints, hf_models):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", torch.bfloat16])
 @pytest.mark.parametrize("name", ["untied_bias_rank", "kernel3_state8"])
-def test_low_precision_storage_within_transformers_own_error(dtype, name, checkpoints, hf_models):
+def test_low_precision_storage_within_transformers_own_error(dtype, name, checkpoints):
     """16-bit storage against transformers' float32 model: at most 1.25x the error of
     transformers' own model in that dtype on the same inputs, and finite."""
-    from transformers import MambaForCausalLM
-
     path = checkpoints[name]
     lm = fastmamba.load(path, dtype=dtype)
     expected = torch.float16 if dtype == "float16" else torch.bfloat16
     assert lm.model.weights.layers[0].in_proj_w.dtype == expected
     assert lm.model.weights.layers[0].A.dtype == torch.float32  # small parameters stay float32
     ids = random_ids(lm.config.vocab_size, (2, 16), seed=5)
-    with torch.no_grad():
-        ref = hf_models[name](ids).logits
-        hf16 = MambaForCausalLM.from_pretrained(str(path), dtype=expected).eval()(ids).logits.float()
-    assert rel_err(lm.forward(ids), ref) <= 1.25 * rel_err(hf16, ref)
+    assert_within_transformers_16bit_error(lm.forward(ids), path, ids, expected)
 
 
 def test_original_format_matches_transformers(tmp_path):

@@ -79,7 +79,7 @@ def _input_at(x_row, sxe, sxt, st_row, e, emask, p, start, K: tl.constexpr):
     broadcast against e (the new state: a (BE, KP) tile)."""
     pp = p + tl.zeros_like(e)  # p broadcast to e's shape: masks stay tensors
     v = tl.load(x_row + p * sxt + e * sxe, mask=emask & (pp >= start) & (pp >= 0), other=0.0).to(tl.float32)
-    return v + tl.load(st_row + e * K + (K + p), mask=emask & (pp >= -K) & (pp < -start * K), other=0.0)
+    return v + tl.load(st_row + e * K + (K + p), mask=emask & (pp >= -K) & (pp < -start * K), other=0.0).to(tl.float32)
 
 
 @jit
@@ -139,7 +139,7 @@ def _causal_conv1d_kernel(
         m = emask[:, None] & (kk < K)[None, :]
         new = _input_at(x_row, sxe, sxt, st_row, e[:, None], m, (T - K + kk)[None, :], start, K)
         tl.debug_barrier()  # all reads of the old state before it is rewritten
-        tl.store(st_row + e[:, None] * K + kk[None, :], new, mask=m)
+        tl.store(st_row + e[:, None] * K + kk[None, :], new.to(st_ptr.dtype.element_ty), mask=m)
 
 
 # Channels and time steps a program, its warps, and its loop's pipeline depth and steps an

@@ -15,10 +15,10 @@ as the plan says):
 
 Why: at 32-256 rows a product reads each weight once for many rows, which is what cuBLAS's
 tensor-core GEMMs do at close to the copy rate; the step's other traffic is the recurrent
-state, streamed once by the two element-wise kernels. With 16-bit weights the activations
-enter in_proj, x_proj, dt_proj and lm_head as two 16-bit halves (split16.py), so they keep
-about 16 bits; out_proj's operand is rounded once (DecodePlan.round_out_proj_once). Every
-product accumulates in float32.
+state, streamed once by the two element-wise kernels. With 16-bit weights each product's
+operand is rounded once to the storage dtype (the numerical contract, docs/architecture.md),
+or enters as two 16-bit halves that keep about 16 bits where the plan says
+(DecodePlan.halves, split16.py). Every product accumulates in float32.
 cuBLAS may pick its algorithm by the number of rows, so a slot's bits can depend on the
 batch size. products.py's products never do, and the element-wise kernels treat each row alone
 either way, so with them a slot's logits are bitwise the same in any batch:
@@ -71,7 +71,7 @@ def _conv_step_kernel(
     em = e < E
     kk = tl.arange(0, KP)
     win = cs_ptr + row * E * K + e[:, None] * K + kk[None, :]  # (BE, KP) this row's window
-    old = tl.load(win + 1, mask=em[:, None] & (kk < K - 1)[None, :], other=0.0)  # the K-1 newest
+    old = tl.load(win + 1, mask=em[:, None] & (kk < K - 1)[None, :], other=0.0).to(tl.float32)  # the K-1 newest
     x = load_sum(xz_ptr, row * 2 * E + e, B * 2 * E, em, XZ_PARTS)
     new = tl.where((kk == K - 1)[None, :], x[:, None], old)  # the window after this step
     w = tl.load(cw_ptr + e[:, None] * K + kk[None, :], mask=em[:, None] & (kk < K)[None, :], other=0.0)
@@ -79,7 +79,7 @@ def _conv_step_kernel(
     if HAS_CB:
         conv += tl.load(cb_ptr + e, mask=em, other=0.0)
     tl.debug_barrier()  # the whole window is read before it is rewritten
-    tl.store(win, new, mask=em[:, None] & (kk < K)[None, :])
+    tl.store(win, new.to(cs_ptr.dtype.element_ty), mask=em[:, None] & (kk < K)[None, :])  # x rounded once to a 16-bit state
     xc = silu(conv)
     tl.store(xc_ptr + row * E + e, xc, mask=em)
     store_split(xc16_ptr, row * E + e, xc, B * E, em, SPLIT)
@@ -121,7 +121,7 @@ def _ssm_update_kernel(
     A = tl.load(A_ptr + e[:, None] * N + n[None, :], mask=em[:, None] & nm[None, :], other=0.0)
     sp = ss_ptr + row * E * N + e[:, None] * N + n[None, :]
     sm = em[:, None] & nm[None, :]
-    s = tl.load(sp, mask=sm, other=0.0)
+    s = tl.load(sp, mask=sm, other=0.0).to(tl.float32)  # (the state may be 16-bit)
     wait_for_prior_kernel(PDL)
     dt = load_sum(dt_ptr, row * E + e, B * E, em, DT_PARTS) + tl.load(dtb_ptr + e, mask=em, other=0.0)
     dt = softplus(dt)
@@ -131,17 +131,17 @@ def _ssm_update_kernel(
     z = load_sum(xz_ptr, row * 2 * E + E + e, B * 2 * E, em, XZ_PARTS)
     s = s * tl.exp(dt[:, None] * A) + (dt * x)[:, None] * Bv[None, :]
     tl.debug_barrier()  # every thread holding an element has read it before it is rewritten
-    tl.store(sp, s, mask=sm)
+    tl.store(sp, s.to(ss_ptr.dtype.element_ty), mask=sm)
     y = tl.sum(s * Cv[None, :], 1) + tl.load(D_ptr + e, mask=em, other=0.0) * x
     y = y * silu(z)
     store_split(y_ptr, row * E + e, y, B * E, em, Y_HALVES)
 
 
 # -- launchers -----------------------------------------------------------------------------------
-# split: the products' operands and results have 2B rows, halves as in split16.py. *_parts:
-# how many B-row blocks a product's float32 result comes in (default: 2 with split, else 1;
-# more where products.py's products write each K chunk apart). pdl:
-# launch options from pdl.pdl_launch (default: a plain launch).
+# *_halves: a 16-bit operand written as two halves in rows [0, B) and [B, 2B) (split16.py).
+# *_parts: how many B-row blocks a product's float32 result comes in, for the consumer to add
+# up (2 for an operand in halves, times the K chunks products.py's products write apart).
+# pdl: launch options from pdl.pdl_launch (default: a plain launch).
 
 
 # Channels a program and warps of the two element-wise kernels that stream the state
@@ -151,41 +151,36 @@ CONV_STEP_BLOCK = (128, 4)
 SSM_UPDATE_BLOCK = (128, 4)
 
 
-def _parts(parts, split) -> int:
-    return parts if parts is not None else (2 if split else 1)
-
-
-def conv_step(xz, conv_state, conv_w, conv_b, xc, xc16, split=False, xz_parts=None, pdl=NO_PDL) -> None:
+def conv_step(xz, conv_state, conv_w, conv_b, xc, xc16, xc16_halves=False, xz_parts=1, pdl=NO_PDL) -> None:
     """x = xz[:, :E]; xc = SiLU(conv step), also written to xc16; updates conv_state."""
     B, E, K = conv_state.shape
     BE, warps = CONV_STEP_BLOCK
     _conv_step_kernel[(triton.cdiv(E, BE), B)](
         xz, conv_state, conv_w, conv_b if conv_b is not None else conv_w, xc, xc16, B, E,
-        K=K, KP=triton.next_power_of_2(K), HAS_CB=conv_b is not None, XZ_PARTS=_parts(xz_parts, split), SPLIT=split,
+        K=K, KP=triton.next_power_of_2(K), HAS_CB=conv_b is not None, XZ_PARTS=xz_parts, SPLIT=xc16_halves,
         BE=BE, num_warps=warps, **pdl,
     )
 
 
-def dbc_rows(raw, dbc, dtr, split=False, raw_parts=None, pdl=NO_PDL, norm_eps=None) -> None:
+def dbc_rows(raw, dbc, dtr, dtr_halves=False, raw_parts=1, pdl=NO_PDL, norm_eps=None) -> None:
     """dbc = x_proj's result (B, R+2N) f32; dtr = its first R columns in dtr's dtype.
     norm_eps (Falcon-Mamba): dt_r, B and C each RMS-normalised with this eps first."""
     B, J = dbc.shape
     R = dtr.shape[1]
     _dbc_kernel[(B,)](
-        raw, dbc, dtr, B, J, R, (J - R) // 2, norm_eps or 0.0, RAW_PARTS=_parts(raw_parts, split), SPLIT=split,
+        raw, dbc, dtr, B, J, R, (J - R) // 2, norm_eps or 0.0, RAW_PARTS=raw_parts, SPLIT=dtr_halves,
         BJ=triton.next_power_of_2(J), DBC_NORM=norm_eps is not None, num_warps=1, **pdl,
     )
 
 
-def ssm_update(dt, dbc, xc, xz, ssm_state, dt_bias, A, D, R, y, split=False, y_halves=None, dt_parts=None, xz_parts=None, pdl=NO_PDL) -> None:
-    """y = gated output of one recurrence step (B and C from dbc[:, R:]); updates ssm_state.
-    split: dt and xz in halves; y_halves (default: split): y written in halves."""
+def ssm_update(dt, dbc, xc, xz, ssm_state, dt_bias, A, D, R, y, y_halves=False, dt_parts=1, xz_parts=1, pdl=NO_PDL) -> None:
+    """y = gated output of one recurrence step (B and C from dbc[:, R:]); updates ssm_state."""
     B, E, N = ssm_state.shape
     BE, warps = SSM_UPDATE_BLOCK
     _ssm_update_kernel[(triton.cdiv(E, BE), B)](
         dt, dbc, xc, xz, ssm_state, dt_bias, A, D, y, B, E, R, dbc.shape[1],
-        N=N, NP=triton.next_power_of_2(N), DT_PARTS=_parts(dt_parts, split), XZ_PARTS=_parts(xz_parts, split),
-        Y_HALVES=split if y_halves is None else y_halves, BE=BE, num_warps=warps, **pdl,
+        N=N, NP=triton.next_power_of_2(N), DT_PARTS=dt_parts, XZ_PARTS=xz_parts,
+        Y_HALVES=y_halves, BE=BE, num_warps=warps, **pdl,
     )
 
 
@@ -197,7 +192,7 @@ class GemmDecodeStep:
     as decode_step.DecodeStep (`__call__(tokens, state) -> logits`, `.logits`)."""
 
     def __init__(self, model, batch: int, plan=None):
-        from ..decode_plan import ALL, DecodePlan
+        from ..decode_plan import ALL, PRODUCTS, DecodePlan
 
         plan = plan or DecodePlan("products", ALL, pdl=False)
         c, w = model.config, model.weights
@@ -205,33 +200,30 @@ class GemmDecodeStep:
         self.model, self.B, self.plan = model, batch, plan
         self.cublas_products = set(plan.cublas)  # the rest through invariant_gemm
         self.splits = dict(plan.splits)
-        self.split = sdt != torch.float32  # 16-bit operands in two halves (split16.py)
-        self.split_out = self.split and not plan.round_out_proj_once
-        P = 2 * batch if self.split else batch  # rows of the products
-        Po = 2 * batch if self.split_out else batch  # rows of out_proj's product
+        # the products whose 16-bit operand comes in two halves, B rows each (split16.py)
+        self.halves = plan.halves if sdt != torch.float32 else frozenset()
         d, E, N, R = c.d_model, c.d_inner, c.d_state, c.dt_rank
+        self.rows = rows = {p: 2 * batch if p in self.halves else batch for p in PRODUCTS}  # each product's operand rows
         # the K chunks each product's result comes in (plan.splits)
         K = dict(in_proj=d, x_proj=E, dt_proj=R, out_proj=E, lm_head=d)
         self.chunks = {p: 1 if p in self.cublas_products else split_count(K[p], self.splits[p]) for p in K}
         assert self.chunks["lm_head"] == 1
+        # each result's B-row blocks, for its consumer to add up
+        self.parts = {p: n * rows[p] // batch for p, n in self.chunks.items()}
         f32 = dict(device=dev, dtype=torch.float32)
         self.h = torch.zeros(batch, d, **f32)
-        self.o = torch.zeros(self.chunks["out_proj"] * Po, d, **f32)
-        self.u = torch.zeros(P, d, device=dev, dtype=sdt)
-        self.xz = torch.zeros(self.chunks["in_proj"] * P, 2 * E, **f32)
+        self.o = torch.zeros(self.parts["out_proj"] * batch, d, **f32)
+        self.u = torch.zeros(max(rows["in_proj"], rows["lm_head"]), d, device=dev, dtype=sdt)
+        self.xz = torch.zeros(self.parts["in_proj"] * batch, 2 * E, **f32)
         self.xc = torch.zeros(batch, E, **f32)
-        self.xc16 = torch.zeros(P, E, device=dev, dtype=sdt)
-        self.dbc_raw = torch.zeros(self.chunks["x_proj"] * P, R + 2 * N, **f32)
+        self.xc16 = torch.zeros(rows["x_proj"], E, device=dev, dtype=sdt)
+        self.dbc_raw = torch.zeros(self.parts["x_proj"] * batch, R + 2 * N, **f32)
         self.dbc = torch.zeros(batch, R + 2 * N, **f32)
-        self.dtr16 = torch.zeros(P, R, device=dev, dtype=sdt)
-        self.dt = torch.zeros(self.chunks["dt_proj"] * P, E, **f32)
-        self.y16 = torch.zeros(Po, E, device=dev, dtype=sdt)
-        self.logits_raw = torch.zeros(P, c.vocab_size, **f32) if self.split else None
+        self.dtr16 = torch.zeros(rows["dt_proj"], R, device=dev, dtype=sdt)
+        self.dt = torch.zeros(self.parts["dt_proj"] * batch, E, **f32)
+        self.y16 = torch.zeros(rows["out_proj"], E, device=dev, dtype=sdt)
+        self.logits_raw = torch.zeros(2 * batch, c.vocab_size, **f32) if "lm_head" in self.halves else None
         self.logits = torch.zeros(batch, c.vocab_size, **f32)
-        # each result's B-row blocks, for its consumer to add up
-        halves = 2 if self.split else 1
-        self.parts = {p: n * halves for p, n in self.chunks.items()}
-        self.parts["out_proj"] = self.chunks["out_proj"] * (2 if self.split_out else 1)
         self.pdl = pdl_launch(dev) if plan.pdl else NO_PDL
 
     def product(self, name: str, a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
@@ -244,31 +236,34 @@ class GemmDecodeStep:
         """tokens (B,) -> logits (B, V) f32; h (B, d) f32: vectors in place of the embedding
         lookup (fastmamba.Backbone's step; tokens unused)."""
         c, w = self.model.config, self.model.weights
-        R, eps, B, split, parts, pdl = c.dt_rank, c.norm_eps, self.B, self.split, self.parts, self.pdl
+        R, eps, B, halves, parts, pdl = c.dt_rank, c.norm_eps, self.B, self.halves, self.parts, self.pdl
+        u_in, u_head = self.u[: self.rows["in_proj"]], self.u[: self.rows["lm_head"]]
         if h is None:
             torch.index_select(w.embedding, 0, tokens, out=self.u[:B])  # u as scratch for the lookup
             h = self.u[:B]
         self.h.copy_(h)
         prev = None  # the previous layer's out_proj bias, added with its output
         for i, lw in enumerate(w.layers):
-            residual_rmsnorm(self.h, self.o if i else None, prev, lw.norm_w, eps, self.u, o_parts=parts["out_proj"], u_halves=split, pdl=pdl)
-            self.product("in_proj", self.u, lw.in_proj_w, self.xz)
+            residual_rmsnorm(self.h, self.o if i else None, prev, lw.norm_w, eps, u_in, o_parts=parts["out_proj"],
+                             u_halves="in_proj" in halves, pdl=pdl)
+            self.product("in_proj", u_in, lw.in_proj_w, self.xz)
             if lw.in_proj_b is not None:
                 self.xz[:B] += lw.in_proj_b
-            conv_step(self.xz, state.conv[i], lw.conv_w, lw.conv_b, self.xc, self.xc16, split, parts["in_proj"], pdl)
+            conv_step(self.xz, state.conv[i], lw.conv_w, lw.conv_b, self.xc, self.xc16, "x_proj" in halves, parts["in_proj"], pdl)
             self.product("x_proj", self.xc16, lw.x_proj_w, self.dbc_raw)
-            dbc_rows(self.dbc_raw, self.dbc, self.dtr16, split, parts["x_proj"], pdl, c.dbc_norm_eps)
+            dbc_rows(self.dbc_raw, self.dbc, self.dtr16, "dt_proj" in halves, parts["x_proj"], pdl, c.dbc_norm_eps)
             self.product("dt_proj", self.dtr16, lw.dt_proj_w, self.dt)
             ssm_update(
                 self.dt, self.dbc, self.xc, self.xz, state.ssm[i], lw.dt_bias, lw.A, lw.D, R, self.y16,
-                split, self.split_out, parts["dt_proj"], parts["in_proj"], pdl,
+                y_halves="out_proj" in halves, dt_parts=parts["dt_proj"], xz_parts=parts["in_proj"], pdl=pdl,
             )
             self.product("out_proj", self.y16, lw.out_proj_w, self.o)
             prev = lw.out_proj_b
-        residual_rmsnorm(self.h, self.o, prev, w.norm_f, eps, self.u, o_parts=parts["out_proj"], u_halves=split, pdl=pdl)
-        if split:
-            self.product("lm_head", self.u, w.lm_head, self.logits_raw)
+        residual_rmsnorm(self.h, self.o, prev, w.norm_f, eps, u_head, o_parts=parts["out_proj"],
+                         u_halves="lm_head" in halves, pdl=pdl)
+        if self.logits_raw is not None:
+            self.product("lm_head", u_head, w.lm_head, self.logits_raw)
             torch.add(self.logits_raw[:B], self.logits_raw[B:], out=self.logits)
         else:
-            self.product("lm_head", self.u, w.lm_head, self.logits)
+            self.product("lm_head", u_head, w.lm_head, self.logits)
         return self.logits

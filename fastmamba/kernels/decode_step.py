@@ -271,7 +271,7 @@ def _conv_inputs(rows, rmask, n, cs_ptr, cw_ptr, cb_ptr, E, K: tl.constexpr, KP:
         cb = tl.zeros([BN], dtype=tl.float32)
     win = cs_ptr + rows[:, None, None] * (E * K) + n[None, :, None] * K + kk[None, None, :]
     wm = (rmask[:, None] & cmask[None, :])[:, :, None] & older[None, None, :]
-    window = tl.load(win + 1, mask=wm, other=0.0)
+    window = tl.load(win + 1, mask=wm, other=0.0).to(tl.float32)  # (the state may be 16-bit)
     return cw, cw_new, cb, window
 
 
@@ -290,8 +290,8 @@ def _conv_step(x, cw, cw_new, cb, window, rows, rmask, n, cs_ptr, xc_ptr, E, K: 
     kk = tl.arange(0, KP)
     win = cs_ptr + rows[:, None, None] * (E * K) + n[None, :, None] * K + kk[None, None, :]
     tl.debug_barrier()
-    tl.store(win, window, mask=m[:, :, None] & (kk < K - 1)[None, None, :])
-    tl.store(cs_ptr + rows[:, None] * (E * K) + n[None, :] * K + K - 1, x, mask=m)
+    tl.store(win, window.to(cs_ptr.dtype.element_ty), mask=m[:, :, None] & (kk < K - 1)[None, None, :])
+    tl.store(cs_ptr + rows[:, None] * (E * K) + n[None, :] * K + K - 1, x.to(cs_ptr.dtype.element_ty), mask=m)
     return tl.where(m, xc, 0.0)
 
 
@@ -355,7 +355,7 @@ def _ssm_step_kernel(
     Dv = tl.load(D_ptr + e, mask=emask, other=0.0)
     sp = ss_ptr + rows[:, None, None] * (E * N) + e[None, :, None] * N + nn[None, None, :]
     sm = m[:, :, None] & nmask[None, None, :]
-    s = tl.load(sp, mask=sm, other=0.0)  # (1, BE, NP)
+    s = tl.load(sp, mask=sm, other=0.0).to(tl.float32)  # (1, BE, NP); the state may be 16-bit
     wait_for_prior_kernel(PDL)
     dtr = _from_fixed(tl.load(dbc_ptr + rows[:, None] * BJ + r[None, :], mask=rmask[:, None] & (r < R)[None, :], other=0))
     Bv = _from_fixed(tl.load(dbc_ptr + rows[:, None] * BJ + R + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0))
@@ -378,7 +378,7 @@ def _ssm_step_kernel(
     # rewritten (dh's zeros go out in another layout than dh came in: without a barrier a
     # 16-row version of this kernel lost shares of dh on the GPU).
     tl.debug_barrier()
-    tl.store(sp, s, mask=sm)
+    tl.store(sp, s.to(ss_ptr.dtype.element_ty), mask=sm)  # rounded once, where the state is 16-bit
     tl.store(h_ptr + offs, h_new, mask=hm)
     tl.store(dh_ptr + offs, tl.zeros([1, BD], dtype=tl.int64), mask=hm)
     y = tl.sum(s * Cv[:, None, :], 2) + Dv[None, :] * x
@@ -598,7 +598,7 @@ class DecodeStep:
         vectors in place of the embedding lookup (fastmamba.Backbone's step; tokens unused)."""
         w = self.model.weights
         if h is None:
-            self.embed(tokens)
+            self.embed(tokens.contiguous())  # (the kernel reads a row's token at its index)
         else:
             self.h[: self.B].copy_(h)
             self.dh.zero_()

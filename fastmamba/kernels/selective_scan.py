@@ -78,7 +78,7 @@ def _selective_scan_kernel(
     sp = st_ptr + b64 * E * N + e[:, None] * N + n[None, :]
     sm = emask[:, None] & nmask[None, :]
     # a padded row (start > 0) starts from zero: n >= start * NP is then never true
-    s = tl.load(sp, mask=sm & (n[None, :] >= start * NP), other=0.0)  # (BE, NP)
+    s = tl.load(sp, mask=sm & (n[None, :] >= start * NP), other=0.0).to(tl.float32)  # (BE, NP); the state may be 16-bit
     for t0 in range(0, T, BT):
         t = t0 + tl.arange(0, BT)
         real = (t >= start) & (t < T)
@@ -100,7 +100,7 @@ def _selective_scan_kernel(
         last = tl.minimum(t0 + BT, T) - 1
         s = tl.sum(tl.where((t == last)[:, None, None], states, 0.0), 0)
     tl.debug_barrier()  # all reads of the old state before it is rewritten
-    tl.store(sp, s, mask=sm)
+    tl.store(sp, s.to(st_ptr.dtype.element_ty), mask=sm)
 
 
 @jit
@@ -242,7 +242,7 @@ def _scan_prefix_kernel(
     sm = emask[:, None] & (n < N)[None, :]
     A2 = tl.load(A2t_ptr + n[None, :] * E + e[:, None], mask=sm, other=0.0)  # (BE, NP)
     start = tl.load(start_ptr + b64)
-    s = tl.load(st_ptr + b64 * E * N + e[:, None] * N + n[None, :], mask=sm & (n[None, :] < tl.where(start == 0, N, 0)), other=0.0)
+    s = tl.load(st_ptr + b64 * E * N + e[:, None] * N + n[None, :], mask=sm & (n[None, :] < tl.where(start == 0, N, 0)), other=0.0).to(tl.float32)
     tl.store(init_ptr + b64 * E * N + n[None, :] * E + e[:, None], s, mask=sm)
     for c in tl.range(0, slots, num_stages=STAGES):
         dts = tl.load(dts_ptr + (b64 * slots + c) * E + e, mask=emask, other=0.0)
@@ -285,7 +285,7 @@ def _scan_chunks_kernel(
         y = tl.sum(s * Ct[None, :], 1) + Dv * x
         _store(y_row + t * E + ze + e, y * silu(z), emask, EVEN)
     if c == nc - 1:
-        tl.store(st_ptr + b64 * E * N + e[:, None] * N + n[None, :], s, mask=sm)
+        tl.store(st_ptr + b64 * E * N + e[:, None] * N + n[None, :], s.to(st_ptr.dtype.element_ty), mask=sm)  # rounded once
 
 
 # The chunked scan's launch (benchmarks/tune_scan.py, H200). Two thread layouts: 4 channels
