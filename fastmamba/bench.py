@@ -29,8 +29,9 @@ SHAPES = {  # the public checkpoints' sizes (d_state 16, d_conv 4; vocab as publ
 }
 
 
-def random_model(size: str, dtype: torch.dtype, device="cuda") -> Mamba:
-    """A Mamba with random weights of realistic spread at a public shape, built on the device."""
+def random_model(size: str, dtype: torch.dtype, device="cuda", state_dtype: torch.dtype = torch.float32) -> Mamba:
+    """A Mamba with random weights of realistic spread at a public shape, built on the
+    device; its states in state_dtype."""
     c = SHAPES[size]
     d, L, E, R, N, K = c.d_model, c.n_layer, c.d_inner, c.dt_rank, c.d_state, c.d_conv
     g = torch.Generator(device=device).manual_seed(0)
@@ -60,7 +61,7 @@ def random_model(size: str, dtype: torch.dtype, device="cuda") -> Mamba:
     ]
     emb = mat(c.vocab_size, d, 0.02)
     head = emb if c.tie_embeddings else mat(c.vocab_size, d)
-    return Mamba(c, MambaWeights(embedding=emb, layers=layers, norm_f=vec(d, 1.0), lm_head=head))
+    return Mamba(c, MambaWeights(embedding=emb, layers=layers, norm_f=vec(d, 1.0), lm_head=head), state_dtype=state_dtype)
 
 
 def step_bytes(model: Mamba, batch: int) -> tuple[int, int]:
@@ -71,7 +72,8 @@ def step_bytes(model: Mamba, batch: int) -> tuple[int, int]:
     tensors = [w.lm_head, w.norm_f] + [t for lw in w.layers for t in vars(lw).values() if t is not None]
     weight = sum(t.numel() * t.element_size() for t in tensors)
     c = model.config
-    state = 2 * 4 * batch * c.n_layer * c.d_inner * (c.d_state + c.d_conv)  # f32, read and written
+    size = torch.empty(0, dtype=model.state_dtype).element_size()
+    state = 2 * size * batch * c.n_layer * c.d_inner * (c.d_state + c.d_conv)  # read and written
     return weight, state
 
 
@@ -163,11 +165,12 @@ def hf_model(config: MambaConfig, dtype: torch.dtype):
         return model_class(hf_config).to(dtype).eval()
 
 
-def run(sizes, dtypes, batches, hf: bool, out: str | None, deterministic: bool = False) -> list[dict]:
+def run(sizes, dtypes, batches, hf: bool, out: str | None, deterministic: bool = False,
+        state_dtype: torch.dtype = torch.float32) -> list[dict]:
     if not torch.cuda.is_available():
         raise ValueError("the decode benchmark needs a CUDA GPU")
     bw = copy_bandwidth()
-    mode = ", deterministic" if deterministic else ""
+    mode = (", deterministic" if deterministic else "") + f", {str(state_dtype).replace('torch.', '')} state"
     print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s (read + write){mode}")
     rows = []
     header = f"{'model':>6} {'dtype':>9} {'batch':>5} {'ms/step':>8} {'tok/s':>9} {'floor ms':>8} {'of floor':>8} {'peak GiB':>8} {'HF ms':>8}"
@@ -175,7 +178,7 @@ def run(sizes, dtypes, batches, hf: bool, out: str | None, deterministic: bool =
     for size in sizes:
         for dtype in dtypes:
             torch.cuda.empty_cache()
-            model = random_model(size, dtype)
+            model = random_model(size, dtype, state_dtype=state_dtype)
             for batch in batches:
                 torch.cuda.reset_peak_memory_stats()  # from the weights up: the engine's peak, not HF's
                 ms = time_graph_steps(model, batch, deterministic=deterministic)
@@ -184,7 +187,8 @@ def run(sizes, dtypes, batches, hf: bool, out: str | None, deterministic: bool =
                 floor = (wbytes + sbytes) / bw * 1e3
                 hf_ms = time_hf(size, dtype, batch) if hf and batch == 1 else None
                 row = dict(
-                    model=size, dtype=str(dtype).replace("torch.", ""), batch=batch, ms_per_step=round(ms, 4),
+                    model=size, dtype=str(dtype).replace("torch.", ""), state_dtype=str(state_dtype).replace("torch.", ""),
+                    batch=batch, ms_per_step=round(ms, 4),
                     tokens_per_s=round(batch * 1e3 / ms, 1), floor_ms=round(floor, 4),
                     fraction_of_floor=round(floor / ms, 3), peak_gib=round(peak / 2**30, 2),
                     hf_ms_per_token=round(hf_ms, 3) if hf_ms else None,
@@ -211,7 +215,7 @@ def main_from_args(args) -> int:
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
         raise ValueError(f"--batches must be comma-separated integers, got {args.batches!r}") from None
-    run(sizes, dtypes, batches, args.hf, args.json, args.deterministic)
+    run(sizes, dtypes, batches, args.hf, args.json, args.deterministic, parse_dtype(args.state_dtype))
     return 0
 
 

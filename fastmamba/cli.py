@@ -91,6 +91,8 @@ def add_bench_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batches", default="1,32,128")
     ap.add_argument("--hf", action="store_true", help="also time transformers' MambaForCausalLM (batch 1)")
     ap.add_argument("--deterministic", action="store_true", help="the batch-invariant step (load(deterministic=True))")
+    ap.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the dtype the recurrent state is stored in (load(state_dtype=...))")
     ap.add_argument("--json", help="write the results here")
 
 

@@ -316,20 +316,21 @@ def test_gpu_graph_step_equals_eager_and_the_cpu(dtype, B):
 
 
 @pytest.mark.parametrize("batch", [2, 9])  # the one-row kernels, and decode_gemm.py's step
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_kernel_step_equals_the_reference_step(batch, dtype):
-    """KernelStep (the language model's decode kernels; Triton's interpreter without CUDA)."""
+@pytest.mark.parametrize("dtype,state_dtype", [("float32", "float32"), ("bfloat16", "float32"), ("float32", "bfloat16")])
+def test_kernel_step_equals_the_reference_step(batch, dtype, state_dtype):
+    """KernelStep (the language model's decode kernels; Triton's interpreter without CUDA),
+    with a float32 or a bf16 state (updated in float32, rounded once on store in both)."""
     pytest.importorskip("triton")
     from fastmamba.backbone import KernelStep
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ref = make(proj_bias=True)
-    bb = Backbone(ref.config, device=device, dtype=dtype)
+    bb = Backbone(ref.config, device=device, dtype=dtype, state_dtype=state_dtype)
     bb.load_state_dict(ref.state_dict())
     step = KernelStep(bb, batch)
     s_kernels, s_ref = bb.new_state(batch), bb.new_state(batch)
     x = torch.randn(3, batch, 6, generator=torch.Generator().manual_seed(7)).to(device)
-    tol = 1e-4 if dtype == "float32" else 2e-2
+    tol = 1e-4 if dtype == state_dtype == "float32" else 2e-2
     with torch.no_grad():
         for t in range(3):
             assert rel_err(step(x[t], s_kernels), bb._step_eager(x[t], s_ref)) < tol, t

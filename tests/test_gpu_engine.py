@@ -135,6 +135,27 @@ def test_gpu_greedy_generate_matches_cpu_in_float32(real_shape_ckpt):
     assert a == b
 
 
+@pytest.mark.parametrize("batch", [1, 40])  # the one-row step; the products step
+def test_a_bfloat16_state_through_the_gpu_engine(real_shape_ckpt, batch):
+    """load(state_dtype="bfloat16") on the GPU: graph prefill and graph-replayed decode keep
+    the state in bf16, and each greedy token is the top logit (up to a near-tie) of the
+    eager engine continuing the same text with its own bf16 state."""
+    lm = fastmamba.load(real_shape_ckpt, device="cuda", dtype="bfloat16", state_dtype="bfloat16")
+    prompts = [[11 + i, 22, 33, 44, 55] for i in range(batch)]
+    outs = lm.generate_batch(prompts, dict(max_tokens=10, stop_token_ids=[]))
+    model = lm.model
+    state = model.new_state(batch)
+    assert state.ssm.dtype == state.conv.dtype == torch.bfloat16
+    logits = model.prefill(torch.tensor(prompts, device="cuda"), state, last_only=True)
+    tokens = torch.tensor([o.token_ids for o in outs], device="cuda")  # (B, 10)
+    for t in range(tokens.shape[1]):
+        picked = logits.gather(1, tokens[:, t : t + 1])[:, 0]
+        top = logits.max(1).values
+        assert (picked >= top - 2e-2 * top.abs().clamp_min(1)).all(), t
+        logits = model.step(tokens[:, t], state)
+    assert state.ssm.dtype == torch.bfloat16
+
+
 def test_generations_after_a_stop_token_on_the_gpu(real_shape_ckpt):
     """The host queues a replay before it reads the one before (GraphDecoder.runs_ahead),
     so a generation that ends on a stop token leaves one queued: the next generation on the
