@@ -61,6 +61,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json")
     ap.add_argument("--cpu", action="store_true", help="the batch-1 step on the CPU only")
+    ap.add_argument("--sequence-only", action="store_true", help="the sequence pass only (no step, no peers)")
     args = ap.parse_args()
     rows = []
 
@@ -85,7 +86,7 @@ def main() -> None:
             torch.manual_seed(0)
             bb = Backbone(BackboneConfig(**shape), device="cuda", dtype=dtype)
             c = bb.config
-            for batch in (1, 16, 256, 1024, 4096):
+            for batch in () if args.sequence_only else (1, 16, 256, 1024, 4096):
                 s = bb.new_state(batch)
                 x = torch.randn(batch, 64, device="cuda")
                 xn = x.cpu().numpy()
@@ -98,18 +99,24 @@ def main() -> None:
                      eager_step_us=round(eager, 1), floor_us=round(state_bytes / bw * 1e6, 1))
             bb._graphs.clear()
             if dtype == torch.float32:
-                for B, T in ((16, 64), (256, 256), (1024, 64)):
+                for B, T in ((16, 64), (256, 256), (1024, 64), (16, 1024)):
                     x = torch.randn(B, T, 64, device="cuda")
+                    resets = torch.rand(B, T, device="cuda") < 1 / 64  # episodes of ~64 steps
                     with torch.no_grad():
-                        fwd = us_per_call(lambda: bb(x), 2)
+                        fwd = us_per_call(lambda: bb(x, resets=resets), 2)  # the prefill kernels
+                        state = bb.new_state(B)
+                        convs, ssms = list(state.conv.clone()), list(state.ssm.clone())
+                        ref = us_per_call(lambda: bb._layers(x, convs, ssms, resets), 1)  # the reference ops
+
                     def fwd_bwd():
-                        y, _ = bb(x)
+                        y, _ = bb(x, resets=resets)
                         y.sum().backward()
-                    emit(shape=name, sequence=f"{B}x{T}", forward_ms=round(fwd / 1e3, 1),
+                    emit(shape=name, sequence=f"{B}x{T}", forward_ms=round(fwd / 1e3, 2),
+                         reference_forward_ms=round(ref / 1e3, 1),
                          forward_backward_ms=round(us_per_call(fwd_bwd, 1) / 1e3, 1))
             bb = None  # free the parameters and graphs before the next shape
             torch.cuda.empty_cache()
-    for kind in ("LSTM", "GRU"):
+    for kind in () if args.sequence_only else ("LSTM", "GRU"):
         for batch in (1, 256, 4096):
             emit(peer=f"cuDNN {kind}(64, 256), CUDA graph", batch=batch, step_us=round(rnn_step_us(kind, batch), 1))
     if args.json:

@@ -25,9 +25,8 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError
-from .kernels.rmsnorm import add_norm_ref
 from .kernels.products import linear_storage
-from .model import REFERENCE_OPS, LayerWeights, MambaState, linear, mixer
+from .model import REFERENCE_OPS, LayerWeights, MambaState, mixer
 
 FORMAT = "fastmamba.Backbone"
 
@@ -187,20 +186,36 @@ class Backbone(nn.Module):
         # float32 working copies, one a layer: autograd sees the state's tensors through them
         convs = [state.conv[i].float().clone() for i in range(self.config.n_layer)]
         ssms = [state.ssm[i].float().clone() for i in range(self.config.n_layer)]
-        y = self._layers(x, convs, ssms, resets)
+        y = self._layers(x, convs, ssms, resets, self._kernel_ops(x, state))
         new = MambaState(torch.stack(convs).to(state.conv.dtype), torch.stack(ssms).to(state.ssm.dtype))
         return y, new
 
-    def _layers(self, x: torch.Tensor, convs, ssms, resets=None) -> torch.Tensor:
-        """x (B, T, input_dim) -> (B, T, d_model) f32, updating each layer's conv and ssm state."""
-        c = self.config
-        h = linear(x, self.input_proj.weight, self.input_proj.bias) if self.input_proj is not None else x.float()
+    def _kernel_ops(self, x: torch.Tensor, state: MambaState):
+        """The prefill kernels' ops (Triton: the conv and the scan take the resets) on CUDA
+        where autograd will not need the pass; else None, the reference ops, whose every
+        operation autograd differentiates (the GPU's backward, for now: RESULTS.md)."""
+        from .kernels._triton import HAVE_TRITON
+
+        if self.device.type != "cuda" or not HAVE_TRITON:
+            return None
+        inputs = [x, state.conv, state.ssm, *self.parameters()]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+            return None
+        from .model import triton_ops
+
+        return triton_ops()
+
+    def _layers(self, x: torch.Tensor, convs, ssms, resets=None, ops=None) -> torch.Tensor:
+        """x (B, T, input_dim) -> (B, T, d_model) f32, updating each layer's conv and ssm
+        state; through `ops` (None: the reference ops)."""
+        c, ops = self.config, ops or REFERENCE_OPS
+        h = ops.linear(x, self.input_proj.weight, self.input_proj.bias) if self.input_proj is not None else x.float()
         o = None
         for layer, conv, ssm in zip(self.layers, convs, ssms):
             lw = layer.mixer.weights(layer.norm.weight)
-            h, u = add_norm_ref(h, o, lw.norm_w, c.norm_eps)
-            o = mixer(c, lw, u, conv, ssm, REFERENCE_OPS, resets=resets)
-        return add_norm_ref(h, o, self.norm_f.weight, c.norm_eps)[1]
+            h, u = ops.add_norm(h, o, lw.norm_w, c.norm_eps, lw.in_proj_w.dtype)
+            o = mixer(c, lw, u, conv, ssm, ops, resets=resets)
+        return ops.add_norm(h, o, self.norm_f.weight, c.norm_eps, torch.float32)[1]
 
     # -- the step ------------------------------------------------------------------------------
 

@@ -139,7 +139,7 @@ def mixer(
     config: the sizes (a MambaConfig or BackboneConfig: d_inner, d_state, dt_rank, dbc_norm_eps).
     u (B, T, d) f32 -> (B, T, d) f32. A decode step is the same call with T = 1.
     start (B,): left padding, see kernels/causal_conv1d.py.
-    resets (B, T) bool: the row's state is zero before step t (reference ops only).
+    resets (B, T) bool: the row's state is zero before step t.
     """
     if ops is REFERENCE_OPS and u.shape[1] == 1 and start is None and resets is None:
         return _mixer_step_ref(config, lw, u, conv_state, ssm_state)

@@ -315,6 +315,41 @@ def test_gpu_graph_step_equals_eager_and_the_cpu(dtype, B):
     assert rel_err(seq.cpu(), cpu16(x.transpose(0, 1))[0].detach()) < 1e-4
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_sequence_pass_with_resets(dtype):
+    """On CUDA without autograd the sequence pass runs the prefill kernels (the conv and the
+    scan take the resets); with autograd the reference ops, whose gradients match the CPU's."""
+    cpu = make(d_model=64, n_layer=3, input_dim=24, d_state=16)
+    gpu = Backbone(cpu.config, device="cuda", dtype=dtype)
+    gpu.load_state_dict(cpu.state_dict())
+    cpu16 = Backbone(cpu.config, dtype=dtype)
+    cpu16.load_state_dict(cpu.state_dict())
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 300, 24, generator=g)
+    resets = torch.rand(5, 300, generator=g) < 0.02
+    resets[:, 0] = True
+    state = cpu16.new_state(5)
+    state.ssm.normal_(generator=g)
+    gpu_state = fastmamba.MambaState(state.conv.cuda(), state.ssm.cuda())
+    with torch.no_grad():
+        assert gpu._kernel_ops(x.cuda(), gpu_state) is not None
+        y, new = gpu(x.cuda(), gpu_state, resets.cuda())
+        y_ref, new_ref = cpu16(x, state, resets)
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    assert rel_err(y.cpu(), y_ref) < tol and rel_err(new.ssm.cpu(), new_ref.ssm) < tol
+    assert rel_err(new.conv.cpu(), new_ref.conv) < tol
+    # training: autograd through the reference ops on the GPU
+    xg = x[:, :40].cuda().requires_grad_()
+    assert gpu._kernel_ops(xg, gpu_state) is None
+    gpu(xg, gpu_state, resets[:, :40].cuda())[0].square().mean().backward()
+    xc = x[:, :40].clone().requires_grad_()
+    cpu16(xc, state, resets[:, :40])[0].square().mean().backward()
+    assert rel_err(xg.grad.cpu(), xc.grad) < tol
+    name = "layers.1.mixer.in_proj.weight"
+    assert rel_err(dict(gpu.named_parameters())[name].grad.float().cpu(), dict(cpu16.named_parameters())[name].grad.float()) < tol
+
+
 @pytest.mark.parametrize("batch", [2, 9])  # the one-row kernels, and decode_gemm.py's step
 @pytest.mark.parametrize("dtype,state_dtype", [("float32", "float32"), ("bfloat16", "float32"), ("float32", "bfloat16")])
 def test_kernel_step_equals_the_reference_step(batch, dtype, state_dtype):

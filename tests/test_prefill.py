@@ -111,6 +111,37 @@ def test_conv_and_scan_kernels_match_their_twins(B, E, T, K, start):
         assert rel_err(y, y_ref) < 2e-5 and rel_err(ssm_state, ssm_ref_state) < 2e-5, kw
 
 
+@pytest.mark.parametrize("B,E,T,K,start", [(3, 40, 70, 4, None), (2, 16, 33, 3, [0, 5]), (2, 128, 40, 4, None)])
+def test_conv_and_scan_kernels_take_resets(B, E, T, K, start):
+    """resets (B, T): the conv's window and the scan's state start afresh at a reset step,
+    in every scan (one pass; chunked with 4 or 1 channels a thread, a reset in the first
+    step, inside chunks and in the last step), as their twins do."""
+    g = gen(4)
+    x, z = torch.randn(B, E, T, device=DEVICE, generator=g), torch.randn(B, E, T, device=DEVICE, generator=g)
+    w, b = torch.randn(E, K, device=DEVICE, generator=g), torch.randn(E, device=DEVICE, generator=g)
+    resets = torch.rand(B, T, device=DEVICE, generator=g) < 0.08
+    resets[0, 0] = resets[1, T - 1] = resets[1, 17] = True
+    s = None if start is None else torch.tensor(start, dtype=torch.int32, device=DEVICE)
+    conv0 = torch.randn(B, E, K, device=DEVICE, generator=g)
+    conv, conv_ref = conv0.clone(), conv0.clone()
+    xc = causal_conv1d(x, w, b, conv, s, resets=resets)
+    xc_ref = causal_conv1d_ref(x, w, b, conv_ref, s, resets=resets)
+    assert rel_err(xc, xc_ref) < 1e-5 and rel_err(conv, conv_ref) < 1e-6
+    assert rel_err(causal_conv1d_ref(x, w, b, conv0.clone(), s), xc_ref) > 1e-2  # the resets mattered
+    N = 16
+    delta = torch.rand(B, E, T, device=DEVICE, generator=g)
+    A, D = -torch.rand(E, N, device=DEVICE, generator=g) * 4, torch.randn(E, device=DEVICE, generator=g)
+    Bm, Cm = torch.randn(B, N, T, device=DEVICE, generator=g), torch.randn(B, N, T, device=DEVICE, generator=g)
+    ssm0 = torch.randn(B, E, N, device=DEVICE, generator=g)
+    ssm_ref = ssm0.clone()
+    y_ref = selective_scan_ref(xc_ref, delta, A, Bm, Cm, D, z, ssm_ref, s, resets=resets)
+    for kw in [dict(chunked=False), dict(chunked=True, launch=ScanLaunch(16, 128, 4, 1, 4, 2)),
+               dict(chunked=True, launch=ScanLaunch(32, 64, 1, 2, 3, 4))]:
+        ssm = ssm0.clone()
+        y = selective_scan(xc_ref, delta, A, Bm, Cm, D, z, ssm, s, resets=resets, **kw)
+        assert rel_err(y, y_ref) < 1e-5 and rel_err(ssm, ssm_ref) < 1e-5, kw
+
+
 @pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16])
 def test_step_and_scan_as_one_chunk(monkeypatch, wdt):
     """The scan as one chunk (forced here at a small shape) runs dt_proj alone and takes the

@@ -94,9 +94,9 @@ def _tap_weight(w_ptr, e, emask, j: tl.constexpr, K: tl.constexpr):
 
 @jit
 def _causal_conv1d_kernel(
-    x_ptr, sxb, sxe, sxt, w_ptr, b_ptr, st_ptr, y_ptr, start_ptr, T, E,
+    x_ptr, sxb, sxe, sxt, w_ptr, b_ptr, st_ptr, y_ptr, start_ptr, first_ptr, T, E,
     K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
-    STAGES: tl.constexpr, UNROLL: tl.constexpr,
+    STAGES: tl.constexpr, UNROLL: tl.constexpr, RESETS: tl.constexpr,
 ):
     # One program: BE channels of one row, BT time steps walked one after another with the
     # last inputs in registers (a window of MAX_K = 4: narrower kernels weigh the oldest
@@ -106,7 +106,8 @@ def _causal_conv1d_kernel(
     # against 288.1).
     # Only the first time block reaches into the old conv state (the window before step 0)
     # and only it writes the new one, after its reads, so no other program can see a
-    # half-updated state.
+    # half-updated state. RESETS: first_ptr holds, for each step, where the row's latest
+    # reset at or before it fell (segment_starts); the window's inputs before it count zero.
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     t0 = tl.program_id(1) * BT
     b64 = tl.program_id(2).to(tl.int64)
@@ -130,7 +131,12 @@ def _causal_conv1d_kernel(
     # flight a thread: see CONV_STAGES)
     for t in tl.range(t0, tl.minimum(t0 + BT, T), num_stages=STAGES, loop_unroll_factor=UNROLL):
         x0 = tl.load(x_row + t * sxt + e * sxe, mask=emask & (t + tl.zeros_like(e) >= start), other=0.0).to(tl.float32)
-        acc = bias + w3 * x3 + w2 * x2 + w1 * x1 + w0 * x0  # oldest tap first, as F.conv1d's sum
+        if RESETS:
+            f = tl.load(first_ptr + b64 * T + t)
+            acc = bias + tl.where(t - 3 >= f, w3 * x3, 0.0) + tl.where(t - 2 >= f, w2 * x2, 0.0) \
+                + tl.where(t - 1 >= f, w1 * x1, 0.0) + w0 * x0
+        else:
+            acc = bias + w3 * x3 + w2 * x2 + w1 * x1 + w0 * x0  # oldest tap first, as F.conv1d's sum
         tl.store(y_row + t * E + e, silu(acc).to(y_ptr.dtype.element_ty), mask=emask)
         x3, x2, x1 = x2, x1, x0
     if t0 == 0:
@@ -138,6 +144,8 @@ def _causal_conv1d_kernel(
         kk = tl.arange(0, KP)
         m = emask[:, None] & (kk < K)[None, :]
         new = _input_at(x_row, sxe, sxt, st_row, e[:, None], m, (T - K + kk)[None, :], start, K)
+        if RESETS:  # inputs before the last segment's start are zeros in the state too
+            new = tl.where((T - K + kk)[None, :] >= tl.load(first_ptr + b64 * T + T - 1), new, 0.0)
         tl.debug_barrier()  # all reads of the old state before it is rewritten
         tl.store(st_row + e[:, None] * K + kk[None, :], new.to(st_ptr.dtype.element_ty), mask=m)
 
@@ -152,21 +160,24 @@ CONV_STAGES, CONV_UNROLL = 3, 4
 MAX_K = 4  # the kernel's window; wider convs (no public checkpoint has one) run the reference
 
 
-def causal_conv1d(x, weight, bias, state, start=None, dtype=torch.float32):
+def causal_conv1d(x, weight, bias, state, start=None, dtype=torch.float32, resets=None):
     """Triton twin of `causal_conv1d_ref`; x may be any strided (B, E, T) view. Returns a
     (B, E, T) view of a (B, T, E) buffer (the layout x_proj wants) in `dtype`: computed in
     float32, rounded once on the way out."""
     B, E, T = x.shape
     K = weight.shape[-1]
     if K > MAX_K:
-        return causal_conv1d_ref(x, weight, bias, state, start).transpose(1, 2).to(dtype).contiguous().transpose(1, 2)
+        y = causal_conv1d_ref(x, weight, bias, state, start, resets=resets)
+        return y.transpose(1, 2).to(dtype).contiguous().transpose(1, 2)
     y = torch.empty(B, T, E, device=x.device, dtype=dtype)
     if start is None:
         start = torch.zeros(B, device=x.device, dtype=torch.int32)
+    # (B, T) each step's latest reset (a placeholder the kernel never reads without resets)
+    first = segment_starts(resets, K).to(torch.int32).contiguous() if resets is not None else start
     BT = max(CONV_BT, MAX_K - 1)  # so that only the first block's window reaches before the chunk
     _causal_conv1d_kernel[(triton.cdiv(E, CONV_BE), triton.cdiv(T, BT), B)](
         x, x.stride(0), x.stride(1), x.stride(2), weight, bias if bias is not None else weight, state, y,
-        start, T, E, K=K, KP=triton.next_power_of_2(K), HAS_BIAS=bias is not None, BE=CONV_BE, BT=BT,
-        STAGES=CONV_STAGES, UNROLL=CONV_UNROLL, num_warps=CONV_WARPS,
+        start, first, T, E, K=K, KP=triton.next_power_of_2(K), HAS_BIAS=bias is not None, BE=CONV_BE, BT=BT,
+        STAGES=CONV_STAGES, UNROLL=CONV_UNROLL, RESETS=resets is not None, num_warps=CONV_WARPS,
     )
     return y.transpose(1, 2)

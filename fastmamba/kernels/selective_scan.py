@@ -60,12 +60,13 @@ def _combine(a_left, b_left, a_right, b_right):
 @jit
 def _selective_scan_kernel(
     x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, C_ptr, scb, scn, sct,
-    z_ptr, szb, sze, szt, A_ptr, D_ptr, st_ptr, y_ptr, start_ptr, T, E,
-    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
+    z_ptr, szb, sze, szt, A_ptr, D_ptr, st_ptr, y_ptr, start_ptr, resets_ptr, T, E,
+    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, RESETS: tl.constexpr,
 ):
     # One program: one row, BE channels, all of time in chunks of BT steps. Inside a chunk
     # the steps are combined in parallel (associative scan of (decay, input) pairs); the
-    # state is carried from chunk to chunk in registers.
+    # state is carried from chunk to chunk in registers. RESETS: a step that starts an
+    # episode decays the state by zero.
     b = tl.program_id(0)
     e = tl.program_id(1) * BE + tl.arange(0, BE)
     emask = e < E
@@ -90,6 +91,9 @@ def _selective_scan_kernel(
         Bt = tl.load(B_ptr + b64 * sbb + t[:, None] * sbt + n[None, :] * sbn, mask=bn, other=0.0)  # (BT, NP)
         Ct = tl.load(C_ptr + b64 * scb + t[:, None] * sct + n[None, :] * scn, mask=bn, other=0.0)
         decay = tl.exp(dt[:, :, None] * A[None, :, :])  # (BT, BE, NP)
+        if RESETS:
+            r = tl.load(resets_ptr + b64 * T + t, mask=t < T, other=0)
+            decay = tl.where((r != 0)[:, None, None], 0.0, decay)
         inp = (dt * x)[:, :, None] * Bt[:, None, :]
         decay_cum, inp_cum = tl.associative_scan((decay, inp), 0, _combine)
         states = decay_cum * s[None, :, :] + inp_cum  # (BT, BE, NP): the state after each step
@@ -198,27 +202,36 @@ def _dt_bias(dtb_ptr, e, emask, ze, BE: tl.constexpr, RAW_DT: tl.constexpr):
 @jit(do_not_specialize=["zero"])
 def _scan_summary_kernel(
     x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, A2t_ptr, start_ptr,
-    sum_ptr, dts_ptr, dtb_ptr, T, E, L, zero,
+    sum_ptr, dts_ptr, dtb_ptr, resets_ptr, T, E, L, zero,
     N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, CPL: tl.constexpr, EVEN: tl.constexpr,
-    STAGES: tl.constexpr, UNROLL: tl.constexpr, X16: tl.constexpr, RAW_DT: tl.constexpr,
+    STAGES: tl.constexpr, UNROLL: tl.constexpr, X16: tl.constexpr, RAW_DT: tl.constexpr, RESETS: tl.constexpr,
 ):
     # Pass 1. One program: one row, BE channels, one chunk of L steps, walked step by step
     # from a zero state: the state the chunk leaves when it starts alone, and its summed
     # step sizes (A times that sum is the log of the chunk's whole decay). Stored (N, E)
     # (see _chunk_program). No chunk after the last needs a start, so this pass runs all
     # chunks but the last (none where the scan is one chunk). The walk skips padding,
-    # whose steps change nothing.
+    # whose steps change nothing. RESETS: a reset step decays by zero, and a chunk holding
+    # one has no whole decay: its summed step sizes are written as -1 (real ones are >= 0).
     b64, e, c, emask, n, nmask, sm, start, ze, A2 = _chunk_program(A2t_ptr, start_ptr, E, zero, N, NP, BE, CPL)
     dtb = _dt_bias(dtb_ptr, e, emask, ze, BE, RAW_DT)
     slots = tl.num_programs(2)
     s = tl.zeros([BE, NP], dtype=tl.float32)
     dt_sum = tl.zeros([BE], dtype=tl.float32)
+    reset_seen = tl.zeros([BE], dtype=tl.int32)
     x_row, dt_row, B_row = x_ptr + b64 * sxb, dt_ptr + b64 * sdb, B_ptr + b64 * sbb
     for t in tl.range(tl.maximum(c * L, start), tl.minimum(c * L + L, T), num_stages=STAGES, loop_unroll_factor=UNROLL):
         x = _channels_at(x_row, sxe, sxt, e, emask, t, ze, EVEN, X16)
         dt, Bt = _step_input(dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, ze, dtb, EVEN, RAW_DT)
-        s = s * tl.exp2(dt[:, None] * A2) + (dt * x)[:, None] * Bt[None, :]
+        decay = tl.exp2(dt[:, None] * A2)
+        if RESETS:
+            r = tl.load(resets_ptr + b64 * T + t).to(tl.int32)
+            decay = tl.where(r != 0, 0.0, decay)
+            reset_seen = tl.maximum(reset_seen, r)
+        s = s * decay + (dt * x)[:, None] * Bt[None, :]
         dt_sum += dt
+    if RESETS:
+        dt_sum = tl.where(reset_seen != 0, -1.0, dt_sum)
     _store(sum_ptr + ((b64 * slots + c) * N + n[None, :]) * E + ze + e[:, None], s, sm, EVEN)
     _store(dts_ptr + (b64 * slots + c) * E + ze + e, dt_sum, emask, EVEN)
 
@@ -226,7 +239,7 @@ def _scan_summary_kernel(
 @jit
 def _scan_prefix_kernel(
     st_ptr, start_ptr, init_ptr, sum_ptr, dts_ptr, A2t_ptr, E, slots,
-    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, STAGES: tl.constexpr, RESETS: tl.constexpr,
 ):
     # Between the passes. One program: one row, BE channels. It copies the layer's old
     # state, where chunk 0 starts (zero for a padded row), to init, (N, E) for pass 2; then
@@ -247,16 +260,20 @@ def _scan_prefix_kernel(
     for c in tl.range(0, slots, num_stages=STAGES):
         dts = tl.load(dts_ptr + (b64 * slots + c) * E + e, mask=emask, other=0.0)
         ptrs = sum_ptr + ((b64 * slots + c) * N + n[None, :]) * E + e[:, None]
-        s = s * tl.exp2(dts[:, None] * A2) + tl.load(ptrs, mask=sm, other=0.0)
+        decay = tl.exp2(dts[:, None] * A2)
+        if RESETS:  # a chunk with a reset (-1): nothing before it survives
+            decay = tl.where(dts[:, None] < 0, 0.0, decay)
+        s = s * decay + tl.load(ptrs, mask=sm, other=0.0)
         tl.store(ptrs, s, mask=sm)
 
 
 @jit(do_not_specialize=["zero"])
 def _scan_chunks_kernel(
     x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, C_ptr, scb, scn, sct,
-    z_ptr, szb, sze, szt, A2t_ptr, D_ptr, st_ptr, y_ptr, start_ptr, sum_ptr, init_ptr, dtb_ptr, T, E, L, zero,
+    z_ptr, szb, sze, szt, A2t_ptr, D_ptr, st_ptr, y_ptr, start_ptr, sum_ptr, init_ptr, dtb_ptr, resets_ptr, T, E, L, zero,
     N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, CPL: tl.constexpr, EVEN: tl.constexpr,
     STAGES: tl.constexpr, UNROLL: tl.constexpr, X16: tl.constexpr, Z16: tl.constexpr, RAW_DT: tl.constexpr,
+    RESETS: tl.constexpr,
 ):
     # Pass 2. One program: one row, BE channels, one chunk. It starts from the state
     # _scan_prefix_kernel left in the summary slot of the chunk before it (chunk 0 from its
@@ -279,7 +296,10 @@ def _scan_chunks_kernel(
     for t in tl.range(tl.maximum(c * L, start), end, num_stages=STAGES, loop_unroll_factor=UNROLL):
         x = _channels_at(x_row, sxe, sxt, e, emask, t, ze, EVEN, X16)
         dt, Bt = _step_input(dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, ze, dtb, EVEN, RAW_DT)
-        s = s * tl.exp2(dt[:, None] * A2) + (dt * x)[:, None] * Bt[None, :]
+        decay = tl.exp2(dt[:, None] * A2)
+        if RESETS:
+            decay = tl.where(tl.load(resets_ptr + b64 * T + t) != 0, 0.0, decay)
+        s = s * decay + (dt * x)[:, None] * Bt[None, :]
         Ct = _load(C_row + t * sct + n * scn, nmask, EVEN)
         z = _channels_at(z_row, sze, szt, e, emask, t, ze, EVEN, Z16)
         y = tl.sum(s * Ct[None, :], 1) + Dv * x
@@ -375,7 +395,7 @@ def _as_words(x: torch.Tensor):
 
 def selective_scan(
     x, delta, A, Bm, Cm, D, z, state, start=None, out_dtype=torch.float32, chunked=None, launch: ScanLaunch | None = None,
-    dt_bias=None,
+    dt_bias=None, resets=None,
 ):
     """Triton twin of `selective_scan_ref`; inputs may be any strided views of those shapes.
     Returns a (B, E, T) view of a (B, T, E) buffer of y in out_dtype: computed in float32,
@@ -389,12 +409,15 @@ def selective_scan(
     pays for its passes. launch: the chunked scan's, instead of chunked_launch's.
 
     dt_bias (E,): delta is dt_proj's output before this bias and the softplus, which the
-    chunked scan's walks then add and take at each step (see step_and_scan)."""
+    chunked scan's walks then add and take at each step (see step_and_scan).
+    resets (B, T) bool: the row's state is zero before step t (as in selective_scan_ref)."""
     Bsz, E, T = x.shape
     N = A.shape[1]
     y = torch.empty(Bsz, T, E, device=x.device, dtype=out_dtype)
     if start is None:
         start = torch.zeros(Bsz, device=x.device, dtype=torch.int32)
+    # one byte a step, or a placeholder the kernels never read without resets
+    flags = resets.to(torch.uint8).contiguous() if resets is not None else start
     if chunked is None:
         chunked = _chunked(Bsz, E, T)
     if dt_bias is not None and not chunked:
@@ -418,19 +441,20 @@ def selective_scan(
         A2t = (A * LOG2E).t().contiguous()  # exp(dt * A) = exp2(dt * A2): one multiply less a state
         even = E % BE == 0 and N == NP
         walk = dict(N=N, NP=NP, BE=BE, CPL=run.CPL, EVEN=even, STAGES=run.stages, UNROLL=run.unroll, X16=x16,
-                    RAW_DT=dt_bias is not None, num_warps=run.warps)
+                    RAW_DT=dt_bias is not None, RESETS=resets is not None, num_warps=run.warps)
         dtb = D if dt_bias is None else dt_bias  # (a placeholder the kernels never read without RAW_DT)
         if grid[2] > 1:  # one chunk starts from the layer's state alone: no summaries to make
-            _scan_summary_kernel[grid[:2] + (slots,)](*xdb, A2t, start, sums, dt_sums, dtb, T, E, L, 0, **walk)
+            _scan_summary_kernel[grid[:2] + (slots,)](*xdb, A2t, start, sums, dt_sums, dtb, flags, T, E, L, 0, **walk)
         _scan_prefix_kernel[(Bsz, triton.cdiv(E, SCAN_PREFIX_BE))](
             state, start, init, sums, dt_sums, A2t, E, grid[2] - 1,
-            N=N, NP=NP, BE=SCAN_PREFIX_BE, STAGES=SCAN_STAGES, num_warps=SCAN_PREFIX_WARPS,
+            N=N, NP=NP, BE=SCAN_PREFIX_BE, STAGES=SCAN_STAGES, RESETS=resets is not None, num_warps=SCAN_PREFIX_WARPS,
         )
-        _scan_chunks_kernel[grid](*xdb, *cz, A2t, D, state, y, start, sums, init, dtb, T, E, L, 0, Z16=z16, **walk)
+        _scan_chunks_kernel[grid](*xdb, *cz, A2t, D, state, y, start, sums, init, dtb, flags, T, E, L, 0, Z16=z16, **walk)
         return y.transpose(1, 2)
     BE, BT = 8, 32
     _selective_scan_kernel[(Bsz, triton.cdiv(E, BE))](
-        *xdb, *cz, A, D, state, y, start, T, E, N=N, NP=triton.next_power_of_2(N), BE=BE, BT=BT, num_warps=4,
+        *xdb, *cz, A, D, state, y, start, flags, T, E, N=N, NP=triton.next_power_of_2(N), BE=BE, BT=BT,
+        RESETS=resets is not None, num_warps=4,
     )
     return y.transpose(1, 2)
 
@@ -442,7 +466,7 @@ def step_and_scan_ref(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, state, start=None, o
     return selective_scan_ref(x, delta.transpose(1, 2), A, Bm, Cm, D, z, state, start, resets=resets)
 
 
-def step_and_scan(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, state, start=None, out_dtype=torch.float32) -> torch.Tensor:
+def step_and_scan(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, state, start=None, out_dtype=torch.float32, resets=None) -> torch.Tensor:
     """Triton twin of `step_and_scan_ref`. Where the scan runs as one chunk (large batches)
     of a wide model (SCAN_SOFTPLUS_FROM_RANK), dt_proj runs alone (cuBLAS) and the walk
     takes each step's softplus itself, once a channel and step as step_size.py's kernel
@@ -453,7 +477,8 @@ def step_and_scan(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, state, start=None, out_d
     if run is not None and run.L >= T and dt_r.shape[-1] >= SCAN_SOFTPLUS_FROM_RANK:
         dt = linear_storage(dt_r, dt_w)  # (B, T, E) float32, before the bias
         return selective_scan(
-            x, dt.transpose(1, 2), A, Bm, Cm, D, z, state, start, out_dtype, chunked=True, launch=run, dt_bias=dt_b
+            x, dt.transpose(1, 2), A, Bm, Cm, D, z, state, start, out_dtype, chunked=True, launch=run, dt_bias=dt_b,
+            resets=resets,
         )
     delta = step_size(dt_r, dt_w, dt_b)
-    return selective_scan(x, delta.transpose(1, 2), A, Bm, Cm, D, z, state, start, out_dtype)
+    return selective_scan(x, delta.transpose(1, 2), A, Bm, Cm, D, z, state, start, out_dtype, resets=resets)
