@@ -144,14 +144,25 @@ class GraphDecoder:
         return self.history
 
 
-GRAPH_PREFILL_TOKENS = 4096  # batch x bucket length up to which prefill runs as a CUDA graph
-# Padded prompt lengths with a graph each: powers of two up to 512, then steps of 512 up to
-# GRAPH_PREFILL_TOKENS, so that a prompt pads by at most 512 tokens above 512.
-# Eager prefill is host-bound up to a few thousand tokens (2.8b 1 x 1024: 44.6 ms eager, 18.9
-# in a graph; alike at 4096), so even a prompt padded to nearly twice its length is faster in
-# a graph. A graph holds its activations' memory: the prefill graphs share one pool
-# (GraphPrefill), about half the memory of a pool each.
-PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512) + tuple(range(1024, GRAPH_PREFILL_TOKENS + 1, 512))
+def graph_prefill_tokens(d_model: int) -> int:
+    """Batch x bucket length up to which a prompt prefills as a CUDA graph. Eager prefill
+    issues its launches at ~0.8-1.1 ms of host time a layer (H200 machine: 130m 26 ms, 2.8b
+    51 ms at any length), while the GPU's time grows with the tokens and the width: eager is
+    host-bound up to ~24k tokens on 130m (1 x 8192: 25.9 ms eager, 8.75 in a graph) and ~4k
+    on 2.8b (1 x 1024: 44.6 / 18.9; 1 x 8192 108.8 either way). The crossover falls as
+    d_model^1.5 between the two; at least 4096, at most MAX_GRAPH_PREFILL."""
+    tokens = int(4096 * (2560 / d_model) ** 1.5) // 512 * 512
+    return min(MAX_GRAPH_PREFILL, max(4096, tokens))
+
+
+MAX_GRAPH_PREFILL = 16384  # (Mamba.chunk_tokens: a longer prefill runs in chunks anyway)
+# Padded prompt lengths with a graph each: powers of two up to 512, then steps of 512, so
+# that a prompt pads by at most 512 tokens above 512 (even a prompt padded to nearly twice
+# its length is faster in a graph where eager is host-bound). A graph holds its
+# activations' memory: the prefill graphs share one pool (GraphPrefill), about half the
+# memory of a pool each. A graph's first use captures it: ~3 eager prefills' time (130m 1 x
+# 8192: 78 ms), then every later prompt of its bucket replays it.
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512) + tuple(range(1024, MAX_GRAPH_PREFILL + 1, 512))
 
 
 class GraphPrefill:

@@ -10,7 +10,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .cuda_graphs import GRAPH_PREFILL_TOKENS, PREFILL_BUCKETS, GraphDecoder, GraphPrefill, HostTokens, ReferenceDecoder
+from .cuda_graphs import PREFILL_BUCKETS, GraphDecoder, GraphPrefill, HostTokens, ReferenceDecoder, graph_prefill_tokens
 from .model import Mamba, MambaState
 from .sampling import SamplingParams, pick_sampler, resolve_seed
 from .tokenizer import IncrementalDecoder, Tokenizer
@@ -70,7 +70,7 @@ class LanguageModel:
         """Logits of each row's last token (B, V) and the state after the prompts."""
         B, T = padded.shape
         bucket = next((n for n in PREFILL_BUCKETS if n >= T), None)
-        if self.engine == "reference" or bucket is None or B * bucket > GRAPH_PREFILL_TOKENS:
+        if self.engine == "reference" or bucket is None or B * bucket > graph_prefill_tokens(self.config.d_model):
             state = self.model.new_state(B)
             return self.model.prefill(padded, state, start, last_only=True), state
         graph = self._graph_prefills.get((B, bucket))
