@@ -17,18 +17,7 @@ import torch  # noqa: E402
 from fastmamba.bench import random_model  # noqa: E402
 from fastmamba.cuda_graphs import GraphPrefill  # noqa: E402
 from fastmamba.model import Mamba, triton_ops  # noqa: E402
-
-
-def wall_ms(fn, repeat=5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2] * 1e3
+from prefill import timed  # noqa: E402  (benchmarks/prefill.py)
 
 
 def issue_ms(fn) -> float:
@@ -59,14 +48,14 @@ def main() -> None:
             def eager():
                 return model.prefill(ids, model.new_state(B), last_only=True)
 
-            host, wall = issue_ms(eager), wall_ms(eager)
+            host, wall = issue_ms(eager), timed(eager, 5) * 1e3
             t = time.perf_counter()
             graph = GraphPrefill(model, B, T)
             capture = (time.perf_counter() - t) * 1e3
-            replay = wall_ms(lambda: graph(ids, start))
+            replay = timed(lambda: graph(ids, start), 5) * 1e3
             print(f"{size:>5} {B}x{T}: eager {wall:7.2f} ms (host issue {host:6.2f}), graph {replay:7.2f} ms "
                   f"(capture {capture:.0f} ms)", flush=True)
-            del graph
+            graph = None  # free its pool before the next shape
             torch.cuda.empty_cache()
 
 

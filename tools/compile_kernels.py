@@ -200,26 +200,38 @@ def main() -> None:
     res.append("decode (cuBLAS products): ok")
     # a bf16 model's prefill: in_proj writes x and z in bf16 (model.in_proj_dtype), the conv
     # writes its output and the scans y in bf16
-    t = ptrs("w_ptr", "b_ptr", "st_ptr", x_ptr="*bf16", y_ptr="*bf16", start_ptr="*i32")
-    compile_kernel(cc._causal_conv1d_kernel, t, dict(K=4, KP=4, HAS_BIAS=True, BE=cc.CONV_BE, BT=cc.CONV_BT,
-                                                     STAGES=cc.CONV_STAGES, UNROLL=cc.CONV_UNROLL), num_warps=cc.CONV_WARPS)
-    t = ptrs("dt_ptr", "B_ptr", "C_ptr", "A_ptr", "D_ptr", "st_ptr", x_ptr="*bf16", z_ptr="*bf16", y_ptr="*bf16", start_ptr="*i32")
-    compile_kernel(ss._selective_scan_kernel, t, dict(N=16, NP=16, BE=8, BT=32))
+    # (with RESETS, the Backbone's episodes: the conv's segment starts, the scans' flags)
+    t = ptrs("w_ptr", "b_ptr", "st_ptr", x_ptr="*bf16", y_ptr="*bf16", start_ptr="*i32", first_ptr="*i32")
+    for resets in (False, True):
+        compile_kernel(cc._causal_conv1d_kernel, t, dict(K=4, KP=4, HAS_BIAS=True, BE=cc.CONV_BE, BT=cc.CONV_BT,
+                                                         STAGES=cc.CONV_STAGES, UNROLL=cc.CONV_UNROLL, RESETS=resets),
+                       num_warps=cc.CONV_WARPS)
+    t = ptrs("dt_ptr", "B_ptr", "C_ptr", "A_ptr", "D_ptr", "st_ptr", x_ptr="*bf16", z_ptr="*bf16", y_ptr="*bf16", start_ptr="*i32",
+             resets_ptr="*u8")
+    for resets in (False, True):
+        compile_kernel(ss._selective_scan_kernel, t, dict(N=16, NP=16, BE=8, BT=32, RESETS=resets))
     for B, T in ((1, 8192), (8, 2048), (1, 2048)):  # chunked_launch's three kinds of launch
         run = ss.chunked_launch(B, 5120, T)
         # (one channel a thread reads x and z as pairs of channels: see ss._channels_at)
         xz = dict(x_ptr="*bf16", z_ptr="*bf16") if run.CPL > 1 else dict(x_ptr="*i32", z_ptr="*i32")
         half = None if run.CPL > 1 else triton.language.bfloat16
-        t1 = ptrs("dt_ptr", "B_ptr", "A2t_ptr", "sum_ptr", "dts_ptr", "dtb_ptr", x_ptr=xz["x_ptr"], start_ptr="*i32")
+        t1 = ptrs("dt_ptr", "B_ptr", "A2t_ptr", "sum_ptr", "dts_ptr", "dtb_ptr", x_ptr=xz["x_ptr"], start_ptr="*i32",
+                  resets_ptr="*u8")
         t2 = ptrs("dt_ptr", "B_ptr", "C_ptr", "A2t_ptr", "D_ptr", "st_ptr", "sum_ptr", "init_ptr", "dtb_ptr", **xz, y_ptr="*bf16",
-                  start_ptr="*i32")
-        walk = dict(N=16, NP=16, BE=run.BE, CPL=run.CPL, EVEN=True, STAGES=run.stages, UNROLL=run.unroll, X16=half, RAW_DT=False)
-        compile_kernel(ss._scan_summary_kernel, t1, walk, num_warps=run.warps)
-        compile_kernel(ss._scan_chunks_kernel, t2, {**walk, "Z16": half}, num_warps=run.warps)
+                  start_ptr="*i32", resets_ptr="*u8")
+        walk = dict(N=16, NP=16, BE=run.BE, CPL=run.CPL, EVEN=True, STAGES=run.stages, UNROLL=run.unroll, X16=half, RAW_DT=False,
+                    RESETS=False)
+        for resets in (False, True):
+            compile_kernel(ss._scan_summary_kernel, t1, {**walk, "RESETS": resets}, num_warps=run.warps)
+            compile_kernel(ss._scan_chunks_kernel, t2, {**walk, "Z16": half, "RESETS": resets}, num_warps=run.warps)
+        # a bf16 state (load(state_dtype="bfloat16")): the last chunk stores it rounded once
+        compile_kernel(ss._scan_chunks_kernel, {**t2, "st_ptr": "*bf16"}, {**walk, "Z16": half}, num_warps=run.warps)
         if run.L >= T:  # one chunk: the walk takes each step's softplus too (ss.step_and_scan)
             compile_kernel(ss._scan_chunks_kernel, t2, {**walk, "Z16": half, "RAW_DT": True}, num_warps=run.warps)
     t = ptrs("st_ptr", "init_ptr", "sum_ptr", "dts_ptr", "A2t_ptr", start_ptr="*i32")
-    compile_kernel(ss._scan_prefix_kernel, t, dict(N=16, NP=16, BE=ss.SCAN_PREFIX_BE, STAGES=ss.SCAN_STAGES), num_warps=ss.SCAN_PREFIX_WARPS)
+    for resets in (False, True):
+        compile_kernel(ss._scan_prefix_kernel, t, dict(N=16, NP=16, BE=ss.SCAN_PREFIX_BE, STAGES=ss.SCAN_STAGES, RESETS=resets),
+                       num_warps=ss.SCAN_PREFIX_WARPS)
     for wdt in ("*bf16", "*fp16", "*fp32"):
         compile_kernel(st._step_size_kernel, ptrs("r_ptr", "b_ptr", "out_ptr", w_ptr=wdt), dict(
             IEEE=wdt == "*fp32", BM=st.STEP_BM, BN=st.STEP_BN, BK=st.STEP_BK), num_warps=st.STEP_WARPS)
