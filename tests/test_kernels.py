@@ -299,8 +299,9 @@ def test_gemm_step_equals_the_reference_model(checkpoints, name, dtype, batch, p
         assert_within_transformers_16bit_error(logits, checkpoints[name], ids, dtype)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("batch,deterministic", [(2, False), (9, False), (3, True)])  # one-row; products; all Triton
+@pytest.mark.parametrize(  # the one-row step; the products step; all Triton
+    "dtype,batch,deterministic", [("float32", 2, False), ("bfloat16", 2, False), ("bfloat16", 9, False), ("float32", 3, True)]
+)
 def test_decode_steps_keep_a_bfloat16_state(checkpoints, dtype, batch, deterministic):
     """state_dtype bf16: the decode kernels read the state, update it in float32 and store
     it rounded once, as the reference does (the products step also rounds its operands)."""

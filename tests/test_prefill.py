@@ -257,7 +257,7 @@ def test_prefill_then_decode_equals_step_by_step(dtype, checkpoints):
             assert rel_err(fast.step(ids[:, t].to(DEVICE), state), steps[t]) < TOL[dtype], (T, t)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["bfloat16"] if not GPU else ["float32", "bfloat16"])  # (the interpreter is slow)
 def test_a_bfloat16_state_through_the_prefill_kernels(dtype, checkpoints):
     """The conv and scan kernels read a bf16 state, update it in float32 and store it
     rounded once, as the reference does; decoding goes on from it."""
