@@ -145,12 +145,13 @@ class GraphDecoder:
 
 
 def graph_prefill_tokens(d_model: int) -> int:
-    """Batch x bucket length up to which a prompt prefills as a CUDA graph. Eager prefill
-    issues its launches at ~0.8-1.1 ms of host time a layer (H200 machine: 130m 26 ms, 2.8b
-    51 ms at any length), while the GPU's time grows with the tokens and the width: eager is
-    host-bound up to ~24k tokens on 130m (1 x 8192: 25.9 ms eager, 8.75 in a graph) and ~4k
-    on 2.8b (1 x 1024: 44.6 / 18.9; 1 x 8192 108.8 either way). The crossover falls as
-    d_model^1.5 between the two; at least 4096, at most MAX_GRAPH_PREFILL."""
+    """Batch x bucket length up to which a prompt prefills as a CUDA graph. Issuing an
+    eager prefill's launches costs the host about a millisecond a layer at any length,
+    while the GPU's time grows with the tokens and the width, so eager prefill is
+    host-bound up to more tokens the narrower the model (130m 1 x 8192: 25.9 ms eager,
+    8.75 in a graph; measurements in benchmarks/RESULTS.md, "Prefill"). The crossover,
+    measured at 130m's and 2.8b's widths, falls as d_model^1.5 between them; at least
+    4096, at most MAX_GRAPH_PREFILL."""
     tokens = int(4096 * (2560 / d_model) ** 1.5) // 512 * 512
     return min(MAX_GRAPH_PREFILL, max(4096, tokens))
 
@@ -160,8 +161,8 @@ MAX_GRAPH_PREFILL = 16384  # (Mamba.chunk_tokens: a longer prefill runs in chunk
 # that a prompt pads by at most 512 tokens above 512 (even a prompt padded to nearly twice
 # its length is faster in a graph where eager is host-bound). A graph holds its
 # activations' memory: the prefill graphs share one pool (GraphPrefill), about half the
-# memory of a pool each. A graph's first use captures it: ~3 eager prefills' time (130m 1 x
-# 8192: 78 ms), then every later prompt of its bucket replays it.
+# memory of a pool each. A graph's first use captures it (about three eager prefills'
+# time), then every later prompt of its bucket replays it.
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512) + tuple(range(1024, MAX_GRAPH_PREFILL + 1, 512))
 
 

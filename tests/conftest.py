@@ -158,7 +158,8 @@ def text_checkpoint(tmp_path_factory) -> Path:
 def relative_error(a: torch.Tensor, ref: torch.Tensor) -> float:
     """The largest |a - ref| over the largest |ref|; a must be finite."""
     assert torch.isfinite(a).all()
-    return ((a.float().cpu() - ref.float().cpu()).abs().max() / ref.float().abs().max()).item()
+    ref = ref.float().cpu()
+    return ((a.float().cpu() - ref).abs().max() / ref.abs().max()).item()
 
 
 def transformers_logits(path: Path, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

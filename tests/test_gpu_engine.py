@@ -7,6 +7,7 @@ import torch
 
 import fastmamba
 from conftest import assert_within_transformers_16bit_error, save_hf_checkpoint
+from conftest import relative_error as rel_err
 
 pytestmark = pytest.mark.gpu
 F32_TOL = 1e-3
@@ -19,10 +20,6 @@ def real_shape_ckpt(tmp_path_factory):
         tmp_path_factory.mktemp("gpu") / "m", seed=5, hidden_size=768, num_hidden_layers=2, vocab_size=50280
     )
 
-
-def rel_err(a, b) -> float:
-    assert torch.isfinite(a).all()
-    return ((a.float().cpu() - b.float().cpu()).abs().max() / b.abs().max()).item()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

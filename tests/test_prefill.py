@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import fastmamba
+from conftest import relative_error as rel_err
 from fastmamba.kernels.causal_conv1d import causal_conv1d, causal_conv1d_ref
 from fastmamba.kernels import selective_scan as ss
 from fastmamba.kernels.selective_scan import ScanLaunch, selective_scan, selective_scan_ref, step_and_scan, step_and_scan_ref
@@ -19,10 +20,6 @@ GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
 TOL = {"float32": 1e-3, "bfloat16": 2e-2, "float16": 2e-2}
 
-
-def rel_err(a, b) -> float:
-    assert torch.isfinite(a).all()
-    return ((a.float().cpu() - b.float().cpu()).abs().max() / b.float().abs().max()).item()
 
 
 def gen(seed=0):
