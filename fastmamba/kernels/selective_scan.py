@@ -126,6 +126,17 @@ def _store(ptrs, v, mask, EVEN: tl.constexpr):
 
 
 @jit
+def _step_decay(dt, A2, reset_row, t, RESETS: tl.constexpr):
+    """Step t's decay of the state, exp(dt * A) (BE, NP), and the step's reset flag (0
+    without RESETS): a step that starts an episode decays by zero."""
+    decay = tl.exp2(dt[:, None] * A2)
+    if RESETS:
+        r = tl.load(reset_row + t).to(tl.int32)
+        return tl.where(r != 0, 0.0, decay), r
+    return decay, 0
+
+
+@jit
 def _step_input(dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, ze, dtb, EVEN: tl.constexpr,
                 RAW_DT: tl.constexpr):
     """Step t's step size (BE,) and B (NP,). ze: _lane_zero's offset. RAW_DT: dt_row holds
@@ -223,10 +234,8 @@ def _scan_summary_kernel(
     for t in tl.range(tl.maximum(c * L, start), tl.minimum(c * L + L, T), num_stages=STAGES, loop_unroll_factor=UNROLL):
         x = _channels_at(x_row, sxe, sxt, e, emask, t, ze, EVEN, X16)
         dt, Bt = _step_input(dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, ze, dtb, EVEN, RAW_DT)
-        decay = tl.exp2(dt[:, None] * A2)
+        decay, r = _step_decay(dt, A2, resets_ptr + b64 * T, t, RESETS)
         if RESETS:
-            r = tl.load(resets_ptr + b64 * T + t).to(tl.int32)
-            decay = tl.where(r != 0, 0.0, decay)
             reset_seen = tl.maximum(reset_seen, r)
         s = s * decay + (dt * x)[:, None] * Bt[None, :]
         dt_sum += dt
@@ -296,9 +305,7 @@ def _scan_chunks_kernel(
     for t in tl.range(tl.maximum(c * L, start), end, num_stages=STAGES, loop_unroll_factor=UNROLL):
         x = _channels_at(x_row, sxe, sxt, e, emask, t, ze, EVEN, X16)
         dt, Bt = _step_input(dt_row, sde, sdt, B_row, sbn, sbt, e, emask, n, nmask, t, ze, dtb, EVEN, RAW_DT)
-        decay = tl.exp2(dt[:, None] * A2)
-        if RESETS:
-            decay = tl.where(tl.load(resets_ptr + b64 * T + t) != 0, 0.0, decay)
+        decay, _ = _step_decay(dt, A2, resets_ptr + b64 * T, t, RESETS)
         s = s * decay + (dt * x)[:, None] * Bt[None, :]
         Ct = _load(C_row + t * sct + n * scn, nmask, EVEN)
         z = _channels_at(z_row, sze, szt, e, emask, t, ze, EVEN, Z16)
