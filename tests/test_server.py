@@ -268,14 +268,24 @@ def test_api_key_and_queue_limit():
         c = s.client(api_key="sesame")
         name = c.models.list().data[0].id
         assert c.completions.create(model=name, prompt="a", max_tokens=2).choices
-        # one request runs, one waits, the next is refused with 429
+        # one request runs, one waits, the next is refused with 429. The second is sent only
+        # once the first runs: sent together, the second can find the first still queued (a
+        # loaded 2-core machine can be slow to admit it) and be refused itself.
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            long = [pool.submit(c.completions.create, model=name, prompt="a", max_tokens=10**6, temperature=0,
-                                extra_body={"stop_token_ids": []}) for _ in range(2)]
-            deadline = time.time() + 120  # (a loaded 2-core machine can be slow to admit them)
-            while (busy := (running(s), gauge(s, "num_requests_waiting"))) != (1, 1) and time.time() < deadline:
-                time.sleep(0.2)
-            assert busy == (1, 1), f"(running, waiting) stayed {busy}"
+            def send_long():
+                return pool.submit(c.completions.create, model=name, prompt="a", max_tokens=10**6, temperature=0,
+                                   extra_body={"stop_token_ids": []})
+
+            def wait_for(want):
+                deadline = time.time() + 120
+                while (busy := (running(s), gauge(s, "num_requests_waiting"))) != want and time.time() < deadline:
+                    time.sleep(0.2)
+                assert busy == want, f"(running, waiting) stayed {busy}, not {want}"
+
+            long = [send_long()]
+            wait_for((1, 0))
+            long.append(send_long())
+            wait_for((1, 1))
             with pytest.raises(openai.RateLimitError):
                 c.completions.create(model=name, prompt="a", max_tokens=1)
             s.stop()  # ends the two long requests (their errors are expected)
