@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError
+from .kernels.backbone_step import FusedBackboneStep, unfusable
 from .kernels.products import linear_storage
 from .model import REFERENCE_OPS, LayerWeights, MambaState, mixer
 
@@ -154,6 +155,7 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList([_Layer(config, device, dtype) for _ in range(config.n_layer)])
         self.norm_f = _RMSNorm(config.d_model, device)
         self._graphs: dict = {}  # (batch, state's storage) -> _StepGraph
+        self._last_graph = None  # the last device-tensor call's: its checks passed for that state
 
     @property
     def device(self) -> torch.device:
@@ -224,7 +226,13 @@ class Backbone(nn.Module):
         """One step for every slot: x (B, input_dim) -> y (B, d_model) float32; updates
         `state` in place. x a device tensor gives one; a CPU tensor or a numpy array on a
         CUDA module goes through pinned buffers and gives the same type back. On CUDA the
-        step is one CUDA-graph replay, captured on first use for this batch size and state."""
+        step is one CUDA-graph replay, captured on first use for this batch size and state
+        (decode_plan.backbone_step_route: one fused kernel for narrow models, else the
+        language model's decode kernels)."""
+        graph = self._last_graph
+        if (graph is not None and type(x) is torch.Tensor and state.conv is graph.conv and state.ssm is graph.ssm
+                and x.shape == graph.x.shape and x.get_device() == graph.device_index and x.is_floating_point()):
+            return graph.on_device(x)  # the same batch, state and device as the last call: checked then
         as_numpy = isinstance(x, np.ndarray)
         if as_numpy:
             if x.dtype.kind != "f":
@@ -239,10 +247,16 @@ class Backbone(nn.Module):
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._graphs[key] = _StepGraph(self, state)
-        return graph(x, as_numpy)
+        if x.device.type == "cuda":
+            if x.device != self.device:
+                raise ValueError(f"x is on {x.device}, the backbone on {self.device}")
+            self._last_graph = graph
+            return graph.on_device(x)
+        return graph.from_host(x, as_numpy)
 
     def _apply(self, fn, *args, **kwargs):
         self._graphs.clear()  # .to(), .cuda(), .half() move the parameters the graphs read
+        self._last_graph = None
         return super()._apply(fn, *args, **kwargs)
 
     def _step_eager(self, x: torch.Tensor, state: MambaState) -> torch.Tensor:
@@ -415,44 +429,59 @@ class KernelStep:
 
 
 class _StepGraph:
-    """One batch size's step captured as a CUDA graph over one state's tensors, with its
-    static input and output and pinned host buffers for CPU and numpy input. The step runs
-    the decode kernels (KernelStep) where Triton is there, else the pure-PyTorch ops."""
+    """One batch size's step over one state's tensors, as CUDA graphs captured on first use:
+    one for device tensors (x copied in, y cloned out), one for host tensors (the copies
+    from and to pinned buffers inside the graph, so a call is one replay and one wait). The
+    step is the fused kernel (kernels/backbone_step.py) or the decode kernels (KernelStep),
+    as decode_plan.backbone_step_route says, where Triton is there; else the pure-PyTorch ops."""
 
     def __init__(self, bb: Backbone, state: MambaState):
+        from .decode_plan import backbone_step_route
         from .kernels._triton import HAVE_TRITON
 
         B, dev = state.batch, bb.device
-        self.kernels = KernelStep(bb, B) if HAVE_TRITON else None
-        run = self.kernels if self.kernels is not None else bb._step_eager
+        self.kernels = None
+        if HAVE_TRITON:
+            blocks = backbone_step_route(bb.config.d_model, B).blocks
+            fused = blocks is not None and unfusable(bb) is None
+            self.kernels = FusedBackboneStep(bb, B, blocks) if fused else KernelStep(bb, B)
+        self.run = self.kernels if self.kernels is not None else bb._step_eager
+        self.sync = getattr(self.kernels, "sync", None)  # KernelStep's A, after an optimizer step
+        self.state, self.conv, self.ssm = state, state.conv, state.ssm
+        self.device_index = dev.index if dev.index is not None else torch.cuda.current_device()
         self.x = torch.zeros(B, bb.config.input_dim, device=dev)
         self.host_x = torch.zeros(B, bb.config.input_dim, pin_memory=True)
         self.host_y = torch.zeros(B, bb.config.d_model, pin_memory=True)
-        # Capture needs the step run before; the runs change the state, restored after.
-        saved = (state.conv.clone(), state.ssm.clone())
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                run(self.x, state)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.y = run(self.x, state)
-        state.conv.copy_(saved[0])
-        state.ssm.copy_(saved[1])
+        self.device_graph, self.y = self._capture(lambda: self.run(self.x, state))
+        self.host_graph = None
 
-    def __call__(self, x: torch.Tensor, as_numpy: bool):
-        if self.kernels is not None:
-            self.kernels.sync()
-        if x.device.type == "cuda":
-            self.x.copy_(x)
-            self.graph.replay()
-            return self.y.clone()  # the graph's own output is rewritten by the next step
+    def _capture(self, body):
+        """capture_graph's, with the state as it was before the warm-up calls."""
+        from .cuda_graphs import capture_graph
+
+        saved = (self.conv.clone(), self.ssm.clone())
+        graph, out = capture_graph(body)
+        self.conv.copy_(saved[0])
+        self.ssm.copy_(saved[1])
+        return graph, out
+
+    def on_device(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sync is not None:
+            self.sync()
+        self.x.copy_(x)
+        self.device_graph.replay()
+        return self.y.clone()  # the graph's own output is rewritten by the next step
+
+    def from_host(self, x: torch.Tensor, as_numpy: bool):
+        if self.host_graph is None:
+            def body():
+                self.x.copy_(self.host_x, non_blocking=True)
+                self.host_y.copy_(self.run(self.x, self.state), non_blocking=True)
+            self.host_graph = self._capture(body)[0]
+        if self.sync is not None:
+            self.sync()
         self.host_x.copy_(x)
-        self.x.copy_(self.host_x, non_blocking=True)
-        self.graph.replay()
-        self.host_y.copy_(self.y, non_blocking=True)
+        self.host_graph.replay()
         torch.cuda.current_stream().synchronize()
         return self.host_y.numpy().copy() if as_numpy else self.host_y.clone()
 

@@ -203,3 +203,41 @@ def batch_invariant_ranges(d_model: int, dtype: torch.dtype, up_to: int = 512) -
         else:
             out.append([b, b, family])
     return [tuple(x) for x in out if x[2] != "cublas"]
+
+
+# -- fastmamba.Backbone's step -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, order=True)
+class BackboneStepBlocks:
+    """The fused backbone step's launch settings (kernels/backbone_step.py). They depend on
+    the batch size, but a row's sums do not: each row's products run over the same K in
+    the same order whatever the rows beside it (tested on the GPU)."""
+
+    rows: int  # rows a program: 1 (float32 multiply-and-sum) or >= 16 (tensor cores)
+    channels: int  # channels a block of the two passes over d_inner
+    k_block: int  # in_proj's K (d_model) a tile
+    warps: int
+
+
+@dataclass(frozen=True)
+class BackboneStepRoute:
+    widths: tuple[int, int]  # d_model, from and to
+    batches: tuple[int, int]
+    blocks: BackboneStepBlocks | None  # None: the language model's decode kernels (backbone.KernelStep)
+    reason: str
+
+
+BACKBONE_STEP_ROUTES = (
+    BackboneStepRoute((1, 256), (1, 15), BackboneStepBlocks(1, 32, 64, 4), "one launch, one row a program (first guess)"),
+    BackboneStepRoute((1, 256), (16, MANY), BackboneStepBlocks(16, 16, 32, 8), "one launch, 16 rows a program (first guess)"),
+    BackboneStepRoute((257, MANY), (1, MANY), None, "a program's reach of weights falls short (first guess)"),
+)
+
+
+def backbone_step_route(d_model: int, batch: int) -> BackboneStepRoute:
+    """The backbone step's entry for this width and batch size."""
+    for r in BACKBONE_STEP_ROUTES:
+        if r.widths[0] <= d_model <= r.widths[1] and r.batches[0] <= batch <= r.batches[1]:
+            return r
+    raise ValueError(f"no backbone step route for d_model {d_model}, batch {batch}")
