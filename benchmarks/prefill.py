@@ -1,5 +1,6 @@
 """Prefill benchmark: tokens/s of the Triton prefill at public shapes (random weights, bf16),
-time to first token for 128- and 2048-token prompts, and peak memory of a 100k-token prompt;
+time to first token through `generate` / `generate_batch` (1 x 128, 1 x 2048, 1 x 8192,
+8 x 2048: graph-captured prefill where cuda_graphs.graph_prefill_tokens says), and peak memory of a 100k-token prompt;
 with --hf, transformers' forward over the same 1 x 8192 prompt for a ratio.
 
     python benchmarks/prefill.py --models 130m,2.8b,falcon-7b [--hf] --json prefill.json
@@ -67,12 +68,14 @@ def main() -> None:
         # Time to first token: a prompt in, the first token's id back on the host, through
         # the public generation path (its graph-captured prefill), against the eager prefill.
         lm = LanguageModel(model, None, engine="triton")
-        for n in (128, 2048):
-            prompt = torch.randint(0, V, (n,)).tolist()
-            ttft = timed(lambda: lm.generate(prompt, max_tokens=1, stop_token_ids=[]), repeat=10)
-            eager = timed(lambda: model.prefill(torch.tensor([prompt], device="cuda"), model.new_state(1), last_only=True).argmax(-1).item(), repeat=10)
-            rows.append(dict(model=size, prompt_tokens=n, ttft_ms=round(ttft * 1e3, 3), eager_prefill_ms=round(eager * 1e3, 3)))
-            print(f"{size:>6} time to first token, {n}-token prompt: {ttft * 1e3:.2f} ms (eager prefill, no graph: {eager * 1e3:.2f} ms)", flush=True)
+        for B, n in ((1, 128), (1, 2048), (1, 8192), (8, 2048)):
+            prompts = torch.randint(0, V, (B, n)).tolist()
+            one = dict(max_tokens=1, stop_token_ids=[])
+            ttft = timed(lambda: lm.generate(prompts[0], **one) if B == 1 else lm.generate_batch(prompts, one), repeat=10)
+            eager = timed(lambda: model.prefill(torch.tensor(prompts, device="cuda"), model.new_state(B), last_only=True).argmax(-1).tolist(), repeat=10)
+            rows.append(dict(model=size, batch=B, prompt_tokens=n, ttft_ms=round(ttft * 1e3, 3), eager_prefill_ms=round(eager * 1e3, 3)))
+            print(f"{size:>6} time to first token, {B} x {n}-token prompt{'s' if B > 1 else ''}: {ttft * 1e3:.2f} ms "
+                  f"(eager prefill, no graph: {eager * 1e3:.2f} ms)", flush=True)
         if size == "130m":
             ids = torch.randint(0, V, (1, args.long), device="cuda")
             torch.cuda.reset_peak_memory_stats()

@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError
-from .kernels.backbone_step import FusedBackboneStep, unfusable
 from .kernels.products import linear_storage
 from .model import REFERENCE_OPS, LayerWeights, MambaState, mixer
 
@@ -226,9 +225,7 @@ class Backbone(nn.Module):
         """One step for every slot: x (B, input_dim) -> y (B, d_model) float32; updates
         `state` in place. x a device tensor gives one; a CPU tensor or a numpy array on a
         CUDA module goes through pinned buffers and gives the same type back. On CUDA the
-        step is one CUDA-graph replay, captured on first use for this batch size and state
-        (decode_plan.backbone_step_route: one fused kernel for narrow models, else the
-        language model's decode kernels)."""
+        step is one CUDA-graph replay, captured on first use for this batch size and state."""
         graph = self._last_graph
         if (graph is not None and type(x) is torch.Tensor and state.conv is graph.conv and state.ssm is graph.ssm
                 and x.shape == graph.x.shape and x.get_device() == graph.device_index and x.is_floating_point()):
@@ -408,18 +405,19 @@ class KernelStep:
         eye = torch.eye(c.d_model, device=bb.device, dtype=storage)
         with torch.no_grad():  # the kernels read the parameters themselves; A is a buffer (see sync)
             self.layers = [layer.mixer.weights(layer.norm.weight) for layer in bb.layers]
-        self.versions = tuple(layer.mixer.A_log._version for layer in bb.layers)
+        self.A_logs = [layer.mixer.A_log for layer in bb.layers]  # (read every step: no module lookups)
+        self.versions = tuple(a._version for a in self.A_logs)
         weights = MambaWeights(embedding=eye, layers=self.layers, norm_f=bb.norm_f.weight, lm_head=eye)
         self.step = make_decode_step(Mamba(sizes, weights, triton_ops()), batch)
 
     def sync(self) -> None:
         """A = -exp(A_log) anew where A_log has changed since (an optimizer step bumps its
         version counter); outside any graph, before a replay."""
-        versions = tuple(layer.mixer.A_log._version for layer in self.bb.layers)
+        versions = tuple(a._version for a in self.A_logs)
         if versions != self.versions:
             with torch.no_grad():
-                for lw, layer in zip(self.layers, self.bb.layers):
-                    torch.exp(layer.mixer.A_log.float(), out=lw.A).neg_()
+                for lw, A_log in zip(self.layers, self.A_logs):
+                    torch.exp(A_log.float(), out=lw.A).neg_()
             self.versions = versions
 
     def __call__(self, x: torch.Tensor, state: MambaState) -> torch.Tensor:
@@ -432,21 +430,14 @@ class _StepGraph:
     """One batch size's step over one state's tensors, as CUDA graphs captured on first use:
     one for device tensors (x copied in, y cloned out), one for host tensors (the copies
     from and to pinned buffers inside the graph, so a call is one replay and one wait). The
-    step is the fused kernel (kernels/backbone_step.py) or the decode kernels (KernelStep),
-    as decode_plan.backbone_step_route says, where Triton is there; else the pure-PyTorch ops."""
+    step runs the decode kernels (KernelStep) where Triton is there, else the pure-PyTorch ops."""
 
     def __init__(self, bb: Backbone, state: MambaState):
-        from .decode_plan import backbone_step_route
         from .kernels._triton import HAVE_TRITON
 
         B, dev = state.batch, bb.device
-        self.kernels = None
-        if HAVE_TRITON:
-            blocks = backbone_step_route(bb.config.d_model, B).blocks
-            fused = blocks is not None and unfusable(bb) is None
-            self.kernels = FusedBackboneStep(bb, B, blocks) if fused else KernelStep(bb, B)
+        self.kernels = KernelStep(bb, B) if HAVE_TRITON else None
         self.run = self.kernels if self.kernels is not None else bb._step_eager
-        self.sync = getattr(self.kernels, "sync", None)  # KernelStep's A, after an optimizer step
         self.state, self.conv, self.ssm = state, state.conv, state.ssm
         self.device_index = dev.index if dev.index is not None else torch.cuda.current_device()
         self.x = torch.zeros(B, bb.config.input_dim, device=dev)
@@ -466,8 +457,8 @@ class _StepGraph:
         return graph, out
 
     def on_device(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sync is not None:
-            self.sync()
+        if self.kernels is not None:
+            self.kernels.sync()  # A, after an optimizer step
         self.x.copy_(x)
         self.device_graph.replay()
         return self.y.clone()  # the graph's own output is rewritten by the next step
@@ -478,8 +469,8 @@ class _StepGraph:
                 self.x.copy_(self.host_x, non_blocking=True)
                 self.host_y.copy_(self.run(self.x, self.state), non_blocking=True)
             self.host_graph = self._capture(body)[0]
-        if self.sync is not None:
-            self.sync()
+        if self.kernels is not None:
+            self.kernels.sync()  # A, after an optimizer step
         self.host_x.copy_(x)
         self.host_graph.replay()
         torch.cuda.current_stream().synchronize()

@@ -35,8 +35,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fastmamba.decode_plan import BACKBONE_STEP_ROUTES, one_row_blocks  # noqa: E402
-from fastmamba.kernels import backbone_step as bs  # noqa: E402
+from fastmamba.decode_plan import one_row_blocks  # noqa: E402
 from fastmamba.kernels import causal_conv1d as cc  # noqa: E402
 from fastmamba.kernels import decode_gemm as dg  # noqa: E402
 from fastmamba.kernels import decode_step as ds  # noqa: E402
@@ -237,16 +236,6 @@ def main() -> None:
         compile_kernel(st._step_size_kernel, ptrs("r_ptr", "b_ptr", "out_ptr", w_ptr=wdt), dict(
             IEEE=wdt == "*fp32", BM=st.STEP_BM, BN=st.STEP_BN, BK=st.STEP_BK), num_warps=st.STEP_WARPS)
     res.append("prefill conv + step sizes + scan: ok")
-    # the Backbone's fused step (128 x 3, input_dim 64) at its routes' settings
-    for wdt, tl_dtype in (("*bf16", triton.language.bfloat16), ("*fp32", triton.language.float32)):
-        for sdt in ("*fp32", "*bf16"):
-            t = ptrs("x_ptr", "y_ptr", "ipb_ptr", "normf_ptr", "xs_ptr", "zs_ptr", conv_ptr=sdt, ssm_ptr=sdt, us_ptr=wdt,
-                     table_ptr="*i64", ipw_ptr=wdt, eps="fp32")
-            for blocks in sorted({r.blocks for r in BACKBONE_STEP_ROUTES if r.blocks is not None}):
-                compile_kernel(bs._backbone_step_kernel, t, dict(
-                    I=64, IP=64, D=128, DP=128, E=256, N=16, NP=16, K=4, R=8, RP=16, RB=blocks.rows, BE=blocks.channels, BK=blocks.k_block,
-                    WTYPE=tl_dtype, INPUT_PROJ=True, PROJ_BIAS=True, CONV_BIAS=True), num_warps=blocks.warps)
-    res.append("backbone step: ok")
     t = ptrs("logits_ptr", "pen_ptr", "temp_ptr", "s_ptr", "smax_ptr", seen_ptr="*i1", best_ptr="*i64")
     compile_kernel(sp._scale_kernel, t, dict(BV=sp.BV))
     rows = ptrs("s_ptr", "smax_ptr", "temp_ptr", "topp_ptr", "minp_ptr", topk_ptr="*i64", st_ptr="*i64", T_ptr="*i64", cnt_ptr="*i64",
