@@ -249,18 +249,20 @@ class LanguageModel:
             raise ValueError(f"a prompt is a str or a list of token ids, got {_describe(prompt)}{hint}")
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
-        self._check_ids(ids, "prompt")
-        return ids if _plain_ints(ids) else [int(t) for t in ids]
+        return self._check_ids(ids, "prompt")
 
-    def _check_ids(self, ids, what: str) -> None:
+    def _check_ids(self, ids, what: str) -> list[int]:
+        """ids as a list of Python ints, or a ValueError naming the first one that is not a
+        token id."""
         V = self.config.vocab_size
         if _plain_ints(ids) and (not ids or (min(ids) >= 0 and max(ids) < V)):
-            return  # (C-level checks: a long prompt's ids one by one in Python cost milliseconds)
+            return ids  # (C-level checks: a long prompt's ids one by one in Python cost milliseconds)
         for t in ids:  # the first culprit, named
             if isinstance(t, bool) or not isinstance(t, numbers.Integral):
                 raise ValueError(f"{what} holds {t!r} ({type(t).__name__}), not an integer token id")
             if not 0 <= t < V:
                 raise ValueError(f"{what} holds token id {int(t)}, outside the vocabulary [0, {V})")
+        return [int(t) for t in ids]
 
     @torch.inference_mode()
     def _decode(self, all_ids: list[list[int]], params: list[SamplingParams]):
