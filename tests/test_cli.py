@@ -105,16 +105,40 @@ def test_a_closed_stdout_exits_quietly(text_checkpoint):
     assert r.stderr == "" and r.returncode == 141
 
 
-def test_ctrl_c_while_importing_is_quiet(text_checkpoint):
+# The command run with an import hook that, at the first import of torch (inside main),
+# touches a file and sleeps: the test's Ctrl-C then lands inside that import for certain,
+# however fast or loaded the machine is.
+_PAUSE_AT_TORCH = """
+import importlib.abc, pathlib, runpy, sys, time
+flag = pathlib.Path(sys.argv.pop(1))
+class PauseAtTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            flag.touch()
+            time.sleep(60)
+        return None
+sys.meta_path.insert(0, PauseAtTorch())
+runpy.run_module("fastmamba.cli", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_ctrl_c_while_importing_is_quiet(text_checkpoint, tmp_path):
     import signal
     import time
 
-    p = subprocess.Popen([sys.executable, "-m", "fastmamba.cli", "generate", "--model", str(text_checkpoint), "hi"],
+    importing = tmp_path / "importing"
+    p = subprocess.Popen([sys.executable, "-c", _PAUSE_AT_TORCH, str(importing),
+                          "generate", "--model", str(text_checkpoint), "hi"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(0.3)  # inside the imports of torch, long before the first token
+    for _ in range(1200):  # bounded: 60 s
+        if importing.exists() or p.poll() is not None:
+            break
+        time.sleep(0.05)
+    assert importing.exists(), "the command never reached the import of torch"
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
-    assert p.returncode == 130 and err == "", err
+    assert p.returncode == 130 and out == "" and err == "", err
 
 
 def test_threads_flag(text_checkpoint):
