@@ -252,17 +252,7 @@ class LanguageModel:
         return self._check_ids(ids, "prompt")
 
     def _check_ids(self, ids, what: str) -> list[int]:
-        """ids as a list of Python ints, or a ValueError naming the first one that is not a
-        token id."""
-        V = self.config.vocab_size
-        if _plain_ints(ids) and (not ids or (min(ids) >= 0 and max(ids) < V)):
-            return ids  # (C-level checks: a long prompt's ids one by one in Python cost milliseconds)
-        for t in ids:  # the first culprit, named
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise ValueError(f"{what} holds {t!r} ({type(t).__name__}), not an integer token id")
-            if not 0 <= t < V:
-                raise ValueError(f"{what} holds token id {int(t)}, outside the vocabulary [0, {V})")
-        return [int(t) for t in ids]
+        return check_token_ids(ids, self.config.vocab_size, what)
 
     @torch.inference_mode()
     def _decode(self, all_ids: list[list[int]], params: list[SamplingParams]):
@@ -315,9 +305,17 @@ class LanguageModel:
             decoder.busy = False
 
 
-def _plain_ints(ids) -> bool:
-    """A list of Python ints and nothing else (no bools, numpy scalars or floats)."""
-    return isinstance(ids, list) and set(map(type, ids)) <= {int}
+def check_token_ids(ids, vocab: int, what: str) -> list[int]:
+    """ids as a list of Python ints, or a ValueError naming the first one that is not a
+    token id in [0, vocab). (The server checks request fields with it too.)"""
+    if isinstance(ids, list) and set(map(type, ids)) <= {int} and (not ids or (min(ids) >= 0 and max(ids) < vocab)):
+        return ids  # (C-level checks: a long prompt's ids one by one in Python cost milliseconds)
+    for t in ids:  # the first culprit, named
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise ValueError(f"{what} holds {t!r} ({type(t).__name__}), not an integer token id")
+        if not 0 <= t < vocab:
+            raise ValueError(f"{what} holds token id {int(t)}, outside the vocabulary [0, {vocab})")
+    return [int(t) for t in ids]
 
 
 def _is_integer(dtype) -> bool:

@@ -16,6 +16,7 @@ import time
 import uuid
 from pathlib import Path
 
+from .language_model import check_token_ids
 from .scheduler import Engine, QueueFull, Request
 from .sampling import SamplingParams
 
@@ -129,7 +130,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
     async def detokenize(request: HTTPRequest):
         body = await _json(request)
         ids = _get(body, "tokens", list, required=True)
-        _check_ids(lm, ids, "tokens")
+        _check_ids(ids, lm.config.vocab_size, "tokens")
         return {"prompt": lm.tokenizer.decode(ids) if lm.tokenizer else None}
 
     @app.post("/v1/completions")
@@ -424,8 +425,8 @@ def _sampling(body: dict, default_max: int, vocab: int) -> SamplingParams:
     if seed is not None and not 0 <= seed < 2**32:
         raise APIError(400, f"'seed' must be from 0 to 2^32 - 1, got {seed}", param="seed")
     stop_ids = _get(body, "stop_token_ids", list, None)
-    if stop_ids is not None:
-        _check_ids_vocab(stop_ids, vocab, "stop_token_ids")
+    if stop_ids:  # (an empty list: no stop tokens)
+        _check_ids(stop_ids, vocab, "stop_token_ids")
     fields = dict(
         max_tokens=_get(body, "max_tokens", int, default_max), temperature=_get(body, "temperature", float, 1.0),
         top_k=0 if top_k == -1 else top_k, top_p=_get(body, "top_p", float, 1.0), min_p=_get(body, "min_p", float, 0.0),
@@ -438,15 +439,14 @@ def _sampling(body: dict, default_max: int, vocab: int) -> SamplingParams:
         raise APIError(400, str(e).replace("SamplingParams.", "", 1), param=field) from None
 
 
-def _check_ids_vocab(ids, vocab: int, name: str) -> None:
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-        raise APIError(400, f"'{name}' must hold token ids from 0 to {vocab - 1}", param=name)
-
-
-def _check_ids(lm, ids, name: str) -> None:
+def _check_ids(ids: list, vocab: int, name: str) -> None:
+    """The library's check of token ids (the first culprit named), as a 400 naming the field."""
     if not ids:
         raise APIError(400, f"'{name}' is empty", param=name)
-    _check_ids_vocab(ids, lm.config.vocab_size, name)
+    try:
+        check_token_ids(ids, vocab, f"'{name}'")
+    except ValueError as e:
+        raise APIError(400, str(e), param=name) from None
 
 
 def _encode(lm, text: str, name: str) -> list[int]:
@@ -464,7 +464,7 @@ def _prompts(lm, prompt) -> list[tuple[str, list[int]]]:
     if isinstance(prompt, str):
         return [(prompt, _encode(lm, prompt, "prompt"))]
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        _check_ids(lm, prompt, "prompt")
+        _check_ids(prompt, lm.config.vocab_size, "prompt")
         return [(lm.tokenizer.decode(prompt) if lm.tokenizer else "", list(prompt))]
     if isinstance(prompt, list) and prompt and len(prompt) <= 64:
         return [p for item in prompt for p in _prompts(lm, item)]

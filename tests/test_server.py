@@ -186,10 +186,11 @@ def test_prefix_cache_hit_gives_the_cold_tokens(server, lm):
 
 
 def test_errors_are_openai_bodies(server):
-    def expect(status, path, body, param=None, code=None):
+    def expect(status, path, body, param=None, code=None, says=""):
         got, err = server.post(path, body)
         assert got == status, err
         assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["message"]
+        assert says in err["error"]["message"], err
         if param:
             assert err["error"]["param"] == param
         if code:
@@ -199,13 +200,15 @@ def test_errors_are_openai_bodies(server):
     expect(400, "/v1/completions", {"prompt": "x", "max_tokens": "many"}, param="max_tokens")
     expect(400, "/v1/completions", {"prompt": "x", "top_p": 1e39}, param="top_p")
     expect(400, "/v1/completions", {"prompt": "x", "seed": 2**40}, param="seed")
-    expect(400, "/v1/completions", {"prompt": [10**7]}, param="prompt")
+    expect(400, "/v1/completions", {"prompt": [10**7]}, param="prompt", says="10000000")
+    expect(400, "/detokenize", {"tokens": [1, -3]}, param="tokens", says="-3")
     expect(400, "/v1/completions", {"prompt": "x", "n": 100}, param="n")
     expect(400, "/v1/completions", {}, param="prompt")
     expect(400, "/v1/completions", b"{not json")
     expect(400, "/v1/completions", {"prompt": "x " * 40000}, param="prompt", code="context_length_exceeded")
     expect(400, "/v1/chat/completions", {"messages": "hi"}, param="messages")
-    expect(400, "/v1/completions", {"prompt": "x", "stop_token_ids": [10**6]}, param="stop_token_ids")
+    expect(400, "/v1/completions", {"prompt": "x", "stop_token_ids": [10**6]}, param="stop_token_ids", says="1000000")
+    expect(400, "/v1/completions", {"prompt": "x", "stop_token_ids": [2.5]}, param="stop_token_ids", says="2.5")
     expect(404, "/v1/completions", {"prompt": "x", "model": "gpt-4"}, param="model", code="model_not_found")
     expect(404, "/v1/nothing", {})
     c = server.client()
