@@ -16,6 +16,10 @@ heats).
     python benchmarks/decode_routing.py                          # bf16, 4 shapes, 1-256 rows
     python benchmarks/decode_routing.py --models 2.8b --batches 16,32,48 --dtypes float32
     python benchmarks/decode_routing.py --candidates Triton,Triton+cuBLAS   # only these two
+    python benchmarks/decode_routing.py --models backbone-128x3 --dtypes float32 --batches 256,1024,4096
+
+A model "backbone-DxL" is fastmamba.Backbone(d_model D, n_layer L) as its step runs it
+(backbone.decode_model: the same kernels, an identity lm_head).
 """
 
 import argparse
@@ -28,14 +32,28 @@ import torch  # noqa: E402
 
 from fastmamba import bench  # noqa: E402
 from fastmamba.checkpoint import parse_dtype  # noqa: E402
-from fastmamba.decode_plan import ALL, IN_PROJ, NONE, DecodePlan, plan_for  # noqa: E402
+from fastmamba import Backbone, BackboneConfig  # noqa: E402
+from fastmamba.backbone import decode_model  # noqa: E402
+from fastmamba.decode_plan import ALL, IN_PROJ, NONE, PRODUCTS, DecodePlan, plan_for  # noqa: E402
 
 CANDIDATES = {
     "one-row": DecodePlan("one-row"),
     "cuBLAS": DecodePlan("products", ALL, pdl=False),
     "Triton": DecodePlan("products", NONE),
     "Triton+cuBLAS": DecodePlan("products", IN_PROJ),
+    # the Triton products each in one K chunk (the table's splits serve batch 1's few programs)
+    "Triton 1-chunk": DecodePlan("products", NONE, splits=tuple((p, 1) for p in PRODUCTS)),
 }
+
+
+def model_of(size: str, dtype: torch.dtype):
+    """A public shape's random model, or "backbone-DxL"'s decode model."""
+    if not size.startswith("backbone-"):
+        return bench.random_model(size, dtype)
+    d_model, n_layer = map(int, size.removeprefix("backbone-").split("x"))
+    torch.manual_seed(0)
+    bb = Backbone(BackboneConfig(input_dim=64, d_model=d_model, n_layer=n_layer), device="cuda", dtype=dtype)
+    return decode_model(bb.requires_grad_(False))  # (as Backbone.step runs it: no autograd)
 
 
 def describe(plan: DecodePlan) -> str:
@@ -56,7 +74,7 @@ def main() -> None:
     print(torch.cuda.get_device_name(), flush=True)
     for size in args.models.split(","):
         for dtype in map(parse_dtype, args.dtypes.split(",")):
-            model = bench.random_model(size, dtype)
+            model = model_of(size, dtype)
             for batch in map(int, args.batches.split(",")):
                 names = [n for n in chosen if n != "one-row" or batch <= 8]
                 runs = {n: [] for n in names}

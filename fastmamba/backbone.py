@@ -383,6 +383,26 @@ class Backbone(nn.Module):
         return bb
 
 
+def decode_model(bb: Backbone):
+    """The backbone as a language model for the decode kernels: an identity matrix as the
+    embedding (unused: the step takes vectors) and as lm_head, so that the "logits" are the
+    final-normed hidden state; the layers read the module's parameters, not copies (A = -exp(A_log)
+    is the one derived tensor: KernelStep.sync)."""
+    from .config import MambaConfig
+    from .model import Mamba, MambaWeights, triton_ops
+
+    c = bb.config
+    storage = bb.layers[0].mixer.in_proj.weight.dtype
+    sizes = MambaConfig(
+        d_model=c.d_model, n_layer=c.n_layer, vocab_size=c.d_model, d_state=c.d_state, d_conv=c.d_conv,
+        d_inner=c.d_inner, dt_rank=c.dt_rank, conv_bias=c.conv_bias, proj_bias=c.proj_bias, norm_eps=c.norm_eps,
+    )
+    eye = torch.eye(c.d_model, device=bb.device, dtype=storage)
+    with torch.no_grad():  # the kernels read the parameters themselves
+        layers = [layer.mixer.weights(layer.norm.weight) for layer in bb.layers]
+    return Mamba(sizes, MambaWeights(embedding=eye, layers=layers, norm_f=bb.norm_f.weight, lm_head=eye), triton_ops())
+
+
 class KernelStep:
     """The step through the language model's decode kernels (kernels/decode_step.py: one
     row a program at small batches; decode_gemm.py's step above), with vectors in place of
@@ -391,24 +411,14 @@ class KernelStep:
     it in float32 and round once on store)."""
 
     def __init__(self, bb: Backbone, batch: int):
-        from .config import MambaConfig
         from .kernels.decode_step import make_decode_step
-        from .model import Mamba, MambaWeights, triton_ops
 
-        c = self.config = bb.config
-        self.bb = bb
-        storage = bb.layers[0].mixer.in_proj.weight.dtype
-        sizes = MambaConfig(
-            d_model=c.d_model, n_layer=c.n_layer, vocab_size=c.d_model, d_state=c.d_state, d_conv=c.d_conv,
-            d_inner=c.d_inner, dt_rank=c.dt_rank, conv_bias=c.conv_bias, proj_bias=c.proj_bias, norm_eps=c.norm_eps,
-        )
-        eye = torch.eye(c.d_model, device=bb.device, dtype=storage)
-        with torch.no_grad():  # the kernels read the parameters themselves; A is a buffer (see sync)
-            self.layers = [layer.mixer.weights(layer.norm.weight) for layer in bb.layers]
+        self.config, self.bb = bb.config, bb
+        model = decode_model(bb)
+        self.layers = model.weights.layers
         self.A_logs = [layer.mixer.A_log for layer in bb.layers]  # (read every step: no module lookups)
         self.versions = tuple(a._version for a in self.A_logs)
-        weights = MambaWeights(embedding=eye, layers=self.layers, norm_f=bb.norm_f.weight, lm_head=eye)
-        self.step = make_decode_step(Mamba(sizes, weights, triton_ops()), batch)
+        self.step = make_decode_step(model, batch)
 
     def sync(self) -> None:
         """A = -exp(A_log) anew where A_log has changed since (an optimizer step bumps its
