@@ -282,7 +282,7 @@ def test_the_language_models_backbone_shares_its_weights():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("B", [1, 37])  # one-row kernels; decode_gemm.py's step
+@pytest.mark.parametrize("B", [1, 37, 300])  # one-row kernels; decode_gemm.py's step, in its smaller and larger routes
 def test_gpu_graph_step_equals_eager_and_the_cpu(dtype, B):
     from fastmamba.backbone import KernelStep
 
