@@ -141,7 +141,7 @@ def mixer(
     start (B,): left padding, see kernels/causal_conv1d.py.
     resets (B, T) bool: the row's state is zero before step t.
     """
-    if ops is REFERENCE_OPS and u.shape[1] == 1 and start is None and resets is None:
+    if ops is REFERENCE_OPS and u.shape[1] == 1 and start is None and resets is None and not torch.is_grad_enabled():
         return _mixer_step_ref(config, lw, u, conv_state, ssm_state)
     extra = {} if resets is None else {"resets": resets}
     E, N, R = config.d_inner, config.d_state, config.dt_rank
@@ -165,7 +165,8 @@ def _mixer_step_ref(config, lw: LayerWeights, u: torch.Tensor, conv_state, ssm_s
     """`mixer` for one token on the reference ops: the conv through causal_conv1d_ref, then
     the arithmetic of step_size_ref and one step of selective_scan_ref without the sequence
     machinery (transposes, the time loop, the state's copy), whose small-tensor calls cost
-    more than the arithmetic on the CPU.
+    more than the arithmetic on the CPU. Without autograd only: it updates the states in
+    place after reading them, where autograd would have saved them for the backward.
     u (B, 1, d) -> (B, 1, d) f32; updates both states (read in float32, stored in theirs)."""
     E, N, R = config.d_inner, config.d_state, config.dt_rank
     xz = linear(u[:, 0], lw.in_proj_w, lw.in_proj_b)  # (B, 2E)
@@ -174,10 +175,14 @@ def _mixer_step_ref(config, lw: LayerWeights, u: torch.Tensor, conv_state, ssm_s
     dt_r, Bm, Cm = linear(xc, lw.x_proj_w).split([R, N, N], dim=-1)  # (B, R|N|N)
     if config.dbc_norm_eps is not None:  # Falcon-Mamba
         dt_r, Bm, Cm = (rms_unweighted(t, config.dbc_norm_eps) for t in (dt_r, Bm, Cm))
-    delta = F.softplus(linear(dt_r, lw.dt_proj_w) + lw.dt_bias)  # (B, E)
-    s = ssm_state.float() * torch.exp(delta[:, :, None] * lw.A) + (delta * xc)[:, :, None] * Bm[:, None, :]
-    ssm_state.copy_(s)
-    y = torch.bmm(s, Cm[:, :, None])[:, :, 0] + lw.D * xc
+    delta = F.softplus(linear(dt_r, lw.dt_proj_w, lw.dt_bias))  # (B, E)
+    decay, gain = torch.exp(delta[:, :, None] * lw.A), (delta * xc)[:, :, None]
+    if ssm_state.dtype == torch.float32:  # in place: fewer small calls
+        s = ssm_state.mul_(decay).addcmul_(gain, Bm[:, None, :])
+    else:  # a 16-bit state: the update in float32, rounded once on store
+        s = torch.addcmul(ssm_state.float() * decay, gain, Bm[:, None, :])
+        ssm_state.copy_(s)
+    y = torch.addcmul(torch.bmm(s, Cm[:, :, None])[:, :, 0], lw.D, xc)
     return linear(y * F.silu(z), lw.out_proj_w, lw.out_proj_b)[:, None]
 
 

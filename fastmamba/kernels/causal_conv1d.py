@@ -43,9 +43,11 @@ def causal_conv1d_ref(
         state.mul_((start == 0).view(-1, 1, 1))  # a padded row starts afresh
     # The K-1 older inputs in the state are the left context of the first new input.
     full = torch.cat([state[:, :, 1:], x], dim=-1)  # (B, E, K-1+T)
-    recent = torch.cat([state, x], dim=-1)[:, :, -K:]  # the last K inputs: the new state
+    recent = full if T == 1 else torch.cat([state, x], dim=-1)[:, :, -K:]  # the last K inputs: the new state
     if resets is None and T == 1:  # a decode step: the window's dot product (F.conv1d's CPU path costs ~30x)
-        y = (full * weight).sum(-1, keepdim=True) + (bias[:, None] if bias is not None else 0.0)  # (B, E, 1)
+        y = torch.linalg.vecdot(full, weight)[:, :, None]  # (B, E, 1)
+        if bias is not None:
+            y += bias[:, None]
     elif resets is None:
         y = F.conv1d(full, weight[:, None, :], bias, groups=weight.shape[0])  # (B, E, T)
     else:

@@ -18,7 +18,7 @@ from .split16 import load_sum, store_split
 def residual_rmsnorm_ref(h, o, bias, norm_w, eps):
     """(h + o + bias, rmsnorm(h + o + bias) * norm_w), float32; o None adds nothing."""
     if o is not None:
-        h = h + o + (bias if bias is not None else 0.0)
+        h = h + o if bias is None else h + o + bias
     return h, h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_w
 
 
