@@ -272,6 +272,28 @@ def test_numpy_in_numpy_out_on_the_cpu():
     assert isinstance(y, np.ndarray) and np.array_equal(y, bb.step(x, b).numpy())
 
 
+def test_the_cpu_step_follows_an_optimizers_updates():
+    """The CPU step keeps each layer's weights between steps (A made from A_log): an
+    optimizer's in-place update of any parameter, A_log included, must reach the next step."""
+    bb = make()
+    x = xs(2, 3)
+    state = bb.new_state(2)
+    bb.step(x[:, 0], state)
+    A_logs = [p for name, p in bb.named_parameters() if "A_log" in name]
+    others = [p for name, p in bb.named_parameters() if "A_log" not in name]
+    opt = torch.optim.SGD([dict(params=others), dict(params=A_logs, lr=100.0)], lr=0.05)  # A moves visibly
+    y, _ = bb(x)
+    y.pow(2).sum().backward()
+    A_before = [-torch.exp(p.detach()) for p in A_logs]
+    opt.step()
+    assert all((-torch.exp(p.detach()) - a).abs().max() > 1e-3 for p, a in zip(A_logs, A_before))
+    fresh = make()
+    fresh.load_state_dict(bb.state_dict())  # the updated parameters, nothing kept from before
+    before = type(state)(state.conv.clone(), state.ssm.clone())
+    y_step = bb.step(x[:, 1], state)
+    assert torch.equal(y_step, fresh.step(x[:, 1], before))
+
+
 def test_the_language_models_backbone_shares_its_weights():
     lm = fastmamba.load()
     bb = lm.backbone
