@@ -214,7 +214,7 @@ class Backbone(nn.Module):
         c, ops = self.config, ops or REFERENCE_OPS
         h = ops.linear(x, self.input_proj.weight, self.input_proj.bias) if self.input_proj is not None else x.float()
         o = None
-        weights = weights or [layer.mixer.weights(layer.norm.weight) for layer in self.layers]
+        weights = weights or self._layer_weights()
         for lw, conv, ssm in zip(weights, convs, ssms):
             h, u = ops.add_norm(h, o, lw.norm_w, c.norm_eps, lw.in_proj_w.dtype)
             o = mixer(c, lw, u, conv, ssm, ops, resets=resets)
@@ -259,6 +259,10 @@ class Backbone(nn.Module):
         self._step_weights, self._step_versions = None, None
         return super()._apply(fn, *args, **kwargs)
 
+    def _layer_weights(self) -> list:
+        """Each layer as model.mixer reads it (LayerWeights: views of the parameters, A from A_log)."""
+        return [layer.mixer.weights(layer.norm.weight) for layer in self.layers]
+
     def _eager_weights(self) -> list:
         """Each layer's LayerWeights for the no-grad CPU step, kept between steps: views of
         the parameters (which optimizers and load_state_dict update in place; .to() and the
@@ -266,7 +270,7 @@ class Backbone(nn.Module):
         Making them every step cost ~100 µs of the 128 x 3 batch-1 step's ~630 (2-core CI host)."""
         versions = [layer.mixer.A_log._version for layer in self.layers]
         if versions != self._step_versions:
-            self._step_weights = [layer.mixer.weights(layer.norm.weight) for layer in self.layers]
+            self._step_weights = self._layer_weights()
             self._step_versions = versions
         return self._step_weights
 
@@ -415,7 +419,7 @@ def decode_model(bb: Backbone):
     )
     eye = torch.eye(c.d_model, device=bb.device, dtype=storage)
     with torch.no_grad():  # the kernels read the parameters themselves
-        layers = [layer.mixer.weights(layer.norm.weight) for layer in bb.layers]
+        layers = bb._layer_weights()
     return Mamba(sizes, MambaWeights(embedding=eye, layers=layers, norm_f=bb.norm_f.weight, lm_head=eye), triton_ops())
 
 
