@@ -15,6 +15,7 @@ _HOMES = {
     "load": "loader",
     "default_model_dir": "loader",
     "CheckpointError": "errors",
+    "NonFiniteError": "errors",
     "SamplingParams": "sampling",
     "Generation": "language_model",
     "StreamPiece": "language_model",

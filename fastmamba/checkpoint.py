@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 import warnings
 from pathlib import Path
@@ -74,11 +76,30 @@ def inside(folder: Path, name) -> Path:
     try:
         home = folder.resolve()
         real = path.resolve()
-    except (OSError, RuntimeError) as e:  # a symlink loop, a permission error
+    except RuntimeError:  # Path.resolve's word for a symlink loop
+        raise CheckpointError(f"{path}: is a symlink loop") from None
+    except OSError as e:  # a permission error on the way
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"{path}: is a symlink loop") from None
         raise CheckpointError(f"{path}: cannot resolve the path ({type(e).__name__}: {e})") from None
     roots = [home] + ([home.parent.parent / "blobs"] if home.parent.name == "snapshots" else [])
     if not any(real == r or r in real.parents for r in roots):
         raise CheckpointError(f"{path}: leads to {real}, outside the checkpoint folder")
+    return path
+
+
+def readable_file(path: Path) -> Path:
+    """path, if it is a file this process can read; else a CheckpointError saying what it is
+    (the libraries' own errors for these cases mislead: a folder reads as 'No such device')."""
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a folder, not a weights file")
+    try:
+        with open(path, "rb"):
+            pass
+    except PermissionError:
+        raise CheckpointError(f"{path}: cannot be read: permission denied") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be opened ({e.strerror or type(e).__name__})") from None
     return path
 
 
@@ -98,12 +119,12 @@ def _weight_files(folder: Path) -> list[Path]:
                     raise CheckpointError(f"{index}: weight_map['{tensor}'] is {shard!r}, not a file name")
             files = [inside(folder, n) for n in sorted({shard for _, shard in items})]
             for f in files:
-                if not f.is_file():
+                if not os.path.lexists(f):
                     raise CheckpointError(f"{index}: shard file {f.name} is missing")
-            return files
+            return [readable_file(f) for f in files]
     for name in WEIGHTS_FILES:
-        if (folder / name).exists():
-            return [inside(folder, name)]
+        if os.path.lexists(folder / name):  # (lexists: a broken or looping link is named, not skipped)
+            return [readable_file(inside(folder, name))]
     raise CheckpointError(f"{folder}: no weights file (model.safetensors, pytorch_model.bin or a shard index)")
 
 

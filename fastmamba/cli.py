@@ -2,7 +2,8 @@
 
 Its promise: output on stdout, and any error as one line on stderr with exit code 2; Ctrl-C
 exits 130 and a closed or broken stdout 141 (as SIGPIPE would), both without a word. The
-heavy imports (PyTorch) happen inside `main`, so a Ctrl-C while they load is quiet too.
+console script enters through `fastmamba.__main__`, which makes Ctrl-C end the process at
+once from its first moment; the heavy imports (PyTorch) happen inside `main`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse with its errors as the one line every other error is (`--help` stays full)."""
 
     def error(self, message: str):
-        raise _UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+        raise _UsageError(f"{message} (see {self.prog} --help)")
 
 
 class _UsageError(Exception):
@@ -45,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability (0 = off)")
     gen.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style penalty (1.0 = off)")
     gen.add_argument("--seed", type=int, default=None, help="random seed for sampling, 0 to 2^32-1 (default: random)")
+    _engine_arguments(gen)
     srv = commands.add_parser(
         "serve",
         help="serve the model over an OpenAI-compatible HTTP API",
@@ -55,16 +57,21 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     srv.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: --model)")
-    srv.add_argument("--max-batch", type=int, default=16, help="state slots: requests decoded together (default: 16)")
+    srv.add_argument("--max-batch", type=int, default=None,
+                     help="state slots: requests decoded together (default: 16 on the CPU; on a GPU as many as "
+                     "its free memory holds, at most 256)")
     srv.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a slot; more get 429 (default: 256)")
-    srv.add_argument("--max-prompt-tokens", type=int, default=32768, help="longest prompt accepted (default: 32768)")
+    srv.add_argument("--max-model-len", type=int, default=32768,
+                     help="prompt + max_tokens of one request, at most; a request over it gets a 400 (default: 32768)")
     srv.add_argument("--prefill-tokens", type=int, default=1024, help="prompt tokens prefilled per engine step (default: 1024)")
     srv.add_argument("--prefix-cache-mb", type=int, default=256, help="memory for cached prefix states, MiB; 0 = off (default: 256)")
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (not on /health)")
-    srv.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"],
-                     help="storage of the state slots (bfloat16: half the memory; reference engine only so far)")
-    srv.add_argument("--deterministic", action="store_true",
-                     help="GPU: a request's logits bitwise the same whatever else runs (see load(deterministic=True))")
+    srv.add_argument("--max-body-mb", type=float, default=8,
+                     help="largest request body, MiB; a larger one gets a 413 before it is read (default: 8)")
+    srv.add_argument("--shutdown-timeout", type=float, default=10,
+                     help="on SIGTERM or Ctrl-C, seconds to let running requests finish before they are "
+                     "cancelled and the server exits (default: 10)")
+    _engine_arguments(srv)
     bench = commands.add_parser(
         "bench",
         help="time GPU decode at the public model shapes (random weights)",
@@ -85,6 +92,33 @@ def _model_arguments(ap: argparse.ArgumentParser) -> None:
                     help="CPU threads for PyTorch (default: 1, which does not collapse beside a busy neighbour)")
 
 
+def check_serve_flags(args) -> None:
+    """serve's numeric flags in their ranges, before anything loads (the one-line error names the flag)."""
+    for flag in ("max_queue", "max_model_len", "prefill_tokens"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.max_batch is not None and args.max_batch < 1:
+        raise ValueError(f"--max-batch must be at least 1, got {args.max_batch}")
+    if not 1 <= args.port <= 65535:
+        raise ValueError(f"--port must be from 1 to 65535, got {args.port}")
+    if args.prefix_cache_mb < 0:
+        raise ValueError(f"--prefix-cache-mb must be at least 0, got {args.prefix_cache_mb}")
+    if not 0 < args.max_body_mb <= 4096:
+        raise ValueError(f"--max-body-mb must be above 0 and at most 4096, got {args.max_body_mb:g}")
+    if not 0 <= args.shutdown_timeout <= 3600:
+        raise ValueError(f"--shutdown-timeout must be from 0 to 3600 seconds, got {args.shutdown_timeout:g}")
+
+
+def _engine_arguments(ap: argparse.ArgumentParser) -> None:
+    """The flags that choose how the engine computes (generate and serve)."""
+    ap.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="storage of the recurrent state (bfloat16: half the memory and a faster large-batch "
+                    "step on the GPU, at an accuracy cost that grows with the tokens; default: float32)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="GPU: a sequence's logits bitwise the same whatever else runs beside it "
+                    "(load(deterministic=True)); no effect on the CPU, which is deterministic already")
+
+
 def add_bench_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--models", default="130m,370m,1.4b,2.8b", help="comma-separated public shapes")
     ap.add_argument("--dtypes", default="bfloat16,float32")
@@ -101,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         parser = _parser()
         args = parser.parse_args(argv)
         if args.command is None:
-            parser.print_help()
+            parser.print_usage(sys.stderr)
+            print("fastmamba: error: a command is required: generate, serve or bench (see fastmamba --help)",
+                  file=sys.stderr)
             return EXIT_ERROR
         if args.command == "bench":
             from .bench import main_from_args
@@ -109,14 +145,11 @@ def main(argv: list[str] | None = None) -> int:
             return main_from_args(args)
         if args.model is not None and not args.model.strip():
             raise ValueError("--model is empty: give a checkpoint folder or a hub id org/name")
-        if args.threads is not None and args.threads < 1:
-            raise ValueError(f"--threads must be at least 1, got {args.threads}")
+        cores = os.cpu_count() or 1
+        if args.threads is not None and not 1 <= args.threads <= cores:
+            raise ValueError(f"--threads must be from 1 to {cores} (this machine's cores), got {args.threads}")
         if args.command == "serve":
-            for flag in ("max_batch", "max_queue", "max_prompt_tokens", "prefill_tokens", "port"):
-                if getattr(args, flag) < 1:
-                    raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-            if args.prefix_cache_mb < 0:
-                raise ValueError(f"--prefix-cache-mb must be at least 0, got {args.prefix_cache_mb}")
+            check_serve_flags(args)
             from .server import serve
 
             return serve(args)
@@ -181,7 +214,8 @@ def _generate(args) -> int:
     )
     if args.model is None and not (fastmamba.default_model_dir() / "config.json").exists():
         raise ValueError("no bundled model in this install: pass --model DIR")
-    lm = fastmamba.load(args.model, device=args.device, dtype=args.dtype, threads=args.threads)
+    lm = fastmamba.load(args.model, device=args.device, dtype=args.dtype, threads=args.threads,
+                        state_dtype=args.state_dtype, deterministic=args.deterministic)
     if lm.tokenizer is None:
         raise ValueError(f"the model in {lm.path} has no tokenizer.json: give --model a folder with one")
     out = sys.stdout
@@ -193,5 +227,7 @@ def _generate(args) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `python -m fastmamba.cli`: the command's own entry, with its Ctrl-C handler
+    from .__main__ import main as entry
+
+    sys.exit(entry())

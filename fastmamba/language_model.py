@@ -101,7 +101,9 @@ class LanguageModel:
             row[longest - len(ids):] = ids
         padded = torch.from_numpy(padded).to(self.device)
         start = torch.tensor([longest - len(ids) for ids in all_ids], device=self.device, dtype=torch.int32)
-        return self._prefill(padded, start)
+        logits, state = self._prefill(padded, start)
+        self.model.check_finite(logits, all_ids)
+        return logits, state
 
     @property
     def device(self) -> torch.device:
@@ -141,7 +143,9 @@ class LanguageModel:
             raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: give at least one row of one token")
         self._check_ids(input_ids.flatten().tolist(), "input_ids")
         with self._threads():
-            return self.model.forward(input_ids.to(self.device, torch.int64))
+            logits = self.model.forward(input_ids.to(self.device, torch.int64))
+            self.model.check_finite(logits, input_ids.tolist())
+            return logits
 
     # -- generation --------------------------------------------------------------------------
 

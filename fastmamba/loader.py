@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -24,6 +25,9 @@ def checkpoint_folder(path) -> Path:
     """The folder `load` reads for `path`: the bundled model, a folder, or a hub id's snapshot."""
     if path is None:
         return default_model_dir()
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"model must be a checkpoint folder (a str or path) or a hub id org/name, "
+                         f"got {type(path).__name__} {path!r:.60}")
     if isinstance(path, str) and not path.strip():
         raise ValueError("the model path is empty: give a checkpoint folder or a hub id org/name")
     if is_hub_id(path):
@@ -68,8 +72,9 @@ def load(
              torch.bfloat16: torch.bfloat16}.get(state_dtype)
     if state is None:
         raise ValueError(f"state_dtype must be 'float32' or 'bfloat16', got {state_dtype!r}")
-    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 0):
-        raise ValueError(f"threads must be None or an integer >= 0, got {threads!r}")
+    cores = os.cpu_count() or 1  # (torch.set_num_threads far past the cores can crash the process)
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or not 0 <= threads <= cores):
+        raise ValueError(f"threads must be None or an integer from 0 to {cores} (this machine's cores), got {threads!r}")
     storage = parse_dtype(dtype)
     try:
         dev = torch.device(device)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import MambaConfig
+from .errors import NonFiniteError
 from .kernels.causal_conv1d import causal_conv1d_ref
 from .kernels.products import linear_storage
 from .kernels.rmsnorm import add_norm_ref
@@ -215,14 +216,38 @@ class Mamba:
     def new_state(self, batch: int) -> MambaState:
         return MambaState.zeros(self.config, batch, self.device, self.state_dtype)
 
-    def backbone(self, h: torch.Tensor, state: MambaState, start=None) -> torch.Tensor:
-        """All layers and the final norm over T inputs: h (B, T, d) f32 -> (B, T, d) f32."""
+    def backbone(self, h: torch.Tensor, state: MambaState, start=None, check: bool | None = None) -> torch.Tensor:
+        """All layers and the final norm over T inputs: h (B, T, d) f32 -> (B, T, d) f32.
+
+        check: raise NonFiniteError at the first layer whose output holds NaN or inf. Always
+        on the reference ops (a reduction a layer, small beside the layer's products on the
+        CPU); off in the GPU kernels' pass, where the caller checks the logits and, if they
+        are not finite, runs `nonfinite_layer` to name the layer."""
+        check = self.ops is REFERENCE_OPS if check is None else check
         h, o, eps = h.float(), None, self.config.norm_eps
         for i, lw in enumerate(self.weights.layers):
             # the norm comes out in the dtype in_proj reads (GPU path; the reference keeps f32)
             h, u = self.ops.add_norm(h, o, lw.norm_w, eps, lw.in_proj_w.dtype)
             o = mixer(self.config, lw, u, state.conv[i], state.ssm[i], self.ops, start)
+            if check and not torch.isfinite(o).all():
+                raise NonFiniteError(
+                    f"the model's output is not finite: layer {i} (backbone.layers.{i}) gives NaN or inf for this "
+                    f"input, its weights overflow the arithmetic (storage {str(lw.in_proj_w.dtype).removeprefix('torch.')})")
         return self.ops.add_norm(h, o, self.weights.norm_f, eps, torch.float32)[1]
+
+    def check_finite(self, logits: torch.Tensor, prompts: list[list[int]]) -> None:
+        """NonFiniteError naming the first layer at fault if `logits` (of the prefill of
+        `prompts` from a zero state) hold NaN or inf; one reduction and one read otherwise.
+        The search reruns each prompt's prefill with a check after every layer."""
+        if torch.isfinite(logits).all():
+            return
+        for ids in prompts:
+            x = torch.tensor([ids], device=self.device)
+            h = self.backbone(self.weights.embedding[x], self.new_state(1), check=True)  # raises at a layer
+            if not torch.isfinite(h).all():
+                raise NonFiniteError("the model's output is not finite: the final norm (backbone.norm_f) gives NaN "
+                                     "or inf for this input")
+        raise NonFiniteError("the model's output is not finite: lm_head gives NaN or inf for this input")
 
     def prefill(
         self, input_ids: torch.Tensor, state: MambaState, start: torch.Tensor | None = None, last_only: bool = False

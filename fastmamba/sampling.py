@@ -9,6 +9,7 @@ the same uniforms on every device.
 
 from __future__ import annotations
 
+import numbers
 import secrets
 from dataclasses import dataclass, fields, replace
 
@@ -30,6 +31,21 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None  # None = the model's eos; () = none
 
     def __post_init__(self):
+        # numpy's scalars (np.int64, np.float32) are numbers too: held as Python's own
+        for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, numbers.Integral) and not isinstance(v, (int, bool)) and type(v).__name__ != "bool_":
+                object.__setattr__(self, name, int(v))
+            elif isinstance(v, numbers.Real) and not isinstance(v, (int, float)):
+                object.__setattr__(self, name, float(v))
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (str, bytes)):
+            try:
+                object.__setattr__(self, "stop_token_ids", tuple(
+                    int(i) if isinstance(i, numbers.Integral) and not isinstance(i, bool) else i
+                    for i in self.stop_token_ids))
+            except TypeError:
+                pass
+
         def bad(name, rule):
             raise ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
 

@@ -92,9 +92,18 @@ class Engine:
         return self
 
     def shutdown(self) -> None:
+        """Stops the engine thread; requests still queued or running end with an error."""
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
+        for r in list(self.slots) + list(self.waiting.queue):
+            if r is not None:
+                self._fail(r, "the server is shutting down", status=503)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs and takes requests."""
+        return self._thread.is_alive() and not self._stop
 
     def submit(self, req: Request) -> None:
         """Queues a request; QueueFull when `max_queue` are waiting already."""
@@ -201,6 +210,7 @@ class Engine:
                     if end == len(r.ids) or end % self.cache.interval == 0:
                         self.cache.store(r.ids[:end], view.conv, view.ssm, logits[0])
                     if end == len(r.ids):
+                        self.model.check_finite(logits, [r.ids])
                         self._sample_one(r, logits)
             except Exception as e:
                 self._fail(r, f"{type(e).__name__}: {e}")
@@ -306,10 +316,10 @@ class Engine:
         r.emit("done", dict(finish_reason=reason, tail=tail, prompt_tokens=len(r.ids), completion_tokens=r.generated,
                             cached_tokens=r.cached_tokens))
 
-    def _fail(self, r: Request, message: str) -> None:
+    def _fail(self, r: Request, message: str, status: int = 500) -> None:
         if not r.finished:
             r.finished = True
-            r.emit("error", dict(message=message))
+            r.emit("error", dict(message=message, status=status))
 
     def _free(self, i: int) -> None:
         r = self.slots[i]

@@ -28,6 +28,7 @@ PLAIN_CHAT_TEMPLATE = (
 )
 MAX_N = 16
 MAX_LOGPROBS = 20
+DISCONNECT_CHECK_S = 0.25  # how often a non-streaming request looks for a client that hung up
 
 
 class APIError(Exception):
@@ -66,8 +67,8 @@ def metrics_registry():
     return reg, m
 
 
-def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_prompt_tokens: int = 32768,
-               registry=None):
+def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_model_len: int = 32768,
+               registry=None, max_body_bytes: int = 8 << 20):
     from fastapi import FastAPI, Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -95,16 +96,12 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
     async def server_error(_, e: Exception):
         return JSONResponse(APIError(500, f"{type(e).__name__}: {e}", kind="server_error").body(), status_code=500)
 
-    @app.middleware("http")
-    async def check_key(request: HTTPRequest, call_next):
-        if api_key and request.url.path != "/health":
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                err = APIError(401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key")
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+    app.add_middleware(_Gate, api_key=api_key, max_body_bytes=max_body_bytes)
 
     @app.get("/health")
     async def health():
+        if not engine.alive:
+            return JSONResponse(_engine_down().body(), status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -119,7 +116,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
 
     @app.post("/tokenize")
     async def tokenize(request: HTTPRequest):
-        body = await _json(request)
+        body = await _json(request, max_body_bytes)
         if "messages" in body:
             ids = _encode(lm, _render_chat(template, body["messages"]), "messages")
         else:
@@ -128,31 +125,40 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
 
     @app.post("/detokenize")
     async def detokenize(request: HTTPRequest):
-        body = await _json(request)
+        body = await _json(request, max_body_bytes)
         ids = _get(body, "tokens", list, required=True)
         _check_ids(ids, lm.config.vocab_size, "tokens")
         return {"prompt": lm.tokenizer.decode(ids) if lm.tokenizer else None}
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
-        body = await _json(request)
+        body = await _json(request, max_body_bytes)
         _check_model(body, model_name)
         prompts = _prompts(lm, body.get("prompt"))
         logprobs = _get(body, "logprobs", int, None, lo=0, hi=MAX_LOGPROBS)
         echo = _get(body, "echo", bool, False)
-        return await _serve(request, body, prompts, chat=False, top_logprobs=logprobs, echo=echo, default_max=16)
+        max_tokens = _get(body, "max_tokens", int, 16)  # OpenAI's default for completions
+        return await _serve(request, body, prompts, chat=False, top_logprobs=logprobs, echo=echo, max_tokens=max_tokens)
 
     @app.post("/v1/chat/completions")
     async def chat(request: HTTPRequest):
-        body = await _json(request)
+        body = await _json(request, max_body_bytes)
         _check_model(body, model_name)
         text = _render_chat(template, body.get("messages"))
         prompts = [(text, _encode(lm, text, "messages"))]
         top = _get(body, "top_logprobs", int, 0, lo=0, hi=MAX_LOGPROBS)
         top_logprobs = top if _get(body, "logprobs", bool, False) else None
-        return await _serve(request, body, prompts, chat=True, top_logprobs=top_logprobs, echo=False, default_max=256)
+        # max_completion_tokens is OpenAI's current name, max_tokens the older one; without
+        # either, a reply runs until a stop or --max-model-len
+        max_tokens = _get(body, "max_tokens", int, None)
+        newer = _get(body, "max_completion_tokens", int, None)
+        if newer is not None and max_tokens is not None and newer != max_tokens:
+            raise APIError(400, f"'max_completion_tokens' ({newer}) and 'max_tokens' ({max_tokens}) disagree: "
+                           "give one of them", param="max_completion_tokens")
+        max_tokens = newer if newer is not None else max_tokens
+        return await _serve(request, body, prompts, chat=True, top_logprobs=top_logprobs, echo=False, max_tokens=max_tokens)
 
-    async def _serve(request, body, prompts, chat: bool, top_logprobs, echo: bool, default_max: int):
+    async def _serve(request, body, prompts, chat: bool, top_logprobs, echo: bool, max_tokens: int | None):
         n = _get(body, "n", int, 1, lo=1, hi=MAX_N)
         stream = _get(body, "stream", bool, False)
         opts = _get(body, "stream_options", dict, {}) or {}
@@ -162,11 +168,17 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
         if not all(isinstance(s, str) and s for s in stop):
             raise APIError(400, "stop must be a string or a list of non-empty strings", param="stop")
         _get(body, "user", str, None)
-        params = _sampling(body, default_max, lm.config.vocab_size)
+        params = _sampling(body, lm.config.vocab_size)
         for _, ids in prompts:
-            if len(ids) > max_prompt_tokens:
-                raise APIError(400, f"the prompt has {len(ids)} tokens, more than this server's limit of "
-                               f"{max_prompt_tokens} (--max-prompt-tokens)", param="prompt", code="context_length_exceeded")
+            if len(ids) >= max_model_len:
+                raise APIError(400, f"the prompt has {len(ids)} tokens, and this server's limit for prompt + max_tokens "
+                               f"is {max_model_len} (--max-model-len)", param="prompt", code="context_length_exceeded")
+            if max_tokens is not None and len(ids) + max_tokens > max_model_len:
+                raise APIError(400, f"max_tokens {max_tokens} + the prompt's {len(ids)} tokens is over this server's "
+                               f"limit of {max_model_len} (--max-model-len)", param="max_tokens",
+                               code="context_length_exceeded")
+        if not engine.alive:
+            raise _engine_down()
         mailbox = _mailbox(app)
         events: asyncio.Queue = asyncio.Queue()
         reqs = []
@@ -174,7 +186,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
             for k in range(n):
                 index = p * n + k
                 seed = None if params.seed is None else (params.seed + k) % 2**32
-                choice_params = params if seed == params.seed else dataclasses.replace(params, seed=seed)
+                limit = max_tokens if max_tokens is not None else max_model_len - len(ids)
+                choice_params = dataclasses.replace(params, seed=seed, max_tokens=limit)
 
                 def emit(kind, data, index=index):
                     mailbox.put(events, (index, kind, data))
@@ -196,16 +209,22 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
 
     async def _collect(request, reqs, events, shape):
         done = 0
+        loop = asyncio.get_running_loop()
+        check_at = loop.time() + DISCONNECT_CHECK_S
         try:
             while done < len(reqs):
-                try:
-                    index, kind, data = await asyncio.wait_for(events.get(), timeout=0.25)
-                except asyncio.TimeoutError:
+                # a client that hung up is looked for on a clock, not only when the engine is
+                # quiet: a request that keeps producing tokens would otherwise run to its end
+                if loop.time() >= check_at:
+                    check_at = loop.time() + DISCONNECT_CHECK_S
                     if await request.is_disconnected():
                         return JSONResponse(APIError(499, "client disconnected").body(), status_code=499)
+                try:
+                    index, kind, data = await asyncio.wait_for(events.get(), timeout=DISCONNECT_CHECK_S)
+                except asyncio.TimeoutError:
                     continue
                 if kind == "error":
-                    raise APIError(500, f"generation failed: {data['message']}", kind="server_error")
+                    raise _generation_failed(data)
                 shape.add(index, kind, data)
                 done += kind == "done"
         finally:
@@ -229,7 +248,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
                 out = []
                 for index, kind, data in batch:
                     if kind == "error":
-                        out.append(_sse(APIError(500, f"generation failed: {data['message']}", kind="server_error").body()))
+                        out.append(_sse(_generation_failed(data).body()))
                         failed = True
                         break
                     piece, finish, logprob = shape.add(index, kind, data)
@@ -247,6 +266,34 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
                 engine.cancel(r)
 
     return app
+
+
+class _Gate:
+    """What a request must pass before FastAPI reads it: the API key (not on /health), and a
+    Content-Length within the body limit (413 before a byte of the body is read; _json also
+    counts the bytes of a body sent without one). Plain ASGI: Starlette's @app.middleware
+    hides a client's disconnect from the endpoint, and a request whose client hung up must
+    be cancelled."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.key = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            length = headers.get(b"content-length")
+            error = None
+            if self.key is not None and scope["path"] != "/health" and headers.get(b"authorization") != self.key:
+                error = APIError(401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key")
+            elif length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+                error = _too_large(self.max_body_bytes)
+            if error is not None:
+                from fastapi.responses import JSONResponse
+
+                await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _Mailbox:
@@ -380,9 +427,33 @@ class _Shape:
 # -- request parsing -------------------------------------------------------------------------
 
 
-async def _json(request) -> dict:
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is over this server's limit of {limit / 2**20:g} MiB (--max-body-mb)",
+                    code="request_too_large")
+
+
+def _generation_failed(data: dict) -> APIError:
+    """The engine's "error" event as an API error: 503 when the server is shutting down, 500
+    when the model failed (its weights overflow, say)."""
+    status = data.get("status", 500)
+    return APIError(status, data["message"] if status == 503 else f"generation failed: {data['message']}",
+                    code="server_shutting_down" if status == 503 else None, kind="server_error")
+
+
+def _engine_down() -> APIError:
+    return APIError(503, "the engine is not running; the server cannot serve requests", code="engine_unavailable",
+                    kind="server_error")
+
+
+async def _json(request, limit: int) -> dict:
+    chunks, size = [], 0
+    async for chunk in request.stream():  # counted as it comes: a body without Content-Length too
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
     try:
-        body = json.loads(await request.body())
+        body = json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
     if not isinstance(body, dict):
@@ -408,7 +479,8 @@ def _get(body: dict, name: str, kind, default=None, lo=None, hi=None, required=F
         names = " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
         raise APIError(400, f"'{name}' must be {names}, got {json.dumps(value)[:60]}", param=name)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise APIError(400, f"'{name}' must be from {lo} to {hi}, got {value}", param=name)
+        bounds = f"from {lo} to {hi}" if lo is not None and hi is not None else f"at least {lo}" if hi is None else f"at most {hi}"
+        raise APIError(400, f"'{name}' must be {bounds}, got {value}", param=name)
     return value
 
 
@@ -419,7 +491,8 @@ def _check_model(body: dict, served: str) -> None:
                        code="model_not_found")
 
 
-def _sampling(body: dict, default_max: int, vocab: int) -> SamplingParams:
+def _sampling(body: dict, vocab: int) -> SamplingParams:
+    """The request's sampling fields; max_tokens is set per prompt by the caller."""
     top_k = _get(body, "top_k", int, 0)
     seed = _get(body, "seed", int, None)
     if seed is not None and not 0 <= seed < 2**32:
@@ -427,8 +500,10 @@ def _sampling(body: dict, default_max: int, vocab: int) -> SamplingParams:
     stop_ids = _get(body, "stop_token_ids", list, None)
     if stop_ids:  # (an empty list: no stop tokens)
         _check_ids(stop_ids, vocab, "stop_token_ids")
+    for name in ("max_tokens", "max_completion_tokens"):
+        _get(body, name, int, None, lo=1)
     fields = dict(
-        max_tokens=_get(body, "max_tokens", int, default_max), temperature=_get(body, "temperature", float, 1.0),
+        temperature=_get(body, "temperature", float, 1.0),
         top_k=0 if top_k == -1 else top_k, top_p=_get(body, "top_p", float, 1.0), min_p=_get(body, "min_p", float, 0.0),
         repetition_penalty=_get(body, "repetition_penalty", float, 1.0), seed=seed, stop_token_ids=stop_ids,
     )
@@ -463,13 +538,18 @@ def _prompts(lm, prompt) -> list[tuple[str, list[int]]]:
         raise APIError(400, "'prompt' is required", param="prompt")
     if isinstance(prompt, str):
         return [(prompt, _encode(lm, prompt, "prompt"))]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if _is_ids(prompt):
         _check_ids(prompt, lm.config.vocab_size, "prompt")
         return [(lm.tokenizer.decode(prompt) if lm.tokenizer else "", list(prompt))]
-    if isinstance(prompt, list) and prompt and len(prompt) <= 64:
+    # a batch: strings and lists of ids, one level deep, as OpenAI takes them
+    if isinstance(prompt, list) and 0 < len(prompt) <= 64 and all(isinstance(p, str) or _is_ids(p) for p in prompt):
         return [p for item in prompt for p in _prompts(lm, item)]
-    raise APIError(400, "'prompt' must be a string, a list of token ids, or a non-empty list of those (at most 64)",
-                   param="prompt")
+    raise APIError(400, "'prompt' must be a string, a list of token ids, or a non-empty list of at most 64 of "
+                   "those (strings or lists of token ids)", param="prompt")
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def _chat_template(folder):
@@ -515,8 +595,46 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+def default_max_batch(lm) -> int:
+    """--max-batch when not given: 16 on the CPU; on a GPU the slots that half its free memory
+    holds (each slot's state, logits and decode activations), at most 256."""
+    if lm.device.type != "cuda":
+        return 16
+    import torch
+
+    c = lm.config
+    state = c.n_layer * c.d_inner * (c.d_conv + c.d_state) * lm.model.state_dtype.itemsize
+    # logits (f32, and the sampler's copies) and a step's activations, generously
+    per_slot = state + 4 * c.vocab_size * 4 + 16 * c.d_inner * 4
+    free, _ = torch.cuda.mem_get_info(lm.device)
+    return max(1, min(256, free // 2 // per_slot))
+
+
+def _listen(host: str, port: int):
+    """The server's socket, bound before the model loads, so that a port in use or a host
+    this machine does not have is one line naming the flag, at once."""
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host {host}: cannot be resolved ({e})") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e})") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(args) -> int:
-    """The CLI's `serve`: loads the model, starts the engine and runs uvicorn until Ctrl-C."""
+    """The CLI's `serve`: loads the model, starts the engine and runs uvicorn until SIGTERM or
+    Ctrl-C, which stop new requests, let running ones finish for --shutdown-timeout
+    seconds, cancel the rest, and end with exit code 0."""
     import sys
 
     try:
@@ -525,21 +643,51 @@ def serve(args) -> int:
         raise ValueError("serve needs the server packages: pip install 'fastmamba[serve]'") from None
     import fastmamba
 
+    sock = _listen(args.host, args.port)
     lm = fastmamba.load(args.model, device=args.device, dtype=args.dtype, deterministic=args.deterministic,
                         threads=args.threads, state_dtype=args.state_dtype)
     if lm.tokenizer is None:
         raise ValueError(f"the model in {lm.path} has no tokenizer.json: give --model a folder with one")
+    max_batch = args.max_batch or default_max_batch(lm)
     registry, metrics = metrics_registry()
     if lm.engine == "triton":  # tens of seconds for a large model and --max-batch
-        print(f"fastmamba: capturing the decode and prefill graphs for up to {args.max_batch} slots ...",
+        print(f"fastmamba: capturing the decode and prefill graphs for up to {max_batch} slots ...",
               file=sys.stderr, flush=True)
-    engine = Engine(lm, max_batch=args.max_batch, max_queue=args.max_queue, prefill_tokens=args.prefill_tokens,
+    engine = Engine(lm, max_batch=max_batch, max_queue=args.max_queue, prefill_tokens=args.prefill_tokens,
                     prefix_cache_bytes=args.prefix_cache_mb << 20, metrics=metrics).start()
     name = args.served_model_name or (args.model or "fastmamba-default")
-    app = create_app(engine, name, api_key=args.api_key, max_prompt_tokens=args.max_prompt_tokens, registry=registry)
-    print(f"fastmamba: serving {name} on http://{args.host}:{args.port} ({lm.device}, {lm.dtype})", file=sys.stderr, flush=True)
+    app = create_app(engine, name, api_key=args.api_key, max_model_len=args.max_model_len, registry=registry,
+                     max_body_bytes=int(args.max_body_mb * 2**20))
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    print(f"fastmamba: serving {name} on http://{args.host}:{args.port} ({lm.device}, {lm.dtype}, "
+          f"{max_batch} slots)", file=sys.stderr, flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        _drained_server(config, engine, args.shutdown_timeout).run(sockets=[sock])
     finally:
         engine.shutdown()
     return 0
+
+
+def _drained_server(config, engine: Engine, drain_s: float):
+    """uvicorn's server with a drain: the first SIGTERM or Ctrl-C stops new connections
+    (uvicorn), lets running requests finish for `drain_s` seconds, then ends those still
+    running with a 503 (engine.shutdown), so every connection closes and the command exits
+    with 0. (uvicorn's own timeout, a little later, is the backstop: it cancels the tasks.)"""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        draining = None
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            # uvicorn raises the caught signal again once it has shut down, which would end
+            # the process by that signal: a drained shutdown ends with 0 instead
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+            if self.draining is None:
+                self.draining = threading.Timer(drain_s, engine.shutdown)
+                self.draining.daemon = True
+                self.draining.start()
+
+    return Server(config)

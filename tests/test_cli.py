@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import fastmamba
 
 
@@ -145,3 +147,90 @@ def test_threads_flag(text_checkpoint):
     r = run("generate", "--model", str(text_checkpoint), "--threads", "2", "--max-tokens", "4", "To be")
     assert r.returncode == 0 and r.stdout == fastmamba.load(text_checkpoint).generate("To be", max_tokens=4).text + "\n"
     assert_one_line_error(run("generate", "--threads", "0", "hi"), "--threads")
+
+
+def test_threads_beyond_the_cores_is_refused_by_name():
+    import os
+
+    r = run("generate", "--threads", "100000", "hi")
+    assert_one_line_error(r, "--threads", str(os.cpu_count()))
+
+
+def test_no_command_prints_usage_to_stderr():
+    r = run()
+    assert r.returncode == 2 and r.stdout == "" and "usage: fastmamba" in r.stderr and "command" in r.stderr
+
+
+def test_an_argparse_error_names_the_program_once():
+    r = run("generate", "--max-tokens", "x", "hi")
+    assert_one_line_error(r, "--max-tokens", "fastmamba generate --help")
+    assert r.stderr.startswith("fastmamba: error: argument --max-tokens") and r.stderr.count("fastmamba") == 2
+
+
+@pytest.mark.parametrize("port", ["99999", "0", "-1"])
+def test_serve_refuses_a_port_out_of_range(port):
+    assert_one_line_error(run("serve", "--port", port), "--port", port)
+
+
+def test_serve_refuses_a_port_in_use():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = str(s.getsockname()[1])
+        assert_one_line_error(run("serve", "--port", port), "--port", port, "in use")
+
+
+@pytest.mark.parametrize("flag,value", [("--max-body-mb", "0"), ("--shutdown-timeout", "-1"), ("--max-model-len", "0"),
+                                        ("--max-batch", "0")])
+def test_serve_flags_out_of_range(flag, value):
+    assert_one_line_error(run("serve", flag, value), flag)
+
+
+# Ctrl-C through the command's own entry (fastmamba/__main__.py, the console script's): the
+# hook pauses the command at a chosen import, so the signal lands there for certain.
+_PAUSE_AT = """
+import importlib.abc, pathlib, runpy, sys, time
+flag, module = pathlib.Path(sys.argv.pop(1)), sys.argv.pop(1)
+class PauseAt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == module:
+            sys.meta_path.remove(self)
+            flag.touch()
+            time.sleep(60)
+        return None
+sys.meta_path.insert(0, PauseAt())
+runpy.run_module("fastmamba", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("module", ["fastmamba.cli", "torch", "safetensors", "tokenizers"])
+def test_ctrl_c_at_any_import_of_the_entry_is_quiet(text_checkpoint, tmp_path, module):
+    import signal
+    import time
+
+    pausing = tmp_path / "pausing"
+    p = subprocess.Popen([sys.executable, "-c", _PAUSE_AT, str(pausing), module,
+                          "generate", "--model", str(text_checkpoint), "hi"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(1200):  # bounded: 60 s
+        if pausing.exists() or p.poll() is not None:
+            break
+        time.sleep(0.05)
+    assert pausing.exists(), f"the command never imported {module}"
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and out == "" and err == "", (p.returncode, err)
+
+
+def test_ctrl_c_while_generating_is_quiet():
+    import signal
+
+    p = subprocess.Popen([sys.executable, "-m", "fastmamba", "generate", "--max-tokens", "100000", "To be"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = p.stdout.read(1)  # text is flowing
+    assert first, p.stderr.read()
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and err == b""

@@ -184,3 +184,84 @@ def test_seed_range(seed):
     with pytest.raises(ValueError, match="seed"):
         fastmamba.SamplingParams(seed=seed)
     assert fastmamba.SamplingParams(seed=2**32 - 1).seed == 2**32 - 1
+
+
+# -- weights files that are not what they seem -----------------------------------------------
+
+
+def test_a_weights_file_that_is_a_folder(ckpt):
+    (ckpt / "model.safetensors").unlink()
+    (ckpt / "model.safetensors").mkdir()
+    load_error(ckpt, "model.safetensors", "is a folder")
+
+
+def test_a_weights_symlink_loop(ckpt):
+    (ckpt / "model.safetensors").unlink()
+    os.symlink("model.safetensors", ckpt / "model.safetensors")
+    load_error(ckpt, "model.safetensors", "symlink loop")
+
+
+def test_an_unreadable_weights_file(ckpt, monkeypatch):
+    # (as root every file is readable: the refusal the operating system gives others, simulated)
+    import builtins
+
+    target, real_open = str(ckpt / "model.safetensors"), builtins.open
+
+    def refusing_open(path, *args, **kw):
+        if str(path) == target:
+            raise PermissionError(13, "Permission denied", target)
+        return real_open(path, *args, **kw)
+
+    monkeypatch.setattr(builtins, "open", refusing_open)
+    load_error(ckpt, "model.safetensors", "permission denied")
+
+
+def test_weights_that_overflow_name_the_layer(ckpt):
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["backbone.layers.1.mixer.in_proj.weight"].fill_(1e38)
+    save_file(tensors, ckpt / "model.safetensors")
+    lm = fastmamba.load(ckpt)  # finite weights: the load itself is fine
+    for call in (lambda: lm.generate("To be", max_tokens=3), lambda: lm.forward(torch.tensor([[1, 2, 3]])),
+                 lambda: list(lm.stream([5, 6], max_tokens=2))):
+        with pytest.raises(fastmamba.NonFiniteError, match=r"layer 1 \(backbone\.layers\.1\)"):
+            call()
+
+
+def test_check_finite_names_the_layer_behind_nonfinite_logits(lm):
+    """The GPU engine's path: logits checked once, the layer found by a checked rerun."""
+    model = lm.model
+    model.check_finite(torch.zeros(1, 5), [[1, 2, 3]])  # finite: nothing to say
+    w = model.weights.layers[0].out_proj_w
+    saved = w.clone()
+    try:
+        w.fill_(float("inf"))
+        with pytest.raises(fastmamba.NonFiniteError, match=r"layer 0 \("):
+            model.check_finite(torch.full((1, 5), float("nan")), [[1, 2, 3]])
+    finally:
+        w.copy_(saved)
+    with pytest.raises(fastmamba.NonFiniteError, match="lm_head"):  # the layers are fine, the logits not
+        model.check_finite(torch.full((1, 5), float("nan")), [[1, 2, 3]])
+
+
+# -- small API frictions ---------------------------------------------------------------------
+
+
+def test_numpy_scalars_are_numbers(lm):
+    p = fastmamba.SamplingParams(max_tokens=np.int64(3), temperature=np.float32(0.5), top_k=np.int32(5),
+                                 seed=np.uint32(7), stop_token_ids=np.array([0]))
+    assert (p.max_tokens, p.top_k, p.seed, p.stop_token_ids) == (3, 5, 7, (0,))
+    assert type(p.max_tokens) is int and type(p.temperature) is float and p.temperature == 0.5
+    assert lm.generate("To be", p).token_ids == lm.generate("To be", max_tokens=3, temperature=0.5, top_k=5, seed=7).token_ids
+    with pytest.raises(ValueError, match="max_tokens"):
+        fastmamba.SamplingParams(max_tokens=np.bool_(True))
+
+
+@pytest.mark.parametrize("bad", [123, 1.5, ["a"], b"dir"])
+def test_load_names_the_model_argument(bad):
+    with pytest.raises(ValueError, match="^model must be"):
+        fastmamba.load(bad)
+
+
+def test_load_bounds_threads():
+    with pytest.raises(ValueError, match="threads"):
+        fastmamba.load(threads=(os.cpu_count() or 1) + 1)
