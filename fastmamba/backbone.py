@@ -379,7 +379,7 @@ class Backbone(nn.Module):
         )
         if config.d_inner != c.d_inner:
             raise ValueError(f"d_inner {c.d_inner} is not a multiple of d_model {c.d_model}")
-        bb = cls(config, device="meta", dtype=w.embedding.dtype)
+        bb = cls(config, device="meta", dtype=w.embedding.dtype, state_dtype=model.state_dtype)
 
         def share(module, name, tensor):
             if tensor is not None:

@@ -407,3 +407,10 @@ def test_kernel_step_equals_the_reference_step(batch, dtype, state_dtype):
         bb.layers[1].mixer.A_log.add_(0.5)  # an optimizer's in-place update: sync picks it up
         step.sync()
         assert rel_err(step(x[0], s_kernels), bb._step_eager(x[0], s_ref)) < tol
+
+
+def test_the_language_models_backbone_follows_its_state_dtype():
+    lm = fastmamba.load(state_dtype="bfloat16")
+    state = lm.backbone.new_state(3)
+    assert state.ssm.dtype == torch.bfloat16 and state.conv.dtype == torch.bfloat16
+    assert fastmamba.load().backbone.new_state(1).ssm.dtype == torch.float32
