@@ -1,13 +1,13 @@
-"""Decoders: the loop that turns the last token of every slot into the next one.
+"""CUDA graphs of the decode step and of prefill: launched from Python, a step is hundreds of
+kernel launches, which cost more than the GPU's work on all but the widest models.
 
-`ReferenceDecoder` runs the pure-PyTorch model step (the CPU engine). `GraphDecoder` runs
-the Triton decode step and the sampler as one CUDA graph, captured once per batch size and
-sampler and replayed each step; only the new token ids are read back by the host.
-`GraphPrefill` runs the prefill of short prompts as CUDA graphs too: a short prompt's
+`GraphDecoder` runs the Triton decode step and the sampler as one CUDA graph, several steps
+a replay, captured once per batch size and sampler: the decode step's own speed
+(`fastmamba bench`). `GraphPrefill` runs the prefill of short prompts as CUDA graphs too: a short prompt's
 prefill is a few hundred small launches, which cost more from Python than on the GPU.
-`PoolDecodeGraphs` and `ChunkPrefillGraphs` are the serving engine's (scheduler.py): the
-decode step over a pool of state slots by batch bucket, and prefill chunks that continue a
-slot's state.
+`PoolDecodeGraphs` and `ChunkPrefillGraphs` are the engine's (engine.py): the decode step
+over a pool of state slots by batch bucket, and prefill chunks that continue a slot's state.
+`GraphDecoder` times the decode step alone, several steps a replay (`fastmamba bench`).
 """
 
 from __future__ import annotations
@@ -38,66 +38,14 @@ def capture_graph(body: Callable[[], object], pool=None) -> tuple[torch.cuda.CUD
     return graph, out
 
 
-class HostTokens:
-    """A block of token ids on its way to the host. From the GPU it is copied into pinned
-    memory without waiting, so the host can queue the next block of decode steps before it
-    reads this one: the GPU then runs on while the host handles these tokens, instead of
-    idling from each read-back to the next launch."""
-
-    def __init__(self, tokens: torch.Tensor):
-        self.done = None
-        if tokens.is_cuda:
-            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self.host.copy_(tokens, non_blocking=True)
-            self.done = torch.cuda.Event()
-            self.done.record()
-        else:
-            self.host = tokens.clone()
-
-    def tolist(self) -> list:
-        """The ids, once they have arrived (the host waits for them here, not sooner)."""
-        if self.done is not None:
-            self.done.synchronize()
-        return self.host.tolist()
-
-
-class ReferenceDecoder:
-    # Whether the host should queue the next block before reading this one: not on the
-    # CPU, where a step queued ahead is a step computed, and wasted if a stop token comes.
-    runs_ahead = False
-
-    def __init__(self, model: Mamba, batch: int):
-        self.model = model
-        self.busy = False  # set while a generation uses it
-        self.slots = SlotParams.empty(batch, model.config.vocab_size, model.device)
-
-    def begin(self, state: MambaState, logits: torch.Tensor, pick: Pick, requests) -> torch.Tensor:
-        """Loads the prefilled state and slot parameters; returns the first tokens (B,)."""
-        self.slots.set_slots(requests)
-        self.state, self.pick = state, pick
-        self.tokens = pick(logits, self.slots)
-        return self.tokens
-
-    def next(self) -> torch.Tensor:
-        """The next step's tokens, as (1, B): one step per call."""
-        self.tokens = self.pick(self.model.step(self.tokens, self.state), self.slots)
-        return self.tokens[None]
-
-
 STEPS_PER_READ = 4  # decode steps per graph replay, i.e. per read-back of token ids
 
 
 class GraphDecoder:
     """Decode step + sampling for a fixed batch size, as CUDA graphs (one per sampler).
 
-    One replay runs `steps` steps and leaves their tokens in `history` (steps, B), so the
-    host reads back once per `steps` tokens; and it queues the next replay before it reads
-    one (`runs_ahead`, HostTokens), so the GPU does not wait for the host in between. A
-    generation that stops inside a replay discards the steps after its stop (and, where a
-    stop token ends it, the replay queued after it).
+    One replay runs `steps` steps and leaves their tokens in `history` (steps, B).
     """
-
-    runs_ahead = True
 
     def __init__(self, model: Mamba, batch: int, deterministic: bool = False, steps: int | None = None, plan=None):
         from .kernels.decode_step import make_decode_step
@@ -222,11 +170,11 @@ class PoolDecodeGraphs:
     because a capture's warm-up calls run the step on the rows it captures.
     """
 
-    def __init__(self, model: Mamba, pool: MambaState, deterministic: bool = False):
+    def __init__(self, model: Mamba, pool: MambaState, tokens: torch.Tensor, deterministic: bool = False):
         from .kernels.decode_step import make_decode_step
 
         max_batch = pool.conv.shape[1]
-        self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=model.device)
+        self.tokens = tokens  # (max_batch,) int64 on the device: each row's input, read by the graphs
         self.buckets = pool_buckets(max_batch)
         mempool = torch.cuda.graph_pool_handle()  # one replays at a time: they share scratch
         self.graphs = {}
@@ -240,12 +188,10 @@ class PoolDecodeGraphs:
     def bucket(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
 
-    def __call__(self, tokens: list[int]) -> torch.Tensor:
-        """Decodes rows 0..len(tokens)-1 of the pool (and the padding rows up to the
-        bucket, whose state the caller must keep aside); logits (bucket, V) f32, valid
-        until the next call."""
-        d = len(tokens)
-        self.tokens[:d].copy_(torch.tensor(tokens), non_blocking=True)
+    def __call__(self, d: int) -> torch.Tensor:
+        """Decodes rows 0..d-1 of the pool from their inputs in `tokens` (and the padding
+        rows up to the bucket, whose state the caller must keep aside); logits (bucket, V)
+        f32, valid until the next call."""
         graph, logits, _ = self.graphs[self.bucket(d)]
         graph.replay()
         return logits
@@ -262,6 +208,7 @@ class ChunkPrefillGraphs:
 
     def __init__(self, model: Mamba, longest: int):
         self.state = model.new_state(1)
+        self.longest = longest
         self.lengths = [1 << k for k in range(longest.bit_length()) if 1 << k <= longest][::-1]
         mempool = torch.cuda.graph_pool_handle()
         self.graphs = {}

@@ -11,9 +11,9 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from .cuda_graphs import PREFILL_BUCKETS, GraphDecoder, GraphPrefill, HostTokens, ReferenceDecoder, graph_prefill_tokens
+from .cuda_graphs import PREFILL_BUCKETS, GraphPrefill, graph_prefill_tokens
 from .model import Mamba, MambaState
-from .sampling import SamplingParams, pick_sampler, resolve_seed
+from .sampling import SamplingParams
 from .tokenizer import IncrementalDecoder, Tokenizer
 
 
@@ -52,20 +52,24 @@ class LanguageModel:
         # waits for a core held by another process stalls every one of them (bundled model:
         # 105 tokens/s with one thread beside a busy process, 28 with two). 0: as PyTorch has it.
         self.threads = 1 if threads is None else threads
-        self._graph_decoders: dict[int, GraphDecoder] = {}
         self._graph_prefills: dict[tuple[int, int], GraphPrefill] = {}
         self._prefill_pool = None  # the prefill graphs' one memory pool (see GraphPrefill)
         self._backbone = None
+        self._core = None  # the engine (engine.py) under generate, stream and generate_batch
+        self._pending: dict[int, list] = {}  # outputs read for a generation that another one's loop drove
 
-    def _decoder(self, batch: int):
-        if self.engine == "reference":
-            return ReferenceDecoder(self.model, batch)
-        cached = self._graph_decoders.get(batch)
-        if cached is None:  # captured once per batch size, then reused
-            cached = self._graph_decoders[batch] = GraphDecoder(self.model, batch, self.deterministic)
-        # A decoder holds one generation's state: a generation that runs while another is
-        # still going (two interleaved streams) gets a decoder of its own.
-        return cached if not cached.busy else GraphDecoder(self.model, batch, self.deterministic)
+    def _engine(self, batch: int):
+        """The engine core, with at least `batch` slots (made anew, larger, when a batch
+        outgrows it: its decode graphs are captured for every bucket up to its size)."""
+        from .engine import EngineCore
+
+        if self._core is None or self._core.max_batch < batch:
+            if self._core is not None and any(not (r.finished or r.aborted) for r in self._core.requests.values()):
+                raise RuntimeError("a generation is still running: finish it before starting a larger batch")
+            slots = 1 << (batch - 1).bit_length()  # powers of two: few rebuilds
+            # offline, a step prefills whole prompts up to the model's chunk (no grid: no cache)
+            self._core = EngineCore(self, max_batch=slots, prefill_tokens=self.model.chunk_tokens)
+        return self._core
 
     def _prefill(self, padded: torch.Tensor, start: torch.Tensor):
         """Logits of each row's last token (B, V) and the state after the prompts."""
@@ -99,11 +103,11 @@ class LanguageModel:
         padded = np.zeros((len(all_ids), longest), dtype=np.int64)  # (numpy fills rows from lists at C speed)
         for row, ids in zip(padded, all_ids):
             row[longest - len(ids):] = ids
-        padded = torch.from_numpy(padded).to(self.device)
-        start = torch.tensor([longest - len(ids) for ids in all_ids], device=self.device, dtype=torch.int32)
-        logits, state = self._prefill(padded, start)
-        self.model.check_finite(logits, all_ids)
-        return logits, state
+        padded = torch.from_numpy(padded)
+        start = torch.tensor([longest - len(ids) for ids in all_ids], dtype=torch.int32)
+        if self.device.type == "cuda":  # (from pinned memory: a plain copy would wait for the GPU's queued work)
+            padded, start = (t.pin_memory().to(self.device, non_blocking=True) for t in (padded, start))
+        return self._prefill(padded, start)
 
     @property
     def device(self) -> torch.device:
@@ -166,10 +170,11 @@ class LanguageModel:
         with no token may carry held-back text). The texts concatenate to `generate`'s."""
         params = SamplingParams.from_kwargs(params, sampling)
         ids = self.encode(prompt)
+        self._check_ids(params.stop_token_ids or [], "SamplingParams.stop_token_ids")
         decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer else None
-        for tokens, _ in self._decode([ids], [params]):
-            if tokens[0] is not None:
-                yield StreamPiece(tokens[0], decoder.push(tokens[0]) if decoder else None)
+        for _, token, _ in self._generate([ids], [params]):
+            if token is not None:
+                yield StreamPiece(token, decoder.push(token) if decoder else None)
         if decoder and (tail := decoder.flush()):
             yield StreamPiece(None, tail)
 
@@ -196,14 +201,13 @@ class LanguageModel:
         texts = [[] for _ in prompts]
         out = [[] for _ in prompts]
         finish = ["length"] * len(prompts)
-        for tokens, reasons in self._decode(all_ids, params):
-            for i, t in enumerate(tokens):
-                if t is not None:
-                    out[i].append(t)
-                    if decoders[i]:
-                        texts[i].append(decoders[i].push(t))
-                if reasons[i]:
-                    finish[i] = reasons[i]
+        for i, token, reason in self._generate(all_ids, params):
+            if token is not None:
+                out[i].append(token)
+                if decoders[i]:
+                    texts[i].append(decoders[i].push(token))
+            if reason:
+                finish[i] = reason
         return [
             Generation(
                 token_ids=out[i],
@@ -232,6 +236,58 @@ class LanguageModel:
     def encode(self, prompt) -> list[int]:
         """Token ids of a prompt: a str, or token ids (a list or tuple of ints, a 1-D integer
         tensor or numpy array). Anything else is a ValueError naming the problem."""
+        return PromptEncoder(self.tokenizer, self.config.vocab_size, self.path).encode(prompt)
+
+    def _check_ids(self, ids, what: str) -> list[int]:
+        return check_token_ids(ids, self.config.vocab_size, what)
+
+    def _generate(self, all_ids: list[list[int]], params: list[SamplingParams]):
+        """Yields (prompt index, token or None, finish reason or None) as the engine makes
+        them: the prompts run as requests of the engine core, driven from here. Another
+        generation's outputs read meanwhile (an interleaved stream) wait for its own loop."""
+        from .engine import EngineRequest
+        from .errors import NonFiniteError
+
+        core = self._engine(len(all_ids))
+        reqs = [core.add(EngineRequest(ids, p)) for ids, p in zip(all_ids, params)]
+        index = {r.rid: i for i, r in enumerate(reqs)}
+        for r in reqs:
+            self._pending[r.rid] = []
+        left = len(reqs)
+        try:
+            while left:
+                mine = [o for r in reqs for o in self._pending[r.rid]]
+                for r in reqs:
+                    self._pending[r.rid].clear()
+                if not mine:
+                    for o in core.step():
+                        if o[0] in self._pending:
+                            self._pending[o[0]].append(o)
+                    continue
+                for rid, token, _, reason, info in mine:
+                    if reason == "error":
+                        message = info["message"]
+                        if message.startswith("NonFiniteError: "):
+                            raise NonFiniteError(message.removeprefix("NonFiniteError: "))
+                        raise RuntimeError(f"generation failed: {message}")
+                    left -= reason is not None
+                    yield index[rid], token, reason
+        finally:  # also when the caller stops reading a stream: its requests end
+            for r in reqs:
+                core.abort(r.rid)
+                self._pending.pop(r.rid, None)
+
+
+class PromptEncoder:
+    """Prompts to token ids with a checkpoint's tokenizer (or none) and vocabulary: the
+    language model's, and the server's front end's, which has no model."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, path: Path | None = None):
+        self.tokenizer, self.vocab_size, self.path = tokenizer, vocab_size, path
+
+    def encode(self, prompt) -> list[int]:
+        """Token ids of a prompt: a str, or token ids (a list or tuple of ints, a 1-D integer
+        tensor or numpy array). Anything else is a ValueError naming the problem."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 where = f" in {self.path}" if self.path else ""
@@ -253,60 +309,8 @@ class LanguageModel:
             raise ValueError(f"a prompt is a str or a list of token ids, got {_describe(prompt)}{hint}")
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
-        return self._check_ids(ids, "prompt")
+        return check_token_ids(ids, self.vocab_size, "prompt")
 
-    def _check_ids(self, ids, what: str) -> list[int]:
-        return check_token_ids(ids, self.config.vocab_size, what)
-
-    @torch.inference_mode()
-    def _decode(self, all_ids: list[list[int]], params: list[SamplingParams]):
-        """Yields, per step, each slot's new token (None once finished) and finish reason.
-
-        The prompts are prefilled (_prefill_prompts), then all slots decode together; a
-        finished slot keeps its place in the batch but yields nothing more.
-        """
-        B = len(all_ids)
-        with self._threads():
-            logits, state = self._prefill_prompts(all_ids)  # (B, V)
-
-        decoder = self._decoder(B)
-        requests = [(p, resolve_seed(p.seed), ids) for ids, p in zip(all_ids, params)]
-        stops = [set(p.stop_token_ids) if p.stop_token_ids is not None else {self.config.eos_token_id} for p in params]
-        remaining = [p.max_tokens for p in params]
-        decoder.busy = True
-        try:
-            with self._threads():
-                first = decoder.begin(state, logits, pick_sampler(params, self.engine == "triton"), requests)
-                block = HostTokens(first[None])  # (steps, B) ids, the only device -> host traffic
-            while True:
-                # The next block of steps goes into the queue before this one is read, where
-                # a slot needs tokens past it (unless a stop token comes first).
-                if decoder.runs_ahead and max(remaining) > len(block.host):
-                    with self._threads():
-                        ahead = HostTokens(decoder.next())
-                else:
-                    ahead = None
-                for host in block.tolist():
-                    out, reasons = [None] * B, [None] * B
-                    for i, t in enumerate(host):
-                        if remaining[i] == 0:
-                            continue
-                        if t in stops[i]:
-                            remaining[i], reasons[i] = 0, "stop"
-                            continue
-                        out[i] = t
-                        remaining[i] -= 1
-                        if remaining[i] == 0:
-                            reasons[i] = "length"
-                    yield out, reasons
-                    if not any(remaining):
-                        return
-                if ahead is None:
-                    with self._threads():
-                        ahead = HostTokens(decoder.next())
-                block = ahead
-        finally:
-            decoder.busy = False
 
 
 def check_token_ids(ids, vocab: int, what: str) -> list[int]:

@@ -237,17 +237,22 @@ class Mamba:
 
     def check_finite(self, logits: torch.Tensor, prompts: list[list[int]]) -> None:
         """NonFiniteError naming the first layer at fault if `logits` (of the prefill of
-        `prompts` from a zero state) hold NaN or inf; one reduction and one read otherwise.
-        The search reruns each prompt's prefill with a check after every layer."""
-        if torch.isfinite(logits).all():
-            return
-        for ids in prompts:
-            x = torch.tensor([ids], device=self.device)
-            h = self.backbone(self.weights.embedding[x], self.new_state(1), check=True)  # raises at a layer
-            if not torch.isfinite(h).all():
-                raise NonFiniteError("the model's output is not finite: the final norm (backbone.norm_f) gives NaN "
-                                     "or inf for this input")
-        raise NonFiniteError("the model's output is not finite: lm_head gives NaN or inf for this input")
+        `prompts` from a zero state) hold NaN or inf; one reduction and one read otherwise."""
+        if not torch.isfinite(logits).all():
+            raise NonFiniteError(self.nonfinite_culprit(prompts))
+
+    def nonfinite_culprit(self, prompts: list[list[int]]) -> str:
+        """Why the prefill of `prompts` is not finite: each prompt's prefill again, with a
+        check after every layer, names the first layer (or the final norm, or lm_head)."""
+        try:
+            for ids in prompts:
+                x = torch.tensor([ids], device=self.device)
+                h = self.backbone(self.weights.embedding[x], self.new_state(1), check=True)  # raises at a layer
+                if not torch.isfinite(h).all():
+                    return "the model's output is not finite: the final norm (backbone.norm_f) gives NaN or inf for this input"
+        except NonFiniteError as e:
+            return str(e)
+        return "the model's output is not finite: lm_head gives NaN or inf for this input"
 
     def prefill(
         self, input_ids: torch.Tensor, state: MambaState, start: torch.Tensor | None = None, last_only: bool = False

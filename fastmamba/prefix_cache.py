@@ -4,7 +4,11 @@ starts with a cached prefix prefills only the rest.
 A Mamba state has one size whatever the prefix's length, so an entry is exact at any
 length and costs the same: the conv and ssm state of every layer for one slot, and the
 logits after the prefix's last token (so that a prompt cached whole needs no prefill at
-all). Entries live on the model's device under a byte budget, least recently used first out.
+all). The prefixes live in a radix tree over token ids, so a lookup finds the longest cached
+prefix of any length in one walk; states are kept at a prompt's end, every INTERVAL tokens
+inside long prompts, and at the end of a finished request's prompt + output (where a chat's
+next turn starts). Entries live on the model's device under a byte budget, least recently
+used first out.
 """
 
 from __future__ import annotations
@@ -26,49 +30,110 @@ class CachedState:
         return sum(t.numel() * t.element_size() for t in (self.conv, self.ssm, self.logits))
 
 
-# The serving engine's prefill chunks end on this grid, so that a prefix hit resumes
-# where a cold prefill cuts; 512 because a 2.8b prefill runs at ~24 µs a token in
-# 512-token chunks against ~34 in 256-token ones (H200, bf16: cold TTFTs of a 2048-token prompt).
+# The serving engine's prefill chunks end on this grid, so that a long prompt leaves states
+# along the way; 512 because a 2.8b prefill runs at ~24 µs a token in 512-token chunks
+# against ~34 in 256-token ones (H200, bf16: cold TTFTs of a 2048-token prompt).
 INTERVAL = 512
 
 
+class _Node:
+    """A radix tree node: the tokens on the edge from its parent, its children by their
+    edge's first token, and the state after the prefix it ends (or None)."""
+
+    __slots__ = ("edge", "parent", "children", "entry")
+
+    def __init__(self, edge: tuple[int, ...], parent: "_Node | None"):
+        self.edge, self.parent = edge, parent
+        self.children: dict[int, _Node] = {}
+        self.entry: CachedState | None = None
+
+
+def _common(edge: tuple[int, ...], ids: list[int], at: int) -> int:
+    """How many of edge's tokens ids[at:] starts with."""
+    n = 0
+    for a, b in zip(edge, ids[at : at + len(edge)]):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
 class PrefixCache:
-    """Token prefixes -> CachedState, LRU under `budget_bytes` (0 turns it off)."""
+    """Token prefixes -> CachedState in a radix tree, LRU under `budget_bytes` (0 turns it off)."""
 
     def __init__(self, budget_bytes: int, interval: int = INTERVAL):
         self.budget = budget_bytes
         self.interval = interval  # inside long prompts, a state is kept every this many tokens
-        self._entries: OrderedDict[tuple[int, ...], CachedState] = OrderedDict()
+        self._root = _Node((), None)
+        self._lru: OrderedDict[_Node, None] = OrderedDict()  # nodes holding an entry, oldest first
         self.bytes = 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._lru)
 
     def lookup(self, ids: list[int]) -> tuple[int, CachedState | None]:
-        """The longest cached prefix of `ids` (its length and state; 0 and None on a miss).
-        Only the prompt's own length and the interval's multiples can have been stored."""
+        """The longest cached prefix of `ids`, at any length (its length and state; 0 and
+        None on a miss)."""
         if not self.budget:
             return 0, None
-        lengths = [len(ids)] + list(range((len(ids) - 1) // self.interval * self.interval, 0, -self.interval))
-        for n in lengths:
-            entry = self._entries.get(tuple(ids[:n]))
-            if entry is not None:
-                self._entries.move_to_end(tuple(ids[:n]))
-                return n, entry
-        return 0, None
+        node, depth, best = self._root, 0, (0, None)
+        while depth < len(ids):
+            child = node.children.get(ids[depth])
+            if child is None or _common(child.edge, ids, depth) < len(child.edge):
+                break
+            node, depth = child, depth + len(child.edge)
+            if node.entry is not None:
+                best = (depth, node)
+        n, found = best
+        if found is None:
+            return 0, None
+        self._lru.move_to_end(found)
+        return n, found.entry
 
     def store(self, ids: list[int], conv: torch.Tensor, ssm: torch.Tensor, logits: torch.Tensor) -> None:
-        """Keeps copies of the state after `ids` (one slot's conv (L, 1, E, K), ssm (L, 1, E, N))."""
-        key = tuple(ids)
-        if not self.budget or key in self._entries:
-            if key in self._entries:
-                self._entries.move_to_end(key)
+        """Keeps copies of the state after `ids` (one slot's conv (L, 1, E, K), ssm (L, 1, E, N))
+        and the logits after its last token (V,)."""
+        if not self.budget or not ids:
+            return
+        node = self._insert(list(ids))
+        if node.entry is not None:
+            self._lru.move_to_end(node)
             return
         entry = CachedState(conv.clone(), ssm.clone(), logits.detach().float().clone())
         if entry.nbytes > self.budget:
+            self._prune(node)
             return
-        self._entries[key] = entry
+        node.entry = entry
+        self._lru[node] = None
         self.bytes += entry.nbytes
         while self.bytes > self.budget:
-            _, old = self._entries.popitem(last=False)
-            self.bytes -= old.nbytes
+            old, _ = self._lru.popitem(last=False)
+            self.bytes -= old.entry.nbytes
+            old.entry = None
+            self._prune(old)
+
+    def _insert(self, ids: list[int]) -> _Node:
+        """The node that ends at ids, made (splitting an edge where needed) if absent."""
+        node, depth = self._root, 0
+        while depth < len(ids):
+            child = node.children.get(ids[depth])
+            if child is None:
+                leaf = _Node(tuple(ids[depth:]), node)
+                node.children[ids[depth]] = leaf
+                return leaf
+            n = _common(child.edge, ids, depth)
+            if n < len(child.edge):  # the path leaves the edge part-way: a node at the split
+                mid = _Node(child.edge[:n], node)
+                node.children[ids[depth]] = mid
+                child.edge, child.parent = child.edge[n:], mid
+                mid.children[child.edge[0]] = child
+                child = mid
+            node, depth = child, depth + n
+        return node
+
+    def _prune(self, node: _Node) -> None:
+        """Removes a node that holds nothing and leads nowhere, and its parents that become so."""
+        while node is not self._root and node.entry is None and not node.children:
+            parent = node.parent
+            del parent.children[node.edge[0]]
+            node = parent

@@ -170,7 +170,9 @@ class SlotParams:
         self.seed[slot] = seed
         self.step[slot] = 0
         self.seen[slot] = False
-        self.seen[slot, torch.tensor(prompt_ids, dtype=torch.int64, device=self.seen.device)] = True
+        if not isinstance(prompt_ids, torch.Tensor):
+            prompt_ids = torch.tensor(prompt_ids, dtype=torch.int64, device=self.seen.device)
+        self.seen[slot, prompt_ids] = True
 
 
 def sample(logits: torch.Tensor, p: SlotParams) -> torch.Tensor:

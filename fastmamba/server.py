@@ -1,7 +1,8 @@
-"""`fastmamba serve`: an OpenAI-compatible HTTP API over the serving engine (scheduler.py).
+"""`fastmamba serve`: an OpenAI-compatible HTTP API, the front end of the engine process
+(engine_process.py, engine.py).
 
-The asyncio side only parses, validates, queues and streams; the engine thread owns the
-model. Endpoints: POST /v1/completions, /v1/chat/completions (both with `stream`), GET
+This process parses, validates, tokenizes, detokenizes (stop strings included) and streams;
+the engine, in a process of its own, owns the model. Endpoints: POST /v1/completions, /v1/chat/completions (both with `stream`), GET
 /v1/models, /health, /metrics, POST /tokenize, /detokenize. Errors are OpenAI's bodies
 ({"error": {"message", "type", "param", "code"}}): 400 for a bad field (naming it),
 malformed JSON or an over-long prompt, 401 without the API key, 404 for an unknown model,
@@ -16,14 +17,19 @@ import time
 import uuid
 from pathlib import Path
 
-from .language_model import check_token_ids
-from .scheduler import Engine, QueueFull, Request
+from .engine_process import EngineClient, EngineDown, QueueFull
+from .language_model import PromptEncoder, check_token_ids
 from .sampling import SamplingParams
+from .tokenizer import IncrementalDecoder
 
 # A model folder with no chat template in tokenizer_config.json (the bundled one) gets this:
-# one line a message, "role: content", then "assistant:" for the reply.
+# one line a message, "role: content", then "assistant:" for the reply. A reply comes back
+# as the model wrote it after "assistant:", its leading space included, and is rendered
+# without a second one: a chat's next turn then starts with the tokens of the turn before,
+# and resumes from their cached state.
 PLAIN_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% for message in messages %}{{ message['role'] }}:{% if message['content'][:1] != ' ' %} {% endif %}"
+    "{{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 MAX_N = 16
@@ -67,16 +73,20 @@ def metrics_registry():
     return reg, m
 
 
-def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_model_len: int = 32768,
-               registry=None, max_body_bytes: int = 8 << 20):
+def create_app(engine: EngineClient, prompts: PromptEncoder, model_name: str, api_key: str | None = None,
+               max_model_len: int = 32768, registry=None, metrics=None, max_body_bytes: int = 8 << 20):
+    """The FastAPI app over a running engine process; `prompts` encodes prompts with the
+    checkpoint's tokenizer (its path: the chat template's folder)."""
     from fastapi import FastAPI, Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException
 
     app = FastAPI(title="fastmamba", docs_url=None, redoc_url=None)
-    lm = engine.lm
-    template = _chat_template(lm.path)
+    lm = prompts  # encode, tokenizer, vocab_size
+    template = _chat_template(prompts.path)
+    if metrics is not None:
+        engine.on_stats = _stats_to_metrics(metrics)
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -109,7 +119,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "fastmamba"}]}
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics_page():
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
@@ -127,7 +137,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
     async def detokenize(request: HTTPRequest):
         body = await _json(request, max_body_bytes)
         ids = _get(body, "tokens", list, required=True)
-        _check_ids(ids, lm.config.vocab_size, "tokens")
+        _check_ids(ids, lm.vocab_size, "tokens")
         return {"prompt": lm.tokenizer.decode(ids) if lm.tokenizer else None}
 
     @app.post("/v1/completions")
@@ -168,7 +178,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
         if not all(isinstance(s, str) and s for s in stop):
             raise APIError(400, "stop must be a string or a list of non-empty strings", param="stop")
         _get(body, "user", str, None)
-        params = _sampling(body, lm.config.vocab_size)
+        params = _sampling(body, lm.vocab_size)
         for _, ids in prompts:
             if len(ids) >= max_model_len:
                 raise APIError(400, f"the prompt has {len(ids)} tokens, and this server's limit for prompt + max_tokens "
@@ -179,28 +189,27 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
                                code="context_length_exceeded")
         if not engine.alive:
             raise _engine_down()
-        mailbox = _mailbox(app)
         events: asyncio.Queue = asyncio.Queue()
-        reqs = []
+        choices = []
         for p, (_, ids) in enumerate(prompts):
             for k in range(n):
-                index = p * n + k
                 seed = None if params.seed is None else (params.seed + k) % 2**32
                 limit = max_tokens if max_tokens is not None else max_model_len - len(ids)
-                choice_params = dataclasses.replace(params, seed=seed, max_tokens=limit)
-
-                def emit(kind, data, index=index):
-                    mailbox.put(events, (index, kind, data))
-
-                reqs.append(Request(ids, choice_params, emit, stop=stop, top_logprobs=top_logprobs))
+                choices.append(_Choice(len(choices), ids, dataclasses.replace(params, seed=seed, max_tokens=limit),
+                                       stop, top_logprobs, lm.tokenizer, events, engine, metrics))
         try:
-            for r in reqs:
-                engine.submit(r)
+            for c in choices:
+                c.submit()
         except QueueFull as e:
-            for r in reqs:
-                engine.cancel(r)
+            for c in choices:
+                c.cancel()
             raise APIError(429, f"the server is busy: {e}; try again later", code="rate_limit_exceeded",
                            kind="rate_limit_error") from None
+        except EngineDown:
+            for c in choices:
+                c.cancel()
+            raise _engine_down() from None
+        reqs = choices
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         shape = _Shape(rid, model_name, chat, lm, [prompts[i // n][0] if echo else "" for i in range(len(reqs))])
         if stream:
@@ -229,7 +238,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
                 done += kind == "done"
         finally:
             for r in reqs:
-                engine.cancel(r)
+                r.cancel()
         return shape.response()
 
     async def _stream(request, reqs, events, shape, include_usage):
@@ -263,7 +272,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
             yield "data: [DONE]\n\n"
         finally:  # a client that went away cancels its requests and frees their slots
             for r in reqs:
-                engine.cancel(r)
+                r.cancel()
 
     return app
 
@@ -296,35 +305,117 @@ class _Gate:
         await self.app(scope, receive, send)
 
 
-class _Mailbox:
-    """Events from the engine thread to the event loop: one wake-up of the loop for all the
-    events the engine sends in a burst (a decode step's tokens), not one a token."""
+class _Choice:
+    """One choice of a request: its engine request, and the text side of its outputs
+    (detokenized pieces that never split a character, stop strings that end the text and
+    never go out split across pieces). Its events go to the response's queue:
+    ("token", {token, text, logprob}) ..., then ("done", {...}) or ("error", {...})."""
 
-    def __init__(self, loop):
-        self.loop, self.items, self.lock, self.pending = loop, [], threading.Lock(), False
+    def __init__(self, index, ids, params, stop, top_logprobs, tokenizer, events, engine, metrics):
+        self.index, self.ids, self.params, self.stop, self.top_logprobs = index, ids, params, stop, top_logprobs
+        self.events, self.engine, self.metrics = events, engine, metrics
+        self.decoder = IncrementalDecoder(tokenizer) if tokenizer else None
+        self.held = [""]  # text held back: a stop string's possible start
+        self.rid = None
+        self.tokens = 0
+        self.cached_tokens = 0
+        self.arrived = self.last = time.perf_counter()
+        self.ended = False
 
-    def put(self, events: asyncio.Queue, item) -> None:
-        with self.lock:
-            self.items.append((events, item))
-            if self.pending:
-                return
-            self.pending = True
-        self.loop.call_soon_threadsafe(self._drain)
+    def submit(self) -> None:
+        self.rid = self.engine.submit(self.ids, self.params, self.top_logprobs, self.on_output)
+        _count(self.metrics, "prompt_tokens_total", len(self.ids))
 
-    def _drain(self) -> None:
-        with self.lock:
-            items, self.items, self.pending = self.items, [], False
-        for events, item in items:
-            events.put_nowait(item)
+    def cancel(self) -> None:
+        if self.rid is not None and not self.ended:
+            self.engine.abort(self.rid)
+        self.ended = True
+
+    def _put(self, kind, data) -> None:
+        self.events.put_nowait((self.index, kind, data))
+
+    def on_output(self, out) -> None:
+        if self.ended:
+            return
+        _, token, logprob, reason, info = out
+        now = time.perf_counter()
+        if reason == "error":
+            self.ended = True
+            return self._put("error", info)
+        if reason is not None:
+            return self._done(reason, info.get("cached_tokens", self.cached_tokens))
+        if self.tokens == 0:
+            _observe(self.metrics, "time_to_first_token_seconds", now - self.arrived)
+            if info is not None:
+                self.cached_tokens = info["cached_tokens"]
+                _observe(self.metrics, "request_queue_time_seconds", info["queue_s"])
+        else:
+            _observe(self.metrics, "inter_token_latency_seconds", now - self.last)
+        self.last = now
+        self.tokens += 1
+        _count(self.metrics, "generation_tokens_total")
+        lp = None if logprob is None else dict(logprob=logprob[0], top=logprob[1][: self.top_logprobs])
+        text = self.decoder.push(token) if self.decoder else None
+        if text is not None and self.stop:
+            text, hit = _hold_stop(self.held, text, self.stop)
+            if hit:
+                self._put("token", dict(token=token, text=text, logprob=lp))
+                self.engine.abort(self.rid)
+                return self._done("stop", self.cached_tokens, at_stop_string=True)
+        self._put("token", dict(token=token, text=text, logprob=lp))
+
+    def _done(self, reason, cached_tokens, at_stop_string=False) -> None:
+        self.ended = True
+        # the text still held back: a stop string's possible start, a character's first bytes
+        tail = "" if at_stop_string else self.held[0] + (self.decoder.flush() if self.decoder else "")
+        _count(self.metrics, "request_success_total")
+        _observe(self.metrics, "e2e_request_latency_seconds", time.perf_counter() - self.arrived)
+        self._put("done", dict(finish_reason=reason, tail=tail, prompt_tokens=len(self.ids),
+                               completion_tokens=self.tokens, cached_tokens=cached_tokens))
 
 
-def _mailbox(app) -> _Mailbox:
-    """The app's mailbox on the running event loop (made at the first request)."""
-    loop = asyncio.get_running_loop()
-    box = getattr(app.state, "mailbox", None)
-    if box is None or box.loop is not loop:
-        box = app.state.mailbox = _Mailbox(loop)
-    return box
+def _hold_stop(held: list[str], text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
+    """Stop strings across pieces: returns the text that may go out now and whether a stop
+    string was reached. held[0] keeps the tail that could still begin a stop string."""
+    buf = held[0] + text
+    hits = [i for i in (buf.find(s) for s in stops) if i >= 0]
+    if hits:
+        held[0] = ""
+        return buf[: min(hits)], True
+    keep = 0  # the longest tail of buf that is a prefix of some stop string
+    for s in stops:
+        for n in range(min(len(s) - 1, len(buf)), keep, -1):
+            if buf.endswith(s[:n]):
+                keep = n
+                break
+    held[0] = buf[len(buf) - keep :] if keep else ""
+    return buf[: len(buf) - keep], False
+
+
+def _observe(metrics, name: str, value: float) -> None:
+    if metrics is not None:
+        metrics[name].observe(value)
+
+
+def _count(metrics, name: str, n: int = 1) -> None:
+    if metrics is not None:
+        metrics[name].inc(n)
+
+
+def _stats_to_metrics(metrics):
+    """The engine's stats (sent with each step's outputs) into the gauges and counters."""
+    seen = dict(cache_queries=0, cache_hits=0)
+
+    def update(stats: dict) -> None:
+        metrics["num_requests_running"].set(stats["running"])
+        metrics["state_slots_used"].set(stats["running"])
+        metrics["num_requests_waiting"].set(stats["waiting"])
+        for key, name in (("cache_queries", "prefix_cache_queries_total"), ("cache_hits", "prefix_cache_hits_total")):
+            if stats[key] > seen[key]:
+                metrics[name].inc(stats[key] - seen[key])
+                seen[key] = stats[key]
+
+    return update
 
 
 class _Shape:
@@ -539,7 +630,7 @@ def _prompts(lm, prompt) -> list[tuple[str, list[int]]]:
     if isinstance(prompt, str):
         return [(prompt, _encode(lm, prompt, "prompt"))]
     if _is_ids(prompt):
-        _check_ids(prompt, lm.config.vocab_size, "prompt")
+        _check_ids(prompt, lm.vocab_size, "prompt")
         return [(lm.tokenizer.decode(prompt) if lm.tokenizer else "", list(prompt))]
     # a batch: strings and lists of ids, one level deep, as OpenAI takes them
     if isinstance(prompt, list) and 0 < len(prompt) <= 64 and all(isinstance(p, str) or _is_ids(p) for p in prompt):
@@ -595,21 +686,6 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def default_max_batch(lm) -> int:
-    """--max-batch when not given: 16 on the CPU; on a GPU the slots that half its free memory
-    holds (each slot's state, logits and decode activations), at most 256."""
-    if lm.device.type != "cuda":
-        return 16
-    import torch
-
-    c = lm.config
-    state = c.n_layer * c.d_inner * (c.d_conv + c.d_state) * lm.model.state_dtype.itemsize
-    # logits (f32, and the sampler's copies) and a step's activations, generously
-    per_slot = state + 4 * c.vocab_size * 4 + 16 * c.d_inner * 4
-    free, _ = torch.cuda.mem_get_info(lm.device)
-    return max(1, min(256, free // 2 // per_slot))
-
-
 def _listen(host: str, port: int):
     """The server's socket, bound before the model loads, so that a port in use or a host
     this machine does not have is one line naming the flag, at once."""
@@ -632,43 +708,52 @@ def _listen(host: str, port: int):
 
 
 def serve(args) -> int:
-    """The CLI's `serve`: loads the model, starts the engine and runs uvicorn until SIGTERM or
+    """The CLI's `serve`: starts the engine process, then runs uvicorn until SIGTERM or
     Ctrl-C, which stop new requests, let running ones finish for --shutdown-timeout
-    seconds, cancel the rest, and end with exit code 0."""
+    seconds, end the rest with a 503, and end the command with exit code 0."""
+    import functools
     import sys
 
     try:
         import uvicorn
+        import zmq  # noqa: F401  (the engine process's channel)
     except ImportError:
         raise ValueError("serve needs the server packages: pip install 'fastmamba[serve]'") from None
-    import fastmamba
+    from .config import MambaConfig
+    from .loader import checkpoint_folder, default_model_dir, load
+    from .checkpoint import inside
+    from .tokenizer import Tokenizer
 
     sock = _listen(args.host, args.port)
-    lm = fastmamba.load(args.model, device=args.device, dtype=args.dtype, deterministic=args.deterministic,
-                        threads=args.threads, state_dtype=args.state_dtype)
-    if lm.tokenizer is None:
-        raise ValueError(f"the model in {lm.path} has no tokenizer.json: give --model a folder with one")
-    max_batch = args.max_batch or default_max_batch(lm)
-    registry, metrics = metrics_registry()
-    if lm.engine == "triton":  # tens of seconds for a large model and --max-batch
-        print(f"fastmamba: capturing the decode and prefill graphs for up to {max_batch} slots ...",
-              file=sys.stderr, flush=True)
-    engine = Engine(lm, max_batch=max_batch, max_queue=args.max_queue, prefill_tokens=args.prefill_tokens,
-                    prefix_cache_bytes=args.prefix_cache_mb << 20, metrics=metrics).start()
-    name = args.served_model_name or (args.model or "fastmamba-default")
-    app = create_app(engine, name, api_key=args.api_key, max_model_len=args.max_model_len, registry=registry,
-                     max_body_bytes=int(args.max_body_mb * 2**20))
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout + 5)
-    print(f"fastmamba: serving {name} on http://{args.host}:{args.port} ({lm.device}, {lm.dtype}, "
-          f"{max_batch} slots)", file=sys.stderr, flush=True)
+    folder = checkpoint_folder(args.model)
+    if not (folder / "tokenizer.json").exists():
+        if not (folder / "config.json").exists() and args.model is None:
+            raise ValueError(f"no bundled model in this install ({default_model_dir()}): pass --model DIR")
+        raise ValueError(f"the model in {folder} has no tokenizer.json: give --model a folder with one")
+    make_lm = functools.partial(load, str(folder), device=args.device, dtype=args.dtype, deterministic=args.deterministic,
+                                threads=args.threads, state_dtype=args.state_dtype)
+    print(f"fastmamba: starting the engine (loading {folder}{', capturing CUDA graphs' if args.device != 'cpu' else ''}) ...",
+          file=sys.stderr, flush=True)
+    engine = EngineClient(make_lm, dict(max_batch=args.max_batch, prefill_tokens=args.prefill_tokens,
+                                        prefix_cache_bytes=args.prefix_cache_mb << 20), max_queue=args.max_queue)
     try:
-        _drained_server(config, engine, args.shutdown_timeout).run(sockets=[sock])
+        config = MambaConfig.from_file(inside(folder, "config.json"))
+        prompts = PromptEncoder(Tokenizer(inside(folder, "tokenizer.json")), config.vocab_size, folder)
+        registry, metrics = metrics_registry()
+        name = args.served_model_name or (args.model or "fastmamba-default")
+        app = create_app(engine, prompts, name, api_key=args.api_key, max_model_len=args.max_model_len, registry=registry,
+                         metrics=metrics, max_body_bytes=int(args.max_body_mb * 2**20))
+        server_config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout + 5)
+        info = engine.info
+        print(f"fastmamba: serving {name} on http://{args.host}:{args.port} ({info['device']}, {info['dtype']}, "
+              f"{info['max_batch']} slots)", file=sys.stderr, flush=True)
+        _drained_server(server_config, engine, args.shutdown_timeout).run(sockets=[sock])
     finally:
         engine.shutdown()
     return 0
 
 
-def _drained_server(config, engine: Engine, drain_s: float):
+def _drained_server(config, engine: EngineClient, drain_s: float):
     """uvicorn's server with a drain: the first SIGTERM or Ctrl-C stops new connections
     (uvicorn), lets running requests finish for `drain_s` seconds, then ends those still
     running with a 503 (engine.shutdown), so every connection closes and the command exits

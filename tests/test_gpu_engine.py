@@ -47,7 +47,7 @@ def test_engine_logits_match_the_cpu_reference(dtype, B, kind, real_shape_ckpt):
 def test_graph_replay_equals_eager_bitwise(real_shape_ckpt):
     from fastmamba.cuda_graphs import GraphDecoder
     from fastmamba.kernels.decode_step import DecodeStep
-    from fastmamba.sampling import SamplingParams, sample
+    from fastmamba.sampling import SamplingParams, SlotParams, sample
 
     model = fastmamba.load(real_shape_ckpt, device="cuda", dtype="bfloat16").model
     B = 3
@@ -59,16 +59,17 @@ def test_graph_replay_equals_eager_bitwise(real_shape_ckpt):
     dec = GraphDecoder(model, B)
     tokens = dec.begin(state, logits, sample, reqs).clone()
 
-    eager = fastmamba.cuda_graphs.ReferenceDecoder(model, B)  # only for its slots
+    slots = SlotParams.empty(B, model.config.vocab_size, model.device)
+    slots.set_slots(reqs)
     eager_step, eager_state = DecodeStep(model, B), fastmamba.MambaState(state.conv.clone(), state.ssm.clone())
-    assert torch.equal(eager.begin(eager_state, logits, sample, reqs), tokens)
+    assert torch.equal(sample(logits, slots), tokens)
     et = tokens
     assert dec.steps > 1  # a replay runs several steps; each must equal an eager step
     for _ in range(2):
         gt = dec.next().clone()  # (steps, B)
         for i in range(dec.steps):
             el = eager_step(et, eager_state)
-            et = sample(el, eager.slots)
+            et = sample(el, slots)
             assert torch.equal(gt[i], et), i
         assert torch.equal(dec.step.logits[:B], el)
     assert torch.equal(dec.state.ssm, eager_state.ssm)
@@ -154,9 +155,9 @@ def test_a_bfloat16_state_through_the_gpu_engine(real_shape_ckpt, batch):
 
 
 def test_generations_after_a_stop_token_on_the_gpu(real_shape_ckpt):
-    """The host queues a replay before it reads the one before (GraphDecoder.runs_ahead),
-    so a generation that ends on a stop token leaves one queued: the next generation on the
-    same decoder must not feel it. And one token alone queues nothing."""
+    """The engine queues a step before it reads the one before, so a generation that ends
+    on a stop token leaves one queued: the next generation on the same engine must not feel
+    it. And one token alone."""
     cpu = fastmamba.load(real_shape_ckpt)
     gpu = fastmamba.load(real_shape_ckpt, device="cuda")
     prompt = [11, 22, 33]
@@ -177,7 +178,7 @@ def test_default_model_on_the_gpu_writes_the_cpu_text():
 
 
 def test_interleaved_streams_on_the_gpu_equal_separate_ones(real_shape_ckpt):
-    """Two live generations of the same batch size must not share one graph decoder."""
+    """Two live generations share the engine: each gets its own tokens."""
     lm = fastmamba.load(real_shape_ckpt, device="cuda", dtype="bfloat16")
     a = lm.stream([1, 2, 3], max_tokens=10, stop_token_ids=[])
     b = lm.stream([40, 50], max_tokens=10, stop_token_ids=[])

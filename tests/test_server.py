@@ -310,3 +310,66 @@ def test_a_streamed_tokens_chunk_is_the_chunk_json_would_give():
         for piece in ("hello", "", 'a"b\\\n\u00e9\u0000', "日本", "\u2028"):
             want = _sse(shape.chunk(1, {"content": piece} if chat else piece, None, None))
             assert shape.sse_chunk(1, piece, None, None) == want
+
+
+def test_a_chats_second_turn_resumes_from_the_first_turns_state(server, lm):
+    """The state kept at the end of turn 1 (prompt + answer) is where turn 2's prompt
+    starts: turn 2 prefills only the new message."""
+    c = server.client()
+    newline = lm.encode("\n")
+    msgs = [{"role": "user", "content": "Speak, good sir."}]
+    first = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=40, temperature=0,
+                                      extra_body={"stop_token_ids": newline})
+    answer = first.choices[0].message.content
+    assert first.choices[0].finish_reason == "stop" and answer
+    msgs += [{"role": "assistant", "content": answer}, {"role": "user", "content": "More, I pray thee."}]
+    second = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens
+    assert second.usage.prompt_tokens - cached <= len(lm.encode("\nuser: More, I pray thee.\nassistant:"))
+    prompt = f"user: Speak, good sir.\nassistant:{answer}\nuser: More, I pray thee.\nassistant:"
+    assert second.choices[0].message.content == lm.generate(prompt, max_tokens=8).text
+
+
+def engine_pid(server_pid: int) -> int:
+    """The engine process: the server's child that multiprocessing spawned."""
+    with open(f"/proc/{server_pid}/task/{server_pid}/children") as f:
+        children = [int(p) for p in f.read().split()]
+    for pid in children:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                return pid
+    raise AssertionError(f"no engine process among {children}")
+
+
+def test_a_dead_engine_gives_503s_at_once():
+    import signal
+
+    s = Server("--max-model-len", "20000")
+    try:
+        c = s.client()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(c.completions.create, model=c.models.list().data[0].id, prompt="To be",
+                                  max_tokens=10000, extra_body={"stop_token_ids": []})
+            deadline = time.time() + 60
+            while running(s) < 1 and time.time() < deadline:
+                time.sleep(0.1)
+            os.kill(engine_pid(s.proc.pid), signal.SIGKILL)
+            t0 = time.time()
+            with pytest.raises(openai.InternalServerError) as e:
+                pending.result(timeout=10)
+            assert e.value.status_code == 503 and time.time() - t0 < 1.5
+        for _ in range(20):  # the health check follows within a second
+            try:
+                urllib.request.urlopen(s.url + "/health", timeout=5)
+            except urllib.error.HTTPError as err:
+                assert err.code == 503
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("/health stayed 200")
+        t0 = time.time()
+        status, body = s.post("/v1/completions", {"prompt": "To be", "max_tokens": 3})
+        assert status == 503 and body["error"]["code"] == "engine_unavailable" and time.time() - t0 < 1
+    finally:
+        s.stop()

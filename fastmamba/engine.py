@@ -1,0 +1,463 @@
+"""The engine core: every generation runs here. `generate`, `stream` and `generate_batch`
+drive it in the caller's process (language_model.py); `serve` runs it in a process of its
+own (engine_process.py). It is one loop of steps over a fixed pool of state slots
+(continuous batching), and it knows token ids only: text, stop strings and HTTP live in
+its callers.
+
+A step:
+1. frees the slots of finished and aborted requests and admits waiting ones into free
+   slots (a prefix-cache hit copies the cached state into the slot);
+2. prefills prompts within a token budget: new prompts together in one batched pass,
+   prompts that resume from a cached state (or a long prompt's later chunks) a chunk at a
+   time, so that running streams keep their pace behind a long prompt;
+3. launches one decode step for every running request, on the pool's first rows in place,
+   and samples each request's next token on the device with its own parameters and random
+   stream, as `generate` alone would;
+4. then reads the tokens of the step before. On the GPU the host is a step ahead: step t+1
+   is queued before step t's tokens are read, so the GPU runs on while the host handles
+   them (stops, outputs). A row whose request turns out to have finished at step t has
+   run one step too many, which is discarded. On the CPU a step queued ahead is a step
+   computed, so there each step's tokens are read at once.
+The decode input of a row is the token it sampled last, kept on the device: the host's
+reading of it is never on the GPU's path.
+
+Every sampled token feeds the slot's state exactly once (`EngineRequest.fed` counts them),
+so when a request finishes its slot holds the state after its prompt and output: the
+prefix cache keeps it there, where a chat's next turn starts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from .model import MambaState
+from .prefix_cache import PrefixCache
+from .sampling import SamplingParams, SlotParams, pick_sampler, resolve_seed
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    ids: list[int]
+    params: SamplingParams  # max_tokens is the request's own bound
+    top_logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the k best
+    rid: int = field(default_factory=_ids.__next__)
+    arrived: float = field(default_factory=time.perf_counter)
+    # -- the engine's, while the request runs --
+    seed: int = 0
+    stops: frozenset = frozenset()
+    slot: int | None = None
+    pos: int = 0  # prompt tokens in the slot's state (cached or prefilled)
+    fed: int = 0  # tokens the slot's state has taken in: the prompt's, then each decode input
+    sampled: list[int] = field(default_factory=list)  # every token sampled, a stop token included
+    cached_tokens: int = 0
+    on_device: bool = False  # its last sampled token waits on the device as the next decode input
+    just_sampled: bool = False  # its first token came in this step's prefill: it decodes from the next
+    finished: bool = False
+    aborted: bool = False
+    queued_s: float = 0.0
+    last_logits: tuple | None = None  # (logits, row): the logits after the last token fed
+
+    @property
+    def output(self) -> list[int]:
+        return self.sampled[:-1] if self.sampled and self.sampled[-1] in self.stops else self.sampled
+
+
+# An output is a tuple, cheap to make and to send between processes:
+#   (rid, token, logprob, None, first)   a generated token (logprob: None, or (chosen, [(id, logprob), ...]);
+#                                        first: on a request's first token, its cached_tokens and queue_s)
+#   (rid, None, None, reason, info)      the request's end: reason "stop", "length" or "error";
+#                                        info: prompt_tokens, completion_tokens, cached_tokens, queue_s
+#                                        (for "error": message, status)
+
+
+class _Launch:
+    """One step's sampled tokens (and logprobs) on their way to the host: copied into pinned
+    memory behind the step's work, with one event, so the host reads them when it needs them
+    and not sooner."""
+
+    def __init__(self):
+        self.rows: list[tuple[EngineRequest, bool]] = []  # (request, finite-checked) per token
+        self.parts: list[torch.Tensor] = []  # device int64: each part's tokens, then its finite flags
+        self.logprobs: list[tuple[int, tuple]] = []  # (first row, (chosen, top ids, top values))
+        self.host = None
+
+    def add(self, reqs: list[EngineRequest], tokens: torch.Tensor, finite: torch.Tensor | None = None,
+            logprobs: tuple | None = None) -> None:
+        if logprobs is not None:
+            self.logprobs.append((len(self.rows), logprobs))
+        self.rows += [(r, finite is not None) for r in reqs]
+        flags = torch.ones_like(tokens) if finite is None else finite.to(torch.int64).expand(tokens.shape)
+        self.parts.append(torch.stack([tokens, flags], 1))
+
+    def send(self) -> None:
+        if not self.parts:
+            return
+        tensors = [torch.cat(self.parts)] + [t for _, lp in self.logprobs for t in lp]
+        if tensors[0].is_cuda:
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for h, t in zip(self.host, tensors):
+                h.copy_(t, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host, self.done = tensors, None
+
+    def read(self):
+        """(token, finite) per row, and each row's logprob entry or None."""
+        if self.host is None:
+            return [], []
+        if self.done is not None:
+            self.done.synchronize()
+        pairs = self.host[0].tolist()
+        entries = [None] * len(self.rows)
+        at = 1
+        for first, _ in self.logprobs:
+            chosen, top_ids, top_values = (self.host[at + k].tolist() for k in range(3))
+            at += 3
+            for k, c in enumerate(chosen):
+                entries[first + k] = (c, list(zip(top_ids[k], top_values[k])))
+        return pairs, entries
+
+
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple:
+    """The chosen tokens' log-probabilities (n,) and the k best (n, k) ids and values, on the device."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(lp, k, dim=-1)
+    return lp.gather(1, tokens[:, None])[:, 0], top.indices, top.values
+
+
+class EngineCore:
+    """The slots, the waiting queue, the prefix cache and the step loop (see the module's doc).
+
+    lm: a LanguageModel (its model, engine kind and deterministic mode).
+    prefill_tokens: prompt tokens prefilled a step at most (a prompt that alone is longer
+    runs in chunks of it, one a step).
+    """
+
+    def __init__(self, lm, max_batch: int = 16, prefill_tokens: int = 1024, prefix_cache_bytes: int = 0):
+        self.lm, self.model = lm, lm.model
+        self.device = self.model.device
+        self.max_batch, self.prefill_tokens = max_batch, prefill_tokens
+        self.cache = PrefixCache(prefix_cache_bytes)
+        self.gpu = lm.engine == "triton"
+        # a step ahead on the GPU (see above); on the CPU only in tests of the bookkeeping
+        self.run_ahead = self.gpu
+        self.pool = self.model.new_state(max_batch)  # one slot a running request
+        self.slots: list[EngineRequest | None] = [None] * max_batch
+        self.slot_params = SlotParams.empty(max_batch, self.model.config.vocab_size, self.device)
+        self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=self.device)  # each row's next decode input
+        self.waiting: deque[EngineRequest] = deque()
+        self.requests: dict[int, EngineRequest] = {}  # waiting and running, by rid
+        self.inflight: _Launch | None = None  # the step launched and not yet read (GPU)
+        self.cache_queries = self.cache_hits = 0
+        self.decode_graphs = self.prefill_graphs = None
+        if self.gpu:
+            from .cuda_graphs import ChunkPrefillGraphs, PoolDecodeGraphs
+
+            self.decode_graphs = PoolDecodeGraphs(self.model, self.pool, self.tokens, lm.deterministic)
+            self.prefill_graphs = ChunkPrefillGraphs(self.model, self.cache.interval)
+
+    # -- the caller's side ------------------------------------------------------------------
+
+    def add(self, req: EngineRequest) -> EngineRequest:
+        """Queues a request (its ids checked by the caller); it is admitted at a step."""
+        req.seed = resolve_seed(req.params.seed)
+        stops = req.params.stop_token_ids
+        req.stops = frozenset(stops if stops is not None else (self.model.config.eos_token_id,))
+        self.requests[req.rid] = req
+        self.waiting.append(req)
+        return req
+
+    def abort(self, rid: int) -> None:
+        """Ends a request without another output (its client went away, or a stop string
+        ended its text); its slot is freed at the next step."""
+        req = self.requests.get(rid)
+        if req is not None:
+            req.aborted = True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.requests) or self.inflight is not None
+
+    @property
+    def running(self) -> int:
+        return sum(r is not None for r in self.slots)
+
+    def stats(self) -> dict:
+        return dict(running=self.running, waiting=len(self.waiting), cache_queries=self.cache_queries,
+                    cache_hits=self.cache_hits)
+
+    def fail_all(self, message: str, status: int = 500) -> list:
+        """Ends every request with an error (the engine is shutting down, or a step failed)."""
+        outs = []
+        for req in list(self.requests.values()):
+            self._end(req, outs, error=(message, status))
+        self._free()
+        self.waiting.clear()
+        return outs
+
+    # -- the step ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list:
+        """Runs one step; returns the outputs read in it (see the tuples above)."""
+        outs: list = []
+        self._free()
+        launch = _Launch()
+        with self.lm._threads():
+            self._admit(launch, outs)
+            self._prefill(launch, outs)
+            try:
+                self._decode(launch)
+            except Exception as e:  # a fault of the step itself: fail what runs, keep serving
+                for r in self.slots:
+                    if r is not None and not r.finished:
+                        self._end(r, outs, error=(f"{type(e).__name__}: {e}", 500))
+                launch = _Launch()
+            launch.send()
+        if self.run_ahead:  # read the step before this one
+            launch, self.inflight = self.inflight, (launch if launch.rows else None)
+        if launch is not None:
+            self._read(launch, outs)
+        return outs
+
+    def _free(self) -> None:
+        for i, r in enumerate(self.slots):
+            if r is not None and (r.finished or r.aborted):
+                self.slots[i] = None
+                self.requests.pop(r.rid, None)
+        if any(r.aborted for r in self.waiting):
+            for r in [r for r in self.waiting if r.aborted]:
+                self.waiting.remove(r)
+                self.requests.pop(r.rid, None)
+
+    def _admit(self, launch: _Launch, outs: list) -> None:
+        while self.waiting and None in self.slots:
+            r = self.waiting.popleft()
+            # new requests take the highest free slot: the decoding ones gather at the lowest,
+            # so the padding rows of a decode bucket are rarely anyone's
+            r.slot = max(k for k, s in enumerate(self.slots) if s is None)
+            self.slots[r.slot] = r
+            r.queued_s = time.perf_counter() - r.arrived
+            try:
+                self.slot_params.set_slot(r.slot, r.params, r.seed, _to_device(r.ids, self.device))
+                self.pool.reset(r.slot)
+                self.cache_queries += 1
+                n, hit = self.cache.lookup(r.ids)
+                if hit is not None:
+                    self.cache_hits += 1
+                    self.pool.conv[:, r.slot : r.slot + 1].copy_(hit.conv)
+                    self.pool.ssm[:, r.slot : r.slot + 1].copy_(hit.ssm)
+                    r.pos = r.fed = r.cached_tokens = n
+                    if n == len(r.ids):
+                        self._sample([r], hit.logits[None], None, launch, checked=False)
+            except Exception as e:
+                self._end(r, outs, error=(f"{type(e).__name__}: {e}", 500))
+
+    def _prefill(self, launch: _Launch, outs: list) -> None:
+        budget = self.prefill_tokens
+        todo = sorted((r for r in self.slots if r is not None and not r.finished and r.pos < len(r.ids)),
+                      key=lambda r: r.arrived)  # oldest first: the earliest request's first token comes first
+        # new prompts that fit the budget whole: one batched pass. (With the cache on, one
+        # longer than its interval runs in chunks on the grid instead, leaving states along the way.)
+        longest = self.cache.interval if self.cache.budget else budget
+        fresh = []
+        for r in todo:
+            if r.pos == 0 and len(r.ids) <= min(budget, longest):
+                fresh.append(r)
+                budget -= len(r.ids)
+        if fresh:
+            try:
+                self._prefill_fresh(fresh, launch)
+            except Exception as e:
+                for r in fresh:
+                    self._end(r, outs, error=(f"{type(e).__name__}: {e}", 500))
+        budget = self.prefill_tokens - sum(len(r.ids) for r in fresh)
+        for r in todo:  # the rest a chunk at a time, as far as the budget goes
+            if r in fresh or r.finished:
+                continue
+            try:
+                while budget > 0 and r.pos < len(r.ids):
+                    # chunks end on the cache's interval grid, so that a long prompt leaves
+                    # states along the way
+                    grid = (r.pos // self.cache.interval + 1) * self.cache.interval if self.cache.budget else len(r.ids)
+                    end = min(len(r.ids), r.pos + budget, grid)
+                    logits = self._prefill_chunk(r, r.ids[r.pos : end])
+                    budget -= end - r.pos
+                    r.pos = r.fed = end
+                    if end == len(r.ids) or end % self.cache.interval == 0:
+                        view = self._slot_state(r.slot)
+                        self.cache.store(r.ids[:end], view.conv, view.ssm, logits[0])
+                    if end == len(r.ids):
+                        self._sample([r], logits, None, launch, checked=True)
+            except Exception as e:
+                self._end(r, outs, error=(f"{type(e).__name__}: {e}", 500))
+            if budget <= 0:
+                break
+
+    def _prefill_fresh(self, reqs: list[EngineRequest], launch: _Launch) -> None:
+        """Whole prompts from a zero state, together: left-padded to the longest, through the
+        language model's prefill (CUDA graphs for short ones; each alone in deterministic mode)."""
+        logits, state = self.lm._prefill_prompts([r.ids for r in reqs])  # (n, V), state (L, n, ...)
+        for k, r in enumerate(reqs):
+            self.pool.conv[:, r.slot].copy_(state.conv[:, k])
+            self.pool.ssm[:, r.slot].copy_(state.ssm[:, k])
+            r.pos = r.fed = len(r.ids)
+            view = self._slot_state(r.slot)
+            self.cache.store(r.ids, view.conv, view.ssm, logits[k])
+        rows = torch.tensor([r.slot for r in reqs], device=self.device) if len(reqs) > 1 else None
+        self._sample(reqs, logits, rows, launch, checked=True)
+
+    def _prefill_chunk(self, r: EngineRequest, ids: list[int]) -> torch.Tensor:
+        """The next chunk of a slot's prompt, continuing its state; logits (1, V) after it."""
+        chunk = _to_device(ids, self.device)[None]
+        view = self._slot_state(r.slot)
+        if self.prefill_graphs is not None and len(ids) <= self.prefill_graphs.longest:
+            return self.prefill_graphs(chunk, view)
+        state = MambaState(view.conv.clone(), view.ssm.clone())  # (the kernels take a contiguous state)
+        logits = self.model.prefill(chunk, state, last_only=True)
+        view.conv.copy_(state.conv)
+        view.ssm.copy_(state.ssm)
+        return logits
+
+    def _sample(self, reqs: list[EngineRequest], logits: torch.Tensor, slots, launch: _Launch, checked: bool) -> None:
+        """The first tokens of requests whose prompts are in their slots, from logits (n, V):
+        sampled with each slot's parameters into the slot's decode input."""
+        sampler = pick_sampler([r.params for r in reqs], self.gpu)
+        if slots is None:  # one request
+            i = reqs[0].slot
+            tok = sampler(logits, self.slot_params.rows(i, i + 1))
+            self.tokens[i : i + 1].copy_(tok)
+        else:  # their slots' parameters gathered, sampled, scattered back
+            params = SlotParams(**{f.name: getattr(self.slot_params, f.name)[slots] for f in fields(self.slot_params)})
+            tok = sampler(logits, params)
+            for f in fields(self.slot_params):
+                getattr(self.slot_params, f.name)[slots] = getattr(params, f.name)
+            self.tokens[slots] = tok
+        finite = torch.isfinite(logits).all(-1) if checked else None
+        k = max((r.top_logprobs or 0 for r in reqs), default=0)
+        lp = _logprobs(logits, tok, k) if any(r.top_logprobs is not None for r in reqs) else None
+        launch.add(reqs, tok, finite, lp)
+        kept = logits.clone() if self.gpu else logits  # (a prefill graph's logits are rewritten by its next replay)
+        for n, r in enumerate(reqs):
+            r.on_device = r.just_sampled = True
+            r.last_logits = (kept, n)
+
+    def _slot_state(self, i: int) -> MambaState:
+        return MambaState(self.pool.conv[:, i : i + 1], self.pool.ssm[:, i : i + 1])
+
+    def _decoding(self, r: EngineRequest | None) -> bool:
+        return r is not None and r.on_device and not r.just_sampled and not r.finished and not r.aborted
+
+    def _move(self, src: int, dst: int) -> None:
+        """Swaps two slots: their requests, state rows, sampling rows and decode inputs."""
+        a, b = self.slots[src], self.slots[dst]
+        for t in (self.pool.conv, self.pool.ssm):
+            _swap(t[:, src], t[:, dst])
+        for f in fields(self.slot_params):
+            t = getattr(self.slot_params, f.name)
+            _swap(t[src], t[dst])
+        _swap(self.tokens[src], self.tokens[dst])
+        self.slots[src], self.slots[dst] = b, a
+        for r, i in ((a, dst), (b, src)):
+            if r is not None:
+                r.slot = i
+
+    def _decode(self, launch: _Launch) -> None:
+        decoding = [self._decoding(r) for r in self.slots]
+        for r in self.slots:  # a first token sampled in this step's prefill is decoded from the next step
+            if r is not None:
+                r.just_sampled = False
+        d = sum(decoding)
+        if not d:
+            return
+        # The decoding requests move to the first slots, so that the step runs on the
+        # pool's first d rows in place (views of it: no gather, no scatter).
+        holes = [i for i in range(d) if not decoding[i]]
+        movers = [i for i in range(d, self.max_batch) if decoding[i]]
+        for hole, mover in zip(holes, movers):
+            self._move(mover, hole)
+        rows = self.slots[:d]
+        if self.decode_graphs is None:
+            logits = self.model.step(self.tokens[:d], MambaState(self.pool.conv[:, :d], self.pool.ssm[:, :d]))
+        else:
+            # the rows between d and the bucket are padding: keep aside any that hold a
+            # request still prefilling
+            bucket = self.decode_graphs.bucket(d)
+            kept = [(i, self.pool.conv[:, i].clone(), self.pool.ssm[:, i].clone(), self.tokens[i].clone())
+                    for i in range(d, bucket) if self.slots[i] is not None]
+            logits = self.decode_graphs(d)
+            for i, conv, ssm, tok in kept:
+                self.pool.conv[:, i].copy_(conv)
+                self.pool.ssm[:, i].copy_(ssm)
+                self.tokens[i].copy_(tok)
+        sampler = pick_sampler([r.params for r in rows], self.gpu)
+        tok = sampler(logits[:d], self.slot_params.rows(0, d))
+        self.tokens[:d].copy_(tok)
+        lp = None
+        if any(r.top_logprobs is not None for r in rows):
+            lp = _logprobs(logits[:d], tok, max(r.top_logprobs or 0 for r in rows))
+        launch.add(rows, tok, None, lp)
+        for k, r in enumerate(rows):
+            r.fed += 1
+            r.last_logits = (logits, k)
+
+    # -- reading a step's tokens ------------------------------------------------------------
+
+    def _read(self, launch: _Launch, outs: list) -> None:
+        pairs, entries = launch.read()
+        for (r, checked), (token, finite), entry in zip(launch.rows, pairs, entries):
+            if r.finished or r.aborted:
+                continue  # a step past its end: discarded
+            if checked and not finite:
+                self._end(r, outs, error=(f"NonFiniteError: {self.model.nonfinite_culprit([r.ids])}", 500))
+                continue
+            r.sampled.append(token)
+            if token in r.stops:
+                self._end(r, outs, "stop")
+                continue
+            first = dict(cached_tokens=r.cached_tokens, queue_s=r.queued_s) if len(r.sampled) == 1 else None
+            outs.append((r.rid, token, entry, None, first))
+            if len(r.sampled) >= r.params.max_tokens:
+                self._end(r, outs, "length")
+
+    def _end(self, r: EngineRequest, outs: list, reason: str | None = None, error: tuple | None = None) -> None:
+        if r.finished:
+            return
+        r.finished = True
+        if r.slot is None:  # still waiting
+            self.requests.pop(r.rid, None)
+        if error is not None:
+            message, status = error
+            outs.append((r.rid, None, None, "error", dict(message=message, status=status)))
+            return
+        if r.slot is not None and r.last_logits is not None and not r.aborted:
+            # the state after the prompt and every token fed since: a chat's next turn resumes here
+            logits, row = r.last_logits
+            fed = (r.ids + r.sampled)[: r.fed]
+            view = self._slot_state(r.slot)
+            self.cache.store(fed, view.conv, view.ssm, logits[row])
+        outs.append((r.rid, None, None, reason, dict(prompt_tokens=len(r.ids), completion_tokens=len(r.output),
+                                                     cached_tokens=r.cached_tokens, queue_s=r.queued_s)))
+
+
+def _to_device(ids: list[int], device) -> torch.Tensor:
+    """Token ids as an int64 tensor on `device`, without making the host wait for the GPU:
+    a plain host-to-device copy from pageable memory waits for the stream's queued work."""
+    t = torch.tensor(ids, dtype=torch.int64)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _swap(a: torch.Tensor, b: torch.Tensor) -> None:
+    row = a.clone()
+    a.copy_(b)
+    b.copy_(row)

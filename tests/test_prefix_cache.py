@@ -1,0 +1,59 @@
+"""The prefix cache's radix tree: the longest cached prefix at any length, LRU under a budget."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from fastmamba.prefix_cache import PrefixCache
+
+
+def state(value: float):
+    t = torch.full((1, 1, 1, 1), float(value))
+    return t, t.clone(), torch.full((3,), float(value))
+
+
+def test_the_longest_cached_prefix_at_any_length_against_brute_force():
+    rng = random.Random(0)
+    cache, keys, first = PrefixCache(1 << 30), {}, {}
+    for _ in range(1500):
+        key = tuple(rng.randint(0, 3) for _ in range(rng.randint(1, 9)))
+        value = len(first)
+        first.setdefault(key, value)  # (a prefix stored again keeps its first state)
+        keys[key] = value
+        cache.store(list(key), *state(value))
+    for _ in range(1500):
+        query = [rng.randint(0, 3) for _ in range(rng.randint(1, 12))]
+        want = max((k for k in keys if tuple(query[: len(k)]) == k), key=len, default=None)
+        n, entry = cache.lookup(query)
+        if want is None:
+            assert (n, entry) == (0, None)
+        else:
+            assert n == len(want) and entry.ssm.item() == entry.logits[0] == first[want]
+
+
+def test_a_stored_state_is_a_copy():
+    conv, ssm, logits = state(1)
+    cache = PrefixCache(1 << 20)
+    cache.store([5, 6], conv, ssm, logits)
+    ssm.fill_(7)
+    assert cache.lookup([5, 6, 7])[1].ssm.item() == 1
+
+
+def test_the_budget_evicts_the_least_recently_used():
+    one = sum(t.numel() * t.element_size() for t in state(0))
+    cache = PrefixCache(3 * one)
+    for i in range(3):
+        cache.store([i, i, i], *state(i))
+    cache.lookup([0, 0, 0])  # 0 is now the most recent: 1 goes first
+    cache.store([9], *state(9))
+    assert [cache.lookup([i, i, i])[0] for i in range(3)] == [3, 0, 3]
+    assert len(cache) == 3 and cache.bytes == 3 * one
+    assert set(cache._root.children) == {0, 2, 9}  # the evicted path is pruned
+
+
+def test_off_with_no_budget():
+    cache = PrefixCache(0)
+    cache.store([1, 2], *state(1))
+    assert cache.lookup([1, 2]) == (0, None) and len(cache) == 0
