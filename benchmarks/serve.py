@@ -1,12 +1,14 @@
 """Serving benchmark: `fastmamba serve`'s HTTP API under load, on loopback.
 
-An in-process server (uvicorn in a thread, the engine thread beside it) over a model with
-random weights at a public shape; an asyncio load generator (in processes of its own, so
+`fastmamba serve`'s front end (uvicorn in a thread of this process) over its engine process,
+on a model with random weights at a public shape; an asyncio load generator (in processes of its own, so
 that it does not share the server's interpreter lock) with streaming clients at each
 concurrency, prompts of 64-2048 tokens and outputs of 64-512 drawn from a fixed seed (token
 ids: the model has no tokenizer). Per concurrency: output tokens/s, time to first token and
 inter-token latency (p50 / p99, and the mean: events that arrive in one write have gaps of
-~0), and the same prompts through offline `generate_batch` at that batch for a ratio. Then a shared-prefix workload: a 2048-token prefix, cold and cached.
+~0), and the same prompts through offline `generate_batch` at that batch for a ratio (the same engine, in this process). Then: 16 clients with 512-token
+prompts (time to first token), a shared 2048-token prefix cold and cached, and 300 clients
+at once against room for 256 (slots + queue): 429s, no 500s, every accepted stream complete.
 Every loop is bounded: a fixed number of requests per level, each with a timeout.
 
     python benchmarks/serve.py --model 2.8b --json serve.json
@@ -14,6 +16,7 @@ Every loop is bounded: a fixed number of requests per level, each with a timeout
 
 import argparse
 import asyncio
+import functools
 import json
 import random
 import socket
@@ -27,11 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from fastmamba.bench import random_model, time_graph_steps  # noqa: E402
-from fastmamba.language_model import LanguageModel  # noqa: E402
-from fastmamba.model import Mamba, triton_ops  # noqa: E402
+from fastmamba.bench import random_language_model, time_graph_steps  # noqa: E402
+from fastmamba.engine_process import EngineClient  # noqa: E402
+from fastmamba.language_model import PromptEncoder  # noqa: E402
 from fastmamba.sampling import SamplingParams  # noqa: E402
-from fastmamba.scheduler import Engine  # noqa: E402
 from fastmamba.server import create_app, metrics_registry  # noqa: E402
 
 
@@ -41,12 +43,16 @@ def pct(values, q):
 
 
 async def one(client, url, prompt, max_tokens):
-    """A streaming completion: (ttft s, inter-token gaps, tokens); tokens is -1 on an error."""
+    """A streaming completion: (ttft s, inter-token gaps, tokens); tokens is -1 on an error,
+    and -429 on a 429."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": len(prompt), "stream": True,
             "stop_token_ids": []}
     t0 = time.perf_counter()
     times = []
     async with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        if r.status_code == 429:
+            await r.aread()
+            return float("nan"), [], -429
         if r.status_code != 200:  # an error body, reported and counted
             print("error:", r.status_code, (await r.aread())[:200], flush=True)
             return float("nan"), [], -1
@@ -125,37 +131,6 @@ def http_level(clients, url, jobs, concurrency):
     return results, time.perf_counter() - t0
 
 
-def engine_level(engine, jobs, concurrency):
-    """The same load straight into the engine (no HTTP): `concurrency` requests in flight."""
-    from fastmamba.scheduler import Request
-
-    results, slots = [None] * len(jobs), threading.Semaphore(concurrency)
-    finished = threading.Semaphore(0)
-
-    def submit(k, prompt, max_tokens):
-        times, t0 = [], time.perf_counter()
-
-        def emit(kind, data):
-            if kind == "token":
-                times.append(time.perf_counter())
-            else:
-                ok = kind == "done" and times
-                results[k] = (times[0] - t0, [b - a for a, b in zip(times, times[1:])], len(times)) if ok else (float("nan"), [], -1)
-                slots.release()
-                finished.release()
-
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=len(prompt), stop_token_ids=[])
-        engine.submit(Request(prompt, params, emit))
-
-    t0 = time.perf_counter()
-    for k, job in enumerate(jobs):
-        slots.acquire()
-        submit(k, *job)
-    for _ in jobs:
-        finished.acquire(timeout=600)
-    return results, time.perf_counter() - t0
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="2.8b")
@@ -165,39 +140,30 @@ def main() -> None:
     ap.add_argument("--outputs", default="64,512", help="output lengths drawn from this range")
     ap.add_argument("--clients", type=int, default=4, help="load generator processes")
     ap.add_argument("--prefill-tokens", type=int, default=1024, help="the engine's prefill budget a step")
-    ap.add_argument("--engine", action="store_true", help="drive the engine directly, without HTTP (no server packages)")
     ap.add_argument("--cpu", action="store_true", help="a smoke run on the CPU's reference engine (use a small --model)")
     ap.add_argument("--json")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     prompts, outputs = ([int(x) for x in a.split(",")] for a in (args.prompts, args.outputs))
-    if args.cpu:
-        lm = LanguageModel(random_model(args.model, torch.float32, device="cpu"), None, engine="reference")
-    else:
-        base = random_model(args.model, torch.bfloat16)
-        lm = LanguageModel(Mamba(base.config, base.weights, triton_ops()), None, engine="triton")
-    V = lm.config.vocab_size
+    dtype, device = (torch.float32, "cpu") if args.cpu else (torch.bfloat16, "cuda")
+    make_lm = functools.partial(random_language_model, args.model, dtype, device)
     registry, metrics = metrics_registry()
     t0 = time.perf_counter()
     slots = max(levels + [16])  # the 16-client TTFT workload too
-    engine = Engine(lm, max_batch=slots, max_queue=10 * slots, prefill_tokens=args.prefill_tokens, metrics=metrics).start()
-    print(f"engine built (graphs captured) in {time.perf_counter() - t0:.1f} s", flush=True)
-    if args.engine:
-        server, url = None, None
+    engine = EngineClient(make_lm, dict(max_batch=slots, prefill_tokens=args.prefill_tokens,
+                                        prefix_cache_bytes=256 << 20), max_queue=10 * slots)
+    print(f"engine process ready (graphs captured) in {time.perf_counter() - t0:.1f} s", flush=True)
+    lm = make_lm()  # offline: the same engine in this process
+    V = lm.config.vocab_size
+    server, url = start_server(create_app(engine, PromptEncoder(None, V), args.model, registry=registry, metrics=metrics))
+    clients = start_clients(args.clients)
 
-        def run_level(jobs, c):
-            return engine_level(engine, jobs, c)
-    else:
-        server, url = start_server(create_app(engine, args.model, registry=registry))
-        clients = start_clients(args.clients)
-
-        def run_level(jobs, c):
-            return http_level(clients, url, jobs, c)
+    def run_level(jobs, c):
+        return http_level(clients, url, jobs, c)
     rng = random.Random(0)
     rows = []
     device = "CPU" if args.cpu else torch.cuda.get_device_name()
-    print(f"device: {device}, model {args.model} {lm.model.weights.embedding.dtype} (random weights), "
-          f"{'engine alone' if args.engine else 'HTTP'}")
+    print(f"device: {device}, model {args.model} {lm.model.weights.embedding.dtype} (random weights), HTTP")
     for c in levels:
         n = max(16, args.requests * c) if c > 1 else 8
         jobs = [([rng.randrange(1, V) for _ in range(rng.randint(*prompts))], rng.randint(*outputs)) for _ in range(n)]
@@ -242,8 +208,17 @@ def main() -> None:
                speedup=round(cold / hot, 1))
     rows.append(row)
     print(json.dumps(row), flush=True)
-    if server is not None:
-        server.should_exit = True
+    # 300 clients at once against room for 256 requests (slots + queue): the rest get 429s
+    engine.max_queue = 256 - engine.max_batch
+    jobs = [([rng.randrange(1, V) for _ in range(rng.randint(64, 512))], 64) for _ in range(300)]
+    results, _ = run_level(jobs, 300)
+    refused = sum(r[2] == -429 for r in results)
+    complete = sum(r[2] == m for r, (_, m) in zip(results, jobs))
+    row = dict(workload="300 clients, room for 256", accepted_complete=complete, refused_429=refused,
+               other=len(jobs) - complete - refused, server_up=engine.alive)
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    server.should_exit = True
     engine.shutdown()
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=device, model=args.model, rows=rows), indent=2))

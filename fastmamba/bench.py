@@ -64,6 +64,18 @@ def random_model(size: str, dtype: torch.dtype, device="cuda", state_dtype: torc
     return Mamba(c, MambaWeights(embedding=emb, layers=layers, norm_f=vec(d, 1.0), lm_head=head), state_dtype=state_dtype)
 
 
+def random_language_model(size: str, dtype: torch.dtype, device="cuda", state_dtype: torch.dtype = torch.float32):
+    """random_model as a LanguageModel with no tokenizer, on the GPU engine where the device
+    is CUDA (a module-level function: the serving benchmark's engine process makes its own)."""
+    from .language_model import LanguageModel
+    from .model import REFERENCE_OPS, triton_ops
+
+    base = random_model(size, dtype, device, state_dtype)
+    gpu = torch.device(device).type == "cuda"
+    model = Mamba(base.config, base.weights, triton_ops() if gpu else REFERENCE_OPS, state_dtype=state_dtype)
+    return LanguageModel(model, None, engine="triton" if gpu else "reference")
+
+
 def step_bytes(model: Mamba, batch: int) -> tuple[int, int]:
     """(weight bytes, state bytes) one decode step must move at the least."""
     w = model.weights

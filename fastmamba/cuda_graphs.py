@@ -208,7 +208,6 @@ class ChunkPrefillGraphs:
 
     def __init__(self, model: Mamba, longest: int):
         self.state = model.new_state(1)
-        self.longest = longest
         self.lengths = [1 << k for k in range(longest.bit_length()) if 1 << k <= longest][::-1]
         mempool = torch.cuda.graph_pool_handle()
         self.graphs = {}

@@ -93,6 +93,7 @@ class _Launch:
         if logprobs is not None:
             self.logprobs.append((len(self.rows), logprobs))
         self.rows += [(r, finite is not None) for r in reqs]
+        tokens = tokens.long()
         flags = torch.ones_like(tokens) if finite is None else finite.to(torch.int64).expand(tokens.shape)
         self.parts.append(torch.stack([tokens, flags], 1))
 
@@ -157,12 +158,11 @@ class EngineCore:
         self.requests: dict[int, EngineRequest] = {}  # waiting and running, by rid
         self.inflight: _Launch | None = None  # the step launched and not yet read (GPU)
         self.cache_queries = self.cache_hits = 0
-        self.decode_graphs = self.prefill_graphs = None
+        self.decode_graphs = self._chunk_graphs = None
         if self.gpu:
-            from .cuda_graphs import ChunkPrefillGraphs, PoolDecodeGraphs
+            from .cuda_graphs import PoolDecodeGraphs
 
             self.decode_graphs = PoolDecodeGraphs(self.model, self.pool, self.tokens, lm.deterministic)
-            self.prefill_graphs = ChunkPrefillGraphs(self.model, self.cache.interval)
 
     # -- the caller's side ------------------------------------------------------------------
 
@@ -319,8 +319,12 @@ class EngineCore:
         """The next chunk of a slot's prompt, continuing its state; logits (1, V) after it."""
         chunk = _to_device(ids, self.device)[None]
         view = self._slot_state(r.slot)
-        if self.prefill_graphs is not None and len(ids) <= self.prefill_graphs.longest:
-            return self.prefill_graphs(chunk, view)
+        if self.gpu and len(ids) <= self.cache.interval:
+            if self._chunk_graphs is None:  # captured at the first chunk (offline, long prompts run eager chunks)
+                from .cuda_graphs import ChunkPrefillGraphs
+
+                self._chunk_graphs = ChunkPrefillGraphs(self.model, self.cache.interval)
+            return self._chunk_graphs(chunk, view)
         state = MambaState(view.conv.clone(), view.ssm.clone())  # (the kernels take a contiguous state)
         logits = self.model.prefill(chunk, state, last_only=True)
         view.conv.copy_(state.conv)
