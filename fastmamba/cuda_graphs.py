@@ -198,32 +198,34 @@ class PoolDecodeGraphs:
 
 
 class ChunkPrefillGraphs:
-    """Prefill of one slot's next tokens, continuing from its state, as CUDA graphs of
-    chunk lengths 1, 2, 4, ... up to `longest` (the serving engine's prefill).
+    """Prefill of the next tokens of `batch` slots (as many for each), continuing from their
+    states, as CUDA graphs of chunk lengths 1, 2, 4, ... up to `longest` (the engine's
+    prefill of prompts that resume from a state, or of a long prompt's chunks).
 
     A chunk runs as its binary pieces (200 tokens: 128 + 64 + 8), each an exact graph with
-    no padding: left padding would put zeros where the slot's last tokens belong in the
-    conv window. A slot's state is copied into the graphs' one-slot state and back.
+    no padding: left padding would put zeros where a slot's last tokens belong in the
+    conv window. The slots' states are gathered from the pool into the graphs' state and
+    scattered back.
     """
 
-    def __init__(self, model: Mamba, longest: int):
-        self.state = model.new_state(1)
+    def __init__(self, model: Mamba, longest: int, batch: int = 1, mempool=None):
+        self.state = model.new_state(batch)
         self.lengths = [1 << k for k in range(longest.bit_length()) if 1 << k <= longest][::-1]
-        mempool = torch.cuda.graph_pool_handle()
+        mempool = mempool or torch.cuda.graph_pool_handle()
         self.graphs = {}
         for n in self.lengths:
-            ids = torch.zeros(1, n, dtype=torch.int64, device=model.device)
+            ids = torch.zeros(batch, n, dtype=torch.int64, device=model.device)
 
             def body(ids=ids):
                 return model.prefill(ids, self.state, last_only=True)
 
             self.graphs[n] = (ids,) + capture_graph(body, mempool)
 
-    def __call__(self, ids: torch.Tensor, slot: MambaState) -> torch.Tensor:
-        """ids (1, T) -> logits (1, V) after the last, valid until the next call; updates
-        `slot` (one slot's state, (L, 1, ...))."""
-        self.state.conv.copy_(slot.conv)
-        self.state.ssm.copy_(slot.ssm)
+    def __call__(self, ids: torch.Tensor, pool: MambaState, rows: torch.Tensor) -> torch.Tensor:
+        """ids (batch, T) continuing the pool's slots `rows` (batch,) -> logits (batch, V)
+        after the last token, valid until the next call; updates those slots' states."""
+        self.state.conv.copy_(pool.conv.index_select(1, rows))
+        self.state.ssm.copy_(pool.ssm.index_select(1, rows))
         at, logits = 0, None
         for n in self.lengths:
             while ids.shape[1] - at >= n:
@@ -231,6 +233,11 @@ class ChunkPrefillGraphs:
                 buf.copy_(ids[:, at : at + n])
                 graph.replay()
                 at += n
-        slot.conv.copy_(self.state.conv)
-        slot.ssm.copy_(self.state.ssm)
+        pool.conv.index_copy_(1, rows, self.state.conv)
+        pool.ssm.index_copy_(1, rows, self.state.ssm)
         return logits
+
+
+# Batch sizes of the engine's chunk prefill graphs: the chunks of one length in a step go
+# in groups of these sizes (a step's budget of 1024-2048 tokens holds 2-4 chunks of 512).
+CHUNK_BATCHES = (8, 4, 2, 1)

@@ -158,7 +158,8 @@ class EngineCore:
         self.requests: dict[int, EngineRequest] = {}  # waiting and running, by rid
         self.inflight: _Launch | None = None  # the step launched and not yet read (GPU)
         self.cache_queries = self.cache_hits = 0
-        self.decode_graphs = self._chunk_graphs = None
+        self.decode_graphs = self._chunk_pool = None
+        self._chunk_graph_sets: dict = {}
         if self.gpu:
             from .cuda_graphs import PoolDecodeGraphs
 
@@ -257,7 +258,7 @@ class EngineCore:
                     self.pool.ssm[:, r.slot : r.slot + 1].copy_(hit.ssm)
                     r.pos = r.fed = r.cached_tokens = n
                     if n == len(r.ids):
-                        self._sample([r], hit.logits[None], None, launch, checked=False)
+                        self._sample([r], hit.logits[None], launch, checked=False)
             except Exception as e:
                 self._end(r, outs, error=(f"{type(e).__name__}: {e}", 500))
 
@@ -265,7 +266,7 @@ class EngineCore:
         budget = self.prefill_tokens
         todo = sorted((r for r in self.slots if r is not None and not r.finished and r.pos < len(r.ids)),
                       key=lambda r: r.arrived)  # oldest first: the earliest request's first token comes first
-        # new prompts that fit the budget whole: one batched pass. (With the cache on, one
+        # New prompts that fit the budget whole: one batched pass. (With the cache on, one
         # longer than its interval runs in chunks on the grid instead, leaving states along the way.)
         longest = self.cache.interval if self.cache.budget else budget
         fresh = []
@@ -279,72 +280,105 @@ class EngineCore:
             except Exception as e:
                 for r in fresh:
                     self._end(r, outs, error=(f"{type(e).__name__}: {e}", 500))
-        budget = self.prefill_tokens - sum(len(r.ids) for r in fresh)
-        for r in todo:  # the rest a chunk at a time, as far as the budget goes
-            if r in fresh or r.finished:
-                continue
-            try:
-                while budget > 0 and r.pos < len(r.ids):
-                    # chunks end on the cache's interval grid, so that a long prompt leaves
-                    # states along the way
-                    grid = (r.pos // self.cache.interval + 1) * self.cache.interval if self.cache.budget else len(r.ids)
-                    end = min(len(r.ids), r.pos + budget, grid)
-                    logits = self._prefill_chunk(r, r.ids[r.pos : end])
-                    budget -= end - r.pos
-                    r.pos = r.fed = end
-                    if end == len(r.ids) or end % self.cache.interval == 0:
-                        view = self._slot_state(r.slot)
-                        self.cache.store(r.ids[:end], view.conv, view.ssm, logits[0])
-                    if end == len(r.ids):
-                        self._sample([r], logits, None, launch, checked=True)
-            except Exception as e:
-                self._end(r, outs, error=(f"{type(e).__name__}: {e}", 500))
-            if budget <= 0:
-                break
+        # The rest in rounds of one chunk a request, as far as the budget goes; a round's
+        # chunks of one length run together.
+        todo = [r for r in todo if r not in fresh]
+        while budget > 0 and todo:
+            chunks: dict[int, list[EngineRequest]] = {}
+            for r in todo:
+                if budget <= 0:
+                    break
+                # chunks end on the cache's interval grid, so that a long prompt leaves
+                # states along the way
+                grid = (r.pos // self.cache.interval + 1) * self.cache.interval if self.cache.budget else len(r.ids)
+                n = min(len(r.ids), r.pos + budget, grid) - r.pos
+                chunks.setdefault(n, []).append(r)
+                budget -= n
+            for n, reqs in chunks.items():
+                try:
+                    self._prefill_chunks(reqs, n, launch)
+                except Exception as e:
+                    for r in reqs:
+                        self._end(r, outs, error=(f"{type(e).__name__}: {e}", 500))
+            todo = [r for r in todo if not r.finished and r.pos < len(r.ids)]
 
     def _prefill_fresh(self, reqs: list[EngineRequest], launch: _Launch) -> None:
         """Whole prompts from a zero state, together: left-padded to the longest, through the
         language model's prefill (CUDA graphs for short ones; each alone in deterministic mode)."""
         logits, state = self.lm._prefill_prompts([r.ids for r in reqs])  # (n, V), state (L, n, ...)
+        rows = torch.tensor([r.slot for r in reqs], device=self.device)
+        self.pool.conv.index_copy_(1, rows, state.conv)
+        self.pool.ssm.index_copy_(1, rows, state.ssm)
         for k, r in enumerate(reqs):
-            self.pool.conv[:, r.slot].copy_(state.conv[:, k])
-            self.pool.ssm[:, r.slot].copy_(state.ssm[:, k])
             r.pos = r.fed = len(r.ids)
             view = self._slot_state(r.slot)
             self.cache.store(r.ids, view.conv, view.ssm, logits[k])
-        rows = torch.tensor([r.slot for r in reqs], device=self.device) if len(reqs) > 1 else None
-        self._sample(reqs, logits, rows, launch, checked=True)
+        self._sample(reqs, logits, launch, checked=True)
 
-    def _prefill_chunk(self, r: EngineRequest, ids: list[int]) -> torch.Tensor:
-        """The next chunk of a slot's prompt, continuing its state; logits (1, V) after it."""
-        chunk = _to_device(ids, self.device)[None]
-        view = self._slot_state(r.slot)
-        if self.gpu and len(ids) <= self.cache.interval:
-            if self._chunk_graphs is None:  # captured at the first chunk (offline, long prompts run eager chunks)
-                from .cuda_graphs import ChunkPrefillGraphs
+    def _prefill_chunks(self, reqs: list[EngineRequest], n: int, launch: _Launch) -> None:
+        """The next n prompt tokens of each request, continuing its slot's state: through the
+        chunk graphs in groups of their batch sizes on the GPU (n up to the cache's
+        interval), else one eager pass over the gathered states."""
+        from .cuda_graphs import CHUNK_BATCHES
 
-                self._chunk_graphs = ChunkPrefillGraphs(self.model, self.cache.interval)
-            return self._chunk_graphs(chunk, view)
-        state = MambaState(view.conv.clone(), view.ssm.clone())  # (the kernels take a contiguous state)
-        logits = self.model.prefill(chunk, state, last_only=True)
-        view.conv.copy_(state.conv)
-        view.ssm.copy_(state.ssm)
-        return logits
+        graphs = self.gpu and n <= self.cache.interval
+        at = 0
+        while at < len(reqs):
+            b = next(k for k in CHUNK_BATCHES if k <= len(reqs) - at) if graphs else len(reqs) - at
+            group = reqs[at : at + b]
+            at += b
+            ids = _to_device([t for r in group for t in r.ids[r.pos : r.pos + n]], self.device).view(b, n)
+            rows = torch.tensor([r.slot for r in group], device=self.device)
+            if graphs:
+                logits = self._chunk_graphs(b)(ids, self.pool, rows)
+            else:
+                state = MambaState(self.pool.conv.index_select(1, rows), self.pool.ssm.index_select(1, rows))
+                logits = self.model.prefill(ids, state, last_only=True)
+                self.pool.conv.index_copy_(1, rows, state.conv)
+                self.pool.ssm.index_copy_(1, rows, state.ssm)
+            done = []
+            for k, r in enumerate(group):
+                r.pos = r.fed = r.pos + n
+                if r.pos == len(r.ids) or r.pos % self.cache.interval == 0:
+                    view = self._slot_state(r.slot)
+                    self.cache.store(r.ids[: r.pos], view.conv, view.ssm, logits[k])
+                if r.pos == len(r.ids):
+                    done.append(k)
+            if done:
+                self._sample([group[k] for k in done], logits[done], launch, checked=True)
 
-    def _sample(self, reqs: list[EngineRequest], logits: torch.Tensor, slots, launch: _Launch, checked: bool) -> None:
+    def _chunk_graphs(self, batch: int):
+        """The chunk prefill graphs of one batch size, captured at first use (serve captures
+        them at start: capture_prefill_graphs)."""
+        graphs = self._chunk_graph_sets.get(batch)
+        if graphs is None:
+            from .cuda_graphs import ChunkPrefillGraphs
+
+            if self._chunk_pool is None:
+                self._chunk_pool = torch.cuda.graph_pool_handle()  # one replays at a time: they share scratch
+            graphs = self._chunk_graph_sets[batch] = ChunkPrefillGraphs(self.model, self.cache.interval, batch,
+                                                                        self._chunk_pool)
+        return graphs
+
+    def capture_prefill_graphs(self) -> None:
+        """Captures every chunk prefill graph now, so that no request waits for a capture."""
+        if self.gpu:
+            from .cuda_graphs import CHUNK_BATCHES
+
+            for b in CHUNK_BATCHES:
+                self._chunk_graphs(b)
+
+    def _sample(self, reqs: list[EngineRequest], logits: torch.Tensor, launch: _Launch, checked: bool) -> None:
         """The first tokens of requests whose prompts are in their slots, from logits (n, V):
-        sampled with each slot's parameters into the slot's decode input."""
+        sampled with their slots' parameters (gathered, sampled, scattered back) into the
+        slots' decode inputs."""
         sampler = pick_sampler([r.params for r in reqs], self.gpu)
-        if slots is None:  # one request
-            i = reqs[0].slot
-            tok = sampler(logits, self.slot_params.rows(i, i + 1))
-            self.tokens[i : i + 1].copy_(tok)
-        else:  # their slots' parameters gathered, sampled, scattered back
-            params = SlotParams(**{f.name: getattr(self.slot_params, f.name)[slots] for f in fields(self.slot_params)})
-            tok = sampler(logits, params)
-            for f in fields(self.slot_params):
-                getattr(self.slot_params, f.name)[slots] = getattr(params, f.name)
-            self.tokens[slots] = tok
+        slots = torch.tensor([r.slot for r in reqs], device=self.device)
+        params = SlotParams(**{f.name: getattr(self.slot_params, f.name)[slots] for f in fields(self.slot_params)})
+        tok = sampler(logits, params)
+        for f in fields(self.slot_params):
+            getattr(self.slot_params, f.name)[slots] = getattr(params, f.name)
+        self.tokens[slots] = tok
         finite = torch.isfinite(logits).all(-1) if checked else None
         k = max((r.top_logprobs or 0 for r in reqs), default=0)
         lp = _logprobs(logits, tok, k) if any(r.top_logprobs is not None for r in reqs) else None

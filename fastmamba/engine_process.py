@@ -51,6 +51,7 @@ def engine_main(make_lm: Callable, engine_kwargs: dict, to_engine: str, from_eng
         kwargs = dict(engine_kwargs)
         max_batch = kwargs.pop("max_batch", None) or default_max_batch(lm)
         core = EngineCore(lm, max_batch=max_batch, **kwargs)
+        core.capture_prefill_graphs()
     except Exception as e:  # the front end prints it as the command's one line
         outbox.send(encode(("fatal", f"{e}" if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: {e}")))
         return

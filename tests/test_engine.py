@@ -116,21 +116,24 @@ def test_the_engine_on_the_gpu_generates_what_generate_does_alone(text_checkpoin
 
 @pytest.mark.gpu
 def test_chunk_prefill_graphs_continue_a_slot_as_the_eager_prefill_does(text_checkpoint):
-    """The engine's prefill graphs (binary pieces, state copied in and out) against the
-    model's own prefill over the same chunk, from the same non-zero state."""
+    """The engine's prefill graphs (binary pieces, two slots' states gathered from a pool
+    and scattered back) against the model's own prefill over the same chunks, from the
+    same non-zero states; the pool's other slots untouched."""
     from fastmamba.cuda_graphs import ChunkPrefillGraphs
 
     lm = fastmamba.load(text_checkpoint, device="cuda")
     model = lm.model
-    graphs = ChunkPrefillGraphs(model, 64)
-    ids = torch.randint(1, model.config.vocab_size, (1, 40 + 77), device="cuda")
+    graphs = ChunkPrefillGraphs(model, 64, batch=2)
+    ids = torch.randint(1, model.config.vocab_size, (2, 40 + 77), device="cuda")
     with torch.inference_mode():
-        eager, slot = model.new_state(1), model.new_state(1)
+        eager, pool = model.new_state(2), model.new_state(5)
         model.prefill(ids[:, :40], eager)
-        slot.conv.copy_(eager.conv)
-        slot.ssm.copy_(eager.ssm)
+        rows = torch.tensor([3, 1], device="cuda")
+        pool.conv[:, rows], pool.ssm[:, rows] = eager.conv, eager.ssm
+        others = pool.ssm[:, [0, 2, 4]].clone()
         want = model.prefill(ids[:, 40:], eager, last_only=True)
-        got = graphs(ids[:, 40:], slot).clone()  # 77 = 64 + 8 + 4 + 1
+        got = graphs(ids[:, 40:], pool, rows).clone()  # 77 = 64 + 8 + 4 + 1
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(slot.ssm, eager.ssm, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(slot.conv, eager.conv, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pool.ssm[:, rows], eager.ssm, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pool.conv[:, rows], eager.conv, rtol=1e-4, atol=1e-4)
+    assert torch.equal(pool.ssm[:, [0, 2, 4]], others)
