@@ -139,7 +139,7 @@ def main() -> None:
     ap.add_argument("--prompts", default="64,2048", help="prompt lengths drawn from this range")
     ap.add_argument("--outputs", default="64,512", help="output lengths drawn from this range")
     ap.add_argument("--clients", type=int, default=4, help="load generator processes")
-    ap.add_argument("--prefill-tokens", type=int, default=1024, help="the engine's prefill budget a step")
+    ap.add_argument("--prefill-tokens", type=int, default=4096, help="the engine's prefill budget a step (serve's default)")
     ap.add_argument("--cpu", action="store_true", help="a smoke run on the CPU's reference engine (use a small --model)")
     ap.add_argument("--json")
     args = ap.parse_args()

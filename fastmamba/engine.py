@@ -304,7 +304,15 @@ class EngineCore:
 
     def _prefill_fresh(self, reqs: list[EngineRequest], launch: _Launch) -> None:
         """Whole prompts from a zero state, together: left-padded to the longest, through the
-        language model's prefill (CUDA graphs for short ones; each alone in deterministic mode)."""
+        language model's prefill (CUDA graphs for short ones; each alone in deterministic
+        mode). With the cache on (serving), in groups of the chunk graphs' batch sizes,
+        whose prefill graphs capture_prefill_graphs captured at start."""
+        from .cuda_graphs import CHUNK_BATCHES
+
+        if self.gpu and self.cache.budget and len(reqs) not in CHUNK_BATCHES:
+            b = next(k for k in CHUNK_BATCHES if k <= len(reqs))
+            self._prefill_fresh(reqs[:b], launch)
+            return self._prefill_fresh(reqs[b:], launch)
         logits, state = self.lm._prefill_prompts([r.ids for r in reqs])  # (n, V), state (L, n, ...)
         rows = torch.tensor([r.slot for r in reqs], device=self.device)
         self.pool.conv.index_copy_(1, rows, state.conv)
@@ -360,13 +368,20 @@ class EngineCore:
                                                                         self._chunk_pool)
         return graphs
 
+    @torch.inference_mode()
     def capture_prefill_graphs(self) -> None:
-        """Captures every chunk prefill graph now, so that no request waits for a capture."""
-        if self.gpu:
-            from .cuda_graphs import CHUNK_BATCHES
+        """Captures the prefill graphs a server's steps use, now, so that no request waits
+        for a capture (one takes about three prefills' time): the chunk graphs, and the
+        graphs of new prompts up to the cache's interval in groups of CHUNK_BATCHES."""
+        if not self.gpu:
+            return
+        from .cuda_graphs import CHUNK_BATCHES, PREFILL_BUCKETS
 
-            for b in CHUNK_BATCHES:
-                self._chunk_graphs(b)
+        for b in CHUNK_BATCHES:
+            self._chunk_graphs(b)
+            for n in (n for n in PREFILL_BUCKETS if n <= self.cache.interval):
+                if not self.lm.deterministic or b == 1:  # (deterministic: each prompt prefills alone)
+                    self.lm._prefill_prompts([[0] * n] * b)
 
     def _sample(self, reqs: list[EngineRequest], logits: torch.Tensor, launch: _Launch, checked: bool) -> None:
         """The first tokens of requests whose prompts are in their slots, from logits (n, V):
