@@ -202,6 +202,7 @@ class EngineCore:
             self._end(req, outs, error=(message, status))
         self._free()
         self.waiting.clear()
+        self.inflight = None
         return outs
 
     # -- the step ---------------------------------------------------------------------------
