@@ -370,6 +370,8 @@ class Backbone(nn.Module):
         (input_dim = d_model, no input_proj): the large matrices are shared, not copied;
         A_log is derived once from the model's A."""
         c, w = model.config, model.weights
+        if c.layer != "mamba1":
+            raise ValueError(f"a {c.layer} model's layers are not a fastmamba.Backbone (its layers are Mamba-1's)")
         if c.dbc_norm_eps is not None:
             raise ValueError("a Falcon-Mamba model's layers are not a fastmamba.Backbone (their norm of dt, B, C)")
         config = BackboneConfig(

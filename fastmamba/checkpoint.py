@@ -13,7 +13,7 @@ import torch
 
 from .config import MambaConfig
 from .errors import CheckpointError
-from .model import LayerWeights, MambaWeights
+from .model import MambaWeights, layer_kind
 
 DTYPES = {
     "float32": torch.float32,
@@ -36,26 +36,12 @@ def parse_dtype(dtype) -> torch.dtype:
 
 def expected_shapes(c: MambaConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the HF layout holds for this config, by HF name."""
-    E, R, N, K, d = c.d_inner, c.dt_rank, c.d_state, c.d_conv, c.d_model
-    shapes = {"backbone.embeddings.weight": (c.vocab_size, d), "backbone.norm_f.weight": (d,)}
+    kind = layer_kind(c)
+    shapes = {"backbone.embeddings.weight": (c.vocab_size, c.d_model), "backbone.norm_f.weight": (c.d_model,)}
     for i in range(c.n_layer):
-        p = f"backbone.layers.{i}."
-        shapes[p + "norm.weight"] = (d,)
-        shapes[p + "mixer.in_proj.weight"] = (2 * E, d)
-        shapes[p + "mixer.conv1d.weight"] = (E, 1, K)
-        shapes[p + "mixer.x_proj.weight"] = (R + 2 * N, E)
-        shapes[p + "mixer.dt_proj.weight"] = (E, R)
-        shapes[p + "mixer.dt_proj.bias"] = (E,)
-        shapes[p + "mixer.A_log"] = (E, N)
-        shapes[p + "mixer.D"] = (E,)
-        shapes[p + "mixer.out_proj.weight"] = (d, E)
-        if c.conv_bias:
-            shapes[p + "mixer.conv1d.bias"] = (E,)
-        if c.proj_bias:
-            shapes[p + "mixer.in_proj.bias"] = (2 * E,)
-            shapes[p + "mixer.out_proj.bias"] = (d,)
+        shapes.update(kind.shapes(c, f"backbone.layers.{i}."))
     if not c.tie_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, d)
+        shapes["lm_head.weight"] = (c.vocab_size, c.d_model)
     return shapes
 
 
@@ -272,25 +258,8 @@ def build_weights(
     def small(name):
         return None if name not in tensors else tensors[name].to(device=device, dtype=torch.float32).contiguous()
 
-    layers = []
-    for i in range(config.n_layer):
-        p = f"backbone.layers.{i}."
-        layers.append(
-            LayerWeights(
-                norm_w=small(p + "norm.weight"),
-                in_proj_w=big(p + "mixer.in_proj.weight"),
-                in_proj_b=small(p + "mixer.in_proj.bias"),
-                conv_w=small(p + "mixer.conv1d.weight")[:, 0, :],
-                conv_b=small(p + "mixer.conv1d.bias"),
-                x_proj_w=big(p + "mixer.x_proj.weight"),
-                dt_proj_w=big(p + "mixer.dt_proj.weight"),
-                dt_bias=small(p + "mixer.dt_proj.bias"),
-                A=-torch.exp(small(p + "mixer.A_log")),
-                D=small(p + "mixer.D"),
-                out_proj_w=big(p + "mixer.out_proj.weight"),
-                out_proj_b=small(p + "mixer.out_proj.bias"),
-            )
-        )
+    kind = layer_kind(config)
+    layers = [kind.weights(f"backbone.layers.{i}.", big, small) for i in range(config.n_layer)]
     embedding = big("backbone.embeddings.weight")
     lm_head = embedding if config.tie_embeddings else big("lm_head.weight")
     return MambaWeights(embedding=embedding, layers=layers, norm_f=small("backbone.norm_f.weight"), lm_head=lm_head)

@@ -27,6 +27,18 @@ class MambaConfig:
     # Falcon-Mamba: after x_proj, dt_r, B and C are each RMS-normalised over their last
     # dimension, with no weight, with this eps; None: plain Mamba, no such norm.
     dbc_norm_eps: float | None = None
+    # The layer: "mamba1" (selective scan), or "mamba2" (SSD: heads of head_dim channels
+    # sharing n_groups groups of B and C, scanned in chunks of chunk_size; mamba2.py)
+    layer: str = "mamba1"
+    n_groups: int = 1
+    head_dim: int = 64
+    chunk_size: int = 256
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+    norm_before_gate: bool = False
+
+    @property
+    def n_heads(self) -> int:
+        return self.d_inner // self.head_dim
 
     def __post_init__(self):
         # Derived sizes are resolved here so every reader sees plain numbers.
@@ -69,6 +81,8 @@ class MambaConfig:
     def to_hf_dict(self) -> dict:
         """The HF `MambaConfig` (or `FalconMambaConfig`) keys for this config (used when
         writing a checkpoint)."""
+        if self.layer != "mamba1":
+            raise ValueError("to_hf_dict writes Mamba-1 configs only")
         falcon = {"mixer_rms_eps": self.dbc_norm_eps} if self.dbc_norm_eps is not None else {}
         return {
             "architectures": ["FalconMambaForCausalLM" if falcon else "MambaForCausalLM"],
@@ -120,16 +134,18 @@ def _dt_rank(value, key: str, source: str) -> int:
     raise CheckpointError(f"{source}: key '{key}' must be \"auto\" or a positive integer, got {value!r}")
 
 
-_MODEL_TYPES = ("mamba", "falcon_mamba")
+_MODEL_TYPES = ("mamba", "falcon_mamba", "mamba2")
 
 
 def _from_hf(raw: dict, source: str) -> MambaConfig:
     model_type = raw.get("model_type", "mamba")
     if model_type not in _MODEL_TYPES:
         raise CheckpointError(
-            f"{source}: model_type is {model_type!r}; supported: 'mamba' (Mamba-1) and 'falcon_mamba' "
-            "(Mamba-2, 'mamba2', and hybrids such as Jamba or Zamba are not)"
+            f"{source}: model_type is {model_type!r}; supported: 'mamba' (Mamba-1), 'falcon_mamba' and 'mamba2' "
+            "(hybrids such as Jamba, Zamba2 or Nemotron-H are not)"
         )
+    if model_type == "mamba2":
+        return _mamba2_from_hf(raw, source)
     falcon = model_type == "falcon_mamba"
     d_model = _get(raw, "hidden_size", int, source)
     expand = _get(raw, "expand", int, source, 2)
@@ -150,18 +166,112 @@ def _from_hf(raw: dict, source: str) -> MambaConfig:
     )
 
 
+def _dt_limit(value, key: str, source: str) -> tuple[float, float]:
+    """A [low, high] pair of step-size bounds (JSON may spell infinity `Infinity`)."""
+    if value is None:
+        return (0.0, math.inf)
+    if isinstance(value, (list, tuple)):  # (transformers writes infinity as {"__float__": "Infinity"})
+        value = [_json_float(v) for v in value]
+    ok = (isinstance(value, (list, tuple)) and len(value) == 2
+          and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+          and 0 <= value[0] < value[1])
+    if not ok:
+        raise CheckpointError(f"{source}: key '{key}' must be [low, high] with 0 <= low < high, got {value!r}")
+    return (float(value[0]), float(value[1]))
+
+
+def _json_float(v):
+    if isinstance(v, dict) and set(v) == {"__float__"} and isinstance(v["__float__"], str):
+        try:
+            return float(v["__float__"])
+        except ValueError:
+            return v
+    return v
+
+
+def _mamba2(source: str, *, d_model: int, expand: int, head_dim: int, n_heads: int | None, n_groups: int,
+            **fields) -> MambaConfig:
+    """A Mamba-2 config, its head and group counts checked against each other."""
+    d_inner = expand * d_model
+    if d_inner % head_dim:
+        raise CheckpointError(f"{source}: d_inner {d_inner} (expand x hidden size) is not a multiple of head_dim {head_dim}")
+    if n_heads is not None and n_heads != d_inner // head_dim:
+        raise CheckpointError(f"{source}: key 'num_heads' is {n_heads}, but expand x hidden size / head_dim is "
+                              f"{d_inner // head_dim}")
+    if (d_inner // head_dim) % n_groups:
+        raise CheckpointError(f"{source}: key 'n_groups' ({n_groups}) must divide the {d_inner // head_dim} heads")
+    return MambaConfig(d_model=d_model, d_inner=d_inner, head_dim=head_dim, n_groups=n_groups, layer="mamba2", **fields)
+
+
+def _mamba2_from_hf(raw: dict, source: str) -> MambaConfig:
+    if raw.get("rms_norm", True) is not True:
+        raise CheckpointError(f"{source}: key 'rms_norm' is not true; only the gated RMSNorm of Mamba-2 is supported")
+    return _mamba2(
+        source,
+        d_model=_get(raw, "hidden_size", int, source),
+        expand=_get(raw, "expand", int, source, 2),
+        head_dim=_get(raw, "head_dim", int, source, 64),
+        n_heads=_get(raw, "num_heads", int, source) if raw.get("num_heads") is not None else None,
+        n_groups=_get(raw, "n_groups", int, source, 8),  # (transformers' defaults where a key is absent)
+        n_layer=_get(raw, "num_hidden_layers", int, source),
+        vocab_size=_get(raw, "vocab_size", int, source),
+        d_state=_get(raw, "state_size", int, source, 128),
+        d_conv=_get(raw, "conv_kernel", int, source, 4),
+        chunk_size=_get(raw, "chunk_size", int, source, 256),
+        dt_limit=_dt_limit(raw.get("time_step_limit"), "time_step_limit", source),
+        norm_before_gate=_get(raw, "norm_before_gate", bool, source, False),
+        conv_bias=_get(raw, "use_conv_bias", bool, source, True),
+        proj_bias=_get(raw, "use_bias", bool, source, False),
+        norm_eps=_get(raw, "layer_norm_epsilon", float, source, 1e-5),
+        tie_embeddings=_get(raw, "tie_word_embeddings", bool, source, False),
+        eos_token_id=_eos(raw, source),
+    )
+
+
+def _mamba2_from_original(raw: dict, ssm: dict, source: str, vocab_size: int) -> MambaConfig:
+    sub = f"{source} (ssm_cfg)"
+    if ssm.get("rmsnorm", True) is not True:
+        raise CheckpointError(f"{sub}: key 'rmsnorm' is not true; only the gated RMSNorm of Mamba-2 is supported")
+    if ssm.get("D_has_hdim", False) is not False:
+        raise CheckpointError(f"{sub}: key 'D_has_hdim' is true; only a D per head is supported")
+    if ssm.get("d_ssm") is not None:
+        raise CheckpointError(f"{sub}: key 'd_ssm' is set; only an SSM over all of d_inner is supported")
+    return _mamba2(
+        source,
+        d_model=_get(raw, "d_model", int, source),
+        expand=_get(ssm, "expand", int, sub, 2),
+        head_dim=_get(ssm, "headdim", int, sub, 64),
+        n_heads=None,
+        n_groups=_get(ssm, "ngroups", int, sub, 1),
+        n_layer=_get(raw, "n_layer", int, source),
+        vocab_size=vocab_size,
+        d_state=_get(ssm, "d_state", int, sub, 128),
+        d_conv=_get(ssm, "d_conv", int, sub, 4),
+        chunk_size=_get(ssm, "chunk_size", int, sub, 256),
+        dt_limit=_dt_limit(ssm.get("dt_limit"), "ssm_cfg.dt_limit", source),
+        norm_before_gate=_get(ssm, "norm_before_gate", bool, sub, False),
+        conv_bias=_get(ssm, "conv_bias", bool, sub, True),
+        proj_bias=_get(ssm, "bias", bool, sub, False),
+        norm_eps=_get(raw, "norm_epsilon", float, source, 1e-5),
+        tie_embeddings=_get(raw, "tie_embeddings", bool, source, True),
+        eos_token_id=_eos(raw, source),
+    )
+
+
 def _from_original(raw: dict, source: str) -> MambaConfig:
     ssm = raw.get("ssm_cfg") or {}
     if not isinstance(ssm, dict):
         raise CheckpointError(f"{source}: key 'ssm_cfg' must be an object")
-    if ssm.get("layer", "Mamba1") != "Mamba1":
-        raise CheckpointError(f"{source}: ssm_cfg.layer is {ssm['layer']!r}, only Mamba1 is supported")
+    if ssm.get("layer", "Mamba1") not in ("Mamba1", "Mamba2"):
+        raise CheckpointError(f"{source}: ssm_cfg.layer is {ssm['layer']!r}; Mamba1 and Mamba2 are supported")
     if raw.get("rms_norm", True) is not True:
         raise CheckpointError(f"{source}: key 'rms_norm' is false; only RMSNorm Mamba models are supported")
     sub = f"{source} (ssm_cfg)"
     d_model = _get(raw, "d_model", int, source)
     multiple = _get(raw, "pad_vocab_size_multiple", int, source, 8)
     vocab = _get(raw, "vocab_size", int, source)
+    if ssm.get("layer") == "Mamba2":
+        return _mamba2_from_original(raw, ssm, source, math.ceil(vocab / multiple) * multiple)
     expand = _get(ssm, "expand", int, sub, 2)
     return MambaConfig(
         d_model=d_model,

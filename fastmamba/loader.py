@@ -12,7 +12,7 @@ from .errors import CheckpointError
 from .language_model import LanguageModel
 from .hub import is_hub_id, resolve as resolve_hub_id
 from .kernels._triton import HAVE_TRITON
-from .model import REFERENCE_OPS, Mamba, triton_ops
+from .model import REFERENCE_OPS, Mamba, layer_kind, triton_ops
 from .tokenizer import Tokenizer
 
 
@@ -84,12 +84,16 @@ def load(
         raise ValueError("device 'cuda' was asked for, but PyTorch sees no CUDA GPU here")
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if engine is None:
-        engine = "triton" if dev.type == "cuda" and HAVE_TRITON else "reference"
-    if engine not in ("triton", "reference") or (engine == "triton" and (dev.type != "cuda" or not HAVE_TRITON)):
+    if engine not in (None, "triton", "reference") or (engine == "triton" and (dev.type != "cuda" or not HAVE_TRITON)):
         raise ValueError(f"engine must be 'reference', or 'triton' on a CUDA device with Triton installed; got {engine!r}")
     folder = checkpoint_folder(path)
     config, weights = load_checkpoint(folder, dev, storage)
+    gpu_kernels = layer_kind(config).gpu_kernels
+    if engine == "triton" and not gpu_kernels:
+        raise ValueError(f"engine 'triton' has no kernels for {config.layer} layers yet: use engine='reference' "
+                         "(pure PyTorch, on any device)")
+    if engine is None:
+        engine = "triton" if dev.type == "cuda" and HAVE_TRITON and gpu_kernels else "reference"
     tokenizer = None
     if (folder / "tokenizer.json").exists():
         tokenizer = Tokenizer(inside(folder, "tokenizer.json"))

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import MambaConfig
+from . import mamba2
 from .errors import NonFiniteError
 from .kernels.causal_conv1d import causal_conv1d_ref
 from .kernels.products import linear_storage
@@ -40,7 +41,7 @@ class LayerWeights:
 @dataclass
 class MambaWeights:
     embedding: torch.Tensor  # (V, d) storage dtype
-    layers: list[LayerWeights]
+    layers: list  # LayerWeights (Mamba-1) or mamba2.Mamba2LayerWeights
     norm_f: torch.Tensor  # (d,) f32
     lm_head: torch.Tensor  # (V, d) storage dtype; the embedding itself when tied
 
@@ -54,10 +55,10 @@ class MambaState:
 
     @classmethod
     def zeros(cls, config, batch: int, device="cpu", dtype=torch.float32) -> "MambaState":
-        c = config
+        conv, ssm = layer_kind(config).state(config)  # one slot's, per layer
         return cls(
-            conv=torch.zeros(c.n_layer, batch, c.d_inner, c.d_conv, device=device, dtype=dtype),
-            ssm=torch.zeros(c.n_layer, batch, c.d_inner, c.d_state, device=device, dtype=dtype),
+            conv=torch.zeros(config.n_layer, batch, *conv, device=device, dtype=dtype),
+            ssm=torch.zeros(config.n_layer, batch, *ssm, device=device, dtype=dtype),
         )
 
     @property
@@ -187,8 +188,75 @@ def _mixer_step_ref(config, lw: LayerWeights, u: torch.Tensor, conv_state, ssm_s
     return linear(y * F.silu(z), lw.out_proj_w, lw.out_proj_b)[:, None]
 
 
+def mamba1_shapes(c, p: str) -> dict[str, tuple[int, ...]]:
+    """A Mamba-1 layer's tensors (HF names, prefix p = 'backbone.layers.{i}.') and their shapes."""
+    E, R, N, K, d = c.d_inner, c.dt_rank, c.d_state, c.d_conv, c.d_model
+    shapes = {
+        p + "norm.weight": (d,),
+        p + "mixer.in_proj.weight": (2 * E, d),
+        p + "mixer.conv1d.weight": (E, 1, K),
+        p + "mixer.x_proj.weight": (R + 2 * N, E),
+        p + "mixer.dt_proj.weight": (E, R),
+        p + "mixer.dt_proj.bias": (E,),
+        p + "mixer.A_log": (E, N),
+        p + "mixer.D": (E,),
+        p + "mixer.out_proj.weight": (d, E),
+    }
+    if c.conv_bias:
+        shapes[p + "mixer.conv1d.bias"] = (E,)
+    if c.proj_bias:
+        shapes[p + "mixer.in_proj.bias"] = (2 * E,)
+        shapes[p + "mixer.out_proj.bias"] = (d,)
+    return shapes
+
+
+def mamba1_weights(p: str, big, small) -> LayerWeights:
+    """Layer p's weights from its checked tensors: `big(name)` in the storage dtype,
+    `small(name)` in float32 (None where absent)."""
+    return LayerWeights(
+        norm_w=small(p + "norm.weight"),
+        in_proj_w=big(p + "mixer.in_proj.weight"),
+        in_proj_b=small(p + "mixer.in_proj.bias"),
+        conv_w=small(p + "mixer.conv1d.weight")[:, 0, :],
+        conv_b=small(p + "mixer.conv1d.bias"),
+        x_proj_w=big(p + "mixer.x_proj.weight"),
+        dt_proj_w=big(p + "mixer.dt_proj.weight"),
+        dt_bias=small(p + "mixer.dt_proj.bias"),
+        A=-torch.exp(small(p + "mixer.A_log")),
+        D=small(p + "mixer.D"),
+        out_proj_w=big(p + "mixer.out_proj.weight"),
+        out_proj_b=small(p + "mixer.out_proj.bias"),
+    )
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """What a model family's recurrent layer is: its mixer (the `mixer` signature), its
+    tensors and their shapes, its weights from them, and one slot's conv and ssm state shapes."""
+
+    mixer: Callable
+    shapes: Callable  # (config, prefix) -> {HF name: shape}
+    weights: Callable  # (prefix, big, small) -> the layer's weights
+    state: Callable  # config -> (conv state shape, ssm state shape) of one slot
+    gpu_kernels: bool  # whether the Triton engine runs it
+
+
+# The one table of layer kinds (MambaConfig.layer); a hybrid model's attention layers
+# would be another row.
+LAYER_KINDS = {
+    "mamba1": LayerKind(mixer=mixer, shapes=mamba1_shapes, weights=mamba1_weights,
+                        state=lambda c: ((c.d_inner, c.d_conv), (c.d_inner, c.d_state)), gpu_kernels=True),
+    "mamba2": LayerKind(mixer=mamba2.mixer2, shapes=mamba2.shapes, weights=mamba2.layer_weights,
+                        state=mamba2.state_shapes, gpu_kernels=False),
+}
+
+
+def layer_kind(config) -> LayerKind:
+    return LAYER_KINDS[getattr(config, "layer", "mamba1")]
+
+
 class Mamba:
-    """Mamba-1 language model: embedding, layers, final norm and LM head.
+    """A Mamba language model (Mamba-1 or Mamba-2 layers): embedding, layers, final norm and LM head.
 
     `backbone` is the recurrent core on its own (vectors in, vectors out), for uses
     outside language modelling.
@@ -199,6 +267,7 @@ class Mamba:
         self.config = config
         self.weights = weights
         self.ops = ops
+        self.layer = layer_kind(config)
         # The dtype the conv and ssm states are stored in; every update computes in float32
         # and rounds once on store (the reference ops promote a 16-bit state as they read it).
         self.state_dtype = state_dtype
@@ -228,7 +297,7 @@ class Mamba:
         for i, lw in enumerate(self.weights.layers):
             # the norm comes out in the dtype in_proj reads (GPU path; the reference keeps f32)
             h, u = self.ops.add_norm(h, o, lw.norm_w, eps, lw.in_proj_w.dtype)
-            o = mixer(self.config, lw, u, state.conv[i], state.ssm[i], self.ops, start)
+            o = self.layer.mixer(self.config, lw, u, state.conv[i], state.ssm[i], self.ops, start)
             if check and not torch.isfinite(o).all():
                 raise NonFiniteError(
                     f"the model's output is not finite: layer {i} (backbone.layers.{i}) gives NaN or inf for this "

@@ -1,0 +1,170 @@
+"""Mamba-2 (SSD) checkpoints on the reference engine, against transformers' Mamba2ForCausalLM
+in float32: tiny random checkpoints written by save_pretrained, and the original
+state-spaces format."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import fastmamba
+from conftest import assert_within_transformers_16bit_error, relative_error
+from fastmamba.engine import EngineCore, EngineRequest
+from fastmamba.sampling import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+CONFIGS = {  # chunk_size below the prompts' lengths, so prefill crosses chunks
+    "one_group_tied": dict(n_groups=1, tie_word_embeddings=True),
+    "two_groups_untied": dict(n_groups=2, tie_word_embeddings=False, use_conv_bias=False),
+    "four_groups_bias_kernel3": dict(n_groups=4, use_bias=True, conv_kernel=3, state_size=8),
+}
+
+
+def save_mamba2(folder, seed: int = 0, **overrides):
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    args = dict(hidden_size=64, num_hidden_layers=2, vocab_size=97, state_size=16, head_dim=16, num_heads=8,
+                n_groups=1, chunk_size=8, expand=2)
+    args.update(overrides)
+    torch.manual_seed(seed)
+    model = Mamba2ForCausalLM(Mamba2Config(**args)).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # spread what the init leaves constant, so a misread tensor shows
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "norm_f.weight", "mixer.D")):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("dt_bias", "A_log")) or (name.endswith("bias") and "conv1d" in name):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(str(folder))
+    return folder, model
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def case(request, tmp_path_factory):
+    folder, model = save_mamba2(tmp_path_factory.mktemp("m2") / request.param, **CONFIGS[request.param])
+    return folder, model
+
+
+def ids(n: int = 2, t: int = 21, vocab: int = 97, seed: int = 3) -> torch.Tensor:
+    return torch.randint(0, vocab, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def test_float32_logits_equal_transformers(case):
+    folder, model = case
+    x = ids()
+    with torch.no_grad():
+        ref = model(x).logits
+    assert relative_error(fastmamba.load(folder).forward(x), ref) < 1e-5
+
+
+def test_greedy_equals_transformers_greedy(case):
+    folder, model = case
+    x = ids(1, 13)
+    with torch.no_grad():
+        want = model.generate(x, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 13:].tolist()
+    assert fastmamba.load(folder).generate(x[0].tolist(), max_tokens=16, stop_token_ids=[]).token_ids == want
+
+
+def test_step_by_step_decode_equals_the_sequence_pass(case):
+    folder, _ = case
+    model = fastmamba.load(folder).model
+    x = ids(2, 19)
+    whole = model.forward(x)
+    state = model.new_state(2)
+    steps = [model.prefill(x[:, :5], state)]  # a prefill, then one token at a time
+    steps += [model.step(x[:, t], state)[:, None] for t in range(5, 19)]
+    torch.testing.assert_close(torch.cat(steps, 1), whole, rtol=1e-5, atol=1e-5)
+
+
+def test_a_batch_gives_each_prompt_what_it_gets_alone(case):
+    """Left-padded batched prefill (shorter prompts padded), then decode together."""
+    folder, _ = case
+    lm = fastmamba.load(folder)
+    prompts = [ids(1, n, seed=n)[0].tolist() for n in (3, 17, 9)]
+    params = [SamplingParams(max_tokens=10, temperature=0.9 * (k % 2), seed=k, stop_token_ids=[]) for k in range(3)]
+    together = lm.generate_batch(prompts, params)
+    for p, q, g in zip(prompts, params, together):
+        assert g.token_ids == lm.generate(p, q).token_ids
+
+
+def test_the_engine_with_chunks_and_the_prefix_cache(case):
+    """The serving engine's paths: prompts in 8-token chunks, a cached prefix resumed."""
+    folder, _ = case
+    lm = fastmamba.load(folder)
+    core = EngineCore(lm, max_batch=2, prefill_tokens=8, prefix_cache_bytes=16 << 20)
+    first = ids(1, 20, seed=7)[0].tolist()
+    reqs = [EngineRequest(first, SamplingParams(max_tokens=6, stop_token_ids=[])),
+            EngineRequest(first + [5, 6, 7], SamplingParams(max_tokens=6, stop_token_ids=[]))]
+    got = {}
+    for r in reqs:
+        core.add(r)
+        while core.has_work:
+            for rid, token, _, reason, info in core.step():
+                got.setdefault(rid, [[], None])
+                if token is not None:
+                    got[rid][0].append(token)
+                if reason is not None:
+                    got[rid][1] = info
+    for r in reqs:
+        assert got[r.rid][0] == lm.generate(r.ids, max_tokens=6, stop_token_ids=[]).token_ids
+    assert got[reqs[1].rid][1]["cached_tokens"] >= len(first)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16bit_storage_within_transformers_own_error(tmp_path, dtype):
+    folder, _ = save_mamba2(tmp_path / "m", n_groups=2)
+    x = ids(2, 21)
+    assert_within_transformers_16bit_error(fastmamba.load(folder, dtype=dtype).forward(x), folder, x, dtype)
+
+
+def test_the_original_format_loads(tmp_path):
+    """state-spaces' layout: d_model / n_layer / ssm_cfg {layer: Mamba2}, a vocab padded up
+    to pad_vocab_size_multiple, `backbone.embedding.weight`, pytorch_model.bin."""
+    hf, model = save_mamba2(tmp_path / "hf", n_groups=2, vocab_size=90, tie_word_embeddings=True)
+    tensors = load_file(hf / "model.safetensors")
+    emb = tensors.pop("backbone.embeddings.weight")
+    padded = torch.cat([emb, torch.zeros(6, emb.shape[1])])  # 90 -> 96
+    tensors["backbone.embedding.weight"] = padded
+    orig = tmp_path / "orig"
+    orig.mkdir()
+    torch.save(tensors, orig / "pytorch_model.bin")
+    (orig / "config.json").write_text(json.dumps(dict(
+        d_model=64, n_layer=2, vocab_size=90, pad_vocab_size_multiple=16, rms_norm=True, tie_embeddings=True,
+        ssm_cfg=dict(layer="Mamba2", d_state=16, headdim=16, ngroups=2, chunk_size=8, expand=2))))
+    lm = fastmamba.load(orig)
+    assert lm.config.vocab_size == 96 and lm.config.layer == "mamba2"
+    x = ids(2, 21, vocab=90)
+    with torch.no_grad():
+        ref = model(x).logits
+    assert relative_error(lm.forward(x)[..., :90], ref) < 1e-5
+
+
+def test_a_misshapen_tensor_is_named(tmp_path):
+    folder, _ = save_mamba2(tmp_path / "m", n_groups=2)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["backbone.layers.1.mixer.A_log"] = torch.zeros(9)
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(fastmamba.CheckpointError, match=r"'backbone\.layers\.1\.mixer\.A_log' has shape \(9,\)"):
+        fastmamba.load(folder)
+
+
+@pytest.mark.parametrize("edit,says", [
+    (dict(num_heads=7), "num_heads"),
+    (dict(n_groups=3), "n_groups"),
+    (dict(rms_norm=False), "rms_norm"),
+    (dict(time_step_limit=[0.5, 0.1]), "time_step_limit"),
+    (dict(head_dim=24), "head_dim"),
+])
+def test_config_fields_are_checked_by_name(tmp_path, edit, says):
+    folder, _ = save_mamba2(tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(edit)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(fastmamba.CheckpointError, match=says):
+        fastmamba.load(folder)
