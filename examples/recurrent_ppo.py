@@ -131,7 +131,7 @@ def train(core_kind: str, seed: int, args) -> list[list[float]]:
         t0 = time.perf_counter()
         for group in opt.param_groups:  # linear annealing of the learning rate
             group["lr"] = args.lr * (1 - update / updates)
-        state0, starts0 = agent.core.copy(state), starts.clone()
+        state0 = agent.core.copy(state)  # the rollout's starting state, which training starts from
         buf = {k: [] for k in ("obs", "starts", "actions", "logprobs", "values", "rewards", "dones")}
         with torch.no_grad():
             for _ in range(T):

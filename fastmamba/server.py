@@ -200,28 +200,26 @@ def create_app(engine: EngineClient, prompts: PromptEncoder, model_name: str, ap
         try:
             for c in choices:
                 c.submit()
-        except QueueFull as e:
+        except (QueueFull, EngineDown) as e:
             for c in choices:
                 c.cancel()
+            if isinstance(e, EngineDown):
+                raise _engine_down() from None
             raise APIError(429, f"the server is busy: {e}; try again later", code="rate_limit_exceeded",
                            kind="rate_limit_error") from None
-        except EngineDown:
-            for c in choices:
-                c.cancel()
-            raise _engine_down() from None
-        reqs = choices
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        shape = _Shape(rid, model_name, chat, lm, [prompts[i // n][0] if echo else "" for i in range(len(reqs))])
+        shape = _Shape(rid, model_name, chat, lm, [prompts[i // n][0] if echo else "" for i in range(len(choices))])
         if stream:
-            return StreamingResponse(_stream(request, reqs, events, shape, include_usage), media_type="text/event-stream")
-        return await _collect(request, reqs, events, shape)
+            return StreamingResponse(_stream(request, choices, events, shape, include_usage),
+                                     media_type="text/event-stream")
+        return await _collect(request, choices, events, shape)
 
-    async def _collect(request, reqs, events, shape):
+    async def _collect(request, choices, events, shape):
         done = 0
         loop = asyncio.get_running_loop()
         check_at = loop.time() + DISCONNECT_CHECK_S
         try:
-            while done < len(reqs):
+            while done < len(choices):
                 # a client that hung up is looked for on a clock, not only when the engine is
                 # quiet: a request that keeps producing tokens would otherwise run to its end
                 if loop.time() >= check_at:
@@ -237,18 +235,18 @@ def create_app(engine: EngineClient, prompts: PromptEncoder, model_name: str, ap
                 shape.add(index, kind, data)
                 done += kind == "done"
         finally:
-            for r in reqs:
+            for r in choices:
                 r.cancel()
         return shape.response()
 
-    async def _stream(request, reqs, events, shape, include_usage):
+    async def _stream(request, choices, events, shape, include_usage):
         done = 0
         try:
             if shape.chat:
-                for i in range(len(reqs)):
+                for i in range(len(choices)):
                     yield _sse(shape.chunk(i, {"role": "assistant", "content": ""}, None, None))
             failed = False
-            while done < len(reqs) and not failed:
+            while done < len(choices) and not failed:
                 # every event waiting goes out in one write: a loop that falls behind the
                 # engine catches up in fewer, larger writes
                 batch = [await events.get()]
@@ -271,7 +269,7 @@ def create_app(engine: EngineClient, prompts: PromptEncoder, model_name: str, ap
                 yield _sse(shape.usage_chunk())
             yield "data: [DONE]\n\n"
         finally:  # a client that went away cancels its requests and frees their slots
-            for r in reqs:
+            for r in choices:
                 r.cancel()
 
     return app
@@ -714,11 +712,11 @@ def serve(args) -> int:
     import functools
     import sys
 
-    try:
-        import uvicorn
-        import zmq  # noqa: F401  (the engine process's channel)
-    except ImportError:
-        raise ValueError("serve needs the server packages: pip install 'fastmamba[serve]'") from None
+    import importlib.util
+
+    if any(importlib.util.find_spec(m) is None for m in ("fastapi", "uvicorn", "zmq", "msgspec")):
+        raise ValueError("serve needs the server packages: pip install 'fastmamba[serve]'")
+    import uvicorn
     from .config import MambaConfig
     from .loader import checkpoint_folder, default_model_dir, load
     from .checkpoint import inside
