@@ -7,9 +7,10 @@ its callers.
 A step:
 1. frees the slots of finished and aborted requests and admits waiting ones into free
    slots (a prefix-cache hit copies the cached state into the slot);
-2. prefills prompts within a token budget: new prompts together in one batched pass,
-   prompts that resume from a cached state (or a long prompt's later chunks) a chunk at a
-   time, so that running streams keep their pace behind a long prompt;
+2. prefills prompts within a token budget (so that running streams keep their pace behind
+   long prompts): new prompts together in one left-padded pass; prompts that resume from
+   a cached state, and long prompts, in chunks on the cache's 512-token grid, the chunks
+   of one length together;
 3. launches one decode step for every running request, on the pool's first rows in place,
    and samples each request's next token on the device with its own parameters and random
    stream, as `generate` alone would;
@@ -138,8 +139,9 @@ class EngineCore:
     """The slots, the waiting queue, the prefix cache and the step loop (see the module's doc).
 
     lm: a LanguageModel (its model, engine kind and deterministic mode).
-    prefill_tokens: prompt tokens prefilled a step at most (a prompt that alone is longer
-    runs in chunks of it, one a step).
+    prefill_tokens: prompt tokens prefilled a step at most (a longer prompt runs in chunks
+    over several steps).
+    prefix_cache_bytes: the prefix cache's budget (0: off, as offline; serve's is 256 MiB).
     """
 
     def __init__(self, lm, max_batch: int = 16, prefill_tokens: int = 1024, prefix_cache_bytes: int = 0):
