@@ -34,8 +34,10 @@ class EngineDown(Exception):
 
 def engine_main(make_lm: Callable, engine_kwargs: dict, to_engine: str, from_engine: str) -> None:
     """The engine process: builds the model and the engine core, then steps while there is
-    work and waits for messages when there is none."""
+    work and waits for messages when there is none. It ends when told to, or when the front
+    end is gone (a front end killed, or ended by Ctrl-C at once, leaves no engine behind)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the front end decides
+    parent = os.getppid()
     import msgspec
     import zmq
 
@@ -59,6 +61,8 @@ def engine_main(make_lm: Callable, engine_kwargs: dict, to_engine: str, from_eng
                                       device=str(lm.device), dtype=str(lm.dtype).removeprefix("torch.")))))
     sent = None
     while True:
+        if os.getppid() != parent:
+            return
         timeout = 0 if core.has_work else 100  # ms: idle, the engine sleeps in poll
         while inbox.poll(timeout):
             msg = decode(inbox.recv())
@@ -116,6 +120,7 @@ class EngineClient:
         self._out, self._in = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
         self._out.bind(to_engine)
         self._in.bind(from_engine)
+        self._out_lock = threading.Lock()  # (the event loop sends; a drain's timer thread sends the stop)
         self.max_queue = max_queue
         self._handlers: dict[int, Callable] = {}  # open requests (touched on the event loop only)
         self._rids = itertools.count()
@@ -166,17 +171,17 @@ class EngineClient:
         rid = next(self._rids)
         self._handlers[rid] = emit
         fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
-        self._out.send(self._encode(("add", rid, ids, fields, top_logprobs)))
+        self._send(("add", rid, ids, fields, top_logprobs))
         return rid
 
     def abort(self, rid: int) -> None:
         """The request's client went away, or its text reached a stop string: no more outputs."""
         if self._handlers.pop(rid, None) is not None and self.alive:
-            self._out.send(self._encode(("abort", rid)))
+            self._send(("abort", rid))
 
-    @property
-    def open_requests(self) -> int:
-        return len(self._handlers)
+    def _send(self, msg: tuple) -> None:
+        with self._out_lock:
+            self._out.send(self._encode(msg))
 
     def _dispatch(self, outs: list, stats: dict | None) -> None:
         if stats is not None:
@@ -221,7 +226,7 @@ class EngineClient:
             return
         self._stopping = True
         if self.proc.is_alive():
-            self._out.send(self._encode(("stop",)))
+            self._send(("stop",))
             self.proc.join(timeout)
         if self._loop is not None and not self._loop.is_closed():
             try:
@@ -242,7 +247,8 @@ class EngineClient:
             reader.join(5)  # it sees the process gone, and closes its socket
         else:
             self._in.close(linger=0)
-        self._out.close(linger=0)
+        with self._out_lock:
+            self._out.close(linger=0)
         if self._in.closed:
             self._ctx.term()
         try:

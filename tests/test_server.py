@@ -373,3 +373,24 @@ def test_a_dead_engine_gives_503s_at_once():
         assert status == 503 and body["error"]["code"] == "engine_unavailable" and time.time() - t0 < 1
     finally:
         s.stop()
+
+
+def test_the_engine_process_ends_with_its_front_end():
+    """A front end killed outright (or ended at once by Ctrl-C while loading) leaves no
+    engine process behind."""
+    import signal
+
+    s = Server()
+    pid = engine_pid(s.proc.pid)
+    s.proc.send_signal(signal.SIGKILL)
+    s.proc.wait(timeout=30)
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):  # ended, not yet reaped
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the engine process outlived its front end by 10 s")
