@@ -46,6 +46,10 @@ class Core(nn.Module):
             self.net = fastmamba.Backbone(fastmamba.BackboneConfig(input_dim=obs_dim, d_model=width, n_layer=layers))
         else:
             self.net = nn.LSTM(obs_dim, width, num_layers=layers, batch_first=True)
+            # the Backbone's features come out of its final RMSNorm, at unit scale; the LSTM's
+            # come out tiny at its initialisation (~0.03), and without a norm of its own the
+            # critic fits so slowly that PPO learned nothing in 100k steps (RESULTS.md)
+            self.out_norm = nn.LayerNorm(width)
         self.width, self.layers = width, layers
 
     def new_state(self, batch: int, device):
@@ -74,7 +78,7 @@ class Core(nn.Module):
         out, (h, c) = self.net(obs[:, None], (h, c))
         state[0].copy_(h)
         state[1].copy_(c)
-        return out[:, 0]
+        return self.out_norm(out[:, 0])
 
     def sequence(self, obs: torch.Tensor, state, starts: torch.Tensor) -> torch.Tensor:
         """obs (B, T, obs_dim) from `state`, starts (B, T) bool -> features (B, T, width)."""
@@ -86,7 +90,7 @@ class Core(nn.Module):
             keep = (~starts[:, t]).float()[None, :, None]
             out, (h, c) = self.net(obs[:, t : t + 1], (h * keep, c * keep))
             outs.append(out)
-        return torch.cat(outs, 1)
+        return self.out_norm(torch.cat(outs, 1))
 
 
 class Agent(nn.Module):
@@ -106,7 +110,10 @@ def make_envs(n: int, seed: int):
     def one():
         env = gym.make("CartPole-v1")
         low, high = env.observation_space.low[SEEN], env.observation_space.high[SEEN]
-        return gym.wrappers.TransformObservation(env, lambda o: o[SEEN], gym.spaces.Box(low, high, dtype=np.float32))
+        env = gym.wrappers.TransformObservation(env, lambda o: o[SEEN], gym.spaces.Box(low, high, dtype=np.float32))
+        # scaled by a running mean and spread, for either core alike (the pole's angle is
+        # ~10x smaller than the cart's position)
+        return gym.wrappers.NormalizeObservation(env)
 
     envs = gym.vector.SyncVectorEnv([one for _ in range(n)], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     return gym.wrappers.vector.RecordEpisodeStatistics(envs)

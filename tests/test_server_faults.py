@@ -28,10 +28,10 @@ def server():
     s.stop()
 
 
-def long_request(port: int, stream: bool) -> http.client.HTTPConnection:
-    """A request that would run for minutes (no stop token, the limit far away), sent and left running."""
+def long_request(port: int, stream: bool, max_tokens: int = 10**4) -> http.client.HTTPConnection:
+    """A request that runs long (no stop token), sent and left running."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    body = {"prompt": "To be", "max_tokens": 10**4, "temperature": 0, "stop_token_ids": [], "stream": stream}
+    body = {"prompt": "To be", "max_tokens": max_tokens, "temperature": 0, "stop_token_ids": [], "stream": stream}
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     return conn
 
@@ -167,10 +167,12 @@ def test_soak_of_good_bad_and_cancelled_requests(server):
             path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
             status, err = server.post(path, body)
             return "refused" if 400 <= status < 500 and set(err["error"]) == {"message", "type", "param", "code"} else status
-        # a streaming request dropped after its first chunk
-        conn = long_request(server.port, stream=kind == 2)
+        # a request dropped while it runs: streaming after its first chunk, or not streaming
+        conn = long_request(server.port, stream=kind == 2, max_tokens=LIMIT - 8)
         if kind == 2:
-            conn.getresponse().read1(50)
+            resp = conn.getresponse()
+            assert resp.status == 200
+            resp.read1(50)
         conn.sock.close()
         conn.close()
         return "dropped"
