@@ -78,8 +78,8 @@ def test_config_of_an_unsupported_architecture_says_what_is(falcon_checkpoints, 
 
     ckpt = tmp_path / "m"
     shutil.copytree(falcon_checkpoints["falcon_tied"], ckpt)
-    edit_config(ckpt, lambda c: c.update(model_type="mamba2"))
-    load_error(ckpt, "config.json", "'mamba2'", "falcon_mamba")
+    edit_config(ckpt, lambda c: c.update(model_type="zamba2"))
+    load_error(ckpt, "config.json", "'zamba2'", "falcon_mamba", "mamba2")
 
 
 def test_intermediate_size_wins_over_expand(falcon_checkpoints, tmp_path):
