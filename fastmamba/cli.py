@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="prompt tokens prefilled per engine step at most: more gives throughput, fewer keeps "
                      "the running streams' pace behind new prompts (default: 4096)")
     srv.add_argument("--prefix-cache-mb", type=int, default=256, help="memory for cached prefix states, MiB; 0 = off (default: 256)")
+    srv.add_argument("--replicas", type=int, default=0,
+                     help="run N engine replicas on Ray Serve (one GPU each on CUDA), requests routed by prefix; "
+                     "needs pip install 'fastmamba[ray]' (default: 0, one engine without Ray)")
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (not on /health)")
     srv.add_argument("--max-body-mb", type=float, default=8,
                      help="largest request body, MiB; a larger one gets a 413 before it is read (default: 8)")
@@ -99,6 +102,8 @@ def check_serve_flags(args) -> None:
     for flag in ("max_queue", "max_model_len", "prefill_tokens"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.replicas < 0:
+        raise ValueError(f"--replicas must be at least 0, got {args.replicas}")
     if args.max_batch is not None and args.max_batch < 1:
         raise ValueError(f"--max-batch must be at least 1, got {args.max_batch}")
     if not 1 <= args.port <= 65535:

@@ -158,9 +158,10 @@ class EngineClient:
 
     # -- the event loop's side ---------------------------------------------------------------
 
-    def submit(self, ids: list[int], params: SamplingParams, top_logprobs: int | None, emit: Callable) -> int:
+    def submit(self, ids: list[int], params: SamplingParams, top_logprobs: int | None, emit: Callable,
+               route: int | None = None) -> int:
         """Sends a request; its rid. QueueFull when --max-queue requests wait already, EngineDown
-        when the engine is gone."""
+        when the engine is gone. (`route` chooses among replicas: one engine has no use for it.)"""
         if not self.alive:
             raise EngineDown("the engine is not running")
         if len(self._handlers) - self.max_batch >= self.max_queue:  # those beyond the slots wait

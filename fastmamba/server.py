@@ -11,6 +11,7 @@ malformed JSON or an over-long prompt, 401 without the API key, 404 for an unkno
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import threading
 import time
@@ -166,9 +167,11 @@ def create_app(engine: EngineClient, prompts: PromptEncoder, model_name: str, ap
             raise APIError(400, f"'max_completion_tokens' ({newer}) and 'max_tokens' ({max_tokens}) disagree: "
                            "give one of them", param="max_completion_tokens")
         max_tokens = newer if newer is not None else max_tokens
-        return await _serve(request, body, prompts, chat=True, top_logprobs=top_logprobs, echo=False, max_tokens=max_tokens)
+        return await _serve(request, body, prompts, chat=True, top_logprobs=top_logprobs, echo=False, max_tokens=max_tokens,
+                            route=_conversation_key(body["messages"]))
 
-    async def _serve(request, body, prompts, chat: bool, top_logprobs, echo: bool, max_tokens: int | None):
+    async def _serve(request, body, prompts, chat: bool, top_logprobs, echo: bool, max_tokens: int | None,
+                     route: int | None = None):
         n = _get(body, "n", int, 1, lo=1, hi=MAX_N)
         stream = _get(body, "stream", bool, False)
         opts = _get(body, "stream_options", dict, {}) or {}
@@ -196,7 +199,7 @@ def create_app(engine: EngineClient, prompts: PromptEncoder, model_name: str, ap
                 seed = None if params.seed is None else (params.seed + k) % 2**32
                 limit = max_tokens if max_tokens is not None else max_model_len - len(ids)
                 choices.append(_Choice(len(choices), ids, dataclasses.replace(params, seed=seed, max_tokens=limit),
-                                       stop, top_logprobs, lm.tokenizer, events, engine, metrics))
+                                       stop, top_logprobs, lm.tokenizer, events, engine, metrics, route))
         try:
             for c in choices:
                 c.submit()
@@ -309,8 +312,9 @@ class _Choice:
     never go out split across pieces). Its events go to the response's queue:
     ("token", {token, text, logprob}) ..., then ("done", {...}) or ("error", {...})."""
 
-    def __init__(self, index, ids, params, stop, top_logprobs, tokenizer, events, engine, metrics):
+    def __init__(self, index, ids, params, stop, top_logprobs, tokenizer, events, engine, metrics, route=None):
         self.index, self.ids, self.params, self.stop, self.top_logprobs = index, ids, params, stop, top_logprobs
+        self.route = route  # where replicas are: the key that routes it (None: its prompt's first tokens)
         self.events, self.engine, self.metrics = events, engine, metrics
         self.decoder = IncrementalDecoder(tokenizer) if tokenizer else None
         self.held = [""]  # text held back: a stop string's possible start
@@ -321,7 +325,7 @@ class _Choice:
         self.ended = False
 
     def submit(self) -> None:
-        self.rid = self.engine.submit(self.ids, self.params, self.top_logprobs, self.on_output)
+        self.rid = self.engine.submit(self.ids, self.params, self.top_logprobs, self.on_output, route=self.route)
         _count(self.metrics, "prompt_tokens_total", len(self.ids))
 
     def cancel(self) -> None:
@@ -660,6 +664,15 @@ def _chat_template(folder):
     return env.from_string(source), extra
 
 
+def _conversation_key(messages: list) -> int:
+    """A conversation's routing key (deploy.py): its messages up to its first user message,
+    which every later turn repeats, so that each turn goes to the replica that holds the
+    state the turn before left."""
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "user"), len(messages) - 1)
+    opening = json.dumps(messages[: first + 1], sort_keys=True).encode()
+    return int.from_bytes(hashlib.blake2b(opening, digest_size=8).digest(), "little")
+
+
 def _render_chat(template, messages) -> str:
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
@@ -723,6 +736,11 @@ def serve(args) -> int:
     from .tokenizer import Tokenizer
 
     sock = _listen(args.host, args.port)
+    if args.replicas:
+        sock.close()  # (Ray Serve's proxy binds it)
+        from .deploy import serve_replicas
+
+        return serve_replicas(args)
     folder = checkpoint_folder(args.model)
     if not (folder / "tokenizer.json").exists():
         if not (folder / "config.json").exists() and args.model is None:

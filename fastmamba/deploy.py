@@ -1,0 +1,244 @@
+"""`fastmamba.deploy`: replicas of the serving engine on Ray Serve, past one GPU, with each
+request routed to the replica that holds its prompt's prefix.
+
+Two deployments:
+- `EngineReplica`, `replicas` of it: each runs the serving engine exactly as `fastmamba
+  serve` does (engine_process.EngineClient: the engine in a process of its own), one GPU
+  each on CUDA. Its `generate` streams a request's engine outputs.
+- `Frontend`, the HTTP ingress: `fastmamba serve`'s FastAPI app (server.create_app: the
+  same routes, errors and metrics), whose requests go to the engine replicas through a
+  Ray handle.
+`PrefixRouter` sends a request to the replica that a consistent hash of its key names
+(rendezvous hashing: a replica's death moves only its own share): a chat's key is its
+opening (its messages up to the first user message, which every later turn repeats), a
+completion's its prompt's first 512 token ids. So a conversation's next turn finds the
+state its last turn left in that replica's prefix cache. When that replica already has
+`queue_bound` requests in flight, the least loaded one takes the request instead.
+
+    fastmamba serve --replicas 2 --model DIR ...           # Ray started locally
+    serve run fastmamba.deploy:app model=DIR replicas=2    # Ray's own command line
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import itertools
+from pathlib import Path
+
+import numpy as np
+from ray import serve
+from ray.serve._private.request_router.request_router import RequestRouter
+from ray.serve.config import RequestRouterConfig
+
+from .engine_process import EngineClient, EngineDown, QueueFull
+from .sampling import SamplingParams
+
+ROUTE_TOKENS = 512  # the prefix a request is routed by: the prefix cache's first grid point
+
+
+def route_key(ids: list[int]) -> int:
+    """A stable 64-bit hash of a prompt's first ROUTE_TOKENS token ids (the same in every process)."""
+    digest = hashlib.blake2b(np.asarray(ids[:ROUTE_TOKENS], dtype=np.int64).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _affinity(key: int, replica: str) -> bytes:
+    return hashlib.blake2b(f"{key}/{replica}".encode(), digest_size=8).digest()
+
+
+class PrefixRouter(RequestRouter):
+    """Routes `EngineReplica.generate(key, ...)` calls by their key (see the module's doc)."""
+
+    def initialize_state(self, queue_bound: int = 64):
+        self.queue_bound = queue_bound
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        if not candidate_replicas:
+            return []
+        args = pending_request.args if pending_request is not None else None
+        if not args or not isinstance(args[0], int):
+            return [candidate_replicas]
+        ranked = sorted(candidate_replicas, key=lambda r: _affinity(args[0], r.replica_id.unique_id), reverse=True)
+        load = {r.replica_id: self._replica_queue_len_cache.get(r.replica_id) or 0 for r in ranked}
+        if load[ranked[0].replica_id] < self.queue_bound:
+            return [[ranked[0]], sorted(ranked[1:], key=lambda r: load[r.replica_id])]
+        return [sorted(ranked, key=lambda r: load[r.replica_id])]  # its home is busy: the least loaded
+
+
+class EngineReplica:
+    """One replica: the serving engine in its own process, its outputs streamed per request."""
+
+    def __init__(self, load_kwargs: dict, engine_kwargs: dict, max_queue: int):
+        from .loader import load
+
+        self.client = EngineClient(functools.partial(load, **load_kwargs), engine_kwargs, max_queue=max_queue)
+
+    async def generate(self, key: int, ids: list[int], fields: dict, top_logprobs: int | None):
+        """The engine's outputs for one request (engine.py's tuples), until its end."""
+        outs: asyncio.Queue = asyncio.Queue()
+        try:
+            rid = self.client.submit(ids, SamplingParams(**fields), top_logprobs, outs.put_nowait)
+        except QueueFull as e:
+            yield (None, None, None, "error", dict(message=f"the server is busy: {e}", status=429))
+            return
+        except EngineDown as e:
+            yield (None, None, None, "error", dict(message=str(e), status=503))
+            return
+        try:
+            while True:
+                out = await outs.get()
+                yield out
+                if out[3] is not None:
+                    return
+        finally:  # the caller went away (or the request ended): nothing more for it
+            self.client.abort(rid)
+
+    def stats(self) -> dict:
+        return self.client.stats
+
+    def check_health(self) -> None:
+        if not self.client.alive:
+            raise RuntimeError("the engine process is not running")
+
+    def __del__(self):
+        client = getattr(self, "client", None)
+        if client is not None:
+            client.shutdown(timeout=5)
+
+
+class RayEngine:
+    """server.create_app's engine, over the engine replicas' Ray handle: each request is a
+    streaming call, routed by its prompt's prefix."""
+
+    def __init__(self, handle):
+        self.handle = handle.options(stream=True)
+        self._tasks: dict[int, asyncio.Task] = {}
+        self._rids = itertools.count()
+        self.on_stats = None
+        self.alive = True  # Ray replaces a replica that dies; its requests end with a 503
+
+    def submit(self, ids: list[int], params: SamplingParams, top_logprobs: int | None, emit, route=None) -> int:
+        """route: the routing key (a conversation's, from the front end), else the prompt's."""
+        rid = next(self._rids)
+        key = route if route is not None else route_key(ids)
+        fields = {name: getattr(params, name) for name in params.__dataclass_fields__}
+
+        async def run():
+            try:
+                async for out in self.handle.generate.remote(key, ids, fields, top_logprobs):
+                    emit((rid,) + tuple(out[1:]))
+                    if out[3] is not None:
+                        return
+                raise RuntimeError("the replica's stream ended early")
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the replica died, or Ray could not reach one
+                emit((rid, None, None, "error", dict(message=f"the engine replica failed: {type(e).__name__}",
+                                                     status=503)))
+            finally:
+                self._tasks.pop(rid, None)
+
+        self._tasks[rid] = asyncio.get_running_loop().create_task(run())
+        return rid
+
+    def abort(self, rid: int) -> None:
+        task = self._tasks.pop(rid, None)
+        if task is not None:
+            task.cancel()  # cancels the streaming call: the replica's generator ends, and aborts the request
+
+
+def _frontend_app(handle, model_name: str, folder: str, api_key, max_model_len: int, max_body_mb: float):
+    from .checkpoint import inside
+    from .config import MambaConfig
+    from .language_model import PromptEncoder
+    from .server import create_app, metrics_registry
+    from .tokenizer import Tokenizer
+
+    folder = Path(folder)
+    config = MambaConfig.from_file(inside(folder, "config.json"))
+    prompts = PromptEncoder(Tokenizer(inside(folder, "tokenizer.json")), config.vocab_size, folder)
+    registry, metrics = metrics_registry()
+    return create_app(RayEngine(handle), prompts, model_name, api_key=api_key, max_model_len=max_model_len,
+                      registry=registry, metrics=metrics, max_body_bytes=int(max_body_mb * 2**20))
+
+
+def build(model=None, replicas: int = 2, device: str = "cpu", dtype: str = "float32", state_dtype: str = "float32",
+          deterministic: bool = False, threads: int | None = None, max_batch: int | None = None,
+          prefill_tokens: int = 4096, prefix_cache_mb: int = 256, max_queue: int = 256, max_model_len: int = 32768,
+          max_body_mb: float = 8, api_key: str | None = None, served_model_name: str | None = None,
+          queue_bound: int = 64, autoscaling: dict | None = None):
+    """The Ray Serve application: `replicas` engine replicas (or an autoscaling config) behind
+    the HTTP front end. Arguments as `fastmamba serve`'s flags."""
+    from .loader import checkpoint_folder
+
+    folder = checkpoint_folder(model)
+    load_kwargs = dict(path=str(folder), device=device, dtype=dtype, state_dtype=state_dtype,
+                       deterministic=deterministic, threads=threads)
+    engine_kwargs = dict(max_batch=max_batch, prefill_tokens=prefill_tokens, prefix_cache_bytes=prefix_cache_mb << 20)
+    gpu = device != "cpu"
+    scale = dict(autoscaling_config=autoscaling) if autoscaling else dict(num_replicas=replicas)
+    engines = serve.deployment(EngineReplica).options(
+        name="EngineReplica", ray_actor_options={"num_gpus": 1} if gpu else {"num_cpus": 1},
+        max_ongoing_requests=max_queue + (max_batch or 256),
+        request_router_config=RequestRouterConfig(request_router_class=PrefixRouter,
+                                                  request_router_kwargs={"queue_bound": queue_bound}),
+        **scale,
+    ).bind(load_kwargs, engine_kwargs, max_queue)
+    options = dict(model_name=served_model_name or (model or "fastmamba-default"), folder=str(folder), api_key=api_key,
+                   max_model_len=max_model_len, max_body_mb=max_body_mb)
+    frontend = serve.deployment(serve.ingress()(Frontend)).options(
+        name="Frontend", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
+    return frontend.bind(engines, options)
+
+
+class Frontend:
+    """The HTTP ingress: `fastmamba serve`'s app over the engine replicas' handle, made in
+    the replica (Ray calls __serve_build_asgi_app__ after the constructor)."""
+
+    def __init__(self, engines, options: dict):
+        self.engines, self.options = engines, options
+
+    def __serve_build_asgi_app__(self):
+        return _frontend_app(self.engines, **self.options)
+
+
+def app(args: dict):
+    """`serve run fastmamba.deploy:app model=DIR replicas=2 device=cuda dtype=bfloat16 ...`"""
+    ints = {"replicas", "threads", "max_batch", "prefill_tokens", "prefix_cache_mb", "max_queue", "max_model_len",
+            "queue_bound"}
+    kwargs = {k: int(v) if k in ints else float(v) if k == "max_body_mb" else
+              (str(v).lower() in ("1", "true", "yes")) if k == "deterministic" else v for k, v in args.items()}
+    return build(**kwargs)
+
+
+def serve_replicas(args) -> int:
+    """`fastmamba serve --replicas N`: starts Ray here, runs the application until Ctrl-C or
+    SIGTERM, then shuts it down."""
+    import signal
+    import sys
+    import threading
+
+    import ray
+
+    ray.init(include_dashboard=False, logging_level="ERROR")
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        application = build(model=args.model, replicas=args.replicas, device=args.device, dtype=args.dtype,
+                            state_dtype=args.state_dtype, deterministic=args.deterministic, threads=args.threads,
+                            max_batch=args.max_batch, prefill_tokens=args.prefill_tokens,
+                            prefix_cache_mb=args.prefix_cache_mb, max_queue=args.max_queue,
+                            max_model_len=args.max_model_len, max_body_mb=args.max_body_mb, api_key=args.api_key,
+                            served_model_name=args.served_model_name)
+        serve.run(application, name="fastmamba", route_prefix="/")
+        print(f"fastmamba: serving on http://{args.host}:{args.port} with {args.replicas} replicas (Ray Serve)",
+              file=sys.stderr, flush=True)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0

@@ -1,0 +1,76 @@
+"""fastmamba.deploy on a local Ray cluster (CPU, the bundled model): replicas behind the
+OpenAI routes, requests routed by prefix, a replica killed. Bounded request loops."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+import fastmamba
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def app():
+    from ray import serve
+
+    from fastmamba.deploy import build
+
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build(replicas=2, max_batch=4, served_model_name="tiny"), name="fastmamba", route_prefix="/")
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return fastmamba.load()
+
+
+def test_replicas_answer_what_generate_gives_alone(app, lm):
+    for seed in range(4):
+        out = app.completions.create(model="tiny", prompt="To be, or not", max_tokens=12, temperature=0.8, seed=seed)
+        assert out.choices[0].text == lm.generate("To be, or not", max_tokens=12, temperature=0.8, seed=seed).text
+    streamed = app.completions.create(model="tiny", prompt="ROMEO.", max_tokens=10, seed=3, temperature=0.7, stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == lm.generate(
+        "ROMEO.", max_tokens=10, seed=3, temperature=0.7).text
+
+
+def test_a_conversations_turns_return_to_their_replica(app, lm):
+    """Each turn repeats the conversation's opening, its routing key: turn 2 lands where turn
+    1 ran and resumes from the state it left (on another replica it would prefill all)."""
+    newline = lm.encode("\n")
+    for k in range(4):  # four conversations: whichever replica each hashes to
+        msgs = [{"role": "user", "content": f"Speak, good sir, of thing {k}."}]
+        first = app.chat.completions.create(model="tiny", messages=msgs, max_tokens=30, temperature=0,
+                                            extra_body={"stop_token_ids": newline})
+        msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "More."}]
+        second = app.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0)
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens, k
+
+
+def test_a_killed_replica_leaves_the_app_serving(app):
+    actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if "EngineReplica" in a["name"]]
+    assert len(actors) == 2
+    ray.kill(ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"]), no_restart=True)
+    ok, deadline = 0, time.time() + 90
+    while ok < 6 and time.time() < deadline:  # the other replica serves; Ray starts a new one
+        try:
+            out = app.completions.create(model="tiny", prompt=f"Act {ok}.", max_tokens=3)
+            ok += len(out.choices) == 1
+        except openai.APIStatusError as e:  # a request routed to the dead one: a 503, not a hang
+            assert e.status_code == 503
+            time.sleep(0.5)
+    assert ok == 6
