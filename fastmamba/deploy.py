@@ -181,6 +181,7 @@ def build(model=None, replicas: int = 2, device: str = "cpu", dtype: str = "floa
     scale = dict(autoscaling_config=autoscaling) if autoscaling else dict(num_replicas=replicas)
     engines = serve.deployment(EngineReplica).options(
         name="EngineReplica", ray_actor_options={"num_gpus": 1} if gpu else {"num_cpus": 1},
+        graceful_shutdown_timeout_s=10, graceful_shutdown_wait_loop_s=0.5,
         max_ongoing_requests=max_queue + (max_batch or 256),
         request_router_config=RequestRouterConfig(request_router_class=PrefixRouter,
                                                   request_router_kwargs={"queue_bound": queue_bound}),
@@ -189,7 +190,8 @@ def build(model=None, replicas: int = 2, device: str = "cpu", dtype: str = "floa
     options = dict(model_name=served_model_name or (model or "fastmamba-default"), folder=str(folder), api_key=api_key,
                    max_model_len=max_model_len, max_body_mb=max_body_mb)
     frontend = serve.deployment(serve.ingress()(Frontend)).options(
-        name="Frontend", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
+        name="Frontend", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000,
+        graceful_shutdown_timeout_s=10, graceful_shutdown_wait_loop_s=0.5)
     return frontend.bind(engines, options)
 
 
