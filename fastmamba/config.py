@@ -203,28 +203,42 @@ def _mamba2(source: str, *, d_model: int, expand: int, head_dim: int, n_heads: i
     return MambaConfig(d_model=d_model, d_inner=d_inner, head_dim=head_dim, n_groups=n_groups, layer="mamba2", **fields)
 
 
+# Mamba-2's layer fields in either format: (field, transformers' key, the original format's
+# ssm_cfg key, type, transformers' default, the original format's default). Defaults apply
+# where a key is absent, as each library's own config class has them.
+_MAMBA2_LAYER_KEYS = (
+    ("expand", "expand", "expand", int, 2, 2),
+    ("head_dim", "head_dim", "headdim", int, 64, 64),
+    ("n_groups", "n_groups", "ngroups", int, 8, 1),
+    ("d_state", "state_size", "d_state", int, 128, 128),
+    ("d_conv", "conv_kernel", "d_conv", int, 4, 4),
+    ("chunk_size", "chunk_size", "chunk_size", int, 256, 256),
+    ("norm_before_gate", "norm_before_gate", "norm_before_gate", bool, False, False),
+    ("conv_bias", "use_conv_bias", "conv_bias", bool, True, True),
+    ("proj_bias", "use_bias", "bias", bool, False, False),
+)
+
+
+def _mamba2_layer(raw: dict, source: str, hf: bool) -> dict:
+    """The layer fields of _MAMBA2_LAYER_KEYS from `raw` (config.json, or its ssm_cfg)."""
+    return {field: _get(raw, hf_key if hf else key, kind, source, hf_default if hf else default)
+            for field, hf_key, key, kind, hf_default, default in _MAMBA2_LAYER_KEYS}
+
+
 def _mamba2_from_hf(raw: dict, source: str) -> MambaConfig:
     if raw.get("rms_norm", True) is not True:
         raise CheckpointError(f"{source}: key 'rms_norm' is not true; only the gated RMSNorm of Mamba-2 is supported")
     return _mamba2(
         source,
         d_model=_get(raw, "hidden_size", int, source),
-        expand=_get(raw, "expand", int, source, 2),
-        head_dim=_get(raw, "head_dim", int, source, 64),
         n_heads=_get(raw, "num_heads", int, source) if raw.get("num_heads") is not None else None,
-        n_groups=_get(raw, "n_groups", int, source, 8),  # (transformers' defaults where a key is absent)
         n_layer=_get(raw, "num_hidden_layers", int, source),
         vocab_size=_get(raw, "vocab_size", int, source),
-        d_state=_get(raw, "state_size", int, source, 128),
-        d_conv=_get(raw, "conv_kernel", int, source, 4),
-        chunk_size=_get(raw, "chunk_size", int, source, 256),
         dt_limit=_dt_limit(raw.get("time_step_limit"), "time_step_limit", source),
-        norm_before_gate=_get(raw, "norm_before_gate", bool, source, False),
-        conv_bias=_get(raw, "use_conv_bias", bool, source, True),
-        proj_bias=_get(raw, "use_bias", bool, source, False),
         norm_eps=_get(raw, "layer_norm_epsilon", float, source, 1e-5),
         tie_embeddings=_get(raw, "tie_word_embeddings", bool, source, False),
         eos_token_id=_eos(raw, source),
+        **_mamba2_layer(raw, source, hf=True),
     )
 
 
@@ -239,22 +253,14 @@ def _mamba2_from_original(raw: dict, ssm: dict, source: str, vocab_size: int) ->
     return _mamba2(
         source,
         d_model=_get(raw, "d_model", int, source),
-        expand=_get(ssm, "expand", int, sub, 2),
-        head_dim=_get(ssm, "headdim", int, sub, 64),
         n_heads=None,
-        n_groups=_get(ssm, "ngroups", int, sub, 1),
         n_layer=_get(raw, "n_layer", int, source),
         vocab_size=vocab_size,
-        d_state=_get(ssm, "d_state", int, sub, 128),
-        d_conv=_get(ssm, "d_conv", int, sub, 4),
-        chunk_size=_get(ssm, "chunk_size", int, sub, 256),
         dt_limit=_dt_limit(ssm.get("dt_limit"), "ssm_cfg.dt_limit", source),
-        norm_before_gate=_get(ssm, "norm_before_gate", bool, sub, False),
-        conv_bias=_get(ssm, "conv_bias", bool, sub, True),
-        proj_bias=_get(ssm, "bias", bool, sub, False),
         norm_eps=_get(raw, "norm_epsilon", float, source, 1e-5),
         tie_embeddings=_get(raw, "tie_embeddings", bool, source, True),
         eos_token_id=_eos(raw, source),
+        **_mamba2_layer(ssm, sub, hf=False),
     )
 
 
