@@ -27,6 +27,7 @@ _HOMES = {
     "HAVE_TRITON": "kernels._triton",
     "Backbone": "backbone",
     "BackboneConfig": "backbone",
+    "batch": "deploy",
 }
 __all__ = list(_HOMES)
 

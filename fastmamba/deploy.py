@@ -8,6 +8,8 @@ Two deployments:
 - `Frontend`, the HTTP ingress: `fastmamba serve`'s FastAPI app (server.create_app: the
   same routes, errors and metrics), whose requests go to the engine replicas through a
   Ray handle.
+`batch` runs offline jobs over a Ray Dataset of prompts, one engine per actor.
+
 `PrefixRouter` sends a request to the replica that a consistent hash of its key names
 (rendezvous hashing: a replica's death moves only its own share): a chat's key is its
 opening (its messages up to the first user message, which every later turn repeats), a
@@ -244,3 +246,54 @@ def serve_replicas(args) -> int:
         serve.shutdown()
         ray.shutdown()
     return 0
+
+
+class _Generate:
+    """One actor of `batch`: a language model, and generate_batch over each block of rows."""
+
+    def __init__(self, load_kwargs: dict, params: dict, column: str):
+        from .loader import load
+
+        self.lm = load(**load_kwargs)
+        self.params, self.column = params, column
+
+    def __call__(self, rows: dict) -> dict:
+        prompts = [p if isinstance(p, str) else [int(t) for t in p] for p in rows[self.column]]
+        seeds = [int(s) for s in rows["seed"]]
+        outs = self.lm.generate_batch(prompts, [SamplingParams(**{**self.params, "seed": s}) for s in seeds])
+        return {self.column: rows[self.column], "seed": rows["seed"],
+                "text": np.array([o.text for o in outs], dtype=object),
+                "token_ids": np.array([np.asarray(o.token_ids, dtype=np.int64) for o in outs] + [None], dtype=object)[:-1],
+                "finish_reason": np.array([o.finish_reason for o in outs], dtype=object)}
+
+
+def prompt_seed(prompt, seed: int) -> int:
+    """A row's seed where the dataset has none: from the prompt and the job's seed, so that
+    a row's generation is the same however the job is split among actors."""
+    data = prompt.encode() if isinstance(prompt, str) else np.asarray(prompt, dtype=np.int64).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=4, key=seed.to_bytes(8, "little")).digest(), "little")
+
+
+def batch(dataset, model=None, *, column: str = "prompt", seed: int = 0, concurrency: int = 2, batch_size: int = 64,
+          device: str = "cpu", dtype: str = "float32", state_dtype: str = "float32", deterministic: bool = False,
+          **sampling):
+    """Generations for every row of a Ray Dataset of prompts (`column`: text, or token ids),
+    on `concurrency` actors with one engine each (one GPU each on CUDA): a Dataset with the
+    prompt, its `seed`, `text`, `token_ids` and `finish_reason` per row.
+
+    A row's seed is its `seed` column where the dataset has one, else prompt_seed(prompt,
+    seed); each row gets what `generate` gives it alone with that seed, whatever the number
+    of actors or rows a block (on a GPU exactly so with deterministic=True, else within the
+    batch-invariant ranges). `sampling`: SamplingParams fields (max_tokens, temperature, ...)."""
+    from .loader import checkpoint_folder
+
+    params = {f: v for f, v in SamplingParams.from_kwargs(None, sampling).__dict__.items() if f != "seed"}
+    if "seed" not in dataset.columns():
+        dataset = dataset.map(lambda row: {**row, "seed": prompt_seed(row[column], seed)})
+    load_kwargs = dict(path=str(checkpoint_folder(model)), device=device, dtype=dtype, state_dtype=state_dtype,
+                       deterministic=deterministic)
+    resources = {"num_gpus": 1} if device != "cpu" else {"num_cpus": 1}
+    from ray.data import ActorPoolStrategy
+
+    return dataset.map_batches(_Generate, fn_constructor_args=(load_kwargs, params, column), batch_size=batch_size,
+                               compute=ActorPoolStrategy(size=concurrency), batch_format="numpy", **resources)

@@ -74,3 +74,25 @@ def test_a_killed_replica_leaves_the_app_serving(app):
             assert e.status_code == 503
             time.sleep(0.5)
     assert ok == 6
+
+
+def test_batch_over_a_dataset_equals_generate_batch(app, lm):
+    """200 prompts on two actors, in blocks of 32: each row what generate_batch (and so
+    generate alone) gives it with the row's seed, its own column where the dataset has one."""
+    import fastmamba
+    from fastmamba.deploy import prompt_seed
+
+    prompts = [f"Act {k}. Scene {k % 7}." for k in range(200)]
+    params = dict(max_tokens=5, temperature=0.8)
+    rows = fastmamba.batch(ray.data.from_items([{"prompt": p} for p in prompts]), concurrency=2, batch_size=32,
+                           **params).take_all()
+    assert len(rows) == 200
+    by_prompt = {r["prompt"]: r for r in rows}
+    seeds = [prompt_seed(p, 0) for p in prompts]
+    want = lm.generate_batch(prompts, [fastmamba.SamplingParams(seed=s, **params) for s in seeds])
+    for p, s, w in zip(prompts, seeds, want):
+        row = by_prompt[p]
+        assert row["seed"] == s and row["text"] == w.text and list(row["token_ids"]) == w.token_ids
+    # a seed column is each row's seed
+    given = fastmamba.batch(ray.data.from_items([{"prompt": "To be", "seed": 7}]), concurrency=1, **params).take_all()
+    assert given[0]["text"] == lm.generate("To be", seed=7, **params).text
