@@ -76,6 +76,7 @@ class EngineReplica:
         from .loader import load
 
         self.client = EngineClient(functools.partial(load, **load_kwargs), engine_kwargs, max_queue=max_queue)
+        self.name = serve.get_replica_context().replica_id.unique_id
 
     async def generate(self, key: int, ids: list[int], fields: dict, top_logprobs: int | None):
         """The engine's outputs for one request (engine.py's tuples), until its end."""
@@ -91,9 +92,10 @@ class EngineReplica:
         try:
             while True:
                 out = await outs.get()
-                yield out
-                if out[3] is not None:
+                if out[3] is not None:  # the end: with this replica's engine stats, for the front end's metrics
+                    yield tuple(out[:4]) + ({**out[4], "replica": self.name, "stats": self.client.stats},)
                     return
+                yield out
         finally:  # the caller went away (or the request ended): nothing more for it
             self.client.abort(rid)
 
@@ -117,6 +119,7 @@ class RayEngine:
     def __init__(self, handle):
         self.handle = handle.options(stream=True)
         self._tasks: dict[int, asyncio.Task] = {}
+        self._stats: dict[str, dict] = {}  # each replica's latest engine stats, from its requests' ends
         self._rids = itertools.count()
         self.on_stats = None
         self.alive = True  # Ray replaces a replica that dies; its requests end with a 503
@@ -132,6 +135,7 @@ class RayEngine:
                 async for out in self.handle.generate.remote(key, ids, fields, top_logprobs):
                     emit((rid,) + tuple(out[1:]))
                     if out[3] is not None:
+                        self._replica_stats(out[4])
                         return
                 raise RuntimeError("the replica's stream ended early")
             except asyncio.CancelledError:
@@ -144,6 +148,14 @@ class RayEngine:
 
         self._tasks[rid] = asyncio.get_running_loop().create_task(run())
         return rid
+
+    def _replica_stats(self, info: dict) -> None:
+        """The metrics' engine figures summed over the replicas (a replica's counters count on
+        in its successor: Ray gives it a new name)."""
+        if "replica" not in info or self.on_stats is None:
+            return
+        self._stats[info["replica"]] = info["stats"]
+        self.on_stats({k: sum(s[k] for s in self._stats.values()) for k in info["stats"]})
 
     def abort(self, rid: int) -> None:
         task = self._tasks.pop(rid, None)

@@ -59,6 +59,12 @@ def test_a_conversations_turns_return_to_their_replica(app, lm):
         second = app.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0)
         cached = second.usage.prompt_tokens_details.cached_tokens
         assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens, k
+    # the front end's metrics count the replicas' prefix-cache hits
+    import urllib.request
+
+    text = urllib.request.urlopen(str(app.base_url).removesuffix("v1/") + "metrics", timeout=30).read().decode()
+    hits = next(float(line.split()[1]) for line in text.splitlines() if line.startswith("fastmamba:prefix_cache_hits_total"))
+    assert hits >= 4
 
 
 def test_a_killed_replica_leaves_the_app_serving(app):
