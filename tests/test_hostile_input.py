@@ -265,3 +265,16 @@ def test_load_names_the_model_argument(bad):
 def test_load_bounds_threads():
     with pytest.raises(ValueError, match="threads"):
         fastmamba.load(threads=(os.cpu_count() or 1) + 1)
+
+
+@pytest.mark.gpu
+def test_weights_that_overflow_name_the_layer_on_the_gpu_engine(ckpt):
+    """The GPU engine checks each prompt's logits on the device and, when they are not
+    finite, names the layer by a checked rerun."""
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["backbone.layers.1.mixer.in_proj.weight"].fill_(1e38)
+    save_file(tensors, ckpt / "model.safetensors")
+    lm = fastmamba.load(ckpt, device="cuda")
+    assert lm.engine == "triton"
+    with pytest.raises(fastmamba.NonFiniteError, match=r"layer 1 \(backbone\.layers\.1\)"):
+        lm.generate("To be", max_tokens=3)

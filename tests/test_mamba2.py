@@ -168,3 +168,16 @@ def test_config_fields_are_checked_by_name(tmp_path, edit, says):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(fastmamba.CheckpointError, match=says):
         fastmamba.load(folder)
+
+
+@pytest.mark.gpu
+def test_mamba2_on_cuda_runs_the_reference_engine_and_equals_the_cpu(tmp_path):
+    folder, _ = save_mamba2(tmp_path / "m", n_groups=2)
+    gpu = fastmamba.load(folder, device="cuda")
+    assert gpu.engine == "reference"
+    with pytest.raises(ValueError, match="no kernels for mamba2"):
+        fastmamba.load(folder, device="cuda", engine="triton")
+    x = ids(2, 21)
+    torch.testing.assert_close(gpu.forward(x).cpu(), fastmamba.load(folder).forward(x), rtol=1e-4, atol=1e-4)
+    assert gpu.generate(x[0].tolist(), max_tokens=8, stop_token_ids=[]).token_ids == \
+        fastmamba.load(folder).generate(x[0].tolist(), max_tokens=8, stop_token_ids=[]).token_ids
