@@ -1,6 +1,6 @@
-"""End-to-end decode speed as a user sees it: `LanguageModel.generate` at batch 1 (host
-loop, read-backs and all), with 1 and with several decode steps per graph replay
-(engine.STEPS_PER_READ), against the graph replays alone (`fastmamba bench`'s number).
+"""End-to-end decode speed as a user sees it: `LanguageModel.generate` at batch 1 (the
+engine's step loop, a step ahead, read-backs and all), against the graph replays alone
+(`fastmamba bench`'s number).
 Random weights at public shapes, bf16, greedy, a 3-token prompt; the Triton prefill, as
 `fastmamba.load` gives on a GPU. It prints the first token's time (prefill, first sample,
 the decoder's set-up) and the time a token after it, (t(257 tokens) - t(1 token)) / 256.
@@ -16,7 +16,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from fastmamba import engine  # noqa: E402
 from fastmamba.bench import random_model, time_graph_steps  # noqa: E402
 from fastmamba.language_model import LanguageModel  # noqa: E402
 from fastmamba.model import Mamba, triton_ops  # noqa: E402
@@ -39,16 +38,11 @@ def main() -> None:
         base = random_model(size, torch.bfloat16)
         model = Mamba(base.config, base.weights, triton_ops())
         print(f"{size:>5} graph replays alone: {time_graph_steps(model, 1):.3f} ms/step", flush=True)
-        for steps in (1, 4, 8):
-            engine.STEPS_PER_READ = steps
-            lm = LanguageModel(model, None, engine="triton")
-            lm.generate([1, 2, 3], max_tokens=TOKENS + 1, stop_token_ids=[])  # capture, compile
-            first, whole = best_ms(lm, 1), best_ms(lm, TOKENS + 1)
-            print(
-                f"{size:>5} steps per read-back {steps}: first token {first:.3f} ms, then "
-                f"{(whole - first) / TOKENS:.3f} ms/token end to end",
-                flush=True,
-            )
+        lm = LanguageModel(model, None, engine="triton")
+        lm.generate([1, 2, 3], max_tokens=TOKENS + 1, stop_token_ids=[])  # capture, compile
+        first, whole = best_ms(lm, 1), best_ms(lm, TOKENS + 1)
+        print(f"{size:>5} generate: first token {first:.3f} ms, then {(whole - first) / TOKENS:.3f} ms/token end to end",
+              flush=True)
         model = base = None
         torch.cuda.empty_cache()
 
