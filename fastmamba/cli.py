@@ -70,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--replicas", type=int, default=0,
                      help="run N engine replicas on Ray Serve (one GPU each on CUDA), requests routed by prefix; "
                      "needs pip install 'fastmamba[ray]' (default: 0, one engine without Ray)")
+    srv.add_argument("--autoscale", metavar="MIN:MAX",
+                     help="with Ray Serve: between MIN and MAX replicas as the load asks (in place of --replicas)")
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (not on /health)")
     srv.add_argument("--max-body-mb", type=float, default=8,
                      help="largest request body, MiB; a larger one gets a 413 before it is read (default: 8)")
@@ -104,6 +106,11 @@ def check_serve_flags(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.replicas < 0:
         raise ValueError(f"--replicas must be at least 0, got {args.replicas}")
+    if args.autoscale is not None:
+        low, _, high = args.autoscale.partition(":")
+        if not (low.isdigit() and high.isdigit() and int(low) <= int(high) and int(high) >= 1):
+            raise ValueError(f"--autoscale takes MIN:MAX replicas with MIN <= MAX and MAX >= 1, got {args.autoscale!r}")
+        args.replicas = args.replicas or int(high)  # (Ray Serve runs it)
     if args.max_batch is not None and args.max_batch < 1:
         raise ValueError(f"--max-batch must be at least 1, got {args.max_batch}")
     if not 1 <= args.port <= 65535:

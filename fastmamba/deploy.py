@@ -220,12 +220,27 @@ class Frontend:
         return _frontend_app(self.engines, **self.options)
 
 
+def autoscaling(spec: str, target: int = 16) -> dict:
+    """Ray Serve's autoscaling config from "MIN:MAX" replicas (each aiming at `target`
+    requests in flight); a ValueError naming --autoscale otherwise."""
+    try:
+        low, high = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"--autoscale takes MIN:MAX replicas, got {spec!r}") from None
+    if not 0 <= low <= high or high < 1:
+        raise ValueError(f"--autoscale MIN:MAX needs 0 <= MIN <= MAX and MAX >= 1, got {spec!r}")
+    return {"min_replicas": low, "max_replicas": high, "target_ongoing_requests": target}
+
+
 def app(args: dict):
-    """`serve run fastmamba.deploy:app model=DIR replicas=2 device=cuda dtype=bfloat16 ...`"""
+    """`serve run fastmamba.deploy:app model=DIR replicas=2 device=cuda dtype=bfloat16 ...`
+    (autoscale=MIN:MAX in place of replicas)."""
     ints = {"replicas", "threads", "max_batch", "prefill_tokens", "prefix_cache_mb", "max_queue", "max_model_len",
             "queue_bound"}
     kwargs = {k: int(v) if k in ints else float(v) if k == "max_body_mb" else
               (str(v).lower() in ("1", "true", "yes")) if k == "deterministic" else v for k, v in args.items()}
+    if "autoscale" in kwargs:
+        kwargs["autoscaling"] = autoscaling(kwargs.pop("autoscale"), kwargs.get("max_batch") or 16)
     return build(**kwargs)
 
 
@@ -246,9 +261,11 @@ def serve_replicas(args) -> int:
                             max_batch=args.max_batch, prefill_tokens=args.prefill_tokens,
                             prefix_cache_mb=args.prefix_cache_mb, max_queue=args.max_queue,
                             max_model_len=args.max_model_len, max_body_mb=args.max_body_mb, api_key=args.api_key,
-                            served_model_name=args.served_model_name)
+                            served_model_name=args.served_model_name,
+                            autoscaling=autoscaling(args.autoscale, args.max_batch or 16) if args.autoscale else None)
         serve.run(application, name="fastmamba", route_prefix="/")
-        print(f"fastmamba: serving on http://{args.host}:{args.port} with {args.replicas} replicas (Ray Serve)",
+        scale = f"{args.autoscale} replicas, autoscaled" if args.autoscale else f"{args.replicas} replicas"
+        print(f"fastmamba: serving on http://{args.host}:{args.port} with {scale} (Ray Serve)",
               file=sys.stderr, flush=True)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -199,3 +199,8 @@ def test_ctrl_c_while_generating_is_quiet():
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130 and err == b""
+
+
+@pytest.mark.parametrize("spec", ["4", "3:1", "x:y", "0:0"])
+def test_serve_refuses_a_bad_autoscale(spec):
+    assert_one_line_error(run("serve", "--autoscale", spec), "--autoscale")

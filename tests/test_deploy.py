@@ -102,3 +102,18 @@ def test_batch_over_a_dataset_equals_generate_batch(app, lm):
     # a seed column is each row's seed
     given = fastmamba.batch(ray.data.from_items([{"prompt": "To be", "seed": 7}]), concurrency=1, **params).take_all()
     assert given[0]["text"] == lm.generate("To be", seed=7, **params).text
+
+
+def test_the_command_lines_scale_settings(monkeypatch):
+    from fastmamba import deploy
+
+    built = {}
+    monkeypatch.setattr(deploy, "build", lambda **kw: built.update(kw))
+    deploy.app({"model": "m", "replicas": "3", "max_batch": "8", "deterministic": "true"})
+    assert built["replicas"] == 3 and built["max_batch"] == 8 and built["deterministic"] is True
+    built.clear()
+    deploy.app({"autoscale": "1:4", "max_batch": "8"})
+    assert built["autoscaling"] == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8}
+    for bad in ("4", "3:1", "a:b", "0:0"):
+        with pytest.raises(ValueError, match="--autoscale"):
+            deploy.autoscaling(bad)
