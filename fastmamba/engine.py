@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from .cuda_graphs import CHUNK_BATCHES, PREFILL_BUCKETS, ChunkPrefillGraphs, PoolDecodeGraphs
 from .model import MambaState
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, SlotParams, pick_sampler, resolve_seed
@@ -163,8 +164,6 @@ class EngineCore:
         self.decode_graphs = self._chunk_pool = None
         self._chunk_graph_sets: dict = {}
         if self.gpu:
-            from .cuda_graphs import PoolDecodeGraphs
-
             self.decode_graphs = PoolDecodeGraphs(self.model, self.pool, self.tokens, lm.deterministic)
 
     # -- the caller's side ------------------------------------------------------------------
@@ -310,14 +309,12 @@ class EngineCore:
         language model's prefill (CUDA graphs for short ones; each alone in deterministic
         mode). With the cache on (serving), in groups of the chunk graphs' batch sizes,
         whose prefill graphs capture_prefill_graphs captured at start."""
-        from .cuda_graphs import CHUNK_BATCHES
-
         if self.gpu and self.cache.budget and len(reqs) not in CHUNK_BATCHES:
             b = next(k for k in CHUNK_BATCHES if k <= len(reqs))
             self._prefill_fresh(reqs[:b], launch)
             return self._prefill_fresh(reqs[b:], launch)
         logits, state = self.lm._prefill_prompts([r.ids for r in reqs])  # (n, V), state (L, n, ...)
-        rows = torch.tensor([r.slot for r in reqs], device=self.device)
+        rows = _to_device([r.slot for r in reqs], self.device)
         self.pool.conv.index_copy_(1, rows, state.conv)
         self.pool.ssm.index_copy_(1, rows, state.ssm)
         for k, r in enumerate(reqs):
@@ -330,8 +327,6 @@ class EngineCore:
         """The next n prompt tokens of each request, continuing its slot's state: through the
         chunk graphs in groups of their batch sizes on the GPU (n up to the cache's
         interval), else one eager pass over the gathered states."""
-        from .cuda_graphs import CHUNK_BATCHES
-
         graphs = self.gpu and n <= self.cache.interval
         at = 0
         while at < len(reqs):
@@ -339,7 +334,7 @@ class EngineCore:
             group = reqs[at : at + b]
             at += b
             ids = _to_device([t for r in group for t in r.ids[r.pos : r.pos + n]], self.device).view(b, n)
-            rows = torch.tensor([r.slot for r in group], device=self.device)
+            rows = _to_device([r.slot for r in group], self.device)
             if graphs:
                 logits = self._chunk_graphs(b)(ids, self.pool, rows)
             else:
@@ -356,15 +351,13 @@ class EngineCore:
                 if r.pos == len(r.ids):
                     done.append(k)
             if done:
-                self._sample([group[k] for k in done], logits[done], launch, checked=True)
+                self._sample([group[k] for k in done], logits[_to_device(done, self.device)], launch, checked=True)
 
     def _chunk_graphs(self, batch: int):
         """The chunk prefill graphs of one batch size, captured at first use (serve captures
         them at start: capture_prefill_graphs)."""
         graphs = self._chunk_graph_sets.get(batch)
         if graphs is None:
-            from .cuda_graphs import ChunkPrefillGraphs
-
             if self._chunk_pool is None:
                 self._chunk_pool = torch.cuda.graph_pool_handle()  # one replays at a time: they share scratch
             graphs = self._chunk_graph_sets[batch] = ChunkPrefillGraphs(self.model, self.cache.interval, batch,
@@ -378,8 +371,6 @@ class EngineCore:
         graphs of new prompts up to the cache's interval in groups of CHUNK_BATCHES."""
         if not self.gpu:
             return
-        from .cuda_graphs import CHUNK_BATCHES, PREFILL_BUCKETS
-
         for b in CHUNK_BATCHES:
             self._chunk_graphs(b)
             for n in (n for n in PREFILL_BUCKETS if n <= self.cache.interval):
@@ -391,7 +382,7 @@ class EngineCore:
         sampled with their slots' parameters (gathered, sampled, scattered back) into the
         slots' decode inputs."""
         sampler = pick_sampler([r.params for r in reqs], self.gpu)
-        slots = torch.tensor([r.slot for r in reqs], device=self.device)
+        slots = _to_device([r.slot for r in reqs], self.device)
         params = SlotParams(**{f.name: getattr(self.slot_params, f.name)[slots] for f in fields(self.slot_params)})
         tok = sampler(logits, params)
         for f in fields(self.slot_params):
@@ -505,8 +496,10 @@ class EngineCore:
 
 
 def _to_device(ids: list[int], device) -> torch.Tensor:
-    """Token ids as an int64 tensor on `device`, without making the host wait for the GPU:
-    a plain host-to-device copy from pageable memory waits for the stream's queued work."""
+    """Token ids (or slot indices) as an int64 tensor on `device`, without making the host
+    wait for the GPU: a plain host-to-device copy from pageable memory (torch.tensor(...,
+    device=...), or indexing with a list) waits for the stream's queued work, the step ahead
+    included."""
     t = torch.tensor(ids, dtype=torch.int64)
     if device.type != "cuda":
         return t
