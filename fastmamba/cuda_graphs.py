@@ -1,13 +1,13 @@
 """CUDA graphs of the decode step and of prefill: launched from Python, a step is hundreds of
 kernel launches, which cost more than the GPU's work on all but the widest models.
 
-`GraphDecoder` runs the Triton decode step and the sampler as one CUDA graph, several steps
-a replay, captured once per batch size and sampler: the decode step's own speed
-(`fastmamba bench`). `GraphPrefill` runs the prefill of short prompts as CUDA graphs too: a short prompt's
-prefill is a few hundred small launches, which cost more from Python than on the GPU.
 `PoolDecodeGraphs` and `ChunkPrefillGraphs` are the engine's (engine.py): the decode step
 over a pool of state slots by batch bucket, and prefill chunks that continue a slot's state.
-`GraphDecoder` times the decode step alone, several steps a replay (`fastmamba bench`).
+`GraphPrefill` runs the prefill of new prompts, left-padded, as CUDA graphs too: a short
+prompt's prefill is a few hundred small launches, which cost more from Python than on the GPU.
+`GraphDecoder` runs the Triton decode step and the sampler as one CUDA graph, several steps
+a replay, captured once per batch size and sampler: the decode step's own speed
+(`fastmamba bench`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ class GraphDecoder:
         from .kernels.decode_step import make_decode_step
 
         self.model = model
-        self.busy = False  # set while a generation uses it
         self.step = make_decode_step(model, batch, deterministic, plan)  # plan: decode_plan.plan_for's unless given
         self.state = model.new_state(batch)
         self.slots = SlotParams.empty(batch, model.config.vocab_size, model.device)
