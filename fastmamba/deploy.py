@@ -27,7 +27,6 @@ import asyncio
 import functools
 import hashlib
 import itertools
-from pathlib import Path
 
 import numpy as np
 from ray import serve
@@ -163,21 +162,6 @@ class RayEngine:
             task.cancel()  # cancels the streaming call: the replica's generator ends, and aborts the request
 
 
-def _frontend_app(handle, model_name: str, folder: str, api_key, max_model_len: int, max_body_mb: float):
-    from .checkpoint import inside
-    from .config import MambaConfig
-    from .language_model import PromptEncoder
-    from .server import create_app, metrics_registry
-    from .tokenizer import Tokenizer
-
-    folder = Path(folder)
-    config = MambaConfig.from_file(inside(folder, "config.json"))
-    prompts = PromptEncoder(Tokenizer(inside(folder, "tokenizer.json")), config.vocab_size, folder)
-    registry, metrics = metrics_registry()
-    return create_app(RayEngine(handle), prompts, model_name, api_key=api_key, max_model_len=max_model_len,
-                      registry=registry, metrics=metrics, max_body_bytes=int(max_body_mb * 2**20))
-
-
 def build(model=None, replicas: int = 2, device: str = "cpu", dtype: str = "float32", state_dtype: str = "float32",
           deterministic: bool = False, threads: int | None = None, max_batch: int | None = None,
           prefill_tokens: int = 4096, prefix_cache_mb: int = 256, max_queue: int = 256, max_model_len: int = 32768,
@@ -217,7 +201,9 @@ class Frontend:
         self.engines, self.options = engines, options
 
     def __serve_build_asgi_app__(self):
-        return _frontend_app(self.engines, **self.options)
+        from .server import folder_app
+
+        return folder_app(RayEngine(self.engines), **self.options)
 
 
 def autoscaling(spec: str, target: int = 16) -> dict:

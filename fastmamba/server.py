@@ -718,6 +718,22 @@ def _listen(host: str, port: int):
     return sock
 
 
+def folder_app(engine, folder, model_name: str, api_key: str | None, max_model_len: int, max_body_mb: float):
+    """serve's app over `engine` for a checkpoint folder: its tokenizer and vocabulary for the
+    prompts, its chat template, a metrics registry of its own (`fastmamba serve`'s, and each
+    Ray Serve front end's)."""
+    from .checkpoint import inside
+    from .config import MambaConfig
+    from .tokenizer import Tokenizer
+
+    folder = Path(folder)
+    config = MambaConfig.from_file(inside(folder, "config.json"))
+    prompts = PromptEncoder(Tokenizer(inside(folder, "tokenizer.json")), config.vocab_size, folder)
+    registry, metrics = metrics_registry()
+    return create_app(engine, prompts, model_name, api_key=api_key, max_model_len=max_model_len, registry=registry,
+                      metrics=metrics, max_body_bytes=int(max_body_mb * 2**20))
+
+
 def serve(args) -> int:
     """The CLI's `serve`: starts the engine process, then runs uvicorn until SIGTERM or
     Ctrl-C, which stop new requests, let running ones finish for --shutdown-timeout
@@ -730,10 +746,8 @@ def serve(args) -> int:
     if any(importlib.util.find_spec(m) is None for m in ("fastapi", "uvicorn", "zmq", "msgspec")):
         raise ValueError("serve needs the server packages: pip install 'fastmamba[serve]'")
     import uvicorn
-    from .config import MambaConfig
+
     from .loader import checkpoint_folder, default_model_dir, load
-    from .checkpoint import inside
-    from .tokenizer import Tokenizer
 
     sock = _listen(args.host, args.port)
     if args.replicas:
@@ -753,12 +767,9 @@ def serve(args) -> int:
     engine = EngineClient(make_lm, dict(max_batch=args.max_batch, prefill_tokens=args.prefill_tokens,
                                         prefix_cache_bytes=args.prefix_cache_mb << 20), max_queue=args.max_queue)
     try:
-        config = MambaConfig.from_file(inside(folder, "config.json"))
-        prompts = PromptEncoder(Tokenizer(inside(folder, "tokenizer.json")), config.vocab_size, folder)
-        registry, metrics = metrics_registry()
         name = args.served_model_name or (args.model or "fastmamba-default")
-        app = create_app(engine, prompts, name, api_key=args.api_key, max_model_len=args.max_model_len, registry=registry,
-                         metrics=metrics, max_body_bytes=int(args.max_body_mb * 2**20))
+        app = folder_app(engine, folder, name, api_key=args.api_key, max_model_len=args.max_model_len,
+                         max_body_mb=args.max_body_mb)
         server_config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout + 5)
         info = engine.info
         print(f"fastmamba: serving {name} on http://{args.host}:{args.port} ({info['device']}, {info['dtype']}, "
