@@ -24,6 +24,7 @@ state its last turn left in that replica's prefix cache. When that replica alrea
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import itertools
@@ -127,7 +128,7 @@ class RayEngine:
         """route: the routing key (a conversation's, from the front end), else the prompt's."""
         rid = next(self._rids)
         key = route if route is not None else route_key(ids)
-        fields = {name: getattr(params, name) for name in params.__dataclass_fields__}
+        fields = dataclasses.asdict(params)
 
         async def run():
             try:
@@ -302,7 +303,8 @@ def batch(dataset, model=None, *, column: str = "prompt", seed: int = 0, concurr
     batch-invariant ranges). `sampling`: SamplingParams fields (max_tokens, temperature, ...)."""
     from .loader import checkpoint_folder
 
-    params = {f: v for f, v in SamplingParams.from_kwargs(None, sampling).__dict__.items() if f != "seed"}
+    params = dataclasses.asdict(SamplingParams.from_kwargs(None, sampling))
+    del params["seed"]  # (each row's own)
     if "seed" not in dataset.columns():
         dataset = dataset.map(lambda row: {**row, "seed": prompt_seed(row[column], seed)})
     load_kwargs = dict(path=str(checkpoint_folder(model)), device=device, dtype=dtype, state_dtype=state_dtype,

@@ -171,8 +171,7 @@ class EngineClient:
         self._loop = self._loop or asyncio.get_running_loop()
         rid = next(self._rids)
         self._handlers[rid] = emit
-        fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
-        self._send(("add", rid, ids, fields, top_logprobs))
+        self._send(("add", rid, ids, dataclasses.asdict(params), top_logprobs))
         return rid
 
     def abort(self, rid: int) -> None:
