@@ -106,11 +106,6 @@ def check_serve_flags(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.replicas < 0:
         raise ValueError(f"--replicas must be at least 0, got {args.replicas}")
-    if args.autoscale is not None:
-        low, _, high = args.autoscale.partition(":")
-        if not (low.isdigit() and high.isdigit() and int(low) <= int(high) and int(high) >= 1):
-            raise ValueError(f"--autoscale takes MIN:MAX replicas with MIN <= MAX and MAX >= 1, got {args.autoscale!r}")
-        args.replicas = args.replicas or int(high)  # (Ray Serve runs it)
     if args.max_batch is not None and args.max_batch < 1:
         raise ValueError(f"--max-batch must be at least 1, got {args.max_batch}")
     if not 1 <= args.port <= 65535:

@@ -240,6 +240,10 @@ def serve_replicas(args) -> int:
 
     import ray
 
+    from .server import _listen
+
+    scaling = autoscaling(args.autoscale, args.max_batch or 16) if args.autoscale else None
+    _listen(args.host, args.port).close()  # a bad or busy --port: one line, before Ray starts (its proxy binds it)
     ray.init(include_dashboard=False, logging_level="ERROR")
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
@@ -249,7 +253,7 @@ def serve_replicas(args) -> int:
                             prefix_cache_mb=args.prefix_cache_mb, max_queue=args.max_queue,
                             max_model_len=args.max_model_len, max_body_mb=args.max_body_mb, api_key=args.api_key,
                             served_model_name=args.served_model_name,
-                            autoscaling=autoscaling(args.autoscale, args.max_batch or 16) if args.autoscale else None)
+                            autoscaling=scaling)
         serve.run(application, name="fastmamba", route_prefix="/")
         scale = f"{args.autoscale} replicas, autoscaled" if args.autoscale else f"{args.replicas} replicas"
         print(f"fastmamba: serving on http://{args.host}:{args.port} with {scale} (Ray Serve)",

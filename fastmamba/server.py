@@ -749,12 +749,13 @@ def serve(args) -> int:
 
     from .loader import checkpoint_folder, default_model_dir, load
 
-    sock = _listen(args.host, args.port)
-    if args.replicas:
-        sock.close()  # (Ray Serve's proxy binds it)
-        from .deploy import serve_replicas
-
+    if args.replicas or args.autoscale:
+        try:
+            from .deploy import serve_replicas
+        except ImportError:
+            raise ValueError("--replicas and --autoscale need Ray Serve: pip install 'fastmamba[ray]'") from None
         return serve_replicas(args)
+    sock = _listen(args.host, args.port)
     folder = checkpoint_folder(args.model)
     if not (folder / "tokenizer.json").exists():
         if not (folder / "config.json").exists() and args.model is None:
