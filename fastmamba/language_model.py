@@ -148,7 +148,7 @@ class LanguageModel:
         self._check_ids(input_ids.flatten().tolist(), "input_ids")
         with self._threads():
             logits = self.model.forward(input_ids.to(self.device, torch.int64))
-            self.model.check_finite(logits, input_ids.tolist())
+            self.model.check_finite(logits, input_ids)  # (its rows are read only if the logits are not finite)
             return logits
 
     # -- generation --------------------------------------------------------------------------

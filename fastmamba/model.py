@@ -304,18 +304,19 @@ class Mamba:
                     f"input, its weights overflow the arithmetic (storage {str(lw.in_proj_w.dtype).removeprefix('torch.')})")
         return self.ops.add_norm(h, o, self.weights.norm_f, eps, torch.float32)[1]
 
-    def check_finite(self, logits: torch.Tensor, prompts: list[list[int]]) -> None:
+    def check_finite(self, logits: torch.Tensor, prompts) -> None:
         """NonFiniteError naming the first layer at fault if `logits` (of the prefill of
         `prompts` from a zero state) hold NaN or inf; one reduction and one read otherwise."""
         if not torch.isfinite(logits).all():
             raise NonFiniteError(self.nonfinite_culprit(prompts))
 
-    def nonfinite_culprit(self, prompts: list[list[int]]) -> str:
-        """Why the prefill of `prompts` is not finite: each prompt's prefill again, with a
-        check after every layer, names the first layer (or the final norm, or lm_head)."""
+    def nonfinite_culprit(self, prompts) -> str:
+        """Why the prefill of `prompts` (token id lists, or the rows of a (B, T) tensor) is not
+        finite: each prompt's prefill again, with a check after every layer, names the first
+        layer (or the final norm, or lm_head)."""
         try:
             for ids in prompts:
-                x = torch.tensor([ids], device=self.device)
+                x = torch.as_tensor(ids, dtype=torch.int64, device=self.device)[None]
                 h = self.backbone(self.weights.embedding[x], self.new_state(1), check=True)  # raises at a layer
                 if not torch.isfinite(h).all():
                     return "the model's output is not finite: the final norm (backbone.norm_f) gives NaN or inf for this input"
