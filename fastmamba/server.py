@@ -74,9 +74,9 @@ def metrics_registry():
     return reg, m
 
 
-def create_app(engine: EngineClient, prompts: PromptEncoder, model_name: str, api_key: str | None = None,
+def create_app(engine: EngineClient, encoder: PromptEncoder, model_name: str, api_key: str | None = None,
                max_model_len: int = 32768, registry=None, metrics=None, max_body_bytes: int = 8 << 20):
-    """The FastAPI app over a running engine process; `prompts` encodes prompts with the
+    """The FastAPI app over a running engine process; `encoder` encodes prompts with the
     checkpoint's tokenizer (its path: the chat template's folder)."""
     from fastapi import FastAPI, Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
@@ -84,8 +84,7 @@ def create_app(engine: EngineClient, prompts: PromptEncoder, model_name: str, ap
     from starlette.exceptions import HTTPException
 
     app = FastAPI(title="fastmamba", docs_url=None, redoc_url=None)
-    lm = prompts  # encode, tokenizer, vocab_size
-    template = _chat_template(prompts.path)
+    template = _chat_template(encoder.path)
     if metrics is not None:
         engine.on_stats = _stats_to_metrics(metrics)
     created = int(time.time())
@@ -129,23 +128,23 @@ def create_app(engine: EngineClient, prompts: PromptEncoder, model_name: str, ap
     async def tokenize(request: HTTPRequest):
         body = await _json(request, max_body_bytes)
         if "messages" in body:
-            ids = _encode(lm, _render_chat(template, body["messages"]), "messages")
+            ids = _encode(encoder, _render_chat(template, body["messages"]), "messages")
         else:
-            ids = _encode(lm, _get(body, "prompt", str, required=True), "prompt")
+            ids = _encode(encoder, _get(body, "prompt", str, required=True), "prompt")
         return {"tokens": ids, "count": len(ids)}
 
     @app.post("/detokenize")
     async def detokenize(request: HTTPRequest):
         body = await _json(request, max_body_bytes)
         ids = _get(body, "tokens", list, required=True)
-        _check_ids(ids, lm.vocab_size, "tokens")
-        return {"prompt": lm.tokenizer.decode(ids) if lm.tokenizer else None}
+        _check_ids(ids, encoder.vocab_size, "tokens")
+        return {"prompt": encoder.tokenizer.decode(ids) if encoder.tokenizer else None}
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
         body = await _json(request, max_body_bytes)
         _check_model(body, model_name)
-        prompts = _prompts(lm, body.get("prompt"))
+        prompts = _prompts(encoder, body.get("prompt"))
         logprobs = _get(body, "logprobs", int, None, lo=0, hi=MAX_LOGPROBS)
         echo = _get(body, "echo", bool, False)
         max_tokens = _get(body, "max_tokens", int, 16)  # OpenAI's default for completions
@@ -156,7 +155,7 @@ def create_app(engine: EngineClient, prompts: PromptEncoder, model_name: str, ap
         body = await _json(request, max_body_bytes)
         _check_model(body, model_name)
         text = _render_chat(template, body.get("messages"))
-        prompts = [(text, _encode(lm, text, "messages"))]
+        prompts = [(text, _encode(encoder, text, "messages"))]
         top = _get(body, "top_logprobs", int, 0, lo=0, hi=MAX_LOGPROBS)
         top_logprobs = top if _get(body, "logprobs", bool, False) else None
         # max_completion_tokens is OpenAI's current name, max_tokens the older one; without
@@ -181,7 +180,7 @@ def create_app(engine: EngineClient, prompts: PromptEncoder, model_name: str, ap
         if not all(isinstance(s, str) and s for s in stop):
             raise APIError(400, "stop must be a string or a list of non-empty strings", param="stop")
         _get(body, "user", str, None)
-        params = _sampling(body, lm.vocab_size)
+        params = _sampling(body, encoder.vocab_size)
         for _, ids in prompts:
             if len(ids) >= max_model_len:
                 raise APIError(400, f"the prompt has {len(ids)} tokens, and this server's limit for prompt + max_tokens "
@@ -199,7 +198,7 @@ def create_app(engine: EngineClient, prompts: PromptEncoder, model_name: str, ap
                 seed = None if params.seed is None else (params.seed + k) % 2**32
                 limit = max_tokens if max_tokens is not None else max_model_len - len(ids)
                 choices.append(_Choice(len(choices), ids, dataclasses.replace(params, seed=seed, max_tokens=limit),
-                                       stop, top_logprobs, lm.tokenizer, events, engine, metrics, route))
+                                       stop, top_logprobs, encoder.tokenizer, events, engine, metrics, route))
         try:
             for c in choices:
                 c.submit()
@@ -211,7 +210,7 @@ def create_app(engine: EngineClient, prompts: PromptEncoder, model_name: str, ap
             raise APIError(429, f"the server is busy: {e}; try again later", code="rate_limit_exceeded",
                            kind="rate_limit_error") from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        shape = _Shape(rid, model_name, chat, lm, [prompts[i // n][0] if echo else "" for i in range(len(choices))])
+        shape = _Shape(rid, model_name, chat, encoder, [prompts[i // n][0] if echo else "" for i in range(len(choices))])
         if stream:
             return StreamingResponse(_stream(request, choices, events, shape, include_usage),
                                      media_type="text/event-stream")
@@ -423,8 +422,8 @@ def _stats_to_metrics(metrics):
 class _Shape:
     """Builds OpenAI's response and chunk bodies from the engine's events, choice by choice."""
 
-    def __init__(self, rid, model, chat, lm, echoes):
-        self.rid, self.model, self.chat, self.lm = rid, model, chat, lm
+    def __init__(self, rid, model, chat, encoder, echoes):
+        self.rid, self.model, self.chat, self.encoder = rid, model, chat, encoder
         self.created = int(time.time())
         self.texts = list(echoes)
         self.first = [True] * len(echoes)
@@ -464,7 +463,7 @@ class _Shape:
         return out, None, entry
 
     def _token(self, t: int) -> str:
-        return self.lm.tokenizer.decode([t]) if self.lm.tokenizer else str(t)
+        return self.encoder.tokenizer.decode([t]) if self.encoder.tokenizer else str(t)
 
     def _logprob(self, data) -> dict:
         lp = data["logprob"]
@@ -617,26 +616,26 @@ def _check_ids(ids: list, vocab: int, name: str) -> None:
         raise APIError(400, str(e), param=name) from None
 
 
-def _encode(lm, text: str, name: str) -> list[int]:
+def _encode(encoder, text: str, name: str) -> list[int]:
     try:
-        ids = lm.encode(text)
+        ids = encoder.encode(text)
     except ValueError as e:
         raise APIError(400, f"'{name}': {e}", param=name) from None
     return ids
 
 
-def _prompts(lm, prompt) -> list[tuple[str, list[int]]]:
+def _prompts(encoder, prompt) -> list[tuple[str, list[int]]]:
     """(text, ids) of each prompt: a string, a list of token ids, or a list of either."""
     if prompt is None:
         raise APIError(400, "'prompt' is required", param="prompt")
     if isinstance(prompt, str):
-        return [(prompt, _encode(lm, prompt, "prompt"))]
+        return [(prompt, _encode(encoder, prompt, "prompt"))]
     if _is_ids(prompt):
-        _check_ids(prompt, lm.vocab_size, "prompt")
-        return [(lm.tokenizer.decode(prompt) if lm.tokenizer else "", list(prompt))]
+        _check_ids(prompt, encoder.vocab_size, "prompt")
+        return [(encoder.tokenizer.decode(prompt) if encoder.tokenizer else "", list(prompt))]
     # a batch: strings and lists of ids, one level deep, as OpenAI takes them
     if isinstance(prompt, list) and 0 < len(prompt) <= 64 and all(isinstance(p, str) or _is_ids(p) for p in prompt):
-        return [p for item in prompt for p in _prompts(lm, item)]
+        return [p for item in prompt for p in _prompts(encoder, item)]
     raise APIError(400, "'prompt' must be a string, a list of token ids, or a non-empty list of at most 64 of "
                    "those (strings or lists of token ids)", param="prompt")
 
