@@ -6,8 +6,10 @@ Two forms over one set of weights:
   differentiable with respect to the parameters, x and the initial state;
 - `bb.step(x, state)`: one step for a batch of environments, in place, no grad; on CUDA one
   graph replay per batch size and state.
-The sequence pass runs the language model's own layer (model.mixer) with the pure-PyTorch
-ops, which take reset flags: on the GPU correct but not yet fast (benchmarks/RESULTS.md).
+The sequence pass runs the language model's own layer (model.mixer), whose ops take reset
+flags: on the CPU the pure-PyTorch ops; on CUDA the prefill kernels without autograd, and
+under autograd the training ops (model.training_ops), whose conv and scan run forward and
+backward in Triton.
 The step runs the same layer; on CUDA through the language model's decode kernels
 (KernelStep) in a CUDA graph.
 """
@@ -193,18 +195,19 @@ class Backbone(nn.Module):
         return y, new
 
     def _kernel_ops(self, x: torch.Tensor, state: MambaState):
-        """The prefill kernels' ops (Triton: the conv and the scan take the resets) on CUDA
-        where autograd will not need the pass; else None, the reference ops, whose every
-        operation autograd differentiates (the GPU's backward, for now: RESULTS.md)."""
+        """On CUDA: the prefill kernels' ops (Triton: the conv and the scan take the resets)
+        where autograd will not need the pass, else the training ops (the conv and the scan
+        as autograd Functions whose backward runs in Triton). Elsewhere None: the reference
+        ops, whose every operation autograd differentiates."""
         from .kernels._triton import HAVE_TRITON
 
         if self.device.type != "cuda" or not HAVE_TRITON:
             return None
+        from .model import training_ops, triton_ops
+
         inputs = [x, state.conv, state.ssm, *self.parameters()]
         if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-            return None
-        from .model import triton_ops
-
+            return training_ops()
         return triton_ops()
 
     def _layers(self, x: torch.Tensor, convs, ssms, resets=None, ops=None, weights=None) -> torch.Tensor:

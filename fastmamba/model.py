@@ -132,6 +132,16 @@ def triton_ops() -> Ops:
     return Ops(linear_storage, causal_conv1d, step_and_scan, add_norm)
 
 
+def training_ops() -> Ops:
+    """The GPU ops whose backward runs in Triton too (fastmamba.Backbone's sequence pass
+    under autograd): the conv and the scan as autograd Functions (kernels/conv_grad.py,
+    kernels/scan_grad.py), the products and norms as torch ops, all in float32."""
+    from .kernels.conv_grad import causal_conv1d_train
+    from .kernels.scan_grad import step_and_scan_train
+
+    return Ops(linear, causal_conv1d_train, step_and_scan_train, add_norm_ref)
+
+
 def mixer(
     config, lw: LayerWeights, u: torch.Tensor, conv_state, ssm_state, ops: Ops = REFERENCE_OPS, start=None, resets=None
 ) -> torch.Tensor:

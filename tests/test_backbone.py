@@ -353,7 +353,7 @@ def test_gpu_graph_step_equals_eager_and_the_cpu(dtype, B):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_sequence_pass_with_resets(dtype):
     """On CUDA without autograd the sequence pass runs the prefill kernels (the conv and the
-    scan take the resets); with autograd the reference ops, whose gradients match the CPU's."""
+    scan take the resets); with autograd the training kernels, whose gradients match the CPU's."""
     cpu = make(d_model=64, n_layer=3, input_dim=24, d_state=16)
     gpu = Backbone(cpu.config, device="cuda", dtype=dtype)
     gpu.load_state_dict(cpu.state_dict())
@@ -373,12 +373,14 @@ def test_gpu_sequence_pass_with_resets(dtype):
     tol = 1e-4 if dtype == "float32" else 3e-2
     assert rel_err(y.cpu(), y_ref) < tol and rel_err(new.ssm.cpu(), new_ref.ssm) < tol
     assert rel_err(new.conv.cpu(), new_ref.conv) < tol
-    # training: autograd through the reference ops on the GPU
-    xg = x[:, :40].cuda().requires_grad_()
-    assert gpu._kernel_ops(xg, gpu_state) is None
-    gpu(xg, gpu_state, resets[:, :40].cuda())[0].square().mean().backward()
-    xc = x[:, :40].clone().requires_grad_()
-    cpu16(xc, state, resets[:, :40])[0].square().mean().backward()
+    # training: the conv and the scan as autograd Functions whose backward runs in Triton
+    from fastmamba.kernels.scan_grad import step_and_scan_train
+
+    xg = x.cuda().requires_grad_()
+    assert gpu._kernel_ops(xg, gpu_state).scan is step_and_scan_train
+    gpu(xg, gpu_state, resets.cuda())[0].square().mean().backward()
+    xc = x.clone().requires_grad_()
+    cpu16(xc, state, resets)[0].square().mean().backward()
     assert rel_err(xg.grad.cpu(), xc.grad) < tol
     name = "layers.1.mixer.in_proj.weight"
     assert rel_err(dict(gpu.named_parameters())[name].grad.float().cpu(), dict(cpu16.named_parameters())[name].grad.float()) < tol

@@ -31,9 +31,10 @@ def selective_scan_ref(
     out_dtype: torch.dtype | None = None,  # the Triton scan's y dtype; the reference keeps float32
     resets: torch.Tensor | None = None,  # (B, T) bool: the row's state is zero before step t
 ) -> torch.Tensor:  # (B, E, T) float32
-    """The recurrence one time step after another, in float32: the oracle for the Triton scan.
-    A reset is a decay of zero at its step."""
-    x, z, delta = x.float(), z.float(), delta.float()
+    """The recurrence one time step after another, in float32 (float64 for float64 x, the
+    gradient tests' oracle): the oracle for the Triton scan. A reset is a decay of zero at its step."""
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    x, z, delta = x.to(wide), z.to(wide), delta.to(wide)
     s = state.clone()  # autograd may save s; the in-place write below must not change it
     if start is not None:
         real = _pad_mask(start, x.shape[-1], x.device)
@@ -60,13 +61,16 @@ def _combine(a_left, b_left, a_right, b_right):
 @jit
 def _selective_scan_kernel(
     x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, B_ptr, sbb, sbn, sbt, C_ptr, scb, scn, sct,
-    z_ptr, szb, sze, szt, A_ptr, D_ptr, st_ptr, y_ptr, start_ptr, resets_ptr, T, E,
+    z_ptr, szb, sze, szt, A_ptr, D_ptr, st_ptr, y_ptr, start_ptr, resets_ptr, dtb_ptr, saved_ptr, T, E,
     N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, RESETS: tl.constexpr,
+    RAW_DT: tl.constexpr = False, SAVE: tl.constexpr = False,
 ):
     # One program: one row, BE channels, all of time in chunks of BT steps. Inside a chunk
     # the steps are combined in parallel (associative scan of (decay, input) pairs); the
     # state is carried from chunk to chunk in registers. RESETS: a step that starts an
-    # episode decays the state by zero.
+    # episode decays the state by zero. RAW_DT: dt holds dt_proj's output before the bias
+    # dtb and the softplus, which this kernel takes. SAVE (training, scan_grad.py): the
+    # state each chunk starts from goes to saved (B, chunks, E, N) for the backward.
     b = tl.program_id(0)
     e = tl.program_id(1) * BE + tl.arange(0, BE)
     emask = e < E
@@ -87,6 +91,12 @@ def _selective_scan_kernel(
         x = tl.load(x_ptr + b64 * sxb + t[:, None] * sxt + e[None, :] * sxe, mask=m, other=0.0)
         # step sizes; zero at padding and past T, which leaves the state alone
         dt = tl.load(dt_ptr + b64 * sdb + t[:, None] * sdt + e[None, :] * sde, mask=m, other=0.0)
+        if RAW_DT:
+            dtb = tl.load(dtb_ptr + e, mask=emask, other=0.0)
+            dt = tl.where(m, softplus(dt + dtb[None, :]), 0.0)
+        if SAVE:
+            chunk = (b64 * tl.cdiv(T, BT) + t0 // BT) * E * N
+            tl.store(saved_ptr + chunk + e[:, None] * N + n[None, :], s, mask=sm)
         bn = real[:, None] & nmask[None, :]
         Bt = tl.load(B_ptr + b64 * sbb + t[:, None] * sbt + n[None, :] * sbn, mask=bn, other=0.0)  # (BT, NP)
         Ct = tl.load(C_ptr + b64 * scb + t[:, None] * sct + n[None, :] * scn, mask=bn, other=0.0)
@@ -460,7 +470,7 @@ def selective_scan(
         return y.transpose(1, 2)
     BE, BT = 8, 32
     _selective_scan_kernel[(Bsz, triton.cdiv(E, BE))](
-        *xdb, *cz, A, D, state, y, start, flags, T, E, N=N, NP=triton.next_power_of_2(N), BE=BE, BT=BT,
+        *xdb, *cz, A, D, state, y, start, flags, D, D, T, E, N=N, NP=triton.next_power_of_2(N), BE=BE, BT=BT,
         RESETS=resets is not None, num_warps=4,
     )
     return y.transpose(1, 2)

@@ -1,0 +1,210 @@
+"""The selective scan for training: an autograd Function whose forward and backward run in
+Triton, for fastmamba.Backbone's sequence pass on CUDA (selective_scan_ref under autograd is
+the CPU path and the oracle).
+
+The forward is the one-pass scan (selective_scan.py's `_selective_scan_kernel`: one program
+a row and BE channels, time in chunks of BT steps combined by an associative scan). It
+takes dt_proj's raw output with the bias and softplus inside, and saves only the state each
+chunk starts from: (B, T / BT, E, N), 1/BT of every step's state.
+
+The backward walks the same chunks from the last to the first, one program a row and BE
+channels as in the forward. In each chunk it recomputes the chunk's states from the saved
+start (the forward's associative scan), then runs the adjoint recurrence backwards
+
+    g_t = C_t dy'_t + decay_{t+1} g_{t+1}          (g: dL/d state after step t; dy' = dy silu(z))
+
+as an associative scan in reverse, with g of the next chunk's first step carried in
+registers. With both in registers every gradient of the step is elementwise work and a sum:
+
+    d delta_t = sum_n g_t (A decay_t s_{t-1} + x_t B_t),   decay_t s_{t-1} = s_t - delta_t x_t B_t
+    dA       += sum_t g_t delta_t decay_t s_{t-1}
+    dx_t      = delta_t sum_n g_t B_t + D dy'_t
+    dB_t      = sum_e g_t delta_t x_t,   dC_t = sum_e s_t dy'_t     (over the channels: atomics)
+    dz_t      = dy_t y_t silu'(z_t),     d dt_raw = d delta sigmoid(dt_raw + bias)
+    d state0  = decay_0 g_0
+
+A reset at step t decays by zero: nothing flows through it to the steps before, and its
+decay has no gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import jit, tl, triton
+from .activations import softplus
+from .selective_scan import _combine, _selective_scan_kernel
+
+# The training scan's tiles (H200, benchmarks/backbone.py): BT steps a chunk (the saved
+# states' spacing), BE channels a program, in WARPS warps; the backward holds some ten
+# (BT, BE, N) tiles at once.
+TRAIN_BT = 32
+TRAIN_BE = 8
+TRAIN_WARPS = 4
+
+
+@jit
+def _decay_at(dt, A, resets_ptr, t, tmask, RESETS: tl.constexpr):
+    """exp(dt * A) of steps t (BT, BE, NP); zero at a reset step."""
+    decay = tl.exp(dt[:, :, None] * A[None, :, :])
+    if RESETS:
+        r = tl.load(resets_ptr + t, mask=tmask, other=0)
+        decay = tl.where((r != 0)[:, None, None], 0.0, decay)
+    return decay
+
+
+@jit
+def _scan_backward_kernel(
+    x_ptr, sxb, sxe, sxt, dt_ptr, sdb, sde, sdt, z_ptr, szb, sze, szt, dy_ptr, syb, sye, syt,
+    B_ptr, sbb, sbn, sbt, C_ptr, scb, scn, sct, dtb_ptr, A_ptr, D_ptr,
+    saved_ptr, resets_ptr, dfinal_ptr,
+    dx_ptr, ddt_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, dinit_ptr, T, E,
+    N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, RESETS: tl.constexpr,
+):
+    # One program: one row b, BE channels, the chunks from last to first (see the module's
+    # docstring). x, dt (raw), z and dy come as (B, E, T) with their strides, B and C as
+    # (B, N, T). dx, ddt, dz are written (B, T, E) contiguous; dB and dC are added into
+    # (B, N, T) float32 zeros; dA (B, E, N) and dD (B, E) are this row's sums.
+    b64 = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1) * BE + tl.arange(0, BE)
+    emask = e < E
+    n = tl.arange(0, NP)
+    nmask = n < N
+    sm = emask[:, None] & nmask[None, :]
+    A = tl.load(A_ptr + e[:, None] * N + n[None, :], mask=sm, other=0.0)  # (BE, NP)
+    Dv = tl.load(D_ptr + e, mask=emask, other=0.0)
+    dtb = tl.load(dtb_ptr + e, mask=emask, other=0.0)
+    state_at = e[:, None] * N + n[None, :]
+    g_next = tl.load(dfinal_ptr + b64 * E * N + state_at, mask=sm, other=0.0)  # g of the step after the chunk
+    dA = tl.zeros([BE, NP], dtype=tl.float32)
+    dD = tl.zeros([BE], dtype=tl.float32)
+    chunks = tl.cdiv(T, BT)
+    rrow = resets_ptr + b64 * T
+    for i in range(chunks):
+        c = chunks - 1 - i
+        t = c * BT + tl.arange(0, BT)
+        tmask = t < T
+        m = tmask[:, None] & emask[None, :]
+        x = tl.load(x_ptr + b64 * sxb + t[:, None] * sxt + e[None, :] * sxe, mask=m, other=0.0).to(tl.float32)
+        raw = tl.load(dt_ptr + b64 * sdb + t[:, None] * sdt + e[None, :] * sde, mask=m, other=0.0).to(tl.float32)
+        raw += dtb[None, :]
+        dt = tl.where(m, softplus(raw), 0.0)
+        z = tl.load(z_ptr + b64 * szb + t[:, None] * szt + e[None, :] * sze, mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + b64 * syb + t[:, None] * syt + e[None, :] * sye, mask=m, other=0.0).to(tl.float32)
+        bn = tmask[:, None] & nmask[None, :]
+        Bt = tl.load(B_ptr + b64 * sbb + t[:, None] * sbt + n[None, :] * sbn, mask=bn, other=0.0).to(tl.float32)
+        Ct = tl.load(C_ptr + b64 * scb + t[:, None] * sct + n[None, :] * scn, mask=bn, other=0.0).to(tl.float32)
+        # the forward's states in this chunk, from the one it starts from
+        decay = _decay_at(dt, A, rrow, t, tmask, RESETS)
+        inp = (dt * x)[:, :, None] * Bt[:, None, :]
+        decay_cum, inp_cum = tl.associative_scan((decay, inp), 0, _combine)
+        s0 = tl.load(saved_ptr + (b64 * chunks + c) * E * N + state_at, mask=sm, other=0.0)
+        s = decay_cum * s0[None, :, :] + inp_cum  # (BT, BE, NP)
+        y = tl.sum(s * Ct[:, None, :], 2) + Dv[None, :] * x
+        sig = tl.sigmoid(z)
+        dyg = dy * z * sig  # dL/dy before the gate
+        dz = dy * y * sig * (1.0 + z * (1.0 - sig))
+        # the adjoint: g_t = C_t dyg_t + decay_{t+1} g_{t+1}; past T (and at T - 1) the
+        # factor is 1, so the last step's g takes the final state's gradient
+        t1 = t + 1
+        t1mask = t1 < T
+        m1 = t1mask[:, None] & emask[None, :]
+        raw1 = tl.load(dt_ptr + b64 * sdb + t1[:, None] * sdt + e[None, :] * sde, mask=m1, other=0.0).to(tl.float32)
+        decay1 = _decay_at(tl.where(m1, softplus(raw1 + dtb[None, :]), 0.0), A, rrow, t1, t1mask, RESETS)
+        g_cum_decay, g_cum = tl.associative_scan((decay1, Ct[:, None, :] * dyg[:, :, None]), 0, _combine, reverse=True)
+        g = g_cum + g_cum_decay * g_next[None, :, :]
+        before = s - inp  # decay_t * s_{t-1}
+        ddelta = tl.sum(g * (A[None, :, :] * before + x[:, :, None] * Bt[:, None, :]), 2)
+        dA += tl.sum(g * before * dt[:, :, None], 0)
+        dD += tl.sum(dyg * x, 0)
+        dx = dt * tl.sum(g * Bt[:, None, :], 2) + Dv[None, :] * dyg
+        out = (b64 * T + t[:, None]) * E + e[None, :]
+        tl.store(dx_ptr + out, dx, mask=m)
+        tl.store(ddt_ptr + out, ddelta * tl.sigmoid(raw), mask=m)
+        tl.store(dz_ptr + out, dz, mask=m)
+        over = (b64 * N + n[None, :]) * T + t[:, None]  # (BT, NP) into (B, N, T)
+        tl.atomic_add(dB_ptr + over, tl.sum(g * (dt * x)[:, :, None], 1), mask=bn)
+        tl.atomic_add(dC_ptr + over, tl.sum(s * dyg[:, :, None], 1), mask=bn)
+        g_next = tl.sum(tl.where((t == c * BT)[:, None, None], g, 0.0), 0)  # the chunk's first step's
+    # the state before step 0 reaches it through step 0's decay
+    dt0 = tl.load(dt_ptr + b64 * sdb + e * sde, mask=emask, other=0.0).to(tl.float32)
+    dt0 = tl.where(emask, softplus(dt0 + dtb), 0.0)
+    decay0 = tl.exp(dt0[:, None] * A)
+    if RESETS:
+        decay0 = tl.where(tl.load(rrow) != 0, 0.0, decay0)
+    tl.store(dinit_ptr + b64 * E * N + state_at, g_next * decay0, mask=sm)
+    tl.store(dA_ptr + b64 * E * N + state_at, dA, mask=sm)
+    tl.store(dD_ptr + b64 * E + e, dD, mask=emask)
+
+
+def _forward(x, dt, dt_bias, A, Bm, Cm, D, z, state, resets, save: bool):
+    """The one-pass scan with the raw step sizes; y (B, E, T) float32 and the chunk starts'
+    states (or None). Updates state in place."""
+    Bsz, E, T = x.shape
+    N = A.shape[1]
+    y = torch.empty(Bsz, T, E, device=x.device, dtype=torch.float32)
+    start = torch.zeros(Bsz, device=x.device, dtype=torch.int32)
+    flags = resets.to(torch.uint8).contiguous() if resets is not None else start
+    saved = torch.empty(Bsz, triton.cdiv(T, TRAIN_BT), E, N, device=x.device) if save else y
+    _selective_scan_kernel[(Bsz, triton.cdiv(E, TRAIN_BE))](
+        x, *x.stride(), dt, *dt.stride(), Bm, *Bm.stride(), Cm, *Cm.stride(), z, *z.stride(), A, D, state, y, start,
+        flags, dt_bias, saved, T, E, N=N, NP=triton.next_power_of_2(N), BE=TRAIN_BE, BT=TRAIN_BT,
+        RESETS=resets is not None, RAW_DT=True, SAVE=save, num_warps=TRAIN_WARPS,
+    )
+    return y.transpose(1, 2), saved if save else None
+
+
+class _Scan(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dt, dt_bias, A, Bm, Cm, D, z, state, resets):
+        s0 = state.detach().float().clone()  # the kernel runs on a float32 state
+        y, saved = _forward(x, dt, dt_bias, A, Bm, Cm, D, z, s0, resets, save=True)
+        ctx.save_for_backward(x, dt, dt_bias, A, Bm, Cm, D, z, saved, resets)
+        ctx.state_dtype = state.dtype
+        with torch.no_grad():
+            state.copy_(s0)
+        ctx.mark_dirty(state)
+        return y, state
+
+    @staticmethod
+    def backward(ctx, dy, dstate):
+        x, dt, dt_bias, A, Bm, Cm, D, z, saved, resets = ctx.saved_tensors
+        Bsz, E, T = x.shape
+        N = A.shape[1]
+        dev = x.device
+        dy = dy.float()
+        dfinal = dstate.float().contiguous() if dstate is not None else torch.zeros(Bsz, E, N, device=dev)
+        dx, ddt, dz = (torch.empty(Bsz, T, E, device=dev) for _ in range(3))  # the layout the products want
+        dB, dC = torch.zeros(Bsz, N, T, device=dev), torch.zeros(Bsz, N, T, device=dev)
+        dA, dinit = torch.empty(Bsz, E, N, device=dev), torch.empty(Bsz, E, N, device=dev)
+        dD = torch.empty(Bsz, E, device=dev)
+        flags = resets.to(torch.uint8).contiguous() if resets is not None else dx
+        _scan_backward_kernel[(Bsz, triton.cdiv(E, TRAIN_BE))](
+            x, *x.stride(), dt, *dt.stride(), z, *z.stride(), dy, *dy.stride(), Bm, *Bm.stride(), Cm, *Cm.stride(),
+            dt_bias, A, D, saved, flags, dfinal,
+            dx, ddt, dz, dB, dC, dA, dD, dinit, T, E,
+            N=N, NP=triton.next_power_of_2(N), BE=TRAIN_BE, BT=TRAIN_BT, RESETS=resets is not None,
+            num_warps=TRAIN_WARPS,
+        )
+        dx, ddt, dz = (t.transpose(1, 2) for t in (dx, ddt, dz))
+        return (dx, ddt, ddt.sum((0, 2)), dA.sum(0), dB, dC, dD.sum(0), dz, dinit.to(ctx.state_dtype), None)
+
+
+def selective_scan_train(x, dt, dt_bias, A, Bm, Cm, D, z, state, resets=None) -> torch.Tensor:
+    """The scan with gradients: x (B, E, T); dt (B, E, T) dt_proj's output before the bias
+    dt_bias (E,) and the softplus; A (E, N); Bm, Cm (B, N, T); D (E,); z (B, E, T); state
+    (B, E, N), updated in place (autograd follows it); resets (B, T) bool or None.
+    Returns y (B, E, T) float32, as selective_scan_ref over softplus(dt + dt_bias)."""
+    x, dt, z = x.float(), dt.float(), z.float()
+    return _Scan.apply(x, dt, dt_bias.float(), A.float().contiguous(), Bm.float(), Cm.float(), D.float(), z, state,
+                       resets)[0]
+
+
+def step_and_scan_train(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, state, start=None, out_dtype=None, resets=None):
+    """Ops.scan of model.training_ops (step_and_scan_ref's signature): dt_proj by cuBLAS
+    under autograd, then the scan with its bias and softplus inside. y float32, as the
+    reference (out_dtype is ignored). No left padding: a training pass has none."""
+    if start is not None:
+        raise ValueError("step_and_scan_train takes no left padding (start)")
+    dt = torch.nn.functional.linear(dt_r.float(), dt_w.float())  # (B, T, E)
+    return selective_scan_train(x, dt.transpose(1, 2), dt_b, A, Bm, Cm, D, z, state, resets)

@@ -1,0 +1,170 @@
+"""The training kernels (kernels/scan_grad.py, kernels/conv_grad.py): forward and backward
+against autograd through the reference ops in float64, a gradcheck of each Function, and the
+whole Backbone's gradients through them against the CPU's.
+
+Without CUDA the kernels run in Triton's interpreter (conftest), at tiny shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastmamba import Backbone, BackboneConfig
+from fastmamba.kernels.causal_conv1d import causal_conv1d_ref
+from fastmamba.kernels.selective_scan import selective_scan_ref
+
+pytest.importorskip("triton")
+from fastmamba.kernels.conv_grad import causal_conv1d_train  # noqa: E402
+from fastmamba.kernels.scan_grad import TRAIN_BT, selective_scan_train  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(a, b) -> float:
+    assert torch.isfinite(a).all()
+    return ((a.double().cpu() - b.cpu()).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def reset_flags(B: int, T: int, where: str) -> torch.Tensor | None:
+    """Resets at the first step (row 0), inside a chunk and at a chunk's first step (row 1),
+    at the last step (row 2)."""
+    if where == "none":
+        return None
+    r = torch.zeros(B, T, dtype=torch.bool)
+    r[0, 0] = True
+    r[1 % B, min(T - 1, 5)] = True
+    r[1 % B, min(T - 1, TRAIN_BT)] = True
+    r[2 % B, T - 1] = True
+    return r.to(DEVICE)
+
+
+def _grads(fn, inputs, weights):
+    """fn's outputs and the gradients of sum(out * weight) over them, for each input."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    outs = fn(*leaves)
+    sum(((o * w.to(o.dtype)).sum() for o, w in zip(outs, weights))).backward()
+    return [o.detach() for o in outs], [t.grad for t in leaves]
+
+
+# (B, E, N, T): one chunk; several, T not a multiple of the chunk; E past one program's
+# channels, N not a power of two
+SCAN_SHAPES = [(2, 4, 4, 9), (3, 10, 5, 2 * TRAIN_BT + 7), (1, 3, 2, TRAIN_BT)]
+
+
+@pytest.mark.parametrize("B,E,N,T", SCAN_SHAPES)
+@pytest.mark.parametrize("resets", ["none", "first, inside, last"])
+def test_scan_forward_and_backward_match_the_float64_oracle(B, E, N, T, resets):
+    g = torch.Generator().manual_seed(B * 100 + T)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    flags = reset_flags(B, T, resets)
+    inputs = [r(B, E, T), r(B, E, T) - 1, 0.5 * r(E), -torch.rand(E, N, generator=g) - 0.2, r(B, N, T), r(B, N, T),
+              r(E), r(B, E, T), r(B, E, N)]  # x, raw dt, dt bias, A, B, C, D, z, state
+    weights = [r(B, E, T), r(B, E, N)]  # on y and on the state after the last step
+
+    def ours(x, dt, bias, A, Bm, Cm, D, z, s):
+        s = s.clone()
+        return selective_scan_train(x, dt, bias, A, Bm, Cm, D, z, s, flags), s
+
+    def oracle(x, dt, bias, A, Bm, Cm, D, z, s):
+        s = s.clone()
+        return selective_scan_ref(x, F.softplus(dt + bias[:, None]), A, Bm, Cm, D, z, s, resets=flags), s
+
+    (y, s), grads = _grads(ours, [t.to(DEVICE) for t in inputs], weights)
+    (y64, s64), grads64 = _grads(oracle, [t.double().to(DEVICE) for t in inputs], weights)
+    assert rel_err(y, y64) < 1e-5 and rel_err(s, s64) < 1e-5
+    for name, a, b in zip("x dt dt_bias A B C D z state".split(), grads, grads64):
+        assert a.shape == b.shape and rel_err(a, b) < 1e-5, name
+    if flags is not None and bool(flags[0, 0]):  # a reset at step 0: nothing reaches the old state
+        assert not grads[-1][0].any()
+
+
+@pytest.mark.parametrize("K,T,bias", [(4, 2 * 32 + 5, True), (3, 2, False), (2, 1, True)])
+@pytest.mark.parametrize("resets", ["none", "first, inside, last"])
+def test_conv_forward_and_backward_match_the_float64_oracle(K, T, bias, resets):
+    B, E = 3, 70  # E past one program's channels
+    g = torch.Generator().manual_seed(K * 10 + T)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    flags = reset_flags(B, T, resets)
+    inputs = [r(B, E, T), r(E, K), r(E), r(B, E, K)]  # x, weight, bias, state
+    weights = [r(B, E, T), r(B, E, K)]
+
+    def run(fn):
+        def call(x, w, b, s):
+            s = s.clone()
+            return fn(x, w, b if bias else None, s, resets=flags), s
+        return call
+
+    (y, s), grads = _grads(run(causal_conv1d_train), [t.to(DEVICE) for t in inputs], weights)
+    (y64, s64), grads64 = _grads(run(causal_conv1d_ref), [t.double().to(DEVICE) for t in inputs], weights)
+    assert rel_err(y, y64) < 1e-5 and rel_err(s, s64) < 1e-5
+    for name, a, b in zip(["x", "weight", "bias", "state"], grads, grads64):
+        if name == "bias" and not bias:
+            assert a is None and b is None
+            continue
+        assert a.shape == b.shape and rel_err(a, b) < 1e-5, name
+
+
+@pytest.mark.filterwarnings("ignore:Input #:UserWarning")
+def test_gradcheck_of_both_functions():
+    """torch.autograd.gradcheck of each Function on its own forward. The kernels compute in
+    float32, so in float32 with finite differences to match (eps 1e-3); the float64 oracle
+    tests above hold them to 1e-5."""
+    g = torch.Generator().manual_seed(7)
+    r = lambda *s: torch.randn(*s, generator=g).to(DEVICE).requires_grad_(True)  # noqa: E731
+    B, E, N, T = 1, 2, 2, 5
+    flags = torch.tensor([[False, False, True, False, False]], device=DEVICE)
+
+    def scan(x, dt, bias, Bm, Cm, z, s):
+        s = s.clone()
+        A = -torch.tensor([[0.5, 1.0], [0.7, 0.3]], device=DEVICE)
+        y = selective_scan_train(x, dt, bias, A, Bm, Cm, torch.ones(E, device=DEVICE), z, s, flags)
+        return y, s
+
+    tol = dict(eps=1e-3, atol=2e-3, rtol=2e-2, nondet_tol=1e-6)
+    assert torch.autograd.gradcheck(scan, (r(B, E, T), r(B, E, T), r(E), r(B, N, T), r(B, N, T), r(B, E, T),
+                                           r(B, E, N)), **tol)
+
+    def conv(x, w, b, s):
+        s = s.clone()
+        return causal_conv1d_train(x, w, b, s, resets=flags), s
+
+    assert torch.autograd.gradcheck(conv, (r(B, E, T), r(E, 3), r(E), r(B, E, 3)), **tol)
+
+
+def test_the_backbone_trains_through_the_kernels_as_through_the_reference():
+    """The whole Backbone's sequence pass with the training ops (as on CUDA under autograd)
+    against the reference ops on the CPU: outputs and every gradient."""
+    from fastmamba.model import training_ops
+
+    torch.manual_seed(0)
+    cfg = BackboneConfig(input_dim=6, d_model=16, n_layer=2, d_state=8, d_conv=3)
+    ref = Backbone(cfg)
+    ours = Backbone(cfg, device=DEVICE)
+    ours.load_state_dict(ref.state_dict())
+    if DEVICE == "cpu":  # (on CUDA the backbone picks them itself: checked here)
+        ours._kernel_ops = lambda x, state: training_ops()
+    g = torch.Generator().manual_seed(1)
+    B, T = 3, 40
+    x = torch.randn(B, T, 6, generator=g)
+    resets = torch.rand(B, T, generator=g) < 0.1
+    resets[0, 0] = True
+    w = torch.randn(B, T, 16, generator=g)
+    found = []
+    for bb in (ref, ours):
+        dev = bb.device
+        state = bb.new_state(B)
+        state.ssm.copy_(torch.randn(state.ssm.shape, generator=torch.Generator().manual_seed(3)))
+        state.conv.copy_(torch.randn(state.conv.shape, generator=torch.Generator().manual_seed(4)))
+        state.ssm.requires_grad_(True)
+        state.conv.requires_grad_(True)
+        xx = x.to(dev).requires_grad_(True)
+        if bb is ours and DEVICE == "cuda":
+            assert bb._kernel_ops(xx, state).conv is causal_conv1d_train
+        y, new = bb(xx, state, resets.to(dev))
+        ((y * w.to(dev)).sum() + new.ssm.sum() + new.conv.square().sum()).backward()
+        found.append({"y": y.detach(), "x": xx.grad, "ssm": state.ssm.grad, "conv": state.conv.grad,
+                      **{k: p.grad for k, p in bb.named_parameters()}})
+    for name, theirs in found[0].items():
+        assert rel_err(found[1][name].float(), theirs.double()) < 1e-4, name
