@@ -4,6 +4,12 @@ in CUDA graphs and the backbone's eager step. The floor at large batches: the st
 and written once a step, at the copy rate. With --cpu: the batch-1 step on the CPU.
 
     python benchmarks/backbone.py --json backbone.json
+    python benchmarks/backbone.py --training --json training.json   # forward + backward only
+
+--training: forward + backward (the training kernels) and its peak memory beside cuDNN
+LSTMs of the issue's sizes, in float32 with PyTorch's defaults (cuDNN may use TF32, cuBLAS
+float32 products do not), then again with TF32 products allowed; and the scan's and the
+conv's kernels alone, forward + backward, at the first shape.
 """
 
 import argparse
@@ -57,12 +63,98 @@ def rnn_step_us(kind: str, batch: int) -> float:
         return us_per_call(replay, 200)
 
 
+# (backbone shape, batch x time, the cuDNN LSTM peer: input, hidden, layers)
+TRAINING = [("128x3", 16, 1024, (64, 256, 1)), ("512x4", 64, 256, (64, 512, 4)), ("512x4", 64, 256, (64, 512, 1))]
+
+
+def timed_peak(fn, reps: int):
+    """(ms a call, peak memory in MB above what was allocated before) of fn."""
+    fn()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return us_per_call(fn, reps) / 1e3, peak
+
+
+def training_rows(emit) -> None:
+    from fastmamba.kernels.conv_grad import causal_conv1d_train
+    from fastmamba.kernels.scan_grad import step_and_scan_train
+
+    for tf32 in (False, True):
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        for name, B, T, (inp, hidden, layers) in TRAINING:
+            torch.manual_seed(0)
+            bb = Backbone(BackboneConfig(**SHAPES[name]), device="cuda")
+            x = torch.randn(B, T, 64, device="cuda")
+            resets = torch.rand(B, T, device="cuda") < 1 / 64  # episodes of ~64 steps
+
+            def fwd_bwd():
+                y, _ = bb(x, resets=resets)
+                y.sum().backward()
+
+            def fwd():
+                bb(x, resets=resets)
+
+            ms, peak = timed_peak(fwd_bwd, 10)
+            fwd_ms = us_per_call(fwd, 10) / 1e3
+            bb = None
+            lstm = torch.nn.LSTM(inp, hidden, num_layers=layers, batch_first=True, device="cuda")
+            xl = torch.randn(B, T, inp, device="cuda")
+
+            def lstm_fwd_bwd():
+                y, _ = lstm(xl)
+                y.sum().backward()
+
+            lstm_ms, lstm_peak = timed_peak(lstm_fwd_bwd, 10)
+            emit(shape=name, sequence=f"{B}x{T}", tf32_products=tf32, forward_ms=round(fwd_ms, 2),
+                 forward_backward_ms=round(ms, 2), peak_mb=round(peak), peer=f"cuDNN LSTM({inp}, {hidden}) x {layers}",
+                 peer_forward_backward_ms=round(lstm_ms, 2), peer_peak_mb=round(lstm_peak),
+                 time_ratio=round(ms / lstm_ms, 2), memory_ratio=round(peak / lstm_peak, 2))
+            lstm = None
+            torch.cuda.empty_cache()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    # the kernels alone at the first shape's layer: B 16, E 256, N 16, T 1024, dt_rank 8; x, z
+    # and the step sizes channels-contiguous, as the layer makes them
+    B, E, N, T, K, R = 16, 256, 16, 1024, 4, 8
+    g = lambda *s: torch.randn(*s, device="cuda").requires_grad_(True)  # noqa: E731
+    btE = lambda: torch.randn(B, T, E, device="cuda").transpose(1, 2).requires_grad_(True)  # noqa: E731
+    x, z, dt_r, xbc = btE(), btE(), g(B, T, R), torch.randn(B, T, 2 * N, device="cuda").requires_grad_(True)
+    Bm, Cm = xbc[..., :N].transpose(1, 2), xbc[..., N:].transpose(1, 2)
+    dt_w, bias, D, cw, cb = g(E, R), g(E), g(E), g(E, K), g(E)
+    A = (-torch.rand(E, N, device="cuda") - 0.1).requires_grad_(True)
+    resets = torch.rand(B, T, device="cuda") < 1 / 64
+
+    def scan():
+        s = torch.zeros(B, E, N, device="cuda")
+        step_and_scan_train(x, dt_r, dt_w, bias, A, Bm, Cm, D, z, s, resets=resets).sum().backward()
+
+    def conv():
+        s = torch.zeros(B, E, K, device="cuda")
+        causal_conv1d_train(x, cw, cb, s, resets=resets).sum().backward()
+
+    for part, fn in (("scan", scan), ("conv", conv)):
+        emit(part=part, shape=f"B{B} E{E} N{N} T{T}", forward_backward_ms=round(us_per_call(fn, 20) / 1e3, 3))
+    # where 128x3's forward + backward goes: the GPU's time by kernel
+    bb = Backbone(BackboneConfig(**SHAPES["128x3"]), device="cuda")
+    x = torch.randn(16, 1024, 64, device="cuda")
+    resets = torch.rand(16, 1024, device="cuda") < 1 / 64
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            bb(x, resets=resets)[0].sum().backward()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json")
     ap.add_argument("--cpu", action="store_true", help="the batch-1 step on the CPU only")
     ap.add_argument("--sequence-only", action="store_true", help="the sequence pass only (no step, no peers)")
     ap.add_argument("--step-only", action="store_true", help="the step only (no sequence pass)")
+    ap.add_argument("--training", action="store_true", help="forward + backward beside cuDNN LSTMs, and peak memory")
     args = ap.parse_args()
     rows = []
 
@@ -77,6 +169,11 @@ def main() -> None:
             s = bb.new_state(1)
             x = torch.randn(1, 64)
             emit(device="cpu", shape=name, batch=1, step_us=round(us_per_call(lambda: bb.step(x, s), 300, sync=False), 1))
+        return
+    if args.training:
+        training_rows(emit)
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=2))
         return
     n = 2**28
     a, b = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")

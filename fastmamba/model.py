@@ -137,9 +137,10 @@ def training_ops() -> Ops:
     under autograd): the conv and the scan as autograd Functions (kernels/conv_grad.py,
     kernels/scan_grad.py), the products and norms as torch ops, all in float32."""
     from .kernels.conv_grad import causal_conv1d_train
+    from .kernels.rmsnorm import add_norm_train
     from .kernels.scan_grad import step_and_scan_train
 
-    return Ops(linear, causal_conv1d_train, step_and_scan_train, add_norm_ref)
+    return Ops(linear, causal_conv1d_train, step_and_scan_train, add_norm_train)
 
 
 def mixer(

@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fastmamba import Backbone, BackboneConfig
 from fastmamba.kernels.causal_conv1d import causal_conv1d_ref
-from fastmamba.kernels.selective_scan import selective_scan_ref
+from fastmamba.kernels.selective_scan import step_and_scan_ref
 
 pytest.importorskip("triton")
 from fastmamba.kernels.conv_grad import causal_conv1d_train  # noqa: E402
-from fastmamba.kernels.scan_grad import TRAIN_BT, selective_scan_train  # noqa: E402
+from fastmamba.kernels.scan_grad import TRAIN_BT, step_and_scan_train  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# compiled, the kernels' exp, log and reciprocal are the hardware's approximations
+TOL = 1e-4 if DEVICE == "cuda" else 1e-5
 
 
 def rel_err(a, b) -> float:
@@ -44,13 +45,14 @@ def _grads(fn, inputs, weights):
     """fn's outputs and the gradients of sum(out * weight) over them, for each input."""
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     outs = fn(*leaves)
-    sum(((o * w.to(o.dtype)).sum() for o, w in zip(outs, weights))).backward()
+    sum(((o * w.to(o)).sum() for o, w in zip(outs, weights))).backward()
     return [o.detach() for o in outs], [t.grad for t in leaves]
 
 
 # (B, E, N, T): one chunk; several, T not a multiple of the chunk; E past one program's
 # channels, N not a power of two
 SCAN_SHAPES = [(2, 4, 4, 9), (3, 10, 5, 2 * TRAIN_BT + 7), (1, 3, 2, TRAIN_BT)]
+R = 3  # dt_rank
 
 
 @pytest.mark.parametrize("B,E,N,T", SCAN_SHAPES)
@@ -59,23 +61,24 @@ def test_scan_forward_and_backward_match_the_float64_oracle(B, E, N, T, resets):
     g = torch.Generator().manual_seed(B * 100 + T)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     flags = reset_flags(B, T, resets)
-    inputs = [r(B, E, T), r(B, E, T) - 1, 0.5 * r(E), -torch.rand(E, N, generator=g) - 0.2, r(B, N, T), r(B, N, T),
-              r(E), r(B, E, T), r(B, E, N)]  # x, raw dt, dt bias, A, B, C, D, z, state
+    # x, dt_proj's input, weight and bias, A, B, C, D, z, state
+    inputs = [r(B, E, T), r(B, T, R), r(E, R), 0.5 * r(E) - 1, -torch.rand(E, N, generator=g) - 0.2, r(B, N, T),
+              r(B, N, T), r(E), r(B, E, T), r(B, E, N)]
     weights = [r(B, E, T), r(B, E, N)]  # on y and on the state after the last step
 
-    def ours(x, dt, bias, A, Bm, Cm, D, z, s):
-        s = s.clone()
-        return selective_scan_train(x, dt, bias, A, Bm, Cm, D, z, s, flags), s
+    def scan(fn):
+        def call(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, s):
+            s = s.clone()
+            return fn(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, s, resets=flags), s
+        return call
 
-    def oracle(x, dt, bias, A, Bm, Cm, D, z, s):
-        s = s.clone()
-        return selective_scan_ref(x, F.softplus(dt + bias[:, None]), A, Bm, Cm, D, z, s, resets=flags), s
+    ours, oracle = scan(step_and_scan_train), scan(step_and_scan_ref)
 
     (y, s), grads = _grads(ours, [t.to(DEVICE) for t in inputs], weights)
     (y64, s64), grads64 = _grads(oracle, [t.double().to(DEVICE) for t in inputs], weights)
-    assert rel_err(y, y64) < 1e-5 and rel_err(s, s64) < 1e-5
-    for name, a, b in zip("x dt dt_bias A B C D z state".split(), grads, grads64):
-        assert a.shape == b.shape and rel_err(a, b) < 1e-5, name
+    assert rel_err(y, y64) < TOL and rel_err(s, s64) < TOL
+    for name, a, b in zip("x dt_r dt_w dt_b A B C D z state".split(), grads, grads64):
+        assert a.shape == b.shape and rel_err(a, b) < TOL, (name, rel_err(a, b))
     if flags is not None and bool(flags[0, 0]):  # a reset at step 0: nothing reaches the old state
         assert not grads[-1][0].any()
 
@@ -98,33 +101,32 @@ def test_conv_forward_and_backward_match_the_float64_oracle(K, T, bias, resets):
 
     (y, s), grads = _grads(run(causal_conv1d_train), [t.to(DEVICE) for t in inputs], weights)
     (y64, s64), grads64 = _grads(run(causal_conv1d_ref), [t.double().to(DEVICE) for t in inputs], weights)
-    assert rel_err(y, y64) < 1e-5 and rel_err(s, s64) < 1e-5
+    assert rel_err(y, y64) < TOL and rel_err(s, s64) < TOL
     for name, a, b in zip(["x", "weight", "bias", "state"], grads, grads64):
         if name == "bias" and not bias:
             assert a is None and b is None
             continue
-        assert a.shape == b.shape and rel_err(a, b) < 1e-5, name
+        assert a.shape == b.shape and rel_err(a, b) < TOL, (name, rel_err(a, b))
 
 
 @pytest.mark.filterwarnings("ignore:Input #:UserWarning")
 def test_gradcheck_of_both_functions():
     """torch.autograd.gradcheck of each Function on its own forward. The kernels compute in
     float32, so in float32 with finite differences to match (eps 1e-3); the float64 oracle
-    tests above hold them to 1e-5."""
+    tests above hold them to 1e-5 (1e-4 compiled)."""
     g = torch.Generator().manual_seed(7)
     r = lambda *s: torch.randn(*s, generator=g).to(DEVICE).requires_grad_(True)  # noqa: E731
     B, E, N, T = 1, 2, 2, 5
     flags = torch.tensor([[False, False, True, False, False]], device=DEVICE)
 
-    def scan(x, dt, bias, Bm, Cm, z, s):
+    def scan(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, s):
         s = s.clone()
-        A = -torch.tensor([[0.5, 1.0], [0.7, 0.3]], device=DEVICE)
-        y = selective_scan_train(x, dt, bias, A, Bm, Cm, torch.ones(E, device=DEVICE), z, s, flags)
-        return y, s
+        return step_and_scan_train(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, s, resets=flags), s
 
+    A = (-torch.tensor([[0.5, 1.0], [0.7, 0.3]], device=DEVICE)).requires_grad_(True)
     tol = dict(eps=1e-3, atol=2e-3, rtol=2e-2, nondet_tol=1e-6)
-    assert torch.autograd.gradcheck(scan, (r(B, E, T), r(B, E, T), r(E), r(B, N, T), r(B, N, T), r(B, E, T),
-                                           r(B, E, N)), **tol)
+    assert torch.autograd.gradcheck(scan, (r(B, E, T), r(B, T, 1), r(E, 1), r(E), A, r(B, N, T), r(B, N, T), r(E),
+                                           r(B, E, T), r(B, E, N)), **tol)
 
     def conv(x, w, b, s):
         s = s.clone()

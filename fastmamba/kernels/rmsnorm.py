@@ -65,6 +65,33 @@ def add_norm_ref(h, o, norm_w, eps, dtype=None):
     return residual_rmsnorm_ref(h, o, None, norm_w, eps)
 
 
+class _RMSNorm(torch.autograd.Function):
+    """rmsnorm(h) * w in torch ops that keep only h and each row's 1 / rms for the backward
+    (autograd through residual_rmsnorm_ref's ops also keeps h / rms: one (B, T, d) float32
+    tensor a norm more between the passes)."""
+
+    @staticmethod
+    def forward(ctx, h, w, eps):
+        rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(h, w, rstd)
+        return h * rstd * w
+
+    @staticmethod
+    def backward(ctx, du):
+        h, w, rstd = ctx.saved_tensors
+        n = h * rstd
+        dn = du * w
+        dh = rstd * (dn - n * (dn * n).mean(-1, keepdim=True))
+        return dh, (du * n).reshape(-1, w.shape[0]).sum(0), None
+
+
+def add_norm_train(h, o, norm_w, eps, dtype=None):
+    """Ops.add_norm of model.training_ops: add_norm_ref's values, float32, with the norm's
+    backward written out (_RMSNorm)."""
+    h = h.float() if o is None else h + o
+    return h, _RMSNorm.apply(h, norm_w.float(), eps)
+
+
 def add_norm(h, o, norm_w, eps, dtype=torch.float32):
     """Ops.add_norm of the GPU path: a new h (h itself when o is None) and the norm in dtype."""
     h_out = h if o is None else torch.empty_like(h)

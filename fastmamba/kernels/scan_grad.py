@@ -5,7 +5,8 @@ the CPU path and the oracle).
 The forward is the one-pass scan (selective_scan.py's `_selective_scan_kernel`: one program
 a row and BE channels, time in chunks of BT steps combined by an associative scan). It
 takes dt_proj's raw output with the bias and softplus inside, and saves only the state each
-chunk starts from: (B, T / BT, E, N), 1/BT of every step's state.
+chunk starts from: (B, T / BT, E, N), 1/BT of every step's state. dt_proj's product runs
+inside the Function, made again in the backward, so that its (B, T, E) output is not kept.
 
 The backward walks the same chunks from the last to the first, one program a row and BE
 channels as in the forward. In each chunk it recomputes the chunk's states from the saved
@@ -30,6 +31,7 @@ decay has no gradient.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ._triton import jit, tl, triton
 from .activations import softplus
@@ -137,29 +139,34 @@ def _scan_backward_kernel(
     tl.store(dD_ptr + b64 * E + e, dD, mask=emask)
 
 
-def _forward(x, dt, dt_bias, A, Bm, Cm, D, z, state, resets, save: bool):
-    """The one-pass scan with the raw step sizes; y (B, E, T) float32 and the chunk starts'
-    states (or None). Updates state in place."""
+def _forward(x, dt, dt_bias, A, Bm, Cm, D, z, state, resets):
+    """The one-pass scan with the raw step sizes; y (B, E, T) float32 and the states the
+    chunks start from (B, chunks, E, N). Updates state in place."""
     Bsz, E, T = x.shape
     N = A.shape[1]
     y = torch.empty(Bsz, T, E, device=x.device, dtype=torch.float32)
     start = torch.zeros(Bsz, device=x.device, dtype=torch.int32)
     flags = resets.to(torch.uint8).contiguous() if resets is not None else start
-    saved = torch.empty(Bsz, triton.cdiv(T, TRAIN_BT), E, N, device=x.device) if save else y
+    saved = torch.empty(Bsz, triton.cdiv(T, TRAIN_BT), E, N, device=x.device)
     _selective_scan_kernel[(Bsz, triton.cdiv(E, TRAIN_BE))](
         x, *x.stride(), dt, *dt.stride(), Bm, *Bm.stride(), Cm, *Cm.stride(), z, *z.stride(), A, D, state, y, start,
         flags, dt_bias, saved, T, E, N=N, NP=triton.next_power_of_2(N), BE=TRAIN_BE, BT=TRAIN_BT,
-        RESETS=resets is not None, RAW_DT=True, SAVE=save, num_warps=TRAIN_WARPS,
+        RESETS=resets is not None, RAW_DT=True, SAVE=True, num_warps=TRAIN_WARPS,
     )
-    return y.transpose(1, 2), saved if save else None
+    return y.transpose(1, 2), saved
 
 
 class _Scan(torch.autograd.Function):
+    """The scan with dt_proj inside: only dt_proj's input (B, T, R) is saved, and the step
+    sizes' product (B, T, E) is made again in the backward, one (B, T, E) float32 tensor a
+    layer less in memory between the passes."""
+
     @staticmethod
-    def forward(ctx, x, dt, dt_bias, A, Bm, Cm, D, z, state, resets):
+    def forward(ctx, x, dt_r, dt_w, dt_bias, A, Bm, Cm, D, z, state, resets):
         s0 = state.detach().float().clone()  # the kernel runs on a float32 state
-        y, saved = _forward(x, dt, dt_bias, A, Bm, Cm, D, z, s0, resets, save=True)
-        ctx.save_for_backward(x, dt, dt_bias, A, Bm, Cm, D, z, saved, resets)
+        dt = F.linear(dt_r, dt_w)  # (B, T, E), before the bias and softplus the kernel takes
+        y, saved = _forward(x, dt.transpose(1, 2), dt_bias, A, Bm, Cm, D, z, s0, resets)
+        ctx.save_for_backward(x, dt_r, dt_w, dt_bias, A, Bm, Cm, D, z, saved, resets)
         ctx.state_dtype = state.dtype
         with torch.no_grad():
             state.copy_(s0)
@@ -168,10 +175,11 @@ class _Scan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dstate):
-        x, dt, dt_bias, A, Bm, Cm, D, z, saved, resets = ctx.saved_tensors
+        x, dt_r, dt_w, dt_bias, A, Bm, Cm, D, z, saved, resets = ctx.saved_tensors
         Bsz, E, T = x.shape
         N = A.shape[1]
         dev = x.device
+        dt = F.linear(dt_r, dt_w).transpose(1, 2)
         dy = dy.float()
         dfinal = dstate.float().contiguous() if dstate is not None else torch.zeros(Bsz, E, N, device=dev)
         dx, ddt, dz = (torch.empty(Bsz, T, E, device=dev) for _ in range(3))  # the layout the products want
@@ -186,25 +194,21 @@ class _Scan(torch.autograd.Function):
             N=N, NP=triton.next_power_of_2(N), BE=TRAIN_BE, BT=TRAIN_BT, RESETS=resets is not None,
             num_warps=TRAIN_WARPS,
         )
-        dx, ddt, dz = (t.transpose(1, 2) for t in (dx, ddt, dz))
-        return (dx, ddt, ddt.sum((0, 2)), dA.sum(0), dB, dC, dD.sum(0), dz, dinit.to(ctx.state_dtype), None)
-
-
-def selective_scan_train(x, dt, dt_bias, A, Bm, Cm, D, z, state, resets=None) -> torch.Tensor:
-    """The scan with gradients: x (B, E, T); dt (B, E, T) dt_proj's output before the bias
-    dt_bias (E,) and the softplus; A (E, N); Bm, Cm (B, N, T); D (E,); z (B, E, T); state
-    (B, E, N), updated in place (autograd follows it); resets (B, T) bool or None.
-    Returns y (B, E, T) float32, as selective_scan_ref over softplus(dt + dt_bias)."""
-    x, dt, z = x.float(), dt.float(), z.float()
-    return _Scan.apply(x, dt, dt_bias.float(), A.float().contiguous(), Bm.float(), Cm.float(), D.float(), z, state,
-                       resets)[0]
+        ddt_flat = ddt.view(-1, E)
+        d_dt_r = (ddt_flat @ dt_w).view(dt_r.shape)
+        d_dt_w = ddt_flat.t() @ dt_r.reshape(-1, dt_r.shape[-1])
+        return (dx.transpose(1, 2), d_dt_r, d_dt_w, ddt_flat.sum(0), dA.sum(0), dB, dC, dD.sum(0), dz.transpose(1, 2),
+                dinit.to(ctx.state_dtype), None)
 
 
 def step_and_scan_train(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, state, start=None, out_dtype=None, resets=None):
-    """Ops.scan of model.training_ops (step_and_scan_ref's signature): dt_proj by cuBLAS
-    under autograd, then the scan with its bias and softplus inside. y float32, as the
-    reference (out_dtype is ignored). No left padding: a training pass has none."""
+    """The scan with gradients (Ops.scan of model.training_ops, step_and_scan_ref's
+    signature): x (B, E, T); dt_r (B, T, R) x_proj's step-size part, dt_w (E, R) and dt_b
+    (E,) dt_proj's; A (E, N); Bm, Cm (B, N, T); D (E,); z (B, E, T); state (B, E, N),
+    updated in place (autograd follows it); resets (B, T) bool or None. Returns y (B, E, T)
+    float32, as step_and_scan_ref (whose out_dtype it ignores too). No left padding: a
+    training pass has none."""
     if start is not None:
         raise ValueError("step_and_scan_train takes no left padding (start)")
-    dt = torch.nn.functional.linear(dt_r.float(), dt_w.float())  # (B, T, E)
-    return selective_scan_train(x, dt.transpose(1, 2), dt_b, A, Bm, Cm, D, z, state, resets)
+    f = lambda t: t.float()  # noqa: E731  (the kernels' and the Function's float32)
+    return _Scan.apply(f(x), f(dt_r), f(dt_w), f(dt_b), f(A).contiguous(), f(Bm), f(Cm), f(D), f(z), state, resets)[0]

@@ -15,8 +15,10 @@ from .activations import softplus
 
 
 def step_size_ref(dt_r: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """dt_r (B, T, R), weight (E, R), bias (E,) -> delta (B, T, E) float32."""
-    return F.softplus(F.linear(dt_r.float(), weight.float()) + bias)
+    """dt_r (B, T, R), weight (E, R), bias (E,) -> delta (B, T, E) float32 (float64 for
+    float64 dt_r: the gradient tests' oracle)."""
+    wide = torch.float64 if dt_r.dtype == torch.float64 else torch.float32
+    return F.softplus(F.linear(dt_r.to(wide), weight.to(wide)) + bias)
 
 
 @jit

@@ -1,0 +1,53 @@
+"""Times the training scan (kernels/scan_grad.py) forward + backward at the Backbone's
+benchmark shapes for several tiles (steps a chunk, channels a program, warps), to choose
+TRAIN_BT, TRAIN_BE and TRAIN_WARPS.
+
+    python benchmarks/tune_train_scan.py
+"""
+
+import itertools
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from fastmamba.kernels import scan_grad  # noqa: E402
+
+# (B, T, E): 128 x 3 at 16 x 1024, 512 x 4 at 64 x 256; N 16, dt_rank 8 and 32
+SHAPES = [(16, 1024, 256, 8), (64, 256, 1024, 32)]
+
+
+def main() -> None:
+    N = 16
+    for B, T, E, R in SHAPES:
+        def g(*s):
+            return torch.randn(*s, device="cuda").requires_grad_(True)
+
+        def btE():  # channels contiguous, as the layer makes them
+            return torch.randn(B, T, E, device="cuda").transpose(1, 2).requires_grad_(True)
+
+        x, z, dt_r, xbc = btE(), btE(), g(B, T, R), g(B, T, 2 * N)
+        Bm, Cm = xbc[..., :N].transpose(1, 2), xbc[..., N:].transpose(1, 2)
+        dt_w, bias, D = g(E, R), g(E), g(E)
+        A = (-torch.rand(E, N, device="cuda") - 0.1).requires_grad_(True)
+        resets = torch.rand(B, T, device="cuda") < 1 / 64
+
+        def run():
+            s = torch.zeros(B, E, N, device="cuda")
+            scan_grad.step_and_scan_train(x, dt_r, dt_w, bias, A, Bm, Cm, D, z, s, resets=resets).sum().backward()
+
+        for BT, BE, warps in itertools.product((16, 32), (4, 8, 16), (2, 4, 8)):
+            scan_grad.TRAIN_BT, scan_grad.TRAIN_BE, scan_grad.TRAIN_WARPS = BT, BE, warps
+            try:
+                ms = do_bench(run, warmup=5, rep=40)
+            except Exception as err:  # (a tile too large for the registers or shared memory)
+                print(f"B{B} T{T} E{E}  BT {BT:2d} BE {BE:2d} warps {warps}: {type(err).__name__}", flush=True)
+                continue
+            print(f"B{B} T{T} E{E}  BT {BT:2d} BE {BE:2d} warps {warps}: {ms:.3f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
