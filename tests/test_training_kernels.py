@@ -161,12 +161,13 @@ def test_the_backbone_trains_through_the_kernels_as_through_the_reference():
         state.conv.copy_(torch.randn(state.conv.shape, generator=torch.Generator().manual_seed(4)))
         state.ssm.requires_grad_(True)
         state.conv.requires_grad_(True)
-        xx = x.to(dev).requires_grad_(True)
+        xx = x.clone().to(dev).requires_grad_(True)  # (a leaf of its own on either device)
         if bb is ours and DEVICE == "cuda":
             assert bb._kernel_ops(xx, state).conv is causal_conv1d_train
         y, new = bb(xx, state, resets.to(dev))
         ((y * w.to(dev)).sum() + new.ssm.sum() + new.conv.square().sum()).backward()
         found.append({"y": y.detach(), "x": xx.grad, "ssm": state.ssm.grad, "conv": state.conv.grad,
                       **{k: p.grad for k, p in bb.named_parameters()}})
+    assert [k for k, v in found[1].items() if v is None] == []
     for name, theirs in found[0].items():
         assert rel_err(found[1][name].float(), theirs.double()) < 1e-4, name
