@@ -3,12 +3,15 @@ weight dtype, batch size and mode. One table (ROUTES), a line of reason per entr
 `plan_for`; nothing else in the code holds a routing threshold. Scripts that try another
 plan build a DecodePlan (dataclasses.replace) and pass it to make_decode_step.
 
-The two steps (docs/architecture.md, "Decode"):
+The steps (docs/architecture.md, "Decode"):
 - "one-row" (kernels/decode_step.DecodeStep): one row a program, float32 multiply-and-sum
   GEMVs; it reads every weight once a row (the copies after the first from L2), so it wins
   at a few rows and loses as the rows, or the model's width, grow.
 - "products" (kernels/decode_gemm.GemmDecodeStep): each projection one matrix product,
   through the batch-invariant Triton GEMM (kernels/products.invariant_gemm) or cuBLAS.
+- "layer-ops" (kernels/decode_step.OpsDecodeStep): the model's own layers at one token over
+  the GPU ops (cuBLAS products, the Triton conv, norms and scan step): Mamba-2's, whose
+  layer has no fused decode kernels yet. Deterministic: the products through invariant_gemm.
 A slot's logits are bitwise the same at every batch size within one of
 `batch_invariant_ranges` (the one-row step treats each row alone; the Triton products'
 sums have a fixed order); cuBLAS picks its algorithm by the shape. `deterministic=True`
@@ -109,8 +112,8 @@ class DecodePlan:
     reason: str = ""
 
     def __post_init__(self):
-        if self.step not in ("one-row", "products"):
-            raise ValueError(f"DecodePlan.step must be 'one-row' or 'products', got {self.step!r}")
+        if self.step not in ("one-row", "products", "layer-ops"):
+            raise ValueError(f"DecodePlan.step must be 'one-row', 'products' or 'layer-ops', got {self.step!r}")
         for field in ("cublas", "halves"):
             if not getattr(self, field) <= ALL:
                 raise ValueError(f"DecodePlan.{field}: unknown projections {sorted(getattr(self, field) - ALL)}")
@@ -185,8 +188,15 @@ def route_for(d_model: int, dtype: torch.dtype, batch: int, deterministic: bool 
     raise ValueError(f"no decode route for d_model {d_model}, {dtype}, batch {batch}")
 
 
+# Mamba-2 layers at every batch size: cuBLAS products (or, deterministic, invariant_gemm's)
+LAYER_OPS = DecodePlan("layer-ops", cublas=ALL, pdl=False, reason="Mamba-2: the layer over the GPU ops, cuBLAS products")
+LAYER_OPS_DETERMINISTIC = DecodePlan("layer-ops", pdl=False, reason="Mamba-2, deterministic: invariant_gemm's products")
+
+
 def plan_for(config, dtype: torch.dtype, batch: int, deterministic: bool = False) -> DecodePlan:
     """The decode plan for a model of this config, weights of `dtype`, `batch` rows."""
+    if getattr(config, "layer", "mamba1") == "mamba2":
+        return LAYER_OPS_DETERMINISTIC if deterministic else LAYER_OPS
     r = route_for(config.d_model, dtype, batch, deterministic)
     blocks = one_row_blocks(config.d_model, config.d_inner, config.vocab_size, dtype) if r.step == "one-row" else None
     return DecodePlan(step=r.step, cublas=r.cublas, pdl=r.cublas != ALL, blocks=blocks, reason=r.reason)

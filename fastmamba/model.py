@@ -17,6 +17,8 @@ from .config import MambaConfig
 from . import mamba2
 from .errors import NonFiniteError
 from .kernels.causal_conv1d import causal_conv1d_ref
+from .kernels.gated_norm import gated_rmsnorm_ref
+from .kernels.ssd import ssd_scan_ref
 from .kernels.products import linear_storage
 from .kernels.rmsnorm import add_norm_ref
 from .kernels.selective_scan import step_and_scan_ref
@@ -119,6 +121,8 @@ class Ops:
     conv: Callable  # causal_conv1d_ref signature
     scan: Callable  # step_and_scan_ref signature: step sizes softplus(dt_proj(dt_r) + dt_bias), then the scan
     add_norm: Callable  # add_norm_ref signature: (h + o, rmsnorm(h + o)), the norm in a given dtype
+    ssd: Callable = ssd_scan_ref  # Mamba-2's scan (kernels/ssd.py)
+    gated_norm: Callable = gated_rmsnorm_ref  # Mamba-2's gated norm (kernels/gated_norm.py)
 
 
 REFERENCE_OPS = Ops(linear, causal_conv1d_ref, step_and_scan_ref, add_norm_ref)
@@ -126,10 +130,12 @@ REFERENCE_OPS = Ops(linear, causal_conv1d_ref, step_and_scan_ref, add_norm_ref)
 
 def triton_ops() -> Ops:
     from .kernels.causal_conv1d import causal_conv1d
+    from .kernels.gated_norm import gated_rmsnorm
     from .kernels.rmsnorm import add_norm
     from .kernels.selective_scan import step_and_scan
+    from .kernels.ssd import ssd_scan
 
-    return Ops(linear_storage, causal_conv1d, step_and_scan, add_norm)
+    return Ops(linear_storage, causal_conv1d, step_and_scan, add_norm, ssd_scan, gated_rmsnorm)
 
 
 def training_ops() -> Ops:
@@ -258,7 +264,7 @@ LAYER_KINDS = {
     "mamba1": LayerKind(mixer=mixer, shapes=mamba1_shapes, weights=mamba1_weights,
                         state=lambda c: ((c.d_inner, c.d_conv), (c.d_inner, c.d_state)), gpu_kernels=True),
     "mamba2": LayerKind(mixer=mamba2.mixer2, shapes=mamba2.shapes, weights=mamba2.layer_weights,
-                        state=mamba2.state_shapes, gpu_kernels=False),
+                        state=mamba2.state_shapes, gpu_kernels=True),
 }
 
 

@@ -170,14 +170,109 @@ def test_config_fields_are_checked_by_name(tmp_path, edit, says):
         fastmamba.load(folder)
 
 
+# -- the GPU engine's kernels (Triton's interpreter without CUDA) ---------------------------
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("G,H,P,N,state_dtype,limit", [
+    (1, 4, 16, 16, "float32", (0.0, float("inf"))),
+    (2, 6, 24, 12, "bfloat16", (0.05, 0.6)),  # P past one program, N not a power of two, dt clamped
+    (3, 3, 8, 5, "float32", (0.0, 0.3)),
+])
+def test_the_step_kernel_equals_its_twin(G, H, P, N, state_dtype, limit):
+    pytest.importorskip("triton")
+    from fastmamba.kernels.ssd import ssd_scan, ssd_scan_ref
+
+    g = torch.Generator().manual_seed(H * P)
+    r = lambda *s: torch.randn(*s, generator=g).to(DEVICE)  # noqa: E731
+    B, E = 3, H * P
+    buf = r(B, 1, E + 2 * G * N + 7)  # the conv's output as the layer has it: x, B, C side by side (and more)
+    x, Bm, Cm = buf[..., :E].unflatten(-1, (H, P)), buf[..., E:E + G * N].unflatten(-1, (G, N)), \
+        buf[..., E + G * N:E + 2 * G * N].unflatten(-1, (G, N))
+    dt = r(B, 1, H + 3)[..., 1:H + 1]  # a view, as in_proj's output
+    dt_bias, A, D = r(H), -torch.rand(H, generator=g).to(DEVICE) - 0.5, r(H)
+    dtype = getattr(torch, state_dtype)
+    state = r(B, H, P, N).to(dtype)
+    ours, ref = state.clone(), state.clone()
+    y = ssd_scan(x, dt, dt_bias, limit, A, Bm, Cm, D, ours, 4)
+    y_ref = ssd_scan_ref(x, dt, dt_bias, limit, A, Bm, Cm, D, ref, 4)
+    tol = 1e-5 if DEVICE == "cpu" else 1e-4
+    assert relative_error(y, y_ref) < tol
+    assert relative_error(ours.float(), ref.float()) < (tol if dtype == torch.float32 else 1e-2)
+    assert not torch.equal(ours.float(), state.float())
+
+
+@pytest.mark.parametrize("groups,before,out_dtype", [(1, False, "float32"), (4, False, "bfloat16"), (2, True, "float32")])
+def test_the_gated_norm_kernel_equals_its_twin(groups, before, out_dtype):
+    pytest.importorskip("triton")
+    from fastmamba.kernels.gated_norm import gated_rmsnorm, gated_rmsnorm_ref
+
+    g = torch.Generator().manual_seed(groups)
+    E = 48
+    zy = torch.randn(2, 5, 3 * E, generator=g).to(DEVICE)
+    z, y = zy[..., :E], zy[..., E:2 * E]  # views with their rows apart, as in_proj's output
+    w = (1 + 0.3 * torch.randn(E, generator=g)).to(DEVICE)
+    dtype = getattr(torch, out_dtype)
+    out = gated_rmsnorm(y, z, w, groups, 1e-5, before, dtype)
+    assert out.dtype == dtype and out.shape == y.shape
+    ref = gated_rmsnorm_ref(y, z, w, groups, 1e-5, before)
+    assert relative_error(out.float(), ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_gpu_engines_model_equals_the_reference(tmp_path, deterministic):
+    """The model over the GPU ops (cuBLAS products, or invariant_gemm's; the Triton conv,
+    norms and scan step) against the reference: a prefill, then decode steps through the
+    decode plan's step."""
+    pytest.importorskip("triton")
+    from fastmamba.kernels.decode_step import make_decode_step
+    from fastmamba.model import Mamba, triton_ops
+
+    folder, _ = save_mamba2(tmp_path / "m", n_groups=2, use_bias=True)
+    ref = fastmamba.load(folder).model
+    ours = Mamba(ref.config, fastmamba.load(folder, device=DEVICE).model.weights, triton_ops())
+    step = make_decode_step(ours, 2, deterministic)
+    assert step.plan.step == "layer-ops" and bool(step.plan.cublas) != deterministic
+    x = ids(2, 15)
+    s_ref, s_ours = ref.new_state(2), ours.new_state(2)
+    want = [ref.prefill(x[:, :9], s_ref, last_only=True)] + [ref.step(x[:, t], s_ref) for t in range(9, 15)]
+    got = [ours.prefill(x[:, :9].to(DEVICE), s_ours, last_only=True)] + \
+        [step(x[:, t].to(DEVICE), s_ours) for t in range(9, 15)]
+    for a, b in zip(got, want):
+        assert relative_error(a.cpu(), b) < 1e-4
+    assert relative_error(s_ours.ssm.cpu(), s_ref.ssm) < 1e-4
+
+
 @pytest.mark.gpu
-def test_mamba2_on_cuda_runs_the_reference_engine_and_equals_the_cpu(tmp_path):
+def test_mamba2_on_the_gpu_engine_equals_the_cpu(tmp_path):
+    """The Triton engine on CUDA: logits, greedy decode, the serving engine's chunks and
+    prefix cache, a bfloat16 state, and deterministic mode's batch invariance."""
     folder, _ = save_mamba2(tmp_path / "m", n_groups=2)
-    gpu = fastmamba.load(folder, device="cuda")
-    assert gpu.engine == "reference"
-    with pytest.raises(ValueError, match="no kernels for mamba2"):
-        fastmamba.load(folder, device="cuda", engine="triton")
+    gpu, cpu = fastmamba.load(folder, device="cuda"), fastmamba.load(folder)
+    assert gpu.engine == "triton"
     x = ids(2, 21)
-    torch.testing.assert_close(gpu.forward(x).cpu(), fastmamba.load(folder).forward(x), rtol=1e-4, atol=1e-4)
-    assert gpu.generate(x[0].tolist(), max_tokens=8, stop_token_ids=[]).token_ids == \
-        fastmamba.load(folder).generate(x[0].tolist(), max_tokens=8, stop_token_ids=[]).token_ids
+    torch.testing.assert_close(gpu.forward(x).cpu(), cpu.forward(x), rtol=1e-4, atol=1e-4)
+    want = cpu.generate(x[0].tolist(), max_tokens=12, stop_token_ids=[]).token_ids
+    assert gpu.generate(x[0].tolist(), max_tokens=12, stop_token_ids=[]).token_ids == want
+    core = EngineCore(gpu, max_batch=4, prefill_tokens=8, prefix_cache_bytes=16 << 20)
+    first = ids(1, 20, seed=7)[0].tolist()
+    reqs = [EngineRequest(first, SamplingParams(max_tokens=6, stop_token_ids=[])),
+            EngineRequest(first + [5, 6, 7], SamplingParams(max_tokens=6, stop_token_ids=[]))]
+    got = {}
+    for r in reqs:
+        core.add(r)
+        while core.has_work:
+            for rid, token, _, _, _ in core.step():
+                if token is not None:
+                    got.setdefault(rid, []).append(token)
+    for r in reqs:
+        assert got[r.rid] == cpu.generate(r.ids, max_tokens=6, stop_token_ids=[]).token_ids
+    bf16 = fastmamba.load(folder, device="cuda", state_dtype="bfloat16")
+    assert bf16.generate(x[0].tolist(), max_tokens=4, stop_token_ids=[]).token_ids == want[:4]
+    det = fastmamba.load(folder, device="cuda", deterministic=True)
+    prompts = [ids(1, n, seed=n)[0].tolist() for n in (3, 17, 9, 11)]
+    params = [SamplingParams(max_tokens=8, temperature=0.8, seed=k, stop_token_ids=[]) for k in range(4)]
+    together = det.generate_batch(prompts, params)
+    for p, q, g in zip(prompts, params, together):
+        assert g.token_ids == det.generate(p, q).token_ids

@@ -44,6 +44,10 @@ from fastmamba.kernels import rmsnorm as rn  # noqa: E402
 from fastmamba.kernels import sampler as sp  # noqa: E402
 from fastmamba.kernels import selective_scan as ss  # noqa: E402
 from fastmamba.kernels import step_size as st  # noqa: E402
+from fastmamba.kernels import conv_grad as cg  # noqa: E402
+from fastmamba.kernels import gated_norm as gn  # noqa: E402
+from fastmamba.kernels import scan_grad as sg  # noqa: E402
+from fastmamba.kernels import ssd as sd  # noqa: E402
 
 target = GPUTarget("cuda", 90, 32)
 
@@ -209,7 +213,7 @@ def main() -> None:
     t = ptrs("dt_ptr", "B_ptr", "C_ptr", "A_ptr", "D_ptr", "st_ptr", x_ptr="*bf16", z_ptr="*bf16", y_ptr="*bf16", start_ptr="*i32",
              resets_ptr="*u8")
     for resets in (False, True):
-        compile_kernel(ss._selective_scan_kernel, t, dict(N=16, NP=16, BE=8, BT=32, RESETS=resets))
+        compile_kernel(ss._selective_scan_kernel, t, dict(N=16, NP=16, BE=8, BT=32, RESETS=resets, RAW_DT=False, SAVE=False))
     for B, T in ((1, 8192), (8, 2048), (1, 2048)):  # chunked_launch's three kinds of launch
         run = ss.chunked_launch(B, 5120, T)
         # (one channel a thread reads x and z as pairs of channels: see ss._channels_at)
@@ -236,6 +240,28 @@ def main() -> None:
         compile_kernel(st._step_size_kernel, ptrs("r_ptr", "b_ptr", "out_ptr", w_ptr=wdt), dict(
             IEEE=wdt == "*fp32", BM=st.STEP_BM, BN=st.STEP_BN, BK=st.STEP_BK), num_warps=st.STEP_WARPS)
     res.append("prefill conv + step sizes + scan: ok")
+    # training (fastmamba.Backbone under autograd, float32): the forward scan saving its
+    # chunks' states, the scan's and the conv's backward
+    t = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A_ptr", "D_ptr", "st_ptr", "y_ptr", "dtb_ptr", "saved_ptr",
+             start_ptr="*i32", resets_ptr="*u8")
+    compile_kernel(ss._selective_scan_kernel, t, dict(N=16, NP=16, BE=sg.TRAIN_BE, BT=sg.TRAIN_BT, RESETS=True, RAW_DT=True,
+                                                      SAVE=True), num_warps=sg.TRAIN_WARPS)
+    t = ptrs("x_ptr", "dt_ptr", "z_ptr", "dy_ptr", "B_ptr", "C_ptr", "dtb_ptr", "A_ptr", "D_ptr", "saved_ptr", "dfinal_ptr",
+             "dx_ptr", "ddt_ptr", "dz_ptr", "dB_ptr", "dC_ptr", "dA_ptr", "dD_ptr", "dinit_ptr", resets_ptr="*u8")
+    compile_kernel(sg._scan_backward_kernel, t, dict(N=16, NP=16, BE=sg.TRAIN_BE, BT=sg.TRAIN_BT, RESETS=True),
+                   num_warps=sg.TRAIN_WARPS)
+    t = ptrs("x_ptr", "st_ptr", "w_ptr", "b_ptr", "dy_ptr", "dpre_ptr", "dw_ptr", "db_ptr", "dx_ptr", first_ptr="*i32")
+    tiles = dict(BE=cg.CONV_GRAD_BE, BT=cg.CONV_GRAD_BT)
+    compile_kernel(cg._conv_grad_pre_kernel, t, dict(K=4, HAS_BIAS=True, RESETS=True, **tiles), num_warps=cg.CONV_GRAD_WARPS)
+    compile_kernel(cg._conv_grad_input_kernel, t, dict(K=4, RESETS=True, **tiles), num_warps=cg.CONV_GRAD_WARPS)
+    res.append("training scan + conv: ok")
+    # Mamba-2 at mamba2-2.7b's shapes: the decode step's scan, the gated norm
+    t = ptrs("x_ptr", "B_ptr", "C_ptr", "dt_ptr", "dtb_ptr", "A_ptr", "D_ptr", "st_ptr", "y_ptr", dt_min="fp32", dt_max="fp32")
+    for state in ("*fp32", "*bf16"):
+        compile_kernel(sd._ssd_step_kernel, {**t, "st_ptr": state}, dict(H=80, P=64, N=128, BP=sd.SSD_STEP_BP, NP=128))
+    compile_kernel(gn._gated_rmsnorm_kernel, ptrs("y_ptr", "z_ptr", "w_ptr", out_ptr="*bf16", eps="fp32"),
+                   dict(GS=5120, BG=8192, NORM_BEFORE_GATE=False), num_warps=16)
+    res.append("mamba2 step + gated norm: ok")
     t = ptrs("logits_ptr", "pen_ptr", "temp_ptr", "s_ptr", "smax_ptr", seen_ptr="*i1", best_ptr="*i64")
     compile_kernel(sp._scale_kernel, t, dict(BV=sp.BV))
     rows = ptrs("s_ptr", "smax_ptr", "temp_ptr", "topp_ptr", "minp_ptr", topk_ptr="*i64", st_ptr="*i64", T_ptr="*i64", cnt_ptr="*i64",

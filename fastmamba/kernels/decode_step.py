@@ -436,11 +436,37 @@ def make_decode_step(model, batch: int, deterministic: bool = False, plan=None):
     from ..decode_plan import plan_for
 
     plan = plan or plan_for(model.config, model.weights.embedding.dtype, batch, deterministic)
+    if plan.step == "layer-ops":
+        return OpsDecodeStep(model, plan)
     if plan.step == "one-row":
         return DecodeStep(model, batch, plan)
     from .decode_gemm import GemmDecodeStep
 
     return GemmDecodeStep(model, batch, plan)
+
+
+class OpsDecodeStep:
+    """The decode step as the model's own layers at one token over its GPU ops (the plan's
+    "layer-ops": Mamba-2's layer, kernels/ssd.py's step kernel for the scan), captured in
+    CUDA graphs like the other steps. A plan without cuBLAS products runs them through
+    invariant_gemm, so that a row's logits do not depend on the batch size."""
+
+    def __init__(self, model, plan):
+        from dataclasses import replace
+
+        from ..model import Mamba
+        from .products import linear_invariant
+
+        self.plan = plan
+        if not plan.cublas:
+            ops = replace(model.ops, linear=linear_invariant)
+            model = Mamba(model.config, model.weights, ops, model.chunk_tokens, model.state_dtype)
+        self.model = model
+
+    def __call__(self, tokens: torch.Tensor, state, argmax: bool = False) -> torch.Tensor:
+        """tokens (B,) -> logits (B, V) f32; updates `state`."""
+        assert not argmax, "the layer-ops step has no fused argmax"
+        return self.model.step(tokens, state)
 
 
 class DecodeStep:

@@ -167,3 +167,14 @@ def invariant_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, spl
     t = _tiles(M, N, K, chunks, f32, _multiprocessors(weight.device))
     grid = (triton.cdiv(M, t.BM), triton.cdiv(N, t.BN), chunks)
     _gemm_kernel[grid](a, weight, out, M, N, K, chunk, F32=f32, BM=t.BM, BN=t.BN, BK=t.BK, STAGES=t.stages, num_warps=t.warps, **pdl)
+
+
+def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """linear_storage through invariant_gemm: a row's result is the same bits at any number
+    of rows (the deterministic decode of the layers that run on their ops, Mamba-2)."""
+    x2 = x.reshape(-1, x.shape[-1]).to(weight.dtype).contiguous()
+    out = torch.empty(x2.shape[0], weight.shape[0], device=x.device, dtype=torch.float32)
+    invariant_gemm(x2, weight, out)
+    out = out.view(*x.shape[:-1], weight.shape[0])
+    return (out if bias is None else out + bias).to(out_dtype)
