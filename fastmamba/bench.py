@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import time
 
 import torch
 
 from .config import MambaConfig
-from .model import LayerWeights, Mamba, MambaWeights
+from .model import Mamba, MambaWeights, layer_kind
 
 SHAPES = {  # the public checkpoints' sizes (d_state 16, d_conv 4; vocab as published)
     "130m": MambaConfig(d_model=768, n_layer=24, vocab_size=50280),
@@ -26,42 +27,55 @@ SHAPES = {  # the public checkpoints' sizes (d_state 16, d_conv 4; vocab as publ
     # tiiuae/falcon-mamba-7b: d_inner 8192 (not expand * d_model), dt_rank 256, untied head
     "falcon-7b": MambaConfig(d_model=4096, n_layer=64, vocab_size=65024, d_inner=8192, dt_rank=256,
                              tie_embeddings=False, dbc_norm_eps=1e-6),
+    # Mamba-2: state-spaces/mamba2-* (d_state 128, heads of 64, one group, vocab padded to
+    # 50288) and mistralai/Mamba-Codestral-7B-v0.1 (8 groups, 128 heads, untied head)
+    "mamba2-130m": MambaConfig(d_model=768, n_layer=24, vocab_size=50288, layer="mamba2", d_state=128),
+    "mamba2-2.7b": MambaConfig(d_model=2560, n_layer=64, vocab_size=50288, layer="mamba2", d_state=128),
+    "codestral-7b": MambaConfig(d_model=4096, n_layer=64, vocab_size=32768, layer="mamba2", d_state=128, n_groups=8,
+                                tie_embeddings=False),
 }
 
 
+def _random_tensor(name: str, shape: tuple[int, ...], n_layer: int, g: torch.Generator, device) -> torch.Tensor:
+    """A float32 tensor of a layer, of the spread trained models have, by its name: norms
+    near 1, A_log the log of 1..N (per channel) or 1..16 (per head), step-size biases near
+    softplus^-1 of e^-4, D near 1, conv taps of 0.5, products by fan-in (out_proj by the
+    depth too)."""
+    def randn(std, mean=0.0):
+        return mean + std * torch.randn(shape, device=device, generator=g)
+
+    if name.endswith("A_log"):
+        n = shape[-1] if len(shape) == 2 else 16
+        a = torch.arange(1, n + 1, device=device, dtype=torch.float32)
+        return a.repeat(shape[0], 1).log() if len(shape) == 2 else a.repeat(shape[0] // n + 1)[: shape[0]].log()
+    if name.endswith(("norm.weight", "mixer.D")):
+        return randn(0.1, 1.0)
+    if name.endswith(("dt_proj.bias", "dt_bias")):
+        return randn(1.0, -4.0)
+    if name.endswith("conv1d.weight"):
+        return randn(0.5)
+    if name.endswith("bias"):
+        return randn(0.1)
+    fan_in = shape[-1]
+    return randn((fan_in * n_layer) ** -0.5 if name.endswith("out_proj.weight") else fan_in**-0.5)
+
+
 def random_model(size: str, dtype: torch.dtype, device="cuda", state_dtype: torch.dtype = torch.float32) -> Mamba:
-    """A Mamba with random weights of realistic spread at a public shape, built on the
-    device; its states in state_dtype."""
+    """A Mamba (either layer kind) with random weights of realistic spread at a public
+    shape, built on the device from the layer kind's table of tensors; its states in
+    state_dtype."""
     c = SHAPES[size]
-    d, L, E, R, N, K = c.d_model, c.n_layer, c.d_inner, c.dt_rank, c.d_state, c.d_conv
+    kind = layer_kind(c)
     g = torch.Generator(device=device).manual_seed(0)
-
-    def mat(rows, cols, scale=None):
-        return (torch.randn(rows, cols, device=device, generator=g) * (scale or cols**-0.5)).to(dtype)
-
-    def vec(n, mean=0.0, std=0.1):
-        return mean + std * torch.randn(n, device=device, generator=g)
-
-    layers = [
-        LayerWeights(
-            norm_w=vec(d, 1.0),
-            in_proj_w=mat(2 * E, d),
-            in_proj_b=None,
-            conv_w=vec(E * K, 0.0, 0.5).view(E, K),
-            conv_b=vec(E),
-            x_proj_w=mat(R + 2 * N, E),
-            dt_proj_w=mat(E, R),
-            dt_bias=vec(E, -4.0, 1.0),
-            A=-torch.arange(1, N + 1, device=device, dtype=torch.float32).repeat(E, 1),
-            D=vec(E, 1.0),
-            out_proj_w=mat(d, E, (E * L) ** -0.5),
-            out_proj_b=None,
-        )
-        for _ in range(L)
-    ]
-    emb = mat(c.vocab_size, d, 0.02)
-    head = emb if c.tie_embeddings else mat(c.vocab_size, d)
-    return Mamba(c, MambaWeights(embedding=emb, layers=layers, norm_f=vec(d, 1.0), lm_head=head), state_dtype=state_dtype)
+    layers = []
+    for i in range(c.n_layer):
+        p = f"backbone.layers.{i}."
+        made = {n: _random_tensor(n, shape, c.n_layer, g, device) for n, shape in kind.shapes(c, p).items()}
+        layers.append(kind.weights(p, lambda n: made[n].to(dtype), lambda n: made.get(n)))
+    emb = (0.02 * torch.randn(c.vocab_size, c.d_model, device=device, generator=g)).to(dtype)
+    head = emb if c.tie_embeddings else (c.d_model**-0.5 * torch.randn(c.vocab_size, c.d_model, device=device, generator=g)).to(dtype)
+    norm_f = 1.0 + 0.1 * torch.randn(c.d_model, device=device, generator=g)
+    return Mamba(c, MambaWeights(embedding=emb, layers=layers, norm_f=norm_f, lm_head=head), state_dtype=state_dtype)
 
 
 def random_language_model(size: str, dtype: torch.dtype, device="cuda", state_dtype: torch.dtype = torch.float32):
@@ -85,7 +99,8 @@ def step_bytes(model: Mamba, batch: int) -> tuple[int, int]:
     weight = sum(t.numel() * t.element_size() for t in tensors)
     c = model.config
     size = torch.empty(0, dtype=model.state_dtype).element_size()
-    state = 2 * size * batch * c.n_layer * c.d_inner * (c.d_state + c.d_conv)  # read and written
+    conv, ssm = layer_kind(c).state(c)  # one slot's, a layer
+    state = 2 * size * batch * c.n_layer * (math.prod(conv) + math.prod(ssm))  # read and written
     return weight, state
 
 

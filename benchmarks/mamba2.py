@@ -1,0 +1,138 @@
+"""Mamba-2 on the GPU engine beside mamba_ssm's own Mamba2, same run, random weights, bf16:
+the decode step in CUDA graphs (greedy: the argmax inside both graphs) at batch 1 and 128,
+prefill of 1 x 8192 and 8 x 2048 (last position's logits), and the scan alone (ours against
+mamba_ssm's Triton `mamba_chunk_scan_combined`).
+
+mamba_ssm runs from its Python source (its Triton kernels; no compiled extension, no
+causal_conv1d: its conv steps take its PyTorch fallback). Put the source where Python finds
+it (PYTHONPATH), e.g. the `mamba_ssm` folder of github.com/state-spaces/mamba.
+
+    PYTHONPATH=.peer:. python benchmarks/mamba2.py --models mamba2-130m,mamba2-2.7b,codestral-7b --json m2.json
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from fastmamba.bench import SHAPES, copy_bandwidth, gpu_ms, random_model, step_bytes, time_graph_steps  # noqa: E402
+from fastmamba.cuda_graphs import capture_graph  # noqa: E402
+from fastmamba.model import Mamba, triton_ops  # noqa: E402
+
+
+def peer_model(c, dtype):
+    """mamba_ssm's MambaLMHeadModel of this config (random init), or the import error."""
+    try:
+        from mamba_ssm.models.config_mamba import MambaConfig as PeerConfig
+        from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
+    except Exception as err:  # (no mamba_ssm source on the path, or a missing need of it)
+        return f"{type(err).__name__}: {err}"
+    ssm = dict(layer="Mamba2", d_state=c.d_state, d_conv=c.d_conv, expand=c.d_inner // c.d_model, headdim=c.head_dim,
+               ngroups=c.n_groups, chunk_size=c.chunk_size, use_mem_eff_path=False)
+    cfg = PeerConfig(d_model=c.d_model, d_intermediate=0, n_layer=c.n_layer, vocab_size=c.vocab_size, ssm_cfg=ssm,
+                     rms_norm=True, residual_in_fp32=True, fused_add_norm=True, pad_vocab_size_multiple=16,
+                     tie_embeddings=c.tie_embeddings)
+    torch.manual_seed(0)
+    return MambaLMHeadModel(cfg, device="cuda", dtype=dtype).eval()
+
+
+def peer_decode_ms(model, batch: int) -> float:
+    """ms a step of mamba_ssm's decode (its step path, as its CUDA-graph generation runs
+    it), argmax included, replayed from one CUDA graph."""
+    from mamba_ssm.utils.generation import InferenceParams
+
+    params = InferenceParams(max_seqlen=128, max_batch_size=batch)
+    params.key_value_memory_dict = model.allocate_inference_cache(batch, 128, dtype=torch.bfloat16)
+    params.seqlen_offset = 1  # past the prompt: every layer takes its one-token step
+    ids = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
+
+    def body():
+        ids.copy_(model(ids, inference_params=params, num_last_tokens=1).logits[:, -1].argmax(-1, keepdim=True))
+
+    with torch.inference_mode():
+        graph, _ = capture_graph(body)
+        for _ in range(5):
+            graph.replay()
+        return sorted(gpu_ms(graph.replay, 20, 5))[2]
+
+
+def ms_of(fn) -> float:
+    with torch.inference_mode():
+        fn()
+        return sorted(gpu_ms(fn, 3, 3))[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--models", default="mamba2-130m,mamba2-2.7b,codestral-7b")
+    ap.add_argument("--batches", default="1,128")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}, copy rate {bw / 1e12:.2f} TB/s")
+    rows = []
+
+    def emit(**row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    for size in args.models.split(","):
+        dtype = torch.bfloat16
+        c = SHAPES[size]
+        for state_dtype in (torch.float32, torch.bfloat16):
+            base = random_model(size, dtype, state_dtype=state_dtype)
+            ours = Mamba(c, base.weights, triton_ops(), state_dtype=state_dtype)
+            for batch in (int(b) for b in args.batches.split(",")):
+                ms = time_graph_steps(ours, batch)
+                floor = sum(step_bytes(ours, batch)) / bw * 1e3
+                emit(model=size, engine="fastmamba", state=str(state_dtype)[6:], batch=batch, decode_ms=round(ms, 3),
+                     floor_ms=round(floor, 3), of_floor=round(floor / ms, 3))
+            if state_dtype == torch.float32:
+                for B, T in ((1, 8192), (8, 2048)):
+                    ids = torch.randint(0, c.vocab_size, (B, T), device="cuda")
+                    ms = ms_of(lambda: ours.prefill(ids, ours.new_state(B), last_only=True))
+                    emit(model=size, engine="fastmamba", prefill=f"{B}x{T}", ms=round(ms, 2))
+            del base, ours
+            torch.cuda.empty_cache()
+        peer = peer_model(c, dtype)
+        if isinstance(peer, str):
+            emit(model=size, engine="mamba_ssm", error=peer)
+            continue
+        for batch in (int(b) for b in args.batches.split(",")):
+            emit(model=size, engine="mamba_ssm", state="bfloat16", batch=batch, decode_ms=round(peer_decode_ms(peer, batch), 3))
+        for B, T in ((1, 8192), (8, 2048)):
+            ids = torch.randint(0, c.vocab_size, (B, T), device="cuda")
+            emit(model=size, engine="mamba_ssm", prefill=f"{B}x{T}", ms=round(ms_of(lambda: peer(ids, num_last_tokens=1)), 2))
+        scan_rows(size, c, emit)
+        del peer
+        torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=2))
+
+
+def scan_rows(size: str, c, emit) -> None:
+    """The scan alone at 1 x 8192: kernels/ssd.ssd_scan against mamba_chunk_scan_combined."""
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+    from fastmamba.kernels.ssd import ssd_scan
+
+    B, T, H, P, G, N = 1, 8192, c.n_heads, c.head_dim, c.n_groups, c.d_state
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(B, T, H, P, device="cuda", generator=g)
+    dt = torch.randn(B, T, H, device="cuda", generator=g) - 3
+    Bm, Cm = (torch.randn(B, T, G, N, device="cuda", generator=g) for _ in range(2))
+    A, D, bias = -torch.rand(H, device="cuda") - 0.5, torch.ones(H, device="cuda"), torch.zeros(H, device="cuda")
+    state = torch.zeros(B, H, P, N, device="cuda")
+    ours = ms_of(lambda: ssd_scan(x, dt, bias, c.dt_limit, A, Bm, Cm, D, state, c.chunk_size))
+    xb, Bb, Cb = x.bfloat16(), Bm.bfloat16(), Cm.bfloat16()
+    theirs = ms_of(lambda: mamba_chunk_scan_combined(xb, dt, A, Bb, Cb, c.chunk_size, D=D, dt_bias=bias,
+                                                     dt_softplus=True, return_final_states=True))
+    emit(model=size, scan=f"{B}x{T} H{H} P{P} G{G} N{N}", fastmamba_ms=round(ours, 3), mamba_ssm_ms=round(theirs, 3))
+
+
+if __name__ == "__main__":
+    main()
