@@ -96,7 +96,7 @@ def main() -> None:
                     ids = torch.randint(0, c.vocab_size, (B, T), device="cuda")
                     ms = ms_of(lambda: ours.prefill(ids, ours.new_state(B), last_only=True))
                     emit(model=size, engine="fastmamba", prefill=f"{B}x{T}", ms=round(ms, 2))
-            del base, ours
+            base = ours = None
             torch.cuda.empty_cache()
         peer = peer_model(c, dtype)
         if isinstance(peer, str):
@@ -108,7 +108,7 @@ def main() -> None:
             ids = torch.randint(0, c.vocab_size, (B, T), device="cuda")
             emit(model=size, engine="mamba_ssm", prefill=f"{B}x{T}", ms=round(ms_of(lambda: peer(ids, num_last_tokens=1)), 2))
         scan_rows(size, c, emit)
-        del peer
+        peer = None
         torch.cuda.empty_cache()
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=2))
