@@ -97,7 +97,8 @@ def mixer2(config, lw: Mamba2LayerWeights, u: torch.Tensor, conv_state, ssm_stat
     Bsz, T, _ = u.shape
     zxbcdt = ops.linear(u, lw.in_proj_w, lw.in_proj_b)  # (B, T, 2E + 2GN + H) float32
     z, xbc, dt = zxbcdt.split([E, E + 2 * G * N, H], dim=-1)
-    xbc = ops.conv(xbc.transpose(1, 2), lw.conv_w, lw.conv_b, conv_state, start).transpose(1, 2)  # (B, T, E + 2GN)
+    # the conv's output (x, B, C) in the products' dtype on the GPU path (the scan's operands)
+    xbc = ops.conv(xbc.transpose(1, 2), lw.conv_w, lw.conv_b, conv_state, start, lw.in_proj_w.dtype).transpose(1, 2)
     x, Bm, Cm = xbc.split([E, G * N, G * N], dim=-1)
     y = ops.ssd(x.unflatten(-1, (H, P)), dt, lw.dt_bias, c.dt_limit, lw.A, Bm.unflatten(-1, (G, N)),
                 Cm.unflatten(-1, (G, N)), lw.D, ssm_state, c.chunk_size, start)  # (B, T, H, P)

@@ -203,6 +203,31 @@ def test_the_step_kernel_equals_its_twin(G, H, P, N, state_dtype, limit):
     assert not torch.equal(ours.float(), state.float())
 
 
+@pytest.mark.parametrize("T,G,H,P,N,dtype,start", [
+    (9, 2, 4, 16, 16, "float32", None),  # one short chunk
+    (700, 2, 4, 8, 12, "float32", [0, 37]),  # three chunks, the last partial; left padding; P, N below a tile
+    (300, 1, 2, 16, 16, "bfloat16", None),  # 16-bit operands
+])
+def test_the_chunked_scan_kernels_equal_their_twin(T, G, H, P, N, dtype, start):
+    pytest.importorskip("triton")
+    from fastmamba.kernels.ssd import ssd_scan, ssd_scan_ref
+
+    g = torch.Generator().manual_seed(T)
+    r = lambda *s: torch.randn(*s, generator=g).to(DEVICE)  # noqa: E731
+    B = 2 if start else 1
+    buf = r(B, T, H * P + 2 * G * N).to(getattr(torch, dtype))  # x, B, C side by side, as the conv writes them
+    x = buf[..., :H * P].unflatten(-1, (H, P))
+    Bm, Cm = (buf[..., H * P + k * G * N:H * P + (k + 1) * G * N].unflatten(-1, (G, N)) for k in (0, 1))
+    dt, dt_bias, A, D = r(B, T, H) - 1, 0.3 * r(H), -torch.rand(H, generator=g).to(DEVICE) - 0.3, r(H)
+    state = r(B, H, P, N)
+    ours, ref = state.clone(), state.clone()
+    start = torch.tensor(start, dtype=torch.int32, device=DEVICE) if start else None
+    y = ssd_scan(x, dt, dt_bias, (0.0, float("inf")), A, Bm, Cm, D, ours, 8, start)
+    y_ref = ssd_scan_ref(x, dt, dt_bias, (0.0, float("inf")), A, Bm, Cm, D, ref, 8, start)
+    tol = 1e-2 if dtype == "bfloat16" else (1e-5 if DEVICE == "cpu" else 1e-4)
+    assert relative_error(y, y_ref) < tol and relative_error(ours, ref) < tol
+
+
 @pytest.mark.parametrize("groups,before,out_dtype", [(1, False, "float32"), (4, False, "bfloat16"), (2, True, "float32")])
 def test_the_gated_norm_kernel_equals_its_twin(groups, before, out_dtype):
     pytest.importorskip("triton")

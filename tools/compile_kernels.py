@@ -261,7 +261,16 @@ def main() -> None:
         compile_kernel(sd._ssd_step_kernel, {**t, "st_ptr": state}, dict(H=80, P=64, N=128, BP=sd.SSD_STEP_BP, NP=128))
     compile_kernel(gn._gated_rmsnorm_kernel, ptrs("y_ptr", "z_ptr", "w_ptr", out_ptr="*bf16", eps="fp32"),
                    dict(GS=5120, BG=8192, NORM_BEFORE_GATE=False), num_warps=16)
-    res.append("mamba2 step + gated norm: ok")
+    # the chunked SSD, bf16 operands (the conv's output) and float32 (three TF32 passes)
+    for xdt in ("*bf16", "*fp32"):
+        dims = dict(H=80, P=64, N=128, Q=sd.SSD_CHUNK, NP=128, F32=xdt == "*fp32")
+        t = ptrs("dt_ptr", "cum_ptr", "st_ptr", "D_ptr", "y_ptr", x_ptr=xdt, B_ptr=xdt, C_ptr=xdt)
+        compile_kernel(sd._ssd_chunk_state_kernel, t, dict(BS=sd.SSD_BS, BP=sd.SSD_STATE_BP, **dims))
+        compile_kernel(sd._ssd_chunk_scan_kernel, t, dict(BT=sd.SSD_BT, BS=sd.SSD_BS, BP=64, **dims),
+                       num_warps=8 if xdt == "*fp32" else 4)
+    compile_kernel(sd._ssd_state_passing_kernel, ptrs("st_ptr", "layer_ptr", "cum_ptr"),
+                   dict(H=80, PN=64 * 128, Q=sd.SSD_CHUNK, BL=sd.SSD_PASS_BL))
+    res.append("mamba2 step + gated norm + chunked scan: ok")
     t = ptrs("logits_ptr", "pen_ptr", "temp_ptr", "s_ptr", "smax_ptr", seen_ptr="*i1", best_ptr="*i64")
     compile_kernel(sp._scale_kernel, t, dict(BV=sp.BV))
     rows = ptrs("s_ptr", "smax_ptr", "temp_ptr", "topp_ptr", "minp_ptr", topk_ptr="*i64", st_ptr="*i64", T_ptr="*i64", cnt_ptr="*i64",

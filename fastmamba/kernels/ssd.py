@@ -3,9 +3,16 @@ scalar a step, its input and output through the B and C of the head's group.
 
 `ssd_scan_ref` is the pure-PyTorch twin: the step sizes (softplus of dt + bias, clamped to
 dt_limit, zero at left padding), then the chunked SSD of `ssd_ref`: quadratic inside a
-chunk, a scan across chunks. `ssd_scan` runs a decode step (one token, no padding) as one
-Triton kernel, `_ssd_step_kernel`, that updates every head's state in place; a longer pass
-runs the twin's chunked form on the device.
+chunk, a scan across chunks. `ssd_scan` is the Triton engine's:
+- a decode step (one token, no padding) is one kernel, `_ssd_step_kernel`, that updates
+  every head's state in place;
+- a longer pass is the chunked SSD in three kernels over chunks of SSD_CHUNK steps, its
+  products on the tensor cores: each chunk's own end state from a zero start
+  (`_ssd_chunk_state_kernel`), the states passed from chunk to chunk
+  (`_ssd_state_passing_kernel`: the state each chunk starts from, and the layer's new
+  state), and each chunk's outputs (`_ssd_chunk_scan_kernel`: the masked C B^T product
+  within the chunk, plus C times the state it starts from). The step sizes' running sums
+  inside each chunk come from torch (a (B, T, H) cumsum).
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import jit, tl, triton
+from ._triton import INTERPRET, jit, tl, triton
 from .activations import softplus
 
 
@@ -102,19 +109,164 @@ def _ssd_step_kernel(
 SSD_STEP_BP = 16
 
 
+@jit
+def _dot(a, b, acc, F32: tl.constexpr):
+    """acc + a @ b: float32 operands in three TF32 passes (float32's accuracy), 16-bit
+    ones as they are (float32 sums)."""
+    if F32:
+        return tl.dot(a, b, acc, input_precision="tf32x3")
+    elif INTERPRET:  # (the interpreter's tl.dot of 16-bit operands: see _triton)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@jit
+def _ssd_chunk_state_kernel(
+    x_ptr, sxb, sxt, B_ptr, sbb, sbt, dt_ptr, cum_ptr, st_ptr, T, n_chunks, heads_per_group,
+    H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, Q: tl.constexpr, BS: tl.constexpr, BP: tl.constexpr,
+    NP: tl.constexpr, F32: tl.constexpr,
+):
+    # One program: row b, chunk c, head h, BP channels: the chunk's end state from a zero
+    # start, sum_s exp(cum_last - cum_s) dt_s x_s (outer) B_s, as (x^T) (w B) in blocks of
+    # BS steps; into states (B, chunks, H, P, N) float32.
+    b64 = (tl.program_id(0) // n_chunks).to(tl.int64)
+    c = tl.program_id(0) % n_chunks
+    h = tl.program_id(1)
+    p = tl.program_id(2) * BP + tl.arange(0, BP)
+    n = tl.arange(0, NP)
+    g = h // heads_per_group
+    cum_row = cum_ptr + (b64 * n_chunks + c) * Q * H + h  # (B, chunks, Q, H)
+    last = tl.load(cum_row + (Q - 1) * H)
+    acc = tl.zeros([BP, NP], dtype=tl.float32)
+    for s0 in range(0, Q, BS):
+        q = s0 + tl.arange(0, BS)
+        t = c * Q + q
+        tm = t < T
+        w = tl.load(dt_ptr + (b64 * T + t) * H + h, mask=tm, other=0.0) * tl.exp(last - tl.load(cum_row + q * H))
+        xs = tl.load(x_ptr + b64 * sxb + t[None, :] * sxt + h * P + p[:, None], mask=tm[None, :] & (p < P)[:, None],
+                     other=0.0)  # (BP, BS)
+        Bs = tl.load(B_ptr + b64 * sbb + t[:, None] * sbt + g * N + n[None, :], mask=tm[:, None] & (n < N)[None, :],
+                     other=0.0)  # (BS, NP)
+        acc = _dot(xs, (Bs.to(tl.float32) * w[:, None]).to(Bs.dtype), acc, F32)
+    ptrs = st_ptr + (((b64 * n_chunks + c) * H + h) * P + p[:, None]) * N + n[None, :]
+    tl.store(ptrs, acc, mask=(p < P)[:, None] & (n < N)[None, :])
+
+
+@jit
+def _ssd_state_passing_kernel(
+    st_ptr, layer_ptr, cum_ptr, n_chunks, H: tl.constexpr, PN: tl.constexpr, Q: tl.constexpr, BL: tl.constexpr,
+):
+    # One program: row b, head h, BL of the P x N state's elements. Walks the chunks in
+    # order: each chunk's slot gets the state it starts from (its own end state read
+    # first), then s = exp(sum of the chunk's dt A) s + that end state. The layer's state
+    # is read in its dtype and written back once, rounded, after the last chunk.
+    b64 = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    k = tl.program_id(2) * BL + tl.arange(0, BL)
+    km = k < PN
+    lp = layer_ptr + (b64 * H + h) * PN + k
+    s = tl.load(lp, mask=km, other=0.0).to(tl.float32)
+    for c in range(n_chunks):
+        slot = st_ptr + ((b64 * n_chunks + c) * H + h) * PN + k
+        own = tl.load(slot, mask=km, other=0.0)
+        tl.store(slot, s, mask=km)
+        s = s * tl.exp(tl.load(cum_ptr + ((b64 * n_chunks + c) * Q + Q - 1) * H + h)) + own
+    tl.store(lp, s.to(layer_ptr.dtype.element_ty), mask=km)
+
+
+@jit
+def _ssd_chunk_scan_kernel(
+    x_ptr, sxb, sxt, B_ptr, C_ptr, sbb, sbt, dt_ptr, cum_ptr, st_ptr, D_ptr, y_ptr, T, n_chunks, heads_per_group,
+    H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, Q: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+    BP: tl.constexpr, NP: tl.constexpr, F32: tl.constexpr,
+):
+    # One program: row b, chunk c, head h, BT of the chunk's steps, all P channels:
+    #   y_t = exp(cum_t) C_t . s_start + sum_{s <= t} exp(cum_t - cum_s) (C_t . B_s) dt_s x_s + D x_t
+    # the first from the state the chunk starts from (states, after the passing kernel),
+    # the sum in blocks of BS steps up to the diagonal block.
+    b64 = (tl.program_id(0) // n_chunks).to(tl.int64)
+    c = tl.program_id(0) % n_chunks
+    h = tl.program_id(1)
+    qt = tl.program_id(2) * BT + tl.arange(0, BT)
+    g = h // heads_per_group
+    t = c * Q + qt
+    tm = t < T
+    p = tl.arange(0, BP)
+    n = tl.arange(0, NP)
+    pm, nm = p < P, n < N
+    cum_row = cum_ptr + (b64 * n_chunks + c) * Q * H + h
+    cum_t = tl.load(cum_row + qt * H)
+    Ct = tl.load(C_ptr + b64 * sbb + t[:, None] * sbt + g * N + n[None, :], mask=tm[:, None] & nm[None, :], other=0.0)
+    s0 = tl.load(st_ptr + (((b64 * n_chunks + c) * H + h) * P + p[None, :]) * N + n[:, None],
+                 mask=pm[None, :] & nm[:, None], other=0.0)  # (NP, BP): the start state, transposed
+    acc = _dot(Ct, s0.to(Ct.dtype), tl.zeros([BT, BP], dtype=tl.float32), F32) * tl.exp(cum_t)[:, None]
+    for k0 in range(0, (tl.program_id(2) + 1) * BT, BS):
+        qs = k0 + tl.arange(0, BS)
+        s = c * Q + qs
+        sm = s < T
+        Bs = tl.load(B_ptr + b64 * sbb + s[None, :] * sbt + g * N + n[:, None], mask=sm[None, :] & nm[:, None],
+                     other=0.0)  # (NP, BS)
+        cb = _dot(Ct, Bs, tl.zeros([BT, BS], dtype=tl.float32), F32)
+        decay = tl.exp(tl.minimum(cum_t[:, None] - tl.load(cum_row + qs * H)[None, :], 0.0))
+        dts = tl.load(dt_ptr + (b64 * T + s) * H + h, mask=sm, other=0.0)
+        m = tl.where(qs[None, :] <= qt[:, None], cb * decay * dts[None, :], 0.0)
+        xs = tl.load(x_ptr + b64 * sxb + s[:, None] * sxt + h * P + p[None, :], mask=sm[:, None] & pm[None, :], other=0.0)
+        acc = _dot(m.to(xs.dtype), xs, acc, F32)
+    xt = tl.load(x_ptr + b64 * sxb + t[:, None] * sxt + h * P + p[None, :], mask=tm[:, None] & pm[None, :], other=0.0)
+    y = acc + tl.load(D_ptr + h) * xt.to(tl.float32)
+    tl.store(y_ptr + ((b64 * T + t[:, None]) * H + h) * P + p[None, :], y, mask=tm[:, None] & pm[None, :])
+
+
+# The chunked SSD's tiles: chunks of SSD_CHUNK steps (the per-chunk states, H x P x N
+# float32 each, are its memory traffic: fewer, longer chunks move less); the chunk scan's
+# programs take SSD_BT steps and sum over SSD_BS at a time; the state passing BL elements.
+SSD_CHUNK = 256
+SSD_BT = 64
+SSD_BS = 64
+SSD_STATE_BP = 64
+SSD_PASS_BL = 1024
+
+
 def ssd_scan(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=None) -> torch.Tensor:
     """Triton twin of `ssd_scan_ref` (the same arguments; x, dt, Bm, Cm may be views with
-    their last dimension contiguous). A decode step runs `_ssd_step_kernel`; a pass of
-    several tokens runs the twin on the device."""
+    their heads' and groups' channels contiguous, in float32 or 16-bit: float32 operands
+    take the products in three TF32 passes). The chunks are SSD_CHUNK steps whatever
+    `chunk` says: the result is the same sum."""
     Bsz, T, H, P = x.shape
-    if T > 1 or start is not None or x.stride(-1) != 1 or Bm.stride(-1) != 1 or dt.stride(-1) != 1:
-        return ssd_scan_ref(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk, start)
     G, N = Bm.shape[2], Bm.shape[3]
-    assert x.stride(2) == P and Bm.stride(2) == N and Cm.stride() == Bm.stride() and state.is_contiguous()
-    y = torch.empty(Bsz, 1, H, P, device=x.device, dtype=torch.float32)
-    BP = min(SSD_STEP_BP, triton.next_power_of_2(P))
-    _ssd_step_kernel[(Bsz, H, triton.cdiv(P, BP))](
-        x, x.stride(0), Bm, Cm, Bm.stride(0), dt, dt.stride(0), dt_bias, A, D, state, y, H // G,
-        float(dt_limit[0]), float(dt_limit[1]), H=H, P=P, N=N, BP=BP, NP=triton.next_power_of_2(N), num_warps=4,
+    even = x.stride(3) == 1 and x.stride(2) == P and Bm.stride(3) == 1 and Bm.stride(2) == N and Cm.stride() == Bm.stride()
+    if not even or x.stride(0) % x.stride(1) or Bm.stride(0) % Bm.stride(1):
+        return ssd_scan_ref(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk, start)
+    assert state.is_contiguous()
+    if T == 1 and start is None and dt.stride(-1) == 1:
+        y = torch.empty(Bsz, 1, H, P, device=x.device, dtype=torch.float32)
+        BP = min(SSD_STEP_BP, triton.next_power_of_2(P))
+        _ssd_step_kernel[(Bsz, H, triton.cdiv(P, BP))](
+            x, x.stride(0), Bm, Cm, Bm.stride(0), dt, dt.stride(0), dt_bias, A, D, state, y, H // G,
+            float(dt_limit[0]), float(dt_limit[1]), H=H, P=P, N=N, BP=BP, NP=triton.next_power_of_2(N), num_warps=4,
+        )
+        return y
+    Q = SSD_CHUNK if T > SSD_CHUNK // 2 else max(16, triton.next_power_of_2(T))
+    n_chunks = triton.cdiv(T, Q)
+    dt = step_sizes_ref(dt, dt_bias, dt_limit, start).contiguous()  # (B, T, H) float32
+    cum = F.pad(dt * A, (0, 0, 0, n_chunks * Q - T)).view(Bsz, n_chunks, Q, H).cumsum(2).contiguous()
+    states = torch.empty(Bsz, n_chunks, H, P, N, device=x.device, dtype=torch.float32)
+    y = torch.empty(Bsz, T, H, P, device=x.device, dtype=torch.float32)
+    f32 = x.dtype == torch.float32
+    BP, NP = max(16, triton.next_power_of_2(P)), max(16, triton.next_power_of_2(N))
+    BS = min(SSD_BS, Q)
+    common = dict(H=H, P=P, N=N, Q=Q, NP=NP, F32=f32)
+    _ssd_chunk_state_kernel[(Bsz * n_chunks, H, triton.cdiv(P, min(BP, SSD_STATE_BP)))](
+        x, x.stride(0), x.stride(1), Bm, Bm.stride(0), Bm.stride(1), dt, cum, states, T, n_chunks, H // G,
+        BS=BS, BP=min(BP, SSD_STATE_BP), **common, num_warps=4,
+    )
+    _ssd_state_passing_kernel[(Bsz, H, triton.cdiv(P * N, SSD_PASS_BL))](
+        states, state, cum, n_chunks, H=H, PN=P * N, Q=Q, BL=SSD_PASS_BL, num_warps=4,
+    )
+    BT = min(SSD_BT, Q)
+    _ssd_chunk_scan_kernel[(Bsz * n_chunks, H, Q // BT)](
+        x, x.stride(0), x.stride(1), Bm, Cm, Bm.stride(0), Bm.stride(1), dt, cum, states, D, y, T, n_chunks, H // G,
+        BT=BT, BS=BS, BP=BP, **common, num_warps=4 if not f32 else 8,  # (float32's three passes: 4 warps spill)
     )
     return y
