@@ -266,8 +266,7 @@ def main() -> None:
         dims = dict(H=80, P=64, N=128, Q=sd.SSD_CHUNK, NP=128, F32=xdt == "*fp32")
         t = ptrs("dt_ptr", "cum_ptr", "st_ptr", "D_ptr", "y_ptr", x_ptr=xdt, B_ptr=xdt, C_ptr=xdt)
         compile_kernel(sd._ssd_chunk_state_kernel, t, dict(BS=sd.SSD_BS, BP=sd.SSD_STATE_BP, **dims))
-        compile_kernel(sd._ssd_chunk_scan_kernel, t, dict(BT=sd.SSD_BT, BS=sd.SSD_BS, BP=64, **dims),
-                       num_warps=8 if xdt == "*fp32" else 4)
+        compile_kernel(sd._ssd_chunk_scan_kernel, t, dict(BT=sd.SSD_BT, BS=sd.SSD_BS, BP=64, **dims))
     compile_kernel(sd._ssd_state_passing_kernel, ptrs("st_ptr", "layer_ptr", "cum_ptr"),
                    dict(H=80, PN=64 * 128, Q=sd.SSD_CHUNK, BL=sd.SSD_PASS_BL))
     res.append("mamba2 step + gated norm + chunked scan: ok")

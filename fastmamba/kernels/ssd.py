@@ -267,6 +267,6 @@ def ssd_scan(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=No
     BT = min(SSD_BT, Q)
     _ssd_chunk_scan_kernel[(Bsz * n_chunks, H, Q // BT)](
         x, x.stride(0), x.stride(1), Bm, Cm, Bm.stride(0), Bm.stride(1), dt, cum, states, D, y, T, n_chunks, H // G,
-        BT=BT, BS=BS, BP=BP, **common, num_warps=4 if not f32 else 8,  # (float32's three passes: 4 warps spill)
+        BT=BT, BS=BS, BP=BP, **common, num_warps=4,
     )
     return y
