@@ -454,14 +454,14 @@ class OpsDecodeStep:
     def __init__(self, model, plan):
         from dataclasses import replace
 
-        from ..model import Mamba
+        from ..model import Mamba, triton_ops
         from .products import linear_invariant
 
         self.plan = plan
+        ops = triton_ops()  # (whatever ops the model was built with: this is the GPU's step)
         if not plan.cublas:
-            ops = replace(model.ops, linear=linear_invariant)
-            model = Mamba(model.config, model.weights, ops, model.chunk_tokens, model.state_dtype)
-        self.model = model
+            ops = replace(ops, linear=linear_invariant)
+        self.model = Mamba(model.config, model.weights, ops, model.chunk_tokens, model.state_dtype)
 
     def __call__(self, tokens: torch.Tensor, state, argmax: bool = False) -> torch.Tensor:
         """tokens (B,) -> logits (B, V) f32; updates `state`."""
