@@ -127,8 +127,8 @@ def scan_rows(size: str, c, emit) -> None:
     Bm, Cm = (torch.randn(B, T, G, N, device="cuda", generator=g) for _ in range(2))
     A, D, bias = -torch.rand(H, device="cuda") - 0.5, torch.ones(H, device="cuda"), torch.zeros(H, device="cuda")
     state = torch.zeros(B, H, P, N, device="cuda")
-    ours = ms_of(lambda: ssd_scan(x, dt, bias, c.dt_limit, A, Bm, Cm, D, state, c.chunk_size))
-    xb, Bb, Cb = x.bfloat16(), Bm.bfloat16(), Cm.bfloat16()
+    xb, Bb, Cb = x.bfloat16(), Bm.bfloat16(), Cm.bfloat16()  # (both in bf16, as a bf16 model's conv gives them)
+    ours = ms_of(lambda: ssd_scan(xb, dt, bias, c.dt_limit, A, Bb, Cb, D, state, c.chunk_size))
     theirs = ms_of(lambda: mamba_chunk_scan_combined(xb, dt, A, Bb, Cb, c.chunk_size, D=D, dt_bias=bias,
                                                      dt_softplus=True, return_final_states=True))
     emit(model=size, scan=f"{B}x{T} H{H} P{P} G{G} N{N}", fastmamba_ms=round(ours, 3), mamba_ssm_ms=round(theirs, 3))
