@@ -78,6 +78,38 @@ def random_model(size: str, dtype: torch.dtype, device="cuda", state_dtype: torc
     return Mamba(c, MambaWeights(embedding=emb, layers=layers, norm_f=norm_f, lm_head=head), state_dtype=state_dtype)
 
 
+def write_random_checkpoint(size: str, folder, dtype: torch.dtype = torch.bfloat16) -> None:
+    """A Mamba-1 checkpoint folder of random weights at a public shape (random_model's,
+    built on the CPU), in transformers' format, with the bundled model's tokenizer: for
+    benchmarks that load a folder (Ray Serve replicas)."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    model = random_model(size, dtype, device="cpu")
+    c, w = model.config, model.weights
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {"backbone.embeddings.weight": w.embedding, "backbone.norm_f.weight": w.norm_f}
+    if not c.tie_embeddings:
+        tensors["lm_head.weight"] = w.lm_head
+    names = {"norm_w": "norm.weight", "in_proj_w": "mixer.in_proj.weight", "in_proj_b": "mixer.in_proj.bias",
+             "conv_w": "mixer.conv1d.weight", "conv_b": "mixer.conv1d.bias", "x_proj_w": "mixer.x_proj.weight",
+             "dt_proj_w": "mixer.dt_proj.weight", "dt_bias": "mixer.dt_proj.bias", "D": "mixer.D",
+             "out_proj_w": "mixer.out_proj.weight", "out_proj_b": "mixer.out_proj.bias"}
+    for i, lw in enumerate(w.layers):
+        p = f"backbone.layers.{i}."
+        for field, name in names.items():
+            t = getattr(lw, field)
+            if t is not None:
+                tensors[p + name] = t[:, None, :] if field == "conv_w" else t
+        tensors[p + "mixer.A_log"] = torch.log(-lw.A)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(c.to_hf_dict(), indent=2))
+    shutil.copy(Path(__file__).parent / "default_model" / "tokenizer.json", folder / "tokenizer.json")
+
+
 def random_language_model(size: str, dtype: torch.dtype, device="cuda", state_dtype: torch.dtype = torch.float32):
     """random_model as a LanguageModel with no tokenizer, on the GPU engine where the device
     is CUDA (a module-level function: the serving benchmark's engine process makes its own)."""

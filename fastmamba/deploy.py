@@ -51,15 +51,22 @@ def _affinity(key: int, replica: str) -> bytes:
 
 
 class PrefixRouter(RequestRouter):
-    """Routes `EngineReplica.generate(key, ...)` calls by their key (see the module's doc)."""
+    """Routes `EngineReplica.generate(key, ...)` calls by their key (see the module's doc).
+    routing "round-robin" ignores the key and takes the replicas in turn (the baseline the
+    multi-GPU benchmark compares against)."""
 
-    def initialize_state(self, queue_bound: int = 64):
-        self.queue_bound = queue_bound
+    def initialize_state(self, queue_bound: int = 64, routing: str = "prefix"):
+        self.queue_bound, self.routing = queue_bound, routing
+        self._turn = itertools.count()
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         if not candidate_replicas:
             return []
         args = pending_request.args if pending_request is not None else None
+        if self.routing == "round-robin":
+            ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+            k = next(self._turn) % len(ordered)
+            return [ordered[k:] + ordered[:k]]
         if not args or not isinstance(args[0], int):
             return [candidate_replicas]
         ranked = sorted(candidate_replicas, key=lambda r: _affinity(args[0], r.replica_id.unique_id), reverse=True)
@@ -167,9 +174,12 @@ def build(model=None, replicas: int = 2, device: str = "cpu", dtype: str = "floa
           deterministic: bool = False, threads: int | None = None, max_batch: int | None = None,
           prefill_tokens: int = 4096, prefix_cache_mb: int = 256, max_queue: int = 256, max_model_len: int = 32768,
           max_body_mb: float = 8, api_key: str | None = None, served_model_name: str | None = None,
-          queue_bound: int = 64, autoscaling: dict | None = None):
+          queue_bound: int = 64, autoscaling: dict | None = None, routing: str = "prefix"):
     """The Ray Serve application: `replicas` engine replicas (or an autoscaling config) behind
-    the HTTP front end. Arguments as `fastmamba serve`'s flags."""
+    the HTTP front end. Arguments as `fastmamba serve`'s flags; routing: "prefix" (the
+    default) or "round-robin"."""
+    if routing not in ("prefix", "round-robin"):
+        raise ValueError(f"routing must be 'prefix' or 'round-robin', got {routing!r}")
     from .loader import checkpoint_folder
 
     folder = checkpoint_folder(model)
@@ -183,7 +193,8 @@ def build(model=None, replicas: int = 2, device: str = "cpu", dtype: str = "floa
         graceful_shutdown_timeout_s=10, graceful_shutdown_wait_loop_s=0.5,
         max_ongoing_requests=max_queue + (max_batch or 256),
         request_router_config=RequestRouterConfig(request_router_class=PrefixRouter,
-                                                  request_router_kwargs={"queue_bound": queue_bound}),
+                                                  request_router_kwargs={"queue_bound": queue_bound,
+                                                                         "routing": routing}),
         **scale,
     ).bind(load_kwargs, engine_kwargs, max_queue)
     options = dict(model_name=served_model_name or (model or "fastmamba-default"), folder=str(folder), api_key=api_key,

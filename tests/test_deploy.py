@@ -117,3 +117,10 @@ def test_the_command_lines_scale_settings(monkeypatch):
     for bad in ("4", "3:1", "a:b", "0:0"):
         with pytest.raises(ValueError, match="--autoscale"):
             deploy.autoscaling(bad)
+
+
+def test_a_routing_policy_is_prefix_or_round_robin():
+    from fastmamba.deploy import build
+
+    with pytest.raises(ValueError, match="routing must be 'prefix' or 'round-robin'"):
+        build(replicas=1, routing="random")
