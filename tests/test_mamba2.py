@@ -110,10 +110,9 @@ def test_a_batch_gives_each_prompt_what_it_gets_alone(case):
         assert g.token_ids == lm.generate(p, q).token_ids
 
 
-def test_the_engine_with_chunks_and_the_prefix_cache(case):
-    """The serving engine's paths: prompts in 8-token chunks, a cached prefix resumed."""
-    folder, _ = case
-    lm = fastmamba.load(folder)
+def check_engine_paths(lm, reference) -> None:
+    """The serving engine's paths on `lm`: prompts in 8-token chunks, then a cached prefix
+    resumed; each request's tokens what `reference` generates alone."""
     core = EngineCore(lm, max_batch=2, prefill_tokens=8, prefix_cache_bytes=16 << 20)
     first = ids(1, 20, seed=7)[0].tolist()
     reqs = [EngineRequest(first, SamplingParams(max_tokens=6, stop_token_ids=[])),
@@ -129,8 +128,14 @@ def test_the_engine_with_chunks_and_the_prefix_cache(case):
                 if reason is not None:
                     got[rid][1] = info
     for r in reqs:
-        assert got[r.rid][0] == lm.generate(r.ids, max_tokens=6, stop_token_ids=[]).token_ids
+        assert got[r.rid][0] == reference.generate(r.ids, max_tokens=6, stop_token_ids=[]).token_ids
     assert got[reqs[1].rid][1]["cached_tokens"] >= len(first)
+
+
+def test_the_engine_with_chunks_and_the_prefix_cache(case):
+    folder, _ = case
+    lm = fastmamba.load(folder)
+    check_engine_paths(lm, lm)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -299,19 +304,7 @@ def test_mamba2_on_the_gpu_engine_equals_the_cpu(tmp_path):
     torch.testing.assert_close(gpu.forward(x).cpu(), cpu.forward(x), rtol=1e-4, atol=1e-4)
     want = cpu.generate(x[0].tolist(), max_tokens=12, stop_token_ids=[]).token_ids
     assert gpu.generate(x[0].tolist(), max_tokens=12, stop_token_ids=[]).token_ids == want
-    core = EngineCore(gpu, max_batch=4, prefill_tokens=8, prefix_cache_bytes=16 << 20)
-    first = ids(1, 20, seed=7)[0].tolist()
-    reqs = [EngineRequest(first, SamplingParams(max_tokens=6, stop_token_ids=[])),
-            EngineRequest(first + [5, 6, 7], SamplingParams(max_tokens=6, stop_token_ids=[]))]
-    got = {}
-    for r in reqs:
-        core.add(r)
-        while core.has_work:
-            for rid, token, _, _, _ in core.step():
-                if token is not None:
-                    got.setdefault(rid, []).append(token)
-    for r in reqs:
-        assert got[r.rid] == cpu.generate(r.ids, max_tokens=6, stop_token_ids=[]).token_ids
+    check_engine_paths(gpu, cpu)
     bf16 = fastmamba.load(folder, device="cuda", state_dtype="bfloat16")
     assert bf16.generate(x[0].tolist(), max_tokens=4, stop_token_ids=[]).token_ids == want[:4]
     det = fastmamba.load(folder, device="cuda", deterministic=True)
