@@ -1,4 +1,5 @@
-"""The Mamba-2 (SSD) layer in pure PyTorch: the CPU engine and the oracle for kernels to come.
+"""The Mamba-2 (SSD) layer over `model.Ops`: the pure-PyTorch twins on the reference engine,
+cuBLAS and the Triton kernels (kernels/ssd.py, kernels/gated_norm.py) on the GPU engine.
 
 Per layer, with h the residual stream (d = d_model, E = d_inner = H heads x P head_dim,
 G groups of B and C of N = d_state each, K = d_conv):
