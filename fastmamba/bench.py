@@ -212,10 +212,13 @@ def time_hf(size: str, dtype: torch.dtype, batch: int, tokens: int = 32) -> floa
 
 
 def hf_model(config: MambaConfig, dtype: torch.dtype):
-    """transformers' model of this config on the GPU (random weights), or None without it."""
+    """transformers' model of this config on the GPU (random weights), or None without it
+    (or for Mamba-2 shapes: benchmarks/mamba2.py compares those with mamba_ssm)."""
     try:
         import transformers
     except ImportError:
+        return None
+    if config.layer != "mamba1":
         return None
     falcon = config.dbc_norm_eps is not None
     hf_config = (transformers.FalconMambaConfig if falcon else transformers.MambaConfig)(**config.to_hf_dict())
