@@ -83,9 +83,12 @@ def _ssd_step_kernel(
     # One program: one row b, one head h, BP of its P channels, all N states of each. The
     # state is read in its dtype, updated in float32 and rounded once on store.
     #   s = s exp(dt A) + dt x (outer) B_g;  y = s C_g + D x     (g = h // heads_per_group)
-    b64 = tl.program_id(0).to(tl.int64)
+    # The channel blocks vary fastest, then the heads: the programs running together read
+    # one stretch of the state. (With the rows fastest they would read the same 8 KB of
+    # every head of every row, H x P x N apart; see benchmarks/RESULTS.md, "Mamba-2".)
+    p = tl.program_id(0) * BP + tl.arange(0, BP)
     h = tl.program_id(1)
-    p = tl.program_id(2) * BP + tl.arange(0, BP)
+    b64 = tl.program_id(2).to(tl.int64)
     n = tl.arange(0, NP)
     pm, nm = p < P, n < N
     g = h // heads_per_group
@@ -160,10 +163,11 @@ def _ssd_state_passing_kernel(
     # One program: row b, head h, BL of the P x N state's elements. Walks the chunks in
     # order: each chunk's slot gets the state it starts from (its own end state read
     # first), then s = exp(sum of the chunk's dt A) s + that end state. The layer's state
-    # is read in its dtype and written back once, rounded, after the last chunk.
-    b64 = tl.program_id(0).to(tl.int64)
+    # is read in its dtype and written back once, rounded, after the last chunk. The
+    # element blocks vary fastest (the step kernel's reason).
+    k = tl.program_id(0) * BL + tl.arange(0, BL)
     h = tl.program_id(1)
-    k = tl.program_id(2) * BL + tl.arange(0, BL)
+    b64 = tl.program_id(2).to(tl.int64)
     km = k < PN
     lp = layer_ptr + (b64 * H + h) * PN + k
     s = tl.load(lp, mask=km, other=0.0).to(tl.float32)
@@ -242,7 +246,7 @@ def ssd_scan(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=No
     if T == 1 and start is None and dt.stride(-1) == 1:
         y = torch.empty(Bsz, 1, H, P, device=x.device, dtype=torch.float32)
         BP = min(SSD_STEP_BP, triton.next_power_of_2(P))
-        _ssd_step_kernel[(Bsz, H, triton.cdiv(P, BP))](
+        _ssd_step_kernel[(triton.cdiv(P, BP), H, Bsz)](
             x, x.stride(0), Bm, Cm, Bm.stride(0), dt, dt.stride(0), dt_bias, A, D, state, y, H // G,
             float(dt_limit[0]), float(dt_limit[1]), H=H, P=P, N=N, BP=BP, NP=triton.next_power_of_2(N), num_warps=4,
         )
@@ -261,7 +265,7 @@ def ssd_scan(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=No
         x, x.stride(0), x.stride(1), Bm, Bm.stride(0), Bm.stride(1), dt, cum, states, T, n_chunks, H // G,
         BS=BS, BP=min(BP, SSD_STATE_BP), **common, num_warps=4,
     )
-    _ssd_state_passing_kernel[(Bsz, H, triton.cdiv(P * N, SSD_PASS_BL))](
+    _ssd_state_passing_kernel[(triton.cdiv(P * N, SSD_PASS_BL), H, Bsz)](
         states, state, cum, n_chunks, H=H, PN=P * N, Q=Q, BL=SSD_PASS_BL, num_warps=4,
     )
     BT = min(SSD_BT, Q)
