@@ -313,3 +313,14 @@ def test_mamba2_on_the_gpu_engine_equals_the_cpu(tmp_path):
     together = det.generate_batch(prompts, params)
     for p, q, g in zip(prompts, params, together):
         assert g.token_ids == det.generate(p, q).token_ids
+
+
+@pytest.mark.gpu
+def test_16bit_storage_on_the_gpu_engine_within_transformers_own_error(tmp_path):
+    """The Triton engine's bf16 path (the conv's output and the SSD's operands in bf16)
+    holds the 16-bit contract: within 1.25x transformers' own bf16 error."""
+    folder, _ = save_mamba2(tmp_path / "m", n_groups=1)
+    x = ids(2, 40)
+    gpu = fastmamba.load(folder, device="cuda", dtype="bfloat16")
+    assert gpu.engine == "triton"
+    assert_within_transformers_16bit_error(gpu.forward(x).cpu(), folder, x, "bfloat16")
