@@ -315,6 +315,19 @@ def test_mamba2_on_the_gpu_engine_equals_the_cpu(tmp_path):
         assert g.token_ids == det.generate(p, q).token_ids
 
 
+def test_the_gpu_engines_16bit_numerics_within_transformers_own_error(tmp_path):
+    """The GPU ops' bf16 path (the conv's output and the SSD's operands rounded to bf16), run
+    here through Triton's interpreter, holds the 16-bit contract."""
+    pytest.importorskip("triton")
+    from fastmamba.model import Mamba, triton_ops
+
+    folder, _ = save_mamba2(tmp_path / "m", n_groups=1)
+    x = ids(2, 40)
+    weights = fastmamba.load(folder, device=DEVICE, dtype="bfloat16").model.weights
+    model = Mamba(fastmamba.load(folder).config, weights, triton_ops())
+    assert_within_transformers_16bit_error(model.forward(x.to(DEVICE)).cpu(), folder, x, "bfloat16")
+
+
 @pytest.mark.gpu
 def test_16bit_storage_on_the_gpu_engine_within_transformers_own_error(tmp_path):
     """The Triton engine's bf16 path (the conv's output and the SSD's operands in bf16)
