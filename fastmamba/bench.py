@@ -16,7 +16,7 @@ import time
 import torch
 
 from .config import MambaConfig
-from .model import Mamba, MambaWeights, layer_kind
+from .model import Mamba, layer_kind
 
 SHAPES = {  # the public checkpoints' sizes (d_state 16, d_conv 4; vocab as published)
     "130m": MambaConfig(d_model=768, n_layer=24, vocab_size=50280),
@@ -60,52 +60,49 @@ def _random_tensor(name: str, shape: tuple[int, ...], n_layer: int, g: torch.Gen
     return randn((fan_in * n_layer) ** -0.5 if name.endswith("out_proj.weight") else fan_in**-0.5)
 
 
+def _random_tensors(c: MambaConfig, device) -> dict[str, torch.Tensor]:
+    """Every tensor of a model of config c by its transformers name (the layer kind's table),
+    float32, random with _random_tensor's spreads (embedding 0.02, an untied head by
+    fan-in, norm_f near 1)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    tensors = {}
+    for i in range(c.n_layer):
+        for name, shape in layer_kind(c).shapes(c, f"backbone.layers.{i}.").items():
+            tensors[name] = _random_tensor(name, shape, c.n_layer, g, device)
+    tensors["backbone.embeddings.weight"] = 0.02 * torch.randn(c.vocab_size, c.d_model, device=device, generator=g)
+    if not c.tie_embeddings:
+        tensors["lm_head.weight"] = c.d_model**-0.5 * torch.randn(c.vocab_size, c.d_model, device=device, generator=g)
+    tensors["backbone.norm_f.weight"] = 1.0 + 0.1 * torch.randn(c.d_model, device=device, generator=g)
+    return tensors
+
+
 def random_model(size: str, dtype: torch.dtype, device="cuda", state_dtype: torch.dtype = torch.float32) -> Mamba:
     """A Mamba (either layer kind) with random weights of realistic spread at a public
     shape, built on the device from the layer kind's table of tensors; its states in
     state_dtype."""
+    from .checkpoint import build_weights
+
     c = SHAPES[size]
-    kind = layer_kind(c)
-    g = torch.Generator(device=device).manual_seed(0)
-    layers = []
-    for i in range(c.n_layer):
-        p = f"backbone.layers.{i}."
-        made = {n: _random_tensor(n, shape, c.n_layer, g, device) for n, shape in kind.shapes(c, p).items()}
-        layers.append(kind.weights(p, lambda n: made[n].to(dtype), lambda n: made.get(n)))
-    emb = (0.02 * torch.randn(c.vocab_size, c.d_model, device=device, generator=g)).to(dtype)
-    head = emb if c.tie_embeddings else (c.d_model**-0.5 * torch.randn(c.vocab_size, c.d_model, device=device, generator=g)).to(dtype)
-    norm_f = 1.0 + 0.1 * torch.randn(c.d_model, device=device, generator=g)
-    return Mamba(c, MambaWeights(embedding=emb, layers=layers, norm_f=norm_f, lm_head=head), state_dtype=state_dtype)
+    tensors = _random_tensors(c, device)
+    return Mamba(c, build_weights(c, tensors, dict.fromkeys(tensors, "random"), device, dtype), state_dtype=state_dtype)
 
 
 def write_random_checkpoint(size: str, folder, dtype: torch.dtype = torch.bfloat16) -> None:
     """A Mamba-1 checkpoint folder of random weights at a public shape (random_model's,
-    built on the CPU), in transformers' format, with the bundled model's tokenizer: for
-    benchmarks that load a folder (Ray Serve replicas)."""
+    made on the CPU), in transformers' format, with the bundled model's tokenizer: for
+    benchmarks that load a folder (Ray Serve replicas). The products and the embedding are
+    stored in dtype (the loader stores them so), the rest in float32."""
     import shutil
     from pathlib import Path
 
     from safetensors.torch import save_file
 
-    model = random_model(size, dtype, device="cpu")
-    c, w = model.config, model.weights
+    c = SHAPES[size]
+    tensors = _random_tensors(c, "cpu")
+    big = {k: v.to(dtype) for k, v in tensors.items() if k.endswith(("proj.weight", "embeddings.weight", "lm_head.weight"))}
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {"backbone.embeddings.weight": w.embedding, "backbone.norm_f.weight": w.norm_f}
-    if not c.tie_embeddings:
-        tensors["lm_head.weight"] = w.lm_head
-    names = {"norm_w": "norm.weight", "in_proj_w": "mixer.in_proj.weight", "in_proj_b": "mixer.in_proj.bias",
-             "conv_w": "mixer.conv1d.weight", "conv_b": "mixer.conv1d.bias", "x_proj_w": "mixer.x_proj.weight",
-             "dt_proj_w": "mixer.dt_proj.weight", "dt_bias": "mixer.dt_proj.bias", "D": "mixer.D",
-             "out_proj_w": "mixer.out_proj.weight", "out_proj_b": "mixer.out_proj.bias"}
-    for i, lw in enumerate(w.layers):
-        p = f"backbone.layers.{i}."
-        for field, name in names.items():
-            t = getattr(lw, field)
-            if t is not None:
-                tensors[p + name] = t[:, None, :] if field == "conv_w" else t
-        tensors[p + "mixer.A_log"] = torch.log(-lw.A)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    save_file({**tensors, **big}, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(c.to_hf_dict(), indent=2))
     shutil.copy(Path(__file__).parent / "default_model" / "tokenizer.json", folder / "tokenizer.json")
 
