@@ -81,7 +81,6 @@ def timed_peak(fn, reps: int):
 
 def training_rows(emit) -> None:
     from fastmamba.kernels.conv_grad import causal_conv1d_train
-    from fastmamba.kernels.scan_grad import step_and_scan_train
 
     for tf32 in (False, True):
         torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -116,20 +115,14 @@ def training_rows(emit) -> None:
             lstm = None
             torch.cuda.empty_cache()
     torch.backends.cuda.matmul.allow_tf32 = False
-    # the kernels alone at the first shape's layer: B 16, E 256, N 16, T 1024, dt_rank 8; x, z
-    # and the step sizes channels-contiguous, as the layer makes them
-    B, E, N, T, K, R = 16, 256, 16, 1024, 4, 8
-    g = lambda *s: torch.randn(*s, device="cuda").requires_grad_(True)  # noqa: E731
-    btE = lambda: torch.randn(B, T, E, device="cuda").transpose(1, 2).requires_grad_(True)  # noqa: E731
-    x, z, dt_r, xbc = btE(), btE(), g(B, T, R), torch.randn(B, T, 2 * N, device="cuda").requires_grad_(True)
-    Bm, Cm = xbc[..., :N].transpose(1, 2), xbc[..., N:].transpose(1, 2)
-    dt_w, bias, D, cw, cb = g(E, R), g(E), g(E), g(E, K), g(E)
-    A = (-torch.rand(E, N, device="cuda") - 0.1).requires_grad_(True)
-    resets = torch.rand(B, T, device="cuda") < 1 / 64
+    # the kernels alone at the first shape's layer: B 16, E 256, N 16, T 1024, dt_rank 8
+    from tune_train_scan import scan_pass
 
-    def scan():
-        s = torch.zeros(B, E, N, device="cuda")
-        step_and_scan_train(x, dt_r, dt_w, bias, A, Bm, Cm, D, z, s, resets=resets).sum().backward()
+    B, E, N, T, K, R = 16, 256, 16, 1024, 4, 8
+    scan = scan_pass(B, T, E, R, N)
+    x = torch.randn(B, T, E, device="cuda").transpose(1, 2).requires_grad_(True)  # channels contiguous, as the layer's
+    cw, cb = torch.randn(E, K, device="cuda").requires_grad_(True), torch.randn(E, device="cuda").requires_grad_(True)
+    resets = torch.rand(B, T, device="cuda") < 1 / 64
 
     def conv():
         s = torch.zeros(B, E, K, device="cuda")

@@ -20,25 +20,32 @@ from fastmamba.kernels import scan_grad  # noqa: E402
 SHAPES = [(16, 1024, 256, 8), (64, 256, 1024, 32)]
 
 
+def scan_pass(B: int, T: int, E: int, R: int, N: int = 16):
+    """The training scan's forward + backward alone at one layer's shapes, as a callable:
+    x, z and the step sizes channels-contiguous and B, C views of x_proj's output, as the
+    layer makes them; resets at 1/64."""
+    def g(*s):
+        return torch.randn(*s, device="cuda").requires_grad_(True)
+
+    def btE():
+        return torch.randn(B, T, E, device="cuda").transpose(1, 2).requires_grad_(True)
+
+    x, z, dt_r, xbc = btE(), btE(), g(B, T, R), g(B, T, 2 * N)
+    Bm, Cm = xbc[..., :N].transpose(1, 2), xbc[..., N:].transpose(1, 2)
+    dt_w, bias, D = g(E, R), g(E), g(E)
+    A = (-torch.rand(E, N, device="cuda") - 0.1).requires_grad_(True)
+    resets = torch.rand(B, T, device="cuda") < 1 / 64
+
+    def run():
+        s = torch.zeros(B, E, N, device="cuda")
+        scan_grad.step_and_scan_train(x, dt_r, dt_w, bias, A, Bm, Cm, D, z, s, resets=resets).sum().backward()
+
+    return run
+
+
 def main() -> None:
-    N = 16
     for B, T, E, R in SHAPES:
-        def g(*s):
-            return torch.randn(*s, device="cuda").requires_grad_(True)
-
-        def btE():  # channels contiguous, as the layer makes them
-            return torch.randn(B, T, E, device="cuda").transpose(1, 2).requires_grad_(True)
-
-        x, z, dt_r, xbc = btE(), btE(), g(B, T, R), g(B, T, 2 * N)
-        Bm, Cm = xbc[..., :N].transpose(1, 2), xbc[..., N:].transpose(1, 2)
-        dt_w, bias, D = g(E, R), g(E), g(E)
-        A = (-torch.rand(E, N, device="cuda") - 0.1).requires_grad_(True)
-        resets = torch.rand(B, T, device="cuda") < 1 / 64
-
-        def run():
-            s = torch.zeros(B, E, N, device="cuda")
-            scan_grad.step_and_scan_train(x, dt_r, dt_w, bias, A, Bm, Cm, D, z, s, resets=resets).sum().backward()
-
+        run = scan_pass(B, T, E, R)
         for BT, BE, warps in itertools.product((16, 32), (4, 8, 16), (2, 4, 8)):
             scan_grad.TRAIN_BT, scan_grad.TRAIN_BE, scan_grad.TRAIN_WARPS = BT, BE, warps
             try:
