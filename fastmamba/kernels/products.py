@@ -68,6 +68,18 @@ def invariant_gemm_ref(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(a.float(), weight.float())
 
 
+@jit
+def tensor_dot(a, b, acc, F32: tl.constexpr):
+    """acc + a @ b on the tensor cores, float32 sums: float32 operands (F32) in three TF32
+    passes (float32's accuracy), 16-bit ones as they are."""
+    if F32:
+        return tl.dot(a, b, acc, input_precision="tf32x3")
+    elif INTERPRET:  # (the interpreter's tl.dot of 16-bit operands: see _triton)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
 @jit(do_not_specialize=["M"])
 def _gemm_kernel(
     a_ptr, w_ptr, out_ptr, M, N, K, KCHUNK,
@@ -89,12 +101,7 @@ def _gemm_kernel(
         kmask = k < k_end
         a = tl.load(a_ptr + rows64[:, None] * K + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        if F32:
-            acc = tl.dot(a, tl.trans(w), acc, input_precision="tf32x3")
-        elif INTERPRET:  # (the interpreter's tl.dot of 16-bit operands: see _triton)
-            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, tl.trans(w), acc)
+        acc = tensor_dot(a, tl.trans(w), acc, F32)
     out = out_ptr + pid_s.to(tl.int64) * M * N + rows64[:, None] * N + n[None, :]
     tl.store(out, acc, mask=rmask[:, None] & nmask[None, :])
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import INTERPRET, jit, tl, triton
+from ._triton import jit, tl, triton
 from .activations import softplus
+from .products import tensor_dot
 
 
 def ssd_ref(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
@@ -113,18 +114,6 @@ SSD_STEP_BP = 16
 
 
 @jit
-def _dot(a, b, acc, F32: tl.constexpr):
-    """acc + a @ b: float32 operands in three TF32 passes (float32's accuracy), 16-bit
-    ones as they are (float32 sums)."""
-    if F32:
-        return tl.dot(a, b, acc, input_precision="tf32x3")
-    elif INTERPRET:  # (the interpreter's tl.dot of 16-bit operands: see _triton)
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
-
-
-@jit
 def _ssd_chunk_state_kernel(
     x_ptr, sxb, sxt, B_ptr, sbb, sbt, dt_ptr, cum_ptr, st_ptr, T, n_chunks, heads_per_group,
     H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, Q: tl.constexpr, BS: tl.constexpr, BP: tl.constexpr,
@@ -151,7 +140,7 @@ def _ssd_chunk_state_kernel(
                      other=0.0)  # (BP, BS)
         Bs = tl.load(B_ptr + b64 * sbb + t[:, None] * sbt + g * N + n[None, :], mask=tm[:, None] & (n < N)[None, :],
                      other=0.0)  # (BS, NP)
-        acc = _dot(xs, (Bs.to(tl.float32) * w[:, None]).to(Bs.dtype), acc, F32)
+        acc = tensor_dot(xs, (Bs.to(tl.float32) * w[:, None]).to(Bs.dtype), acc, F32)
     ptrs = st_ptr + (((b64 * n_chunks + c) * H + h) * P + p[:, None]) * N + n[None, :]
     tl.store(ptrs, acc, mask=(p < P)[:, None] & (n < N)[None, :])
 
@@ -204,19 +193,19 @@ def _ssd_chunk_scan_kernel(
     Ct = tl.load(C_ptr + b64 * sbb + t[:, None] * sbt + g * N + n[None, :], mask=tm[:, None] & nm[None, :], other=0.0)
     s0 = tl.load(st_ptr + (((b64 * n_chunks + c) * H + h) * P + p[None, :]) * N + n[:, None],
                  mask=pm[None, :] & nm[:, None], other=0.0)  # (NP, BP): the start state, transposed
-    acc = _dot(Ct, s0.to(Ct.dtype), tl.zeros([BT, BP], dtype=tl.float32), F32) * tl.exp(cum_t)[:, None]
+    acc = tensor_dot(Ct, s0.to(Ct.dtype), tl.zeros([BT, BP], dtype=tl.float32), F32) * tl.exp(cum_t)[:, None]
     for k0 in range(0, (tl.program_id(2) + 1) * BT, BS):
         qs = k0 + tl.arange(0, BS)
         s = c * Q + qs
         sm = s < T
         Bs = tl.load(B_ptr + b64 * sbb + s[None, :] * sbt + g * N + n[:, None], mask=sm[None, :] & nm[:, None],
                      other=0.0)  # (NP, BS)
-        cb = _dot(Ct, Bs, tl.zeros([BT, BS], dtype=tl.float32), F32)
+        cb = tensor_dot(Ct, Bs, tl.zeros([BT, BS], dtype=tl.float32), F32)
         decay = tl.exp(tl.minimum(cum_t[:, None] - tl.load(cum_row + qs * H)[None, :], 0.0))
         dts = tl.load(dt_ptr + (b64 * T + s) * H + h, mask=sm, other=0.0)
         m = tl.where(qs[None, :] <= qt[:, None], cb * decay * dts[None, :], 0.0)
         xs = tl.load(x_ptr + b64 * sxb + s[:, None] * sxt + h * P + p[None, :], mask=sm[:, None] & pm[None, :], other=0.0)
-        acc = _dot(m.to(xs.dtype), xs, acc, F32)
+        acc = tensor_dot(m.to(xs.dtype), xs, acc, F32)
     xt = tl.load(x_ptr + b64 * sxb + t[:, None] * sxt + h * P + p[None, :], mask=tm[:, None] & pm[None, :], other=0.0)
     y = acc + tl.load(D_ptr + h) * xt.to(tl.float32)
     tl.store(y_ptr + ((b64 * T + t[:, None]) * H + h) * P + p[None, :], y, mask=tm[:, None] & pm[None, :])
