@@ -98,39 +98,38 @@ def _conv_grad_input_kernel(
 class _Conv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, state, resets):
-        K = weight.shape[-1]
         s0 = state.detach().clone()
-        first = segment_starts(resets, K).to(torch.int32).contiguous() if resets is not None else None
         y = causal_conv1d(x, weight, bias, state, resets=resets)  # updates the state in place
-        ctx.save_for_backward(x, weight, bias, s0, first)
+        ctx.save_for_backward(x, weight, bias, s0, resets)
         ctx.mark_dirty(state)
         return y, state
 
     @staticmethod
     def backward(ctx, dy, dstate):
-        x, weight, bias, s0, first = ctx.saved_tensors
+        x, weight, bias, s0, resets = ctx.saved_tensors
         B, E, T = x.shape
         K = weight.shape[-1]
         dev = x.device
         dpre = torch.empty(B, T, E, device=dev)
         dw = torch.zeros(E, K, device=dev)
         db = torch.zeros(E, device=dev)
-        resets = first is not None
-        first_arg = first if resets else dpre  # (a placeholder the kernels never read without resets)
+        # (B, T) each step's latest reset, or a placeholder the kernels never read without resets
+        first = segment_starts(resets, K).to(torch.int32).contiguous() if resets is not None else None
+        first_arg = first if first is not None else dpre
         BE, BT = CONV_GRAD_BE, CONV_GRAD_BT
         _conv_grad_pre_kernel[(triton.cdiv(E, BE), triton.cdiv(T, BT), B)](
             x, *x.stride(), s0, weight, bias if bias is not None else weight, first_arg, dy, *dy.stride(), dpre, dw, db,
-            T, E, K=K, HAS_BIAS=bias is not None, RESETS=resets, BE=BE, BT=BT, num_warps=CONV_GRAD_WARPS,
+            T, E, K=K, HAS_BIAS=bias is not None, RESETS=first is not None, BE=BE, BT=BT, num_warps=CONV_GRAD_WARPS,
         )
         dx = torch.empty(B, T + K - 1, E, device=dev)
         _conv_grad_input_kernel[(triton.cdiv(E, BE), triton.cdiv(T + K - 1, BT), B)](
-            dpre, weight, first_arg, dx, T, E, K=K, RESETS=resets, BE=BE, BT=BT, num_warps=CONV_GRAD_WARPS,
+            dpre, weight, first_arg, dx, T, E, K=K, RESETS=first is not None, BE=BE, BT=BT, num_warps=CONV_GRAD_WARPS,
         )
         # the concatenation (old state, x) that the window and the new state read: (B, E, K + T)
         dfull = torch.cat([torch.zeros(B, E, 1, device=dev), dx.transpose(1, 2)], -1)
         if dstate is not None:  # the new state holds the last K inputs, zero before the last reset
             keep = torch.ones(B, K, device=dev)
-            if resets:
+            if first is not None:
                 keep = (torch.arange(T - K, T, device=dev)[None] >= first[:, -1:]).float()
             dfull[..., -K:] += dstate.float() * keep[:, None, :]
         return dfull[..., K:], dw, db if bias is not None else None, dfull[..., :K].to(s0.dtype), None
