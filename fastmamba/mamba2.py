@@ -95,7 +95,6 @@ def mixer2(config, lw: Mamba2LayerWeights, u: torch.Tensor, conv_state, ssm_stat
         raise ValueError("Mamba-2 layers take no resets")
     c = config
     E, N, G, H, P = c.d_inner, c.d_state, c.n_groups, c.n_heads, c.head_dim
-    Bsz, T, _ = u.shape
     zxbcdt = ops.linear(u, lw.in_proj_w, lw.in_proj_b)  # (B, T, 2E + 2GN + H) float32
     z, xbc, dt = zxbcdt.split([E, E + 2 * G * N, H], dim=-1)
     # the conv's output (x, B, C) in the products' dtype on the GPU path (the scan's operands)
