@@ -108,9 +108,9 @@ def _ssd_step_kernel(
     tl.store(y_ptr + b64 * H * P + h * P + p, y, mask=pm)
 
 
-# Channels of a head a step program takes: all N states of each in registers (2.7b's
-# head of 64 x 128 in 4 programs).
+# Channels of a head a step program takes (all N states of each in registers), and its warps.
 SSD_STEP_BP = 16
+SSD_STEP_WARPS = 4
 
 
 @jit
@@ -237,7 +237,8 @@ def ssd_scan(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=No
         BP = min(SSD_STEP_BP, triton.next_power_of_2(P))
         _ssd_step_kernel[(triton.cdiv(P, BP), H, Bsz)](
             x, x.stride(0), Bm, Cm, Bm.stride(0), dt, dt.stride(0), dt_bias, A, D, state, y, H // G,
-            float(dt_limit[0]), float(dt_limit[1]), H=H, P=P, N=N, BP=BP, NP=triton.next_power_of_2(N), num_warps=4,
+            float(dt_limit[0]), float(dt_limit[1]), H=H, P=P, N=N, BP=BP, NP=triton.next_power_of_2(N),
+            num_warps=SSD_STEP_WARPS,
         )
         return y
     Q = SSD_CHUNK if T > SSD_CHUNK // 2 else max(16, triton.next_power_of_2(T))
