@@ -270,11 +270,12 @@ def test_the_gated_norm_kernel_equals_its_twin(groups, before, out_dtype):
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_the_gpu_engines_model_equals_the_reference(tmp_path, deterministic):
+def test_the_gpu_engines_model_equals_the_reference(tmp_path, monkeypatch, deterministic):
     """The model over the GPU ops (cuBLAS products, or invariant_gemm's; the Triton conv,
     norms and scan step) against the reference: a prefill, then decode steps through the
     decode plan's step."""
     pytest.importorskip("triton")
+    from fastmamba.kernels import ssd
     from fastmamba.kernels.decode_step import make_decode_step
     from fastmamba.model import Mamba, triton_ops
 
@@ -286,8 +287,10 @@ def test_the_gpu_engines_model_equals_the_reference(tmp_path, deterministic):
     x = ids(2, 15)
     s_ref, s_ours = ref.new_state(2), ours.new_state(2)
     want = [ref.prefill(x[:, :9], s_ref, last_only=True)] + [ref.step(x[:, t], s_ref) for t in range(9, 15)]
-    got = [ours.prefill(x[:, :9].to(DEVICE), s_ours, last_only=True)] + \
-        [step(x[:, t].to(DEVICE), s_ours) for t in range(9, 15)]
+    got = [ours.prefill(x[:, :9].to(DEVICE), s_ours, last_only=True)]
+    with monkeypatch.context() as m:  # the steps take the step kernel, not the reference scan
+        m.setattr(ssd, "ssd_scan_ref", lambda *a, **k: pytest.fail("a decode step fell back to ssd_scan_ref"))
+        got += [step(x[:, t].to(DEVICE), s_ours) for t in range(9, 15)]
     for a, b in zip(got, want):
         assert relative_error(a.cpu(), b) < 1e-4
     assert relative_error(s_ours.ssm.cpu(), s_ref.ssm) < 1e-4

@@ -110,7 +110,7 @@ def _ssd_step_kernel(
 
 # Channels of a head a step program takes (all N states of each in registers), and its warps.
 SSD_STEP_BP = 16
-SSD_STEP_WARPS = 4
+SSD_STEP_WARPS = 1
 
 
 @jit
@@ -229,7 +229,9 @@ def ssd_scan(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=No
     Bsz, T, H, P = x.shape
     G, N = Bm.shape[2], Bm.shape[3]
     even = x.stride(3) == 1 and x.stride(2) == P and Bm.stride(3) == 1 and Bm.stride(2) == N and Cm.stride() == Bm.stride()
-    if not even or x.stride(0) % x.stride(1) or Bm.stride(0) % Bm.stride(1):
+    # (a time axis of one step may carry any stride: torch ignores a size-1 axis's stride)
+    rows_whole = T == 1 or not (x.stride(0) % x.stride(1) or Bm.stride(0) % Bm.stride(1))
+    if not even or not rows_whole:
         return ssd_scan_ref(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk, start)
     assert state.is_contiguous()
     if T == 1 and start is None and dt.stride(-1) == 1:
