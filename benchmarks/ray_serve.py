@@ -10,7 +10,10 @@ OpenAI routes, on loopback, with bounded request loops. Four measurements:
    cached_tokens covers the last turn's prompt and answer: only the replica that ran it
    holds that state) and their time to first token;
 3. one replica killed mid-run: every request ends complete or with a 503 (none lost or
-   hung), and output tokens/s each second, to see it recover when Ray replaces the replica.
+   hung), and output tokens/s each second, to see it recover when Ray replaces the replica;
+0. with --baseline, first the same throughput levels through plain `fastmamba serve` (one
+   engine, no Ray; a subprocess on loopback), and Ray's overhead at 1 replica against it
+   (the single-GPU measurement: `--replicas 1 --baseline --measures throughput`).
 
     python benchmarks/ray_serve.py --shape 2.8b --device cuda --dtype bfloat16 --replicas 2 --json ray.json
     python benchmarks/ray_serve.py --replicas 2 --streams 2 --prompt-tokens 32 --max-tokens 8 --chat 6x3  # CPU
@@ -135,6 +138,27 @@ def start_app(args, folder: str, replicas: int, routing: str, port: int) -> None
                     routing=routing, served_model_name="m"), name="fastmamba", route_prefix="/")
 
 
+def plain_server(args, folder: str, port: int):
+    """`fastmamba serve` on the same checkpoint and settings, without Ray: the subprocess,
+    once it answers /v1/models (at most 10 minutes: a large checkpoint loads and compiles)."""
+    import subprocess
+    import urllib.request
+
+    flags = ["--model", folder, "--device", args.device, "--dtype", args.dtype, "--port", str(port),
+             "--served-model-name", "m"] + (["--max-batch", str(args.max_batch)] if args.max_batch else [])
+    proc = subprocess.Popen([sys.executable, "-m", "fastmamba.cli", "serve", *flags])
+    for _ in range(1200):
+        if proc.poll() is not None:
+            raise SystemExit(f"fastmamba serve exited with {proc.returncode}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1)
+            return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("fastmamba serve did not answer in 10 minutes")
+
+
 def replica_actors() -> list:
     import ray
 
@@ -155,6 +179,8 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=None)
     ap.add_argument("--chat", default="100x4", help="CONVERSATIONSxTURNS")
     ap.add_argument("--chat-tokens", type=int, default=64, help="tokens an answer in the chat")
+    ap.add_argument("--baseline", action="store_true", help="first plain `fastmamba serve` at the same levels")
+    ap.add_argument("--measures", default="throughput,chat,kill", help="which of the runs, comma-separated")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -172,31 +198,51 @@ def main() -> None:
 
     folder = str(checkpoint_folder(folder))
     vocab = MambaConfig.from_file(Path(folder) / "config.json").vocab_size
-    gpus = args.replicas if args.device != "cpu" else 0
-    ray.init(num_gpus=gpus or None, num_cpus=max(4, args.replicas + 2), include_dashboard=False, logging_level="ERROR")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    url = f"http://127.0.0.1:{port}"
+    levels = [int(x) for x in args.streams.split(",")]
+    measures = set(args.measures.split(","))
     rows = []
 
     def emit(**row):
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    levels = [int(x) for x in args.streams.split(",")]
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    plain = {}
+    if args.baseline:  # 0. one engine without Ray, before Ray takes the GPUs
+        port = free_port()
+        proc = plain_server(args, folder, port)
+        try:
+            for streams in levels:
+                results, wall = asyncio.run(completions(f"http://127.0.0.1:{port}", streams, streams * args.requests,
+                                                        args.prompt_tokens, args.max_tokens, vocab, seed=streams))
+                plain[streams] = summary(results, wall)
+                emit(measure="throughput", server="fastmamba serve", replicas=1, streams=streams, **plain[streams])
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    gpus = args.replicas if args.device != "cpu" else 0
+    ray.init(num_gpus=gpus or None, num_cpus=max(4, args.replicas + 2), include_dashboard=False, logging_level="ERROR")
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    url = f"http://127.0.0.1:{port}"
     conversations, turns = (int(x) for x in args.chat.split("x"))
     try:
-        for replicas in sorted({1, args.replicas}):  # 1. throughput and TTFT, 1 replica and N
+        for replicas in sorted({1, args.replicas}) if "throughput" in measures else ():  # 1. 1 replica and N
             start_app(args, folder, replicas, "prefix", port)
             for per in levels:
                 streams = per * replicas
                 results, wall = asyncio.run(completions(url, streams, streams * args.requests, args.prompt_tokens,
                                                         args.max_tokens, vocab, seed=streams))
-                emit(measure="throughput", replicas=replicas, streams=streams, **summary(results, wall))
+                row = summary(results, wall)
+                if replicas == 1 and streams in plain:  # Ray's share: throughput lost against one plain engine
+                    row["ray_overhead"] = round(1 - row["tokens_per_s"] / plain[streams]["tokens_per_s"], 4)
+                emit(measure="throughput", server="ray serve", replicas=replicas, streams=streams, **row)
             serve.delete("fastmamba")
-        for routing in ("round-robin", "prefix"):  # 2. the chat, by routing (each run replaces the app)
+        for routing in ("round-robin", "prefix") if "chat" in measures else ():  # 2. the chat, by routing
             start_app(args, folder, args.replicas, routing, port)
             turns_rows = asyncio.run(chat(url, conversations, turns, args.chat_tokens))
             later = [r for r in turns_rows if r["turn"] > 0]
@@ -205,7 +251,11 @@ def main() -> None:
                  later_turns_resumed=round(sum(r["hit"] for r in later) / max(1, len(later)), 3),
                  later_ttft_p50_s=pct([r["ttft"] for r in later if r["ok"]], 0.5),
                  later_ttft_p99_s=pct([r["ttft"] for r in later if r["ok"]], 0.99))
+        if "kill" not in measures:
+            return
         # 3. a replica killed 2 s into a run at the first level's streams (the prefix app still up)
+        if "chat" not in measures:
+            start_app(args, folder, args.replicas, "prefix", port)
         streams = levels[0] * args.replicas
 
         async def kill_soon():
@@ -228,8 +278,8 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(command=" ".join(sys.argv), rows=rows), indent=2))
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(command=" ".join(sys.argv), rows=rows), indent=2))
 
 
 if __name__ == "__main__":
