@@ -14,6 +14,8 @@
 #     --no-deps --no-compile --target /tmp/site .ray/*.whl .whl/*.whl && export PYTHONPATH=/tmp/site:. || exit
 set -euo pipefail
 RAY_VERSION=${RAY_VERSION:-2.60.0}
+# the GPU image's grpcio: grpcio-reflection's generated code refuses a grpcio older than itself
+GRPC_VERSION=${GRPC_VERSION:-1.84.0}
 grep -qx "/.ray/" .git/info/exclude || echo "/.ray/" >> .git/info/exclude
 rm -rf .ray && mkdir -p .ray
 work=$(mktemp -d)
@@ -24,7 +26,7 @@ python3 -m pip download -q --no-deps "${platform[@]}" -d "$work" "ray==$RAY_VERS
 (cd "$work" && unzip -q ray-*.whl -d tree && rm -rf tree/ray/jars tree/ray/rllib)  # (unzip keeps the binaries executable)
 tar -cJf .ray/ray.tar.xz -C "$work/tree" .
 python3 -m pip download -q --no-deps "${platform[@]}" -d .ray jsonschema jsonschema-specifications referencing \
-  rpds-py grpcio-reflection
+  rpds-py "grpcio-reflection==$GRPC_VERSION"
 du -sh .ray
 echo "with the repository: $(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1) bytes tracked" \
      "+ $(du -sb .ray | cut -f1) in .ray + $(du -sb .whl 2>/dev/null | cut -f1 || echo 0) in .whl (limit 67108864)"
