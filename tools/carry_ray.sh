@@ -10,7 +10,7 @@
 # Here, in the repository's root (a machine with pip's index):
 #   bash tools/carry_ray.sh                 # writes .ray/ (git-ignored)
 # Then each device call names ".ray" (and ".whl") in carry and begins with:
-#   mkdir -p /tmp/site && tar -xJf .ray/ray.tar.xz -C /tmp/site && python3 -m pip install -q --no-index \
+#   rm -rf /tmp/site && mkdir -p /tmp/site && tar -xJf .ray/ray.tar.xz -C /tmp/site && python3 -m pip install -q --no-index \
 #     --no-deps --no-compile --target /tmp/site .ray/*.whl .whl/*.whl && export PYTHONPATH=/tmp/site:. || exit
 set -euo pipefail
 RAY_VERSION=${RAY_VERSION:-2.60.0}
