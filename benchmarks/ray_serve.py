@@ -24,6 +24,7 @@ tokenizer) for the replicas to load; without it and without --model, the bundled
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import socket
@@ -129,13 +130,15 @@ def summary(results, wall: float) -> dict:
                 ttft_p50_s=pct([r["ttft"] for r in ok], 0.5), ttft_p99_s=pct([r["ttft"] for r in ok], 0.99))
 
 
-def start_app(args, folder: str, replicas: int, routing: str, port: int) -> None:
+def start_app(args, folder: str, replicas: int, routing: str, port: int, interval: float | None = None) -> None:
     from ray import serve
 
     from fastmamba.deploy import build
 
+    interval = float(args.stream_intervals.split(",")[0]) if interval is None else interval
     serve.run(build(model=folder, replicas=replicas, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
-                    routing=routing, served_model_name="m"), name="fastmamba", route_prefix="/")
+                    routing=routing, served_model_name="m", stream_interval_ms=interval),
+              name="fastmamba", route_prefix="/")
 
 
 def plain_server(args, folder: str, port: int):
@@ -179,6 +182,8 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=None)
     ap.add_argument("--chat", default="100x4", help="CONVERSATIONSxTURNS")
     ap.add_argument("--chat-tokens", type=int, default=64, help="tokens an answer in the chat")
+    ap.add_argument("--stream-intervals", default="50",
+                    help="the replicas' stream_interval_ms: the throughput runs take each, the others the first")
     ap.add_argument("--baseline", action="store_true", help="first plain `fastmamba serve` at the same levels")
     ap.add_argument("--measures", default="throughput,chat,kill", help="which of the runs, comma-separated")
     ap.add_argument("--json")
@@ -231,8 +236,9 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     conversations, turns = (int(x) for x in args.chat.split("x"))
     try:
-        for replicas in sorted({1, args.replicas}) if "throughput" in measures else ():  # 1. 1 replica and N
-            start_app(args, folder, replicas, "prefix", port)
+        runs = itertools.product(sorted({1, args.replicas}), [float(x) for x in args.stream_intervals.split(",")])
+        for replicas, interval in runs if "throughput" in measures else ():  # 1. 1 replica and N
+            start_app(args, folder, replicas, "prefix", port, interval)
             for per in levels:
                 streams = per * replicas
                 results, wall = asyncio.run(completions(url, streams, streams * args.requests, args.prompt_tokens,
@@ -240,7 +246,8 @@ def main() -> None:
                 row = summary(results, wall)
                 if replicas == 1 and streams in plain:  # Ray's share: throughput lost against one plain engine
                     row["ray_overhead"] = round(1 - row["tokens_per_s"] / plain[streams]["tokens_per_s"], 4)
-                emit(measure="throughput", server="ray serve", replicas=replicas, streams=streams, **row)
+                emit(measure="throughput", server="ray serve", replicas=replicas, stream_interval_ms=interval,
+                     streams=streams, **row)
             serve.delete("fastmamba")
         for routing in ("round-robin", "prefix") if "chat" in measures else ():  # 2. the chat, by routing
             start_app(args, folder, args.replicas, routing, port)

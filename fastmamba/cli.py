@@ -72,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
                      "needs pip install 'fastmamba[ray]' (default: 0, one engine without Ray)")
     srv.add_argument("--autoscale", metavar="MIN:MAX",
                      help="with Ray Serve: between MIN and MAX replicas as the load asks (in place of --replicas)")
+    srv.add_argument("--stream-interval-ms", type=float, default=None,
+                     help="with Ray Serve: a replica sends each stream's new tokens on every this many ms, in "
+                     "one message (each message costs Ray a fixed time); 0 = each token at once (default: 50)")
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (not on /health)")
     srv.add_argument("--max-body-mb", type=float, default=8,
                      help="largest request body, MiB; a larger one gets a 413 before it is read (default: 8)")
@@ -106,6 +109,8 @@ def check_serve_flags(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.replicas < 0:
         raise ValueError(f"--replicas must be at least 0, got {args.replicas}")
+    if args.stream_interval_ms is not None and not 0 <= args.stream_interval_ms <= 10_000:
+        raise ValueError(f"--stream-interval-ms must be from 0 to 10000, got {args.stream_interval_ms}")
     if args.max_batch is not None and args.max_batch < 1:
         raise ValueError(f"--max-batch must be at least 1, got {args.max_batch}")
     if not 1 <= args.port <= 65535:

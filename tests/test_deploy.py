@@ -109,8 +109,9 @@ def test_the_command_lines_scale_settings(monkeypatch):
 
     built = {}
     monkeypatch.setattr(deploy, "build", lambda **kw: built.update(kw))
-    deploy.app({"model": "m", "replicas": "3", "max_batch": "8", "deterministic": "true"})
+    deploy.app({"model": "m", "replicas": "3", "max_batch": "8", "deterministic": "true", "stream_interval_ms": "20"})
     assert built["replicas"] == 3 and built["max_batch"] == 8 and built["deterministic"] is True
+    assert built["stream_interval_ms"] == 20.0
     built.clear()
     deploy.app({"autoscale": "1:4", "max_batch": "8"})
     assert built["autoscaling"] == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8}
@@ -124,3 +125,44 @@ def test_a_routing_policy_is_prefix_or_round_robin():
 
     with pytest.raises(ValueError, match="routing must be 'prefix' or 'round-robin'"):
         build(replicas=1, routing="random")
+
+
+def test_a_replica_sends_a_streams_tokens_in_lists_at_its_interval():
+    """EngineReplica.generate without Ray: the first output alone and at once, then what
+    came in each interval, every output once and in order, the end with the replica's stats."""
+    import asyncio
+
+    from fastmamba.deploy import EngineReplica
+
+    class Engine:  # outputs every 5 ms, as the engine's steps would give them
+        stats = {"steps": 1}
+        aborted = []
+
+        def submit(self, ids, params, top_logprobs, emit):
+            async def feed():
+                for k in range(30):
+                    await asyncio.sleep(0.005)
+                    emit((0, k, None, "length" if k == 29 else None, {} if k == 29 else None))
+            self.task = asyncio.get_running_loop().create_task(feed())
+            return 0
+
+        def abort(self, rid):
+            self.aborted.append(rid)
+
+    replica = object.__new__(EngineReplica)
+    replica.client, replica.name, replica.interval = Engine(), "r0", 0.04
+
+    async def run():
+        t0, got = time.monotonic(), []
+        async for batch in replica.generate(1, [1, 2], {}, None):
+            got.append((time.monotonic() - t0, batch))
+        return got
+
+    got = asyncio.run(run())
+    assert len(got[0][1]) == 1  # the first token goes on at once (waiting, it would have company)
+    assert [o[1] for _, b in got for o in b] == list(range(30))
+    assert 3 <= len(got) <= 12  # ~150 ms of tokens in lists 40 ms apart, not 30 messages
+    assert all(b - a >= 0.02 for (a, _), (b, _) in zip(got[1:], got[2:]))
+    end = got[-1][1][-1]
+    assert end[3] == "length" and end[4]["replica"] == "r0" and end[4]["stats"] == {"steps": 1}
+    assert replica.client.aborted == [0]  # (the request is let go once its stream ends)
