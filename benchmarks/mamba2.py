@@ -8,6 +8,7 @@ causal_conv1d: its conv steps take its PyTorch fallback). Put the source where P
 it (PYTHONPATH), e.g. the `mamba_ssm` folder of github.com/state-spaces/mamba.
 
     PYTHONPATH=.peer:. python benchmarks/mamba2.py --models mamba2-130m,mamba2-2.7b,codestral-7b --json m2.json
+    python benchmarks/mamba2.py --plans --batches 1,8,32,128   # the decode plans' products, ours alone
 """
 
 import argparse
@@ -70,6 +71,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--models", default="mamba2-130m,mamba2-2.7b,codestral-7b")
     ap.add_argument("--batches", default="1,128")
+    ap.add_argument("--plans", action="store_true",
+                    help="only our decode at each batch under both Mamba-2 plans (cuBLAS or Triton products)")
     ap.add_argument("--json")
     args = ap.parse_args()
     bw = copy_bandwidth()
@@ -80,7 +83,9 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    for size in args.models.split(","):
+    for size in args.models.split(",") if args.plans else ():
+        plan_rows(size, [int(b) for b in args.batches.split(",")], bw, emit)
+    for size in args.models.split(",") if not args.plans else ():
         dtype = torch.bfloat16
         c = SHAPES[size]
         for state_dtype in (torch.float32, torch.bfloat16):
@@ -112,6 +117,19 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=2))
+
+
+def plan_rows(size: str, batches: list[int], bw: float, emit) -> None:
+    """ms a graph-replayed step under each Mamba-2 decode plan: the layer over the GPU ops
+    with cuBLAS products, or with the batch-invariant Triton products (invariant_gemm)."""
+    from fastmamba.decode_plan import LAYER_OPS, LAYER_OPS_DETERMINISTIC
+
+    model = random_model(size, torch.bfloat16)
+    for batch in batches:
+        floor = sum(step_bytes(model, batch)) / bw * 1e3
+        ms = {plan.family: time_graph_steps(model, batch, plan=plan) for plan in (LAYER_OPS, LAYER_OPS_DETERMINISTIC)}
+        emit(model=size, batch=batch, floor_ms=round(floor, 3), **{k: round(v, 3) for k, v in ms.items()})
+    torch.cuda.empty_cache()
 
 
 def scan_rows(size: str, c, emit) -> None:
