@@ -188,8 +188,14 @@ def route_for(d_model: int, dtype: torch.dtype, batch: int, deterministic: bool 
     raise ValueError(f"no decode route for d_model {d_model}, {dtype}, batch {batch}")
 
 
-# Mamba-2 layers at every batch size: cuBLAS products (or, deterministic, invariant_gemm's)
-LAYER_OPS = DecodePlan("layer-ops", cublas=ALL, pdl=False, reason="Mamba-2: the layer over the GPU ops, cuBLAS products")
+# Mamba-2 layers at every batch size: cuBLAS products (or, deterministic, invariant_gemm's).
+# cuBLAS's win or tie at every batch measured (H200 bf16, ms a step, cuBLAS / Triton: 2.7b
+# batch 1 2.821 / 2.991, 32 5.954 / 6.227, 128 14.83 / 16.43; 130m batch 1 0.589 / 0.572),
+# so there is no batch range to route by yet. A bf16 state (opt-in) saves 1.5-1.6x at batch
+# 128 and nothing at batch 1: benchmarks/RESULTS.md, "Mamba-2".
+LAYER_OPS = DecodePlan("layer-ops", cublas=ALL, pdl=False,
+                       reason="Mamba-2: the layer over the GPU ops, cuBLAS products "
+                       "(2.7b batch 128: 14.83 ms against 16.43)")
 LAYER_OPS_DETERMINISTIC = DecodePlan("layer-ops", pdl=False, reason="Mamba-2, deterministic: invariant_gemm's products")
 
 
