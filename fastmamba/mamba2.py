@@ -90,17 +90,17 @@ def mixer2(config, lw: Mamba2LayerWeights, u: torch.Tensor, conv_state, ssm_stat
            resets=None) -> torch.Tensor:
     """One Mamba-2 layer's mixer over T new tokens, continuing from and updating the layer's
     state: u (B, T, d) -> (B, T, d) f32, through `ops` (model.Ops: the pure-PyTorch twins,
-    or cuBLAS and the Triton kernels). start (B,): left padding."""
-    if resets is not None:
-        raise ValueError("Mamba-2 layers take no resets")
+    or cuBLAS and the Triton kernels). start (B,): left padding; resets (B, T) bool: the row's
+    conv and ssm states are zero before step t (an episode's or a packed sequence's start)."""
     c = config
     E, N, G, H, P = c.d_inner, c.d_state, c.n_groups, c.n_heads, c.head_dim
     zxbcdt = ops.linear(u, lw.in_proj_w, lw.in_proj_b)  # (B, T, 2E + 2GN + H) float32
     z, xbc, dt = zxbcdt.split([E, E + 2 * G * N, H], dim=-1)
     # the conv's output (x, B, C) in the products' dtype on the GPU path (the scan's operands)
-    xbc = ops.conv(xbc.transpose(1, 2), lw.conv_w, lw.conv_b, conv_state, start, lw.in_proj_w.dtype).transpose(1, 2)
+    xbc = ops.conv(xbc.transpose(1, 2), lw.conv_w, lw.conv_b, conv_state, start, lw.in_proj_w.dtype,
+                   resets=resets).transpose(1, 2)
     x, Bm, Cm = xbc.split([E, G * N, G * N], dim=-1)
     y = ops.ssd(x.unflatten(-1, (H, P)), dt, lw.dt_bias, c.dt_limit, lw.A, Bm.unflatten(-1, (G, N)),
-                Cm.unflatten(-1, (G, N)), lw.D, ssm_state, c.chunk_size, start)  # (B, T, H, P)
+                Cm.unflatten(-1, (G, N)), lw.D, ssm_state, c.chunk_size, start, resets)  # (B, T, H, P)
     y = ops.gated_norm(y.flatten(-2), z, lw.gate_norm_w, G, c.norm_eps, c.norm_before_gate, lw.out_proj_w.dtype)
     return ops.linear(y, lw.out_proj_w, lw.out_proj_b)

@@ -227,18 +227,58 @@ def test_the_step_kernel_equals_its_twin(G, H, P, N, state_dtype, limit):
     assert not torch.equal(ours.float(), state.float())
 
 
-@pytest.mark.parametrize("T,G,H,P,N,dtype,start", [
-    (9, 2, 4, 16, 16, "float32", None),  # one short chunk
-    (700, 2, 4, 8, 12, "float32", [0, 37]),  # three chunks, the last partial; left padding; P, N below a tile
-    (300, 1, 2, 16, 16, "bfloat16", None),  # 16-bit operands
+def reset_flags(B: int, T: int, at) -> torch.Tensor:
+    """(B, T) bool: resets at the positions `at` of each row (row b's shifted by b)."""
+    resets = torch.zeros(B, T, dtype=torch.bool)
+    for b in range(B):
+        for t in at:
+            resets[b, min(T - 1, t + b)] = True
+    return resets
+
+
+@pytest.mark.parametrize("chunk", [4, 7, 64])
+def test_the_reference_scan_with_resets_equals_the_recurrence(chunk):
+    """ssd_scan_ref's chunked form against the plain recurrence, step by step, where a reset
+    zeroes the state before its step: resets at the first step, on and inside chunk
+    boundaries, twice in one chunk, and at the last step."""
+    from fastmamba.kernels.ssd import ssd_scan_ref, step_sizes_ref
+
+    g = torch.Generator().manual_seed(chunk)
+    B, T, G, H, P, N = 2, 23, 2, 4, 3, 5
+    x, dt = torch.randn(B, T, H, P, generator=g), torch.randn(B, T, H, generator=g)
+    Bm, Cm = torch.randn(B, T, G, N, generator=g), torch.randn(B, T, G, N, generator=g)
+    dt_bias, D, A = 0.3 * torch.randn(H, generator=g), torch.randn(H, generator=g), -torch.rand(H, generator=g) - 0.3
+    state = torch.randn(B, H, P, N, generator=g)
+    resets = reset_flags(B, T, [0, 4, 8, 9, 14, 22])
+    got_state = state.clone()
+    got = ssd_scan_ref(x, dt, dt_bias, (0.0, float("inf")), A, Bm, Cm, D, got_state, chunk, resets=resets)
+    delta = step_sizes_ref(dt, dt_bias, (0.0, float("inf")))
+    s, want = state.clone(), []
+    for t in range(T):
+        s = s * ~resets[:, t, None, None, None]
+        Bh, Ch = (v[:, t].repeat_interleave(H // G, dim=1) for v in (Bm, Cm))  # (B, H, N)
+        s = s * torch.exp(delta[:, t] * A)[..., None, None] + (delta[:, t, :, None] * x[:, t])[..., None] * Bh[:, :, None]
+        want.append((s * Ch[:, :, None]).sum(-1) + D[:, None] * x[:, t])
+    assert relative_error(got, torch.stack(want, 1)) < 1e-5
+    assert relative_error(got_state, s) < 1e-5
+
+
+@pytest.mark.parametrize("T,G,H,P,N,dtype,start,resets", [
+    (9, 2, 4, 16, 16, "float32", None, None),  # one short chunk
+    (700, 2, 4, 8, 12, "float32", [0, 37], None),  # three chunks, the last partial; left padding; P, N below a tile
+    (300, 1, 2, 16, 16, "bfloat16", None, None),  # 16-bit operands
+    (600, 2, 4, 8, 12, "float32", None, [0, 100, 255, 256, 300, 310, 599]),  # resets: first step, a chunk's
+    # last and first, two in a chunk, the last step
+    (40, 1, 2, 16, 16, "float32", [0, 5], [3, 20]),  # resets and left padding in one short chunk
+    (1, 2, 4, 16, 16, "float32", None, [0]),  # a one-step pass that resets: the chunked kernels, not the step's
 ])
-def test_the_chunked_scan_kernels_equal_their_twin(T, G, H, P, N, dtype, start):
+def test_the_chunked_scan_kernels_equal_their_twin(T, G, H, P, N, dtype, start, resets):
     pytest.importorskip("triton")
     from fastmamba.kernels.ssd import ssd_scan, ssd_scan_ref
 
     g = torch.Generator().manual_seed(T)
     r = lambda *s: torch.randn(*s, generator=g).to(DEVICE)  # noqa: E731
-    B = 2 if start else 1
+    B = 2 if start or resets else 1
     buf = r(B, T, H * P + 2 * G * N).to(getattr(torch, dtype))  # x, B, C side by side, as the conv writes them
     x = buf[..., :H * P].unflatten(-1, (H, P))
     Bm, Cm = (buf[..., H * P + k * G * N:H * P + (k + 1) * G * N].unflatten(-1, (G, N)) for k in (0, 1))
@@ -246,10 +286,38 @@ def test_the_chunked_scan_kernels_equal_their_twin(T, G, H, P, N, dtype, start):
     state = r(B, H, P, N)
     ours, ref = state.clone(), state.clone()
     start = torch.tensor(start, dtype=torch.int32, device=DEVICE) if start else None
-    y = ssd_scan(x, dt, dt_bias, (0.0, float("inf")), A, Bm, Cm, D, ours, 8, start)
-    y_ref = ssd_scan_ref(x, dt, dt_bias, (0.0, float("inf")), A, Bm, Cm, D, ref, 8, start)
+    resets = reset_flags(B, T, resets).to(DEVICE) if resets else None
+    y = ssd_scan(x, dt, dt_bias, (0.0, float("inf")), A, Bm, Cm, D, ours, 8, start, resets)
+    y_ref = ssd_scan_ref(x, dt, dt_bias, (0.0, float("inf")), A, Bm, Cm, D, ref, 8, start, resets)
     tol = 1e-2 if dtype == "bfloat16" else (1e-5 if DEVICE == "cpu" else 1e-4)
     assert relative_error(y, y_ref) < tol and relative_error(ours, ref) < tol
+
+
+@pytest.mark.parametrize("gpu_ops", [False, True])
+def test_a_layer_with_resets_runs_each_segment_from_a_zero_state(tmp_path, gpu_ops):
+    """mixer2 over a sequence with resets equals the layer over each segment alone, from zero
+    conv and ssm states (the reference ops, and the GPU ops: the Triton conv and SSD)."""
+    if gpu_ops:
+        pytest.importorskip("triton")
+    from fastmamba.mamba2 import mixer2
+    from fastmamba.model import REFERENCE_OPS, triton_ops
+
+    folder, _ = save_mamba2(tmp_path / "m", n_groups=2)
+    model = fastmamba.load(folder, device=DEVICE).model
+    ops = triton_ops() if gpu_ops else REFERENCE_OPS
+    c, lw = model.config, model.weights.layers[1]
+    T, cuts = 30, [0, 9, 10, 24]  # a reset at the first step, chunks of 8: on and inside their edges
+    u = torch.randn(1, T, c.d_model, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    resets = torch.zeros(1, T, dtype=torch.bool, device=DEVICE)
+    resets[0, cuts] = True
+    state = model.new_state(1)
+    state.conv.normal_(), state.ssm.normal_()  # (the first reset must discard them)
+    got = mixer2(c, lw, u, state.conv[1], state.ssm[1], ops, resets=resets)
+    for a, b in zip(cuts, cuts[1:] + [T]):
+        alone = model.new_state(1)
+        want = mixer2(c, lw, u[:, a:b], alone.conv[1], alone.ssm[1], ops)
+        assert relative_error(got[:, a:b], want) < 1e-4
+    assert relative_error(state.ssm[1], alone.ssm[1]) < 1e-4 and relative_error(state.conv[1], alone.conv[1]) < 1e-4
 
 
 @pytest.mark.parametrize("groups,before,out_dtype", [(1, False, "float32"), (4, False, "bfloat16"), (2, True, "float32")])

@@ -21,6 +21,7 @@ Run it without TRITON_INTERPRET:
     python tools/compile_kernels.py [--loops] [--conversions] [--mix]
 """
 import collections
+import itertools
 import os
 import re
 import subprocess
@@ -258,17 +259,20 @@ def main() -> None:
     # Mamba-2 at mamba2-2.7b's shapes: the decode step's scan, the gated norm
     t = ptrs("x_ptr", "B_ptr", "C_ptr", "dt_ptr", "dtb_ptr", "A_ptr", "D_ptr", "st_ptr", "y_ptr", dt_min="fp32", dt_max="fp32")
     for state in ("*fp32", "*bf16"):
-        compile_kernel(sd._ssd_step_kernel, {**t, "st_ptr": state}, dict(H=80, P=64, N=128, BP=sd.SSD_STEP_BP, NP=128))
+        compile_kernel(sd._ssd_step_kernel, {**t, "st_ptr": state}, dict(H=80, P=64, N=128, BP=sd.SSD_STEP_BP, NP=128),
+                       num_warps=sd.SSD_STEP_WARPS)
     compile_kernel(gn._gated_rmsnorm_kernel, ptrs("y_ptr", "z_ptr", "w_ptr", out_ptr="*bf16", eps="fp32"),
                    dict(GS=5120, BG=8192, NORM_BEFORE_GATE=False), num_warps=16)
-    # the chunked SSD, bf16 operands (the conv's output) and float32 (three TF32 passes)
-    for xdt in ("*bf16", "*fp32"):
-        dims = dict(H=80, P=64, N=128, Q=sd.SSD_CHUNK, NP=128, F32=xdt == "*fp32")
-        t = ptrs("dt_ptr", "cum_ptr", "st_ptr", "D_ptr", "y_ptr", x_ptr=xdt, B_ptr=xdt, C_ptr=xdt)
+    # the chunked SSD, bf16 operands (the conv's output) and float32 (three TF32 passes), with
+    # and without resets
+    for xdt, resets in itertools.product(("*bf16", "*fp32"), (False, True)):
+        dims = dict(H=80, P=64, N=128, Q=sd.SSD_CHUNK, NP=128, F32=xdt == "*fp32", RESETS=resets)
+        t = ptrs("dt_ptr", "cum_ptr", "st_ptr", "D_ptr", "y_ptr", x_ptr=xdt, B_ptr=xdt, C_ptr=xdt, first_ptr="*i32")
         compile_kernel(sd._ssd_chunk_state_kernel, t, dict(BS=sd.SSD_BS, BP=sd.SSD_STATE_BP, **dims))
         compile_kernel(sd._ssd_chunk_scan_kernel, t, dict(BT=sd.SSD_BT, BS=sd.SSD_BS, BP=64, **dims))
-    compile_kernel(sd._ssd_state_passing_kernel, ptrs("st_ptr", "layer_ptr", "cum_ptr"),
-                   dict(H=80, PN=64 * 128, Q=sd.SSD_CHUNK, BL=sd.SSD_PASS_BL))
+    for resets in (False, True):
+        compile_kernel(sd._ssd_state_passing_kernel, ptrs("st_ptr", "layer_ptr", "cum_ptr", first_ptr="*i32"),
+                       dict(H=80, PN=64 * 128, Q=sd.SSD_CHUNK, BL=sd.SSD_PASS_BL, RESETS=resets))
     res.append("mamba2 step + gated norm + chunked scan: ok")
     t = ptrs("logits_ptr", "pen_ptr", "temp_ptr", "s_ptr", "smax_ptr", seen_ptr="*i1", best_ptr="*i64")
     compile_kernel(sp._scale_kernel, t, dict(BV=sp.BV))

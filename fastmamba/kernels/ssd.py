@@ -13,6 +13,10 @@ chunk, a scan across chunks. `ssd_scan` is the Triton engine's:
   state), and each chunk's outputs (`_ssd_chunk_scan_kernel`: the masked C B^T product
   within the chunk, plus C times the state it starts from). The step sizes' running sums
   inside each chunk come from torch (a (B, T, H) cumsum).
+Resets (B, T) (the state is zero before step t: an episode's or a packed sequence's start)
+enter the chunked kernels as each step's latest reset (causal_conv1d.segment_starts), a
+constexpr branch each: a term from step s reaches step t only where both name the same
+reset. A pass with resets takes the chunked kernels, even at one step.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ import torch.nn.functional as F
 
 from ._triton import jit, tl, triton
 from .activations import softplus
+from .causal_conv1d import segment_starts
 from .products import tensor_dot
 
 
 def ssd_ref(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
-            D: torch.Tensor, state: torch.Tensor, chunk: int) -> torch.Tensor:
+            D: torch.Tensor, state: torch.Tensor, chunk: int, resets: torch.Tensor | None = None) -> torch.Tensor:
     """The Mamba-2 scan over T steps in chunks of `chunk`, from and into `state`.
 
     x (B, T, H, P), dt (B, T, H) (after softplus), A (H,), Bm and Cm (B, T, G, N), D (H,),
@@ -35,12 +40,17 @@ def ssd_ref(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor
     and S_t their running sum from the chunk's start,
       y_t = sum_{s<=t} exp(S_t - S_s) (C_t . B_s) dt_s x_s  +  exp(S_t) C_t . state_in
     and state_out = exp(S_last) state_in + sum_s exp(S_last - S_s) dt_s x_s (outer) B_s.
-    (S_t - S_s <= 0 wherever it is used, so no exp overflows.)"""
+    (S_t - S_s <= 0 wherever it is used, so no exp overflows.)
+    resets (B, T) bool: the row's state is zero before step t. A term from step s (or from
+    state_in) then reaches step t only if no reset lies in (s, t] (in [chunk start, t]):
+    each step's latest reset (segment_starts) is the same for s and t (before the chunk
+    for state_in)."""
     Bsz, T, H, P = x.shape
     G = Bm.shape[2]
     Bh = Bm.float().repeat_interleave(H // G, dim=2)  # (B, T, H, N): head h reads group h // (H / G)
     Ch = Cm.float().repeat_interleave(H // G, dim=2)
     x, dt = x.float(), dt.float()
+    first = None if resets is None else segment_starts(resets, 0)  # (B, T): the latest reset, -1 before any
     s = state.float()  # (B, H, P, N)
     ys = []
     for t0 in range(0, T, chunk):
@@ -48,15 +58,20 @@ def ssd_ref(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor
         Q = xs.shape[1]
         S = torch.cumsum(dts * A, dim=1)  # (B, Q, H)
         diff = S[:, :, None, :] - S[:, None, :, :]  # (B, Q_t, Q_s, H): S_t - S_s
-        causal = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()[None, :, :, None]
-        decay = torch.exp(diff.masked_fill(~causal, float("-inf")))  # (B, Qt, Qs, H), 0 above the diagonal
+        reach = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()[None, :, :, None]  # s <= t
+        state_in = torch.exp(S)  # (B, Q, H): state_in's decay to each step
+        end = torch.exp(S[:, -1:] - S) * dts  # (B, Q, H): each step's input's weight in the end state
+        if first is not None:
+            f = first[:, t0 : t0 + chunk]  # (B, Q)
+            reach = reach & (f[:, :, None] == f[:, None, :])[..., None]
+            state_in = state_in * (f < t0)[..., None]
+            end = end * (f == f[:, -1:])[..., None]
+        decay = torch.exp(diff.masked_fill(~reach, float("-inf")))  # (B, Qt, Qs, H), 0 where s does not reach t
         scores = torch.einsum("bthn,bshn->btsh", Cs, Bs) * decay  # (B, Qt, Qs, H)
         y = torch.einsum("btsh,bshp->bthp", scores, xs * dts[..., None])  # within the chunk
-        y = y + torch.einsum("bthn,bhpn->bthp", Cs, s) * torch.exp(S)[..., None]  # from the state coming in
+        y = y + torch.einsum("bthn,bhpn->bthp", Cs, s) * state_in[..., None]  # from the state coming in
         ys.append(y)
-        last = S[:, -1:, :]  # (B, 1, H)
-        weights = torch.exp(last - S) * dts  # (B, Q, H)
-        s = s * torch.exp(last[:, 0])[:, :, None, None] + torch.einsum("bsh,bshp,bshn->bhpn", weights, xs, Bs)
+        s = s * state_in[:, -1, :, None, None] + torch.einsum("bsh,bshp,bshn->bhpn", end, xs, Bs)
     state.copy_(s)
     return torch.cat(ys, dim=1) + x * D[:, None]
 
@@ -70,10 +85,11 @@ def step_sizes_ref(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[floa
     return dt
 
 
-def ssd_scan_ref(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=None) -> torch.Tensor:
+def ssd_scan_ref(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=None, resets=None) -> torch.Tensor:
     """The layer's scan from in_proj's raw step sizes: x (B, T, H, P), dt (B, T, H) raw,
-    Bm and Cm (B, T, G, N), state (B, H, P, N) updated in place; y (B, T, H, P) float32."""
-    return ssd_ref(x, step_sizes_ref(dt, dt_bias, dt_limit, start), A, Bm, Cm, D, state, chunk)
+    Bm and Cm (B, T, G, N), state (B, H, P, N) updated in place; y (B, T, H, P) float32.
+    start (B,): left padding; resets (B, T) bool: the state is zero before step t."""
+    return ssd_ref(x, step_sizes_ref(dt, dt_bias, dt_limit, start), A, Bm, Cm, D, state, chunk, resets)
 
 
 @jit
@@ -115,13 +131,14 @@ SSD_STEP_WARPS = 1
 
 @jit
 def _ssd_chunk_state_kernel(
-    x_ptr, sxb, sxt, B_ptr, sbb, sbt, dt_ptr, cum_ptr, st_ptr, T, n_chunks, heads_per_group,
+    x_ptr, sxb, sxt, B_ptr, sbb, sbt, dt_ptr, cum_ptr, first_ptr, st_ptr, T, n_chunks, heads_per_group,
     H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, Q: tl.constexpr, BS: tl.constexpr, BP: tl.constexpr,
-    NP: tl.constexpr, F32: tl.constexpr,
+    NP: tl.constexpr, F32: tl.constexpr, RESETS: tl.constexpr,
 ):
     # One program: row b, chunk c, head h, BP channels: the chunk's end state from a zero
     # start, sum_s exp(cum_last - cum_s) dt_s x_s (outer) B_s, as (x^T) (w B) in blocks of
-    # BS steps; into states (B, chunks, H, P, N) float32.
+    # BS steps; into states (B, chunks, H, P, N) float32. With RESETS only the steps after
+    # the chunk's last reset count (first: each step's latest reset, see ssd_ref).
     b64 = (tl.program_id(0) // n_chunks).to(tl.int64)
     c = tl.program_id(0) % n_chunks
     h = tl.program_id(1)
@@ -130,12 +147,16 @@ def _ssd_chunk_state_kernel(
     g = h // heads_per_group
     cum_row = cum_ptr + (b64 * n_chunks + c) * Q * H + h  # (B, chunks, Q, H)
     last = tl.load(cum_row + (Q - 1) * H)
+    if RESETS:
+        first_last = tl.load(first_ptr + b64 * T + tl.minimum(c * Q + Q - 1, T - 1))
     acc = tl.zeros([BP, NP], dtype=tl.float32)
     for s0 in range(0, Q, BS):
         q = s0 + tl.arange(0, BS)
         t = c * Q + q
         tm = t < T
         w = tl.load(dt_ptr + (b64 * T + t) * H + h, mask=tm, other=0.0) * tl.exp(last - tl.load(cum_row + q * H))
+        if RESETS:
+            w = tl.where(tl.load(first_ptr + b64 * T + t, mask=tm, other=-1) == first_last, w, 0.0)
         xs = tl.load(x_ptr + b64 * sxb + t[None, :] * sxt + h * P + p[:, None], mask=tm[None, :] & (p < P)[:, None],
                      other=0.0)  # (BP, BS)
         Bs = tl.load(B_ptr + b64 * sbb + t[:, None] * sbt + g * N + n[None, :], mask=tm[:, None] & (n < N)[None, :],
@@ -147,13 +168,15 @@ def _ssd_chunk_state_kernel(
 
 @jit
 def _ssd_state_passing_kernel(
-    st_ptr, layer_ptr, cum_ptr, n_chunks, H: tl.constexpr, PN: tl.constexpr, Q: tl.constexpr, BL: tl.constexpr,
+    st_ptr, layer_ptr, cum_ptr, first_ptr, T, n_chunks, H: tl.constexpr, PN: tl.constexpr, Q: tl.constexpr,
+    BL: tl.constexpr, RESETS: tl.constexpr,
 ):
     # One program: row b, head h, BL of the P x N state's elements. Walks the chunks in
     # order: each chunk's slot gets the state it starts from (its own end state read
-    # first), then s = exp(sum of the chunk's dt A) s + that end state. The layer's state
-    # is read in its dtype and written back once, rounded, after the last chunk. The
-    # element blocks vary fastest (the step kernel's reason).
+    # first), then s = exp(sum of the chunk's dt A) s + that end state (with RESETS: just
+    # the end state after a chunk with a reset in it). The layer's state is read in its
+    # dtype and written back once, rounded, after the last chunk. The element blocks vary
+    # fastest (the step kernel's reason).
     k = tl.program_id(0) * BL + tl.arange(0, BL)
     h = tl.program_id(1)
     b64 = tl.program_id(2).to(tl.int64)
@@ -164,20 +187,24 @@ def _ssd_state_passing_kernel(
         slot = st_ptr + ((b64 * n_chunks + c) * H + h) * PN + k
         own = tl.load(slot, mask=km, other=0.0)
         tl.store(slot, s, mask=km)
-        s = s * tl.exp(tl.load(cum_ptr + ((b64 * n_chunks + c) * Q + Q - 1) * H + h)) + own
+        s = s * tl.exp(tl.load(cum_ptr + ((b64 * n_chunks + c) * Q + Q - 1) * H + h))
+        if RESETS:
+            s = tl.where(tl.load(first_ptr + b64 * T + tl.minimum(c * Q + Q - 1, T - 1)) < c * Q, s, 0.0)
+        s = s + own
     tl.store(lp, s.to(layer_ptr.dtype.element_ty), mask=km)
 
 
 @jit
 def _ssd_chunk_scan_kernel(
-    x_ptr, sxb, sxt, B_ptr, C_ptr, sbb, sbt, dt_ptr, cum_ptr, st_ptr, D_ptr, y_ptr, T, n_chunks, heads_per_group,
-    H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, Q: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-    BP: tl.constexpr, NP: tl.constexpr, F32: tl.constexpr,
+    x_ptr, sxb, sxt, B_ptr, C_ptr, sbb, sbt, dt_ptr, cum_ptr, first_ptr, st_ptr, D_ptr, y_ptr, T, n_chunks,
+    heads_per_group, H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, Q: tl.constexpr, BT: tl.constexpr,
+    BS: tl.constexpr, BP: tl.constexpr, NP: tl.constexpr, F32: tl.constexpr, RESETS: tl.constexpr,
 ):
     # One program: row b, chunk c, head h, BT of the chunk's steps, all P channels:
     #   y_t = exp(cum_t) C_t . s_start + sum_{s <= t} exp(cum_t - cum_s) (C_t . B_s) dt_s x_s + D x_t
     # the first from the state the chunk starts from (states, after the passing kernel),
-    # the sum in blocks of BS steps up to the diagonal block.
+    # the sum in blocks of BS steps up to the diagonal block. With RESETS a term reaches t
+    # only from the steps since t's latest reset (s_start only if it lies before the chunk).
     b64 = (tl.program_id(0) // n_chunks).to(tl.int64)
     c = tl.program_id(0) % n_chunks
     h = tl.program_id(1)
@@ -193,7 +220,11 @@ def _ssd_chunk_scan_kernel(
     Ct = tl.load(C_ptr + b64 * sbb + t[:, None] * sbt + g * N + n[None, :], mask=tm[:, None] & nm[None, :], other=0.0)
     s0 = tl.load(st_ptr + (((b64 * n_chunks + c) * H + h) * P + p[None, :]) * N + n[:, None],
                  mask=pm[None, :] & nm[:, None], other=0.0)  # (NP, BP): the start state, transposed
-    acc = tensor_dot(Ct, s0.to(Ct.dtype), tl.zeros([BT, BP], dtype=tl.float32), F32) * tl.exp(cum_t)[:, None]
+    from_start = tl.exp(cum_t)
+    if RESETS:
+        first_t = tl.load(first_ptr + b64 * T + t, mask=tm, other=-1)
+        from_start = tl.where(first_t < c * Q, from_start, 0.0)
+    acc = tensor_dot(Ct, s0.to(Ct.dtype), tl.zeros([BT, BP], dtype=tl.float32), F32) * from_start[:, None]
     for k0 in range(0, (tl.program_id(2) + 1) * BT, BS):
         qs = k0 + tl.arange(0, BS)
         s = c * Q + qs
@@ -203,7 +234,10 @@ def _ssd_chunk_scan_kernel(
         cb = tensor_dot(Ct, Bs, tl.zeros([BT, BS], dtype=tl.float32), F32)
         decay = tl.exp(tl.minimum(cum_t[:, None] - tl.load(cum_row + qs * H)[None, :], 0.0))
         dts = tl.load(dt_ptr + (b64 * T + s) * H + h, mask=sm, other=0.0)
-        m = tl.where(qs[None, :] <= qt[:, None], cb * decay * dts[None, :], 0.0)
+        reach = qs[None, :] <= qt[:, None]
+        if RESETS:
+            reach = reach & (tl.load(first_ptr + b64 * T + s, mask=sm, other=-2)[None, :] == first_t[:, None])
+        m = tl.where(reach, cb * decay * dts[None, :], 0.0)
         xs = tl.load(x_ptr + b64 * sxb + s[:, None] * sxt + h * P + p[None, :], mask=sm[:, None] & pm[None, :], other=0.0)
         acc = tensor_dot(m.to(xs.dtype), xs, acc, F32)
     xt = tl.load(x_ptr + b64 * sxb + t[:, None] * sxt + h * P + p[None, :], mask=tm[:, None] & pm[None, :], other=0.0)
@@ -221,7 +255,7 @@ SSD_STATE_BP = 64
 SSD_PASS_BL = 1024
 
 
-def ssd_scan(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=None) -> torch.Tensor:
+def ssd_scan(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=None, resets=None) -> torch.Tensor:
     """Triton twin of `ssd_scan_ref` (the same arguments; x, dt, Bm, Cm may be views with
     their heads' and groups' channels contiguous, in float32 or 16-bit: float32 operands
     take the products in three TF32 passes). The chunks are SSD_CHUNK steps whatever
@@ -232,9 +266,9 @@ def ssd_scan(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=No
     # (a time axis of one step may carry any stride: torch ignores a size-1 axis's stride)
     rows_whole = T == 1 or not (x.stride(0) % x.stride(1) or Bm.stride(0) % Bm.stride(1))
     if not even or not rows_whole:
-        return ssd_scan_ref(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk, start)
+        return ssd_scan_ref(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk, start, resets)
     assert state.is_contiguous()
-    if T == 1 and start is None and dt.stride(-1) == 1:
+    if T == 1 and start is None and resets is None and dt.stride(-1) == 1:
         y = torch.empty(Bsz, 1, H, P, device=x.device, dtype=torch.float32)
         BP = min(SSD_STEP_BP, triton.next_power_of_2(P))
         _ssd_step_kernel[(triton.cdiv(P, BP), H, Bsz)](
@@ -250,19 +284,22 @@ def ssd_scan(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=No
     states = torch.empty(Bsz, n_chunks, H, P, N, device=x.device, dtype=torch.float32)
     y = torch.empty(Bsz, T, H, P, device=x.device, dtype=torch.float32)
     f32 = x.dtype == torch.float32
+    # each step's latest reset (B, T) int32 (unread without resets: any tensor stands in)
+    first = segment_starts(resets, 0).to(torch.int32).contiguous() if resets is not None else cum
     BP, NP = max(16, triton.next_power_of_2(P)), max(16, triton.next_power_of_2(N))
     BS = min(SSD_BS, Q)
-    common = dict(H=H, P=P, N=N, Q=Q, NP=NP, F32=f32)
+    common = dict(H=H, P=P, N=N, Q=Q, NP=NP, F32=f32, RESETS=resets is not None)
     _ssd_chunk_state_kernel[(Bsz * n_chunks, H, triton.cdiv(P, min(BP, SSD_STATE_BP)))](
-        x, x.stride(0), x.stride(1), Bm, Bm.stride(0), Bm.stride(1), dt, cum, states, T, n_chunks, H // G,
+        x, x.stride(0), x.stride(1), Bm, Bm.stride(0), Bm.stride(1), dt, cum, first, states, T, n_chunks, H // G,
         BS=BS, BP=min(BP, SSD_STATE_BP), **common, num_warps=4,
     )
     _ssd_state_passing_kernel[(triton.cdiv(P * N, SSD_PASS_BL), H, Bsz)](
-        states, state, cum, n_chunks, H=H, PN=P * N, Q=Q, BL=SSD_PASS_BL, num_warps=4,
+        states, state, cum, first, T, n_chunks, H=H, PN=P * N, Q=Q, BL=SSD_PASS_BL, RESETS=resets is not None,
+        num_warps=4,
     )
     BT = min(SSD_BT, Q)
     _ssd_chunk_scan_kernel[(Bsz * n_chunks, H, Q // BT)](
-        x, x.stride(0), x.stride(1), Bm, Cm, Bm.stride(0), Bm.stride(1), dt, cum, states, D, y, T, n_chunks, H // G,
-        BT=BT, BS=BS, BP=BP, **common, num_warps=4,
+        x, x.stride(0), x.stride(1), Bm, Cm, Bm.stride(0), Bm.stride(1), dt, cum, first, states, D, y, T, n_chunks,
+        H // G, BT=BT, BS=BS, BP=BP, **common, num_warps=4,
     )
     return y
