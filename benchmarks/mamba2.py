@@ -9,6 +9,7 @@ it (PYTHONPATH), e.g. the `mamba_ssm` folder of github.com/state-spaces/mamba.
 
     PYTHONPATH=.peer:. python benchmarks/mamba2.py --models mamba2-130m,mamba2-2.7b,codestral-7b --json m2.json
     python benchmarks/mamba2.py --plans --batches 1,8,32,128   # the decode plans' products, ours alone
+    PYTHONPATH=.peer:. python benchmarks/mamba2.py --scan-kernels  # where the scan's time goes, both sides
 """
 
 import argparse
@@ -73,6 +74,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,128")
     ap.add_argument("--plans", action="store_true",
                     help="only our decode at each batch under both Mamba-2 plans (cuBLAS or Triton products)")
+    ap.add_argument("--scan-kernels", action="store_true",
+                    help="only the scan alone at 1 x 8192, with each side's kernels' GPU time (torch.profiler)")
     ap.add_argument("--json")
     args = ap.parse_args()
     bw = copy_bandwidth()
@@ -85,7 +88,9 @@ def main() -> None:
 
     for size in args.models.split(",") if args.plans else ():
         plan_rows(size, [int(b) for b in args.batches.split(",")], bw, emit)
-    for size in args.models.split(",") if not args.plans else ():
+    for size in args.models.split(",") if args.scan_kernels else ():
+        scan_rows(size, SHAPES[size], emit, kernels=True)
+    for size in args.models.split(",") if not (args.plans or args.scan_kernels) else ():
         dtype = torch.bfloat16
         c = SHAPES[size]
         for state_dtype in (torch.float32, torch.bfloat16):
@@ -132,8 +137,9 @@ def plan_rows(size: str, batches: list[int], bw: float, emit) -> None:
     torch.cuda.empty_cache()
 
 
-def scan_rows(size: str, c, emit) -> None:
-    """The scan alone at 1 x 8192: kernels/ssd.ssd_scan against mamba_chunk_scan_combined."""
+def scan_rows(size: str, c, emit, kernels: bool = False) -> None:
+    """The scan alone at 1 x 8192: kernels/ssd.ssd_scan against mamba_chunk_scan_combined
+    (kernels: and each one's GPU time by kernel, to see where the scan's time goes)."""
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
     from fastmamba.kernels.ssd import ssd_scan
@@ -150,6 +156,15 @@ def scan_rows(size: str, c, emit) -> None:
     theirs = ms_of(lambda: mamba_chunk_scan_combined(xb, dt, A, Bb, Cb, c.chunk_size, D=D, dt_bias=bias,
                                                      dt_softplus=True, return_final_states=True))
     emit(model=size, scan=f"{B}x{T} H{H} P{P} G{G} N{N}", fastmamba_ms=round(ours, 3), mamba_ssm_ms=round(theirs, 3))
+    if kernels:
+        from profile_step import print_kernel_times
+
+        with torch.inference_mode():
+            print_kernel_times(lambda: ssd_scan(xb, dt, bias, c.dt_limit, A, Bb, Cb, D, state, c.chunk_size),
+                               f"{size} fastmamba scan", rows=8)
+            print_kernel_times(lambda: mamba_chunk_scan_combined(xb, dt, A, Bb, Cb, c.chunk_size, D=D, dt_bias=bias,
+                                                                 dt_softplus=True, return_final_states=True),
+                               f"{size} mamba_ssm scan", rows=8)
 
 
 if __name__ == "__main__":
