@@ -126,13 +126,15 @@ def main() -> None:
 
 def plan_rows(size: str, batches: list[int], bw: float, emit) -> None:
     """ms a graph-replayed step under each Mamba-2 decode plan: the layer over the GPU ops
-    with cuBLAS products, or with the batch-invariant Triton products (invariant_gemm)."""
-    from fastmamba.decode_plan import LAYER_OPS, LAYER_OPS_DETERMINISTIC
+    with cuBLAS products, or with the batch-invariant Triton products (invariant_gemm), and
+    the one-row step (kernels/decode_step_mamba2.py, three kernels a layer; up to batch 32)."""
+    from fastmamba.decode_plan import LAYER_OPS, LAYER_OPS_DETERMINISTIC, DecodePlan
 
     model = random_model(size, torch.bfloat16)
     for batch in batches:
         floor = sum(step_bytes(model, batch)) / bw * 1e3
-        ms = {plan.family: time_graph_steps(model, batch, plan=plan) for plan in (LAYER_OPS, LAYER_OPS_DETERMINISTIC)}
+        plans = (LAYER_OPS, LAYER_OPS_DETERMINISTIC) + ((DecodePlan("one-row"),) if batch <= 32 else ())
+        ms = {plan.family: time_graph_steps(model, batch, plan=plan) for plan in plans}
         emit(model=size, batch=batch, floor_ms=round(floor, 3), **{k: round(v, 3) for k, v in ms.items()})
     torch.cuda.empty_cache()
 

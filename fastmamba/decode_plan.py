@@ -10,8 +10,11 @@ The steps (docs/architecture.md, "Decode"):
 - "products" (kernels/decode_gemm.GemmDecodeStep): each projection one matrix product,
   through the batch-invariant Triton GEMM (kernels/products.invariant_gemm) or cuBLAS.
 - "layer-ops" (kernels/decode_step.OpsDecodeStep): the model's own layers at one token over
-  the GPU ops (cuBLAS products, the Triton conv, norms and scan step): Mamba-2's, whose
-  layer has no fused decode kernels yet. Deterministic: the products through invariant_gemm.
+  the GPU ops (cuBLAS products, the Triton conv, norms and scan step): Mamba-2's.
+  Deterministic: the products through invariant_gemm.
+- "one-row" for a Mamba-2 model (kernels/decode_step_mamba2.Mamba2DecodeStep): the Mamba-1
+  step's design, three kernels a layer. Not in the table until measured against
+  "layer-ops" (`benchmarks/mamba2.py --plans` times both).
 A slot's logits are bitwise the same at every batch size within one of
 `batch_invariant_ranges` (the one-row step treats each row alone; the Triton products'
 sums have a fixed order); cuBLAS picks its algorithm by the shape. `deterministic=True`

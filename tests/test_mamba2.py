@@ -364,6 +364,79 @@ def test_the_gpu_engines_model_equals_the_reference(tmp_path, monkeypatch, deter
     assert relative_error(s_ours.ssm.cpu(), s_ref.ssm) < 1e-4
 
 
+@pytest.mark.parametrize("overrides,before,state_dtype", [
+    (dict(n_groups=2, use_bias=True), False, "float32"),
+    # P = 24 (past one program, not a power of two), N = 12, a 3-tap conv, four groups
+    (dict(hidden_size=48, head_dim=24, num_heads=4, n_groups=4, conv_kernel=3, state_size=12), True, "bfloat16"),
+])
+def test_the_one_row_step_equals_the_reference(tmp_path, overrides, before, state_dtype):
+    """Mamba-2's one-row step (kernels/decode_step_mamba2.py: in_proj, the conv + SSD step,
+    the gated norm + out_proj, three kernels a layer) against the reference model's steps,
+    logits and both states; and a row's logits the same bits alone as in a batch."""
+    pytest.importorskip("triton")
+    from dataclasses import replace
+
+    from fastmamba.decode_plan import DecodePlan
+    from fastmamba.kernels.decode_step import make_decode_step
+    from fastmamba.model import Mamba, triton_ops
+
+    folder, _ = save_mamba2(tmp_path / "m", **overrides)
+    loaded = fastmamba.load(folder).model
+    config, sd = replace(loaded.config, norm_before_gate=before), getattr(torch, state_dtype)
+    ref = Mamba(config, loaded.weights, state_dtype=sd)
+    ours = Mamba(config, fastmamba.load(folder, device=DEVICE).model.weights, triton_ops(), state_dtype=sd)
+    step = make_decode_step(ours, 3, plan=DecodePlan("one-row"))
+    assert type(step).__name__ == "Mamba2DecodeStep"
+    x = ids(3, 14)
+    s_ref, s_ours = ref.new_state(3), ours.new_state(3)
+    want = [ref.prefill(x[:, :9], s_ref, last_only=True)] + [ref.step(x[:, t], s_ref) for t in range(9, 14)]
+    got = [ours.prefill(x[:, :9].to(DEVICE), s_ours, last_only=True)]
+    alone_state = ours.new_state(1)
+    alone_state.conv.copy_(s_ours.conv[:, 1:2]), alone_state.ssm.copy_(s_ours.ssm[:, 1:2])
+    got += [step(x[:, t].to(DEVICE), s_ours).clone() for t in range(9, 14)]
+    tol = 1e-4 if sd == torch.float32 else 2e-2  # (a bf16 state rounds at each store, in either order of sums)
+    for a, b in zip(got, want):
+        assert relative_error(a.cpu(), b) < tol
+    assert relative_error(s_ours.ssm.cpu(), s_ref.ssm) < tol and relative_error(s_ours.conv.cpu(), s_ref.conv) < tol
+    one = make_decode_step(ours, 1, plan=DecodePlan("one-row"))
+    alone = [one(x[1:2, t].to(DEVICE), alone_state).clone() for t in range(9, 14)]
+    assert all(torch.equal(a[0], b[1]) for a, b in zip(alone, got[1:]))
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_the_one_row_kernels_equal_their_twins(tmp_path, before):
+    """ssd_conv_step and gated_out_proj alone, on one layer and random inputs, against
+    ssd_conv_step_ref and gated_out_proj_ref: v, both states, the residual's fold and dh."""
+    pytest.importorskip("triton")
+    from dataclasses import replace
+
+    from fastmamba.decode_plan import DecodePlan
+    from fastmamba.kernels.decode_step import from_fixed, make_decode_step, to_fixed
+    from fastmamba.kernels.decode_step_mamba2 import gated_out_proj_ref, ssd_conv_step_ref
+    from fastmamba.model import Mamba, triton_ops
+
+    folder, _ = save_mamba2(tmp_path / "m", n_groups=2, use_bias=True, use_conv_bias=True)
+    loaded = fastmamba.load(folder, device=DEVICE).model
+    model = Mamba(replace(loaded.config, norm_before_gate=before), loaded.weights, triton_ops())
+    c, lw = model.config, model.weights.layers[0]
+    step = make_decode_step(model, 2, plan=DecodePlan("one-row"))
+    g = torch.Generator().manual_seed(7)
+    r = lambda *s: torch.randn(*s, generator=g).to(DEVICE)  # noqa: E731
+    step.zxbcdt.copy_(r(*step.zxbcdt.shape))
+    state = model.new_state(2)
+    state.conv.copy_(r(*state.conv.shape)), state.ssm.copy_(r(*state.ssm.shape))
+    conv_ref, ssm_ref = state.conv[0].clone(), state.ssm[0].clone()
+    h, dh = r(2, c.d_model), r(2, c.d_model)
+    step.h[:2].copy_(h), step.dh[:2].copy_(to_fixed(dh))
+    step.ssd_conv_step(lw, state.conv[0], state.ssm[0])
+    v = ssd_conv_step_ref(step.zxbcdt.clone(), conv_ref, ssm_ref, lw, c)
+    assert relative_error(step.y[:2], v) < 1e-5 and relative_error(state.ssm[0], ssm_ref) < 1e-5
+    assert relative_error(step.h[:2], h + dh) < 1e-6 and not step.dh.any()  # the residual folded
+    step.gated_out_proj(lw, state.conv[0])  # (shifts B's and C's windows: then the conv state is whole)
+    assert relative_error(state.conv[0], conv_ref) < 1e-6
+    assert relative_error(from_fixed(step.dh[:2]), gated_out_proj_ref(v, step.zxbcdt, lw, c)) < 1e-5
+
+
 @pytest.mark.gpu
 def test_mamba2_on_the_gpu_engine_equals_the_cpu(tmp_path):
     """The Triton engine on CUDA: logits, greedy decode, the serving engine's chunks and

@@ -48,6 +48,7 @@ from fastmamba.kernels import step_size as st  # noqa: E402
 from fastmamba.kernels import conv_grad as cg  # noqa: E402
 from fastmamba.kernels import gated_norm as gn  # noqa: E402
 from fastmamba.kernels import scan_grad as sg  # noqa: E402
+from fastmamba.kernels import decode_step_mamba2 as s2  # noqa: E402
 from fastmamba.kernels import ssd as sd  # noqa: E402
 
 target = GPUTarget("cuda", 90, 32)
@@ -273,7 +274,20 @@ def main() -> None:
     for resets in (False, True):
         compile_kernel(sd._ssd_state_passing_kernel, ptrs("st_ptr", "layer_ptr", "cum_ptr", first_ptr="*i32"),
                        dict(H=80, PN=64 * 128, Q=sd.SSD_CHUNK, BL=sd.SSD_PASS_BL, RESETS=resets))
-    res.append("mamba2 step + gated norm + chunked scan: ok")
+    # Mamba-2's one-row step (decode_step_mamba2.py) at 2.7b's and Codestral's shapes, bf16 out_proj
+    for E, G, H, d in ((5120, 1, 80, 2560), (8192, 8, 128, 4096)):
+        t = ptrs("zx_ptr", "cw_ptr", "cb_ptr", "dtb_ptr", "A_ptr", "D_ptr", "v_ptr", "part_ptr", "h_ptr",
+                 cs_ptr="*bf16", ss_ptr="*fp32", dh_ptr="*i64", dt_min="fp32", dt_max="fp32")
+        compile_kernel(s2._ssd_conv_step_kernel, t, dict(E=E, G=G, N=128, H=H, P=64, K=4, KP=4, HAS_CB=True,
+                                                         BP=s2.STEP2_BP, NP=128, BD=8, NORM_BEFORE_GATE=False, PDL=True))
+        parts = H * 64 // s2.STEP2_BP
+        t = ptrs("v_ptr", "zx_ptr", "part_ptr", "gw_ptr", "b_ptr", w_ptr="*bf16", dh_ptr="*i64", cs_ptr="*bf16",
+                 eps="fp32")
+        compile_kernel(s2._gated_out_proj_kernel, t, dict(E=E, G=G, N=128, H=H, K=4, KP=4, PARTS=parts, PPG=parts // G,
+                                                          GP=triton.next_power_of_2(G),
+                                                          PPGP=triton.next_power_of_2(parts // G), HAS_BIAS=False,
+                                                          NORM_BEFORE_GATE=False, BN=64, BK=128, BC=64, PDL=True))
+    res.append("mamba2 step + gated norm + chunked scan + one-row step: ok")
     t = ptrs("logits_ptr", "pen_ptr", "temp_ptr", "s_ptr", "smax_ptr", seen_ptr="*i1", best_ptr="*i64")
     compile_kernel(sp._scale_kernel, t, dict(BV=sp.BV))
     rows = ptrs("s_ptr", "smax_ptr", "temp_ptr", "topp_ptr", "minp_ptr", topk_ptr="*i64", st_ptr="*i64", T_ptr="*i64", cnt_ptr="*i64",

@@ -438,6 +438,10 @@ def make_decode_step(model, batch: int, deterministic: bool = False, plan=None):
     plan = plan or plan_for(model.config, model.weights.embedding.dtype, batch, deterministic)
     if plan.step == "layer-ops":
         return OpsDecodeStep(model, plan)
+    if plan.step == "one-row" and model.config.layer == "mamba2":
+        from .decode_step_mamba2 import Mamba2DecodeStep
+
+        return Mamba2DecodeStep(model, batch, plan)
     if plan.step == "one-row":
         return DecodeStep(model, batch, plan)
     from .decode_gemm import GemmDecodeStep
