@@ -286,7 +286,7 @@ def main() -> None:
         compile_kernel(s2._gated_out_proj_kernel, t, dict(E=E, G=G, N=128, H=H, K=4, KP=4, PARTS=parts, PPG=parts // G,
                                                           GP=triton.next_power_of_2(G),
                                                           PPGP=triton.next_power_of_2(parts // G), HAS_BIAS=False,
-                                                          NORM_BEFORE_GATE=False, BN=64, BK=128, BC=64, PDL=True))
+                                                          NORM_BEFORE_GATE=False, BN=64, BK=128, BC=4, PDL=True))
     res.append("mamba2 step + gated norm + chunked scan + one-row step: ok")
     t = ptrs("logits_ptr", "pen_ptr", "temp_ptr", "s_ptr", "smax_ptr", seen_ptr="*i1", best_ptr="*i64")
     compile_kernel(sp._scale_kernel, t, dict(BV=sp.BV))

@@ -13,7 +13,7 @@ One step, per layer, for B slots (rows), h + dh the residual stream as in decode
                      h += dh, dh = 0 (as ssm_step)
     gated_out_proj   each group's rms from the parts (a fixed order), then
                      dh += (v / rms * gate_norm_w (* silu(z))) @ out_proj.T (+ bias);
-                     the first program of each row shifts B's and C's conv windows
+                     and B's and C's conv windows shift by one, a share in each program
 
 and around the layers the Mamba-1 step's embed, lm_head (+ argmax) and take_argmax.
 Against the layer over the GPU ops ("layer-ops": seven launches a layer) this is the
@@ -187,17 +187,17 @@ def _gated_out_proj_kernel(
     parts = tl.load(part_ptr + row64 * PARTS + gi[:, None] * PPG + j[None, :],
                     mask=(gi < G)[:, None] & (j < PPG)[None, :], other=0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(parts, 1) / GS + eps)  # (GP,)
-    if pid_n == 0 and pid_s == 0:  # B's and C's conv windows shift left by one, the new input in
-        kk = tl.arange(0, KP)
-        for c0 in range(E, CS, BC):
-            ch = c0 + tl.arange(0, BC)
-            chm = ch < CS
-            win = cs_ptr + (row64 * CS + ch[:, None]) * K + kk[None, :]
-            newer = tl.load(win + 1, mask=chm[:, None] & (kk < K - 1)[None, :], other=0.0)
-            tl.debug_barrier()
-            tl.store(win, newer, mask=chm[:, None] & (kk < K - 1)[None, :])
-            tl.store(cs_ptr + (row64 * CS + ch) * K + K - 1,
-                     tl.load(zx_ptr + row64 * W + E + ch, mask=chm, other=0.0).to(cs_ptr.dtype.element_ty), mask=chm)
+    # B's and C's conv windows shift left by one, the new input in: BC channels a program
+    # (the row's programs cover all 2GN)
+    kk = tl.arange(0, KP)
+    ch = E + (pid_n * tl.num_programs(2) + pid_s) * BC + tl.arange(0, BC)
+    chm = ch < CS
+    win = cs_ptr + (row64 * CS + ch[:, None]) * K + kk[None, :]
+    newer = tl.load(win + 1, mask=chm[:, None] & (kk < K - 1)[None, :], other=0.0)
+    x_in = tl.load(zx_ptr + row64 * W + E + ch, mask=chm, other=0.0)
+    tl.debug_barrier()  # (every thread has read the window before any of it moves)
+    tl.store(win, newer, mask=chm[:, None] & (kk < K - 1)[None, :])
+    tl.store(cs_ptr + (row64 * CS + ch) * K + K - 1, x_in.to(cs_ptr.dtype.element_ty), mask=chm)
     acc = tl.zeros([1, BN], dtype=tl.float32)
     for k0 in range(pid_s * KCHUNK, k_end, BK):
         k = k0 + tl.arange(0, BK)
@@ -232,6 +232,8 @@ class Mamba2DecodeStep(DecodeStep):
         self.nPB = triton.cdiv(P, self.BP)
         programs = H * self.nPB  # ssd_conv_step's, a row
         self.BD2 = triton.next_power_of_2(triton.cdiv(c.d_model, programs))  # h columns each folds
+        # B's and C's conv channels each gated_out_proj program moves
+        self.BC = triton.next_power_of_2(triton.cdiv(2 * G * N, self.nt_d * self.nsplit_out))
         self.zxbcdt = torch.zeros(batch, 2 * E + 2 * G * N + H, device=dev, dtype=torch.float32)
         self.part = torch.zeros(batch, programs, device=dev, dtype=torch.float32)
 
@@ -257,7 +259,7 @@ class Mamba2DecodeStep(DecodeStep):
             E=c.d_inner, G=c.n_groups, N=c.d_state, H=c.n_heads, K=c.d_conv, KP=triton.next_power_of_2(c.d_conv),
             PARTS=parts, PPG=parts // c.n_groups, GP=triton.next_power_of_2(c.n_groups),
             PPGP=triton.next_power_of_2(parts // c.n_groups), HAS_BIAS=lw.out_proj_b is not None,
-            NORM_BEFORE_GATE=c.norm_before_gate, BN=self.BN_out, BK=self.BK_out, BC=64,
+            NORM_BEFORE_GATE=c.norm_before_gate, BN=self.BN_out, BK=self.BK_out, BC=self.BC,
             num_warps=self.warps_out, **self.pdl_for("gated_out_proj"),
         )
 
