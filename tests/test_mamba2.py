@@ -459,6 +459,27 @@ def test_mamba2_on_the_gpu_engine_equals_the_cpu(tmp_path):
         assert g.token_ids == det.generate(p, q).token_ids
 
 
+@pytest.mark.gpu
+def test_the_one_row_step_as_the_gpu_engines_step(tmp_path, monkeypatch):
+    """Mamba-2's one-row step routed for every batch size (the table's entry replaced): the
+    engine's CUDA graphs, greedy argmax inside, give the CPU's greedy tokens, alone and in
+    a batch, and a float32 state and a bfloat16 one."""
+    from fastmamba import decode_plan
+    from fastmamba.kernels.decode_step import make_decode_step
+
+    monkeypatch.setattr(decode_plan, "LAYER_OPS", decode_plan.DecodePlan("one-row"))
+    folder, _ = save_mamba2(tmp_path / "m", n_groups=2, use_bias=True)
+    gpu, cpu = fastmamba.load(folder, device="cuda"), fastmamba.load(folder)
+    assert type(make_decode_step(gpu.model, 4)).__name__ == "Mamba2DecodeStep"
+    prompts = [ids(1, n, seed=n)[0].tolist() for n in (3, 17, 9, 11)]
+    want = [cpu.generate(p, max_tokens=12, stop_token_ids=[]).token_ids for p in prompts]
+    assert gpu.generate(prompts[1], max_tokens=12, stop_token_ids=[]).token_ids == want[1]
+    together = gpu.generate_batch(prompts, [SamplingParams(max_tokens=12, stop_token_ids=[])] * 4)
+    assert [g.token_ids for g in together] == want
+    bf16 = fastmamba.load(folder, device="cuda", state_dtype="bfloat16")
+    assert bf16.generate(prompts[1], max_tokens=4, stop_token_ids=[]).token_ids == want[1][:4]
+
+
 def test_the_gpu_engines_16bit_numerics_within_transformers_own_error(tmp_path):
     """The GPU ops' bf16 path (the conv's output and the SSD's operands rounded to bf16), run
     here through Triton's interpreter, holds the 16-bit contract."""
