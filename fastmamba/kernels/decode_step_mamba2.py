@@ -94,7 +94,7 @@ def _conv_window(cs_ptr, cw_ptr, cb_ptr, row, ch, chmask, CS, K: tl.constexpr, K
 @jit
 def _ssd_conv_step_kernel(
     zx_ptr, cs_ptr, cw_ptr, cb_ptr, ss_ptr, dtb_ptr, A_ptr, D_ptr, v_ptr, part_ptr, h_ptr, dh_ptr,
-    B, DM, heads_per_group, dt_min, dt_max,
+    DM, heads_per_group, dt_min, dt_max,
     E: tl.constexpr, G: tl.constexpr, N: tl.constexpr, H: tl.constexpr, P: tl.constexpr, K: tl.constexpr,
     KP: tl.constexpr, HAS_CB: tl.constexpr, BP: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr,
     NORM_BEFORE_GATE: tl.constexpr, PDL: tl.constexpr,
@@ -161,7 +161,7 @@ def _ssd_conv_step_kernel(
 
 @jit
 def _gated_out_proj_kernel(
-    v_ptr, zx_ptr, part_ptr, gw_ptr, w_ptr, b_ptr, dh_ptr, cs_ptr, B, D, KCHUNK, eps,
+    v_ptr, zx_ptr, part_ptr, gw_ptr, w_ptr, b_ptr, dh_ptr, cs_ptr, D, KCHUNK, eps,
     E: tl.constexpr, G: tl.constexpr, N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     PARTS: tl.constexpr, PPG: tl.constexpr, GP: tl.constexpr, PPGP: tl.constexpr,
     HAS_BIAS: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -242,7 +242,7 @@ class Mamba2DecodeStep(DecodeStep):
         _ssd_conv_step_kernel[(self.B, c.n_heads, self.nPB)](
             self.zxbcdt, conv_state, lw.conv_w, lw.conv_b if lw.conv_b is not None else lw.conv_w, ssm_state,
             lw.dt_bias, lw.A, lw.D, self.y, self.part, self.h, self.dh,
-            self.B, c.d_model, c.n_heads // c.n_groups, float(c.dt_limit[0]), float(c.dt_limit[1]),
+            c.d_model, c.n_heads // c.n_groups, float(c.dt_limit[0]), float(c.dt_limit[1]),
             E=c.d_inner, G=c.n_groups, N=c.d_state, H=c.n_heads, P=c.head_dim, K=c.d_conv,
             KP=triton.next_power_of_2(c.d_conv), HAS_CB=lw.conv_b is not None, BP=self.BP,
             NP=triton.next_power_of_2(c.d_state), BD=self.BD2, NORM_BEFORE_GATE=c.norm_before_gate,
@@ -255,7 +255,7 @@ class Mamba2DecodeStep(DecodeStep):
         _gated_out_proj_kernel[(self.B, self.nt_d, self.nsplit_out)](
             self.y, self.zxbcdt, self.part, lw.gate_norm_w, lw.out_proj_w,
             lw.out_proj_b if lw.out_proj_b is not None else lw.out_proj_w, self.dh, conv_state,
-            self.B, c.d_model, self.kchunk_out, c.norm_eps,
+            c.d_model, self.kchunk_out, c.norm_eps,
             E=c.d_inner, G=c.n_groups, N=c.d_state, H=c.n_heads, K=c.d_conv, KP=triton.next_power_of_2(c.d_conv),
             PARTS=parts, PPG=parts // c.n_groups, GP=triton.next_power_of_2(c.n_groups),
             PPGP=triton.next_power_of_2(parts // c.n_groups), HAS_BIAS=lw.out_proj_b is not None,
