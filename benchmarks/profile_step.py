@@ -4,6 +4,7 @@ of --batches, its kernels run eagerly (the same the graph replays), the state's 
 and the host's share of a call (the copy in, the replay, the clone out), timed back to back.
 
     python benchmarks/profile_step.py --model 2.8b --batch 1
+    python benchmarks/profile_step.py --model mamba2-2.7b --batch 1 --step one-row
     python benchmarks/profile_step.py --backbone 128x3 --dtype float32 --batches 1,1024,4096
 """
 
@@ -18,6 +19,7 @@ import torch  # noqa: E402
 
 from fastmamba.bench import random_model  # noqa: E402
 from fastmamba.checkpoint import parse_dtype  # noqa: E402
+from fastmamba.decode_plan import DecodePlan  # noqa: E402
 from fastmamba.kernels.decode_step import make_decode_step  # noqa: E402
 
 
@@ -83,6 +85,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--deterministic", action="store_true", help="the batch-invariant step")
+    ap.add_argument("--step", choices=("one-row", "products", "layer-ops"),
+                    help="this step (decode_plan.DecodePlan's default settings) in place of the plan table's")
     ap.add_argument("--backbone", metavar="DxL", help="a Backbone's step instead of a language model's")
     ap.add_argument("--batches", default="1,1024,4096", help="with --backbone")
     args = ap.parse_args()
@@ -90,7 +94,8 @@ def main() -> None:
         profile_backbone(args.backbone, parse_dtype(args.dtype), [int(b) for b in args.batches.split(",")])
         return
     model = random_model(args.model, parse_dtype(args.dtype))
-    step = make_decode_step(model, args.batch, args.deterministic)  # the step the engine would run
+    plan = DecodePlan(args.step) if args.step else None  # (None: the step the engine would run)
+    step = make_decode_step(model, args.batch, args.deterministic, plan)
     state = model.new_state(args.batch)
     tokens = torch.zeros(args.batch, dtype=torch.int64, device="cuda")
     print_kernel_times(lambda: step(tokens, state), f"{args.model} {args.dtype} batch {args.batch}")
