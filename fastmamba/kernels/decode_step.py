@@ -387,6 +387,19 @@ def _ssm_step_kernel(
 
 
 @jit
+def _split_k_start(w_ptr, D, E, KCHUNK, BN: tl.constexpr, BK: tl.constexpr):
+    """A split-K GEMV program's outputs n (of D) and their mask, the end of its K split (of
+    E), and its first weight tile (BN, BK), to load before the PDL wait (program ids: row,
+    output tile, split)."""
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = n < D
+    k_end = tl.minimum((tl.program_id(2) + 1) * KCHUNK, E)
+    k = tl.program_id(2) * KCHUNK + tl.arange(0, BK)
+    w = tl.load(w_ptr + n[:, None] * E + k[None, :], mask=nmask[:, None] & (k < k_end)[None, :], other=0.0)
+    return n, nmask, k_end, w
+
+
+@jit
 def _out_proj_residual_kernel(
     y_ptr, w_ptr, b_ptr, dh_ptr, dbc_ptr, B, D, E, KCHUNK,
     HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
@@ -397,11 +410,7 @@ def _out_proj_residual_kernel(
     pid_s = tl.program_id(2)
     rows = pid_b + tl.arange(0, 1)  # the row, as a 1-vector: tiles are (1, n)
     rmask = rows < B
-    n = pid_n * BN + tl.arange(0, BN)
-    nmask = n < D
-    k_end = tl.minimum((pid_s + 1) * KCHUNK, E)
-    k = pid_s * KCHUNK + tl.arange(0, BK)  # the first weight tile is on its way before the wait
-    w = tl.load(w_ptr + n[:, None] * E + k[None, :], mask=nmask[:, None] & (k < k_end)[None, :], other=0.0)
+    n, nmask, k_end, w = _split_k_start(w_ptr, D, E, KCHUNK, BN, BK)
     wait_for_prior_kernel(PDL)
     # ssm_step has read dbc: the first program of each row tile zeroes the tile's rows for
     # the next layer's in_proj (jj >= 0 there, jj >= BJ or more in the others)

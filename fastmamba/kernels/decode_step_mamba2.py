@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ._triton import jit, tl, triton
 from .activations import silu, softplus
-from .decode_step import DecodeStep, _add_fixed, _mm, _residual_tile
+from .decode_step import DecodeStep, _add_fixed, _mm, _residual_tile, _split_k_start
 from .gated_norm import gated_rmsnorm_ref
 from .pdl import let_next_kernel_launch, wait_for_prior_kernel
 from .ssd import ssd_scan_ref
@@ -172,11 +172,7 @@ def _gated_out_proj_kernel(
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
     row64 = row.to(tl.int64)
-    n = pid_n * BN + tl.arange(0, BN)
-    nmask = n < D
-    k_end = tl.minimum((pid_s + 1) * KCHUNK, E)
-    k = pid_s * KCHUNK + tl.arange(0, BK)  # the first weight tile is on its way before the wait
-    w = tl.load(w_ptr + n[:, None] * E + k[None, :], mask=nmask[:, None] & (k < k_end)[None, :], other=0.0)
+    n, nmask, k_end, w = _split_k_start(w_ptr, D, E, KCHUNK, BN, BK)  # (the first tile before the wait)
     wait_for_prior_kernel(PDL)
     W: tl.constexpr = 2 * E + 2 * G * N + H
     CS: tl.constexpr = E + 2 * G * N
