@@ -204,3 +204,8 @@ def test_ctrl_c_while_generating_is_quiet():
 @pytest.mark.parametrize("spec", ["4", "3:1", "x:y", "0:0"])
 def test_serve_refuses_a_bad_autoscale(spec):
     assert_one_line_error(run("serve", "--autoscale", spec), "--autoscale")
+
+
+@pytest.mark.parametrize("value", ["-1", "20000", "nan"])
+def test_serve_refuses_a_bad_stream_interval(value):
+    assert_one_line_error(run("serve", "--replicas", "2", "--stream-interval-ms", value), "--stream-interval-ms")
