@@ -158,12 +158,20 @@ def scan_rows(size: str, c, emit, kernels: bool = False) -> None:
     theirs = ms_of(lambda: mamba_chunk_scan_combined(xb, dt, A, Bb, Cb, c.chunk_size, D=D, dt_bias=bias,
                                                      dt_softplus=True, return_final_states=True))
     emit(model=size, scan=f"{B}x{T} H{H} P{P} G{G} N{N}", fastmamba_ms=round(ours, 3), mamba_ssm_ms=round(theirs, 3))
-    if kernels:
+    if kernels:  # and by kernel, ours with C B^T in each head's program and once a group (ssd.SSD_CB_ONCE)
         from profile_step import print_kernel_times
 
+        from fastmamba.kernels import ssd
+
+        default = ssd.SSD_CB_ONCE
         with torch.inference_mode():
-            print_kernel_times(lambda: ssd_scan(xb, dt, bias, c.dt_limit, A, Bb, Cb, D, state, c.chunk_size),
-                               f"{size} fastmamba scan", rows=8)
+            for cb_once in (False, True):
+                ssd.SSD_CB_ONCE = cb_once
+                ms = ms_of(lambda: ssd_scan(xb, dt, bias, c.dt_limit, A, Bb, Cb, D, state, c.chunk_size))
+                emit(model=size, scan=f"{B}x{T}", cb_once=cb_once, fastmamba_ms=round(ms, 3))
+                print_kernel_times(lambda: ssd_scan(xb, dt, bias, c.dt_limit, A, Bb, Cb, D, state, c.chunk_size),
+                                   f"{size} fastmamba scan, SSD_CB_ONCE={cb_once}", rows=8)
+            ssd.SSD_CB_ONCE = default
             print_kernel_times(lambda: mamba_chunk_scan_combined(xb, dt, A, Bb, Cb, c.chunk_size, D=D, dt_bias=bias,
                                                                  dt_softplus=True, return_final_states=True),
                                f"{size} mamba_ssm scan", rows=8)

@@ -272,9 +272,13 @@ def test_the_reference_scan_with_resets_equals_the_recurrence(chunk):
     (40, 1, 2, 16, 16, "float32", [0, 5], [3, 20]),  # resets and left padding in one short chunk
     (1, 2, 4, 16, 16, "float32", None, [0]),  # a one-step pass that resets: the chunked kernels, not the step's
 ])
-def test_the_chunked_scan_kernels_equal_their_twin(T, G, H, P, N, dtype, start, resets):
+@pytest.mark.parametrize("cb_once", [False, True])  # C B^T in each head's program, or once a group
+def test_the_chunked_scan_kernels_equal_their_twin(T, G, H, P, N, dtype, start, resets, cb_once, monkeypatch):
     pytest.importorskip("triton")
+    from fastmamba.kernels import ssd
     from fastmamba.kernels.ssd import ssd_scan, ssd_scan_ref
+
+    monkeypatch.setattr(ssd, "SSD_CB_ONCE", cb_once)
 
     g = torch.Generator().manual_seed(T)
     r = lambda *s: torch.randn(*s, generator=g).to(DEVICE)  # noqa: E731

@@ -268,9 +268,15 @@ def main() -> None:
     # and without resets
     for xdt, resets in itertools.product(("*bf16", "*fp32"), (False, True)):
         dims = dict(H=80, P=64, N=128, Q=sd.SSD_CHUNK, NP=128, F32=xdt == "*fp32", RESETS=resets)
-        t = ptrs("dt_ptr", "cum_ptr", "st_ptr", "D_ptr", "y_ptr", x_ptr=xdt, B_ptr=xdt, C_ptr=xdt, first_ptr="*i32")
+        t = ptrs("dt_ptr", "cum_ptr", "st_ptr", "D_ptr", "y_ptr", "cb_ptr", x_ptr=xdt, B_ptr=xdt, C_ptr=xdt,
+                 first_ptr="*i32")
         compile_kernel(sd._ssd_chunk_state_kernel, t, dict(BS=sd.SSD_BS, BP=sd.SSD_STATE_BP, **dims))
-        compile_kernel(sd._ssd_chunk_scan_kernel, t, dict(BT=sd.SSD_BT, BS=sd.SSD_BS, BP=64, **dims))
+        for cb_once in (False, True):
+            compile_kernel(sd._ssd_chunk_scan_kernel, t, dict(BT=sd.SSD_BT, BS=sd.SSD_BS, BP=64, CB_ONCE=cb_once, G=1,
+                                                              **dims))
+        if not resets:
+            compile_kernel(sd._ssd_chunk_cb_kernel, t, dict(G=1, N=128, Q=sd.SSD_CHUNK, BT=sd.SSD_BT, BS=sd.SSD_BS,
+                                                            NP=128, F32=dims["F32"]))
     for resets in (False, True):
         compile_kernel(sd._ssd_state_passing_kernel, ptrs("st_ptr", "layer_ptr", "cum_ptr", first_ptr="*i32"),
                        dict(H=80, PN=64 * 128, Q=sd.SSD_CHUNK, BL=sd.SSD_PASS_BL, RESETS=resets))

@@ -195,10 +195,38 @@ def _ssd_state_passing_kernel(
 
 
 @jit
+def _ssd_chunk_cb_kernel(
+    B_ptr, C_ptr, sbb, sbt, cb_ptr, T, n_chunks,
+    G: tl.constexpr, N: tl.constexpr, Q: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, NP: tl.constexpr,
+    F32: tl.constexpr,
+):
+    # One program: row b, chunk c, group g, BT of the chunk's steps: C_t . B_s for the steps
+    # s up to the diagonal block, into cb (B, chunks, G, Q, Q) float32, which every head of
+    # the group reads in the chunk scan (SSD_CB_ONCE; the blocks above are never read).
+    b64 = (tl.program_id(0) // n_chunks).to(tl.int64)
+    c = tl.program_id(0) % n_chunks
+    g = tl.program_id(1)
+    qt = tl.program_id(2) * BT + tl.arange(0, BT)
+    t = c * Q + qt
+    n = tl.arange(0, NP)
+    nm = n < N
+    Ct = tl.load(C_ptr + b64 * sbb + t[:, None] * sbt + g * N + n[None, :], mask=(t < T)[:, None] & nm[None, :],
+                 other=0.0)
+    out = cb_ptr + (((b64 * n_chunks + c) * G + g) * Q + qt[:, None]) * Q
+    for k0 in range(0, (tl.program_id(2) + 1) * BT, BS):
+        qs = k0 + tl.arange(0, BS)
+        s = c * Q + qs
+        Bs = tl.load(B_ptr + b64 * sbb + s[None, :] * sbt + g * N + n[:, None], mask=(s < T)[None, :] & nm[:, None],
+                     other=0.0)  # (NP, BS)
+        tl.store(out + qs[None, :], tensor_dot(Ct, Bs, tl.zeros([BT, BS], dtype=tl.float32), F32))
+
+
+@jit
 def _ssd_chunk_scan_kernel(
-    x_ptr, sxb, sxt, B_ptr, C_ptr, sbb, sbt, dt_ptr, cum_ptr, first_ptr, st_ptr, D_ptr, y_ptr, T, n_chunks,
+    x_ptr, sxb, sxt, B_ptr, C_ptr, sbb, sbt, dt_ptr, cum_ptr, first_ptr, st_ptr, D_ptr, y_ptr, cb_ptr, T, n_chunks,
     heads_per_group, H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, Q: tl.constexpr, BT: tl.constexpr,
     BS: tl.constexpr, BP: tl.constexpr, NP: tl.constexpr, F32: tl.constexpr, RESETS: tl.constexpr,
+    CB_ONCE: tl.constexpr, G: tl.constexpr,
 ):
     # One program: row b, chunk c, head h, BT of the chunk's steps, all P channels:
     #   y_t = exp(cum_t) C_t . s_start + sum_{s <= t} exp(cum_t - cum_s) (C_t . B_s) dt_s x_s + D x_t
@@ -229,9 +257,12 @@ def _ssd_chunk_scan_kernel(
         qs = k0 + tl.arange(0, BS)
         s = c * Q + qs
         sm = s < T
-        Bs = tl.load(B_ptr + b64 * sbb + s[None, :] * sbt + g * N + n[:, None], mask=sm[None, :] & nm[:, None],
-                     other=0.0)  # (NP, BS)
-        cb = tensor_dot(Ct, Bs, tl.zeros([BT, BS], dtype=tl.float32), F32)
+        if CB_ONCE:  # the group's C B^T, from _ssd_chunk_cb_kernel
+            cb = tl.load(cb_ptr + (((b64 * n_chunks + c) * G + g) * Q + qt[:, None]) * Q + qs[None, :])
+        else:
+            Bs = tl.load(B_ptr + b64 * sbb + s[None, :] * sbt + g * N + n[:, None], mask=sm[None, :] & nm[:, None],
+                         other=0.0)  # (NP, BS)
+            cb = tensor_dot(Ct, Bs, tl.zeros([BT, BS], dtype=tl.float32), F32)
         decay = tl.exp(tl.minimum(cum_t[:, None] - tl.load(cum_row + qs * H)[None, :], 0.0))
         dts = tl.load(dt_ptr + (b64 * T + s) * H + h, mask=sm, other=0.0)
         reach = qs[None, :] <= qt[:, None]
@@ -253,6 +284,10 @@ SSD_BT = 64
 SSD_BS = 64
 SSD_STATE_BP = 64
 SSD_PASS_BL = 1024
+# C B^T once a group and chunk, in a kernel of its own, for the chunk scan's heads to read,
+# in place of each head's program computing it: a candidate, off until measured against
+# the default (`benchmarks/mamba2.py --scan-kernels` times both).
+SSD_CB_ONCE = False
 
 
 def ssd_scan(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=None, resets=None) -> torch.Tensor:
@@ -298,8 +333,15 @@ def ssd_scan(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=No
         num_warps=4,
     )
     BT = min(SSD_BT, Q)
+    cb = states  # (unread unless SSD_CB_ONCE)
+    if SSD_CB_ONCE:
+        cb = torch.empty(Bsz, n_chunks, G, Q, Q, device=x.device, dtype=torch.float32)
+        _ssd_chunk_cb_kernel[(Bsz * n_chunks, G, Q // BT)](
+            Bm, Cm, Bm.stride(0), Bm.stride(1), cb, T, n_chunks, G=G, N=N, Q=Q, BT=BT, BS=BS, NP=NP, F32=f32,
+            num_warps=4,
+        )
     _ssd_chunk_scan_kernel[(Bsz * n_chunks, H, Q // BT)](
-        x, x.stride(0), x.stride(1), Bm, Cm, Bm.stride(0), Bm.stride(1), dt, cum, first, states, D, y, T, n_chunks,
-        H // G, BT=BT, BS=BS, BP=BP, **common, num_warps=4,
+        x, x.stride(0), x.stride(1), Bm, Cm, Bm.stride(0), Bm.stride(1), dt, cum, first, states, D, y, cb, T,
+        n_chunks, H // G, BT=BT, BS=BS, BP=BP, **common, CB_ONCE=SSD_CB_ONCE, G=G, num_warps=4,
     )
     return y
