@@ -242,7 +242,7 @@ class Mamba2DecodeStep(DecodeStep):
             E=c.d_inner, G=c.n_groups, N=c.d_state, H=c.n_heads, P=c.head_dim, K=c.d_conv,
             KP=triton.next_power_of_2(c.d_conv), HAS_CB=lw.conv_b is not None, BP=self.BP,
             NP=triton.next_power_of_2(c.d_state), BD=self.BD2, NORM_BEFORE_GATE=c.norm_before_gate,
-            num_warps=4, **self.pdl_for("ssd_conv_step"),
+            num_warps=4, **self.pdl_for("ssm_step"),  # (its place in the layer, and the plan's PDL choice for it)
         )
 
     def gated_out_proj(self, lw, conv_state) -> None:
@@ -256,7 +256,7 @@ class Mamba2DecodeStep(DecodeStep):
             PARTS=parts, PPG=parts // c.n_groups, GP=triton.next_power_of_2(c.n_groups),
             PPGP=triton.next_power_of_2(parts // c.n_groups), HAS_BIAS=lw.out_proj_b is not None,
             NORM_BEFORE_GATE=c.norm_before_gate, BN=self.BN_out, BK=self.BK_out, BC=self.BC,
-            num_warps=self.warps_out, **self.pdl_for("gated_out_proj"),
+            num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),  # (likewise)
         )
 
     def __call__(self, tokens: torch.Tensor, state, argmax: bool = False, h: torch.Tensor | None = None) -> torch.Tensor:
