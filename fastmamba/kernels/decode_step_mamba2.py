@@ -23,7 +23,7 @@ order (the parts: by program; dh: in fixed point).
 
 Why B's and C's conv windows move in gated_out_proj: every head of a group computes the
 group's B and C from the same window, so no program of ssd_conv_step may write it until
-all have read it; the next kernel starts after they all finish.
+all have read it; the next kernel moves it after its wait, when they all have finished.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def gated_out_proj_ref(v, zxbcdt, lw, c) -> torch.Tensor:
     z = zxbcdt[:, :E]
     if c.norm_before_gate:
         u = gated_rmsnorm_ref(v, z, lw.gate_norm_w, G, c.norm_eps, True)
-    else:  # v is y * silu(z) already: the norm of it, ungated (z = +inf gives silu(z) / z = 1)
+    else:  # v is y * silu(z) already: its group norm, with no gate after
         parts = v.unflatten(-1, (G, -1))
         u = (parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + c.norm_eps)).flatten(-2) * lw.gate_norm_w
     return F.linear(u, lw.out_proj_w.float(), lw.out_proj_b)
