@@ -195,6 +195,21 @@ def _ssd_state_passing_kernel(
 
 
 @jit
+def _c_rows(C_ptr, b64, sbb, sbt, t, T, g, N, n):
+    """C at steps t of row b, group g: (len(t), NP), zero past T and N."""
+    return tl.load(C_ptr + b64 * sbb + t[:, None] * sbt + g * N + n[None, :], mask=(t < T)[:, None] & (n < N)[None, :],
+                   other=0.0)
+
+
+@jit
+def _cb_block(Ct, B_ptr, b64, sbb, sbt, s, T, g, N, n, BT: tl.constexpr, BS: tl.constexpr, F32: tl.constexpr):
+    """C_t . B_s for the BT steps of Ct (from _c_rows) and the BS steps s: (BT, BS) float32."""
+    Bs = tl.load(B_ptr + b64 * sbb + s[None, :] * sbt + g * N + n[:, None], mask=(s < T)[None, :] & (n < N)[:, None],
+                 other=0.0)  # (NP, BS)
+    return tensor_dot(Ct, Bs, tl.zeros([BT, BS], dtype=tl.float32), F32)
+
+
+@jit
 def _ssd_chunk_cb_kernel(
     B_ptr, C_ptr, sbb, sbt, cb_ptr, T, n_chunks,
     G: tl.constexpr, N: tl.constexpr, Q: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, NP: tl.constexpr,
@@ -209,16 +224,11 @@ def _ssd_chunk_cb_kernel(
     qt = tl.program_id(2) * BT + tl.arange(0, BT)
     t = c * Q + qt
     n = tl.arange(0, NP)
-    nm = n < N
-    Ct = tl.load(C_ptr + b64 * sbb + t[:, None] * sbt + g * N + n[None, :], mask=(t < T)[:, None] & nm[None, :],
-                 other=0.0)
+    Ct = _c_rows(C_ptr, b64, sbb, sbt, t, T, g, N, n)
     out = cb_ptr + (((b64 * n_chunks + c) * G + g) * Q + qt[:, None]) * Q
     for k0 in range(0, (tl.program_id(2) + 1) * BT, BS):
         qs = k0 + tl.arange(0, BS)
-        s = c * Q + qs
-        Bs = tl.load(B_ptr + b64 * sbb + s[None, :] * sbt + g * N + n[:, None], mask=(s < T)[None, :] & nm[:, None],
-                     other=0.0)  # (NP, BS)
-        tl.store(out + qs[None, :], tensor_dot(Ct, Bs, tl.zeros([BT, BS], dtype=tl.float32), F32))
+        tl.store(out + qs[None, :], _cb_block(Ct, B_ptr, b64, sbb, sbt, c * Q + qs, T, g, N, n, BT, BS, F32))
 
 
 @jit
@@ -245,7 +255,7 @@ def _ssd_chunk_scan_kernel(
     pm, nm = p < P, n < N
     cum_row = cum_ptr + (b64 * n_chunks + c) * Q * H + h
     cum_t = tl.load(cum_row + qt * H)
-    Ct = tl.load(C_ptr + b64 * sbb + t[:, None] * sbt + g * N + n[None, :], mask=tm[:, None] & nm[None, :], other=0.0)
+    Ct = _c_rows(C_ptr, b64, sbb, sbt, t, T, g, N, n)
     s0 = tl.load(st_ptr + (((b64 * n_chunks + c) * H + h) * P + p[None, :]) * N + n[:, None],
                  mask=pm[None, :] & nm[:, None], other=0.0)  # (NP, BP): the start state, transposed
     from_start = tl.exp(cum_t)
@@ -260,9 +270,7 @@ def _ssd_chunk_scan_kernel(
         if CB_ONCE:  # the group's C B^T, from _ssd_chunk_cb_kernel
             cb = tl.load(cb_ptr + (((b64 * n_chunks + c) * G + g) * Q + qt[:, None]) * Q + qs[None, :])
         else:
-            Bs = tl.load(B_ptr + b64 * sbb + s[None, :] * sbt + g * N + n[:, None], mask=sm[None, :] & nm[:, None],
-                         other=0.0)  # (NP, BS)
-            cb = tensor_dot(Ct, Bs, tl.zeros([BT, BS], dtype=tl.float32), F32)
+            cb = _cb_block(Ct, B_ptr, b64, sbb, sbt, s, T, g, N, n, BT, BS, F32)
         decay = tl.exp(tl.minimum(cum_t[:, None] - tl.load(cum_row + qs * H)[None, :], 0.0))
         dts = tl.load(dt_ptr + (b64 * T + s) * H + h, mask=sm, other=0.0)
         reach = qs[None, :] <= qt[:, None]
