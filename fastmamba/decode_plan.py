@@ -1,5 +1,5 @@
 """The decode plan: which decode step runs, with which products, for every model width,
-weight dtype, batch size and mode. One table (ROUTES), a line of reason per entry, read by
+weight dtype, batch size and mode. One table a layer type (ROUTES, MAMBA2_ROUTES), a line of reason per entry, read by
 `plan_for`; nothing else in the code holds a routing threshold. Scripts that try another
 plan build a DecodePlan (dataclasses.replace) and pass it to make_decode_step.
 
@@ -13,8 +13,8 @@ The steps (docs/architecture.md, "Decode"):
   the GPU ops (cuBLAS products, the Triton conv, norms and scan step): Mamba-2's.
   Deterministic: the products through invariant_gemm.
 - "one-row" for a Mamba-2 model (kernels/decode_step_mamba2.Mamba2DecodeStep): the Mamba-1
-  step's design, three kernels a layer. Not in the table until measured against
-  "layer-ops" (`benchmarks/mamba2.py --plans` times both).
+  step's design, three kernels a layer; its own table (MAMBA2_ROUTES) against "layer-ops"
+  (`benchmarks/mamba2.py --plans` times both).
 A slot's logits are bitwise the same at every batch size within one of
 `batch_invariant_ranges` (the one-row step treats each row alone; the Triton products'
 sums have a fixed order); cuBLAS picks its algorithm by the shape. `deterministic=True`
@@ -184,29 +184,47 @@ def route_for(d_model: int, dtype: torch.dtype, batch: int, deterministic: bool 
     """The table's entry for this width, weight dtype, batch size and mode."""
     if deterministic:
         return DETERMINISTIC
+    r = _entry(ROUTES, d_model, dtype, batch)
+    if r is None:
+        raise ValueError(f"no decode route for d_model {d_model}, {dtype}, batch {batch}")
+    return r
+
+
+def _entry(table, d_model: int, dtype: torch.dtype, batch: int) -> Route | None:
     w = _weights(dtype)
-    for r in ROUTES:
-        if r.weights == w and r.widths[0] <= d_model <= r.widths[1] and r.batches[0] <= batch <= r.batches[1]:
-            return r
-    raise ValueError(f"no decode route for d_model {d_model}, {dtype}, batch {batch}")
+    return next((r for r in table if r.weights == w and r.widths[0] <= d_model <= r.widths[1]
+                 and r.batches[0] <= batch <= r.batches[1]), None)
 
 
-# Mamba-2 layers at every batch size: cuBLAS products (or, deterministic, invariant_gemm's).
-# cuBLAS's win or tie at every batch measured (H200 bf16, ms a step, cuBLAS / Triton: 2.7b
-# batch 1 2.821 / 2.991, 32 5.954 / 6.227, 128 14.83 / 16.43; 130m batch 1 0.589 / 0.572),
-# so there is no batch range to route by yet. A bf16 state (opt-in) saves 1.5-1.6x at batch
-# 128 and nothing at batch 1: benchmarks/RESULTS.md, "Mamba-2".
+# Mamba-2 layers: the one-row step (kernels/decode_step_mamba2.py) at the few rows where it
+# wins, otherwise the layer over the GPU ops with cuBLAS's products (or, deterministic,
+# invariant_gemm's at every batch size, as for Mamba-1). `benchmarks/mamba2.py --plans`, H200
+# bf16, ms a step: one-row / cuBLAS / Triton products (2.7b batch 128: 14.76 / 16.33). A
+# bf16 state (opt-in) saves 1.5-1.6x at batch 128 and nothing at batch 1:
+# benchmarks/RESULTS.md, "Mamba-2". float32 weights were not measured: they take the layer
+# over the GPU ops.
+MAMBA2_ROUTES = (
+    Route("16-bit", (1, 1024), (1, 4), "one-row", NONE,
+          "Mamba-2 (130m batch 4: 0.422 against 0.609; batch 8 loses: 0.735 / 0.651)"),
+    Route("16-bit", (1025, 3072), (1, 1), "one-row", NONE,
+          "Mamba-2 (2.7b batch 1: 2.307 against 2.813; batch 2 ties: 2.957 / 2.960)"),
+)
 LAYER_OPS = DecodePlan("layer-ops", cublas=ALL, pdl=False,
                        reason="Mamba-2: the layer over the GPU ops, cuBLAS products "
-                       "(2.7b batch 128: 14.83 ms against 16.43)")
+                       "(2.7b batch 128: 14.76 ms against 16.33)")
 LAYER_OPS_DETERMINISTIC = DecodePlan("layer-ops", pdl=False, reason="Mamba-2, deterministic: invariant_gemm's products")
 
 
 def plan_for(config, dtype: torch.dtype, batch: int, deterministic: bool = False) -> DecodePlan:
     """The decode plan for a model of this config, weights of `dtype`, `batch` rows."""
     if getattr(config, "layer", "mamba1") == "mamba2":
-        return LAYER_OPS_DETERMINISTIC if deterministic else LAYER_OPS
-    r = route_for(config.d_model, dtype, batch, deterministic)
+        if deterministic:
+            return LAYER_OPS_DETERMINISTIC
+        r = _entry(MAMBA2_ROUTES, config.d_model, dtype, batch)
+        if r is None:
+            return LAYER_OPS
+    else:
+        r = route_for(config.d_model, dtype, batch, deterministic)
     blocks = one_row_blocks(config.d_model, config.d_inner, config.vocab_size, dtype) if r.step == "one-row" else None
     return DecodePlan(step=r.step, cublas=r.cublas, pdl=r.cublas != ALL, blocks=blocks, reason=r.reason)
 

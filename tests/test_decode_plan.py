@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from fastmamba.config import MambaConfig
-from fastmamba.decode_plan import ALL, IN_PROJ, MANY, NONE, ROUTES, DecodePlan, batch_invariant_ranges, plan_for, route_for
+from fastmamba.decode_plan import (ALL, IN_PROJ, LAYER_OPS, LAYER_OPS_DETERMINISTIC, MAMBA2_ROUTES, MANY, NONE, ROUTES,
+                                   DecodePlan, batch_invariant_ranges, plan_for, route_for)
 
 WIDTHS = (64, 768, 769, 1024, 1025, 1536, 2048, 2049, 2560, 4096)
 
@@ -38,6 +39,25 @@ def test_plans_follow_the_table():
         p = plan_for(cfg, torch.float16, b, deterministic=True)
         assert (p.step, p.cublas, p.pdl) == ("products", NONE, True)
     assert route_for(768, torch.bfloat16, 4).step == "one-row" and route_for(768, torch.bfloat16, 5).step == "products"
+
+
+def test_mamba2_plans_follow_their_table():
+    """Mamba-2: the one-row step inside MAMBA2_ROUTES' ranges (which never overlap), the
+    layer over the GPU ops elsewhere, and with float32 weights; deterministic, always the
+    layer with invariant_gemm's products."""
+    def m2(d):
+        return MambaConfig(d_model=d, n_layer=1, vocab_size=100, d_inner=2 * d, head_dim=64, n_groups=1, layer="mamba2")
+
+    for d in (768, 2560, 4096):
+        for b in range(1, 300):
+            hits = [r for r in MAMBA2_ROUTES if r.widths[0] <= d <= r.widths[1] and r.batches[0] <= b <= r.batches[1]]
+            assert len(hits) <= 1 and all(r.step == "one-row" and r.reason for r in hits)
+            p = plan_for(m2(d), torch.bfloat16, b)
+            assert p.step == ("one-row" if hits else "layer-ops") and (p.blocks is not None) == bool(hits)
+            assert plan_for(m2(d), torch.float32, b) is LAYER_OPS
+            assert plan_for(m2(d), torch.bfloat16, b, deterministic=True) is LAYER_OPS_DETERMINISTIC
+    assert plan_for(m2(768), torch.bfloat16, 4).step == "one-row" and plan_for(m2(768), torch.bfloat16, 5) is LAYER_OPS
+    assert plan_for(m2(2560), torch.bfloat16, 1).step == "one-row" and plan_for(m2(2560), torch.bfloat16, 2) is LAYER_OPS
 
 
 def test_a_plan_names_known_parts_only():

@@ -272,13 +272,16 @@ def test_the_reference_scan_with_resets_equals_the_recurrence(chunk):
     (40, 1, 2, 16, 16, "float32", [0, 5], [3, 20]),  # resets and left padding in one short chunk
     (1, 2, 4, 16, 16, "float32", None, [0]),  # a one-step pass that resets: the chunked kernels, not the step's
 ])
-@pytest.mark.parametrize("cb_once", [False, True])  # C B^T in each head's program, or once a group
-def test_the_chunked_scan_kernels_equal_their_twin(T, G, H, P, N, dtype, start, resets, cb_once, monkeypatch):
+# C B^T in each head's program, or once a group; the state passing's chunks at a time: all
+# of them at once, or 2 (blocks in turn, the last partial where there are 3 chunks)
+@pytest.mark.parametrize("cb_once,pass_cb", [(False, 32), (True, 2)])
+def test_the_chunked_scan_kernels_equal_their_twin(T, G, H, P, N, dtype, start, resets, cb_once, pass_cb, monkeypatch):
     pytest.importorskip("triton")
     from fastmamba.kernels import ssd
     from fastmamba.kernels.ssd import ssd_scan, ssd_scan_ref
 
     monkeypatch.setattr(ssd, "SSD_CB_ONCE", cb_once)
+    monkeypatch.setattr(ssd, "SSD_PASS_CB", pass_cb)
 
     g = torch.Generator().manual_seed(T)
     r = lambda *s: torch.randn(*s, generator=g).to(DEVICE)  # noqa: E731
@@ -407,14 +410,16 @@ def test_the_one_row_step_equals_the_reference(tmp_path, overrides, before, stat
     assert all(torch.equal(a[0], b[1]) for a, b in zip(alone, got[1:]))
 
 
-@pytest.mark.parametrize("before", [False, True])
-def test_the_one_row_kernels_equal_their_twins(tmp_path, before):
+# out_proj's K tiles: the default (512, wider than a group: each column's group's scale) or
+# 16 (inside one group of 64 channels: one scale a tile)
+@pytest.mark.parametrize("before,out_tile", [(False, None), (True, None), (False, 16)])
+def test_the_one_row_kernels_equal_their_twins(tmp_path, before, out_tile):
     """ssd_conv_step and gated_out_proj alone, on one layer and random inputs, against
     ssd_conv_step_ref and gated_out_proj_ref: v, both states, the residual's fold and dh."""
     pytest.importorskip("triton")
     from dataclasses import replace
 
-    from fastmamba.decode_plan import DecodePlan
+    from fastmamba.decode_plan import DecodePlan, one_row_blocks
     from fastmamba.kernels.decode_step import from_fixed, make_decode_step, to_fixed
     from fastmamba.kernels.decode_step_mamba2 import gated_out_proj_ref, ssd_conv_step_ref
     from fastmamba.model import Mamba, triton_ops
@@ -423,7 +428,11 @@ def test_the_one_row_kernels_equal_their_twins(tmp_path, before):
     loaded = fastmamba.load(folder, device=DEVICE).model
     model = Mamba(replace(loaded.config, norm_before_gate=before), loaded.weights, triton_ops())
     c, lw = model.config, model.weights.layers[0]
-    step = make_decode_step(model, 2, plan=DecodePlan("one-row"))
+    blocks = one_row_blocks(c.d_model, c.d_inner, c.vocab_size, torch.float32)
+    if out_tile:
+        blocks = replace(blocks, out_proj=(8, out_tile, 4, 640))
+    step = make_decode_step(model, 2, plan=DecodePlan("one-row", blocks=blocks))
+    assert (c.d_inner // c.n_groups) % step.BK_out == 0 if out_tile else step.BK_out > c.d_inner // c.n_groups
     g = torch.Generator().manual_seed(7)
     r = lambda *s: torch.randn(*s, generator=g).to(DEVICE)  # noqa: E731
     step.zxbcdt.copy_(r(*step.zxbcdt.shape))

@@ -279,7 +279,8 @@ def main() -> None:
                                                             NP=128, F32=dims["F32"]))
     for resets in (False, True):
         compile_kernel(sd._ssd_state_passing_kernel, ptrs("st_ptr", "layer_ptr", "cum_ptr", first_ptr="*i32"),
-                       dict(H=80, PN=64 * 128, Q=sd.SSD_CHUNK, BL=sd.SSD_PASS_BL, RESETS=resets))
+                       dict(H=80, PN=64 * 128, Q=sd.SSD_CHUNK, BL=sd.SSD_PASS_BL, CB=sd.SSD_PASS_CB, RESETS=resets),
+                       num_warps=sd.SSD_PASS_WARPS)
     # Mamba-2's one-row step (decode_step_mamba2.py) at 2.7b's and Codestral's shapes, bf16 out_proj
     for E, G, H, d in ((5120, 1, 80, 2560), (8192, 8, 128, 4096)):
         t = ptrs("zx_ptr", "cw_ptr", "cb_ptr", "dtb_ptr", "A_ptr", "D_ptr", "v_ptr", "part_ptr", "h_ptr",
@@ -292,7 +293,8 @@ def main() -> None:
         compile_kernel(s2._gated_out_proj_kernel, t, dict(E=E, G=G, N=128, H=H, K=4, KP=4, PARTS=parts, PPG=parts // G,
                                                           GP=triton.next_power_of_2(G),
                                                           PPGP=triton.next_power_of_2(parts // G), HAS_BIAS=False,
-                                                          NORM_BEFORE_GATE=False, BN=64, BK=128, BC=4, PDL=True))
+                                                          NORM_BEFORE_GATE=False, BN=64, BK=128, BC=4, TILE_IN_GROUP=True,
+                                                          PDL=True))
     res.append("mamba2 step + gated norm + chunked scan + one-row step: ok")
     t = ptrs("logits_ptr", "pen_ptr", "temp_ptr", "s_ptr", "smax_ptr", seen_ptr="*i1", best_ptr="*i64")
     compile_kernel(sp._scale_kernel, t, dict(BV=sp.BV))

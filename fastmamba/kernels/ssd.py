@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from ._triton import jit, tl, triton
 from .activations import softplus
 from .causal_conv1d import segment_starts
+from .selective_scan import _combine
 from .products import tensor_dot
 
 
@@ -169,28 +170,41 @@ def _ssd_chunk_state_kernel(
 @jit
 def _ssd_state_passing_kernel(
     st_ptr, layer_ptr, cum_ptr, first_ptr, T, n_chunks, H: tl.constexpr, PN: tl.constexpr, Q: tl.constexpr,
-    BL: tl.constexpr, RESETS: tl.constexpr,
+    BL: tl.constexpr, CB: tl.constexpr, RESETS: tl.constexpr,
 ):
-    # One program: row b, head h, BL of the P x N state's elements. Walks the chunks in
-    # order: each chunk's slot gets the state it starts from (its own end state read
-    # first), then s = exp(sum of the chunk's dt A) s + that end state (with RESETS: just
-    # the end state after a chunk with a reset in it). The layer's state is read in its
-    # dtype and written back once, rounded, after the last chunk. The element blocks vary
-    # fastest (the step kernel's reason).
+    # One program: row b, head h, BL of the P x N state's elements. Each chunk's slot holds
+    # its own end state and gets the state the chunk starts from:
+    #   start_0 = the layer's state,  start_{c+1} = exp(sum of chunk c's dt A) start_c + own_c
+    # (with RESETS, the decay is 0 after a chunk with a reset in it). CB chunks at a time:
+    # all their end states in one load, the recurrence over them as an associative scan.
+    # Walking one chunk a load at a time kept one small load in flight a program and ran
+    # at 1/7 of mamba_ssm's speed (2.7b, 1 x 8192: 263 µs against 37). The layer's state is
+    # read in its dtype and written back once, rounded, after the last chunk. The element
+    # blocks vary fastest (the step kernel's reason).
     k = tl.program_id(0) * BL + tl.arange(0, BL)
     h = tl.program_id(1)
     b64 = tl.program_id(2).to(tl.int64)
     km = k < PN
     lp = layer_ptr + (b64 * H + h) * PN + k
-    s = tl.load(lp, mask=km, other=0.0).to(tl.float32)
-    for c in range(n_chunks):
-        slot = st_ptr + ((b64 * n_chunks + c) * H + h) * PN + k
-        own = tl.load(slot, mask=km, other=0.0)
-        tl.store(slot, s, mask=km)
-        s = s * tl.exp(tl.load(cum_ptr + ((b64 * n_chunks + c) * Q + Q - 1) * H + h))
+    s = tl.load(lp, mask=km, other=0.0).to(tl.float32)  # (BL,) the state the block's first chunk starts from
+    cc = tl.arange(0, CB)
+    for c0 in range(0, n_chunks, CB):
+        c = c0 + cc
+        cm = c < n_chunks
+        slots = st_ptr + ((b64 * n_chunks + c[:, None]) * H + h) * PN + k[None, :]  # (CB, BL)
+        own = tl.load(slots, mask=cm[:, None] & km[None, :], other=0.0)
+        decay = tl.exp(tl.load(cum_ptr + ((b64 * n_chunks + c) * Q + Q - 1) * H + h, mask=cm, other=0.0))
         if RESETS:
-            s = tl.where(tl.load(first_ptr + b64 * T + tl.minimum(c * Q + Q - 1, T - 1)) < c * Q, s, 0.0)
-        s = s + own
+            decay = tl.where(tl.load(first_ptr + b64 * T + tl.minimum(c * Q + Q - 1, T - 1), mask=cm, other=0) < c * Q,
+                             decay, 0.0)
+        decay_cum, own_cum = tl.associative_scan((tl.broadcast_to(decay[:, None], (CB, BL)), own), 0, _combine)
+        ends = decay_cum * s[None, :] + own_cum  # (CB, BL): the state after each chunk = the next one's start
+        tl.debug_barrier()  # (every thread has read its end states before any slot is rewritten)
+        # chunk c0 starts from s; chunk c + 1 (inside this block) from chunk c's end
+        tl.store(slots, tl.where((cc == 0)[:, None], s[None, :], 0.0), mask=(cc == 0)[:, None] & km[None, :])
+        tl.store(slots + H * PN, ends, mask=((cc < CB - 1) & (c + 1 < n_chunks))[:, None] & km[None, :])
+        last = tl.minimum(n_chunks - c0, CB) - 1  # the block's last chunk: its end is the next block's start
+        s = tl.sum(tl.where((cc == last)[:, None], ends, 0.0), 0)
     tl.store(lp, s.to(layer_ptr.dtype.element_ty), mask=km)
 
 
@@ -286,12 +300,15 @@ def _ssd_chunk_scan_kernel(
 
 # The chunked SSD's tiles: chunks of SSD_CHUNK steps (the per-chunk states, H x P x N
 # float32 each, are its memory traffic: fewer, longer chunks move less); the chunk scan's
-# programs take SSD_BT steps and sum over SSD_BS at a time; the state passing BL elements.
+# programs take SSD_BT steps and sum over SSD_BS at a time; the state passing BL elements
+# and CB chunks at a time (benchmarks/tune_ssd_pass.py).
 SSD_CHUNK = 256
 SSD_BT = 64
 SSD_BS = 64
 SSD_STATE_BP = 64
-SSD_PASS_BL = 1024
+SSD_PASS_BL = 128
+SSD_PASS_CB = 32
+SSD_PASS_WARPS = 4
 # C B^T once a group and chunk, in a kernel of its own, for the chunk scan's heads to read,
 # in place of each head's program computing it: a candidate, off until measured against
 # the default (`benchmarks/mamba2.py --scan-kernels` times both).
@@ -337,8 +354,8 @@ def ssd_scan(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=No
         BS=BS, BP=min(BP, SSD_STATE_BP), **common, num_warps=4,
     )
     _ssd_state_passing_kernel[(triton.cdiv(P * N, SSD_PASS_BL), H, Bsz)](
-        states, state, cum, first, T, n_chunks, H=H, PN=P * N, Q=Q, BL=SSD_PASS_BL, RESETS=resets is not None,
-        num_warps=4,
+        states, state, cum, first, T, n_chunks, H=H, PN=P * N, Q=Q, BL=SSD_PASS_BL,
+        CB=min(SSD_PASS_CB, triton.next_power_of_2(n_chunks)), RESETS=resets is not None, num_warps=SSD_PASS_WARPS,
     )
     BT = min(SSD_BT, Q)
     cb = states  # (unread unless SSD_CB_ONCE)
