@@ -57,7 +57,8 @@ def test_mamba2_plans_follow_their_table():
             assert plan_for(m2(d), torch.float32, b) is LAYER_OPS
             assert plan_for(m2(d), torch.bfloat16, b, deterministic=True) is LAYER_OPS_DETERMINISTIC
     assert plan_for(m2(768), torch.bfloat16, 4).step == "one-row" and plan_for(m2(768), torch.bfloat16, 5) is LAYER_OPS
-    assert plan_for(m2(2560), torch.bfloat16, 1).step == "one-row" and plan_for(m2(2560), torch.bfloat16, 2) is LAYER_OPS
+    for d in (2560, 4096):
+        assert plan_for(m2(d), torch.bfloat16, 1).step == "one-row" and plan_for(m2(d), torch.bfloat16, 2) is LAYER_OPS
 
 
 def test_a_plan_names_known_parts_only():
