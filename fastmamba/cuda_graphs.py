@@ -12,7 +12,9 @@ a replay, captured once per batch size and sampler: the decode step's own speed
 
 from __future__ import annotations
 
-from typing import Callable
+import gc
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 
@@ -33,9 +35,25 @@ def capture_graph(body: Callable[[], object], pool=None) -> tuple[torch.cuda.CUD
             body()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with no_cyclic_gc(), torch.cuda.graph(graph, pool=pool):
         out = body()
     return graph, out
+
+
+@contextmanager
+def no_cyclic_gc() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside, as it was after. A collection inside a
+    capture may free a dead engine's CUDA graph (a reference cycle holding it), and
+    destroying a graph while a stream captures invalidates the capture
+    (cudaErrorStreamCaptureInvalidated: seen on the GPU with a second model loaded in one
+    process). torch.cuda.graph no longer collects before a capture."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 STEPS_PER_READ = 4  # decode steps per graph replay when timing the step (launch cost spread over 4)

@@ -137,3 +137,40 @@ def test_chunk_prefill_graphs_continue_a_slot_as_the_eager_prefill_does(text_che
     torch.testing.assert_close(pool.ssm[:, rows], eager.ssm, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(pool.conv[:, rows], eager.conv, rtol=1e-4, atol=1e-4)
     assert torch.equal(pool.ssm[:, [0, 2, 4]], others)
+
+
+def test_the_cyclic_gc_is_off_inside_a_graph_capture(monkeypatch):
+    """capture_graph runs the captured call with Python's cyclic GC off (a collection there
+    may destroy a dead engine's graph mid-capture), the warm-ups with it on, and leaves it
+    as it found it, also when the body raises. torch.cuda's stream and graph calls are
+    stood in for: no GPU here."""
+    import contextlib
+    import gc
+    from types import SimpleNamespace
+
+    from fastmamba import cuda_graphs
+
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None: contextlib.nullcontext())
+    seen = []
+    graph, out = cuda_graphs.capture_graph(lambda: seen.append(gc.isenabled()) or len(seen))
+    assert seen == [True, True, False] and out == 3 and gc.isenabled()
+
+    def fails():
+        seen.append(gc.isenabled())
+        if len(seen) > 5:
+            raise RuntimeError("capture failed")
+    with pytest.raises(RuntimeError):
+        cuda_graphs.capture_graph(fails)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with cuda_graphs.no_cyclic_gc():
+            pass
+        assert not gc.isenabled()  # it was off before: it stays off
+    finally:
+        gc.enable()
