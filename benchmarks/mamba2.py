@@ -8,7 +8,7 @@ causal_conv1d: its conv steps take its PyTorch fallback). Put the source where P
 it (PYTHONPATH), e.g. the `mamba_ssm` folder of github.com/state-spaces/mamba.
 
     PYTHONPATH=.peer:. python benchmarks/mamba2.py --models mamba2-130m,mamba2-2.7b,codestral-7b --json m2.json
-    python benchmarks/mamba2.py --plans --batches 1,8,32,128   # the decode plans' products, ours alone
+    python benchmarks/mamba2.py --plans --batches 1,8,32,128   # the decode plans (one-row, cuBLAS, Triton products), ours alone
     PYTHONPATH=.peer:. python benchmarks/mamba2.py --scan-kernels  # where the scan's time goes, both sides
 """
 
@@ -73,7 +73,8 @@ def main() -> None:
     ap.add_argument("--models", default="mamba2-130m,mamba2-2.7b,codestral-7b")
     ap.add_argument("--batches", default="1,128")
     ap.add_argument("--plans", action="store_true",
-                    help="only our decode at each batch under both Mamba-2 plans (cuBLAS or Triton products)")
+                    help="only our decode at each batch under each Mamba-2 plan (the one-row step up to batch 32, the "
+                    "layer over the GPU ops with cuBLAS or Triton products)")
     ap.add_argument("--scan-kernels", action="store_true",
                     help="only the scan alone at 1 x 8192, with each side's kernels' GPU time (torch.profiler)")
     ap.add_argument("--json")
