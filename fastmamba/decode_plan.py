@@ -1,7 +1,8 @@
 """The decode plan: which decode step runs, with which products, for every model width,
-weight dtype, batch size and mode. One table a layer type (ROUTES, MAMBA2_ROUTES), a line of reason per entry, read by
-`plan_for`; nothing else in the code holds a routing threshold. Scripts that try another
-plan build a DecodePlan (dataclasses.replace) and pass it to make_decode_step.
+weight dtype, batch size and mode. One table a layer type (ROUTES, MAMBA2_ROUTES), a line
+of reason per entry, read by `plan_for`; nothing else in the code holds a routing
+threshold. Scripts that try another plan build a DecodePlan (dataclasses.replace) and pass
+it to make_decode_step.
 
 The steps (docs/architecture.md, "Decode"):
 - "one-row" (kernels/decode_step.DecodeStep): one row a program, float32 multiply-and-sum

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from ._triton import jit, tl, triton
 from .activations import softplus
 from .causal_conv1d import segment_starts
-from .selective_scan import _combine
 from .products import tensor_dot
+from .selective_scan import _combine
 
 
 def ssd_ref(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
@@ -313,8 +313,8 @@ SSD_PASS_BL = 512
 SSD_PASS_CB = 8
 SSD_PASS_WARPS = 4
 # C B^T once a group and chunk, in a kernel of its own, for the chunk scan's heads to read,
-# in place of each head's program computing it: a candidate, off until measured against
-# the default (`benchmarks/mamba2.py --scan-kernels` times both).
+# in place of each head's program computing it: measured slower (2.7b's scan 0.853 ms
+# against 0.820, Codestral's 1.275 / 1.221; `benchmarks/mamba2.py --scan-kernels`), so off.
 SSD_CB_ONCE = False
 
 
