@@ -410,6 +410,30 @@ def test_the_one_row_step_equals_the_reference(tmp_path, overrides, before, stat
     assert all(torch.equal(a[0], b[1]) for a, b in zip(alone, got[1:]))
 
 
+def test_the_one_row_and_layer_ops_steps_take_turns_on_one_state(tmp_path):
+    """The engine may decode a slot at batch 1 (the one-row step) and then in a larger
+    bucket (the layer over the GPU ops), or back: both steps read and write the same
+    state layout, so steps alternating between them continue the reference's."""
+    pytest.importorskip("triton")
+    from fastmamba.decode_plan import LAYER_OPS, DecodePlan
+    from fastmamba.kernels.decode_step import make_decode_step
+    from fastmamba.model import Mamba, triton_ops
+
+    folder, _ = save_mamba2(tmp_path / "m", n_groups=2, use_bias=True)
+    ref = fastmamba.load(folder).model
+    ours = Mamba(ref.config, fastmamba.load(folder, device=DEVICE).model.weights, triton_ops())
+    steps = [make_decode_step(ours, 2, plan=DecodePlan("one-row")), make_decode_step(ours, 2, plan=LAYER_OPS)]
+    assert [type(s).__name__ for s in steps] == ["Mamba2DecodeStep", "OpsDecodeStep"]
+    x = ids(2, 15)
+    s_ref, s_ours = ref.new_state(2), ours.new_state(2)
+    ref.prefill(x[:, :9], s_ref, last_only=True), ours.prefill(x[:, :9].to(DEVICE), s_ours, last_only=True)
+    for t in range(9, 15):
+        want = ref.step(x[:, t], s_ref)
+        got = steps[t % 2](x[:, t].to(DEVICE), s_ours)
+        assert relative_error(got.cpu(), want) < 1e-4, t
+    assert relative_error(s_ours.ssm.cpu(), s_ref.ssm) < 1e-4 and relative_error(s_ours.conv.cpu(), s_ref.conv) < 1e-4
+
+
 # out_proj's K tiles: the default (512, wider than a group: each column's group's scale) or
 # 16 (inside one group of 64 channels: one scale a tile)
 @pytest.mark.parametrize("before,out_tile", [(False, None), (True, None), (False, 16)])
