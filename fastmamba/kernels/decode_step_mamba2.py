@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from ._triton import jit, tl, triton
 from .activations import silu, softplus
 from .decode_step import DecodeStep, _add_fixed, _mm, _residual_tile, _split_k_start
-from .gated_norm import gated_rmsnorm_ref
+from .gated_norm import gated_rmsnorm_ref, group_rmsnorm_ref
 from .pdl import let_next_kernel_launch, wait_for_prior_kernel
 from .ssd import ssd_scan_ref
 
@@ -64,8 +64,7 @@ def gated_out_proj_ref(v, zxbcdt, lw, c) -> torch.Tensor:
     if c.norm_before_gate:
         u = gated_rmsnorm_ref(v, z, lw.gate_norm_w, G, c.norm_eps, True)
     else:  # v is y * silu(z) already: its group norm, with no gate after
-        parts = v.unflatten(-1, (G, -1))
-        u = (parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + c.norm_eps)).flatten(-2) * lw.gate_norm_w
+        u = group_rmsnorm_ref(v, lw.gate_norm_w, G, c.norm_eps)
     return F.linear(u, lw.out_proj_w.float(), lw.out_proj_b)
 
 

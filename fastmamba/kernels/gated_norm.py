@@ -9,15 +9,19 @@ import torch.nn.functional as F
 from ._triton import jit, tl, triton
 
 
+def group_rmsnorm_ref(h: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
+    """h (..., E) float32 -> RMSNorm over each of `groups` equal parts of E, times weight."""
+    parts = h.unflatten(-1, (groups, -1))
+    return (parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2) * weight
+
+
 def gated_rmsnorm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, groups: int, eps: float,
                       norm_before_gate: bool = False, out_dtype=None) -> torch.Tensor:
     """RMSNorm over each of `groups` equal parts of the last dimension, gated by silu(z):
     of y * silu(z) (norm_before_gate False, every public checkpoint), else norm(y) * silu(z).
     float32 (out_dtype: the Triton kernel's; the reference keeps float32)."""
     gate = F.silu(z.float())
-    h = y.float() if norm_before_gate else y.float() * gate
-    parts = h.unflatten(-1, (groups, -1))
-    h = (parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2) * weight
+    h = group_rmsnorm_ref(y.float() if norm_before_gate else y.float() * gate, weight, groups, eps)
     return h * gate if norm_before_gate else h
 
 
