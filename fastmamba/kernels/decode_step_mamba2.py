@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import jit, tl, triton
-from .activations import silu, softplus
+from .activations import silu
 from .decode_step import DecodeStep, _add_fixed, _mm, _residual_tile, _split_k_start
 from .gated_norm import gated_rmsnorm_ref, group_rmsnorm_ref
 from .pdl import let_next_kernel_launch, wait_for_prior_kernel
-from .ssd import ssd_scan_ref
+from .ssd import ssd_scan_ref, ssd_step_update
 
 # -- reference twins -------------------------------------------------------------------------
 
@@ -132,9 +132,7 @@ def _ssd_conv_step_kernel(
     Bv = silu(tl.sum(bwin * bw, 1) + tl.load(zx + E + bch, mask=nm, other=0.0) * bw_new + bb)
     Cv = silu(tl.sum(cwin * cw, 1) + tl.load(zx + E + cch, mask=nm, other=0.0) * cw_new + cb)
     Bv, Cv = tl.where(nm, Bv, 0.0), tl.where(nm, Cv, 0.0)
-    dt = softplus(tl.load(zx + 2 * E + 2 * G * N + h) + dtb)
-    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-    s = s * tl.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
+    s = ssd_step_update(s, x, Bv, tl.load(zx + 2 * E + 2 * G * N + h), dtb, A, dt_min, dt_max)
     y = tl.sum(s * Cv[None, :], 1) + Dv * x
     if not NORM_BEFORE_GATE:
         y = y * silu(tl.load(zx + xch, mask=pm, other=0.0))

@@ -94,6 +94,15 @@ def ssd_scan_ref(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, star
 
 
 @jit
+def ssd_step_update(s, x, Bv, dt_raw, dt_bias, A, dt_min, dt_max):
+    """One step of a head's channels' states s (BP, NP) float32, from x (BP,), the group's B
+    (NP,) and in_proj's raw step size: s exp(dt A) + dt x (outer) B, with
+    dt = softplus(dt_raw + dt_bias) clamped to [dt_min, dt_max]. (y = s C + D x follows.)"""
+    dt = tl.minimum(tl.maximum(softplus(dt_raw + dt_bias), dt_min), dt_max)
+    return s * tl.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
+
+
+@jit
 def _ssd_step_kernel(
     x_ptr, sxb, B_ptr, C_ptr, sbb, dt_ptr, sdb, dtb_ptr, A_ptr, D_ptr, st_ptr, y_ptr, heads_per_group, dt_min, dt_max,
     H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, NP: tl.constexpr,
@@ -110,16 +119,14 @@ def _ssd_step_kernel(
     n = tl.arange(0, NP)
     pm, nm = p < P, n < N
     g = h // heads_per_group
-    dt = softplus(tl.load(dt_ptr + b64 * sdb + h).to(tl.float32) + tl.load(dtb_ptr + h))
-    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-    decay = tl.exp(dt * tl.load(A_ptr + h))
     x = tl.load(x_ptr + b64 * sxb + h * P + p, mask=pm, other=0.0).to(tl.float32)
     Bv = tl.load(B_ptr + b64 * sbb + g * N + n, mask=nm, other=0.0).to(tl.float32)
     Cv = tl.load(C_ptr + b64 * sbb + g * N + n, mask=nm, other=0.0).to(tl.float32)
     sp = st_ptr + ((b64 * H + h) * P + p[:, None]) * N + n[None, :]
     sm = pm[:, None] & nm[None, :]
-    s = tl.load(sp, mask=sm, other=0.0).to(tl.float32)
-    s = s * decay + (dt * x)[:, None] * Bv[None, :]
+    s = ssd_step_update(tl.load(sp, mask=sm, other=0.0).to(tl.float32), x, Bv,
+                        tl.load(dt_ptr + b64 * sdb + h).to(tl.float32), tl.load(dtb_ptr + h), tl.load(A_ptr + h),
+                        dt_min, dt_max)
     tl.store(sp, s.to(st_ptr.dtype.element_ty), mask=sm)
     y = tl.sum(s * Cv[None, :], 1) + tl.load(D_ptr + h) * x
     tl.store(y_ptr + b64 * H * P + h * P + p, y, mask=pm)
