@@ -208,7 +208,7 @@ def _ssd_state_passing_kernel(
         ends = decay_cum * s[None, :] + own_cum  # (CB, BL): the state after each chunk = the next one's start
         tl.debug_barrier()  # (every thread has read its end states before any slot is rewritten)
         # chunk c0 starts from s; chunk c + 1 (inside this block) from chunk c's end
-        tl.store(slots, tl.where((cc == 0)[:, None], s[None, :], 0.0), mask=(cc == 0)[:, None] & km[None, :])
+        tl.store(slots, tl.broadcast_to(s[None, :], (CB, BL)), mask=(cc == 0)[:, None] & km[None, :])
         tl.store(slots + H * PN, ends, mask=((cc < CB - 1) & (c + 1 < n_chunks))[:, None] & km[None, :])
         last = tl.minimum(n_chunks - c0, CB) - 1  # the block's last chunk: its end is the next block's start
         s = tl.sum(tl.where((cc == last)[:, None], ends, 0.0), 0)
