@@ -155,10 +155,16 @@ def scan_rows(size: str, c, emit, kernels: bool = False) -> None:
     A, D, bias = -torch.rand(H, device="cuda") - 0.5, torch.ones(H, device="cuda"), torch.zeros(H, device="cuda")
     state = torch.zeros(B, H, P, N, device="cuda")
     xb, Bb, Cb = x.bfloat16(), Bm.bfloat16(), Cm.bfloat16()  # (both in bf16, as a bf16 model's conv gives them)
-    ours = ms_of(lambda: ssd_scan(xb, dt, bias, c.dt_limit, A, Bb, Cb, D, state, c.chunk_size))
-    theirs = ms_of(lambda: mamba_chunk_scan_combined(xb, dt, A, Bb, Cb, c.chunk_size, D=D, dt_bias=bias,
-                                                     dt_softplus=True, return_final_states=True))
-    emit(model=size, scan=f"{B}x{T} H{H} P{P} G{G} N{N}", fastmamba_ms=round(ours, 3), mamba_ssm_ms=round(theirs, 3))
+
+    def ours():
+        return ssd_scan(xb, dt, bias, c.dt_limit, A, Bb, Cb, D, state, c.chunk_size)
+
+    def theirs():
+        return mamba_chunk_scan_combined(xb, dt, A, Bb, Cb, c.chunk_size, D=D, dt_bias=bias, dt_softplus=True,
+                                         return_final_states=True)
+
+    emit(model=size, scan=f"{B}x{T} H{H} P{P} G{G} N{N}", fastmamba_ms=round(ms_of(ours), 3),
+         mamba_ssm_ms=round(ms_of(theirs), 3))
     if kernels:  # and by kernel, ours with C B^T in each head's program and once a group (ssd.SSD_CB_ONCE)
         from profile_step import print_kernel_times
 
@@ -169,14 +175,10 @@ def scan_rows(size: str, c, emit, kernels: bool = False) -> None:
             for cb_once in (default, not default):  # (the default's time is the row above)
                 ssd.SSD_CB_ONCE = cb_once
                 if cb_once != default:
-                    ms = ms_of(lambda: ssd_scan(xb, dt, bias, c.dt_limit, A, Bb, Cb, D, state, c.chunk_size))
-                    emit(model=size, scan=f"{B}x{T}", cb_once=cb_once, fastmamba_ms=round(ms, 3))
-                print_kernel_times(lambda: ssd_scan(xb, dt, bias, c.dt_limit, A, Bb, Cb, D, state, c.chunk_size),
-                                   f"{size} fastmamba scan, SSD_CB_ONCE={cb_once}", rows=8)
+                    emit(model=size, scan=f"{B}x{T}", cb_once=cb_once, fastmamba_ms=round(ms_of(ours), 3))
+                print_kernel_times(ours, f"{size} fastmamba scan, SSD_CB_ONCE={cb_once}", rows=8)
             ssd.SSD_CB_ONCE = default
-            print_kernel_times(lambda: mamba_chunk_scan_combined(xb, dt, A, Bb, Cb, c.chunk_size, D=D, dt_bias=bias,
-                                                                 dt_softplus=True, return_final_states=True),
-                               f"{size} mamba_ssm scan", rows=8)
+            print_kernel_times(theirs, f"{size} mamba_ssm scan", rows=8)
 
 
 if __name__ == "__main__":
