@@ -344,12 +344,16 @@ def test_the_gated_norm_kernel_equals_its_twin(groups, before, out_dtype):
     assert relative_error(out.float(), ref) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_the_gpu_engines_model_equals_the_reference(tmp_path, monkeypatch, deterministic):
+# take_turns: the one-row step and the plan's take turns on one state, as when the engine
+# decodes a slot at batch 1 and then in a larger bucket, or back (both read and write the
+# same state layout)
+@pytest.mark.parametrize("deterministic,take_turns", [(False, False), (True, False), (False, True)])
+def test_the_gpu_engines_model_equals_the_reference(tmp_path, monkeypatch, deterministic, take_turns):
     """The model over the GPU ops (cuBLAS products, or invariant_gemm's; the Triton conv,
     norms and scan step) against the reference: a prefill, then decode steps through the
-    decode plan's step."""
+    decode plan's step (or it and the one-row step in turn): logits and both states."""
     pytest.importorskip("triton")
+    from fastmamba.decode_plan import DecodePlan
     from fastmamba.kernels import ssd
     from fastmamba.kernels.decode_step import make_decode_step
     from fastmamba.model import Mamba, triton_ops
@@ -359,16 +363,21 @@ def test_the_gpu_engines_model_equals_the_reference(tmp_path, monkeypatch, deter
     ours = Mamba(ref.config, fastmamba.load(folder, device=DEVICE).model.weights, triton_ops())
     step = make_decode_step(ours, 2, deterministic)
     assert step.plan.step == "layer-ops" and bool(step.plan.cublas) != deterministic
+    steps = [step]
+    if take_turns:
+        steps.insert(0, make_decode_step(ours, 2, plan=DecodePlan("one-row")))
+        assert type(steps[0]).__name__ == "Mamba2DecodeStep"
     x = ids(2, 15)
     s_ref, s_ours = ref.new_state(2), ours.new_state(2)
     want = [ref.prefill(x[:, :9], s_ref, last_only=True)] + [ref.step(x[:, t], s_ref) for t in range(9, 15)]
     got = [ours.prefill(x[:, :9].to(DEVICE), s_ours, last_only=True)]
     with monkeypatch.context() as m:  # the steps take the step kernel, not the reference scan
         m.setattr(ssd, "ssd_scan_ref", lambda *a, **k: pytest.fail("a decode step fell back to ssd_scan_ref"))
-        got += [step(x[:, t].to(DEVICE), s_ours) for t in range(9, 15)]
+        # (clones: the one-row step's logits are a view of its buffer, rewritten each call)
+        got += [steps[t % len(steps)](x[:, t].to(DEVICE), s_ours).clone() for t in range(9, 15)]
     for a, b in zip(got, want):
         assert relative_error(a.cpu(), b) < 1e-4
-    assert relative_error(s_ours.ssm.cpu(), s_ref.ssm) < 1e-4
+    assert relative_error(s_ours.ssm.cpu(), s_ref.ssm) < 1e-4 and relative_error(s_ours.conv.cpu(), s_ref.conv) < 1e-4
 
 
 @pytest.mark.parametrize("overrides,before,state_dtype", [
@@ -408,30 +417,6 @@ def test_the_one_row_step_equals_the_reference(tmp_path, overrides, before, stat
     one = make_decode_step(ours, 1, plan=DecodePlan("one-row"))
     alone = [one(x[1:2, t].to(DEVICE), alone_state).clone() for t in range(9, 14)]
     assert all(torch.equal(a[0], b[1]) for a, b in zip(alone, got[1:]))
-
-
-def test_the_one_row_and_layer_ops_steps_take_turns_on_one_state(tmp_path):
-    """The engine may decode a slot at batch 1 (the one-row step) and then in a larger
-    bucket (the layer over the GPU ops), or back: both steps read and write the same
-    state layout, so steps alternating between them continue the reference's."""
-    pytest.importorskip("triton")
-    from fastmamba.decode_plan import LAYER_OPS, DecodePlan
-    from fastmamba.kernels.decode_step import make_decode_step
-    from fastmamba.model import Mamba, triton_ops
-
-    folder, _ = save_mamba2(tmp_path / "m", n_groups=2, use_bias=True)
-    ref = fastmamba.load(folder).model
-    ours = Mamba(ref.config, fastmamba.load(folder, device=DEVICE).model.weights, triton_ops())
-    steps = [make_decode_step(ours, 2, plan=DecodePlan("one-row")), make_decode_step(ours, 2, plan=LAYER_OPS)]
-    assert [type(s).__name__ for s in steps] == ["Mamba2DecodeStep", "OpsDecodeStep"]
-    x = ids(2, 15)
-    s_ref, s_ours = ref.new_state(2), ours.new_state(2)
-    ref.prefill(x[:, :9], s_ref, last_only=True), ours.prefill(x[:, :9].to(DEVICE), s_ours, last_only=True)
-    for t in range(9, 15):
-        want = ref.step(x[:, t], s_ref)
-        got = steps[t % 2](x[:, t].to(DEVICE), s_ours)
-        assert relative_error(got.cpu(), want) < 1e-4, t
-    assert relative_error(s_ours.ssm.cpu(), s_ref.ssm) < 1e-4 and relative_error(s_ours.conv.cpu(), s_ref.conv) < 1e-4
 
 
 # out_proj's K tiles: the default (512, wider than a group: each column's group's scale) or
