@@ -1,9 +1,9 @@
 """Times Mamba-2's chunked-scan state passing alone (kernels/ssd.py
 `_ssd_state_passing_kernel`) at the public shapes for several tiles (state elements a
 program, chunks a load, warps), beside mamba_ssm's `_state_passing_fwd` (if its source is
-on the path; it writes its states in the operands' 16-bit dtype, ours float32) and the
-floor: the per-chunk states read and written once, float32, at the copy rate. Chooses
-SSD_PASS_BL, SSD_PASS_CB and SSD_PASS_WARPS.
+on the path) and the floor: the per-chunk states read once in float32 and the states the
+chunks start from written once in bf16 (both sides write them in the operands' dtype), at
+the copy rate. Chooses SSD_PASS_BL, SSD_PASS_CB and SSD_PASS_WARPS.
 
     PYTHONPATH=.peer:. python benchmarks/tune_ssd_pass.py --models mamba2-2.7b,codestral-7b
 """
@@ -30,13 +30,14 @@ def ours_us(B, T, H, P, N, BL, CB, warps):
     Q = ssd.SSD_CHUNK
     n_chunks = triton.cdiv(T, Q)
     states = torch.randn(B, n_chunks, H, P, N, device="cuda")
+    starts = torch.empty(B, n_chunks, H, P, N, device="cuda", dtype=torch.bfloat16)
     layer = torch.randn(B, H, P, N, device="cuda")
     cum = -torch.rand(B, n_chunks, Q, H, device="cuda").cumsum(2)
 
     def run():
         ssd._ssd_state_passing_kernel[(triton.cdiv(P * N, BL), H, B)](
-            states, layer, cum, cum, T, n_chunks, H=H, PN=P * N, Q=Q, BL=BL, CB=min(CB, triton.next_power_of_2(n_chunks)),
-            RESETS=False, num_warps=warps)
+            states, starts, layer, cum, cum, T, n_chunks, H=H, PN=P * N, Q=Q, BL=BL,
+            CB=min(CB, triton.next_power_of_2(n_chunks)), RESETS=False, num_warps=warps)
     return do_bench(run, warmup=10, rep=50) * 1e3
 
 
@@ -59,12 +60,12 @@ def main():
     ap.add_argument("--passes", default="1x8192,8x2048")
     args = ap.parse_args()
     rate = copy_bandwidth()
-    print(f"copy rate {rate / 1e12:.2f} TB/s; µs a layer's state passing (floor: the chunks' states read and "
-          "written once, float32)")
+    print(f"copy rate {rate / 1e12:.2f} TB/s; µs a layer's state passing (floor: the chunks' states read once, "
+          "float32, and their starts written once, bf16)")
     for name, shape in itertools.product(args.models.split(","), args.passes.split(",")):
         H, P, N = SHAPES[name]
         B, T = map(int, shape.split("x"))
-        floor = 2 * B * triton.cdiv(T, ssd.SSD_CHUNK) * H * P * N * 4 / rate * 1e6
+        floor = B * triton.cdiv(T, ssd.SSD_CHUNK) * H * P * N * (4 + 2) / rate * 1e6
         times = {(bl, cb, w): ours_us(B, T, H, P, N, bl, cb, w)
                  for bl in (64, 128, 256, 512) for cb in (8, 16, 32) for w in (2, 4, 8) if bl * cb <= 8192}
         best = min(times, key=times.get)
@@ -72,7 +73,7 @@ def main():
         peer = peer_us(B, T, H, P, N)
         print(f"{name} {shape}: floor {floor:.1f}; now {now} {times.get(now, float('nan')):.1f}; "
               f"best {best} {times[best]:.1f} ({floor / times[best]:.0%} of floor); "
-              f"mamba_ssm (16-bit states out) {'-' if peer is None else f'{peer:.1f}'}")
+              f"mamba_ssm {'-' if peer is None else f'{peer:.1f}'}")
         print("   " + " ".join(f"{bl}/{cb}/{w}:{t:.0f}" for (bl, cb, w), t in sorted(times.items())))
 
 

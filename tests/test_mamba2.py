@@ -289,13 +289,16 @@ def test_the_chunked_scan_kernels_equal_their_twin(T, G, H, P, N, dtype, start, 
     buf = r(B, T, H * P + 2 * G * N).to(getattr(torch, dtype))  # x, B, C side by side, as the conv writes them
     x = buf[..., :H * P].unflatten(-1, (H, P))
     Bm, Cm = (buf[..., H * P + k * G * N:H * P + (k + 1) * G * N].unflatten(-1, (G, N)) for k in (0, 1))
-    dt, dt_bias, A, D = r(B, T, H) - 1, 0.3 * r(H), -torch.rand(H, generator=g).to(DEVICE) - 0.3, r(H)
+    dt = (r(B, T, H + 3) - 1)[..., 1:H + 1]  # in_proj's raw step sizes: a view, its rows wider than H
+    dt_bias, A, D = 0.3 * r(H), -torch.rand(H, generator=g).to(DEVICE) - 0.3, r(H)
     state = r(B, H, P, N)
     ours, ref = state.clone(), state.clone()
+    # the cases with left padding also clamp the step sizes (both bounds bind on these draws)
+    limit = (0.2, 1.0) if start else (0.0, float("inf"))
     start = torch.tensor(start, dtype=torch.int32, device=DEVICE) if start else None
     resets = reset_flags(B, T, resets).to(DEVICE) if resets else None
-    y = ssd_scan(x, dt, dt_bias, (0.0, float("inf")), A, Bm, Cm, D, ours, 8, start, resets)
-    y_ref = ssd_scan_ref(x, dt, dt_bias, (0.0, float("inf")), A, Bm, Cm, D, ref, 8, start, resets)
+    y = ssd_scan(x, dt, dt_bias, limit, A, Bm, Cm, D, ours, 8, start, resets)
+    y_ref = ssd_scan_ref(x, dt, dt_bias, limit, A, Bm, Cm, D, ref, 8, start, resets)
     tol = 1e-2 if dtype == "bfloat16" else (1e-5 if DEVICE == "cpu" else 1e-4)
     assert relative_error(y, y_ref) < tol and relative_error(ours, ref) < tol
 

@@ -269,7 +269,7 @@ def main() -> None:
     for xdt, resets in itertools.product(("*bf16", "*fp32"), (False, True)):
         dims = dict(H=80, P=64, N=128, Q=sd.SSD_CHUNK, NP=128, F32=xdt == "*fp32", RESETS=resets)
         t = ptrs("dt_ptr", "cum_ptr", "st_ptr", "D_ptr", "y_ptr", "cb_ptr", x_ptr=xdt, B_ptr=xdt, C_ptr=xdt,
-                 first_ptr="*i32")
+                 starts_ptr=xdt, first_ptr="*i32")
         compile_kernel(sd._ssd_chunk_state_kernel, t, dict(BS=sd.SSD_BS, BP=sd.SSD_STATE_BP, **dims))
         for cb_once in (False, True):
             compile_kernel(sd._ssd_chunk_scan_kernel, t, dict(BT=sd.SSD_BT, BS=sd.SSD_BS, BP=64, CB_ONCE=cb_once, G=1,
@@ -277,10 +277,15 @@ def main() -> None:
         if not resets:
             compile_kernel(sd._ssd_chunk_cb_kernel, t, dict(G=1, N=128, Q=sd.SSD_CHUNK, BT=sd.SSD_BT, BS=sd.SSD_BS,
                                                             NP=128, F32=dims["F32"]))
-    for resets in (False, True):
-        compile_kernel(sd._ssd_state_passing_kernel, ptrs("st_ptr", "layer_ptr", "cum_ptr", first_ptr="*i32"),
+    for resets, starts in ((False, "*bf16"), (True, "*bf16"), (False, "*fp32")):
+        compile_kernel(sd._ssd_state_passing_kernel, ptrs("st_ptr", "layer_ptr", "cum_ptr", starts_ptr=starts,
+                                                          first_ptr="*i32"),
                        dict(H=80, PN=64 * 128, Q=sd.SSD_CHUNK, BL=sd.SSD_PASS_BL, CB=sd.SSD_PASS_CB, RESETS=resets),
                        num_warps=sd.SSD_PASS_WARPS)
+    for start in (False, True):  # the step sizes and their running sums, from in_proj's float32 output
+        compile_kernel(sd._ssd_step_sizes_kernel, ptrs("dt_ptr", "dtb_ptr", "A_ptr", "out_ptr", "cum_ptr",
+                                                       start_ptr="*i32", dt_min="fp32", dt_max="fp32"),
+                       dict(H=80, Q=sd.SSD_CHUNK, BH=sd.SSD_SIZES_BH, START=start))
     # Mamba-2's one-row step (decode_step_mamba2.py) at 2.7b's and Codestral's shapes, bf16 out_proj
     for E, G, H, d in ((5120, 1, 80, 2560), (8192, 8, 128, 4096)):
         t = ptrs("zx_ptr", "cw_ptr", "cb_ptr", "dtb_ptr", "A_ptr", "D_ptr", "v_ptr", "part_ptr", "h_ptr",

@@ -11,8 +11,8 @@ chunk, a scan across chunks. `ssd_scan` is the Triton engine's:
   (`_ssd_chunk_state_kernel`), the states passed from chunk to chunk
   (`_ssd_state_passing_kernel`: the state each chunk starts from, and the layer's new
   state), and each chunk's outputs (`_ssd_chunk_scan_kernel`: the masked C B^T product
-  within the chunk, plus C times the state it starts from). The step sizes' running sums
-  inside each chunk come from torch (a (B, T, H) cumsum).
+  within the chunk, plus C times the state it starts from). A fourth kernel before them,
+  `_ssd_step_sizes_kernel`, gives the step sizes and their running sums inside each chunk.
 Resets (B, T) (the state is zero before step t: an episode's or a packed sequence's start)
 enter the chunked kernels as each step's latest reset (causal_conv1d.segment_starts), a
 constexpr branch each: a term from step s reaches step t only where both name the same
@@ -138,6 +138,32 @@ SSD_STEP_WARPS = 1
 
 
 @jit
+def _ssd_step_sizes_kernel(
+    dt_ptr, sdb, sdt, dtb_ptr, A_ptr, start_ptr, out_ptr, cum_ptr, T, n_chunks, dt_min, dt_max,
+    H: tl.constexpr, Q: tl.constexpr, BH: tl.constexpr, START: tl.constexpr,
+):
+    # One program: row b, chunk c, BH heads. The step sizes clamp(softplus(dt + dt_bias)),
+    # zero before the row's start and past T, into out (B, T, H) float32; the running sums of
+    # dt A over the chunk's steps into cum (B, chunks, Q, H). In torch these were six
+    # elementwise passes and a cumsum over an outer axis (53 µs a layer at 2.7b, 1 x 8192).
+    b64 = (tl.program_id(0) // n_chunks).to(tl.int64)
+    c = tl.program_id(0) % n_chunks
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    q = tl.arange(0, Q)
+    t = c * Q + q
+    hm = h < H
+    live = t < T
+    if START:
+        live = live & (t >= tl.load(start_ptr + b64))
+    raw = tl.load(dt_ptr + b64 * sdb + t[:, None] * sdt + h[None, :], mask=live[:, None] & hm[None, :], other=0.0)
+    d = softplus(raw.to(tl.float32) + tl.load(dtb_ptr + h, mask=hm, other=0.0)[None, :])
+    d = tl.where(live[:, None], tl.minimum(tl.maximum(d, dt_min), dt_max), 0.0)  # (Q, BH)
+    tl.store(out_ptr + (b64 * T + t[:, None]) * H + h[None, :], d, mask=(t < T)[:, None] & hm[None, :])
+    cum = tl.cumsum(d * tl.load(A_ptr + h, mask=hm, other=0.0)[None, :], 0)
+    tl.store(cum_ptr + ((b64 * n_chunks + c) * Q + q[:, None]) * H + h[None, :], cum, mask=hm[None, :])
+
+
+@jit
 def _ssd_chunk_state_kernel(
     x_ptr, sxb, sxt, B_ptr, sbb, sbt, dt_ptr, cum_ptr, first_ptr, st_ptr, T, n_chunks, heads_per_group,
     H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, Q: tl.constexpr, BS: tl.constexpr, BP: tl.constexpr,
@@ -176,18 +202,19 @@ def _ssd_chunk_state_kernel(
 
 @jit
 def _ssd_state_passing_kernel(
-    st_ptr, layer_ptr, cum_ptr, first_ptr, T, n_chunks, H: tl.constexpr, PN: tl.constexpr, Q: tl.constexpr,
-    BL: tl.constexpr, CB: tl.constexpr, RESETS: tl.constexpr,
+    st_ptr, starts_ptr, layer_ptr, cum_ptr, first_ptr, T, n_chunks, H: tl.constexpr, PN: tl.constexpr,
+    Q: tl.constexpr, BL: tl.constexpr, CB: tl.constexpr, RESETS: tl.constexpr,
 ):
-    # One program: row b, head h, BL of the P x N state's elements. Each chunk's slot holds
-    # its own end state and gets the state the chunk starts from:
+    # One program: row b, head h, BL of the P x N state's elements. From each chunk's own
+    # end state (states) it writes the state the chunk starts from (starts):
     #   start_0 = the layer's state,  start_{c+1} = exp(sum of chunk c's dt A) start_c + own_c
     # (with RESETS, the decay is 0 after a chunk with a reset in it). CB chunks at a time:
     # all their end states in one load, the recurrence over them as an associative scan.
     # Walking one chunk a load at a time kept one small load in flight a program and ran
-    # at 1/7 of mamba_ssm's speed (2.7b, 1 x 8192: 263 µs against 37). The layer's state is
-    # read in its dtype and written back once, rounded, after the last chunk. The element
-    # blocks vary fastest (the step kernel's reason).
+    # at 1/7 of mamba_ssm's speed (2.7b, 1 x 8192: 263 µs against 37). The carried state
+    # stays float32; the starts go out in the dtype the chunk scan's product rounds them
+    # to (starts' dtype), and the layer's state is written back once, after the last
+    # chunk. The element blocks vary fastest (the step kernel's reason).
     k = tl.program_id(0) * BL + tl.arange(0, BL)
     h = tl.program_id(1)
     b64 = tl.program_id(2).to(tl.int64)
@@ -198,18 +225,20 @@ def _ssd_state_passing_kernel(
     for c0 in range(0, n_chunks, CB):
         c = c0 + cc
         cm = c < n_chunks
-        slots = st_ptr + ((b64 * n_chunks + c[:, None]) * H + h) * PN + k[None, :]  # (CB, BL)
-        own = tl.load(slots, mask=cm[:, None] & km[None, :], other=0.0)
+        slot = ((b64 * n_chunks + c[:, None]) * H + h) * PN + k[None, :]  # (CB, BL)
+        own = tl.load(st_ptr + slot, mask=cm[:, None] & km[None, :], other=0.0)
         decay = tl.exp(tl.load(cum_ptr + ((b64 * n_chunks + c) * Q + Q - 1) * H + h, mask=cm, other=0.0))
         if RESETS:
             decay = tl.where(tl.load(first_ptr + b64 * T + tl.minimum(c * Q + Q - 1, T - 1), mask=cm, other=0) < c * Q,
                              decay, 0.0)
         decay_cum, own_cum = tl.associative_scan((tl.broadcast_to(decay[:, None], (CB, BL)), own), 0, _combine)
         ends = decay_cum * s[None, :] + own_cum  # (CB, BL): the state after each chunk = the next one's start
-        tl.debug_barrier()  # (every thread has read its end states before any slot is rewritten)
         # chunk c0 starts from s; chunk c + 1 (inside this block) from chunk c's end
-        tl.store(slots, tl.broadcast_to(s[None, :], (CB, BL)), mask=(cc == 0)[:, None] & km[None, :])
-        tl.store(slots + H * PN, ends, mask=((cc < CB - 1) & (c + 1 < n_chunks))[:, None] & km[None, :])
+        out = starts_ptr + slot
+        tl.store(out, tl.broadcast_to(s[None, :], (CB, BL)).to(starts_ptr.dtype.element_ty),
+                 mask=(cc == 0)[:, None] & km[None, :])
+        tl.store(out + H * PN, ends.to(starts_ptr.dtype.element_ty),
+                 mask=((cc < CB - 1) & (c + 1 < n_chunks))[:, None] & km[None, :])
         last = tl.minimum(n_chunks - c0, CB) - 1  # the block's last chunk: its end is the next block's start
         s = tl.sum(tl.where((cc == last)[:, None], ends, 0.0), 0)
     tl.store(lp, s.to(layer_ptr.dtype.element_ty), mask=km)
@@ -254,14 +283,14 @@ def _ssd_chunk_cb_kernel(
 
 @jit
 def _ssd_chunk_scan_kernel(
-    x_ptr, sxb, sxt, B_ptr, C_ptr, sbb, sbt, dt_ptr, cum_ptr, first_ptr, st_ptr, D_ptr, y_ptr, cb_ptr, T, n_chunks,
+    x_ptr, sxb, sxt, B_ptr, C_ptr, sbb, sbt, dt_ptr, cum_ptr, first_ptr, starts_ptr, D_ptr, y_ptr, cb_ptr, T, n_chunks,
     heads_per_group, H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, Q: tl.constexpr, BT: tl.constexpr,
     BS: tl.constexpr, BP: tl.constexpr, NP: tl.constexpr, F32: tl.constexpr, RESETS: tl.constexpr,
     CB_ONCE: tl.constexpr, G: tl.constexpr,
 ):
     # One program: row b, chunk c, head h, BT of the chunk's steps, all P channels:
     #   y_t = exp(cum_t) C_t . s_start + sum_{s <= t} exp(cum_t - cum_s) (C_t . B_s) dt_s x_s + D x_t
-    # the first from the state the chunk starts from (states, after the passing kernel),
+    # the first from the state the chunk starts from (starts, from the passing kernel),
     # the sum in blocks of BS steps up to the diagonal block. With RESETS a term reaches t
     # only from the steps since t's latest reset (s_start only if it lies before the chunk).
     b64 = (tl.program_id(0) // n_chunks).to(tl.int64)
@@ -277,7 +306,7 @@ def _ssd_chunk_scan_kernel(
     cum_row = cum_ptr + (b64 * n_chunks + c) * Q * H + h
     cum_t = tl.load(cum_row + qt * H)
     Ct = _c_rows(C_ptr, b64, sbb, sbt, t, T, g, N, n)
-    s0 = tl.load(st_ptr + (((b64 * n_chunks + c) * H + h) * P + p[None, :]) * N + n[:, None],
+    s0 = tl.load(starts_ptr + (((b64 * n_chunks + c) * H + h) * P + p[None, :]) * N + n[:, None],
                  mask=pm[None, :] & nm[:, None], other=0.0)  # (NP, BP): the start state, transposed
     from_start = tl.exp(cum_t)
     if RESETS:
@@ -307,11 +336,14 @@ def _ssd_chunk_scan_kernel(
 
 # The chunked SSD's tiles: chunks of SSD_CHUNK steps (the per-chunk states, H x P x N
 # float32 each, are its memory traffic: fewer, longer chunks move less); the chunk scan's
-# programs take SSD_BT steps and sum over SSD_BS at a time; the state passing BL elements
-# and CB chunks at a time (benchmarks/tune_ssd_pass.py).
+# programs take SSD_BT steps and sum over SSD_BS at a time, with SSD_SCAN_WARPS warps
+# (benchmarks/tune_ssd_scan.py); the state passing BL elements and CB chunks at a time
+# (benchmarks/tune_ssd_pass.py).
 SSD_CHUNK = 256
 SSD_BT = 64
 SSD_BS = 64
+SSD_SCAN_WARPS = 4
+SSD_SCAN_STAGES = 3  # (Triton's default)
 SSD_STATE_BP = 64
 # (2.7b / Codestral, µs a layer, 1 x 8192 and 8 x 2048: 54 / 96 and 76 / 152, 80-85% of
 # the floor, against 65 / 179 and 92 / 283 at 128 elements and 32 chunks; the best of the
@@ -319,6 +351,8 @@ SSD_STATE_BP = 64
 SSD_PASS_BL = 512
 SSD_PASS_CB = 8
 SSD_PASS_WARPS = 4
+# Heads a step-size program takes (all of a chunk's steps of each).
+SSD_SIZES_BH = 16
 # C B^T once a group and chunk, in a kernel of its own, for the chunk scan's heads to read,
 # in place of each head's program computing it: measured slower (2.7b's scan 0.853 ms
 # against 0.820, Codestral's 1.275 / 1.221; `benchmarks/mamba2.py --scan-kernels`), so off.
@@ -332,7 +366,8 @@ def ssd_scan(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=No
     `chunk` says: the result is the same sum."""
     Bsz, T, H, P = x.shape
     G, N = Bm.shape[2], Bm.shape[3]
-    even = x.stride(3) == 1 and x.stride(2) == P and Bm.stride(3) == 1 and Bm.stride(2) == N and Cm.stride() == Bm.stride()
+    even = (x.stride(3) == 1 and x.stride(2) == P and Bm.stride(3) == 1 and Bm.stride(2) == N
+            and Cm.stride() == Bm.stride() and dt.stride(2) == 1)
     # (a time axis of one step may carry any stride: torch ignores a size-1 axis's stride)
     rows_whole = T == 1 or not (x.stride(0) % x.stride(1) or Bm.stride(0) % Bm.stride(1))
     if not even or not rows_whole:
@@ -349,9 +384,16 @@ def ssd_scan(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=No
         return y
     Q = SSD_CHUNK if T > SSD_CHUNK // 2 else max(16, triton.next_power_of_2(T))
     n_chunks = triton.cdiv(T, Q)
-    dt = step_sizes_ref(dt, dt_bias, dt_limit, start).contiguous()  # (B, T, H) float32
-    cum = F.pad(dt * A, (0, 0, 0, n_chunks * Q - T)).view(Bsz, n_chunks, Q, H).cumsum(2).contiguous()
+    steps = torch.empty(Bsz, T, H, device=x.device, dtype=torch.float32)  # the step sizes, after softplus
+    cum = torch.empty(Bsz, n_chunks, Q, H, device=x.device, dtype=torch.float32)
+    _ssd_step_sizes_kernel[(Bsz * n_chunks, triton.cdiv(H, SSD_SIZES_BH))](
+        dt, dt.stride(0), dt.stride(1), dt_bias, A, start if start is not None else dt_bias, steps, cum, T, n_chunks,
+        float(dt_limit[0]), float(dt_limit[1]), H=H, Q=Q, BH=SSD_SIZES_BH, START=start is not None, num_warps=4,
+    )
+    dt = steps
     states = torch.empty(Bsz, n_chunks, H, P, N, device=x.device, dtype=torch.float32)
+    # the states the chunks start from, in the dtype the chunk scan's product rounds them to
+    starts = torch.empty(Bsz, n_chunks, H, P, N, device=x.device, dtype=Cm.dtype)
     y = torch.empty(Bsz, T, H, P, device=x.device, dtype=torch.float32)
     f32 = x.dtype == torch.float32
     # each step's latest reset (B, T) int32 (unread without resets: any tensor stands in)
@@ -364,7 +406,7 @@ def ssd_scan(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=No
         BS=BS, BP=min(BP, SSD_STATE_BP), **common, num_warps=4,
     )
     _ssd_state_passing_kernel[(triton.cdiv(P * N, SSD_PASS_BL), H, Bsz)](
-        states, state, cum, first, T, n_chunks, H=H, PN=P * N, Q=Q, BL=SSD_PASS_BL,
+        states, starts, state, cum, first, T, n_chunks, H=H, PN=P * N, Q=Q, BL=SSD_PASS_BL,
         CB=min(SSD_PASS_CB, triton.next_power_of_2(n_chunks)), RESETS=resets is not None, num_warps=SSD_PASS_WARPS,
     )
     BT = min(SSD_BT, Q)
@@ -376,7 +418,8 @@ def ssd_scan(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=No
             num_warps=4,
         )
     _ssd_chunk_scan_kernel[(Bsz * n_chunks, H, Q // BT)](
-        x, x.stride(0), x.stride(1), Bm, Cm, Bm.stride(0), Bm.stride(1), dt, cum, first, states, D, y, cb, T,
-        n_chunks, H // G, BT=BT, BS=BS, BP=BP, **common, CB_ONCE=SSD_CB_ONCE, G=G, num_warps=4,
+        x, x.stride(0), x.stride(1), Bm, Cm, Bm.stride(0), Bm.stride(1), dt, cum, first, starts, D, y, cb, T,
+        n_chunks, H // G, BT=BT, BS=BS, BP=BP, **common, CB_ONCE=SSD_CB_ONCE, G=G, num_warps=SSD_SCAN_WARPS,
+        num_stages=SSD_SCAN_STAGES,
     )
     return y

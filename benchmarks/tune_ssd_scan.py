@@ -1,0 +1,74 @@
+"""Times Mamba-2's chunked scan (kernels/ssd.py `ssd_scan`, bf16 operands, as a bf16
+model's conv gives them) at the public shapes for several tiles of its chunk-scan kernel
+(steps a program, steps a block of the sum, warps, pipeline stages), beside mamba_ssm's
+`mamba_chunk_scan_combined` (if its source is on the path). The other three kernels take
+the same time in every row, so the rows differ by the chunk scan's time. Chooses SSD_BT,
+SSD_BS, SSD_SCAN_WARPS and SSD_SCAN_STAGES.
+
+    PYTHONPATH=.peer:. python benchmarks/tune_ssd_scan.py --models mamba2-2.7b,codestral-7b
+"""
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from fastmamba.kernels import ssd  # noqa: E402
+
+# name: (heads, head_dim, groups, d_state)
+SHAPES = {"mamba2-130m": (24, 64, 1, 128), "mamba2-2.7b": (80, 64, 1, 128), "codestral-7b": (128, 64, 8, 128)}
+TILES = ("SSD_BT", "SSD_BS", "SSD_SCAN_WARPS", "SSD_SCAN_STAGES")
+
+
+def inputs(B, T, H, P, G, N):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    return dict(x=r(B, T, H, P).bfloat16(), dt=r(B, T, H) - 3, dt_bias=torch.zeros(H, device="cuda"),
+                A=-torch.rand(H, device="cuda", generator=g) - 0.5, Bm=r(B, T, G, N).bfloat16(),
+                Cm=r(B, T, G, N).bfloat16(), D=torch.ones(H, device="cuda"), state=torch.zeros(B, H, P, N, device="cuda"))
+
+
+def ours_ms(v, tiles):
+    for name, value in zip(TILES, tiles):
+        setattr(ssd, name, value)
+    return do_bench(lambda: ssd.ssd_scan(v["x"], v["dt"], v["dt_bias"], (0.0, float("inf")), v["A"], v["Bm"], v["Cm"],
+                                         v["D"], v["state"], 256), warmup=10, rep=50)
+
+
+def peer_ms(v):
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except Exception:
+        return None
+    return do_bench(lambda: mamba_chunk_scan_combined(v["x"], v["dt"], v["A"], v["Bm"], v["Cm"], 256, D=v["D"],
+                                                      dt_bias=v["dt_bias"], dt_softplus=True, return_final_states=True),
+                    warmup=10, rep=50)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--models", default=",".join(SHAPES))
+    ap.add_argument("--passes", default="1x8192,8x2048")
+    args = ap.parse_args()
+    now = tuple(getattr(ssd, name) for name in TILES)
+    grid = [t for t in itertools.product((64, 128), (32, 64), (4, 8), (1, 2, 3)) if t[1] <= t[0]]
+    print(f"ms a layer's scan; tiles {TILES}, now {now}")
+    for name, shape in itertools.product(args.models.split(","), args.passes.split(",")):
+        B, T = map(int, shape.split("x"))
+        v = inputs(B, T, *SHAPES[name])
+        times = {t: ours_ms(v, t) for t in grid}
+        ours_ms(v, now)  # (the module's tiles back)
+        best = min(times, key=times.get)
+        peer = peer_ms(v)
+        print(f"{name} {shape}: now {times[now]:.3f}; best {best} {times[best]:.3f}; "
+              f"mamba_ssm {'-' if peer is None else f'{peer:.3f}'}")
+        print("   " + " ".join(f"{'/'.join(map(str, t))}:{ms:.3f}" for t, ms in sorted(times.items())))
+
+
+if __name__ == "__main__":
+    main()
