@@ -10,6 +10,7 @@ it (PYTHONPATH), e.g. the `mamba_ssm` folder of github.com/state-spaces/mamba.
     PYTHONPATH=.peer:. python benchmarks/mamba2.py --models mamba2-130m,mamba2-2.7b,codestral-7b --json m2.json
     python benchmarks/mamba2.py --plans --batches 1,8,32,128   # the decode plans (one-row, cuBLAS, Triton products), ours alone
     PYTHONPATH=.peer:. python benchmarks/mamba2.py --scan-kernels  # where the scan's time goes, both sides
+    PYTHONPATH=.peer:. python benchmarks/mamba2.py --prefill  # prefill and the scan alone, both sides
 """
 
 import argparse
@@ -77,6 +78,7 @@ def main() -> None:
                     "layer over the GPU ops with cuBLAS or Triton products)")
     ap.add_argument("--scan-kernels", action="store_true",
                     help="only the scan alone at 1 x 8192, with each side's kernels' GPU time (torch.profiler)")
+    ap.add_argument("--prefill", action="store_true", help="prefill and the scan alone only, both sides (no decode)")
     ap.add_argument("--json")
     args = ap.parse_args()
     bw = copy_bandwidth()
@@ -94,10 +96,10 @@ def main() -> None:
     for size in args.models.split(",") if not (args.plans or args.scan_kernels) else ():
         dtype = torch.bfloat16
         c = SHAPES[size]
-        for state_dtype in (torch.float32, torch.bfloat16):
+        for state_dtype in (torch.float32,) if args.prefill else (torch.float32, torch.bfloat16):
             base = random_model(size, dtype, state_dtype=state_dtype)
             ours = Mamba(c, base.weights, triton_ops(), state_dtype=state_dtype)
-            for batch in (int(b) for b in args.batches.split(",")):
+            for batch in (int(b) for b in args.batches.split(",") if not args.prefill):
                 ms = time_graph_steps(ours, batch)
                 floor = sum(step_bytes(ours, batch)) / bw * 1e3
                 emit(model=size, engine="fastmamba", state=str(state_dtype)[6:], batch=batch, decode_ms=round(ms, 3),
@@ -113,7 +115,7 @@ def main() -> None:
         if isinstance(peer, str):
             emit(model=size, engine="mamba_ssm", error=peer)
             continue
-        for batch in (int(b) for b in args.batches.split(",")):
+        for batch in (int(b) for b in args.batches.split(",") if not args.prefill):
             emit(model=size, engine="mamba_ssm", state="bfloat16", batch=batch, decode_ms=round(peer_decode_ms(peer, batch), 3))
         for B, T in ((1, 8192), (8, 2048)):
             ids = torch.randint(0, c.vocab_size, (B, T), device="cuda")

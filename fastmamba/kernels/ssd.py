@@ -341,9 +341,12 @@ def _ssd_chunk_scan_kernel(
 # (benchmarks/tune_ssd_pass.py).
 SSD_CHUNK = 256
 SSD_BT = 64
-SSD_BS = 64
+SSD_BS = 32  # (the chunk-state kernel's blocks of steps too)
 SSD_SCAN_WARPS = 4
 SSD_SCAN_STAGES = 3  # (Triton's default)
+# (the whole scan, ms a layer, 2.7b / Codestral at 1 x 8192: 0.428 / 0.665 against 0.480 /
+# 0.740 at 64-step blocks; 8 warps, 128 steps a program or fewer stages were slower at
+# every shape; mamba_ssm's scan 0.513 / 1.269)
 SSD_STATE_BP = 64
 # (2.7b / Codestral, µs a layer, 1 x 8192 and 8 x 2048: 54 / 96 and 76 / 152, 80-85% of
 # the floor, against 65 / 179 and 92 / 283 at 128 elements and 32 chunks; the best of the
