@@ -11,9 +11,11 @@ it (PYTHONPATH), e.g. the `mamba_ssm` folder of github.com/state-spaces/mamba.
     python benchmarks/mamba2.py --plans --batches 1,8,32,128   # the decode plans (one-row, cuBLAS, Triton products), ours alone
     PYTHONPATH=.peer:. python benchmarks/mamba2.py --scan-kernels  # where the scan's time goes, both sides
     PYTHONPATH=.peer:. python benchmarks/mamba2.py --prefill  # prefill and the scan alone, both sides
+    python benchmarks/mamba2.py --in-proj-tiles  # the one-row step's in_proj tiles, ours alone
 """
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -79,6 +81,8 @@ def main() -> None:
     ap.add_argument("--scan-kernels", action="store_true",
                     help="only the scan alone at 1 x 8192, with each side's kernels' GPU time (torch.profiler)")
     ap.add_argument("--prefill", action="store_true", help="prefill and the scan alone only, both sides (no decode)")
+    ap.add_argument("--in-proj-tiles", action="store_true",
+                    help="only our batch-1 one-row step with in_proj's rows and K tile a program varied")
     ap.add_argument("--json")
     args = ap.parse_args()
     bw = copy_bandwidth()
@@ -93,7 +97,9 @@ def main() -> None:
         plan_rows(size, [int(b) for b in args.batches.split(",")], bw, emit)
     for size in args.models.split(",") if args.scan_kernels else ():
         scan_rows(size, SHAPES[size], emit, kernels=True)
-    for size in args.models.split(",") if not (args.plans or args.scan_kernels) else ():
+    for size in args.models.split(",") if args.in_proj_tiles else ():
+        in_proj_rows(size, emit)
+    for size in args.models.split(",") if not (args.plans or args.scan_kernels or args.in_proj_tiles) else ():
         dtype = torch.bfloat16
         c = SHAPES[size]
         for state_dtype in (torch.float32,) if args.prefill else (torch.float32, torch.bfloat16):
@@ -139,6 +145,25 @@ def plan_rows(size: str, batches: list[int], bw: float, emit) -> None:
         plans = (LAYER_OPS, LAYER_OPS_DETERMINISTIC) + ((DecodePlan("one-row"),) if batch <= 32 else ())
         ms = {plan.family: time_graph_steps(model, batch, plan=plan) for plan in plans}
         emit(model=size, batch=batch, floor_ms=round(floor, 3), **{k: round(v, 3) for k, v in ms.items()})
+    torch.cuda.empty_cache()
+
+
+def in_proj_rows(size: str, emit) -> None:
+    """ms a graph-replayed batch-1 one-row step with in_proj's (rows, K tile) a program varied
+    (decode_plan.one_row_blocks' in_proj; Mamba-2's in_proj has 2E + 2GN + H rows, not
+    Mamba-1's 2E, so their program counts fill the GPU's waves differently)."""
+    from dataclasses import replace
+
+    from fastmamba.decode_plan import DecodePlan, one_row_blocks
+
+    model = random_model(size, torch.bfloat16)
+    c = model.config
+    base = one_row_blocks(c.d_model, c.d_inner, c.vocab_size, torch.bfloat16, "mamba2")
+    rows = 2 * c.d_inner + 2 * c.n_groups * c.d_state + c.n_heads
+    for BN, BK in itertools.product((8, 16, 32), (256, 512) if c.d_model > 1024 else (base.in_proj[1],)):
+        plan = DecodePlan("one-row", blocks=replace(base, in_proj=(BN, BK, *base.in_proj[2:])))
+        emit(model=size, batch=1, in_proj_rows=BN, in_proj_k_tile=BK, programs=-(-rows // BN),
+             default=(BN, BK) == base.in_proj[:2], ms=round(time_graph_steps(model, 1, plan=plan), 4))
     torch.cuda.empty_cache()
 
 

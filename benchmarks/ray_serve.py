@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import random
 import socket
 import sys
@@ -137,7 +138,8 @@ def start_app(args, folder: str, replicas: int, routing: str, port: int, interva
 
     interval = float(args.stream_intervals.split(",")[0]) if interval is None else interval
     serve.run(build(model=folder, replicas=replicas, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
-                    routing=routing, served_model_name="m", stream_interval_ms=interval),
+                    routing=routing, served_model_name="m", stream_interval_ms=interval,
+                    prefix_cache_mb=args.prefix_cache_mb),
               name="fastmamba", route_prefix="/")
 
 
@@ -162,6 +164,14 @@ def plain_server(args, folder: str, port: int):
     raise SystemExit("fastmamba serve did not answer in 10 minutes")
 
 
+def prefix_state_bytes(c) -> int:
+    """One prefix cache entry's bytes (prefix_cache.CachedState): every layer's conv and ssm
+    state in float32, and the logits."""
+    from fastmamba.model import layer_kind
+
+    return 4 * (c.n_layer * sum(math.prod(s) for s in layer_kind(c).state(c)) + c.vocab_size)
+
+
 def replica_actors() -> list:
     import ray
 
@@ -182,6 +192,9 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=None)
     ap.add_argument("--chat", default="100x4", help="CONVERSATIONSxTURNS")
     ap.add_argument("--chat-tokens", type=int, default=64, help="tokens an answer in the chat")
+    ap.add_argument("--prefix-cache-mb", type=int, default=None,
+                    help="each replica's prefix cache, MiB (default: room for every conversation's two newest states; "
+                    "serve's own default, 256 MiB, holds 10 states of a 2.8b model, fewer than the chat's conversations)")
     ap.add_argument("--stream-intervals", default="50",
                     help="the replicas' stream_interval_ms: the throughput runs take each, the others the first")
     ap.add_argument("--baseline", action="store_true", help="first plain `fastmamba serve` at the same levels")
@@ -202,7 +215,10 @@ def main() -> None:
     from fastmamba.loader import checkpoint_folder
 
     folder = str(checkpoint_folder(folder))
-    vocab = MambaConfig.from_file(Path(folder) / "config.json").vocab_size
+    config = MambaConfig.from_file(Path(folder) / "config.json")
+    vocab = config.vocab_size
+    if args.prefix_cache_mb is None:  # each turn leaves two states (its prompt's end, its answer's)
+        args.prefix_cache_mb = 2 * int(args.chat.split("x")[0]) * prefix_state_bytes(config) // 2**20 + 64
     levels = [int(x) for x in args.streams.split(",")]
     measures = set(args.measures.split(","))
     rows = []

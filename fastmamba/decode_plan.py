@@ -58,9 +58,10 @@ class OneRowBlocks:
     early_launch: frozenset  # kernels that let the next launch before their own wait (PDL 2)
 
 
-def one_row_blocks(d_model: int, d_inner: int, vocab: int, dtype: torch.dtype) -> OneRowBlocks:
-    """The one-row step's settings for a model's shapes, each chosen by timing whole
-    graph-replayed batch-1 steps (benchmarks/tune_decode.py --in-graph and its sweeps)."""
+def one_row_blocks(d_model: int, d_inner: int, vocab: int, dtype: torch.dtype, layer: str = "mamba1") -> OneRowBlocks:
+    """The one-row step's settings for a model's shapes (and its layer kind, model.LAYER_KINDS),
+    each chosen by timing whole graph-replayed batch-1 steps (benchmarks/tune_decode.py
+    --in-graph and its sweeps; Mamba-2's in_proj: benchmarks/mamba2.py --in-proj-tiles)."""
     wide, sixteen_bit = d_model > 1024, dtype != torch.float32
 
     def linear(n_out: int) -> tuple[int, int, int, int]:
@@ -72,6 +73,12 @@ def one_row_blocks(d_model: int, d_inner: int, vocab: int, dtype: torch.dtype) -
         return BN, 1024 if d_model <= 1024 else (256 if in_proj else 512), 4, 1
 
     head = linear(vocab)
+    in_proj = linear(2 * d_inner)
+    if layer == "mamba2" and 2048 < d_model <= 2560:
+        # Mamba-2's in_proj has 2E + 2GN + H rows: at 2.7b's width, 661 programs of 16, one
+        # more than run at once (132 SMs x 5 programs); 32 rows a program: 1.967 ms a step
+        # against 2.269. Codestral's width keeps 16 (4.059 against 4.251 at 32), 130m too.
+        in_proj = (32, *in_proj[1:])
     return OneRowBlocks(
         # in in_proj the extra latency outweighs the saved boundary once the product is
         # long (2.8b 2.19 ms a step in in_proj against 2.01 on their own; 130m 0.232 / 0.282)
@@ -85,7 +92,7 @@ def one_row_blocks(d_model: int, d_inner: int, vocab: int, dtype: torch.dtype) -
         # K split so that ~1280 / 640 programs load a first tile before their wait (1.4b
         # 1.137 against 1.140 with 32-row tiles)
         out_proj=(8, 256, 4, 1280) if wide else (8, 512, 4, 640),
-        in_proj=linear(2 * d_inner),
+        in_proj=in_proj,
         # 16-bit lm_head summed after its loop walks K in 256-wide tiles (2.8b 1.7631 against 1.7660)
         lm_head=(head[0], 256 if sixteen_bit else head[1], head[2], head[3]),
         # summed after the loop for 16-bit weights (2.8b 1.773 against 1.800); float32's
@@ -219,7 +226,8 @@ LAYER_OPS_DETERMINISTIC = DecodePlan("layer-ops", pdl=False, reason="Mamba-2, de
 
 def plan_for(config, dtype: torch.dtype, batch: int, deterministic: bool = False) -> DecodePlan:
     """The decode plan for a model of this config, weights of `dtype`, `batch` rows."""
-    if getattr(config, "layer", "mamba1") == "mamba2":
+    layer = getattr(config, "layer", "mamba1")
+    if layer == "mamba2":
         if deterministic:
             return LAYER_OPS_DETERMINISTIC
         r = _entry(MAMBA2_ROUTES, config.d_model, dtype, batch)
@@ -227,7 +235,7 @@ def plan_for(config, dtype: torch.dtype, batch: int, deterministic: bool = False
             return LAYER_OPS
     else:
         r = route_for(config.d_model, dtype, batch, deterministic)
-    blocks = one_row_blocks(config.d_model, config.d_inner, config.vocab_size, dtype) if r.step == "one-row" else None
+    blocks = one_row_blocks(config.d_model, config.d_inner, config.vocab_size, dtype, layer) if r.step == "one-row" else None
     return DecodePlan(step=r.step, cublas=r.cublas, pdl=r.cublas != ALL, blocks=blocks, reason=r.reason)
 
 

@@ -12,7 +12,7 @@ import torch
 
 from fastmamba.config import MambaConfig
 from fastmamba.decode_plan import (ALL, IN_PROJ, LAYER_OPS, LAYER_OPS_DETERMINISTIC, MAMBA2_ROUTES, MANY, NONE, ROUTES,
-                                   DecodePlan, batch_invariant_ranges, plan_for, route_for)
+                                   DecodePlan, batch_invariant_ranges, one_row_blocks, plan_for, route_for)
 
 WIDTHS = (64, 768, 769, 1024, 1025, 1536, 2048, 2049, 2560, 4096)
 
@@ -59,6 +59,13 @@ def test_mamba2_plans_follow_their_table():
     assert plan_for(m2(768), torch.bfloat16, 4).step == "one-row" and plan_for(m2(768), torch.bfloat16, 5) is LAYER_OPS
     for d in (2560, 4096):
         assert plan_for(m2(d), torch.bfloat16, 1).step == "one-row" and plan_for(m2(d), torch.bfloat16, 2) is LAYER_OPS
+    # Mamba-2's in_proj at 2.7b's width takes 32 rows a program; Codestral's, 130m's and
+    # Mamba-1's at the same width keep 16
+    rows = {(d, layer): one_row_blocks(d, 2 * d, 100, torch.bfloat16, layer).in_proj[0]
+            for d in (768, 2560, 4096) for layer in ("mamba1", "mamba2")}
+    assert rows == {(768, "mamba1"): 16, (768, "mamba2"): 16, (2560, "mamba1"): 16, (2560, "mamba2"): 32,
+                    (4096, "mamba1"): 16, (4096, "mamba2"): 16}
+    assert plan_for(m2(2560), torch.bfloat16, 1).blocks.in_proj[0] == 32
 
 
 def test_a_plan_names_known_parts_only():

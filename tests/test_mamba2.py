@@ -383,19 +383,20 @@ def test_the_gpu_engines_model_equals_the_reference(tmp_path, monkeypatch, deter
     assert relative_error(s_ours.ssm.cpu(), s_ref.ssm) < 1e-4 and relative_error(s_ours.conv.cpu(), s_ref.conv) < 1e-4
 
 
-@pytest.mark.parametrize("overrides,before,state_dtype", [
-    (dict(n_groups=2, use_bias=True), False, "float32"),
-    # P = 24 (past one program, not a power of two), N = 12, a 3-tap conv, four groups
-    (dict(hidden_size=48, head_dim=24, num_heads=4, n_groups=4, conv_kernel=3, state_size=12), True, "bfloat16"),
+@pytest.mark.parametrize("overrides,before,state_dtype,in_proj_rows", [
+    (dict(n_groups=2, use_bias=True), False, "float32", None),
+    # P = 24 (past one program, not a power of two), N = 12, a 3-tap conv, four groups;
+    # in_proj 32 rows a program (2.7b's plan), the last program partly past its rows
+    (dict(hidden_size=48, head_dim=24, num_heads=4, n_groups=4, conv_kernel=3, state_size=12), True, "bfloat16", 32),
 ])
-def test_the_one_row_step_equals_the_reference(tmp_path, overrides, before, state_dtype):
+def test_the_one_row_step_equals_the_reference(tmp_path, overrides, before, state_dtype, in_proj_rows):
     """Mamba-2's one-row step (kernels/decode_step_mamba2.py: in_proj, the conv + SSD step,
     the gated norm + out_proj, three kernels a layer) against the reference model's steps,
     logits and both states; and a row's logits the same bits alone as in a batch."""
     pytest.importorskip("triton")
     from dataclasses import replace
 
-    from fastmamba.decode_plan import DecodePlan
+    from fastmamba.decode_plan import DecodePlan, one_row_blocks
     from fastmamba.kernels.decode_step import make_decode_step
     from fastmamba.model import Mamba, triton_ops
 
@@ -404,8 +405,13 @@ def test_the_one_row_step_equals_the_reference(tmp_path, overrides, before, stat
     config, sd = replace(loaded.config, norm_before_gate=before), getattr(torch, state_dtype)
     ref = Mamba(config, loaded.weights, state_dtype=sd)
     ours = Mamba(config, fastmamba.load(folder, device=DEVICE).model.weights, triton_ops(), state_dtype=sd)
-    step = make_decode_step(ours, 3, plan=DecodePlan("one-row"))
-    assert type(step).__name__ == "Mamba2DecodeStep"
+    plan = DecodePlan("one-row")
+    if in_proj_rows:
+        blocks = one_row_blocks(config.d_model, config.d_inner, config.vocab_size, torch.float32, "mamba2")
+        plan = DecodePlan("one-row", blocks=replace(blocks, in_proj=(in_proj_rows, *blocks.in_proj[1:])))
+        assert (2 * config.d_inner + 2 * config.n_groups * config.d_state + config.n_heads) % in_proj_rows
+    step = make_decode_step(ours, 3, plan=plan)
+    assert type(step).__name__ == "Mamba2DecodeStep" and step.in_proj_blocks[0] == (in_proj_rows or 16)
     x = ids(3, 14)
     s_ref, s_ours = ref.new_state(3), ours.new_state(3)
     want = [ref.prefill(x[:, :9], s_ref, last_only=True)] + [ref.step(x[:, t], s_ref) for t in range(9, 14)]
@@ -417,7 +423,7 @@ def test_the_one_row_step_equals_the_reference(tmp_path, overrides, before, stat
     for a, b in zip(got, want):
         assert relative_error(a.cpu(), b) < tol
     assert relative_error(s_ours.ssm.cpu(), s_ref.ssm) < tol and relative_error(s_ours.conv.cpu(), s_ref.conv) < tol
-    one = make_decode_step(ours, 1, plan=DecodePlan("one-row"))
+    one = make_decode_step(ours, 1, plan=plan)
     alone = [one(x[1:2, t].to(DEVICE), alone_state).clone() for t in range(9, 14)]
     assert all(torch.equal(a[0], b[1]) for a, b in zip(alone, got[1:]))
 
