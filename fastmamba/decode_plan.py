@@ -215,7 +215,7 @@ MAMBA2_ROUTES = (
     Route("16-bit", (1, 1024), (1, 4), "one-row", NONE,
           "Mamba-2 (130m batch 4: 0.420 against 0.611; batch 8 loses: 0.735 / 0.651)"),
     Route("16-bit", (1025, MANY), (1, 1), "one-row", NONE,
-          "Mamba-2 (2.7b batch 1: 2.270 against 2.815, Codestral 4.094 / 5.211; batch 2: 2.880 / 2.963, "
+          "Mamba-2 (2.7b batch 1: 1.967 against 2.815, Codestral 4.059 / 5.211; batch 2: 2.880 / 2.963, "
           "Codestral loses, 6.278 / 5.393)"),
 )
 LAYER_OPS = DecodePlan("layer-ops", cublas=ALL, pdl=False,
