@@ -170,25 +170,13 @@ def in_proj_rows(size: str, emit) -> None:
 def scan_rows(size: str, c, emit, kernels: bool = False) -> None:
     """The scan alone at 1 x 8192: kernels/ssd.ssd_scan against mamba_chunk_scan_combined
     (kernels: and each one's GPU time by kernel, to see where the scan's time goes)."""
-    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-
-    from fastmamba.kernels.ssd import ssd_scan
+    from tune_ssd_scan import inputs, scan_calls
 
     B, T, H, P, G, N = 1, 8192, c.n_heads, c.head_dim, c.n_groups, c.d_state
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(B, T, H, P, device="cuda", generator=g)
-    dt = torch.randn(B, T, H, device="cuda", generator=g) - 3
-    Bm, Cm = (torch.randn(B, T, G, N, device="cuda", generator=g) for _ in range(2))
-    A, D, bias = -torch.rand(H, device="cuda") - 0.5, torch.ones(H, device="cuda"), torch.zeros(H, device="cuda")
-    state = torch.zeros(B, H, P, N, device="cuda")
-    xb, Bb, Cb = x.bfloat16(), Bm.bfloat16(), Cm.bfloat16()  # (both in bf16, as a bf16 model's conv gives them)
-
-    def ours():
-        return ssd_scan(xb, dt, bias, c.dt_limit, A, Bb, Cb, D, state, c.chunk_size)
-
-    def theirs():
-        return mamba_chunk_scan_combined(xb, dt, A, Bb, Cb, c.chunk_size, D=D, dt_bias=bias, dt_softplus=True,
-                                         return_final_states=True)
+    # (bf16 x, B and C, as a bf16 model's conv gives them, on both sides)
+    ours, theirs = scan_calls(inputs(B, T, H, P, G, N), c.chunk_size, c.dt_limit)
+    if theirs is None:
+        raise SystemExit("mamba_ssm's source is not on the path (PYTHONPATH): see this script's doc")
 
     emit(model=size, scan=f"{B}x{T} H{H} P{P} G{G} N{N}", fastmamba_ms=round(ms_of(ours), 3),
          mamba_ssm_ms=round(ms_of(theirs), 3))

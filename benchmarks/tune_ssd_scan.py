@@ -33,21 +33,32 @@ def inputs(B, T, H, P, G, N):
                 Cm=r(B, T, G, N).bfloat16(), D=torch.ones(H, device="cuda"), state=torch.zeros(B, H, P, N, device="cuda"))
 
 
-def ours_ms(v, tiles):
-    for name, value in zip(TILES, tiles):
-        setattr(ssd, name, value)
-    return do_bench(lambda: ssd.ssd_scan(v["x"], v["dt"], v["dt_bias"], (0.0, float("inf")), v["A"], v["Bm"], v["Cm"],
-                                         v["D"], v["state"], 256), warmup=10, rep=50)
+def scan_calls(v, chunk: int = 256, dt_limit=(0.0, float("inf"))):
+    """Our scan and mamba_ssm's `mamba_chunk_scan_combined` over `inputs`' tensors, as
+    callables (theirs None where mamba_ssm's source is not on the path)."""
+    def ours():
+        return ssd.ssd_scan(v["x"], v["dt"], v["dt_bias"], dt_limit, v["A"], v["Bm"], v["Cm"], v["D"], v["state"], chunk)
 
-
-def peer_ms(v):
     try:
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
     except Exception:
-        return None
-    return do_bench(lambda: mamba_chunk_scan_combined(v["x"], v["dt"], v["A"], v["Bm"], v["Cm"], 256, D=v["D"],
-                                                      dt_bias=v["dt_bias"], dt_softplus=True, return_final_states=True),
-                    warmup=10, rep=50)
+        return ours, None
+
+    def theirs():
+        return mamba_chunk_scan_combined(v["x"], v["dt"], v["A"], v["Bm"], v["Cm"], chunk, D=v["D"], dt_bias=v["dt_bias"],
+                                         dt_softplus=True, return_final_states=True)
+    return ours, theirs
+
+
+def ours_ms(v, tiles):
+    for name, value in zip(TILES, tiles):
+        setattr(ssd, name, value)
+    return do_bench(scan_calls(v)[0], warmup=10, rep=50)
+
+
+def peer_ms(v):
+    theirs = scan_calls(v)[1]
+    return None if theirs is None else do_bench(theirs, warmup=10, rep=50)
 
 
 def main():

@@ -226,8 +226,7 @@ LAYER_OPS_DETERMINISTIC = DecodePlan("layer-ops", pdl=False, reason="Mamba-2, de
 
 def plan_for(config, dtype: torch.dtype, batch: int, deterministic: bool = False) -> DecodePlan:
     """The decode plan for a model of this config, weights of `dtype`, `batch` rows."""
-    layer = getattr(config, "layer", "mamba1")
-    if layer == "mamba2":
+    if config.layer == "mamba2":
         if deterministic:
             return LAYER_OPS_DETERMINISTIC
         r = _entry(MAMBA2_ROUTES, config.d_model, dtype, batch)
@@ -235,7 +234,8 @@ def plan_for(config, dtype: torch.dtype, batch: int, deterministic: bool = False
             return LAYER_OPS
     else:
         r = route_for(config.d_model, dtype, batch, deterministic)
-    blocks = one_row_blocks(config.d_model, config.d_inner, config.vocab_size, dtype, layer) if r.step == "one-row" else None
+    blocks = (one_row_blocks(config.d_model, config.d_inner, config.vocab_size, dtype, config.layer)
+              if r.step == "one-row" else None)
     return DecodePlan(step=r.step, cublas=r.cublas, pdl=r.cublas != ALL, blocks=blocks, reason=r.reason)
 
 

@@ -506,8 +506,7 @@ class DecodeStep:
         dev = w.embedding.device
         plan = plan or DecodePlan("one-row")
         if plan.blocks is None:
-            plan = replace(plan, blocks=one_row_blocks(c.d_model, c.d_inner, c.vocab_size, w.embedding.dtype,
-                                                       getattr(c, "layer", "mamba1")))
+            plan = replace(plan, blocks=one_row_blocks(c.d_model, c.d_inner, c.vocab_size, w.embedding.dtype, c.layer))
         self.plan, blocks = plan, plan.blocks
         self.model, self.B = model, batch
         # the launch settings, as attributes the kernels' launchers read (tests narrow some)
