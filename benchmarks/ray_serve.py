@@ -217,10 +217,11 @@ def main() -> None:
     folder = str(checkpoint_folder(folder))
     config = MambaConfig.from_file(Path(folder) / "config.json")
     vocab = config.vocab_size
+    conversations, turns = (int(x) for x in args.chat.split("x"))
     if args.prefix_cache_mb is None:  # each turn leaves two states (its prompt's end, its answer's); with room
         # for one turn's only, the LRU drops a conversation's last turn while the others' turns arrive
         # (1 replica, 100 conversations, 2.8b: 0.4-0.6 of later turns resumed, against none at 256 MiB)
-        args.prefix_cache_mb = 4 * int(args.chat.split("x")[0]) * prefix_state_bytes(config) // 2**20 + 64
+        args.prefix_cache_mb = 4 * conversations * prefix_state_bytes(config) // 2**20 + 64
     levels = [int(x) for x in args.streams.split(",")]
     measures = set(args.measures.split(","))
     rows = []
@@ -252,7 +253,6 @@ def main() -> None:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
-    conversations, turns = (int(x) for x in args.chat.split("x"))
     try:
         runs = itertools.product(sorted({1, args.replicas}), [float(x) for x in args.stream_intervals.split(",")])
         for replicas, interval in runs if "throughput" in measures else ():  # 1. 1 replica and N
