@@ -12,7 +12,8 @@ import time
 import torch
 
 from fastmamba.bench import random_model, time_graph_steps
-from fastmamba.model import Mamba, triton_ops
+from fastmamba.core.model import Mamba
+from fastmamba.core.ops import triton_ops
 
 
 def prefill_ms(model: Mamba, B: int, T: int) -> float:

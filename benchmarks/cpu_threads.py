@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 import fastmamba  # noqa: E402
 from fastmamba.bench import random_model  # noqa: E402
-from fastmamba.language_model import LanguageModel  # noqa: E402
+from fastmamba.engine.language_model import LanguageModel  # noqa: E402
 
 
 def spin():

@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from fastmamba import bench  # noqa: E402
-from fastmamba.checkpoint import parse_dtype  # noqa: E402
+from fastmamba.core.dtypes import parse_dtype  # noqa: E402
 from fastmamba import Backbone, BackboneConfig  # noqa: E402
-from fastmamba.backbone import decode_model  # noqa: E402
-from fastmamba.decode_plan import ALL, IN_PROJ, NONE, PRODUCTS, DecodePlan, plan_for  # noqa: E402
+from fastmamba.engine.backbone import decode_model  # noqa: E402
+from fastmamba.engine.plan import ALL, IN_PROJ, NONE, PRODUCTS, DecodePlan, plan_for  # noqa: E402
 
 CANDIDATES = {
     "one-row": DecodePlan("one-row"),

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from fastmamba.bench import random_language_model, time_graph_steps  # noqa: E402
-from fastmamba.engine import EngineCore, EngineRequest  # noqa: E402
-from fastmamba.sampling import SamplingParams  # noqa: E402
+from fastmamba.engine.engine_core import EngineCore, EngineRequest  # noqa: E402
+from fastmamba.core.sampling_params import SamplingParams  # noqa: E402
 
 
 def busy_fraction(prof, t0_us: float, t1_us: float) -> float:

@@ -26,7 +26,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from fastmamba.bench import time_graph_launches  # noqa: E402
-from fastmamba.decode_plan import one_row_blocks  # noqa: E402
+from fastmamba.engine.plan import one_row_blocks  # noqa: E402
 from fastmamba.kernels import decode_step as ds  # noqa: E402
 
 LAYERS = 24

@@ -17,8 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from fastmamba.bench import random_model, time_graph_steps  # noqa: E402
-from fastmamba.language_model import LanguageModel  # noqa: E402
-from fastmamba.model import Mamba, triton_ops  # noqa: E402
+from fastmamba.engine.language_model import LanguageModel  # noqa: E402
+from fastmamba.core.model import Mamba  # noqa: E402
+from fastmamba.core.ops import triton_ops  # noqa: E402
 
 TOKENS = 256
 

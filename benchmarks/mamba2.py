@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from fastmamba.bench import SHAPES, copy_bandwidth, gpu_ms, random_model, step_bytes, time_graph_steps  # noqa: E402
-from fastmamba.cuda_graphs import capture_graph  # noqa: E402
-from fastmamba.model import Mamba, triton_ops  # noqa: E402
+from fastmamba.engine.cuda_graphs import capture_graph  # noqa: E402
+from fastmamba.core.model import Mamba  # noqa: E402
+from fastmamba.core.ops import triton_ops  # noqa: E402
 
 
 def peer_model(c, dtype):
@@ -137,7 +138,7 @@ def plan_rows(size: str, batches: list[int], bw: float, emit) -> None:
     """ms a graph-replayed step under each Mamba-2 decode plan: the layer over the GPU ops
     with cuBLAS products, or with the batch-invariant Triton products (invariant_gemm), and
     the one-row step (kernels/decode_step_mamba2.py, three kernels a layer; up to batch 32)."""
-    from fastmamba.decode_plan import LAYER_OPS, LAYER_OPS_DETERMINISTIC, DecodePlan
+    from fastmamba.engine.plan import LAYER_OPS, LAYER_OPS_DETERMINISTIC, DecodePlan
 
     model = random_model(size, torch.bfloat16)
     for batch in batches:
@@ -154,7 +155,7 @@ def in_proj_rows(size: str, emit) -> None:
     Mamba-1's 2E, so their program counts fill the GPU's waves differently)."""
     from dataclasses import replace
 
-    from fastmamba.decode_plan import DecodePlan, one_row_blocks
+    from fastmamba.engine.plan import DecodePlan, one_row_blocks
 
     model = random_model(size, torch.bfloat16)
     c = model.config

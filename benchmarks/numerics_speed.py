@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from fastmamba import bench  # noqa: E402
-from fastmamba.decode_plan import ALL, plan_for  # noqa: E402
-from fastmamba.model import Mamba  # noqa: E402
+from fastmamba.engine.plan import ALL, plan_for  # noqa: E402
+from fastmamba.core.model import Mamba  # noqa: E402
 
 
 def main() -> None:

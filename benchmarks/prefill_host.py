@@ -15,8 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from fastmamba.bench import random_model  # noqa: E402
-from fastmamba.cuda_graphs import GraphPrefill  # noqa: E402
-from fastmamba.model import Mamba, triton_ops  # noqa: E402
+from fastmamba.engine.cuda_graphs import GraphPrefill  # noqa: E402
+from fastmamba.core.model import Mamba  # noqa: E402
+from fastmamba.core.ops import triton_ops  # noqa: E402
 from prefill import timed  # noqa: E402  (benchmarks/prefill.py)
 
 

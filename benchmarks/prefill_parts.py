@@ -20,7 +20,9 @@ from fastmamba.kernels.rmsnorm import add_norm  # noqa: E402
 from fastmamba.kernels.selective_scan import selective_scan, step_and_scan  # noqa: E402
 from fastmamba.kernels.step_size import step_size  # noqa: E402
 from fastmamba.kernels.products import linear_storage  # noqa: E402
-from fastmamba.model import Mamba, in_proj_dtype, triton_ops  # noqa: E402
+from fastmamba.core.model import Mamba  # noqa: E402
+from fastmamba.core.mamba1 import in_proj_dtype  # noqa: E402
+from fastmamba.core.ops import triton_ops  # noqa: E402
 
 
 def main() -> None:

@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from fastmamba.bench import random_model  # noqa: E402
-from fastmamba.model import Mamba, triton_ops  # noqa: E402
+from fastmamba.core.model import Mamba  # noqa: E402
+from fastmamba.core.ops import triton_ops  # noqa: E402
 
 
 def main() -> None:
@@ -48,7 +49,7 @@ def profile_generate(model, prompts, top: int) -> None:
     import pstats
     import time
 
-    from fastmamba.language_model import LanguageModel
+    from fastmamba.engine.language_model import LanguageModel
 
     lm = LanguageModel(model, None, engine="triton")
     one = dict(max_tokens=1, stop_token_ids=[])

@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from fastmamba.bench import random_model  # noqa: E402
-from fastmamba.checkpoint import parse_dtype  # noqa: E402
-from fastmamba.decode_plan import DecodePlan  # noqa: E402
-from fastmamba.kernels.decode_step import make_decode_step  # noqa: E402
+from fastmamba.core.dtypes import parse_dtype  # noqa: E402
+from fastmamba.engine.plan import DecodePlan  # noqa: E402
+from fastmamba.engine.decode_step import make_decode_step  # noqa: E402
 
 
 def print_kernel_times(step, title: str, warm: int = 3, steps: int = 5, rows: int = 14) -> None:
@@ -50,7 +50,7 @@ def host_us(fn, reps: int) -> float:
 
 def profile_backbone(shape: str, dtype: torch.dtype, batches: list[int]) -> None:
     from fastmamba import Backbone, BackboneConfig
-    from fastmamba.backbone import KernelStep
+    from fastmamba.engine.backbone import KernelStep
 
     d_model, n_layer = map(int, shape.split("x"))
     torch.manual_seed(0)

@@ -134,7 +134,7 @@ def summary(results, wall: float) -> dict:
 def start_app(args, folder: str, replicas: int, routing: str, port: int, interval: float | None = None) -> None:
     from ray import serve
 
-    from fastmamba.deploy import build
+    from fastmamba.serve.deploy import build
 
     interval = float(args.stream_intervals.split(",")[0]) if interval is None else interval
     serve.run(build(model=folder, replicas=replicas, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
@@ -167,7 +167,7 @@ def plain_server(args, folder: str, port: int):
 def prefix_state_bytes(c) -> int:
     """One prefix cache entry's bytes (prefix_cache.CachedState): every layer's conv and ssm
     state in float32, and the logits."""
-    from fastmamba.model import layer_kind
+    from fastmamba.core.layers import layer_kind
 
     return 4 * (c.n_layer * sum(math.prod(s) for s in layer_kind(c).state(c)) + c.vocab_size)
 
@@ -206,13 +206,13 @@ def main() -> None:
     from ray import serve
 
     import fastmamba.bench as bench
-    from fastmamba.config import MambaConfig
+    from fastmamba.core.config import MambaConfig
 
     folder = args.model
     if args.shape:
         folder = tempfile.mkdtemp(prefix=f"fastmamba-{args.shape}-")
         bench.write_random_checkpoint(args.shape, folder, getattr(__import__("torch"), args.dtype))
-    from fastmamba.loader import checkpoint_folder
+    from fastmamba.engine.loader import checkpoint_folder
 
     folder = str(checkpoint_folder(folder))
     config = MambaConfig.from_file(Path(folder) / "config.json")

@@ -13,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from fastmamba.bench import random_model, time_graph_launches, time_graph_steps  # noqa: E402
-from fastmamba.sampling import SamplingParams, SlotParams, pick_sampler, sample  # noqa: E402
+from fastmamba.core.sampling_params import SamplingParams  # noqa: E402
+from fastmamba.core.sampling import SlotParams, pick_sampler, sample  # noqa: E402
 
 V = 50280
 SETTINGS = {

@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from fastmamba.bench import random_language_model, time_graph_steps  # noqa: E402
-from fastmamba.engine_process import EngineClient  # noqa: E402
-from fastmamba.language_model import PromptEncoder  # noqa: E402
-from fastmamba.sampling import SamplingParams  # noqa: E402
-from fastmamba.server import create_app, metrics_registry  # noqa: E402
+from fastmamba.engine.process import EngineClient  # noqa: E402
+from fastmamba.io.prompts import PromptEncoder  # noqa: E402
+from fastmamba.core.sampling_params import SamplingParams  # noqa: E402
+from fastmamba.serve.app import create_app, metrics_registry  # noqa: E402
 
 
 def pct(values, q):

@@ -116,13 +116,13 @@ def load_instrumented():
 
 def timeline(ds, size: str, layers: list[int]) -> None:
     from fastmamba.bench import gpu_ms, random_model, time_graph_steps
-    from fastmamba.cuda_graphs import capture_graph
+    from fastmamba.engine.cuda_graphs import capture_graph
 
     model = random_model(size, torch.bfloat16)
     plain = time_graph_steps(model, 1)
     n = model.config.n_layer
     layers = sorted({*(i for i in layers if 0 <= i < n), n - 1})  # the last layer, for lm_head
-    step = ds.DecodeStep(model, 1)
+    step = make_decode_step(model, 1, plan=DecodePlan("one-row"))
     programs = max(4096, model.config.vocab_size // 8)  # a row a program: more than any kernel here launches
     step.timeline = torch.zeros(5 * len(layers), programs, 4, dtype=torch.int64, device="cuda")
     step.timeline_layers = tuple(layers)

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from fastmamba.decode_plan import DecodePlan, one_row_blocks  # noqa: E402
+from fastmamba.engine.plan import DecodePlan, one_row_blocks  # noqa: E402
 from fastmamba.kernels import decode_step as ds  # noqa: E402
 
 DT = torch.float32 if "--f32" in sys.argv else torch.bfloat16

@@ -12,22 +12,22 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _HOMES = {
-    "load": "loader",
-    "default_model_dir": "loader",
-    "CheckpointError": "errors",
-    "NonFiniteError": "errors",
-    "SamplingParams": "sampling",
-    "Generation": "language_model",
-    "StreamPiece": "language_model",
-    "LanguageModel": "language_model",
-    "Mamba": "model",
-    "MambaState": "model",
-    "MambaConfig": "config",
-    "Tokenizer": "tokenizer",
+    "load": "engine.loader",
+    "default_model_dir": "engine.loader",
+    "CheckpointError": "core.errors",
+    "NonFiniteError": "core.errors",
+    "SamplingParams": "core.sampling_params",
+    "Generation": "engine.language_model",
+    "StreamPiece": "engine.language_model",
+    "LanguageModel": "engine.language_model",
+    "Mamba": "core.model",
+    "MambaState": "core.state",
+    "MambaConfig": "core.config",
+    "Tokenizer": "io.tokenizer",
     "HAVE_TRITON": "kernels._triton",
-    "Backbone": "backbone",
-    "BackboneConfig": "backbone",
-    "batch": "deploy",
+    "Backbone": "engine.backbone",
+    "BackboneConfig": "engine.backbone",
+    "batch": "serve.deploy",
 }
 __all__ = list(_HOMES)
 

@@ -1,29 +1,15 @@
-"""The `fastmamba` command's entry (the console script, and `python -m fastmamba`).
+"""The `fastmamba` command's entry (the console script, and `python -m fastmamba`): Ctrl-C is
+made to end the command quietly (interrupts.py) before anything slow is imported."""
 
-Ctrl-C must end the command quietly with exit code 130 at any moment, and Python's own
-handler cannot promise it: a KeyboardInterrupt raised while a module is still importing
-prints a traceback, and one raised inside a library that catches it is lost. So this module
-imports nothing slow, and its first act is a handler that ends the process at once. (`serve`
-replaces it with uvicorn's, which drains running requests first.)
-"""
-
-import os
-import signal
 import sys
 
+from fastmamba.interrupts import end_quietly_on_ctrl_c
 
-def _interrupted(signum, frame):
-    os._exit(130)
-
-
-try:
-    signal.signal(signal.SIGINT, _interrupted)
-except ValueError:  # imported outside the main thread: not the command, leave Python's handler
-    pass
+end_quietly_on_ctrl_c()
 
 
 def main() -> int:
-    from .cli import main as run
+    from fastmamba.cli import main as run
 
     return run()
 

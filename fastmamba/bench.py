@@ -15,8 +15,9 @@ import time
 
 import torch
 
-from .config import MambaConfig
-from .model import Mamba, layer_kind
+from fastmamba.core.config import MambaConfig
+from fastmamba.core.model import Mamba
+from fastmamba.core.layers import layer_kind
 
 SHAPES = {  # the public checkpoints' sizes (d_state 16, d_conv 4; vocab as published)
     "130m": MambaConfig(d_model=768, n_layer=24, vocab_size=50280),
@@ -80,7 +81,7 @@ def random_model(size: str, dtype: torch.dtype, device="cuda", state_dtype: torc
     """A Mamba (either layer kind) with random weights of realistic spread at a public
     shape, built on the device from the layer kind's table of tensors; its states in
     state_dtype."""
-    from .checkpoint import build_weights
+    from fastmamba.io.checkpoint import build_weights
 
     c = SHAPES[size]
     tensors = _random_tensors(c, device)
@@ -110,8 +111,8 @@ def write_random_checkpoint(size: str, folder, dtype: torch.dtype = torch.bfloat
 def random_language_model(size: str, dtype: torch.dtype, device="cuda", state_dtype: torch.dtype = torch.float32):
     """random_model as a LanguageModel with no tokenizer, on the GPU engine where the device
     is CUDA (a module-level function: the serving benchmark's engine process makes its own)."""
-    from .language_model import LanguageModel
-    from .model import REFERENCE_OPS, triton_ops
+    from fastmamba.engine.language_model import LanguageModel
+    from fastmamba.core.ops import REFERENCE_OPS, triton_ops
 
     base = random_model(size, dtype, device, state_dtype)
     gpu = torch.device(device).type == "cuda"
@@ -161,7 +162,7 @@ def copy_bandwidth(gib: float = 2.0) -> float:
 def time_graph_launches(launches, reps: int = 20) -> float:
     """µs per launch: the callables captured in order in one CUDA graph, replayed `reps`
     times; the best of three such runs."""
-    from .cuda_graphs import capture_graph
+    from fastmamba.engine.cuda_graphs import capture_graph
 
     graph, _ = capture_graph(lambda: [f() for f in launches])
     graph.replay()
@@ -173,8 +174,9 @@ def time_graph_steps(model: Mamba, batch: int, steps: int = 200, deterministic: 
     """Median ms per replayed decode step, sampling included: greedy, or with `params`
     (SamplingParams) the sampler that generation would pick for them. plan: a
     decode_plan.DecodePlan instead of the table's."""
-    from .cuda_graphs import GraphDecoder
-    from .sampling import SamplingParams, pick_sampler
+    from fastmamba.engine.cuda_graphs import GraphDecoder
+    from fastmamba.core.sampling_params import SamplingParams
+    from fastmamba.core.sampling import pick_sampler
 
     params = params or SamplingParams()
     dec = GraphDecoder(model, batch, deterministic, plan=plan)
@@ -263,7 +265,7 @@ def run(sizes, dtypes, batches, hf: bool, out: str | None, deterministic: bool =
 
 
 def main_from_args(args) -> int:
-    from .checkpoint import parse_dtype
+    from fastmamba.core.dtypes import parse_dtype
 
     sizes = args.models.split(",")
     for s in sizes:

@@ -27,7 +27,7 @@ class _UsageError(Exception):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from fastmamba import __version__
 
     parser = _Parser(prog="fastmamba", description="Inference engine for Mamba state-space language models.")
     parser.add_argument("--version", action="version", version=f"fastmamba {__version__}")
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return EXIT_ERROR
         if args.command == "bench":
-            from .bench import main_from_args
+            from fastmamba.bench import main_from_args
 
             return main_from_args(args)
         if args.model is not None and not args.model.strip():
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--threads must be from 1 to {cores} (this machine's cores), got {args.threads}")
         if args.command == "serve":
             check_serve_flags(args)
-            from .server import serve
+            from fastmamba.serve.app import serve
 
             return serve(args)
         return _generate(args)
@@ -242,6 +242,7 @@ def _generate(args) -> int:
 
 
 if __name__ == "__main__":  # `python -m fastmamba.cli`: the command's own entry, with its Ctrl-C handler
-    from .__main__ import main as entry
+    from fastmamba.interrupts import end_quietly_on_ctrl_c
 
-    sys.exit(entry())
+    end_quietly_on_ctrl_c()
+    sys.exit(main())

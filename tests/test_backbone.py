@@ -309,7 +309,7 @@ def test_the_language_models_backbone_shares_its_weights():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("B", [1, 37, 300])  # one-row kernels; decode_gemm.py's step, in its smaller and larger routes
 def test_gpu_graph_step_equals_eager_and_the_cpu(dtype, B):
-    from fastmamba.backbone import KernelStep
+    from fastmamba.engine.backbone import KernelStep
 
     cpu = make(d_model=128, n_layer=3, input_dim=64, d_state=16)
     gpu = Backbone(cpu.config, device="cuda", dtype=dtype)
@@ -392,7 +392,7 @@ def test_kernel_step_equals_the_reference_step(batch, dtype, state_dtype):
     """KernelStep (the language model's decode kernels; Triton's interpreter without CUDA),
     with a float32 or a bf16 state (updated in float32, rounded once on store in both)."""
     pytest.importorskip("triton")
-    from fastmamba.backbone import KernelStep
+    from fastmamba.engine.backbone import KernelStep
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ref = make(proj_bias=True)

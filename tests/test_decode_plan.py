@@ -10,9 +10,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastmamba.config import MambaConfig
-from fastmamba.decode_plan import (ALL, IN_PROJ, LAYER_OPS, LAYER_OPS_DETERMINISTIC, MAMBA2_ROUTES, MANY, NONE, ROUTES,
-                                   DecodePlan, batch_invariant_ranges, one_row_blocks, plan_for, route_for)
+from fastmamba.core.config import MambaConfig
+from fastmamba.engine.plan import (
+    ALL,
+    IN_PROJ,
+    LAYER_OPS,
+    LAYER_OPS_DETERMINISTIC,
+    MAMBA2_ROUTES,
+    MANY,
+    NONE,
+    ROUTES,
+    DecodePlan,
+    batch_invariant_ranges,
+    one_row_blocks,
+    plan_for,
+    route_for,
+)
 
 WIDTHS = (64, 768, 769, 1024, 1025, 1536, 2048, 2049, 2560, 4096)
 

@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai")
 def app():
     from ray import serve
 
-    from fastmamba.deploy import build
+    from fastmamba.serve.deploy import build
 
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
     with socket.socket() as s:
@@ -86,7 +86,7 @@ def test_batch_over_a_dataset_equals_generate_batch(app, lm):
     """200 prompts on two actors, in blocks of 32: each row what generate_batch (and so
     generate alone) gives it with the row's seed, its own column where the dataset has one."""
     import fastmamba
-    from fastmamba.deploy import prompt_seed
+    from fastmamba.serve.deploy import prompt_seed
 
     prompts = [f"Act {k}. Scene {k % 7}." for k in range(200)]
     params = dict(max_tokens=5, temperature=0.8)
@@ -105,7 +105,7 @@ def test_batch_over_a_dataset_equals_generate_batch(app, lm):
 
 
 def test_the_command_lines_scale_settings(monkeypatch):
-    from fastmamba import deploy
+    from fastmamba.serve import deploy
 
     built = {}
     monkeypatch.setattr(deploy, "build", lambda **kw: built.update(kw))
@@ -121,7 +121,7 @@ def test_the_command_lines_scale_settings(monkeypatch):
 
 
 def test_a_routing_policy_is_prefix_or_round_robin():
-    from fastmamba.deploy import build
+    from fastmamba.serve.deploy import build
 
     with pytest.raises(ValueError, match="routing must be 'prefix' or 'round-robin'"):
         build(replicas=1, routing="random")
@@ -132,7 +132,7 @@ def test_a_replica_sends_a_streams_tokens_in_lists_at_its_interval():
     came in each interval, every output once and in order, the end with the replica's stats."""
     import asyncio
 
-    from fastmamba.deploy import EngineReplica
+    from fastmamba.serve.deploy import EngineReplica
 
     class Engine:  # outputs every 5 ms, as the engine's steps would give them
         stats = {"steps": 1}

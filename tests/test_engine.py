@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import fastmamba
-from fastmamba.engine import EngineCore, EngineRequest
-from fastmamba.sampling import SamplingParams
+from fastmamba.engine.engine_core import EngineCore, EngineRequest
+from fastmamba.core.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_chunk_prefill_graphs_continue_a_slot_as_the_eager_prefill_does(text_che
     """The engine's prefill graphs (binary pieces, two slots' states gathered from a pool
     and scattered back) against the model's own prefill over the same chunks, from the
     same non-zero states; the pool's other slots untouched."""
-    from fastmamba.cuda_graphs import ChunkPrefillGraphs
+    from fastmamba.engine.cuda_graphs import ChunkPrefillGraphs
 
     lm = fastmamba.load(text_checkpoint, device="cuda")
     model = lm.model
@@ -148,7 +148,7 @@ def test_the_cyclic_gc_is_off_inside_a_graph_capture(monkeypatch):
     import gc
     from types import SimpleNamespace
 
-    from fastmamba import cuda_graphs
+    from fastmamba.engine import cuda_graphs
 
     stream = SimpleNamespace(wait_stream=lambda other: None)
     monkeypatch.setattr(torch.cuda, "Stream", lambda: stream)

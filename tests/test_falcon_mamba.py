@@ -117,15 +117,14 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 ])
 def test_decode_steps_equal_the_reference(falcon_checkpoints, name, dtype, batch, step_kind):
     pytest.importorskip("triton")
+    from fastmamba.engine.decode_step import make_decode_step
+    from fastmamba.engine.plan import ALL, NONE, DecodePlan
     from fastmamba.kernels.decode_gemm import GemmDecodeStep
-    from fastmamba.kernels.decode_step import DecodeStep
 
     model = fastmamba.load(falcon_checkpoints[name], device=DEVICE, dtype=dtype).model
     if step_kind == "one-row":
-        step = DecodeStep(model, batch)
+        step = make_decode_step(model, batch, plan=DecodePlan("one-row"))
     else:
-        from fastmamba.decode_plan import ALL, NONE, DecodePlan
-
         step = GemmDecodeStep(model, batch, DecodePlan("products", NONE if step_kind == "triton products" else ALL))
     state = model.new_state(batch)
     state.ssm.copy_(torch.randn(state.ssm.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE))

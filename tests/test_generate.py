@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fastmamba
-from fastmamba.tokenizer import IncrementalDecoder
+from fastmamba.io.tokenizer import IncrementalDecoder
 
 
 @pytest.fixture(scope="module")

@@ -29,12 +29,13 @@ def test_engine_logits_match_the_cpu_reference(dtype, B, kind, real_shape_ckpt):
     through cuBLAS), the deterministic one, and cuBLAS's products for every dtype. float32:
     within 1e-3 of the CPU reference; 16-bit storage: within transformers' own 16-bit error
     of transformers' float32 model (each product's operand is rounded once)."""
+    from fastmamba.engine.decode_step import make_decode_step
+    from fastmamba.engine.plan import ALL, DecodePlan
     from fastmamba.kernels.decode_gemm import GemmDecodeStep
-    from fastmamba.kernels.decode_step import make_decode_step
 
     gpu = fastmamba.load(real_shape_ckpt, device="cuda", dtype=dtype).model
     ids = torch.randint(0, 50280, (B, 12), generator=torch.Generator().manual_seed(B))
-    step = GemmDecodeStep(gpu, B) if kind == "cublas" else make_decode_step(gpu, B, kind == "deterministic")
+    step = GemmDecodeStep(gpu, B, DecodePlan("products", ALL, pdl=False)) if kind == "cublas" else make_decode_step(gpu, B, kind == "deterministic")
     gpu_state = gpu.new_state(B)
     logits = torch.stack([step(ids[:, t].cuda(), gpu_state).cpu() for t in range(12)], 1)
     if dtype == "float32":
@@ -45,9 +46,11 @@ def test_engine_logits_match_the_cpu_reference(dtype, B, kind, real_shape_ckpt):
 
 
 def test_graph_replay_equals_eager_bitwise(real_shape_ckpt):
-    from fastmamba.cuda_graphs import GraphDecoder
-    from fastmamba.kernels.decode_step import DecodeStep
-    from fastmamba.sampling import SamplingParams, SlotParams, sample
+    from fastmamba.engine.cuda_graphs import GraphDecoder
+    from fastmamba.engine.decode_step import make_decode_step
+    from fastmamba.engine.plan import DecodePlan
+    from fastmamba.core.sampling_params import SamplingParams
+    from fastmamba.core.sampling import SlotParams, sample
 
     model = fastmamba.load(real_shape_ckpt, device="cuda", dtype="bfloat16").model
     B = 3
@@ -61,7 +64,7 @@ def test_graph_replay_equals_eager_bitwise(real_shape_ckpt):
 
     slots = SlotParams.empty(B, model.config.vocab_size, model.device)
     slots.set_slots(reqs)
-    eager_step, eager_state = DecodeStep(model, B), fastmamba.MambaState(state.conv.clone(), state.ssm.clone())
+    eager_step, eager_state = make_decode_step(model, B, plan=DecodePlan("one-row")), fastmamba.MambaState(state.conv.clone(), state.ssm.clone())
     assert torch.equal(sample(logits, slots), tokens)
     et = tokens
     assert dec.steps > 1  # a replay runs several steps; each must equal an eager step
@@ -80,7 +83,7 @@ def test_a_slot_is_bitwise_the_same_alone_or_beside_127_others(dtype, real_shape
     """Deterministic mode. The products' tiles change with the batch (gemm._tiles: 16-row
     mma.sync tiles for 1 and 5 slots, 64-row wgmma tiles of 32 columns for 20, of 128 for
     128); the slot's bits must not."""
-    from fastmamba.kernels.decode_step import make_decode_step
+    from fastmamba.engine.decode_step import make_decode_step
 
     model = fastmamba.load(real_shape_ckpt, device="cuda", dtype=dtype).model
     tokens = torch.randint(0, 50280, (128,), device="cuda")
@@ -194,7 +197,7 @@ def test_graph_prefill_equals_eager_prefill(real_shape_ckpt, B, T, length, pad_r
     the eager prefill of the same padded prompts, and close to the unpadded prompts' (the
     products' shapes differ, and with them cuBLAS's summation order and the bf16 roundings
     of what follows; the second case also moves the chunked scan's chunk boundaries)."""
-    from fastmamba.cuda_graphs import GraphPrefill
+    from fastmamba.engine.cuda_graphs import GraphPrefill
 
     model = fastmamba.load(real_shape_ckpt, device="cuda", dtype="bfloat16").model
     ids = torch.randint(0, 50280, (B, T), device="cuda")
@@ -215,7 +218,7 @@ def test_prefill_graphs_sharing_a_pool_replay_in_any_order(real_shape_ckpt):
     """Prefill graphs of one memory pool (as LanguageModel keeps them) reuse each other's
     scratch; replayed in turns, in and against the order of their captures, each still
     gives its own prompts' logits and state, bitwise those of the eager prefill."""
-    from fastmamba.cuda_graphs import GraphPrefill
+    from fastmamba.engine.cuda_graphs import GraphPrefill
 
     model = fastmamba.load(real_shape_ckpt, device="cuda", dtype="bfloat16").model
     pool = torch.cuda.graph_pool_handle()

@@ -12,7 +12,10 @@ import torch
 
 import fastmamba
 from conftest import assert_within_transformers_16bit_error
+from fastmamba.engine.decode_step import make_decode_step
+from fastmamba.engine.plan import DecodePlan
 from fastmamba.kernels import decode_step as ds
+from fastmamba.kernels import gemv
 
 pytest.importorskip("triton")
 
@@ -42,7 +45,7 @@ def rand(*shape, seed=0):
 def case(request, checkpoints):
     name, dtype, batch = request.param
     lm = fastmamba.load(checkpoints[name], device=DEVICE, dtype=dtype)
-    step = ds.DecodeStep(lm.model, batch)
+    step = make_decode_step(lm.model, batch, plan=DecodePlan("one-row"))
     return lm.model, step, TOL[lm.model.weights.embedding.dtype]
 
 
@@ -50,14 +53,14 @@ def set_residual(step, h, pending):
     """Puts the residual h in the step's buffers as h - pending and pending (an out_proj
     share not yet folded in: dh, fixed point); returns h as the buffers hold it."""
     B = h.shape[0]
-    step.dh[:B] = ds.to_fixed(pending)
+    step.dh[:B] = gemv.to_fixed(pending)
     step.h[:B] = h - pending
     return residual(step)
 
 
 def residual(step):
     """The residual stream as the step's buffers hold it: h + dh."""
-    return step.h[: step.B] + ds.from_fixed(step.dh[: step.B])
+    return step.h[: step.B] + gemv.from_fixed(step.dh[: step.B])
 
 
 def test_embed(case):
@@ -96,7 +99,7 @@ def test_in_proj_with_conv_and_x_proj(case, fused, conv_block, k_tile):
         assert rel_err(step.xz[: step.B], xz) < tol
         xc, dbc = ds.conv_x_proj_ref(step.xz[: step.B, : c.d_inner], ref_state, lw.conv_w, lw.conv_b, lw.x_proj_w)
         assert rel_err(step.xc[: step.B], xc) < 1e-5
-        assert rel_err(ds.from_fixed(step.dbc[: step.B, : step.J]), dbc) < tol
+        assert rel_err(gemv.from_fixed(step.dbc[: step.B, : step.J]), dbc) < tol
         assert torch.equal(conv_state, ref_state)
     assert not step.dbc[:, step.J :].any()  # nothing past the columns
 
@@ -120,7 +123,7 @@ def test_lm_head_argmax_and_take_argmax(case):
     """Greedy sampling inside the step: lm_head's programs meet in an atomic max of keys,
     take_argmax reads it back. Equal to torch.argmax, ties included (the lower index), and
     the slots advance as sample_greedy advances them."""
-    from fastmamba.sampling import SlotParams, sample_greedy
+    from fastmamba.core.sampling import SlotParams, sample_greedy
 
     model, step, _ = case
     BN, _, warps, stages = step.lm_head_blocks
@@ -155,7 +158,7 @@ def test_lm_head_argmax_and_take_argmax(case):
 def test_ssm_step(case):
     model, step, tol = case
     lw, c = model.weights.layers[0], model.config
-    step.dbc[: step.B, : step.J] = ds.to_fixed(rand(step.B, step.J, seed=4))
+    step.dbc[: step.B, : step.J] = gemv.to_fixed(rand(step.B, step.J, seed=4))
     step.xc[: step.B] = rand(step.B, c.d_inner, seed=5)
     step.xz[: step.B] = rand(step.B, 2 * c.d_inner, seed=6)
     ssm_state = rand(step.B, c.d_inner, c.d_state, seed=7)
@@ -164,7 +167,7 @@ def test_ssm_step(case):
     step.ssm_step(lw, ssm_state)
     assert torch.equal(step.h[: step.B], h) and not step.dh.any()  # dh folded into h
     z = step.xz[: step.B, c.d_inner :]
-    y = ds.ssm_step_ref(ds.from_fixed(step.dbc[: step.B, : step.J]), step.xc[: step.B], z, ref_state, lw.dt_proj_w, lw.dt_bias, lw.A, lw.D)
+    y = ds.ssm_step_ref(gemv.from_fixed(step.dbc[: step.B, : step.J]), step.xc[: step.B], z, ref_state, lw.dt_proj_w, lw.dt_bias, lw.A, lw.D)
     assert rel_err(step.y[: step.B], y) < tol
     assert rel_err(ssm_state, ref_state) < tol
 
@@ -214,7 +217,7 @@ def test_a_slot_is_bitwise_the_same_in_any_batch(checkpoints, batch, slot, rows,
     big_state = model.new_state(batch)
     big_state.ssm.copy_(rand(*big_state.ssm.shape, seed=12))
     small_state = big_state.rows(rows)
-    big, small = ds.make_decode_step(model, batch, deterministic), ds.make_decode_step(model, len(rows), deterministic)
+    big, small = make_decode_step(model, batch, deterministic), make_decode_step(model, len(rows), deterministic)
     assert type(big) is type(small)
     for _ in range(2):
         many = big(tokens, big_state)[slot].clone()
@@ -247,7 +250,7 @@ def test_gemm_matches_its_ref_in_every_chunk(dtype, M, N, K, splits):
 def test_make_decode_step_builds_what_the_plan_says(checkpoints):
     """make_decode_step builds the step decode_plan.plan_for names, with its cuBLAS
     products; a plan passed in wins over the table."""
-    from fastmamba.decode_plan import ALL, IN_PROJ, NONE, DecodePlan, plan_for
+    from fastmamba.engine.plan import ALL, IN_PROJ, NONE, DecodePlan, plan_for
     from fastmamba.kernels.decode_gemm import GemmDecodeStep
 
     for dtype in ("bfloat16", "float32"):
@@ -256,12 +259,12 @@ def test_make_decode_step_builds_what_the_plan_says(checkpoints):
         for batch in (1, 4, 5, 9, 33, 64, 65, 257):
             for deterministic in (False, True):
                 plan = plan_for(model.config, storage, batch, deterministic)
-                step = ds.make_decode_step(model, batch, deterministic)
+                step = make_decode_step(model, batch, deterministic)
                 if plan.step == "one-row":
                     assert isinstance(step, ds.DecodeStep) and not deterministic
                 else:
                     assert isinstance(step, GemmDecodeStep) and step.cublas_products == set(plan.cublas), (dtype, batch)
-        step = ds.make_decode_step(model, 2, plan=DecodePlan("products", IN_PROJ))
+        step = make_decode_step(model, 2, plan=DecodePlan("products", IN_PROJ))
         assert isinstance(step, GemmDecodeStep) and step.cublas_products == {"in_proj"}
     assert plan_for(model.config, torch.bfloat16, 300).cublas == ALL
     assert plan_for(model.config, torch.bfloat16, 300, deterministic=True).cublas == NONE
@@ -279,7 +282,7 @@ def test_gemm_step_equals_the_reference_model(checkpoints, name, dtype, batch, p
     from fastmamba.kernels.decode_gemm import GemmDecodeStep
 
     model = fastmamba.load(checkpoints[name], device=DEVICE, dtype=dtype).model
-    from fastmamba.decode_plan import ALL, IN_PROJ, NONE, DecodePlan
+    from fastmamba.engine.plan import ALL, IN_PROJ, NONE, DecodePlan
 
     cublas = dict(cublas=ALL, triton=NONE).get(products, IN_PROJ)
     step = GemmDecodeStep(model, batch, DecodePlan("products", cublas))
@@ -308,7 +311,7 @@ def test_decode_steps_keep_a_bfloat16_state(checkpoints, dtype, batch, determini
     path = checkpoints["untied_bias_rank"]
     model = fastmamba.load(path, device=DEVICE, dtype=dtype, state_dtype="bfloat16").model
     ref = fastmamba.load(path, dtype=dtype, state_dtype="bfloat16").model
-    step = ds.make_decode_step(model, batch, deterministic)
+    step = make_decode_step(model, batch, deterministic)
     state, ref_state = model.new_state(batch), ref.new_state(batch)
     ids = torch.randint(0, model.config.vocab_size, (batch, 5), generator=torch.Generator().manual_seed(batch))
     tol = 1e-3 if dtype == "float32" or step.plan.step == "one-row" else 2e-2
@@ -418,7 +421,8 @@ def test_triton_samplers_match_sample(name, rounds, monkeypatch):
     The filters' search gathers at most 64 tokens here, so that it narrows its band a few
     times first, and with one pass its last step (one program narrowing alone) runs too."""
     from fastmamba.kernels import sampler
-    from fastmamba.sampling import SamplingParams, SlotParams, sample
+    from fastmamba.core.sampling_params import SamplingParams
+    from fastmamba.core.sampling import SlotParams, sample
 
     monkeypatch.setattr(sampler, "CAP", 64)
     monkeypatch.setattr(sampler, "ROUNDS", rounds)

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 import fastmamba
 from conftest import assert_within_transformers_16bit_error, relative_error
-from fastmamba.engine import EngineCore, EngineRequest
-from fastmamba.sampling import SamplingParams
+from fastmamba.engine.engine_core import EngineCore, EngineRequest
+from fastmamba.core.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
@@ -309,8 +309,8 @@ def test_a_layer_with_resets_runs_each_segment_from_a_zero_state(tmp_path, gpu_o
     conv and ssm states (the reference ops, and the GPU ops: the Triton conv and SSD)."""
     if gpu_ops:
         pytest.importorskip("triton")
-    from fastmamba.mamba2 import mixer2
-    from fastmamba.model import REFERENCE_OPS, triton_ops
+    from fastmamba.core.mamba2 import mixer2
+    from fastmamba.core.ops import REFERENCE_OPS, triton_ops
 
     folder, _ = save_mamba2(tmp_path / "m", n_groups=2)
     model = fastmamba.load(folder, device=DEVICE).model
@@ -356,10 +356,11 @@ def test_the_gpu_engines_model_equals_the_reference(tmp_path, monkeypatch, deter
     norms and scan step) against the reference: a prefill, then decode steps through the
     decode plan's step (or it and the one-row step in turn): logits and both states."""
     pytest.importorskip("triton")
-    from fastmamba.decode_plan import DecodePlan
+    from fastmamba.engine.plan import DecodePlan
     from fastmamba.kernels import ssd
-    from fastmamba.kernels.decode_step import make_decode_step
-    from fastmamba.model import Mamba, triton_ops
+    from fastmamba.engine.decode_step import make_decode_step
+    from fastmamba.core.model import Mamba
+    from fastmamba.core.ops import triton_ops
 
     folder, _ = save_mamba2(tmp_path / "m", n_groups=2, use_bias=True)
     ref = fastmamba.load(folder).model
@@ -396,9 +397,10 @@ def test_the_one_row_step_equals_the_reference(tmp_path, overrides, before, stat
     pytest.importorskip("triton")
     from dataclasses import replace
 
-    from fastmamba.decode_plan import DecodePlan, one_row_blocks
-    from fastmamba.kernels.decode_step import make_decode_step
-    from fastmamba.model import Mamba, triton_ops
+    from fastmamba.engine.plan import DecodePlan, one_row_blocks
+    from fastmamba.engine.decode_step import make_decode_step
+    from fastmamba.core.model import Mamba
+    from fastmamba.core.ops import triton_ops
 
     folder, _ = save_mamba2(tmp_path / "m", **overrides)
     loaded = fastmamba.load(folder).model
@@ -437,10 +439,12 @@ def test_the_one_row_kernels_equal_their_twins(tmp_path, before, out_tile):
     pytest.importorskip("triton")
     from dataclasses import replace
 
-    from fastmamba.decode_plan import DecodePlan, one_row_blocks
-    from fastmamba.kernels.decode_step import from_fixed, make_decode_step, to_fixed
+    from fastmamba.engine.plan import DecodePlan, one_row_blocks
+    from fastmamba.engine.decode_step import make_decode_step
+    from fastmamba.kernels.gemv import from_fixed, to_fixed
     from fastmamba.kernels.decode_step_mamba2 import gated_out_proj_ref, ssd_conv_step_ref
-    from fastmamba.model import Mamba, triton_ops
+    from fastmamba.core.model import Mamba
+    from fastmamba.core.ops import triton_ops
 
     folder, _ = save_mamba2(tmp_path / "m", n_groups=2, use_bias=True, use_conv_bias=True)
     loaded = fastmamba.load(folder, device=DEVICE).model
@@ -495,8 +499,8 @@ def test_the_one_row_step_as_the_gpu_engines_step(tmp_path, monkeypatch):
     """Mamba-2's one-row step routed for every batch size (the table's entry replaced): the
     engine's CUDA graphs, greedy argmax inside, give the CPU's greedy tokens, alone and in
     a batch, and a float32 state and a bfloat16 one."""
-    from fastmamba import decode_plan
-    from fastmamba.kernels.decode_step import make_decode_step
+    from fastmamba.engine import plan as decode_plan
+    from fastmamba.engine.decode_step import make_decode_step
 
     monkeypatch.setattr(decode_plan, "LAYER_OPS", decode_plan.DecodePlan("one-row"))
     folder, _ = save_mamba2(tmp_path / "m", n_groups=2, use_bias=True)
@@ -515,7 +519,8 @@ def test_the_gpu_engines_16bit_numerics_within_transformers_own_error(tmp_path):
     """The GPU ops' bf16 path (the conv's output and the SSD's operands rounded to bf16), run
     here through Triton's interpreter, holds the 16-bit contract."""
     pytest.importorskip("triton")
-    from fastmamba.model import Mamba, triton_ops
+    from fastmamba.core.model import Mamba
+    from fastmamba.core.ops import triton_ops
 
     folder, _ = save_mamba2(tmp_path / "m", n_groups=1)
     x = ids(2, 40)

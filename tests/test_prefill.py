@@ -10,10 +10,18 @@ import fastmamba
 from conftest import relative_error as rel_err
 from fastmamba.kernels.causal_conv1d import causal_conv1d, causal_conv1d_ref
 from fastmamba.kernels import selective_scan as ss
-from fastmamba.kernels.selective_scan import ScanLaunch, selective_scan, selective_scan_ref, step_and_scan, step_and_scan_ref
+from fastmamba.kernels.selective_scan import (
+    ScanLaunch,
+    selective_scan,
+    selective_scan_ref,
+    step_and_scan,
+    step_and_scan_ref,
+)
 from fastmamba.kernels.step_size import step_size, step_size_ref
 from fastmamba.kernels.products import linear_storage
-from fastmamba.model import Mamba, in_proj_dtype, triton_ops
+from fastmamba.core.model import Mamba
+from fastmamba.core.mamba1 import in_proj_dtype
+from fastmamba.core.ops import triton_ops
 
 pytest.importorskip("triton")
 GPU = torch.cuda.is_available()

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from fastmamba.prefix_cache import PrefixCache
+from fastmamba.engine.prefix_cache import PrefixCache
 
 
 def state(value: float):

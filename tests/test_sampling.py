@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastmamba.sampling import SamplingParams, SlotParams, hash32, sample, uniforms
+from fastmamba.core.sampling_params import SamplingParams
+from fastmamba.core.sampling import SlotParams, hash32, sample, uniforms
 
 
 def slots_for(params: list[SamplingParams], vocab: int, seeds=None, seen=None) -> SlotParams:
@@ -131,7 +132,7 @@ def test_pick_sampler_chooses_by_the_requests_and_engine():
     """Greedy requests get the argmax alone; the reference engine gets `sample` for the
     rest; the GPU engine the Triton sampler that does no more than the requests need
     (tested against `sample` in tests/test_kernels.py)."""
-    from fastmamba.sampling import pick_sampler, sample_greedy
+    from fastmamba.core.sampling import pick_sampler, sample_greedy
 
     greedy, hot = SamplingParams(), SamplingParams(temperature=0.8)
     top_k, top_p = SamplingParams(temperature=0.8, top_k=40), SamplingParams(temperature=0.8, top_p=0.9)

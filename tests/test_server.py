@@ -170,7 +170,7 @@ def test_echo_token_prompts_and_batches(server, lm):
 
 def test_prefix_cache_hit_gives_the_cold_tokens(server, lm):
     c = server.client()
-    from fastmamba.prefix_cache import INTERVAL
+    from fastmamba.engine.prefix_cache import INTERVAL
 
     long_prompt = "Now is the winter of our discontent made glorious summer by this sun of York. " * 32
     assert len(lm.encode(long_prompt)) > INTERVAL
@@ -303,7 +303,7 @@ def test_api_key_and_queue_limit():
 def test_a_streamed_tokens_chunk_is_the_chunk_json_would_give():
     """_Shape.sse_chunk's template (made once a choice) against the chunk's own JSON, for
     texts that JSON must escape."""
-    from fastmamba.server import _Shape, _sse
+    from fastmamba.serve.app import _Shape, _sse
 
     for chat in (False, True):
         shape = _Shape("cmpl-1", "m", chat, None, ["", ""])

@@ -138,7 +138,7 @@ def test_gradcheck_of_both_functions():
 def test_the_backbone_trains_through_the_kernels_as_through_the_reference():
     """The whole Backbone's sequence pass with the training ops (as on CUDA under autograd)
     against the reference ops on the CPU: outputs and every gradient."""
-    from fastmamba.model import training_ops
+    from fastmamba.core.ops import training_ops
 
     torch.manual_seed(0)
     cfg = BackboneConfig(input_dim=6, d_model=16, n_layer=2, d_state=8, d_conv=3)

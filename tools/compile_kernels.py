@@ -36,7 +36,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fastmamba.decode_plan import one_row_blocks  # noqa: E402
+from fastmamba.engine.plan import one_row_blocks  # noqa: E402
 from fastmamba.kernels import causal_conv1d as cc  # noqa: E402
 from fastmamba.kernels import decode_gemm as dg  # noqa: E402
 from fastmamba.kernels import decode_step as ds  # noqa: E402

@@ -30,8 +30,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fastmamba.config import MambaConfig  # noqa: E402
-from fastmamba.model import LayerWeights, Mamba, MambaWeights  # noqa: E402
+from fastmamba.core.config import MambaConfig  # noqa: E402
+from fastmamba.core.mamba1 import LayerWeights  # noqa: E402
+from fastmamba.core.model import Mamba, MambaWeights  # noqa: E402
 
 PRESETS = {
     # d_model, n_layer, vocab, seq_len, batch: "full" fits the 25 MB budget in float32

@@ -184,17 +184,18 @@ def ssm_update(dt, dbc, xc, xz, ssm_state, dt_bias, A, D, R, y, y_halves=False, 
     )
 
 
+# The step's products, by the names the plan's `cublas`, `splits` and `halves` use.
+PRODUCTS = ("in_proj", "x_proj", "dt_proj", "out_proj", "lm_head")
+
+
 class GemmDecodeStep:
     """One decode step for a fixed batch size, each projection one matrix product: through
     cuBLAS where `plan.cublas` names it, else through products.invariant_gemm, whose rows'
     bits do not depend on the batch size (every other kernel here treats each row alone).
-    plan: a decode_plan.DecodePlan (default: every product through cuBLAS). Same interface
+    plan: the engine's decode plan (engine/plan.py's DecodePlan: cublas, splits, halves, pdl). Same interface
     as decode_step.DecodeStep (`__call__(tokens, state) -> logits`, `.logits`)."""
 
-    def __init__(self, model, batch: int, plan=None):
-        from ..decode_plan import ALL, PRODUCTS, DecodePlan
-
-        plan = plan or DecodePlan("products", ALL, pdl=False)
+    def __init__(self, model, batch: int, plan):
         c, w = model.config, model.weights
         dev, sdt = w.embedding.device, w.embedding.dtype
         self.model, self.B, self.plan = model, batch, plan

@@ -25,7 +25,7 @@ Why it is shaped this way:
   a fixed split of K in a fixed order, so a row's result never depends on the other rows
   or on how many there are.
 - Short-and-wide products (x_proj, out_proj) are split over K so that enough programs
-  stream the weights. Their partial sums meet by atomic adds in fixed point (FIXED_ONE)
+  stream the weights. Their partial sums meet by atomic adds in fixed point (gemv.py: FIXED_ONE)
   in dbc and dh: exact in any order, so deterministic, and with no round trip to wait
   for (no last program adding splits up). The next kernel but one zeroes each for the
   next layer: out_proj zeroes dbc, ssm_step folds dh into h.
@@ -45,10 +45,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import INTERPRET, jit, tl, triton
+from ._triton import jit, tl, triton
 from .activations import silu, softplus
 from .argmax_keys import ARGMAX_EMPTY, EMPTY_KEY, advance_slots, argmax_keys, token_of_key
 from .decode_gemm import conv_step_ref, ssm_update_ref
+from .gemv import add_fixed, from_fixed_tile, mm, mm_terms, mm_total, prefetch_to_l2, residual_tile, split_k_start
 from .pdl import NO_PDL, let_next_kernel_launch, pdl_launch, wait_for_prior_kernel
 from .rmsnorm import residual_rmsnorm_ref
 
@@ -89,80 +90,6 @@ def embed_ref(tokens, embedding):
 
 
 @jit
-def _mm(x, w):
-    """x (1, K) f32 times w (N, K).T -> (1, N) f32: a float32 multiply-and-sum, the fastest
-    way to stream a matrix past one row (16-bit weights upcast exactly, float32 products)."""
-    return tl.sum(w.to(tl.float32) * x, axis=1)[None, :]
-
-
-@jit
-def _mm_terms(x, w, SUM_LAST: tl.constexpr):
-    """_mm's products for one K tile, to add up over a loop of K tiles and finish with
-    _mm_total. With SUM_LAST: the (N, K) products themselves, unsummed (their sum across
-    the tile's threads and warps, a shared-memory round trip with barriers, then runs once
-    after the loop instead of once a tile); otherwise _mm's (1, N)."""
-    if SUM_LAST:
-        return w.to(tl.float32) * x
-    else:
-        return _mm(x, w)
-
-
-@jit
-def _mm_total(acc, SUM_LAST: tl.constexpr):
-    """The (1, N) product from the _mm_terms added up over K."""
-    if SUM_LAST:
-        return tl.sum(acc, axis=1)[None, :]
-    else:
-        return acc
-
-
-# The split-K partial sums of x_proj and out_proj meet in fixed point: int64 in units of
-# 2^-32, so that the atomic adds of the splits are exact and their order cannot change
-# the result. Each partial loses under 2^-32 (truncated), so a sum of S splits is within
-# S * 2^-32 of the exact one: about float32's own rounding of values near 1, for S = 160
-# (2.8b). Clamped to +-2^20 first (no working model comes near), a partial leaves room for
-# 2^11 splits; a NaN one reads back finite, but the conv output that made it carries it
-# on (D skip, state).
-FIXED_SCALE = 2.0**32  # the host-side twin of FIXED_ONE, for from_fixed / to_fixed
-FIXED_ONE = tl.constexpr(FIXED_SCALE)
-FIXED_LIMIT = tl.constexpr(2.0**20)
-
-
-@jit
-def _from_fixed(v):
-    return v.to(tl.float32) * (1.0 / FIXED_ONE)
-
-
-@jit
-def _add_fixed(ptr, v, mask):
-    """*ptr += v (float32) in fixed point, an atomic add that nothing waits for."""
-    v = tl.minimum(tl.maximum(v, -FIXED_LIMIT), FIXED_LIMIT)
-    tl.atomic_add(ptr, (v * FIXED_ONE).to(tl.int64), mask=mask, sem="relaxed")
-
-
-def from_fixed(v: torch.Tensor) -> torch.Tensor:
-    """dbc or dh as float32 (for tests and debugging)."""
-    return v.float() / FIXED_SCALE
-
-
-def to_fixed(v: torch.Tensor) -> torch.Tensor:
-    """float32 values in dbc's and dh's fixed point (for tests)."""
-    return (v.double() * FIXED_SCALE).to(torch.int64)
-
-
-@jit
-def _prefetch_to_l2(ptrs):
-    """Asks for the lines at ptrs to be fetched into L2, without waiting or holding
-    registers: for weights a kernel reads only after its wait, fetched while the kernel
-    before it, latency-bound, leaves the memory idle. On the GPU only (a no-op in the
-    interpreter)."""
-    if not INTERPRET:
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1,
-        )
-
-
-@jit
 def _embed_kernel(tok_ptr, emb_ptr, h_ptr, dh_ptr, B, D, BN: tl.constexpr, PDL: tl.constexpr):
     wait_for_prior_kernel(PDL)
     pid_b = tl.program_id(0)  # rows first: see DecodeStep
@@ -175,12 +102,6 @@ def _embed_kernel(tok_ptr, emb_ptr, h_ptr, dh_ptr, B, D, BN: tl.constexpr, PDL: 
     x = tl.load(emb_ptr + tok[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
     tl.store(h_ptr + rows[:, None] * D + cols[None, :], x, mask=m)
     tl.store(dh_ptr + rows[:, None] * D + cols[None, :], tl.zeros([1, BN], dtype=tl.int64), mask=m)
-
-
-@jit
-def _residual_tile(h_ptr, dh_ptr, offs, mask):
-    """h + dh: the residual stream with out_proj's pending share added (float32)."""
-    return tl.load(h_ptr + offs, mask=mask, other=0.0) + _from_fixed(tl.load(dh_ptr + offs, mask=mask, other=0))
 
 
 @jit
@@ -205,7 +126,7 @@ def _rmsnorm_linear_kernel(
         cw, cw_new, cb, window = _conv_inputs(rows, rmask, n, cs_ptr, cw_ptr, cb_ptr, E, K, KP, HAS_CB, BN)
         if pid_n * BN < E:  # x_proj's columns into L2 (loaded after the GEMV: see below)
             j = tl.minimum(tl.arange(0, BJ), J - 1)
-            _prefetch_to_l2(wx_ptr + j[:, None] * E + pid_n * BN + tl.arange(0, 2)[None, :] * (BN - 1))
+            prefetch_to_l2(wx_ptr + j[:, None] * E + pid_n * BN + tl.arange(0, 2)[None, :] * (BN - 1))
     wait_for_prior_kernel(PDL)
     # rmsnorm(h) * nw @ W.T = rstd * ((h * nw) @ W.T): the row's squares add up along the
     # same loop, element-wise (one sum across threads at the end, not one a tile), and
@@ -214,19 +135,19 @@ def _rmsnorm_linear_kernel(
     # The first tile's product, then the rest in a loop (carrying a prefetched tile through
     # it in registers doubled the registers and halved the bandwidth; STAGES > 1 streams
     # tiles through shared memory instead: slower here).
-    hk = _residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & (k < D)[None, :])
+    hk = residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & (k < D)[None, :])
     nw = tl.load(nw_ptr + k, mask=k < D, other=0.0)
     sq = hk * hk
-    acc = _mm_terms(hk * nw[None, :], w, SUM_LAST)
+    acc = mm_terms(hk * nw[None, :], w, SUM_LAST)
     for k0 in tl.range(BK, D, BK, num_stages=STAGES, loop_unroll_factor=UNROLL):
         k = k0 + tl.arange(0, BK)
         kmask = k < D
-        hk = _residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & kmask[None, :])
+        hk = residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & kmask[None, :])
         nw = tl.load(nw_ptr + k, mask=kmask, other=0.0)
         w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         sq += hk * hk
-        acc += _mm_terms(hk * nw[None, :], w, SUM_LAST)
-    acc = _mm_total(acc, SUM_LAST) * (1.0 / tl.sqrt(tl.sum(sq, 1) / D + eps))[:, None]
+        acc += mm_terms(hk * nw[None, :], w, SUM_LAST)
+    acc = mm_total(acc, SUM_LAST) * (1.0 / tl.sqrt(tl.sum(sq, 1) / D + eps))[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nmask, other=0.0)[None, :]
     tl.store(out_ptr + rows[:, None] * NOUT + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
@@ -306,7 +227,7 @@ def _x_proj_columns(wx_ptr, n, E, J, BJ: tl.constexpr):
 def _add_x_proj_share(xc, wx, rows, rmask, dbc_ptr, J, BJ: tl.constexpr):
     """This program's share of xc @ x_proj.T, added to dbc in fixed point (exact in any order)."""
     j = tl.arange(0, BJ)
-    _add_fixed(dbc_ptr + rows[:, None] * BJ + j[None, :], _mm(xc, wx), rmask[:, None] & (j < J)[None, :])
+    add_fixed(dbc_ptr + rows[:, None] * BJ + j[None, :], mm(xc, wx), rmask[:, None] & (j < J)[None, :])
 
 
 @jit
@@ -357,9 +278,9 @@ def _ssm_step_kernel(
     sm = m[:, :, None] & nmask[None, None, :]
     s = tl.load(sp, mask=sm, other=0.0).to(tl.float32)  # (1, BE, NP); the state may be 16-bit
     wait_for_prior_kernel(PDL)
-    dtr = _from_fixed(tl.load(dbc_ptr + rows[:, None] * BJ + r[None, :], mask=rmask[:, None] & (r < R)[None, :], other=0))
-    Bv = _from_fixed(tl.load(dbc_ptr + rows[:, None] * BJ + R + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0))
-    Cv = _from_fixed(tl.load(dbc_ptr + rows[:, None] * BJ + R + N + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0))
+    dtr = from_fixed_tile(tl.load(dbc_ptr + rows[:, None] * BJ + r[None, :], mask=rmask[:, None] & (r < R)[None, :], other=0))
+    Bv = from_fixed_tile(tl.load(dbc_ptr + rows[:, None] * BJ + R + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0))
+    Cv = from_fixed_tile(tl.load(dbc_ptr + rows[:, None] * BJ + R + N + nn[None, :], mask=rmask[:, None] & nmask[None, :], other=0))
     if DBC_NORM:  # Falcon-Mamba: dt_r, B and C each over its rms (masked lanes hold 0)
         dtr = dtr * tl.rsqrt(tl.sum(dtr * dtr, 1)[:, None] / R + eps)
         Bv = Bv * tl.rsqrt(tl.sum(Bv * Bv, 1)[:, None] / N + eps)
@@ -370,8 +291,8 @@ def _ssm_step_kernel(
     # them for the next out_proj
     cols = pid_e * BD + tl.arange(0, BD)
     offs, hm = rows[:, None] * DM + cols[None, :], rmask[:, None] & (cols < DM)[None, :]
-    h_new = _residual_tile(h_ptr, dh_ptr, offs, hm)
-    dt = _mm(dtr, w) + dtb[None, :]  # (1, BE)
+    h_new = residual_tile(h_ptr, dh_ptr, offs, hm)
+    dt = mm(dtr, w) + dtb[None, :]  # (1, BE)
     dt = softplus(dt)
     s = s * tl.exp(dt[:, :, None] * A[None, :, :]) + (dt * x)[:, :, None] * Bv[:, None, :]
     # Every thread holding an element of the state or of h / dh has read it before it is
@@ -387,19 +308,6 @@ def _ssm_step_kernel(
 
 
 @jit
-def _split_k_start(w_ptr, D, E, KCHUNK, BN: tl.constexpr, BK: tl.constexpr):
-    """A split-K GEMV program's outputs n (of D) and their mask, the end of its K split (of
-    E), and its first weight tile (BN, BK), to load before the PDL wait (program ids: row,
-    output tile, split)."""
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
-    nmask = n < D
-    k_end = tl.minimum((tl.program_id(2) + 1) * KCHUNK, E)
-    k = tl.program_id(2) * KCHUNK + tl.arange(0, BK)
-    w = tl.load(w_ptr + n[:, None] * E + k[None, :], mask=nmask[:, None] & (k < k_end)[None, :], other=0.0)
-    return n, nmask, k_end, w
-
-
-@jit
 def _out_proj_residual_kernel(
     y_ptr, w_ptr, b_ptr, dh_ptr, dbc_ptr, B, D, E, KCHUNK,
     HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
@@ -410,7 +318,7 @@ def _out_proj_residual_kernel(
     pid_s = tl.program_id(2)
     rows = pid_b + tl.arange(0, 1)  # the row, as a 1-vector: tiles are (1, n)
     rmask = rows < B
-    n, nmask, k_end, w = _split_k_start(w_ptr, D, E, KCHUNK, BN, BK)
+    n, nmask, k_end, w = split_k_start(w_ptr, D, E, KCHUNK, BN, BK)
     wait_for_prior_kernel(PDL)
     # ssm_step has read dbc: the first program of each row tile zeroes the tile's rows for
     # the next layer's in_proj (jj >= 0 there, jj >= BJ or more in the others)
@@ -424,12 +332,12 @@ def _out_proj_residual_kernel(
         w_now = w
         k = k + BK  # the next tile (nothing past this split's end)
         w = tl.load(w_ptr + n[:, None] * E + k[None, :], mask=nmask[:, None] & (k < k_end)[None, :], other=0.0)
-        acc += _mm(yk, w_now)
+        acc += mm(yk, w_now)
     if HAS_BIAS:  # once, with the first split (n >= pid_s * D holds there only)
         acc += tl.load(b_ptr + n, mask=nmask & (n >= pid_s * D), other=0.0)[None, :]
     # This split's share of y @ W.T, added to dh in fixed point (exact in any order); the
     # next rmsnorm_linear reads h + dh, the ssm_step after it folds dh into h.
-    _add_fixed(dh_ptr + rows[:, None] * D + n[None, :], acc, rmask[:, None] & nmask[None, :])
+    add_fixed(dh_ptr + rows[:, None] * D + n[None, :], acc, rmask[:, None] & nmask[None, :])
 
 
 # -- launchers -----------------------------------------------------------------------------------
@@ -437,49 +345,6 @@ def _out_proj_residual_kernel(
 
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
-
-
-def make_decode_step(model, batch: int, deterministic: bool = False, plan=None):
-    """The decode step for this batch size as `plan` says (default: decode_plan.plan_for,
-    the table of which step and products run where)."""
-    from ..decode_plan import plan_for
-
-    plan = plan or plan_for(model.config, model.weights.embedding.dtype, batch, deterministic)
-    if plan.step == "layer-ops":
-        return OpsDecodeStep(model, plan)
-    if plan.step == "one-row" and model.config.layer == "mamba2":
-        from .decode_step_mamba2 import Mamba2DecodeStep
-
-        return Mamba2DecodeStep(model, batch, plan)
-    if plan.step == "one-row":
-        return DecodeStep(model, batch, plan)
-    from .decode_gemm import GemmDecodeStep
-
-    return GemmDecodeStep(model, batch, plan)
-
-
-class OpsDecodeStep:
-    """The decode step as the model's own layers at one token over its GPU ops (the plan's
-    "layer-ops": Mamba-2's layer, kernels/ssd.py's step kernel for the scan), captured in
-    CUDA graphs like the other steps. A plan without cuBLAS products runs them through
-    invariant_gemm, so that a row's logits do not depend on the batch size."""
-
-    def __init__(self, model, plan):
-        from dataclasses import replace
-
-        from ..model import Mamba, triton_ops
-        from .products import linear_invariant
-
-        self.plan = plan
-        ops = triton_ops()  # (whatever ops the model was built with: this is the GPU's step)
-        if not plan.cublas:
-            ops = replace(ops, linear=linear_invariant)
-        self.model = Mamba(model.config, model.weights, ops, model.chunk_tokens, model.state_dtype)
-
-    def __call__(self, tokens: torch.Tensor, state, argmax: bool = False) -> torch.Tensor:
-        """tokens (B,) -> logits (B, V) f32; updates `state`."""
-        assert not argmax, "the layer-ops step has no fused argmax"
-        return self.model.step(tokens, state)
 
 
 class DecodeStep:
@@ -496,17 +361,11 @@ class DecodeStep:
     step against 7.31).
     """
 
-    def __init__(self, model, batch: int, plan=None):
-        """plan: a decode_plan.DecodePlan (its blocks and PDL; default: the model's)."""
-        from dataclasses import replace
-
-        from ..decode_plan import DecodePlan, one_row_blocks
-
+    def __init__(self, model, batch: int, plan):
+        """model: its config and weights; plan: the engine's decode plan (engine/plan.py's
+        DecodePlan), of which the step reads `blocks` (the launch settings) and `pdl`."""
         c, w = model.config, model.weights
         dev = w.embedding.device
-        plan = plan or DecodePlan("one-row")
-        if plan.blocks is None:
-            plan = replace(plan, blocks=one_row_blocks(c.d_model, c.d_inner, c.vocab_size, w.embedding.dtype, c.layer))
         self.plan, blocks = plan, plan.blocks
         self.model, self.B = model, batch
         # the launch settings, as attributes the kernels' launchers read (tests narrow some)
@@ -532,7 +391,7 @@ class DecodeStep:
         self.xz = torch.zeros(batch, 2 * E, **f32)
         self.xc = torch.zeros(batch, E, **f32)
         self.y = torch.zeros(batch, E, **f32)
-        self.dbc = torch.zeros(batch, self.BJ, device=dev, dtype=torch.int64)  # fixed point: see FIXED_ONE
+        self.dbc = torch.zeros(batch, self.BJ, device=dev, dtype=torch.int64)  # fixed point: see gemv.FIXED_ONE
         self.logits = torch.zeros(batch, c.vocab_size, **f32)
         self.best = torch.full((batch,), ARGMAX_EMPTY, device=dev, dtype=torch.int64)  # see argmax_keys
         self.pdl = pdl_launch(dev) if plan.pdl else NO_PDL
@@ -555,7 +414,7 @@ class DecodeStep:
         stages); with conv = (lw, conv_state), out is xz, and the x half goes on through the
         conv step and x_proj; with argmax, each row's argmax goes into `best` too (see
         argmax_keys). sum_last: one row's products summed over K once, after the loop
-        (_mm_terms), where d takes more than one K tile (in one tile the products would wait
+        (mm_terms), where d takes more than one K tile (in one tile the products would wait
         through the loop in registers for nothing). unroll: the K loop unrolled by this much
         where the products are summed after it."""
         n_out, d = weight.shape

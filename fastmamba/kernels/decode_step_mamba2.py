@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from ._triton import jit, tl, triton
 from .activations import silu
-from .decode_step import DecodeStep, _add_fixed, _mm, _residual_tile, _split_k_start
+from .decode_step import DecodeStep
+from .gemv import add_fixed, mm, residual_tile, split_k_start
 from .gated_norm import gated_rmsnorm_ref, group_rmsnorm_ref
 from .pdl import let_next_kernel_launch, wait_for_prior_kernel
 from .ssd import ssd_scan_ref, ssd_step_update
@@ -141,7 +142,7 @@ def _ssd_conv_step_kernel(
     # them for the next out_proj (as ssm_step)
     cols = prog * BD + tl.arange(0, BD)
     hm = cols < DM
-    h_new = _residual_tile(h_ptr, dh_ptr, row64 * DM + cols, hm)
+    h_new = residual_tile(h_ptr, dh_ptr, row64 * DM + cols, hm)
     # Every thread has read its part of the state, the x channels' windows and h / dh
     # before any of them is rewritten (see ssm_step).
     tl.debug_barrier()
@@ -169,7 +170,7 @@ def _gated_out_proj_kernel(
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
     row64 = row.to(tl.int64)
-    n, nmask, k_end, w = _split_k_start(w_ptr, D, E, KCHUNK, BN, BK)  # (the first tile before the wait)
+    n, nmask, k_end, w = split_k_start(w_ptr, D, E, KCHUNK, BN, BK)  # (the first tile before the wait)
     wait_for_prior_kernel(PDL)
     W: tl.constexpr = 2 * E + 2 * G * N + H
     CS: tl.constexpr = E + 2 * G * N
@@ -205,10 +206,10 @@ def _gated_out_proj_kernel(
         w_now = w
         k = k + BK  # the next tile (nothing past this split's end)
         w = tl.load(w_ptr + n[:, None] * E + k[None, :], mask=nmask[:, None] & (k < k_end)[None, :], other=0.0)
-        acc += _mm(u[None, :], w_now)
+        acc += mm(u[None, :], w_now)
     if HAS_BIAS:  # once, with the first split (n >= pid_s * D holds there only)
         acc += tl.load(b_ptr + n, mask=nmask & (n >= pid_s * D), other=0.0)[None, :]
-    _add_fixed(dh_ptr + row64 * D + n[None, :], acc, nmask[None, :])
+    add_fixed(dh_ptr + row64 * D + n[None, :], acc, nmask[None, :])
 
 
 # Channels of a head an ssd_conv_step program takes (all N states of each in registers).

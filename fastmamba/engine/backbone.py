@@ -26,9 +26,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from .errors import CheckpointError
-from .kernels.products import linear_storage
-from .model import REFERENCE_OPS, LayerWeights, MambaState, mixer
+from fastmamba.core.errors import CheckpointError
+from fastmamba.kernels.products import linear_storage
+from fastmamba.core.ops import REFERENCE_OPS
+from fastmamba.core.mamba1 import LayerWeights, mixer
+from fastmamba.core.state import MambaState
 
 FORMAT = "fastmamba.Backbone"
 
@@ -142,7 +144,7 @@ class Backbone(nn.Module):
         super().__init__()
         if not isinstance(config, BackboneConfig):
             raise ValueError(f"config must be a BackboneConfig, got {type(config).__name__}")
-        from .checkpoint import parse_dtype
+        from fastmamba.core.dtypes import parse_dtype
 
         self.config = config
         dtype = parse_dtype(dtype or torch.float32)
@@ -199,11 +201,11 @@ class Backbone(nn.Module):
         where autograd will not need the pass, else the training ops (the conv and the scan
         as autograd Functions whose backward runs in Triton). Elsewhere None: the reference
         ops, whose every operation autograd differentiates."""
-        from .kernels._triton import HAVE_TRITON
+        from fastmamba.kernels._triton import HAVE_TRITON
 
         if self.device.type != "cuda" or not HAVE_TRITON:
             return None
-        from .model import training_ops, triton_ops
+        from fastmamba.core.ops import training_ops, triton_ops
 
         inputs = [x, state.conv, state.ssm, *self.parameters()]
         if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
@@ -328,7 +330,7 @@ class Backbone(nn.Module):
         large matrices' storage (default: as saved)."""
         from safetensors import safe_open
 
-        from .checkpoint import one_line
+        from fastmamba.io.checkpoint import one_line
 
         folder = Path(folder)
         cfg_path, weights_path = folder / "config.json", folder / "model.safetensors"
@@ -413,8 +415,9 @@ def decode_model(bb: Backbone):
     embedding (unused: the step takes vectors) and as lm_head, so that the "logits" are the
     final-normed hidden state; the layers read the module's parameters, not copies (A = -exp(A_log)
     is the one derived tensor: KernelStep.sync)."""
-    from .config import MambaConfig
-    from .model import Mamba, MambaWeights, triton_ops
+    from fastmamba.core.config import MambaConfig
+    from fastmamba.core.model import Mamba, MambaWeights
+    from fastmamba.core.ops import triton_ops
 
     c = bb.config
     storage = bb.layers[0].mixer.in_proj.weight.dtype
@@ -436,7 +439,7 @@ class KernelStep:
     it in float32 and round once on store)."""
 
     def __init__(self, bb: Backbone, batch: int):
-        from .kernels.decode_step import make_decode_step
+        from fastmamba.engine.decode_step import make_decode_step
 
         self.config, self.bb = bb.config, bb
         model = decode_model(bb)
@@ -468,7 +471,7 @@ class _StepGraph:
     step runs the decode kernels (KernelStep) where Triton is there, else the pure-PyTorch ops."""
 
     def __init__(self, bb: Backbone, state: MambaState):
-        from .kernels._triton import HAVE_TRITON
+        from fastmamba.kernels._triton import HAVE_TRITON
 
         B, dev = state.batch, bb.device
         self.kernels = KernelStep(bb, B) if HAVE_TRITON else None
@@ -483,7 +486,7 @@ class _StepGraph:
 
     def _capture(self, body):
         """capture_graph's, with the state as it was before the warm-up calls."""
-        from .cuda_graphs import capture_graph
+        from fastmamba.engine.cuda_graphs import capture_graph
 
         saved = (self.conv.clone(), self.ssm.clone())
         graph, out = capture_graph(body)

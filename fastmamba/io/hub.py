@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .errors import CheckpointError
+from fastmamba.core.errors import CheckpointError
 
 # A hub id as the hub spells one: an owner and a name, each of letters, digits and . _ -
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -27,7 +27,7 @@ def is_hub_id(path) -> bool:
 
 
 def _complete(folder: Path) -> bool:
-    from .checkpoint import INDEX_FILES, WEIGHTS_FILES
+    from fastmamba.io.checkpoint import INDEX_FILES, WEIGHTS_FILES
 
     has_weights = any((folder / n).exists() for n in INDEX_FILES + WEIGHTS_FILES)
     return (folder / "config.json").exists() and has_weights

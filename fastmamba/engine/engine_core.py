@@ -36,10 +36,11 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from .cuda_graphs import CHUNK_BATCHES, PREFILL_BUCKETS, ChunkPrefillGraphs, PoolDecodeGraphs
-from .model import MambaState
-from .prefix_cache import PrefixCache
-from .sampling import SamplingParams, SlotParams, pick_sampler, resolve_seed
+from fastmamba.engine.cuda_graphs import CHUNK_BATCHES, PREFILL_BUCKETS, ChunkPrefillGraphs, PoolDecodeGraphs
+from fastmamba.core.state import MambaState
+from fastmamba.engine.prefix_cache import PrefixCache
+from fastmamba.core.sampling_params import SamplingParams, resolve_seed
+from fastmamba.core.sampling import SlotParams, pick_sampler
 
 _ids = itertools.count()
 

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-PRODUCTS = ("in_proj", "x_proj", "dt_proj", "out_proj", "lm_head")
+from fastmamba.kernels.decode_gemm import PRODUCTS
+
 NONE, IN_PROJ, ALL = frozenset(), frozenset({"in_proj"}), frozenset(PRODUCTS)
 # The K chunks each Triton product sums in, fixed per product and never by the batch size
 # (they set the order of the sums). The short-and-wide x_proj and out_proj need them for

@@ -18,8 +18,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from .model import Mamba, MambaState
-from .sampling import SlotParams, sample_greedy
+from fastmamba.core.model import Mamba
+from fastmamba.core.state import MambaState
+from fastmamba.core.sampling import SlotParams, sample_greedy
 
 Pick = Callable[[torch.Tensor, SlotParams], torch.Tensor]
 
@@ -66,7 +67,7 @@ class GraphDecoder:
     """
 
     def __init__(self, model: Mamba, batch: int, deterministic: bool = False, steps: int | None = None, plan=None):
-        from .kernels.decode_step import make_decode_step
+        from fastmamba.engine.decode_step import make_decode_step
 
         self.model = model
         self.step = make_decode_step(model, batch, deterministic, plan)  # plan: decode_plan.plan_for's unless given
@@ -188,7 +189,7 @@ class PoolDecodeGraphs:
     """
 
     def __init__(self, model: Mamba, pool: MambaState, tokens: torch.Tensor, deterministic: bool = False):
-        from .kernels.decode_step import make_decode_step
+        from fastmamba.engine.decode_step import make_decode_step
 
         max_batch = pool.conv.shape[1]
         self.tokens = tokens  # (max_batch,) int64 on the device: each row's input, read by the graphs

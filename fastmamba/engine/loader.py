@@ -7,18 +7,22 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import inside, load_checkpoint, parse_dtype
-from .errors import CheckpointError
-from .language_model import LanguageModel
-from .hub import is_hub_id, resolve as resolve_hub_id
-from .kernels._triton import HAVE_TRITON
-from .model import REFERENCE_OPS, Mamba, layer_kind, triton_ops
-from .tokenizer import Tokenizer
+from fastmamba.io.files import inside
+from fastmamba.io.checkpoint import load_checkpoint
+from fastmamba.core.dtypes import parse_dtype
+from fastmamba.core.errors import CheckpointError
+from fastmamba.engine.language_model import LanguageModel
+from fastmamba.io.hub import is_hub_id, resolve as resolve_hub_id
+from fastmamba.kernels._triton import HAVE_TRITON
+from fastmamba.core.ops import REFERENCE_OPS, triton_ops
+from fastmamba.core.model import Mamba
+from fastmamba.core.layers import layer_kind
+from fastmamba.io.tokenizer import Tokenizer
 
 
 def default_model_dir() -> Path:
     """The folder of the small model that ships inside the package."""
-    return Path(__file__).parent / "default_model"
+    return Path(__file__).resolve().parent.parent / "default_model"
 
 
 def checkpoint_folder(path) -> Path:

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Callable
 
-from .sampling import SamplingParams
+from fastmamba.core.sampling_params import SamplingParams
 
 
 class QueueFull(Exception):
@@ -41,7 +41,7 @@ def engine_main(make_lm: Callable, engine_kwargs: dict, to_engine: str, from_eng
     import msgspec
     import zmq
 
-    from .engine import EngineCore, EngineRequest
+    from fastmamba.engine.engine_core import EngineCore, EngineRequest
 
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -11,28 +10,11 @@ from pathlib import Path
 
 import torch
 
-from .config import MambaConfig
-from .errors import CheckpointError
-from .model import MambaWeights, layer_kind
-
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
-
-def parse_dtype(dtype) -> torch.dtype:
-    """A storage dtype from its name ("bfloat16", "bf16", ...) or a torch dtype."""
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
-        return dtype
-    if isinstance(dtype, str) and dtype in DTYPES:
-        return DTYPES[dtype]
-    raise ValueError(f"dtype must be one of float32, bfloat16, float16 (or a torch dtype), got {dtype!r}")
-
+from fastmamba.core.config import MambaConfig
+from fastmamba.core.errors import CheckpointError
+from fastmamba.io.files import inside, readable_file
+from fastmamba.core.model import MambaWeights
+from fastmamba.core.layers import layer_kind
 
 def expected_shapes(c: MambaConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the HF layout holds for this config, by HF name."""
@@ -48,45 +30,6 @@ def expected_shapes(c: MambaConfig) -> dict[str, tuple[int, ...]]:
 # The files a folder's weights may come in, in the order they are looked for.
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin")
-
-
-def inside(folder: Path, name) -> Path:
-    """folder / name, refused unless it names a file inside the checkpoint folder: no
-    absolute path, no '..', no symlink that leads out. The one exception is the HF cache's
-    own layout, where a snapshot's files are links into the repo's `blobs` folder."""
-    if not isinstance(name, str) or not name:
-        raise CheckpointError(f"{folder}: file name {name!r} is not a non-empty string")
-    if Path(name).is_absolute() or ".." in Path(name).parts:
-        raise CheckpointError(f"{folder}: file name {name!r} points outside the checkpoint folder")
-    path = folder / name
-    try:
-        home = folder.resolve()
-        real = path.resolve()
-    except RuntimeError:  # Path.resolve's word for a symlink loop
-        raise CheckpointError(f"{path}: is a symlink loop") from None
-    except OSError as e:  # a permission error on the way
-        if e.errno == errno.ELOOP:
-            raise CheckpointError(f"{path}: is a symlink loop") from None
-        raise CheckpointError(f"{path}: cannot resolve the path ({type(e).__name__}: {e})") from None
-    roots = [home] + ([home.parent.parent / "blobs"] if home.parent.name == "snapshots" else [])
-    if not any(real == r or r in real.parents for r in roots):
-        raise CheckpointError(f"{path}: leads to {real}, outside the checkpoint folder")
-    return path
-
-
-def readable_file(path: Path) -> Path:
-    """path, if it is a file this process can read; else a CheckpointError saying what it is
-    (the libraries' own errors for these cases mislead: a folder reads as 'No such device')."""
-    if path.is_dir():
-        raise CheckpointError(f"{path}: is a folder, not a weights file")
-    try:
-        with open(path, "rb"):
-            pass
-    except PermissionError:
-        raise CheckpointError(f"{path}: cannot be read: permission denied") from None
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot be opened ({e.strerror or type(e).__name__})") from None
-    return path
 
 
 def _weight_files(folder: Path) -> list[Path]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import CheckpointError
+from fastmamba.core.errors import CheckpointError
 
 
 class Tokenizer:

@@ -18,10 +18,10 @@ import time
 import uuid
 from pathlib import Path
 
-from .engine_process import EngineClient, EngineDown, QueueFull
-from .language_model import PromptEncoder, check_token_ids
-from .sampling import SamplingParams
-from .tokenizer import IncrementalDecoder
+from fastmamba.engine.process import EngineClient, EngineDown, QueueFull
+from fastmamba.io.prompts import PromptEncoder, check_token_ids
+from fastmamba.core.sampling_params import SamplingParams
+from fastmamba.io.tokenizer import IncrementalDecoder
 
 # A model folder with no chat template in tokenizer_config.json (the bundled one) gets this:
 # one line a message, "role: content", then "assistant:" for the reply. A reply comes back
@@ -721,9 +721,9 @@ def folder_app(engine, folder, model_name: str, api_key: str | None, max_model_l
     """serve's app over `engine` for a checkpoint folder: its tokenizer and vocabulary for the
     prompts, its chat template, a metrics registry of its own (`fastmamba serve`'s, and each
     Ray Serve front end's)."""
-    from .checkpoint import inside
-    from .config import MambaConfig
-    from .tokenizer import Tokenizer
+    from fastmamba.io.files import inside
+    from fastmamba.core.config import MambaConfig
+    from fastmamba.io.tokenizer import Tokenizer
 
     folder = Path(folder)
     config = MambaConfig.from_file(inside(folder, "config.json"))
@@ -746,11 +746,11 @@ def serve(args) -> int:
         raise ValueError("serve needs the server packages: pip install 'fastmamba[serve]'")
     import uvicorn
 
-    from .loader import checkpoint_folder, default_model_dir, load
+    from fastmamba.engine.loader import checkpoint_folder, default_model_dir, load
 
     if args.replicas or args.autoscale:
         try:
-            from .deploy import serve_replicas
+            from fastmamba.serve.deploy import serve_replicas
         except ImportError:
             raise ValueError("--replicas and --autoscale need Ray Serve: pip install 'fastmamba[ray]'") from None
         return serve_replicas(args)

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CheckpointError
+from fastmamba.core.errors import CheckpointError
 
 
 @dataclass(frozen=True)

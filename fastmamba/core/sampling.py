@@ -1,4 +1,4 @@
-"""Sampling parameters, and next-token sampling done entirely in device tensors.
+"""Next-token sampling done entirely in device tensors.
 
 Every slot (batch row) carries its own parameters and its own random stream, so a slot
 samples the same tokens whether it runs alone or beside others, and the sampler has fixed
@@ -9,93 +9,11 @@ the same uniforms on every device.
 
 from __future__ import annotations
 
-import numbers
-import secrets
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 
-MASK32 = 0xFFFFFFFF
-FLOAT32_MAX = 3.4028234663852886e38  # the sampler computes in float32: larger values cannot be held
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 64
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1.0 = off
-    min_p: float = 0.0  # 0 = off
-    repetition_penalty: float = 1.0  # 1.0 = off; HF semantics, over prompt and generated tokens
-    seed: int | None = None  # 0 <= seed < 2**32 (a slot's random stream is 32-bit); None = a fresh random seed
-    stop_token_ids: tuple[int, ...] | None = None  # None = the model's eos; () = none
-
-    def __post_init__(self):
-        # numpy's scalars (np.int64, np.float32) are numbers too: held as Python's own
-        for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed"):
-            v = getattr(self, name)
-            if isinstance(v, numbers.Integral) and not isinstance(v, (int, bool)) and type(v).__name__ != "bool_":
-                object.__setattr__(self, name, int(v))
-            elif isinstance(v, numbers.Real) and not isinstance(v, (int, float)):
-                object.__setattr__(self, name, float(v))
-        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (str, bytes)):
-            try:
-                object.__setattr__(self, "stop_token_ids", tuple(
-                    int(i) if isinstance(i, numbers.Integral) and not isinstance(i, bool) else i
-                    for i in self.stop_token_ids))
-            except TypeError:
-                pass
-
-        def bad(name, rule):
-            raise ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
-
-        def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_num(v):  # finite, and within float32's range, which the sampler computes in
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= FLOAT32_MAX
-
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            bad("max_tokens", "must be an integer >= 1")
-        if not is_num(self.temperature) or not 0 <= self.temperature < float("inf"):
-            bad("temperature", "must be a number >= 0 within float32's range")
-        if not is_int(self.top_k) or self.top_k < 0:
-            bad("top_k", "must be an integer >= 0")
-        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
-            bad("top_p", "must be in (0, 1]")
-        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
-            bad("min_p", "must be in [0, 1]")
-        if not is_num(self.repetition_penalty) or not 0 < self.repetition_penalty < float("inf"):
-            bad("repetition_penalty", "must be a number > 0 within float32's range")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MASK32):
-            bad("seed", "must be None or an integer from 0 to 2**32 - 1")
-        if self.stop_token_ids is not None:
-            try:
-                ids = tuple(self.stop_token_ids)
-            except TypeError:
-                ids = (None,)
-            if isinstance(self.stop_token_ids, (str, bytes)) or not all(is_int(i) and i >= 0 for i in ids):
-                bad("stop_token_ids", "must be None or a list of token ids >= 0")
-            object.__setattr__(self, "stop_token_ids", ids)
-
-    @classmethod
-    def from_kwargs(cls, params: "SamplingParams | dict | None", kwargs: dict) -> "SamplingParams":
-        """`params` (a SamplingParams, a dict of its fields, or None) with any keyword
-        overrides; an unknown field is a TypeError naming it."""
-        if isinstance(params, dict):
-            params, kwargs = None, {**params, **kwargs}
-        elif params is not None and not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, a dict of its fields or None, got {type(params).__name__}")
-        names = {f.name for f in fields(cls)}
-        for key in kwargs:
-            if key not in names:
-                raise TypeError(f"unknown sampling option {key!r}; options are {', '.join(sorted(names))}")
-        return replace(params if params is not None else cls(), **kwargs)
-
-
-def resolve_seed(seed: int | None) -> int:
-    """The 32-bit seed a slot's random stream starts from; None draws a fresh one."""
-    return secrets.randbits(32) if seed is None else seed
+from fastmamba.core.sampling_params import MASK32, SamplingParams
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -221,10 +139,10 @@ def pick_sampler(params: list[SamplingParams], gpu_kernels: bool):
     `sample`, pure PyTorch."""
     if all(p.temperature == 0 and p.repetition_penalty == 1 for p in params):
         return sample_greedy
-    from .kernels._triton import HAVE_TRITON
+    from fastmamba.kernels._triton import HAVE_TRITON
 
     if gpu_kernels and HAVE_TRITON:
-        from .kernels import sampler
+        from fastmamba.kernels import sampler
 
         if any(p.top_k and p.top_p < 1 for p in params):
             return sampler.sample_filtered

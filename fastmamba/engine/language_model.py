@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -11,10 +10,12 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from .cuda_graphs import PREFILL_BUCKETS, GraphPrefill, graph_prefill_tokens
-from .model import Mamba, MambaState
-from .sampling import SamplingParams
-from .tokenizer import IncrementalDecoder, Tokenizer
+from fastmamba.engine.cuda_graphs import PREFILL_BUCKETS, GraphPrefill, graph_prefill_tokens
+from fastmamba.core.model import Mamba
+from fastmamba.core.state import MambaState
+from fastmamba.core.sampling_params import SamplingParams
+from fastmamba.io.prompts import PromptEncoder, check_token_ids, describe, is_integer_dtype
+from fastmamba.io.tokenizer import IncrementalDecoder, Tokenizer
 
 
 @dataclass
@@ -61,7 +62,7 @@ class LanguageModel:
     def _engine(self, batch: int):
         """The engine core, with at least `batch` slots (made anew, larger, when a batch
         outgrows it: its decode graphs are captured for every bucket up to its size)."""
-        from .engine import EngineCore
+        from fastmamba.engine.engine_core import EngineCore
 
         if self._core is None or self._core.max_batch < batch:
             if self._core is not None and any(not (r.finished or r.aborted) for r in self._core.requests.values()):
@@ -118,7 +119,7 @@ class LanguageModel:
         """The model's layers and final norm as a fastmamba.Backbone (vectors of d_model in
         and out) over the model's own tensors, shared, not copied."""
         if self._backbone is None:
-            from .backbone import Backbone
+            from fastmamba.engine.backbone import Backbone
 
             self._backbone = Backbone.of_language_model(self.model)
         return self._backbone
@@ -141,7 +142,7 @@ class LanguageModel:
         """Float32 logits (B, T, V) of whole sequences (V may include padding columns).
 
         input_ids: an integer tensor (B, T) with B, T >= 1; anything else is a ValueError."""
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or not _is_integer(input_ids.dtype):
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or not is_integer_dtype(input_ids.dtype):
             raise ValueError("input_ids must be an integer tensor of shape (batch, time)")
         if input_ids.numel() == 0:
             raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: give at least one row of one token")
@@ -187,7 +188,7 @@ class LanguageModel:
         params: one SamplingParams (or dict) for all, or a list with one per prompt.
         Raises ValueError naming the bad prompt, parameter or stop token id."""
         if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError(f"prompts must be a non-empty list of prompts, got {_describe(prompts)}")
+            raise ValueError(f"prompts must be a non-empty list of prompts, got {describe(prompts)}")
         if params is None or isinstance(params, (SamplingParams, dict)):
             params = [SamplingParams.from_kwargs(params, {})] * len(prompts)
         elif isinstance(params, (list, tuple)) and len(params) == len(prompts):
@@ -245,8 +246,8 @@ class LanguageModel:
         """Yields (prompt index, token or None, finish reason or None) as the engine makes
         them: the prompts run as requests of the engine core, driven from here. Another
         generation's outputs read meanwhile (an interleaved stream) wait for its own loop."""
-        from .engine import EngineRequest
-        from .errors import NonFiniteError
+        from fastmamba.engine.engine_core import EngineRequest
+        from fastmamba.core.errors import NonFiniteError
 
         core = self._engine(len(all_ids))
         reqs = [core.add(EngineRequest(ids, p)) for ids, p in zip(all_ids, params)]
@@ -276,65 +277,3 @@ class LanguageModel:
             for r in reqs:
                 core.abort(r.rid)
                 self._pending.pop(r.rid, None)
-
-
-class PromptEncoder:
-    """Prompts to token ids with a checkpoint's tokenizer (or none) and vocabulary: the
-    language model's, and the server's front end's, which has no model."""
-
-    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, path: Path | None = None):
-        self.tokenizer, self.vocab_size, self.path = tokenizer, vocab_size, path
-
-    def encode(self, prompt) -> list[int]:
-        """Token ids of a prompt: a str, or token ids (a list or tuple of ints, a 1-D integer
-        tensor or numpy array). Anything else is a ValueError naming the problem."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                where = f" in {self.path}" if self.path else ""
-                raise ValueError(f"this model has no tokenizer.json{where}: pass the prompt as a list of token ids")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"the prompt is not valid text: a lone surrogate at character {e.start}") from None
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-        elif hasattr(prompt, "dtype") and hasattr(prompt, "tolist"):  # a torch tensor or numpy array
-            kind = getattr(prompt, "ndim", None)
-            if kind != 1 or not _is_integer(prompt.dtype):
-                raise ValueError(f"a prompt of token ids must be 1-D integers, got {_describe(prompt)}")
-            ids = prompt.tolist()
-        else:
-            hint = " (decode bytes to str first)" if isinstance(prompt, (bytes, bytearray)) else ""
-            raise ValueError(f"a prompt is a str or a list of token ids, got {_describe(prompt)}{hint}")
-        if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        return check_token_ids(ids, self.vocab_size, "prompt")
-
-
-
-def check_token_ids(ids, vocab: int, what: str) -> list[int]:
-    """ids as a list of Python ints, or a ValueError naming the first one that is not a
-    token id in [0, vocab). (The server checks request fields with it too.)"""
-    if isinstance(ids, list) and set(map(type, ids)) <= {int} and (not ids or (min(ids) >= 0 and max(ids) < vocab)):
-        return ids  # (C-level checks: a long prompt's ids one by one in Python cost milliseconds)
-    for t in ids:  # the first culprit, named
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-            raise ValueError(f"{what} holds {t!r} ({type(t).__name__}), not an integer token id")
-        if not 0 <= t < vocab:
-            raise ValueError(f"{what} holds token id {int(t)}, outside the vocabulary [0, {vocab})")
-    return [int(t) for t in ids]
-
-
-def _is_integer(dtype) -> bool:
-    """True for the integer dtypes of torch and numpy (not bool, float or complex)."""
-    if isinstance(dtype, torch.dtype):
-        return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
-    return getattr(dtype, "kind", None) in ("i", "u")
-
-
-def _describe(value) -> str:
-    shape = getattr(value, "shape", None)
-    if shape is not None and hasattr(value, "dtype"):
-        return f"{type(value).__name__} of shape {tuple(shape)} and dtype {value.dtype}"
-    return f"{type(value).__name__} {value!r}"[:120]

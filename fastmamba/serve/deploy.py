@@ -35,8 +35,8 @@ from ray import serve
 from ray.serve._private.request_router.request_router import RequestRouter
 from ray.serve.config import RequestRouterConfig
 
-from .engine_process import EngineClient, EngineDown, QueueFull
-from .sampling import SamplingParams
+from fastmamba.engine.process import EngineClient, EngineDown, QueueFull
+from fastmamba.core.sampling_params import SamplingParams
 
 ROUTE_TOKENS = 512  # the prefix a request is routed by: the prefix cache's first grid point
 # A replica sends each stream's tokens on in lists, one each this many ms after the first
@@ -84,7 +84,7 @@ class EngineReplica:
     """One replica: the serving engine in its own process, its outputs streamed per request."""
 
     def __init__(self, load_kwargs: dict, engine_kwargs: dict, max_queue: int, stream_interval_s: float):
-        from .loader import load
+        from fastmamba.engine.loader import load
 
         self.client = EngineClient(functools.partial(load, **load_kwargs), engine_kwargs, max_queue=max_queue)
         self.name = serve.get_replica_context().replica_id.unique_id
@@ -202,7 +202,7 @@ def build(model=None, replicas: int = 2, device: str = "cpu", dtype: str = "floa
         raise ValueError(f"routing must be 'prefix' or 'round-robin', got {routing!r}")
     if not stream_interval_ms >= 0:
         raise ValueError(f"stream_interval_ms must be at least 0, got {stream_interval_ms!r}")
-    from .loader import checkpoint_folder
+    from fastmamba.engine.loader import checkpoint_folder
 
     folder = checkpoint_folder(model)
     load_kwargs = dict(path=str(folder), device=device, dtype=dtype, state_dtype=state_dtype,
@@ -235,7 +235,7 @@ class Frontend:
         self.engines, self.options = engines, options
 
     def __serve_build_asgi_app__(self):
-        from .server import folder_app
+        from fastmamba.serve.app import folder_app
 
         return folder_app(RayEngine(self.engines), **self.options)
 
@@ -273,7 +273,7 @@ def serve_replicas(args) -> int:
 
     import ray
 
-    from .server import _listen
+    from fastmamba.serve.app import _listen
 
     scaling = autoscaling(args.autoscale, args.max_batch or 16) if args.autoscale else None
     _listen(args.host, args.port).close()  # a bad or busy --port: one line, before Ray starts (its proxy binds it)
@@ -306,7 +306,7 @@ class _Generate:
     """One actor of `batch`: a language model, and generate_batch over each block of rows."""
 
     def __init__(self, load_kwargs: dict, params: dict, column: str):
-        from .loader import load
+        from fastmamba.engine.loader import load
 
         self.lm = load(**load_kwargs)
         self.params, self.column = params, column
@@ -339,7 +339,7 @@ def batch(dataset, model=None, *, column: str = "prompt", seed: int = 0, concurr
     seed); each row gets what `generate` gives it alone with that seed, whatever the number
     of actors or rows a block (on a GPU exactly so with deterministic=True, else within the
     batch-invariant ranges). `sampling`: SamplingParams fields (max_tokens, temperature, ...)."""
-    from .loader import checkpoint_folder
+    from fastmamba.engine.loader import checkpoint_folder
 
     params = dataclasses.asdict(SamplingParams.from_kwargs(None, sampling))
     del params["seed"]  # (each row's own)

@@ -1,0 +1,129 @@
+"""The Mamba language model in pure PyTorch over `Ops` (Mamba-1 or Mamba-2 layers, from the
+layer table): embedding, layers, final norm and LM head. On the reference ops it is the CPU
+engine and the oracle for the GPU kernels; on the Triton ops, the GPU engine's prefill.
+
+One definition for every storage dtype: the large matrices stay in their storage dtype and
+are upcast per product, so every product accumulates in float32 (docs/architecture.md), as do
+the residual stream, the conv and ssm states, and the logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastmamba.core.config import MambaConfig
+from fastmamba.core.errors import NonFiniteError
+from fastmamba.core.layers import layer_kind
+from fastmamba.core.ops import REFERENCE_OPS, Ops
+from fastmamba.core.state import MambaState
+
+
+@dataclass
+class MambaWeights:
+    embedding: torch.Tensor  # (V, d) storage dtype
+    layers: list  # LayerWeights (Mamba-1) or mamba2.Mamba2LayerWeights
+    norm_f: torch.Tensor  # (d,) f32
+    lm_head: torch.Tensor  # (V, d) storage dtype; the embedding itself when tied
+
+
+class Mamba:
+    """A Mamba language model (Mamba-1 or Mamba-2 layers): embedding, layers, final norm and LM head.
+
+    `backbone` is the recurrent core on its own (vectors in, vectors out), for uses
+    outside language modelling.
+    """
+
+    def __init__(self, config: MambaConfig, weights: MambaWeights, ops: Ops = REFERENCE_OPS, chunk_tokens: int = 16384,
+                 state_dtype: torch.dtype = torch.float32):
+        self.config = config
+        self.weights = weights
+        self.ops = ops
+        self.layer = layer_kind(config)
+        # The dtype the conv and ssm states are stored in; every update computes in float32
+        # and rounds once on store (the reference ops promote a 16-bit state as they read it).
+        self.state_dtype = state_dtype
+        # Prefill runs long prompts in chunks of at most this many tokens across the batch
+        # (chunk_tokens // B steps a row), so activation memory stays bounded whatever the
+        # prompt. Large chunks pay: each chunk is one pass of every layer's kernels, and the
+        # scan's parallelism over time grows with it (H200, bf16: a 100,000-token prompt on
+        # 130m 314 ms in 4096-token chunks, 117 in 16384; 2.8b 1 x 16384 251 -> 239 ms).
+        self.chunk_tokens = chunk_tokens
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights.embedding.device
+
+    def new_state(self, batch: int) -> MambaState:
+        return MambaState.zeros(self.config, batch, self.device, self.state_dtype)
+
+    def backbone(self, h: torch.Tensor, state: MambaState, start=None, check: bool | None = None) -> torch.Tensor:
+        """All layers and the final norm over T inputs: h (B, T, d) f32 -> (B, T, d) f32.
+
+        check: raise NonFiniteError at the first layer whose output holds NaN or inf. Always
+        on the reference ops (a reduction a layer, small beside the layer's products on the
+        CPU); off in the GPU kernels' pass, where the caller checks the logits and, if they
+        are not finite, runs `nonfinite_layer` to name the layer."""
+        check = self.ops is REFERENCE_OPS if check is None else check
+        h, o, eps = h.float(), None, self.config.norm_eps
+        for i, lw in enumerate(self.weights.layers):
+            # the norm comes out in the dtype in_proj reads (GPU path; the reference keeps f32)
+            h, u = self.ops.add_norm(h, o, lw.norm_w, eps, lw.in_proj_w.dtype)
+            o = self.layer.mixer(self.config, lw, u, state.conv[i], state.ssm[i], self.ops, start)
+            if check and not torch.isfinite(o).all():
+                raise NonFiniteError(
+                    f"the model's output is not finite: layer {i} (backbone.layers.{i}) gives NaN or inf for this "
+                    f"input, its weights overflow the arithmetic (storage {str(lw.in_proj_w.dtype).removeprefix('torch.')})")
+        return self.ops.add_norm(h, o, self.weights.norm_f, eps, torch.float32)[1]
+
+    def check_finite(self, logits: torch.Tensor, prompts) -> None:
+        """NonFiniteError naming the first layer at fault if `logits` (of the prefill of
+        `prompts` from a zero state) hold NaN or inf; one reduction and one read otherwise."""
+        if not torch.isfinite(logits).all():
+            raise NonFiniteError(self.nonfinite_culprit(prompts))
+
+    def nonfinite_culprit(self, prompts) -> str:
+        """Why the prefill of `prompts` (token id lists, or the rows of a (B, T) tensor) is not
+        finite: each prompt's prefill again, with a check after every layer, names the first
+        layer (or the final norm, or lm_head)."""
+        try:
+            for ids in prompts:
+                x = torch.as_tensor(ids, dtype=torch.int64, device=self.device)[None]
+                h = self.backbone(self.weights.embedding[x], self.new_state(1), check=True)  # raises at a layer
+                if not torch.isfinite(h).all():
+                    return "the model's output is not finite: the final norm (backbone.norm_f) gives NaN or inf for this input"
+        except NonFiniteError as e:
+            return str(e)
+        return "the model's output is not finite: lm_head gives NaN or inf for this input"
+
+    def prefill(
+        self, input_ids: torch.Tensor, state: MambaState, start: torch.Tensor | None = None, last_only: bool = False
+    ) -> torch.Tensor:
+        """Logits for T tokens, continuing from `state` and updating it.
+
+        input_ids (B, T) -> (B, T, V) f32, or (B, V) for the last token alone (last_only).
+        start (B,) int32: row b is left-padded up to start[b] (and starts from a zero state).
+        Long inputs run in chunks of `self.chunk_tokens` tokens, so memory stays bounded.
+        """
+        B, T = input_ids.shape
+        chunk = max(1, self.chunk_tokens // B)  # steps a row
+        outs = []
+        for c0 in range(0, T, chunk):
+            ids = input_ids[:, c0 : c0 + chunk]
+            chunk_start = None if start is None else (start - c0).clamp(min=0).to(torch.int32)
+            h = self.backbone(self.weights.embedding[ids], state, chunk_start)  # (B, Tc, d)
+            if last_only:
+                h = h[:, -1:] if c0 + chunk >= T else None
+            if h is not None:
+                outs.append(self.ops.linear(h, self.weights.lm_head))
+        logits = torch.cat(outs, dim=1)
+        return logits[:, -1] if last_only else logits
+
+    def step(self, input_ids: torch.Tensor, state: MambaState) -> torch.Tensor:
+        """One decode step: input_ids (B,) -> logits (B, V) f32; updates `state`."""
+        return self.prefill(input_ids[:, None], state, last_only=True)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits of a whole sequence from an empty state: (B, T) -> (B, T, V) f32."""
+        return self.prefill(input_ids, self.new_state(input_ids.shape[0]))

@@ -1,0 +1,65 @@
+"""The operations a layer's sequence pass is made of (`Ops`), so that one layer definition runs on
+either engine: the pure-PyTorch `_ref` twins (the CPU engine and every test's oracle), or
+cuBLAS products and the Triton kernels (the GPU engine), or the training kernels whose
+backward runs in Triton (fastmamba.Backbone under autograd).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from fastmamba.kernels.causal_conv1d import causal_conv1d_ref
+from fastmamba.kernels.gated_norm import gated_rmsnorm_ref
+from fastmamba.kernels.products import linear_storage
+from fastmamba.kernels.rmsnorm import add_norm_ref
+from fastmamba.kernels.selective_scan import step_and_scan_ref
+from fastmamba.kernels.ssd import ssd_scan_ref
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype=None) -> torch.Tensor:
+    """x @ weight.T + bias with float32 accumulation whatever the weight's storage dtype.
+    out_dtype: kernels/products.linear_storage's output dtype; the reference keeps float32."""
+    return F.linear(x.float(), weight.float(), bias)
+
+
+@dataclass(frozen=True)
+class Ops:
+    """The operations a sequence pass is made of, so one model definition runs on either
+    engine: the pure-PyTorch twins (CPU) or cuBLAS products and Triton kernels (GPU)."""
+
+    linear: Callable
+    conv: Callable  # causal_conv1d_ref signature
+    scan: Callable  # step_and_scan_ref signature: step sizes softplus(dt_proj(dt_r) + dt_bias), then the scan
+    add_norm: Callable  # add_norm_ref signature: (h + o, rmsnorm(h + o)), the norm in a given dtype
+    ssd: Callable = ssd_scan_ref  # Mamba-2's scan (kernels/ssd.py)
+    gated_norm: Callable = gated_rmsnorm_ref  # Mamba-2's gated norm (kernels/gated_norm.py)
+
+
+REFERENCE_OPS = Ops(linear, causal_conv1d_ref, step_and_scan_ref, add_norm_ref)
+
+
+def triton_ops() -> Ops:
+    from fastmamba.kernels.causal_conv1d import causal_conv1d
+    from fastmamba.kernels.gated_norm import gated_rmsnorm
+    from fastmamba.kernels.rmsnorm import add_norm
+    from fastmamba.kernels.selective_scan import step_and_scan
+    from fastmamba.kernels.ssd import ssd_scan
+
+    return Ops(linear_storage, causal_conv1d, step_and_scan, add_norm, ssd_scan, gated_rmsnorm)
+
+
+def training_ops() -> Ops:
+    """The GPU ops whose backward runs in Triton too (fastmamba.Backbone's sequence pass
+    under autograd): the conv and the scan as autograd Functions (kernels/conv_grad.py,
+    kernels/scan_grad.py), the products and norms as torch ops, all in float32."""
+    from fastmamba.kernels.conv_grad import causal_conv1d_train
+    from fastmamba.kernels.rmsnorm import add_norm_train
+    from fastmamba.kernels.scan_grad import step_and_scan_train
+
+    return Ops(linear, causal_conv1d_train, step_and_scan_train, add_norm_train)
+
+

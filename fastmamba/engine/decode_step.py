@@ -1,0 +1,55 @@
+"""The decode step the plan names (plan.py), for one batch size: the one-row kernels
+(kernels/decode_step.py, kernels/decode_step_mamba2.py), the products step
+(kernels/decode_gemm.py), or the model's own layers at one token over the GPU ops
+("layer-ops"). Each is `step(tokens, state) -> logits`, captured in CUDA graphs by
+cuda_graphs.py."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from fastmamba.core.model import Mamba
+from fastmamba.core.ops import triton_ops
+from fastmamba.engine.plan import one_row_blocks, plan_for
+from fastmamba.kernels.decode_gemm import GemmDecodeStep
+from fastmamba.kernels.decode_step import DecodeStep
+from fastmamba.kernels.decode_step_mamba2 import Mamba2DecodeStep
+from fastmamba.kernels.products import linear_invariant
+
+
+def make_decode_step(model, batch: int, deterministic: bool = False, plan=None):
+    """The decode step for this batch size as `plan` says (default: plan.plan_for, the table
+    of which step and products run where). A one-row plan without launch settings takes
+    the table's for the model's shapes (plan.one_row_blocks)."""
+    c, dtype = model.config, model.weights.embedding.dtype
+    plan = plan or plan_for(c, dtype, batch, deterministic)
+    if plan.step == "layer-ops":
+        return OpsDecodeStep(model, plan)
+    if plan.step == "products":
+        return GemmDecodeStep(model, batch, plan)
+    if plan.blocks is None:
+        plan = replace(plan, blocks=one_row_blocks(c.d_model, c.d_inner, c.vocab_size, dtype, c.layer))
+    if c.layer == "mamba2":
+        return Mamba2DecodeStep(model, batch, plan)
+    return DecodeStep(model, batch, plan)
+
+
+class OpsDecodeStep:
+    """The decode step as the model's own layers at one token over its GPU ops (the plan's
+    "layer-ops": Mamba-2's layer, kernels/ssd.py's step kernel for the scan), captured in
+    CUDA graphs like the other steps. A plan without cuBLAS products runs them through
+    invariant_gemm, so that a row's logits do not depend on the batch size."""
+
+    def __init__(self, model, plan):
+        self.plan = plan
+        ops = triton_ops()  # (whatever ops the model was built with: this is the GPU's step)
+        if not plan.cublas:
+            ops = replace(ops, linear=linear_invariant)
+        self.model = Mamba(model.config, model.weights, ops, model.chunk_tokens, model.state_dtype)
+
+    def __call__(self, tokens: torch.Tensor, state, argmax: bool = False) -> torch.Tensor:
+        """tokens (B,) -> logits (B, V) f32; updates `state`."""
+        assert not argmax, "the layer-ops step has no fused argmax"
+        return self.model.step(tokens, state)

@@ -1,0 +1,1 @@
+"""Reading what a user points at: checkpoint folders, hub ids, tokenizers, prompts."""
