@@ -3,8 +3,8 @@ out), the sequence pass forward and forward + backward, beside cuDNN's LSTM and 
 in CUDA graphs and the backbone's eager step. The floor at large batches: the state read
 and written once a step, at the copy rate. With --cpu: the batch-1 step on the CPU.
 
-    python benchmarks/backbone.py --json backbone.json
-    python benchmarks/backbone.py --training --json training.json   # forward + backward only
+    python -m benchmarks.backbone --json backbone.json
+    python -m benchmarks.backbone --training --json training.json   # forward + backward only
 
 --training: forward + backward (the training kernels) and its peak memory beside cuDNN
 LSTMs of the issue's sizes, in float32 with PyTorch's defaults (cuDNN may use TF32, cuBLAS
@@ -14,53 +14,27 @@ conv's kernels alone, forward + backward, at the first shape.
 
 import argparse
 import json
-import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from fastmamba import Backbone, BackboneConfig  # noqa: E402
+from fastmamba import Backbone, BackboneConfig
+from fastmamba.bench import copy_bandwidth, host_us
 
 SHAPES = {"128x3": dict(input_dim=64, d_model=128, n_layer=3), "512x4": dict(input_dim=64, d_model=512, n_layer=4)}
 
 
-def us_per_call(fn, reps: int, sync=True) -> float:
-    for _ in range(3):
-        fn()
-    if sync:
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    if sync:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t) / reps * 1e6
-
-
-def graphed(fn):
-    """fn captured in a CUDA graph; returns its replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
-
-
 def rnn_step_us(kind: str, batch: int) -> float:
+    """µs a step of a cuDNN LSTM or GRU (64 -> 256), replayed from a CUDA graph."""
+    from fastmamba.engine.cuda_graphs import capture_graph
+
     rnn = getattr(torch.nn, kind)(64, 256, device="cuda")
     x = torch.randn(1, batch, 64, device="cuda")
     h = torch.zeros(1, batch, 256, device="cuda")
     state = (h, h.clone()) if kind == "LSTM" else h
     with torch.no_grad():
-        replay = graphed(lambda: rnn(x, state))
-        return us_per_call(replay, 200)
+        graph, _ = capture_graph(lambda: rnn(x, state))
+        return host_us(graph.replay, 200)
 
 
 # (backbone shape, batch x time, the cuDNN LSTM peer: input, hidden, layers)
@@ -76,7 +50,7 @@ def timed_peak(fn, reps: int):
     fn()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    return us_per_call(fn, reps) / 1e3, peak
+    return host_us(fn, reps) / 1e3, peak
 
 
 def training_rows(emit) -> None:
@@ -98,7 +72,7 @@ def training_rows(emit) -> None:
                 bb(x, resets=resets)
 
             ms, peak = timed_peak(fwd_bwd, 10)
-            fwd_ms = us_per_call(fwd, 10) / 1e3
+            fwd_ms = host_us(fwd, 10) / 1e3
             bb = None
             lstm = torch.nn.LSTM(inp, hidden, num_layers=layers, batch_first=True, device="cuda")
             xl = torch.randn(B, T, inp, device="cuda")
@@ -116,7 +90,7 @@ def training_rows(emit) -> None:
             torch.cuda.empty_cache()
     torch.backends.cuda.matmul.allow_tf32 = False
     # the kernels alone at the first shape's layer: B 16, E 256, N 16, T 1024, dt_rank 8
-    from tune_train_scan import scan_pass
+    from benchmarks.tune_train_scan import scan_pass
 
     B, E, N, T, K, R = 16, 256, 16, 1024, 4, 8
     scan = scan_pass(B, T, E, R, N)
@@ -129,16 +103,15 @@ def training_rows(emit) -> None:
         causal_conv1d_train(x, cw, cb, s, resets=resets).sum().backward()
 
     for part, fn in (("scan", scan), ("conv", conv)):
-        emit(part=part, shape=f"B{B} E{E} N{N} T{T}", forward_backward_ms=round(us_per_call(fn, 20) / 1e3, 3))
+        emit(part=part, shape=f"B{B} E{E} N{N} T{T}", forward_backward_ms=round(host_us(fn, 20) / 1e3, 3))
     # where 128x3's forward + backward goes: the GPU's time by kernel
+    from benchmarks.profile_step import print_kernel_times
+
     bb = Backbone(BackboneConfig(**SHAPES["128x3"]), device="cuda")
     x = torch.randn(16, 1024, 64, device="cuda")
     resets = torch.rand(16, 1024, device="cuda") < 1 / 64
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            bb(x, resets=resets)[0].sum().backward()
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    print_kernel_times(lambda: bb(x, resets=resets)[0].sum().backward(), "128x3 forward + backward, 16 x 1024", warm=0,
+                       calls=3, width=60)
 
 
 def main() -> None:
@@ -161,16 +134,14 @@ def main() -> None:
             bb = Backbone(BackboneConfig(**shape))
             s = bb.new_state(1)
             x = torch.randn(1, 64)
-            emit(device="cpu", shape=name, batch=1, step_us=round(us_per_call(lambda: bb.step(x, s), 300, sync=False), 1))
+            emit(device="cpu", shape=name, batch=1, step_us=round(host_us(lambda: bb.step(x, s), 300, sync=False), 1))
         return
     if args.training:
         training_rows(emit)
         if args.json:
             Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=2))
         return
-    n = 2**28
-    a, b = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
-    bw = 2 * 4 * n / (us_per_call(lambda: b.copy_(a), 20) / 1e6)
+    bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}, copy rate {bw / 1e12:.2f} TB/s")
     for name, shape in SHAPES.items():
         for dtype in (torch.float32, torch.bfloat16):
@@ -181,11 +152,11 @@ def main() -> None:
                 s = bb.new_state(batch)
                 x = torch.randn(batch, 64, device="cuda")
                 xn = x.cpu().numpy()
-                dev = us_per_call(lambda: bb.step(x, s), 200)
-                replay = us_per_call(bb._last_graph.device_graph.replay, 200)  # the graph alone, no copy in or out
-                host = us_per_call(lambda: bb.step(xn, s), 200)
+                dev = host_us(lambda: bb.step(x, s), 200)
+                replay = host_us(bb._last_graph.device_graph.replay, 200)  # the graph alone, no copy in or out
+                host = host_us(lambda: bb.step(xn, s), 200)
                 with torch.no_grad():
-                    eager = us_per_call(lambda: bb._step_eager(x, s), 50)
+                    eager = host_us(lambda: bb._step_eager(x, s), 50)
                 state_bytes = 2 * 4 * batch * c.n_layer * c.d_inner * (c.d_state + c.d_conv)
                 emit(shape=name, dtype=str(dtype)[6:], batch=batch, step_us=round(dev, 1), replay_us=round(replay, 1),
                      numpy_step_us=round(host, 1),
@@ -197,17 +168,17 @@ def main() -> None:
                     x = torch.randn(B, T, 64, device="cuda")
                     resets = torch.rand(B, T, device="cuda") < 1 / 64  # episodes of ~64 steps
                     with torch.no_grad():
-                        fwd = us_per_call(lambda: bb(x, resets=resets), 2)  # the prefill kernels
+                        fwd = host_us(lambda: bb(x, resets=resets), 2)  # the prefill kernels
                         state = bb.new_state(B)
                         convs, ssms = list(state.conv.clone()), list(state.ssm.clone())
-                        ref = us_per_call(lambda: bb._layers(x, convs, ssms, resets), 1)  # the reference ops
+                        ref = host_us(lambda: bb._layers(x, convs, ssms, resets), 1)  # the reference ops
 
                     def fwd_bwd():
                         y, _ = bb(x, resets=resets)
                         y.sum().backward()
                     emit(shape=name, sequence=f"{B}x{T}", forward_ms=round(fwd / 1e3, 2),
                          reference_forward_ms=round(ref / 1e3, 1),
-                         forward_backward_ms=round(us_per_call(fwd_bwd, 1) / 1e3, 1))
+                         forward_backward_ms=round(host_us(fwd_bwd, 1) / 1e3, 1))
             bb = None  # free the parameters and graphs before the next shape
             torch.cuda.empty_cache()
     for kind in () if args.sequence_only else ("LSTM", "GRU"):

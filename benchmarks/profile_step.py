@@ -3,49 +3,35 @@ With --backbone DxL: fastmamba.Backbone's step (d_model D, n_layer L, input_dim 
 of --batches, its kernels run eagerly (the same the graph replays), the state's copy time,
 and the host's share of a call (the copy in, the replay, the clone out), timed back to back.
 
-    python benchmarks/profile_step.py --model 2.8b --batch 1
-    python benchmarks/profile_step.py --model mamba2-2.7b --batch 1 --step one-row
-    python benchmarks/profile_step.py --backbone 128x3 --dtype float32 --batches 1,1024,4096
+    python -m benchmarks.profile_step --model 2.8b --batch 1
+    python -m benchmarks.profile_step --model mamba2-2.7b --batch 1 --step one-row
+    python -m benchmarks.profile_step --backbone 128x3 --dtype float32 --batches 1,1024,4096
 """
 
 import argparse
-import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from fastmamba.bench import random_model  # noqa: E402
-from fastmamba.core.dtypes import parse_dtype  # noqa: E402
-from fastmamba.engine.plan import DecodePlan  # noqa: E402
-from fastmamba.engine.decode_step import make_decode_step  # noqa: E402
+from fastmamba.bench import host_us, random_model
+from fastmamba.core.dtypes import parse_dtype
+from fastmamba.engine.decode_step import make_decode_step
+from fastmamba.engine.plan import DecodePlan
 
 
-def print_kernel_times(step, title: str, warm: int = 3, steps: int = 5, rows: int = 14) -> None:
-    """torch.profiler's table of the GPU kernels of `steps` calls of step() (after `warm`)."""
+def print_kernel_times(fn, title: str, warm: int = 3, calls: int = 5, rows: int = 14, host: bool = False,
+                       width: int = 50) -> None:
+    """torch.profiler's table of the GPU kernels of `calls` calls of fn() (after `warm`), by
+    their total GPU time; host: the host's operations in it too."""
     for _ in range(warm):
-        step()
+        fn()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
+    acts = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if host else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(calls):
+            fn()
         torch.cuda.synchronize()
-    print(f"{title}: GPU time of {steps} steps' kernels")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=50))
-
-
-def host_us(fn, reps: int) -> float:
-    """µs a call of fn, called back to back (the host's time where it exceeds the GPU's)."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / reps * 1e6
+    print(f"{title}: GPU time of {calls} calls' kernels")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=width))
 
 
 def profile_backbone(shape: str, dtype: torch.dtype, batches: list[int]) -> None:
@@ -60,11 +46,11 @@ def profile_backbone(shape: str, dtype: torch.dtype, batches: list[int]) -> None
         x = torch.randn(batch, bb.config.input_dim, device="cuda")
         step = KernelStep(bb, batch)
         with torch.no_grad():
-            print_kernel_times(lambda: step(x, state), f"\n== backbone {shape} {dtype} batch {batch}", steps=10, rows=16)
+            print_kernel_times(lambda: step(x, state), f"\n== backbone {shape} {dtype} batch {batch}", calls=10, rows=16)
         nbytes = sum(t.numel() * t.element_size() for t in (state.conv, state.ssm))
         buf = torch.empty(nbytes // 4, device="cuda")
         out = torch.empty_like(buf)
-        print(f"state {nbytes / 1e6:.1f} MB: read and written by one copy in {host_us(lambda: out.copy_(buf), 200):.1f} us")
+        print(f"state {nbytes / 1e6:.1f} MB: read and written by one copy in {host_us(lambda: out.copy_(buf), 200, warm=20):.1f} us")
         bb.step(x, state)
         g = bb._last_graph
         parts = {
@@ -76,7 +62,7 @@ def profile_backbone(shape: str, dtype: torch.dtype, batches: list[int]) -> None
             "copy + replay + clone": lambda: (g.x.copy_(x), g.device_graph.replay(), g.y.clone()),
         }
         for name, fn in parts.items():
-            print(f"  {name}: {host_us(fn, 500 if batch > 256 else 2000):.1f} us a call")
+            print(f"  {name}: {host_us(fn, 500 if batch > 256 else 2000, warm=20):.1f} us a call")
 
 
 def main() -> None:

@@ -4,6 +4,9 @@ Prints a table (model, dtype, batch, ms/step, tokens/s, fraction of the memory f
 writes JSON. The floor is the bytes one step must read (every weight once, the recurrent
 state read and written) over the device's copy bandwidth, measured in the same run.
 Optionally times HF transformers' MambaForCausalLM at the same shape for a ratio.
+
+The random models, the floor and the timers here (graph-replayed steps, eager prefills, wall
+and host time) are those of every script in benchmarks/ too.
 """
 
 from __future__ import annotations
@@ -80,12 +83,16 @@ def _random_tensors(c: MambaConfig, device) -> dict[str, torch.Tensor]:
 def random_model(size: str, dtype: torch.dtype, device="cuda", state_dtype: torch.dtype = torch.float32) -> Mamba:
     """A Mamba (either layer kind) with random weights of realistic spread at a public
     shape, built on the device from the layer kind's table of tensors; its states in
-    state_dtype."""
+    state_dtype. On a CUDA device it runs over the GPU ops (the Triton prefill), as
+    `fastmamba.load` builds it; elsewhere over the reference ops."""
     from fastmamba.io.checkpoint import build_weights
+    from fastmamba.core.ops import REFERENCE_OPS, triton_ops
 
     c = SHAPES[size]
     tensors = _random_tensors(c, device)
-    return Mamba(c, build_weights(c, tensors, dict.fromkeys(tensors, "random"), device, dtype), state_dtype=state_dtype)
+    weights = build_weights(c, tensors, dict.fromkeys(tensors, "random"), device, dtype)
+    ops = triton_ops() if torch.device(device).type == "cuda" else REFERENCE_OPS
+    return Mamba(c, weights, ops, state_dtype=state_dtype)
 
 
 def write_random_checkpoint(size: str, folder, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -189,6 +196,59 @@ def time_graph_steps(model: Mamba, batch: int, steps: int = 200, deterministic: 
     return sorted(gpu_ms(dec.graph.replay, steps // 5 // dec.steps, 5))[2] / dec.steps
 
 
+def time_graph_steps_abba(variants: dict, batch: int, steps: int = 200) -> dict[str, float]:
+    """Mean ms per replayed decode step of each variant, name: (model, plan) (plan None:
+    the table's), each timed twice in the order A B .. B A: a GPU's clock drifts as it
+    heats, and so drifts alike for every variant."""
+    times = {name: [] for name in variants}
+    for name in list(variants) + list(reversed(variants)):
+        model, plan = variants[name]
+        times[name].append(time_graph_steps(model, batch, steps, plan=plan))
+        torch.cuda.empty_cache()
+    return {name: sum(t) / len(t) for name, t in times.items()}
+
+
+def floor_ms(model: Mamba, batch: int, bandwidth: float) -> float:
+    """The decode step's floor, ms: step_bytes at `bandwidth` (bytes/s, copy_bandwidth's)."""
+    return sum(step_bytes(model, batch)) / bandwidth * 1e3
+
+
+def wall_ms(fn, repeat: int = 3) -> float:
+    """Median wall ms of a call of fn, each call synchronised, after one warm-up call: for
+    work whose host time counts (an eager prefill, a generation)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def host_us(fn, reps: int, warm: int = 3, sync: bool = True) -> float:
+    """Mean µs per call of fn, called `reps` times back to back after `warm` calls: the
+    host's time where it exceeds the GPU's (sync=False: on the CPU, nothing to wait for)."""
+    for _ in range(warm):
+        fn()
+    if sync:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if sync:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) / reps * 1e6
+
+
+def prefill_ms(model: Mamba, batch: int, tokens: int, repeat: int = 3) -> float:
+    """wall_ms of an eager prefill (the last position's logits, from a fresh state) of
+    `batch` prompts of `tokens` random tokens."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, tokens), device="cuda")
+    return wall_ms(lambda: model.prefill(ids, model.new_state(batch), last_only=True), repeat)
+
+
 def time_hf(size: str, dtype: torch.dtype, batch: int, tokens: int = 32) -> float | None:
     """ms per generated token of transformers' MambaForCausalLM (FalconMambaForCausalLM for
     Falcon-Mamba), same shape, random weights."""
@@ -244,8 +304,7 @@ def run(sizes, dtypes, batches, hf: bool, out: str | None, deterministic: bool =
                 torch.cuda.reset_peak_memory_stats()  # from the weights up: the engine's peak, not HF's
                 ms = time_graph_steps(model, batch, deterministic=deterministic)
                 peak = torch.cuda.max_memory_allocated()
-                wbytes, sbytes = step_bytes(model, batch)
-                floor = (wbytes + sbytes) / bw * 1e3
+                floor = floor_ms(model, batch, bw)
                 hf_ms = time_hf(size, dtype, batch) if hf and batch == 1 else None
                 row = dict(
                     model=size, dtype=str(dtype).replace("torch.", ""), state_dtype=str(state_dtype).replace("torch.", ""),
