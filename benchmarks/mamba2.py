@@ -7,27 +7,24 @@ mamba_ssm runs from its Python source (its Triton kernels; no compiled extension
 causal_conv1d: its conv steps take its PyTorch fallback). Put the source where Python finds
 it (PYTHONPATH), e.g. the `mamba_ssm` folder of github.com/state-spaces/mamba.
 
-    PYTHONPATH=.peer:. python benchmarks/mamba2.py --models mamba2-130m,mamba2-2.7b,codestral-7b --json m2.json
-    python benchmarks/mamba2.py --plans --batches 1,8,32,128   # the decode plans (one-row, cuBLAS, Triton products), ours alone
-    PYTHONPATH=.peer:. python benchmarks/mamba2.py --scan-kernels  # where the scan's time goes, both sides
-    PYTHONPATH=.peer:. python benchmarks/mamba2.py --prefill  # prefill and the scan alone, both sides
-    python benchmarks/mamba2.py --in-proj-tiles  # the one-row step's in_proj tiles, ours alone
+    PYTHONPATH=.peer python -m benchmarks.mamba2 --models mamba2-130m,mamba2-2.7b,codestral-7b --json m2.json
+    PYTHONPATH=.peer python -m benchmarks.mamba2 --scan-kernels  # where the scan's time goes, both sides
+    PYTHONPATH=.peer python -m benchmarks.mamba2 --prefill  # prefill and the scan alone, both sides
+    python -m benchmarks.mamba2 --in-proj-tiles  # the one-row step's in_proj tiles, ours alone
+
+Our decode under each Mamba-2 plan (the one-row step, the layer over the GPU ops with cuBLAS
+or Triton products): `python -m benchmarks.decode_routing --models mamba2-130m,mamba2-2.7b`.
 """
 
 import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from fastmamba.bench import SHAPES, copy_bandwidth, gpu_ms, random_model, step_bytes, time_graph_steps  # noqa: E402
-from fastmamba.engine.cuda_graphs import capture_graph  # noqa: E402
-from fastmamba.core.model import Mamba  # noqa: E402
-from fastmamba.core.ops import triton_ops  # noqa: E402
+from fastmamba.bench import SHAPES, copy_bandwidth, floor_ms, gpu_ms, random_model, time_graph_steps
+from fastmamba.engine.cuda_graphs import capture_graph
 
 
 def peer_model(c, dtype):
@@ -73,12 +70,9 @@ def ms_of(fn) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="mamba2-130m,mamba2-2.7b,codestral-7b")
     ap.add_argument("--batches", default="1,128")
-    ap.add_argument("--plans", action="store_true",
-                    help="only our decode at each batch under each Mamba-2 plan (the one-row step up to batch 32, the "
-                    "layer over the GPU ops with cuBLAS or Triton products)")
     ap.add_argument("--scan-kernels", action="store_true",
                     help="only the scan alone at 1 x 8192, with each side's kernels' GPU time (torch.profiler)")
     ap.add_argument("--prefill", action="store_true", help="prefill and the scan alone only, both sides (no decode)")
@@ -94,21 +88,18 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    for size in args.models.split(",") if args.plans else ():
-        plan_rows(size, [int(b) for b in args.batches.split(",")], bw, emit)
     for size in args.models.split(",") if args.scan_kernels else ():
         scan_rows(size, SHAPES[size], emit, kernels=True)
     for size in args.models.split(",") if args.in_proj_tiles else ():
         in_proj_rows(size, emit)
-    for size in args.models.split(",") if not (args.plans or args.scan_kernels or args.in_proj_tiles) else ():
+    for size in args.models.split(",") if not (args.scan_kernels or args.in_proj_tiles) else ():
         dtype = torch.bfloat16
         c = SHAPES[size]
         for state_dtype in (torch.float32,) if args.prefill else (torch.float32, torch.bfloat16):
-            base = random_model(size, dtype, state_dtype=state_dtype)
-            ours = Mamba(c, base.weights, triton_ops(), state_dtype=state_dtype)
+            ours = random_model(size, dtype, state_dtype=state_dtype)
             for batch in (int(b) for b in args.batches.split(",") if not args.prefill):
                 ms = time_graph_steps(ours, batch)
-                floor = sum(step_bytes(ours, batch)) / bw * 1e3
+                floor = floor_ms(ours, batch, bw)
                 emit(model=size, engine="fastmamba", state=str(state_dtype)[6:], batch=batch, decode_ms=round(ms, 3),
                      floor_ms=round(floor, 3), of_floor=round(floor / ms, 3))
             if state_dtype == torch.float32:
@@ -116,7 +107,7 @@ def main() -> None:
                     ids = torch.randint(0, c.vocab_size, (B, T), device="cuda")
                     ms = ms_of(lambda: ours.prefill(ids, ours.new_state(B), last_only=True))
                     emit(model=size, engine="fastmamba", prefill=f"{B}x{T}", ms=round(ms, 2))
-            base = ours = None
+            ours = None
             torch.cuda.empty_cache()
         peer = peer_model(c, dtype)
         if isinstance(peer, str):
@@ -132,21 +123,6 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=2))
-
-
-def plan_rows(size: str, batches: list[int], bw: float, emit) -> None:
-    """ms a graph-replayed step under each Mamba-2 decode plan: the layer over the GPU ops
-    with cuBLAS products, or with the batch-invariant Triton products (invariant_gemm), and
-    the one-row step (kernels/decode_step_mamba2.py, three kernels a layer; up to batch 32)."""
-    from fastmamba.engine.plan import LAYER_OPS, LAYER_OPS_DETERMINISTIC, DecodePlan
-
-    model = random_model(size, torch.bfloat16)
-    for batch in batches:
-        floor = sum(step_bytes(model, batch)) / bw * 1e3
-        plans = (LAYER_OPS, LAYER_OPS_DETERMINISTIC) + ((DecodePlan("one-row"),) if batch <= 32 else ())
-        ms = {plan.family: time_graph_steps(model, batch, plan=plan) for plan in plans}
-        emit(model=size, batch=batch, floor_ms=round(floor, 3), **{k: round(v, 3) for k, v in ms.items()})
-    torch.cuda.empty_cache()
 
 
 def in_proj_rows(size: str, emit) -> None:
@@ -171,7 +147,7 @@ def in_proj_rows(size: str, emit) -> None:
 def scan_rows(size: str, c, emit, kernels: bool = False) -> None:
     """The scan alone at 1 x 8192: kernels/ssd.ssd_scan against mamba_chunk_scan_combined
     (kernels: and each one's GPU time by kernel, to see where the scan's time goes)."""
-    from tune_ssd_scan import inputs, scan_calls
+    from benchmarks.tune_ssd_scan import inputs, scan_calls
 
     B, T, H, P, G, N = 1, 8192, c.n_heads, c.head_dim, c.n_groups, c.d_state
     # (bf16 x, B and C, as a bf16 model's conv gives them, on both sides)
@@ -182,7 +158,7 @@ def scan_rows(size: str, c, emit, kernels: bool = False) -> None:
     emit(model=size, scan=f"{B}x{T} H{H} P{P} G{G} N{N}", fastmamba_ms=round(ms_of(ours), 3),
          mamba_ssm_ms=round(ms_of(theirs), 3))
     if kernels:  # and by kernel, ours with C B^T in each head's program and once a group (ssd.SSD_CB_ONCE)
-        from profile_step import print_kernel_times
+        from benchmarks.profile_step import print_kernel_times
 
         from fastmamba.kernels import ssd
 

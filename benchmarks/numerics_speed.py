@@ -9,22 +9,19 @@ whole graph-replayed steps, ms, three variants of the same random model in one p
 Order A B C C B A, means of the two. Also the floor of each (weights once, the state read
 and written, at the copy rate measured here).
 
-    python benchmarks/numerics_speed.py --models 2.8b,130m --batches 1,32,128,256,512
+    python -m benchmarks.numerics_speed --models 2.8b,130m --batches 1,32,128,256,512
 """
 
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from fastmamba import bench  # noqa: E402
-from fastmamba.engine.plan import ALL, plan_for  # noqa: E402
-from fastmamba.core.model import Mamba  # noqa: E402
+from fastmamba import bench
+from fastmamba.core.model import Mamba
+from fastmamba.engine.plan import ALL, plan_for
 
 
 def main() -> None:
@@ -43,15 +40,11 @@ def main() -> None:
             plan = plan_for(model.config, torch.bfloat16, batch)
             old = dataclasses.replace(plan, halves=ALL - {"out_proj"})
             variants = {"halves": (model, old), "once": (model, plan), "bf16 st.": (bf16_state, plan)}
-            times = {k: [] for k in variants}
-            for k in list(variants) + list(reversed(variants)):
-                m, p = variants[k]
-                times[k].append(bench.time_graph_steps(m, batch, plan=p))
-                torch.cuda.empty_cache()
+            times = bench.time_graph_steps_abba(variants, batch)
             line = f"{size:>5} batch {batch:>4} ({plan.step}):"
             for k, (m, p) in variants.items():
-                ms = sum(times[k]) / len(times[k])
-                floor = sum(bench.step_bytes(m, batch)) / bw * 1e3
+                ms = times[k]
+                floor = bench.floor_ms(m, batch, bw)
                 rows.append(dict(model=size, batch=batch, variant=k, ms=round(ms, 4), floor_ms=round(floor, 4)))
                 line += f"  {k} {ms:.3f} ({batch * 1e3 / ms:.0f}) {floor / ms:.2f}"
             print(line, flush=True)
