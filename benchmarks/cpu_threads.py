@@ -4,23 +4,21 @@ For the CLI's default thread count: per-token products on the CPU are small, so 
 that waits for a core another process holds stalls every product. Prints tokens/s for the
 bundled model and for 130m shapes (random weights, float32) at each thread count, with 0, 1
 and 2 single-threaded busy-loop processes beside it.
+
+    python -m benchmarks.cpu_threads --threads 1,2 --neighbours 0,1,2
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-import fastmamba  # noqa: E402
-from fastmamba.bench import random_model  # noqa: E402
-from fastmamba.engine.language_model import LanguageModel  # noqa: E402
+import fastmamba
+from fastmamba.bench import random_model
+from fastmamba.engine.language_model import LanguageModel
 
 
 def spin():

@@ -12,22 +12,19 @@ Chrome trace per case is written to --out.
 Then the offline path through the same engine: `generate` at batch 1 and `generate_batch`
 at --streams, ms a token, beside the decode step alone.
 
-    python benchmarks/engine_timeline.py --models 130m,2.8b --streams 1,64 --out timeline
+    python -m benchmarks.engine_timeline --models 130m,2.8b --streams 1,64 --out timeline
 """
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from fastmamba.bench import random_language_model, time_graph_steps  # noqa: E402
-from fastmamba.engine.engine_core import EngineCore, EngineRequest  # noqa: E402
-from fastmamba.core.sampling_params import SamplingParams  # noqa: E402
+from fastmamba.bench import random_language_model, time_graph_steps
+from fastmamba.core.sampling_params import SamplingParams
+from fastmamba.engine.engine_core import EngineCore, EngineRequest
 
 
 def busy_fraction(prof, t0_us: float, t1_us: float) -> float:

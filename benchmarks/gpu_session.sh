@@ -9,24 +9,25 @@
 set -uo pipefail
 out=${OUT:-gpu_out}
 mkdir -p "$out"
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/device.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$out/device.txt"
 if [ -z "${BENCH:-}" ]; then
   # (the sm_90 compile test is for machines without a GPU: the CPU suite runs it)
   # every `gpu` test (~2 minutes on a warm H200; the server's tests need fastapi, uvicorn,
   # openai, pyzmq and msgspec: carry them as wheels, see the device tool's README)
-  timeout 420 python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$out/gpu_tests.log" | grep -E "^FAILED|passed|failed"
+  # (PYTHONPATH: this checkout's fastmamba for the subprocesses the tests start, where it is not installed)
+  PYTHONPATH=. timeout 420 python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$out/gpu_tests.log" | grep -E "^FAILED|passed|failed"
   timeout 120 python3 -m fastmamba.cli bench --models 130m,1.4b,2.8b --dtypes bfloat16 --batches 1 --json "$out/decode.json"
   exit 0
 fi
 if [ -n "${SERVE:-}" ]; then
-  timeout 150 python3 benchmarks/engine_timeline.py --models 130m,2.8b --streams 1,64 --steps 20 --out "$out/timeline" \
+  timeout 150 python3 -m benchmarks.engine_timeline --models 130m,2.8b --streams 1,64 --steps 20 --out "$out/timeline" \
     2>&1 | grep -v Warning
-  timeout 260 python3 benchmarks/serve.py --model 2.8b --json "$out/serve.json" 2>&1 | grep -v Warning | tee "$out/serve.log"
+  timeout 260 python3 -m benchmarks.serve --model 2.8b --json "$out/serve.json" 2>&1 | grep -v Warning | tee "$out/serve.log"
   exit 0
 fi
 timeout 220 python3 -m fastmamba.cli bench --hf --json "$out/decode.json" 2>&1 | grep -v transformers | tee "$out/decode.log"
-timeout 100 python3 benchmarks/prefill.py --json "$out/prefill.json" 2>&1 | tee "$out/prefill.log"
+timeout 100 python3 -m benchmarks.prefill --json "$out/prefill.json" 2>&1 | tee "$out/prefill.log"
 timeout 90 python3 -m fastmamba.cli bench --deterministic --models 130m,2.8b --dtypes bfloat16 --batches 1,128 \
   --json "$out/decode_det.json" 2>&1 | tee "$out/decode_det.log"

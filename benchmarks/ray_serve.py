@@ -15,8 +15,8 @@ OpenAI routes, on loopback, with bounded request loops. Four measurements:
    engine, no Ray; a subprocess on loopback), and Ray's overhead at 1 replica against it
    (the single-GPU measurement: `--replicas 1 --baseline --measures throughput`).
 
-    python benchmarks/ray_serve.py --shape 2.8b --device cuda --dtype bfloat16 --replicas 2 --json ray.json
-    python benchmarks/ray_serve.py --replicas 2 --streams 2 --prompt-tokens 32 --max-tokens 8 --chat 6x3  # CPU
+    python -m benchmarks.ray_serve --shape 2.8b --device cuda --dtype bfloat16 --replicas 2 --json ray.json
+    python -m benchmarks.ray_serve --replicas 2 --streams 2 --prompt-tokens 32 --max-tokens 8 --chat 6x3  # CPU
 
 --shape writes a checkpoint of random weights at a public shape (with the bundled model's
 tokenizer) for the replicas to load; without it and without --model, the bundled model.
@@ -33,8 +33,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def pct(values, q):

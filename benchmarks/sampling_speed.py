@@ -2,19 +2,16 @@
 in a graph (sampling.sample, the torch oracle, against the one `generate` picks:
 sampling.pick_sampler), and whole graph-replayed steps with the picked sampler.
 
-    python benchmarks/sampling_speed.py           # --alone: the sampler alone only
+    python -m benchmarks.sampling_speed           # --alone: the sampler alone only
 """
 
-import sys
-from pathlib import Path
+import argparse
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from fastmamba.bench import random_model, time_graph_launches, time_graph_steps  # noqa: E402
-from fastmamba.core.sampling_params import SamplingParams  # noqa: E402
-from fastmamba.core.sampling import SlotParams, pick_sampler, sample  # noqa: E402
+from fastmamba.bench import random_model, time_graph_launches, time_graph_steps
+from fastmamba.core.sampling import SlotParams, pick_sampler, sample
+from fastmamba.core.sampling_params import SamplingParams
 
 V = 50280
 SETTINGS = {
@@ -36,13 +33,16 @@ def time_sampler(pick, params, batch):
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--alone", action="store_true", help="the sampler alone only, no whole steps")
+    args = ap.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
     for batch in (1, 32, 128):
         for name, params in SETTINGS.items():
             pick = pick_sampler([params], True)
             torch_us, picked_us = time_sampler(sample, params, batch), time_sampler(pick, params, batch)
             print(f"sampler alone, batch {batch:3d}, {name}: sample {torch_us:7.1f} us, {pick.__name__} {picked_us:7.1f} us", flush=True)
-    if "--alone" in sys.argv:
+    if args.alone:
         return
     for size in ("130m", "2.8b"):
         model = random_model(size, torch.bfloat16)

@@ -11,7 +11,7 @@ prompts (time to first token), a shared 2048-token prefix cold and cached, and 3
 at once against room for 256 (slots + queue): 429s, no 500s, every accepted stream complete.
 Every loop is bounded: a fixed number of requests per level, each with a timeout.
 
-    python benchmarks/serve.py --model 2.8b --json serve.json
+    python -m benchmarks.serve --model 2.8b --json serve.json
 """
 
 import argparse
@@ -21,20 +21,17 @@ import json
 import random
 import socket
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from fastmamba.bench import random_language_model, time_graph_steps  # noqa: E402
-from fastmamba.engine.process import EngineClient  # noqa: E402
-from fastmamba.io.prompts import PromptEncoder  # noqa: E402
-from fastmamba.core.sampling_params import SamplingParams  # noqa: E402
-from fastmamba.serve.app import create_app, metrics_registry  # noqa: E402
+from fastmamba.bench import random_language_model, time_graph_steps
+from fastmamba.core.sampling_params import SamplingParams
+from fastmamba.engine.process import EngineClient
+from fastmamba.io.prompts import PromptEncoder
+from fastmamba.serve.app import create_app, metrics_registry
 
 
 def pct(values, q):

@@ -5,18 +5,14 @@ logits' largest difference (relative to the largest logit) when both decode the 
 4096 tokens step by step (teacher-forced; each step rounds the bf16 state once), by
 position range. On the CPU the reference engine; with --device cuda the Triton one.
 
-    python benchmarks/state_dtype_accuracy.py [--device cuda] [--dtype bfloat16]
+    python -m benchmarks.state_dtype_accuracy [--device cuda] [--dtype bfloat16]
 """
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-import fastmamba  # noqa: E402
+import fastmamba
 
 
 def main() -> None:

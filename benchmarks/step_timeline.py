@@ -8,7 +8,7 @@ its PDL wait returns, and when it ends, and the SM it ran on. Then it replays on
 graph-captured step with random weights and prints, per kernel, those times' quantiles
 (0, 10, 50, 90, 100%) in µs from the first layer's in_proj start.
 
-    python benchmarks/step_timeline.py --models 2.8b,1.4b --layers 31,32
+    python -m benchmarks.step_timeline --models 2.8b,1.4b --layers 31,32
 
 The marks are stores the programs issue and forget (no register held across a kernel's
 loop): on the H200 the instrumented step ran within 0.1-3% of the plain one (both are
@@ -20,15 +20,12 @@ second wave that the plain step does not have. Hopper only (PDL, inline PTX).
 import argparse
 import importlib.util
 import re
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-SOURCE = Path(__file__).resolve().parents[1] / "fastmamba" / "kernels" / "decode_step.py"
+SOURCE = Path(importlib.util.find_spec("fastmamba.kernels.decode_step").origin)
 KERNELS = {"_rmsnorm_linear_kernel": "lin", "_conv_x_proj_kernel": "conv", "_ssm_step_kernel": "ssm", "_out_proj_residual_kernel": "out"}
 SLOTS = ["in_proj", "conv_x_proj", "ssm_step", "out_proj", "lm_head"]  # each timed layer's kernels, in order
 
@@ -117,12 +114,16 @@ def load_instrumented():
 def timeline(ds, size: str, layers: list[int]) -> None:
     from fastmamba.bench import gpu_ms, random_model, time_graph_steps
     from fastmamba.engine.cuda_graphs import capture_graph
+    from fastmamba.engine.plan import plan_for
 
     model = random_model(size, torch.bfloat16)
     plain = time_graph_steps(model, 1)
     n = model.config.n_layer
     layers = sorted({*(i for i in layers if 0 <= i < n), n - 1})  # the last layer, for lm_head
-    step = make_decode_step(model, 1, plan=DecodePlan("one-row"))
+    plan = plan_for(model.config, torch.bfloat16, 1)  # the plain step's: one-row, the table's launch settings
+    if plan.step != "one-row":
+        raise SystemExit(f"step_timeline.py: {size}'s batch-1 step is {plan.step!r}, not the one-row step")
+    step = ds.DecodeStep(model, 1, plan)  # the instrumented module's
     programs = max(4096, model.config.vocab_size // 8)  # a row a program: more than any kernel here launches
     step.timeline = torch.zeros(5 * len(layers), programs, 4, dtype=torch.int64, device="cuda")
     step.timeline_layers = tuple(layers)
@@ -154,7 +155,7 @@ def timeline(ds, size: str, layers: list[int]) -> None:
         for caches in getattr(ds, name).device_caches.values():
             regs = sorted({k.n_regs for k in caches[0].values()})
             print(f"{name}: registers a thread {regs}")
-    del model, step
+    model = step = graph = None  # free the weights and the graph before the next size
     torch.cuda.empty_cache()
 
 
