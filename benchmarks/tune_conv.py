@@ -1,21 +1,18 @@
 """Times the prefill conv kernel alone at 2.8b widths for several block shapes and loop
-settings, to choose CONV_BE, CONV_BT, CONV_WARPS, CONV_STAGES and CONV_UNROLL in
-kernels/causal_conv1d.py. Prints µs a call and the rate at which it moves its bytes (x read
-and y written once, both in bfloat16, as a bf16 model's prefill runs it: model.in_proj_dtype).
+settings, to choose kernels/causal_conv1d.py's ConvTiles (engine/plan.py's CONV_TILES).
+Prints µs a call and the rate at which it moves its bytes (x read and y written once, both
+in bfloat16, as a bf16 model's prefill runs it: model.in_proj_dtype).
 
-    python benchmarks/tune_conv.py
+    python -m benchmarks.tune_conv
 """
 
 import itertools
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from triton.testing import do_bench
 
-import torch  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
-
-from fastmamba.kernels import causal_conv1d as cc  # noqa: E402
+from fastmamba.engine.plan import CONV_TILES
+from fastmamba.kernels import causal_conv1d as cc
 
 
 def main() -> None:
@@ -27,14 +24,14 @@ def main() -> None:
         state0 = state.clone()
         nbytes = B * T * E * (2 + 2)
         # (each call updates the conv state it is given: the checks start from the same one)
-        ref = cc.causal_conv1d(x, w, b, state0.clone(), None, torch.bfloat16).float()
+        ref = cc.causal_conv1d(x, w, b, state0.clone(), None, torch.bfloat16, tiles=CONV_TILES).float()
         rows = []
         # (a program walks BT steps, each thread `per` neighbouring channels of BE)
         for BE, per, BT, stages, unroll in itertools.product((128, 256, 512), (2, 4), (8, 16, 32), (1, 2, 3), (1, 2, 4)):
             warps = BE // (32 * per)
-            cc.CONV_BE, cc.CONV_BT, cc.CONV_WARPS, cc.CONV_STAGES, cc.CONV_UNROLL = BE, BT, warps, stages, unroll
-            us = do_bench(lambda: cc.causal_conv1d(x, w, b, state, None, torch.bfloat16), warmup=3, rep=20) * 1e3
-            err = (cc.causal_conv1d(x, w, b, state0.clone(), None, torch.bfloat16).float() - ref).abs().max().item()
+            tiles = cc.ConvTiles(be=BE, bt=BT, warps=warps, stages=stages, unroll=unroll)
+            us = do_bench(lambda t=tiles: cc.causal_conv1d(x, w, b, state, None, torch.bfloat16, tiles=t), warmup=3, rep=20) * 1e3
+            err = (cc.causal_conv1d(x, w, b, state0.clone(), None, torch.bfloat16, tiles=tiles).float() - ref).abs().max().item()
             rows.append((us, BE, BT, warps, stages, unroll, err))
         print(f"B={B} T={T} E={E} ({nbytes / 1e6:.0f} MB moved):", flush=True)
         for us, BE, BT, warps, stages, unroll, err in sorted(rows)[:8]:

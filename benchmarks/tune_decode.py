@@ -2,7 +2,7 @@
 
 Times each kernel alone (triton.testing.do_bench, median) for a grid of configurations and
 prints the best few per shape with the achieved weight bandwidth, to choose the one-row
-step's settings (decode_plan.one_row_blocks).  python benchmarks/tune_decode.py
+step's settings (plan.one_row_blocks).  python -m benchmarks.tune_decode
 
 With --in-graph it times whole graph-replayed batch-1 steps instead, changing the block
 sizes of one kernel at a time (each variant a DecodePlan passed to the step): alone, a kernel sees its weights partly in L2 and no
@@ -19,16 +19,13 @@ out_proj blocks of one tile a K split and in_proj's loop in shared-memory stages
 import itertools
 import sys
 from dataclasses import replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import triton
+from triton.testing import do_bench
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
-
-from fastmamba.engine.plan import DecodePlan, one_row_blocks  # noqa: E402
-from fastmamba.kernels import decode_step as ds  # noqa: E402
+from fastmamba.engine.plan import DecodePlan, one_row_blocks
+from fastmamba.kernels import decode_step as ds
 
 DT = torch.float32 if "--f32" in sys.argv else torch.bfloat16
 

@@ -1,25 +1,24 @@
 """Times the prefill scan alone at public shapes for several launch configurations
 (one-pass associative scan vs the chunked two-pass scan, its thread layouts and chunks), to
-choose the SCAN_* settings and the rule of chunked_launch in kernels/selective_scan.py.
+choose ScanTiles (engine/plan.py's SCAN_TILES) and the rule of chunked_launch in
+kernels/selective_scan.py.
 
-    python benchmarks/tune_scan.py             # the sweep
-    python benchmarks/tune_scan.py --passes    # each pass's time at the defaults
-    python benchmarks/tune_scan.py --lengths   # chunk lengths near the defaults
-    python benchmarks/tune_scan.py --lengths --long   # the same for 16384-token chunks
-    python benchmarks/tune_scan.py --layouts   # channels a thread x chunks, prefill shapes
-    python benchmarks/tune_scan.py --layouts --short   # short prompts, and the one-pass scan
+    python -m benchmarks.tune_scan             # the sweep
+    python -m benchmarks.tune_scan --passes    # each pass's time at the defaults
+    python -m benchmarks.tune_scan --lengths   # chunk lengths near the defaults
+    python -m benchmarks.tune_scan --lengths --long   # the same for 16384-token chunks
+    python -m benchmarks.tune_scan --layouts   # channels a thread x chunks, prefill shapes
+    python -m benchmarks.tune_scan --layouts --short   # short prompts, and the one-pass scan
 """
 
 import itertools
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from triton.testing import do_bench, do_bench_cudagraph
 
-import torch  # noqa: E402
-from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
-
-from fastmamba.kernels import selective_scan as ss  # noqa: E402
+from fastmamba.engine.plan import SCAN_TILES
+from fastmamba.kernels import selective_scan as ss
 
 
 def inputs(B, T, E, N=16, R=160):
@@ -40,7 +39,7 @@ def inputs(B, T, E, N=16, R=160):
 def reference(args):
     """The one-pass scan's y from a zero state (each call updates the state it is given)."""
     args[-1].zero_()
-    ref = ss.selective_scan(*args, chunked=False).clone()
+    ref = ss.selective_scan(*args, chunked=False, tiles=SCAN_TILES).clone()
     args[-1].zero_()
     return ref
 
@@ -51,9 +50,9 @@ def time_chunked(args, ref, launch=None, rep=20, graph=False):
     CUDA-graph replays (the GPU's time alone, as prefill runs short prompts; the host's
     launches outlast small scans)."""
     bench = (lambda f: do_bench_cudagraph(f, rep=rep)) if graph else (lambda f: do_bench(f, warmup=3, rep=rep))
-    us = bench(lambda: ss.selective_scan(*args, chunked=True, launch=launch)) * 1e3
+    us = bench(lambda: ss.selective_scan(*args, chunked=True, launch=launch, tiles=SCAN_TILES)) * 1e3
     args[-1].zero_()  # do_bench left the state after its runs
-    err = (ss.selective_scan(*args, chunked=True, launch=launch) - ref).abs().max().item()
+    err = (ss.selective_scan(*args, chunked=True, launch=launch, tiles=SCAN_TILES) - ref).abs().max().item()
     args[-1].zero_()
     return us, err
 
@@ -61,7 +60,7 @@ def time_chunked(args, ref, launch=None, rep=20, graph=False):
 def main() -> None:
     for B, T, E in ((1, 4096, 5120), (8, 2048, 5120), (1, 4096, 1536)):
         args = inputs(B, T, E)
-        ms = do_bench(lambda: ss.selective_scan(*args, chunked=False), warmup=3, rep=20)
+        ms = do_bench(lambda: ss.selective_scan(*args, chunked=False, tiles=SCAN_TILES), warmup=3, rep=20)
         print(f"B={B} T={T} E={E}: one-pass {ms * 1e3:8.1f} us", flush=True)
         ref = reference(args)
         res = []
@@ -82,26 +81,26 @@ def layouts() -> None:
     shapes = [(B, T, 5120) for B, T in ((1, 1024), (1, 2048), (1, 8192), (1, 16384), (2, 8192), (4, 4096), (8, 2048), (16, 1024))]
     shapes += [(B, T, 1536) for B, T in ((1, 2048), (1, 16384), (8, 2048), (16, 1024))]
     shapes += [(1, 8192, 4096), (8, 2048, 4096)]
-    if "--short" in sys.argv:  # prompts under SCAN_CHUNKED_FROM steps (the one-pass scan's), and small ones above
+    if "--short" in sys.argv:  # prompts under SCAN_TILES.chunked_from steps (the one-pass scan's), and small ones above
         shapes = [(B, T, E) for E in (1536, 5120) for B, T in ((1, 128), (1, 512), (4, 256), (16, 256), (64, 64), (2, 1024), (1, 4096))]
         shapes += [(4, 2048, 1536), (2, 2048, 4096), (1, 2048, 2048)]
     for B, T, E in shapes:
         args = inputs(B, T, E)
         ref = reference(args)
-        if T < ss.SCAN_CHUNKED_FROM:
-            us = do_bench_cudagraph(lambda: ss.selective_scan(*args, chunked=False), rep=20) * 1e3
+        if T < SCAN_TILES.chunked_from:
+            us = do_bench_cudagraph(lambda: ss.selective_scan(*args, chunked=False, tiles=SCAN_TILES), rep=20) * 1e3
             print(f"B={B} T={T} E={E}: the one-pass scan {us:8.1f} us", flush=True)
-        runs = {ss.chunked_launch(B, E, T)}
-        runs |= {ss.ScanLaunch(L, 128, 4, 1, ss.SCAN_STAGES, ss.SCAN_UNROLL) for L in (64, 128, T)}
+        runs = {ss.chunked_launch(B, E, T, SCAN_TILES)}
+        runs |= {ss.ScanLaunch(L, 128, 4, 1, SCAN_TILES.stages, SCAN_TILES.unroll) for L in (64, 128, T)}
         for BE, CPL, warps in ((32, 1, 1), (64, 1, 2), (128, 1, 4), (128, 2, 2)):
             for L in {T, T // 2, T // 4, T // 8, 256, 128, 64}:
                 if L >= min(T, 64):
-                    runs.add(ss.ScanLaunch(L, BE, CPL, warps, ss.SCAN_LANE_STAGES, ss.SCAN_LANE_UNROLL))
+                    runs.add(ss.ScanLaunch(L, BE, CPL, warps, SCAN_TILES.lane_stages, SCAN_TILES.lane_unroll))
         res = []
         for run in runs:
             us, err = time_chunked(args, ref, run, graph=True)
             res.append((us, run, err))
-        base = next(us for us, run, _ in res if run == ss.chunked_launch(B, E, T))
+        base = next(us for us, run, _ in res if run == ss.chunked_launch(B, E, T, SCAN_TILES))
         print(f"B={B} T={T} E={E}: the default {base:8.1f} us", flush=True)
         for us, run, err in sorted(res, key=lambda r: r[0])[:6]:
             print(f"   {us:8.1f} us  L={run.L:5d} BE={run.BE:3d} CPL={run.CPL} warps={run.warps} stages={run.stages} "
@@ -121,10 +120,10 @@ def lengths() -> None:
         ref = reference(args)
         print(f"B={B} T={T} E={E}:", flush=True)
         for L in Ls:
-            run = ss.ScanLaunch(L, ss.SCAN_BE, 4, ss.SCAN_WARPS, ss.SCAN_STAGES, ss.SCAN_UNROLL)
+            run = ss.ScanLaunch(L, SCAN_TILES.be, 4, SCAN_TILES.warps, SCAN_TILES.stages, SCAN_TILES.unroll)
             us, err = time_chunked(args, ref, run, rep=30)
             nc = -(-T // L)
-            print(f"   L={L:3d} chunks={nc:3d} programs {B * (E // ss.SCAN_BE) * nc:5d}: {us:8.1f} us  max diff {err:.1e}",
+            print(f"   L={L:3d} chunks={nc:3d} programs {B * (E // SCAN_TILES.be) * nc:5d}: {us:8.1f} us  max diff {err:.1e}",
                   flush=True)
 
 
@@ -136,10 +135,10 @@ def passes() -> None:
 
 
 def profile_passes(args) -> None:
-    ss.selective_scan(*args, chunked=True)
+    ss.selective_scan(*args, chunked=True, tiles=SCAN_TILES)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            ss.selective_scan(*args, chunked=True)
+            ss.selective_scan(*args, chunked=True, tiles=SCAN_TILES)
         torch.cuda.synchronize()
     for ev in prof.key_averages():
         if "scan" in ev.key:

@@ -3,31 +3,28 @@
 program, chunks a load, warps), beside mamba_ssm's `_state_passing_fwd` (if its source is
 on the path) and the floor: the per-chunk states read once in float32 and the states the
 chunks start from written once in bf16 (both sides write them in the operands' dtype), at
-the copy rate. Chooses SSD_PASS_BL, SSD_PASS_CB and SSD_PASS_WARPS.
+the copy rate. Chooses SSDTiles' pass_bl, pass_cb and pass_warps (engine/plan.py's SSD_TILES).
 
-    PYTHONPATH=.peer:. python benchmarks/tune_ssd_pass.py --models mamba2-2.7b,codestral-7b
+    PYTHONPATH=.peer:. python -m benchmarks.tune_ssd_pass --models mamba2-2.7b,codestral-7b
 """
 
 import argparse
 import itertools
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import triton
+from triton.testing import do_bench
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
-
-from fastmamba.bench import copy_bandwidth  # noqa: E402
-from fastmamba.kernels import ssd  # noqa: E402
+from fastmamba.bench import copy_bandwidth
+from fastmamba.engine.plan import SSD_TILES
+from fastmamba.kernels import ssd
 
 # name: (heads, head_dim, d_state)
 SHAPES = {"mamba2-130m": (24, 64, 128), "mamba2-2.7b": (80, 64, 128), "codestral-7b": (128, 64, 128)}
 
 
 def ours_us(B, T, H, P, N, BL, CB, warps):
-    Q = ssd.SSD_CHUNK
+    Q = SSD_TILES.chunk
     n_chunks = triton.cdiv(T, Q)
     states = torch.randn(B, n_chunks, H, P, N, device="cuda")
     starts = torch.empty(B, n_chunks, H, P, N, device="cuda", dtype=torch.bfloat16)
@@ -46,7 +43,7 @@ def peer_us(B, T, H, P, N):
         from mamba_ssm.ops.triton.ssd_state_passing import _state_passing_fwd
     except Exception:
         return None
-    n_chunks = triton.cdiv(T, ssd.SSD_CHUNK)
+    n_chunks = triton.cdiv(T, SSD_TILES.chunk)
     states = torch.randn(B, n_chunks, H, P * N, device="cuda")
     dA = -torch.rand(B, H, n_chunks, device="cuda")
     init = torch.randn(B, H, P * N, device="cuda")
@@ -65,11 +62,11 @@ def main():
     for name, shape in itertools.product(args.models.split(","), args.passes.split(",")):
         H, P, N = SHAPES[name]
         B, T = map(int, shape.split("x"))
-        floor = B * triton.cdiv(T, ssd.SSD_CHUNK) * H * P * N * (4 + 2) / rate * 1e6
+        floor = B * triton.cdiv(T, SSD_TILES.chunk) * H * P * N * (4 + 2) / rate * 1e6
         times = {(bl, cb, w): ours_us(B, T, H, P, N, bl, cb, w)
                  for bl in (64, 128, 256, 512) for cb in (8, 16, 32) for w in (2, 4, 8) if bl * cb <= 8192}
         best = min(times, key=times.get)
-        now = (ssd.SSD_PASS_BL, ssd.SSD_PASS_CB, ssd.SSD_PASS_WARPS)
+        now = (SSD_TILES.pass_bl, SSD_TILES.pass_cb, SSD_TILES.pass_warps)
         peer = peer_us(B, T, H, P, N)
         print(f"{name} {shape}: floor {floor:.1f}; now {now} {times.get(now, float('nan')):.1f}; "
               f"best {best} {times[best]:.1f} ({floor / times[best]:.0%} of floor); "

@@ -2,27 +2,25 @@
 model's conv gives them) at the public shapes for several tiles of its chunk-scan kernel
 (steps a program, steps a block of the sum, warps, pipeline stages), beside mamba_ssm's
 `mamba_chunk_scan_combined` (if its source is on the path). The other three kernels take
-the same time in every row, so the rows differ by the chunk scan's time. Chooses SSD_BT,
-SSD_BS, SSD_SCAN_WARPS and SSD_SCAN_STAGES.
+the same time in every row, so the rows differ by the chunk scan's time. Chooses
+SSDTiles' bt, bs, scan_warps and scan_stages (engine/plan.py's SSD_TILES).
 
-    PYTHONPATH=.peer:. python benchmarks/tune_ssd_scan.py --models mamba2-2.7b,codestral-7b
+    PYTHONPATH=.peer:. python -m benchmarks.tune_ssd_scan --models mamba2-2.7b,codestral-7b
 """
 
 import argparse
 import itertools
-import sys
-from pathlib import Path
+from dataclasses import replace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from triton.testing import do_bench
 
-import torch  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
-
-from fastmamba.kernels import ssd  # noqa: E402
+from fastmamba.engine.plan import SSD_TILES
+from fastmamba.kernels import ssd
 
 # name: (heads, head_dim, groups, d_state)
 SHAPES = {"mamba2-130m": (24, 64, 1, 128), "mamba2-2.7b": (80, 64, 1, 128), "codestral-7b": (128, 64, 8, 128)}
-TILES = ("SSD_BT", "SSD_BS", "SSD_SCAN_WARPS", "SSD_SCAN_STAGES")
+TILES = ("bt", "bs", "scan_warps", "scan_stages")  # the SSDTiles fields swept
 
 
 def inputs(B, T, H, P, G, N):
@@ -33,11 +31,12 @@ def inputs(B, T, H, P, G, N):
                 Cm=r(B, T, G, N).bfloat16(), D=torch.ones(H, device="cuda"), state=torch.zeros(B, H, P, N, device="cuda"))
 
 
-def scan_calls(v, chunk: int = 256, dt_limit=(0.0, float("inf"))):
-    """Our scan and mamba_ssm's `mamba_chunk_scan_combined` over `inputs`' tensors, as
-    callables (theirs None where mamba_ssm's source is not on the path)."""
+def scan_calls(v, chunk: int = 256, dt_limit=(0.0, float("inf")), tiles=SSD_TILES):
+    """Our scan (with `tiles`) and mamba_ssm's `mamba_chunk_scan_combined` over `inputs`'
+    tensors, as callables (theirs None where mamba_ssm's source is not on the path)."""
     def ours():
-        return ssd.ssd_scan(v["x"], v["dt"], v["dt_bias"], dt_limit, v["A"], v["Bm"], v["Cm"], v["D"], v["state"], chunk)
+        return ssd.ssd_scan(v["x"], v["dt"], v["dt_bias"], dt_limit, v["A"], v["Bm"], v["Cm"], v["D"], v["state"], chunk,
+                            tiles=tiles)
 
     try:
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
@@ -50,10 +49,10 @@ def scan_calls(v, chunk: int = 256, dt_limit=(0.0, float("inf"))):
     return ours, theirs
 
 
-def ours_ms(v, tiles):
-    for name, value in zip(TILES, tiles):
-        setattr(ssd, name, value)
-    return do_bench(scan_calls(v)[0], warmup=10, rep=50)
+def ours_ms(v, values):
+    """ms a call of our scan with the plan's tiles but for TILES' `values`."""
+    tiles = replace(SSD_TILES, **dict(zip(TILES, values)))
+    return do_bench(scan_calls(v, tiles=tiles)[0], warmup=10, rep=50)
 
 
 def peer_ms(v):
@@ -66,14 +65,13 @@ def main():
     ap.add_argument("--models", default=",".join(SHAPES))
     ap.add_argument("--passes", default="1x8192,8x2048")
     args = ap.parse_args()
-    now = tuple(getattr(ssd, name) for name in TILES)
+    now = tuple(getattr(SSD_TILES, name) for name in TILES)
     grid = [t for t in itertools.product((64, 128), (32, 64), (4, 8), (1, 2, 3)) if t[1] <= t[0]]
     print(f"ms a layer's scan; tiles {TILES}, now {now}")
     for name, shape in itertools.product(args.models.split(","), args.passes.split(",")):
         B, T = map(int, shape.split("x"))
         v = inputs(B, T, *SHAPES[name])
         times = {t: ours_ms(v, t) for t in grid}
-        ours_ms(v, now)  # (the module's tiles back)
         best = min(times, key=times.get)
         peer = peer_ms(v)
         print(f"{name} {shape}: now {times[now]:.3f}; best {best} {times[best]:.3f}; "

@@ -1,24 +1,22 @@
 """Times Mamba-2's decode-step state update alone (kernels/ssd.py `_ssd_step_kernel`) at the
 public shapes for several tiles (channels a program, warps) and both state dtypes, beside
 mamba_ssm's `selective_state_update` (if its source is on the path) and the floor: the
-state read and written once at the copy rate. Chooses SSD_STEP_BP and SSD_STEP_WARPS.
+state read and written once at the copy rate. Chooses SSDTiles' step_bp and step_warps
+(engine/plan.py's SSD_TILES).
 
-    PYTHONPATH=.peer:. python benchmarks/tune_ssd_step.py --batches 1,128
+    PYTHONPATH=.peer:. python -m benchmarks.tune_ssd_step --batches 1,128
 """
 
 import argparse
 import itertools
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import triton
+from triton.testing import do_bench
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
-
-from fastmamba.bench import copy_bandwidth  # noqa: E402
-from fastmamba.kernels import ssd  # noqa: E402
+from fastmamba.bench import copy_bandwidth
+from fastmamba.engine.plan import SSD_TILES
+from fastmamba.kernels import ssd
 
 # name: (heads, head_dim, d_state, groups, layers)
 SHAPES = {"mamba2-130m": (24, 64, 128, 1, 24), "mamba2-2.7b": (80, 64, 128, 1, 64), "codestral-7b": (128, 64, 128, 8, 64)}
@@ -75,7 +73,7 @@ def main():
         floor = 2 * B * H * P * N * sd.itemsize / rate * 1e6
         times = {(bp, w): ours_us(B, H, P, N, G, sd, bp, w) for bp in (4, 8, 16, 32) for w in (1, 2, 4, 8)}
         best = min(times, key=times.get)
-        now = (ssd.SSD_STEP_BP, ssd.SSD_STEP_WARPS)
+        now = (SSD_TILES.step_bp, SSD_TILES.step_warps)
         peer = peer_us(B, H, P, N, G, sd)
         print(f"{name} b{B} {str(sd)[6:]}: floor {floor:.1f}; now {now} {times.get(now, float('nan')):.1f}; "
               f"best {best} {times[best]:.1f} ({floor / times[best]:.0%} of floor); "

@@ -1,29 +1,26 @@
 """Times the training scan (kernels/scan_grad.py) forward + backward at the Backbone's
 benchmark shapes for several tiles (steps a chunk, channels a program, warps), to choose
-TRAIN_BT, TRAIN_BE and TRAIN_WARPS.
+TrainScanTiles (engine/plan.py's TRAIN_SCAN_TILES).
 
-    python benchmarks/tune_train_scan.py
+    python -m benchmarks.tune_train_scan
 """
 
 import itertools
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from triton.testing import do_bench
 
-import torch  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
-
-from fastmamba.kernels import scan_grad  # noqa: E402
+from fastmamba.kernels import scan_grad
+from fastmamba.kernels.scan_grad import TrainScanTiles
 
 # (B, T, E): 128 x 3 at 16 x 1024, 512 x 4 at 64 x 256; N 16, dt_rank 8 and 32
 SHAPES = [(16, 1024, 256, 8), (64, 256, 1024, 32)]
 
 
 def scan_pass(B: int, T: int, E: int, R: int, N: int = 16):
-    """The training scan's forward + backward alone at one layer's shapes, as a callable:
-    x, z and the step sizes channels-contiguous and B, C views of x_proj's output, as the
-    layer makes them; resets at 1/64."""
+    """The training scan's forward + backward alone at one layer's shapes, as a callable of
+    the tiles: x, z and the step sizes channels-contiguous and B, C views of x_proj's
+    output, as the layer makes them; resets at 1/64."""
     def g(*s):
         return torch.randn(*s, device="cuda").requires_grad_(True)
 
@@ -36,9 +33,9 @@ def scan_pass(B: int, T: int, E: int, R: int, N: int = 16):
     A = (-torch.rand(E, N, device="cuda") - 0.1).requires_grad_(True)
     resets = torch.rand(B, T, device="cuda") < 1 / 64
 
-    def run():
+    def run(tiles: TrainScanTiles):
         s = torch.zeros(B, E, N, device="cuda")
-        scan_grad.step_and_scan_train(x, dt_r, dt_w, bias, A, Bm, Cm, D, z, s, resets=resets).sum().backward()
+        scan_grad.step_and_scan_train(x, dt_r, dt_w, bias, A, Bm, Cm, D, z, s, resets=resets, tiles=tiles).sum().backward()
 
     return run
 
@@ -47,9 +44,9 @@ def main() -> None:
     for B, T, E, R in SHAPES:
         run = scan_pass(B, T, E, R)
         for BT, BE, warps in itertools.product((16, 32), (4, 8, 16), (2, 4, 8)):
-            scan_grad.TRAIN_BT, scan_grad.TRAIN_BE, scan_grad.TRAIN_WARPS = BT, BE, warps
+            tiles = TrainScanTiles(bt=BT, be=BE, warps=warps)
             try:
-                ms = do_bench(run, warmup=5, rep=40)
+                ms = do_bench(lambda run=run, t=tiles: run(t), warmup=5, rep=40)
             except Exception as err:  # (a tile too large for the registers or shared memory)
                 print(f"B{B} T{T} E{E}  BT {BT:2d} BE {BE:2d} warps {warps}: {type(err).__name__}", flush=True)
                 continue

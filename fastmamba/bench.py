@@ -87,11 +87,12 @@ def random_model(size: str, dtype: torch.dtype, device="cuda", state_dtype: torc
     `fastmamba.load` builds it; elsewhere over the reference ops."""
     from fastmamba.io.checkpoint import build_weights
     from fastmamba.core.ops import REFERENCE_OPS, triton_ops
+    from fastmamba.engine.plan import KERNEL_TILES
 
     c = SHAPES[size]
     tensors = _random_tensors(c, device)
     weights = build_weights(c, tensors, dict.fromkeys(tensors, "random"), device, dtype)
-    ops = triton_ops() if torch.device(device).type == "cuda" else REFERENCE_OPS
+    ops = triton_ops(KERNEL_TILES) if torch.device(device).type == "cuda" else REFERENCE_OPS
     return Mamba(c, weights, ops, state_dtype=state_dtype)
 
 
@@ -120,10 +121,11 @@ def random_language_model(size: str, dtype: torch.dtype, device="cuda", state_dt
     is CUDA (a module-level function: the serving benchmark's engine process makes its own)."""
     from fastmamba.engine.language_model import LanguageModel
     from fastmamba.core.ops import REFERENCE_OPS, triton_ops
+    from fastmamba.engine.plan import KERNEL_TILES
 
     base = random_model(size, dtype, device, state_dtype)
     gpu = torch.device(device).type == "cuda"
-    model = Mamba(base.config, base.weights, triton_ops() if gpu else REFERENCE_OPS, state_dtype=state_dtype)
+    model = Mamba(base.config, base.weights, triton_ops(KERNEL_TILES) if gpu else REFERENCE_OPS, state_dtype=state_dtype)
     return LanguageModel(model, None, engine="triton" if gpu else "reference")
 
 
@@ -184,12 +186,13 @@ def time_graph_steps(model: Mamba, batch: int, steps: int = 200, deterministic: 
     from fastmamba.engine.cuda_graphs import GraphDecoder
     from fastmamba.core.sampling_params import SamplingParams
     from fastmamba.core.sampling import pick_sampler
+    from fastmamba.engine.plan import SAMPLER_TILES
 
     params = params or SamplingParams()
     dec = GraphDecoder(model, batch, deterministic, plan=plan)
     logits = torch.randn(batch, model.config.vocab_size, device="cuda")
     reqs = [(params, 0, [1])] * batch
-    dec.begin(model.new_state(batch), logits, pick_sampler([params], True), reqs)
+    dec.begin(model.new_state(batch), logits, pick_sampler([params], True, SAMPLER_TILES), reqs)
     for _ in range(10):
         dec.next()
     # each replay runs dec.steps steps

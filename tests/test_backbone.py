@@ -377,7 +377,7 @@ def test_gpu_sequence_pass_with_resets(dtype):
     from fastmamba.kernels.scan_grad import step_and_scan_train
 
     xg = x.cuda().requires_grad_()
-    assert gpu._kernel_ops(xg, gpu_state).scan is step_and_scan_train
+    assert gpu._kernel_ops(xg, gpu_state).scan.func is step_and_scan_train
     gpu(xg, gpu_state, resets.cuda())[0].square().mean().backward()
     xc = x.clone().requires_grad_()
     cpu16(xc, state, resets)[0].square().mean().backward()

@@ -96,3 +96,22 @@ def test_the_readme_states_the_tables_batch_invariance_ranges():
         for text, dtype in ((bf16, torch.bfloat16), (f32, torch.float32)):
             want = " · ".join(f"{a}-{b}" for a, b, _ in batch_invariant_ranges(int(d), dtype))
             assert text.strip() == want, (d, dtype)
+
+
+def test_the_kernels_hold_no_tuned_choices():
+    """The kernels' tiles and thresholds are plan.py's tables, handed to their launchers (a
+    test or a sweep passes its own, never sets a module's): the upper-case names a kernel
+    module assigns are constants of math or format."""
+    import ast
+
+    import fastmamba.kernels
+
+    math_or_format = {"LOG2E", "LN2", "ARGMAX_EMPTY", "EMPTY_KEY", "LOW32", "KEY_MIN", "MAX_K", "K_ALIGN", "PRODUCTS",
+                      "FIXED_SCALE", "FIXED_ONE", "FIXED_LIMIT", "NO_PDL", "INTERPRET"}
+    for path in sorted(Path(fastmamba.kernels.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        targets = [t for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+                   for t in (node.targets if isinstance(node, ast.Assign) else [node.target])]
+        names = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        constants = {n for n in names if n.isupper() and not n.startswith("_")}
+        assert constants <= math_or_format, (path.name, sorted(constants - math_or_format))

@@ -13,7 +13,7 @@ import torch
 import fastmamba
 from conftest import assert_within_transformers_16bit_error
 from fastmamba.engine.decode_step import make_decode_step
-from fastmamba.engine.plan import DecodePlan
+from fastmamba.engine.plan import PRODUCTS_BLOCKS, SAMPLER_TILES, DecodePlan
 from fastmamba.kernels import decode_step as ds
 from fastmamba.kernels import gemv
 
@@ -370,7 +370,8 @@ def test_gemm_step_kernels(checkpoints, name, dtype, batch, chunks, halves):
     ref_state = conv_state.clone()
     xc, xc16 = torch.empty(B, E, device=DEVICE), torch.empty(P, E, device=DEVICE, dtype=sdt)
     for _ in range(2):
-        dg.conv_step(in_parts(xz), conv_state, lw.conv_w, lw.conv_b, xc, xc16, xc16_halves=split, xz_parts=H * chunks)
+        dg.conv_step(in_parts(xz), conv_state, lw.conv_w, lw.conv_b, xc, xc16, xc16_halves=split, xz_parts=H * chunks,
+                     block=PRODUCTS_BLOCKS.conv_step)
         ref = dg.conv_step_ref(xz[:, :E], ref_state, lw.conv_w, lw.conv_b)
         assert rel_err(xc, ref) < 1e-5
         assert rel_err(joined(xc16), xc) < near
@@ -390,7 +391,7 @@ def test_gemm_step_kernels(checkpoints, name, dtype, batch, chunks, halves):
         s = ssm_state.clone()
         y = torch.zeros(P, E, device=DEVICE, dtype=sdt)
         dg.ssm_update(in_parts(dt), dbc, xc, in_parts(xz), s, lw.dt_bias, lw.A, lw.D, R, y,
-                      y_halves=y_halves, dt_parts=H * chunks, xz_parts=H * chunks)
+                      y_halves=y_halves, dt_parts=H * chunks, xz_parts=H * chunks, block=PRODUCTS_BLOCKS.ssm_update)
         assert rel_err(s, ref_state) < 1e-5
         if y_halves:
             assert rel_err(joined(y), ref) < near
@@ -415,17 +416,18 @@ SAMPLER_PARAMS = [  # every filter alone and together, greedy rows among them
 @pytest.mark.parametrize(
     "name, rounds", [("sample_filtered", 3), ("sample_filtered", 1), ("sample_filtered_apart", 3), ("sample_temperature", 3)]
 )
-def test_triton_samplers_match_sample(name, rounds, monkeypatch):
+def test_triton_samplers_match_sample(name, rounds):
     """kernels/sampler.py draws the tokens sampling.sample draws, step after step, and
     leaves the same steps and seen marks; a forced tie at the top goes to the lower index.
     The filters' search gathers at most 64 tokens here, so that it narrows its band a few
     times first, and with one pass its last step (one program narrowing alone) runs too."""
+    from dataclasses import replace
+
     from fastmamba.kernels import sampler
     from fastmamba.core.sampling_params import SamplingParams
     from fastmamba.core.sampling import SlotParams, sample
 
-    monkeypatch.setattr(sampler, "CAP", 64)
-    monkeypatch.setattr(sampler, "ROUNDS", rounds)
+    tiles = replace(SAMPLER_TILES, cap=64, rounds=rounds)
     params = [SamplingParams(**kw) for kw in SAMPLER_PARAMS]
     if name == "sample_temperature":
         params = [p for p in params if p.top_k == 0 and p.top_p == 1 and p.min_p == 0]
@@ -447,7 +449,7 @@ def test_triton_samplers_match_sample(name, rounds, monkeypatch):
         if t == 1:
             logits[-3:] = 0.5  # all tokens tied: the order is the tokens' own
         expected = sample(logits.clone(), ref)
-        got = getattr(sampler, name)(logits.clone(), ours)
+        got = getattr(sampler, name)(logits.clone(), ours, tiles)
         assert torch.equal(got, expected), t
         if t == 0:
             assert (got[[i for i, p in enumerate(params) if p.temperature == 0]] == 7).all()

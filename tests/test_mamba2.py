@@ -206,6 +206,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ])
 def test_the_step_kernel_equals_its_twin(G, H, P, N, state_dtype, limit):
     pytest.importorskip("triton")
+    from fastmamba.engine.plan import SSD_TILES
     from fastmamba.kernels.ssd import ssd_scan, ssd_scan_ref
 
     g = torch.Generator().manual_seed(H * P)
@@ -219,7 +220,7 @@ def test_the_step_kernel_equals_its_twin(G, H, P, N, state_dtype, limit):
     dtype = getattr(torch, state_dtype)
     state = r(B, H, P, N).to(dtype)
     ours, ref = state.clone(), state.clone()
-    y = ssd_scan(x, dt, dt_bias, limit, A, Bm, Cm, D, ours, 4)
+    y = ssd_scan(x, dt, dt_bias, limit, A, Bm, Cm, D, ours, 4, tiles=SSD_TILES)
     y_ref = ssd_scan_ref(x, dt, dt_bias, limit, A, Bm, Cm, D, ref, 4)
     tol = 1e-5 if DEVICE == "cpu" else 1e-4
     assert relative_error(y, y_ref) < tol
@@ -275,13 +276,14 @@ def test_the_reference_scan_with_resets_equals_the_recurrence(chunk):
 # C B^T in each head's program, or once a group; the state passing's chunks at a time: all
 # of them at once, or 2 (blocks in turn, the last partial where there are 3 chunks)
 @pytest.mark.parametrize("cb_once,pass_cb", [(False, 32), (True, 2)])
-def test_the_chunked_scan_kernels_equal_their_twin(T, G, H, P, N, dtype, start, resets, cb_once, pass_cb, monkeypatch):
+def test_the_chunked_scan_kernels_equal_their_twin(T, G, H, P, N, dtype, start, resets, cb_once, pass_cb):
     pytest.importorskip("triton")
-    from fastmamba.kernels import ssd
+    from dataclasses import replace
+
+    from fastmamba.engine.plan import SSD_TILES
     from fastmamba.kernels.ssd import ssd_scan, ssd_scan_ref
 
-    monkeypatch.setattr(ssd, "SSD_CB_ONCE", cb_once)
-    monkeypatch.setattr(ssd, "SSD_PASS_CB", pass_cb)
+    tiles = replace(SSD_TILES, cb_once=cb_once, pass_cb=pass_cb)
 
     g = torch.Generator().manual_seed(T)
     r = lambda *s: torch.randn(*s, generator=g).to(DEVICE)  # noqa: E731
@@ -297,7 +299,7 @@ def test_the_chunked_scan_kernels_equal_their_twin(T, G, H, P, N, dtype, start, 
     limit = (0.2, 1.0) if start else (0.0, float("inf"))
     start = torch.tensor(start, dtype=torch.int32, device=DEVICE) if start else None
     resets = reset_flags(B, T, resets).to(DEVICE) if resets else None
-    y = ssd_scan(x, dt, dt_bias, limit, A, Bm, Cm, D, ours, 8, start, resets)
+    y = ssd_scan(x, dt, dt_bias, limit, A, Bm, Cm, D, ours, 8, start, resets, tiles=tiles)
     y_ref = ssd_scan_ref(x, dt, dt_bias, limit, A, Bm, Cm, D, ref, 8, start, resets)
     tol = 1e-2 if dtype == "bfloat16" else (1e-5 if DEVICE == "cpu" else 1e-4)
     assert relative_error(y, y_ref) < tol and relative_error(ours, ref) < tol
@@ -311,10 +313,11 @@ def test_a_layer_with_resets_runs_each_segment_from_a_zero_state(tmp_path, gpu_o
         pytest.importorskip("triton")
     from fastmamba.core.mamba2 import mixer2
     from fastmamba.core.ops import REFERENCE_OPS, triton_ops
+    from fastmamba.engine.plan import KERNEL_TILES
 
     folder, _ = save_mamba2(tmp_path / "m", n_groups=2)
     model = fastmamba.load(folder, device=DEVICE).model
-    ops = triton_ops() if gpu_ops else REFERENCE_OPS
+    ops = triton_ops(KERNEL_TILES) if gpu_ops else REFERENCE_OPS
     c, lw = model.config, model.weights.layers[1]
     T, cuts = 30, [0, 9, 10, 24]  # a reset at the first step, chunks of 8: on and inside their edges
     u = torch.randn(1, T, c.d_model, generator=torch.Generator().manual_seed(5)).to(DEVICE)
@@ -356,7 +359,7 @@ def test_the_gpu_engines_model_equals_the_reference(tmp_path, monkeypatch, deter
     norms and scan step) against the reference: a prefill, then decode steps through the
     decode plan's step (or it and the one-row step in turn): logits and both states."""
     pytest.importorskip("triton")
-    from fastmamba.engine.plan import DecodePlan
+    from fastmamba.engine.plan import KERNEL_TILES, DecodePlan
     from fastmamba.kernels import ssd
     from fastmamba.engine.decode_step import make_decode_step
     from fastmamba.core.model import Mamba
@@ -364,7 +367,7 @@ def test_the_gpu_engines_model_equals_the_reference(tmp_path, monkeypatch, deter
 
     folder, _ = save_mamba2(tmp_path / "m", n_groups=2, use_bias=True)
     ref = fastmamba.load(folder).model
-    ours = Mamba(ref.config, fastmamba.load(folder, device=DEVICE).model.weights, triton_ops())
+    ours = Mamba(ref.config, fastmamba.load(folder, device=DEVICE).model.weights, triton_ops(KERNEL_TILES))
     step = make_decode_step(ours, 2, deterministic)
     assert step.plan.step == "layer-ops" and bool(step.plan.cublas) != deterministic
     steps = [step]
@@ -397,7 +400,7 @@ def test_the_one_row_step_equals_the_reference(tmp_path, overrides, before, stat
     pytest.importorskip("triton")
     from dataclasses import replace
 
-    from fastmamba.engine.plan import DecodePlan, one_row_blocks
+    from fastmamba.engine.plan import KERNEL_TILES, DecodePlan, one_row_blocks
     from fastmamba.engine.decode_step import make_decode_step
     from fastmamba.core.model import Mamba
     from fastmamba.core.ops import triton_ops
@@ -406,7 +409,7 @@ def test_the_one_row_step_equals_the_reference(tmp_path, overrides, before, stat
     loaded = fastmamba.load(folder).model
     config, sd = replace(loaded.config, norm_before_gate=before), getattr(torch, state_dtype)
     ref = Mamba(config, loaded.weights, state_dtype=sd)
-    ours = Mamba(config, fastmamba.load(folder, device=DEVICE).model.weights, triton_ops(), state_dtype=sd)
+    ours = Mamba(config, fastmamba.load(folder, device=DEVICE).model.weights, triton_ops(KERNEL_TILES), state_dtype=sd)
     plan = DecodePlan("one-row")
     if in_proj_rows:
         blocks = one_row_blocks(config.d_model, config.d_inner, config.vocab_size, torch.float32, "mamba2")
@@ -439,7 +442,7 @@ def test_the_one_row_kernels_equal_their_twins(tmp_path, before, out_tile):
     pytest.importorskip("triton")
     from dataclasses import replace
 
-    from fastmamba.engine.plan import DecodePlan, one_row_blocks
+    from fastmamba.engine.plan import KERNEL_TILES, DecodePlan, one_row_blocks
     from fastmamba.engine.decode_step import make_decode_step
     from fastmamba.kernels.gemv import from_fixed, to_fixed
     from fastmamba.kernels.decode_step_mamba2 import gated_out_proj_ref, ssd_conv_step_ref
@@ -448,7 +451,7 @@ def test_the_one_row_kernels_equal_their_twins(tmp_path, before, out_tile):
 
     folder, _ = save_mamba2(tmp_path / "m", n_groups=2, use_bias=True, use_conv_bias=True)
     loaded = fastmamba.load(folder, device=DEVICE).model
-    model = Mamba(replace(loaded.config, norm_before_gate=before), loaded.weights, triton_ops())
+    model = Mamba(replace(loaded.config, norm_before_gate=before), loaded.weights, triton_ops(KERNEL_TILES))
     c, lw = model.config, model.weights.layers[0]
     blocks = one_row_blocks(c.d_model, c.d_inner, c.vocab_size, torch.float32)
     if out_tile:
@@ -521,11 +524,12 @@ def test_the_gpu_engines_16bit_numerics_within_transformers_own_error(tmp_path):
     pytest.importorskip("triton")
     from fastmamba.core.model import Mamba
     from fastmamba.core.ops import triton_ops
+    from fastmamba.engine.plan import KERNEL_TILES
 
     folder, _ = save_mamba2(tmp_path / "m", n_groups=1)
     x = ids(2, 40)
     weights = fastmamba.load(folder, device=DEVICE, dtype="bfloat16").model.weights
-    model = Mamba(fastmamba.load(folder).config, weights, triton_ops())
+    model = Mamba(fastmamba.load(folder).config, weights, triton_ops(KERNEL_TILES))
     assert_within_transformers_16bit_error(model.forward(x.to(DEVICE)).cpu(), folder, x, "bfloat16")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +24,7 @@ from fastmamba.kernels.products import linear_storage
 from fastmamba.core.model import Mamba
 from fastmamba.core.mamba1 import in_proj_dtype
 from fastmamba.core.ops import triton_ops
+from fastmamba.engine.plan import CONV_TILES, KERNEL_TILES, SCAN_TILES, STEP_SIZE_TILES
 
 pytest.importorskip("triton")
 GPU = torch.cuda.is_available()
@@ -54,10 +57,10 @@ def test_conv_and_scan_kernels_match_their_twins(B, E, T, K, start):
     conv_state0 = torch.randn(B, E, K, device=DEVICE, generator=g)
     conv_state, conv_ref_state = conv_state0.clone(), conv_state0.clone()
     s = None if start is None else torch.tensor(start, dtype=torch.int32, device=DEVICE)
-    xc = causal_conv1d(x, w, b, conv_state, s)
+    xc = causal_conv1d(x, w, b, conv_state, s, tiles=CONV_TILES)
     xc_ref = causal_conv1d_ref(x, w, b, conv_ref_state, s)
     assert rel_err(xc, xc_ref) < 1e-5 and rel_err(conv_state, conv_ref_state) < 1e-6
-    xc16 = causal_conv1d(x, w, b, conv_state0.clone(), s, torch.bfloat16)  # as a bf16 model's
+    xc16 = causal_conv1d(x, w, b, conv_state0.clone(), s, torch.bfloat16, tiles=CONV_TILES)  # as a bf16 model's
     assert_rounded(xc16, xc)
 
     N, R = 16, 3
@@ -75,33 +78,33 @@ def test_conv_and_scan_kernels_match_their_twins(B, E, T, K, start):
              dict(chunked=True, launch=ScanLaunch(T, 64, 1, 2, 3, 4))]
     for kw in scans:
         ssm_state = ssm_state0.clone()
-        y = selective_scan(xc_ref, delta, A, Bm, Cm, D, z, ssm_state, s, **kw)
+        y = selective_scan(xc_ref, delta, A, Bm, Cm, D, z, ssm_state, s, tiles=SCAN_TILES, **kw)
         assert rel_err(y, y_ref) < 1e-5 and rel_err(ssm_state, ssm_ref_state) < 1e-5, kw
         # y straight in out_proj's dtype
-        assert_rounded(selective_scan(xc_ref, delta, A, Bm, Cm, D, z, ssm_state0.clone(), s, out_dtype=torch.bfloat16, **kw), y)
+        assert_rounded(selective_scan(xc_ref, delta, A, Bm, Cm, D, z, ssm_state0.clone(), s, out_dtype=torch.bfloat16, tiles=SCAN_TILES, **kw), y)
     # x as a bf16 model's conv writes it (a 16-bit input, read into float32)
     y16_ref = selective_scan_ref(xc16.float(), delta, A, Bm, Cm, D, z, ssm_state0.clone(), s)
     for kw in scans:  # (one channel a thread loads pairs of channels: see selective_scan._channels_at)
-        y16 = selective_scan(xc16, delta, A, Bm, Cm, D, z, ssm_state0.clone(), s, **kw)
+        y16 = selective_scan(xc16, delta, A, Bm, Cm, D, z, ssm_state0.clone(), s, tiles=SCAN_TILES, **kw)
         assert rel_err(y16, y16_ref) < 1e-5, kw
     # and 16-bit x whose channels are not contiguous: no pairs, one 16-bit load a channel
-    y16 = selective_scan(xc16.contiguous(), delta, A, Bm, Cm, D, z, ssm_state0.clone(), s, **scans[3])
+    y16 = selective_scan(xc16.contiguous(), delta, A, Bm, Cm, D, z, ssm_state0.clone(), s, tiles=SCAN_TILES, **scans[3])
     assert rel_err(y16, y16_ref) < 1e-5
     # and a float16 model's (the pairs' halves read back as float16)
-    xch = causal_conv1d(x, w, b, conv_state0.clone(), s, torch.float16)
-    yh = selective_scan(xch, delta, A, Bm, Cm, D, z, ssm_state0.clone(), s, **scans[3])
+    xch = causal_conv1d(x, w, b, conv_state0.clone(), s, torch.float16, tiles=CONV_TILES)
+    yh = selective_scan(xch, delta, A, Bm, Cm, D, z, ssm_state0.clone(), s, tiles=SCAN_TILES, **scans[3])
     assert rel_err(yh, selective_scan_ref(xch.float(), delta, A, Bm, Cm, D, z, ssm_state0.clone(), s)) < 1e-5
     # x and z as a bf16 model's in_proj writes them (model.in_proj_dtype): the conv reads a
     # 16-bit x, the scan a 16-bit z (pairs of channels where one channel a thread)
     xz16 = xz.to(torch.bfloat16)
     x16, z16 = xz16[..., :E].transpose(1, 2), xz16[..., E:].transpose(1, 2)
     cs, cs_ref = conv_state0.clone(), conv_state0.clone()
-    xc_from16 = causal_conv1d(x16, w, b, cs, s)
+    xc_from16 = causal_conv1d(x16, w, b, cs, s, tiles=CONV_TILES)
     assert rel_err(xc_from16, causal_conv1d_ref(x16, w, b, cs_ref, s)) < 1e-5 and rel_err(cs, cs_ref) < 1e-6
     assert rel_err(xc_from16, xc_ref) > 0  # (x16 is not x)
     yz_ref = selective_scan_ref(xc_ref, delta, A, Bm, Cm, D, z16, ssm_state0.clone(), s)
     for kw in scans:
-        yz = selective_scan(xc_ref, delta, A, Bm, Cm, D, z16, ssm_state0.clone(), s, **kw)
+        yz = selective_scan(xc_ref, delta, A, Bm, Cm, D, z16, ssm_state0.clone(), s, tiles=SCAN_TILES, **kw)
         assert rel_err(yz, yz_ref) < 1e-5, kw
 
     # dt_proj's output before its bias and softplus, which the walks then take (step_and_scan
@@ -112,7 +115,7 @@ def test_conv_and_scan_kernels_match_their_twins(B, E, T, K, start):
     y_ref = selective_scan_ref(xc_ref, F.softplus(dt + dt_bias[:, None]), A, Bm, Cm, D, z, ssm_ref_state, s)
     for kw in scans:  # (the kernels' softplus is within 5e-6 of torch's: test_step_size_softplus_elementwise)
         ssm_state = ssm_state0.clone()
-        y = selective_scan(xc_ref, dt, A, Bm, Cm, D, z, ssm_state, s, dt_bias=dt_bias, **kw)
+        y = selective_scan(xc_ref, dt, A, Bm, Cm, D, z, ssm_state, s, dt_bias=dt_bias, tiles=SCAN_TILES, **kw)
         assert rel_err(y, y_ref) < 2e-5 and rel_err(ssm_state, ssm_ref_state) < 2e-5, kw
 
 
@@ -129,7 +132,7 @@ def test_conv_and_scan_kernels_take_resets(B, E, T, K, start):
     s = None if start is None else torch.tensor(start, dtype=torch.int32, device=DEVICE)
     conv0 = torch.randn(B, E, K, device=DEVICE, generator=g)
     conv, conv_ref = conv0.clone(), conv0.clone()
-    xc = causal_conv1d(x, w, b, conv, s, resets=resets)
+    xc = causal_conv1d(x, w, b, conv, s, resets=resets, tiles=CONV_TILES)
     xc_ref = causal_conv1d_ref(x, w, b, conv_ref, s, resets=resets)
     assert rel_err(xc, xc_ref) < 1e-5 and rel_err(conv, conv_ref) < 1e-6
     assert rel_err(causal_conv1d_ref(x, w, b, conv0.clone(), s), xc_ref) > 1e-2  # the resets mattered
@@ -143,12 +146,12 @@ def test_conv_and_scan_kernels_take_resets(B, E, T, K, start):
     for kw in [dict(chunked=False), dict(chunked=True, launch=ScanLaunch(16, 128, 4, 1, 4, 2)),
                dict(chunked=True, launch=ScanLaunch(32, 64, 1, 2, 3, 4))]:
         ssm = ssm0.clone()
-        y = selective_scan(xc_ref, delta, A, Bm, Cm, D, z, ssm, s, resets=resets, **kw)
+        y = selective_scan(xc_ref, delta, A, Bm, Cm, D, z, ssm, s, resets=resets, tiles=SCAN_TILES, **kw)
         assert rel_err(y, y_ref) < 1e-5 and rel_err(ssm, ssm_ref) < 1e-5, kw
 
 
 @pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16])
-def test_step_and_scan_as_one_chunk(monkeypatch, wdt):
+def test_step_and_scan_as_one_chunk(wdt):
     """The scan as one chunk (forced here at a small shape) runs dt_proj alone and takes the
     softplus in its walk: against the reference (float32 weights), and against the step
     sizes made first by step_size.py's kernel (16-bit weights, whose products both paths
@@ -169,13 +172,11 @@ def test_step_and_scan_as_one_chunk(monkeypatch, wdt):
     if wdt == torch.float32:
         ref = step_and_scan_ref(x, dt_r, w, bias, A, Bm, Cm, D, z, ref_state, start)
     else:
-        ref = step_and_scan(x, dt_r, w, bias, A, Bm, Cm, D, z, ref_state, start)  # (not one chunk at this shape)
-    monkeypatch.setattr(ss, "SCAN_CHUNKED_WORK", 1)
-    monkeypatch.setattr(ss, "SCAN_ONE_CHUNK_LANES", 1)
-    monkeypatch.setattr(ss, "SCAN_SOFTPLUS_FROM_RANK", 1)
-    assert ss.chunked_launch(B, E, T).L >= T
+        ref = step_and_scan(x, dt_r, w, bias, A, Bm, Cm, D, z, ref_state, start, tiles=SCAN_TILES)  # (not one chunk at this shape)
+    one_chunk = replace(SCAN_TILES, chunked_work=1, one_chunk_lanes=1, softplus_from_rank=1)
+    assert ss.chunked_launch(B, E, T, one_chunk).L >= T
     state = state0.clone()
-    y = step_and_scan(x, dt_r, w, bias, A, Bm, Cm, D, z, state, start)
+    y = step_and_scan(x, dt_r, w, bias, A, Bm, Cm, D, z, state, start, tiles=one_chunk)
     # (on the CPU, 16-bit weights: the CPU's bf16 product rounds its output to bf16)
     tol = 2e-5 if GPU or wdt == torch.float32 else 1e-2
     assert rel_err(y, ref) < tol and rel_err(state, ref_state) < tol
@@ -191,7 +192,7 @@ def test_step_size_kernel_matches_its_twin(dtype, B, T, R, E):
     bias[:3] = 25.0
     dt_r = dbc[..., :R]
     ref = step_size_ref(dt_r.to(dtype), w, bias)  # the activations rounded to the weights' dtype, as the kernel takes them
-    delta = step_size(dt_r, w, bias)
+    delta = step_size(dt_r, w, bias, tiles=STEP_SIZE_TILES)
     assert delta.shape == (B, T, E) and delta.dtype == torch.float32 and (delta > 0).all()
     assert rel_err(delta, ref) < 1e-5
 
@@ -201,7 +202,7 @@ def test_step_size_softplus_elementwise():
     branches: the series below u = exp(v) = 1/32, the hardware log2 above, v itself past 20.
     Each element within 1e-5 of float64's softplus, relative."""
     v = torch.linspace(-40.0, 30.0, 7001, device=DEVICE)
-    delta = step_size(torch.zeros(1, 1, 1, device=DEVICE), torch.zeros(v.numel(), 1, device=DEVICE), v)[0, 0]
+    delta = step_size(torch.zeros(1, 1, 1, device=DEVICE), torch.zeros(v.numel(), 1, device=DEVICE), v, tiles=STEP_SIZE_TILES)[0, 0]
     exact = torch.nn.functional.softplus(v.double().cpu())
     assert ((delta.double().cpu() - exact).abs() / exact).max() < 1e-5
 
@@ -212,7 +213,7 @@ def test_conv_silu_elementwise():
     v = torch.linspace(-60.0, 60.0, 6000, device=DEVICE)  # (an even count: 0 is not among them)
     E = v.numel()
     state = torch.zeros(1, E, 4, device=DEVICE)
-    y = causal_conv1d(torch.zeros(1, E, 1, device=DEVICE), torch.zeros(E, 4, device=DEVICE), v, state)[0, :, 0]
+    y = causal_conv1d(torch.zeros(1, E, 1, device=DEVICE), torch.zeros(E, 4, device=DEVICE), v, state, tiles=CONV_TILES)[0, :, 0]
     exact = torch.nn.functional.silu(v.double().cpu())
     assert ((y.double().cpu() - exact).abs() / exact.abs()).max() < 1e-5
 
@@ -238,7 +239,7 @@ def engines(path, dtype, state_dtype="float32"):
     """The same checkpoint as the reference model and as the Triton-prefill model."""
     ref = fastmamba.load(path, dtype=dtype, state_dtype=state_dtype).model
     w = fastmamba.load(path, device=DEVICE, dtype=dtype).model.weights
-    return ref, Mamba(ref.config, w, triton_ops(), state_dtype=ref.state_dtype)
+    return ref, Mamba(ref.config, w, triton_ops(KERNEL_TILES), state_dtype=ref.state_dtype)
 
 
 LENGTHS = [1, 3, 4, 255, 256, 1000] if GPU else [1, 3, 4, 20]  # the interpreter is slow

@@ -131,19 +131,26 @@ def test_unknown_option_is_named():
 def test_pick_sampler_chooses_by_the_requests_and_engine():
     """Greedy requests get the argmax alone; the reference engine gets `sample` for the
     rest; the GPU engine the Triton sampler that does no more than the requests need
-    (tested against `sample` in tests/test_kernels.py)."""
+    (tested against `sample` in tests/test_kernels.py), with the plan's tiles, the same
+    object each time (the engine captures a CUDA graph per sampler)."""
     from fastmamba.core.sampling import pick_sampler, sample_greedy
+    from fastmamba.engine.plan import SAMPLER_TILES
 
     greedy, hot = SamplingParams(), SamplingParams(temperature=0.8)
     top_k, top_p = SamplingParams(temperature=0.8, top_k=40), SamplingParams(temperature=0.8, top_p=0.9)
     both = SamplingParams(temperature=0.8, top_k=40, top_p=0.9)
-    assert pick_sampler([greedy, greedy], True) is sample_greedy
-    assert pick_sampler([greedy, SamplingParams(repetition_penalty=1.2)], False) is sample
-    assert pick_sampler([hot, both], False) is sample
+    assert pick_sampler([greedy, greedy], True, SAMPLER_TILES) is sample_greedy
+    assert pick_sampler([greedy, SamplingParams(repetition_penalty=1.2)], False, SAMPLER_TILES) is sample
+    assert pick_sampler([hot, both], False, SAMPLER_TILES) is sample
     pytest.importorskip("triton")  # without it the GPU engine gets `sample` too
     from fastmamba.kernels import sampler
 
-    assert pick_sampler([greedy, hot], True) is sampler.sample_temperature
-    assert pick_sampler([hot, top_k, top_p], True) is sampler.sample_filtered_apart
-    assert pick_sampler([SamplingParams(temperature=0.8, min_p=0.1)], True) is sampler.sample_filtered_apart
-    assert pick_sampler([top_p, both], True) is sampler.sample_filtered
+    def picked(params):
+        pick = pick_sampler(params, True, SAMPLER_TILES)
+        assert pick is pick_sampler(params, True, SAMPLER_TILES) and pick.keywords == {"tiles": SAMPLER_TILES}
+        return pick.func
+
+    assert picked([greedy, hot]) is sampler.sample_temperature
+    assert picked([hot, top_k, top_p]) is sampler.sample_filtered_apart
+    assert picked([SamplingParams(temperature=0.8, min_p=0.1)]) is sampler.sample_filtered_apart
+    assert picked([top_p, both]) is sampler.sample_filtered

@@ -7,6 +7,8 @@ Without CUDA the kernels run in Triton's interpreter (conftest), at tiny shapes.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -15,8 +17,11 @@ from fastmamba.kernels.causal_conv1d import causal_conv1d_ref
 from fastmamba.kernels.selective_scan import step_and_scan_ref
 
 pytest.importorskip("triton")
+from fastmamba.engine.plan import CONV_GRAD_TILES, KERNEL_TILES, TRAIN_SCAN_TILES  # noqa: E402
 from fastmamba.kernels.conv_grad import causal_conv1d_train  # noqa: E402
-from fastmamba.kernels.scan_grad import TRAIN_BT, step_and_scan_train  # noqa: E402
+from fastmamba.kernels.scan_grad import step_and_scan_train  # noqa: E402
+
+TRAIN_BT = TRAIN_SCAN_TILES.bt  # the chunks the training scan saves its states at
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # compiled, the kernels' exp, log and reciprocal are the hardware's approximations
@@ -72,7 +77,7 @@ def test_scan_forward_and_backward_match_the_float64_oracle(B, E, N, T, resets):
             return fn(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, s, resets=flags), s
         return call
 
-    ours, oracle = scan(step_and_scan_train), scan(step_and_scan_ref)
+    ours, oracle = scan(partial(step_and_scan_train, tiles=TRAIN_SCAN_TILES)), scan(step_and_scan_ref)
 
     (y, s), grads = _grads(ours, [t.to(DEVICE) for t in inputs], weights)
     (y64, s64), grads64 = _grads(oracle, [t.double().to(DEVICE) for t in inputs], weights)
@@ -99,7 +104,7 @@ def test_conv_forward_and_backward_match_the_float64_oracle(K, T, bias, resets):
             return fn(x, w, b if bias else None, s, resets=flags), s
         return call
 
-    (y, s), grads = _grads(run(causal_conv1d_train), [t.to(DEVICE) for t in inputs], weights)
+    (y, s), grads = _grads(run(partial(causal_conv1d_train, tiles=CONV_GRAD_TILES)), [t.to(DEVICE) for t in inputs], weights)
     (y64, s64), grads64 = _grads(run(causal_conv1d_ref), [t.double().to(DEVICE) for t in inputs], weights)
     assert rel_err(y, y64) < TOL and rel_err(s, s64) < TOL
     for name, a, b in zip(["x", "weight", "bias", "state"], grads, grads64):
@@ -121,7 +126,7 @@ def test_gradcheck_of_both_functions():
 
     def scan(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, s):
         s = s.clone()
-        return step_and_scan_train(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, s, resets=flags), s
+        return step_and_scan_train(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, s, resets=flags, tiles=TRAIN_SCAN_TILES), s
 
     A = (-torch.tensor([[0.5, 1.0], [0.7, 0.3]], device=DEVICE)).requires_grad_(True)
     tol = dict(eps=1e-3, atol=2e-3, rtol=2e-2, nondet_tol=1e-6)
@@ -130,7 +135,7 @@ def test_gradcheck_of_both_functions():
 
     def conv(x, w, b, s):
         s = s.clone()
-        return causal_conv1d_train(x, w, b, s, resets=flags), s
+        return causal_conv1d_train(x, w, b, s, resets=flags, tiles=CONV_GRAD_TILES), s
 
     assert torch.autograd.gradcheck(conv, (r(B, E, T), r(E, 3), r(E), r(B, E, 3)), **tol)
 
@@ -146,7 +151,7 @@ def test_the_backbone_trains_through_the_kernels_as_through_the_reference():
     ours = Backbone(cfg, device=DEVICE)
     ours.load_state_dict(ref.state_dict())
     if DEVICE == "cpu":  # (on CUDA the backbone picks them itself: checked here)
-        ours._kernel_ops = lambda x, state: training_ops()
+        ours._kernel_ops = lambda x, state: training_ops(KERNEL_TILES)
     g = torch.Generator().manual_seed(1)
     B, T = 3, 40
     x = torch.randn(B, T, 6, generator=g)
@@ -163,7 +168,7 @@ def test_the_backbone_trains_through_the_kernels_as_through_the_reference():
         state.conv.requires_grad_(True)
         xx = x.clone().to(dev).requires_grad_(True)  # (a leaf of its own on either device)
         if bb is ours and DEVICE == "cuda":
-            assert bb._kernel_ops(xx, state).conv is causal_conv1d_train
+            assert bb._kernel_ops(xx, state).conv.func is causal_conv1d_train
         y, new = bb(xx, state, resets.to(dev))
         ((y * w.to(dev)).sum() + new.ssm.sum() + new.conv.square().sum()).backward()
         found.append({"y": y.detach(), "x": xx.grad, "ssm": state.ssm.grad, "conv": state.conv.grad,

@@ -36,7 +36,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fastmamba.engine.plan import one_row_blocks  # noqa: E402
+from fastmamba.engine.plan import (  # noqa: E402
+    CONV_GRAD_TILES, CONV_TILES, PRODUCTS_BLOCKS, SAMPLER_TILES, SCAN_TILES, SSD_TILES, STEP_SIZE_TILES, TRAIN_SCAN_TILES,
+    one_row_blocks,
+)
 from fastmamba.kernels import causal_conv1d as cc  # noqa: E402
 from fastmamba.kernels import decode_gemm as dg  # noqa: E402
 from fastmamba.kernels import decode_step as ds  # noqa: E402
@@ -197,27 +200,29 @@ def main() -> None:
         res.append(f"decode {wdt}: ok")
     for wdt in ("*bf16", "*fp32"):  # the cuBLAS-product step's element-wise kernels
         compile_kernel(rn._residual_rmsnorm_kernel, ptrs("h_ptr", "o_ptr", "b_ptr", "nw_ptr", "h_out_ptr", u_ptr=wdt, eps="fp32"), dict(ADD=True, HAS_BIAS=True, O_PARTS=1, U_HALVES=wdt != "*fp32", BD=4096, PDL=True), num_warps=8)
-        compile_kernel(dg._conv_step_kernel, ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", xc16_ptr=wdt), dict(K=4, KP=4, HAS_CB=True, XZ_PARTS=2, SPLIT=wdt != "*fp32", BE=128, PDL=True))
+        BE, warps = PRODUCTS_BLOCKS.conv_step
+        compile_kernel(dg._conv_step_kernel, ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", xc16_ptr=wdt), dict(K=4, KP=4, HAS_CB=True, XZ_PARTS=2, SPLIT=wdt != "*fp32", BE=BE, PDL=True), num_warps=warps)
         for norm in (False, True):
             compile_kernel(dg._dbc_kernel, ptrs("raw_ptr", "dbc_ptr", dtr_ptr=wdt, eps="fp32"),
                            dict(RAW_PARTS=2, SPLIT=wdt != "*fp32", BJ=256, DBC_NORM=norm, PDL=True), num_warps=1)
         t = ptrs("dt_ptr", "dbc_ptr", "xc_ptr", "xz_ptr", "ss_ptr", "dtb_ptr", "A_ptr", "D_ptr", y_ptr=wdt)
-        compile_kernel(dg._ssm_update_kernel, t, dict(N=16, NP=16, DT_PARTS=2, XZ_PARTS=2, Y_HALVES=False, BE=64, PDL=True))
+        BE, warps = PRODUCTS_BLOCKS.ssm_update
+        compile_kernel(dg._ssm_update_kernel, t, dict(N=16, NP=16, DT_PARTS=2, XZ_PARTS=2, Y_HALVES=False, BE=BE, PDL=True), num_warps=warps)
     res.append("decode (cuBLAS products): ok")
     # a bf16 model's prefill: in_proj writes x and z in bf16 (model.in_proj_dtype), the conv
     # writes its output and the scans y in bf16
     # (with RESETS, the Backbone's episodes: the conv's segment starts, the scans' flags)
     t = ptrs("w_ptr", "b_ptr", "st_ptr", x_ptr="*bf16", y_ptr="*bf16", start_ptr="*i32", first_ptr="*i32")
     for resets in (False, True):
-        compile_kernel(cc._causal_conv1d_kernel, t, dict(K=4, KP=4, HAS_BIAS=True, BE=cc.CONV_BE, BT=cc.CONV_BT,
-                                                         STAGES=cc.CONV_STAGES, UNROLL=cc.CONV_UNROLL, RESETS=resets),
-                       num_warps=cc.CONV_WARPS)
+        compile_kernel(cc._causal_conv1d_kernel, t, dict(K=4, KP=4, HAS_BIAS=True, BE=CONV_TILES.be, BT=CONV_TILES.bt,
+                                                         STAGES=CONV_TILES.stages, UNROLL=CONV_TILES.unroll, RESETS=resets),
+                       num_warps=CONV_TILES.warps)
     t = ptrs("dt_ptr", "B_ptr", "C_ptr", "A_ptr", "D_ptr", "st_ptr", x_ptr="*bf16", z_ptr="*bf16", y_ptr="*bf16", start_ptr="*i32",
              resets_ptr="*u8")
     for resets in (False, True):
         compile_kernel(ss._selective_scan_kernel, t, dict(N=16, NP=16, BE=8, BT=32, RESETS=resets, RAW_DT=False, SAVE=False))
     for B, T in ((1, 8192), (8, 2048), (1, 2048)):  # chunked_launch's three kinds of launch
-        run = ss.chunked_launch(B, 5120, T)
+        run = ss.chunked_launch(B, 5120, T, SCAN_TILES)
         # (one channel a thread reads x and z as pairs of channels: see ss._channels_at)
         xz = dict(x_ptr="*bf16", z_ptr="*bf16") if run.CPL > 1 else dict(x_ptr="*i32", z_ptr="*i32")
         half = None if run.CPL > 1 else triton.language.bfloat16
@@ -236,63 +241,65 @@ def main() -> None:
             compile_kernel(ss._scan_chunks_kernel, t2, {**walk, "Z16": half, "RAW_DT": True}, num_warps=run.warps)
     t = ptrs("st_ptr", "init_ptr", "sum_ptr", "dts_ptr", "A2t_ptr", start_ptr="*i32")
     for resets in (False, True):
-        compile_kernel(ss._scan_prefix_kernel, t, dict(N=16, NP=16, BE=ss.SCAN_PREFIX_BE, STAGES=ss.SCAN_STAGES, RESETS=resets),
-                       num_warps=ss.SCAN_PREFIX_WARPS)
+        compile_kernel(ss._scan_prefix_kernel, t, dict(N=16, NP=16, BE=SCAN_TILES.prefix_be, STAGES=SCAN_TILES.stages,
+                                                       RESETS=resets), num_warps=SCAN_TILES.prefix_warps)
     for wdt in ("*bf16", "*fp16", "*fp32"):
         compile_kernel(st._step_size_kernel, ptrs("r_ptr", "b_ptr", "out_ptr", w_ptr=wdt), dict(
-            IEEE=wdt == "*fp32", BM=st.STEP_BM, BN=st.STEP_BN, BK=st.STEP_BK), num_warps=st.STEP_WARPS)
+            IEEE=wdt == "*fp32", BM=STEP_SIZE_TILES.bm, BN=STEP_SIZE_TILES.bn, BK=STEP_SIZE_TILES.bk), num_warps=STEP_SIZE_TILES.warps)
     res.append("prefill conv + step sizes + scan: ok")
     # training (fastmamba.Backbone under autograd, float32): the forward scan saving its
     # chunks' states, the scan's and the conv's backward
     t = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A_ptr", "D_ptr", "st_ptr", "y_ptr", "dtb_ptr", "saved_ptr",
              start_ptr="*i32", resets_ptr="*u8")
-    compile_kernel(ss._selective_scan_kernel, t, dict(N=16, NP=16, BE=sg.TRAIN_BE, BT=sg.TRAIN_BT, RESETS=True, RAW_DT=True,
-                                                      SAVE=True), num_warps=sg.TRAIN_WARPS)
+    train = TRAIN_SCAN_TILES
+    compile_kernel(ss._selective_scan_kernel, t, dict(N=16, NP=16, BE=train.be, BT=train.bt, RESETS=True, RAW_DT=True,
+                                                      SAVE=True), num_warps=train.warps)
     t = ptrs("x_ptr", "dt_ptr", "z_ptr", "dy_ptr", "B_ptr", "C_ptr", "dtb_ptr", "A_ptr", "D_ptr", "saved_ptr", "dfinal_ptr",
              "dx_ptr", "ddt_ptr", "dz_ptr", "dB_ptr", "dC_ptr", "dA_ptr", "dD_ptr", "dinit_ptr", resets_ptr="*u8")
-    compile_kernel(sg._scan_backward_kernel, t, dict(N=16, NP=16, BE=sg.TRAIN_BE, BT=sg.TRAIN_BT, RESETS=True),
-                   num_warps=sg.TRAIN_WARPS)
+    compile_kernel(sg._scan_backward_kernel, t, dict(N=16, NP=16, BE=train.be, BT=train.bt, RESETS=True),
+                   num_warps=train.warps)
     t = ptrs("x_ptr", "st_ptr", "w_ptr", "b_ptr", "dy_ptr", "dpre_ptr", "dw_ptr", "db_ptr", "dx_ptr", first_ptr="*i32")
-    tiles = dict(BE=cg.CONV_GRAD_BE, BT=cg.CONV_GRAD_BT)
-    compile_kernel(cg._conv_grad_pre_kernel, t, dict(K=4, HAS_BIAS=True, RESETS=True, **tiles), num_warps=cg.CONV_GRAD_WARPS)
-    compile_kernel(cg._conv_grad_input_kernel, t, dict(K=4, RESETS=True, **tiles), num_warps=cg.CONV_GRAD_WARPS)
+    tiles = dict(BE=CONV_GRAD_TILES.be, BT=CONV_GRAD_TILES.bt)
+    compile_kernel(cg._conv_grad_pre_kernel, t, dict(K=4, HAS_BIAS=True, RESETS=True, **tiles), num_warps=CONV_GRAD_TILES.warps)
+    compile_kernel(cg._conv_grad_input_kernel, t, dict(K=4, RESETS=True, **tiles), num_warps=CONV_GRAD_TILES.warps)
     res.append("training scan + conv: ok")
     # Mamba-2 at mamba2-2.7b's shapes: the decode step's scan, the gated norm
     t = ptrs("x_ptr", "B_ptr", "C_ptr", "dt_ptr", "dtb_ptr", "A_ptr", "D_ptr", "st_ptr", "y_ptr", dt_min="fp32", dt_max="fp32")
     for state in ("*fp32", "*bf16"):
-        compile_kernel(sd._ssd_step_kernel, {**t, "st_ptr": state}, dict(H=80, P=64, N=128, BP=sd.SSD_STEP_BP, NP=128),
-                       num_warps=sd.SSD_STEP_WARPS)
+        compile_kernel(sd._ssd_step_kernel, {**t, "st_ptr": state}, dict(H=80, P=64, N=128, BP=SSD_TILES.step_bp, NP=128),
+                       num_warps=SSD_TILES.step_warps)
     compile_kernel(gn._gated_rmsnorm_kernel, ptrs("y_ptr", "z_ptr", "w_ptr", out_ptr="*bf16", eps="fp32"),
                    dict(GS=5120, BG=8192, NORM_BEFORE_GATE=False), num_warps=16)
     # the chunked SSD, bf16 operands (the conv's output) and float32 (three TF32 passes), with
     # and without resets
     for xdt, resets in itertools.product(("*bf16", "*fp32"), (False, True)):
-        dims = dict(H=80, P=64, N=128, Q=sd.SSD_CHUNK, NP=128, F32=xdt == "*fp32", RESETS=resets)
+        dims = dict(H=80, P=64, N=128, Q=SSD_TILES.chunk, NP=128, F32=xdt == "*fp32", RESETS=resets)
         t = ptrs("dt_ptr", "cum_ptr", "st_ptr", "D_ptr", "y_ptr", "cb_ptr", x_ptr=xdt, B_ptr=xdt, C_ptr=xdt,
                  starts_ptr=xdt, first_ptr="*i32")
-        compile_kernel(sd._ssd_chunk_state_kernel, t, dict(BS=sd.SSD_BS, BP=sd.SSD_STATE_BP, **dims))
+        compile_kernel(sd._ssd_chunk_state_kernel, t, dict(BS=SSD_TILES.bs, BP=SSD_TILES.state_bp, **dims))
         for cb_once in (False, True):
-            compile_kernel(sd._ssd_chunk_scan_kernel, t, dict(BT=sd.SSD_BT, BS=sd.SSD_BS, BP=64, CB_ONCE=cb_once, G=1,
-                                                              **dims))
+            compile_kernel(sd._ssd_chunk_scan_kernel, t, dict(BT=SSD_TILES.bt, BS=SSD_TILES.bs, BP=64, CB_ONCE=cb_once, G=1,
+                                                              **dims), num_warps=SSD_TILES.scan_warps)
         if not resets:
-            compile_kernel(sd._ssd_chunk_cb_kernel, t, dict(G=1, N=128, Q=sd.SSD_CHUNK, BT=sd.SSD_BT, BS=sd.SSD_BS,
+            compile_kernel(sd._ssd_chunk_cb_kernel, t, dict(G=1, N=128, Q=SSD_TILES.chunk, BT=SSD_TILES.bt, BS=SSD_TILES.bs,
                                                             NP=128, F32=dims["F32"]))
     for resets, starts in ((False, "*bf16"), (True, "*bf16"), (False, "*fp32")):
         compile_kernel(sd._ssd_state_passing_kernel, ptrs("st_ptr", "layer_ptr", "cum_ptr", starts_ptr=starts,
                                                           first_ptr="*i32"),
-                       dict(H=80, PN=64 * 128, Q=sd.SSD_CHUNK, BL=sd.SSD_PASS_BL, CB=sd.SSD_PASS_CB, RESETS=resets),
-                       num_warps=sd.SSD_PASS_WARPS)
+                       dict(H=80, PN=64 * 128, Q=SSD_TILES.chunk, BL=SSD_TILES.pass_bl, CB=SSD_TILES.pass_cb, RESETS=resets),
+                       num_warps=SSD_TILES.pass_warps)
     for start in (False, True):  # the step sizes and their running sums, from in_proj's float32 output
         compile_kernel(sd._ssd_step_sizes_kernel, ptrs("dt_ptr", "dtb_ptr", "A_ptr", "out_ptr", "cum_ptr",
                                                        start_ptr="*i32", dt_min="fp32", dt_max="fp32"),
-                       dict(H=80, Q=sd.SSD_CHUNK, BH=sd.SSD_SIZES_BH, START=start))
+                       dict(H=80, Q=SSD_TILES.chunk, BH=SSD_TILES.sizes_bh, START=start))
     # Mamba-2's one-row step (decode_step_mamba2.py) at 2.7b's and Codestral's shapes, bf16 out_proj
     for E, G, H, d in ((5120, 1, 80, 2560), (8192, 8, 128, 4096)):
+        wide2 = one_row_blocks(d, E, 50280, torch.bfloat16, "mamba2")
         t = ptrs("zx_ptr", "cw_ptr", "cb_ptr", "dtb_ptr", "A_ptr", "D_ptr", "v_ptr", "part_ptr", "h_ptr",
                  cs_ptr="*bf16", ss_ptr="*fp32", dh_ptr="*i64", dt_min="fp32", dt_max="fp32")
         compile_kernel(s2._ssd_conv_step_kernel, t, dict(E=E, G=G, N=128, H=H, P=64, K=4, KP=4, HAS_CB=True,
-                                                         BP=s2.STEP2_BP, NP=128, BD=8, NORM_BEFORE_GATE=False, PDL=True))
-        parts = H * 64 // s2.STEP2_BP
+                                                         BP=wide2.ssd_block, NP=128, BD=8, NORM_BEFORE_GATE=False, PDL=True))
+        parts = H * 64 // wide2.ssd_block
         t = ptrs("v_ptr", "zx_ptr", "part_ptr", "gw_ptr", "b_ptr", w_ptr="*bf16", dh_ptr="*i64", cs_ptr="*bf16",
                  eps="fp32")
         compile_kernel(s2._gated_out_proj_kernel, t, dict(E=E, G=G, N=128, H=H, K=4, KP=4, PARTS=parts, PPG=parts // G,
@@ -302,18 +309,19 @@ def main() -> None:
                                                           PDL=True))
     res.append("mamba2 step + gated norm + chunked scan + one-row step: ok")
     t = ptrs("logits_ptr", "pen_ptr", "temp_ptr", "s_ptr", "smax_ptr", seen_ptr="*i1", best_ptr="*i64")
-    compile_kernel(sp._scale_kernel, t, dict(BV=sp.BV))
+    BV, NB, CAP = SAMPLER_TILES.bv, SAMPLER_TILES.nb, SAMPLER_TILES.cap
+    compile_kernel(sp._scale_kernel, t, dict(BV=BV))
     rows = ptrs("s_ptr", "smax_ptr", "temp_ptr", "topp_ptr", "minp_ptr", topk_ptr="*i64", st_ptr="*i64", T_ptr="*i64", cnt_ptr="*i64",
                 mass_ptr="*i64", nmin_ptr="*i64", zq_ptr="*i64", lim_ptr="*fp64", ctr_ptr="*i64", scratch_ptr="*i64", kstar_ptr="*i64")
     for stage in (0, 1):
         for first in (True, False):
-            compile_kernel(sp._count_kernel, rows, dict(FIRST=first, STAGE=stage, NB=sp.NB, BV=sp.BV))
-            compile_kernel(sp._narrow_kernel, rows, dict(FIRST=first, STAGE=stage, NB=sp.NB, CAP=sp.CAP), num_warps=1)
-        compile_kernel(sp._resolve_kernel, rows, dict(STAGE=stage, NB=sp.NB, CAP=sp.CAP, BV=sp.BV), num_warps=8)
-    compile_kernel(sp._gather_kernel, rows, dict(CAP=sp.CAP, BV=sp.BV))
+            compile_kernel(sp._count_kernel, rows, dict(FIRST=first, STAGE=stage, NB=NB, BV=BV))
+            compile_kernel(sp._narrow_kernel, rows, dict(FIRST=first, STAGE=stage, NB=NB, CAP=CAP), num_warps=1)
+        compile_kernel(sp._resolve_kernel, rows, dict(STAGE=stage, NB=NB, CAP=CAP, BV=BV), num_warps=8)
+    compile_kernel(sp._gather_kernel, rows, dict(CAP=CAP, BV=BV))
     t = ptrs("s_ptr", seed_ptr="*i64", step_ptr="*i64", kstar_ptr="*i64", best_ptr="*i64")
     for filtered in (False, True):
-        compile_kernel(sp._pick_kernel, t, dict(FILTERED=filtered, BV=sp.BV))
+        compile_kernel(sp._pick_kernel, t, dict(FILTERED=filtered, BV=BV))
     t = {"best_ptr": "*i64", "temp_ptr": "*fp32", "tok_ptr": "*i64", "step_ptr": "*i64", "seen_ptr": "*i1"}
     compile_kernel(sp._finish_kernel, t, dict(BR=8))
     res.append("sampler: ok")

@@ -7,17 +7,20 @@ backward runs in Triton (fastmamba.Backbone under autograd).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from fastmamba.kernels.causal_conv1d import causal_conv1d_ref
+from fastmamba.kernels.causal_conv1d import ConvTiles, causal_conv1d_ref
+from fastmamba.kernels.conv_grad import ConvGradTiles
 from fastmamba.kernels.gated_norm import gated_rmsnorm_ref
 from fastmamba.kernels.products import linear_storage
 from fastmamba.kernels.rmsnorm import add_norm_ref
-from fastmamba.kernels.selective_scan import step_and_scan_ref
-from fastmamba.kernels.ssd import ssd_scan_ref
+from fastmamba.kernels.scan_grad import TrainScanTiles
+from fastmamba.kernels.selective_scan import ScanTiles, step_and_scan_ref
+from fastmamba.kernels.ssd import SSDTiles, ssd_scan_ref
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype=None) -> torch.Tensor:
@@ -42,24 +45,40 @@ class Ops:
 REFERENCE_OPS = Ops(linear, causal_conv1d_ref, step_and_scan_ref, add_norm_ref)
 
 
-def triton_ops() -> Ops:
+@dataclass(frozen=True)
+class KernelTiles:
+    """The launch settings the GPU ops bind into their kernels (the chosen ones:
+    engine/plan.py's KERNEL_TILES)."""
+
+    conv: ConvTiles  # the prefill conv (kernels/causal_conv1d.py)
+    scan: ScanTiles  # Mamba-1's step sizes and scan (kernels/selective_scan.py, kernels/step_size.py)
+    ssd: SSDTiles  # Mamba-2's scan (kernels/ssd.py)
+    conv_grad: ConvGradTiles  # the training conv (kernels/conv_grad.py)
+    train_scan: TrainScanTiles  # the training scan (kernels/scan_grad.py)
+
+
+def triton_ops(tiles: KernelTiles) -> Ops:
+    """cuBLAS products and the Triton kernels (the GPU engine), launched with `tiles`."""
     from fastmamba.kernels.causal_conv1d import causal_conv1d
     from fastmamba.kernels.gated_norm import gated_rmsnorm
     from fastmamba.kernels.rmsnorm import add_norm
     from fastmamba.kernels.selective_scan import step_and_scan
     from fastmamba.kernels.ssd import ssd_scan
 
-    return Ops(linear_storage, causal_conv1d, step_and_scan, add_norm, ssd_scan, gated_rmsnorm)
+    return Ops(linear_storage, partial(causal_conv1d, tiles=tiles.conv), partial(step_and_scan, tiles=tiles.scan),
+               add_norm, partial(ssd_scan, tiles=tiles.ssd), gated_rmsnorm)
 
 
-def training_ops() -> Ops:
+def training_ops(tiles: KernelTiles) -> Ops:
     """The GPU ops whose backward runs in Triton too (fastmamba.Backbone's sequence pass
     under autograd): the conv and the scan as autograd Functions (kernels/conv_grad.py,
-    kernels/scan_grad.py), the products and norms as torch ops, all in float32."""
+    kernels/scan_grad.py), launched with `tiles`, the products and norms as torch ops, all
+    in float32."""
     from fastmamba.kernels.conv_grad import causal_conv1d_train
     from fastmamba.kernels.rmsnorm import add_norm_train
     from fastmamba.kernels.scan_grad import step_and_scan_train
 
-    return Ops(linear, causal_conv1d_train, step_and_scan_train, add_norm_train)
+    return Ops(linear, partial(causal_conv1d_train, tiles=tiles.conv_grad),
+               partial(step_and_scan_train, tiles=tiles.train_scan), add_norm_train)
 
 

@@ -10,10 +10,15 @@ the same uniforms on every device.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import cache, partial, update_wrapper
+from typing import TYPE_CHECKING
 
 import torch
 
 from fastmamba.core.sampling_params import MASK32, SamplingParams
+
+if TYPE_CHECKING:
+    from fastmamba.kernels.sampler import SamplerTiles
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -131,12 +136,13 @@ def sample(logits: torch.Tensor, p: SlotParams) -> torch.Tensor:
     return token
 
 
-def pick_sampler(params: list[SamplingParams], gpu_kernels: bool):
+def pick_sampler(params: list[SamplingParams], gpu_kernels: bool, tiles: SamplerTiles):
     """The sampler for a batch of requests: the argmax alone where every request is greedy
     without a repetition penalty; for the GPU engine (gpu_kernels), the Triton samplers
     (kernels/sampler.py: the same tokens as `sample`; the filters' search only where a
-    request uses top-k, top-p or min-p, twice where one uses top-k with top-p); otherwise
-    `sample`, pure PyTorch."""
+    request uses top-k, top-p or min-p, twice where one uses top-k with top-p), launched
+    with `tiles`; otherwise `sample`, pure PyTorch. The same sampler and tiles give the same
+    object each call (the CUDA graphs are captured once per sampler)."""
     if all(p.temperature == 0 and p.repetition_penalty == 1 for p in params):
         return sample_greedy
     from fastmamba.kernels._triton import HAVE_TRITON
@@ -145,11 +151,18 @@ def pick_sampler(params: list[SamplingParams], gpu_kernels: bool):
         from fastmamba.kernels import sampler
 
         if any(p.top_k and p.top_p < 1 for p in params):
-            return sampler.sample_filtered
+            return _with_tiles(sampler.sample_filtered, tiles)
         if any(p.top_k or p.top_p < 1 or p.min_p for p in params):
-            return sampler.sample_filtered_apart
-        return sampler.sample_temperature
+            return _with_tiles(sampler.sample_filtered_apart, tiles)
+        return _with_tiles(sampler.sample_temperature, tiles)
     return sample
+
+
+@cache
+def _with_tiles(sampler, tiles: SamplerTiles):
+    """sampler(logits, p, tiles) as sampler(logits, p), under the sampler's name: one object
+    per sampler and tiles."""
+    return update_wrapper(partial(sampler, tiles=tiles), sampler)
 
 
 def sample_greedy(logits: torch.Tensor, p: SlotParams) -> torch.Tensor:

@@ -206,11 +206,12 @@ class Backbone(nn.Module):
         if self.device.type != "cuda" or not HAVE_TRITON:
             return None
         from fastmamba.core.ops import training_ops, triton_ops
+        from fastmamba.engine.plan import KERNEL_TILES
 
         inputs = [x, state.conv, state.ssm, *self.parameters()]
         if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-            return training_ops()
-        return triton_ops()
+            return training_ops(KERNEL_TILES)
+        return triton_ops(KERNEL_TILES)
 
     def _layers(self, x: torch.Tensor, convs, ssms, resets=None, ops=None, weights=None) -> torch.Tensor:
         """x (B, T, input_dim) -> (B, T, d_model) f32, updating each layer's conv and ssm
@@ -418,6 +419,7 @@ def decode_model(bb: Backbone):
     from fastmamba.core.config import MambaConfig
     from fastmamba.core.model import Mamba, MambaWeights
     from fastmamba.core.ops import triton_ops
+    from fastmamba.engine.plan import KERNEL_TILES
 
     c = bb.config
     storage = bb.layers[0].mixer.in_proj.weight.dtype
@@ -428,7 +430,7 @@ def decode_model(bb: Backbone):
     eye = torch.eye(c.d_model, device=bb.device, dtype=storage)
     with torch.no_grad():  # the kernels read the parameters themselves
         layers = bb._layer_weights()
-    return Mamba(sizes, MambaWeights(embedding=eye, layers=layers, norm_f=bb.norm_f.weight, lm_head=eye), triton_ops())
+    return Mamba(sizes, MambaWeights(embedding=eye, layers=layers, norm_f=bb.norm_f.weight, lm_head=eye), triton_ops(KERNEL_TILES))
 
 
 class KernelStep:

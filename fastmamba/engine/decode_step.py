@@ -12,7 +12,7 @@ import torch
 
 from fastmamba.core.model import Mamba
 from fastmamba.core.ops import triton_ops
-from fastmamba.engine.plan import one_row_blocks, plan_for
+from fastmamba.engine.plan import KERNEL_TILES, one_row_blocks, plan_for
 from fastmamba.kernels.decode_gemm import GemmDecodeStep
 from fastmamba.kernels.decode_step import DecodeStep
 from fastmamba.kernels.decode_step_mamba2 import Mamba2DecodeStep
@@ -44,7 +44,7 @@ class OpsDecodeStep:
 
     def __init__(self, model, plan):
         self.plan = plan
-        ops = triton_ops()  # (whatever ops the model was built with: this is the GPU's step)
+        ops = triton_ops(KERNEL_TILES)  # (whatever ops the model was built with: this is the GPU's step)
         if not plan.cublas:
             ops = replace(ops, linear=linear_invariant)
         self.model = Mamba(model.config, model.weights, ops, model.chunk_tokens, model.state_dtype)

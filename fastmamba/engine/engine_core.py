@@ -38,6 +38,7 @@ import torch
 
 from fastmamba.engine.cuda_graphs import CHUNK_BATCHES, PREFILL_BUCKETS, ChunkPrefillGraphs, PoolDecodeGraphs
 from fastmamba.core.state import MambaState
+from fastmamba.engine.plan import SAMPLER_TILES
 from fastmamba.engine.prefix_cache import PrefixCache
 from fastmamba.core.sampling_params import SamplingParams, resolve_seed
 from fastmamba.core.sampling import SlotParams, pick_sampler
@@ -382,7 +383,7 @@ class EngineCore:
         """The first tokens of requests whose prompts are in their slots, from logits (n, V):
         sampled with their slots' parameters (gathered, sampled, scattered back) into the
         slots' decode inputs."""
-        sampler = pick_sampler([r.params for r in reqs], self.gpu)
+        sampler = pick_sampler([r.params for r in reqs], self.gpu, SAMPLER_TILES)
         slots = _to_device([r.slot for r in reqs], self.device)
         params = SlotParams(**{f.name: getattr(self.slot_params, f.name)[slots] for f in fields(self.slot_params)})
         tok = sampler(logits, params)
@@ -446,7 +447,7 @@ class EngineCore:
                 self.pool.conv[:, i].copy_(conv)
                 self.pool.ssm[:, i].copy_(ssm)
                 self.tokens[i].copy_(tok)
-        sampler = pick_sampler([r.params for r in rows], self.gpu)
+        sampler = pick_sampler([r.params for r in rows], self.gpu, SAMPLER_TILES)
         tok = sampler(logits[:d], self.slot_params.rows(0, d))
         self.tokens[:d].copy_(tok)
         lp = None

@@ -15,6 +15,7 @@ from fastmamba.engine.language_model import LanguageModel
 from fastmamba.io.hub import is_hub_id, resolve as resolve_hub_id
 from fastmamba.kernels._triton import HAVE_TRITON
 from fastmamba.core.ops import REFERENCE_OPS, triton_ops
+from fastmamba.engine.plan import KERNEL_TILES
 from fastmamba.core.model import Mamba
 from fastmamba.core.layers import layer_kind
 from fastmamba.io.tokenizer import Tokenizer
@@ -106,5 +107,5 @@ def load(
                 f"{tokenizer.path}: the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
                 f"{config.vocab_size} (vocab_size in config.json)"
             )
-    model = Mamba(config, weights, triton_ops() if engine == "triton" else REFERENCE_OPS, state_dtype=state)
+    model = Mamba(config, weights, triton_ops(KERNEL_TILES) if engine == "triton" else REFERENCE_OPS, state_dtype=state)
     return LanguageModel(model, tokenizer, folder, engine=engine, deterministic=deterministic, threads=threads)

@@ -1,8 +1,14 @@
-"""The decode plan: which decode step runs, with which products, for every model width,
+"""The plan tables: the kernels' tuned choices, each with its reason. Scripts that try another
+choice build their own (dataclasses.replace of an entry here) and pass it.
+
+The decode plan: which decode step runs, with which products, for every model width,
 weight dtype, batch size and mode. One table a layer type (ROUTES, MAMBA2_ROUTES), a line
 of reason per entry, read by `plan_for`; nothing else in the code holds a routing
-threshold. Scripts that try another plan build a DecodePlan (dataclasses.replace) and pass
-it to make_decode_step.
+threshold. make_decode_step takes a DecodePlan.
+
+The kernels' tiles (at the end): the prefill conv, step sizes and scan, Mamba-2's scan, the
+training kernels and the samplers, one instance of each kernel module's settings type
+(KERNEL_TILES for the GPU ops, SAMPLER_TILES for the samplers).
 
 The steps (docs/architecture.md, "Decode"):
 - "one-row" (kernels/decode_step.DecodeStep): one row a program, float32 multiply-and-sum
@@ -31,7 +37,15 @@ from dataclasses import dataclass
 
 import torch
 
+from fastmamba.core.ops import KernelTiles
+from fastmamba.kernels.causal_conv1d import ConvTiles
+from fastmamba.kernels.conv_grad import ConvGradTiles
 from fastmamba.kernels.decode_gemm import PRODUCTS
+from fastmamba.kernels.sampler import SamplerTiles
+from fastmamba.kernels.scan_grad import TrainScanTiles
+from fastmamba.kernels.selective_scan import ScanTiles
+from fastmamba.kernels.ssd import SSDTiles
+from fastmamba.kernels.step_size import StepSizeTiles
 
 NONE, IN_PROJ, ALL = frozenset(), frozenset({"in_proj"}), frozenset(PRODUCTS)
 # The K chunks each Triton product sums in, fixed per product and never by the batch size
@@ -57,6 +71,7 @@ class OneRowBlocks:
     lm_head_sum_last: bool
     in_proj_unroll: int  # the K loop unrolled by this much where summed after it
     early_launch: frozenset  # kernels that let the next launch before their own wait (PDL 2)
+    ssd_block: int  # Mamba-2's ssd_conv_step: a head's channels a program (all N states of each in registers)
 
 
 def one_row_blocks(d_model: int, d_inner: int, vocab: int, dtype: torch.dtype, layer: str = "mamba1") -> OneRowBlocks:
@@ -105,7 +120,24 @@ def one_row_blocks(d_model: int, d_inner: int, vocab: int, dtype: torch.dtype, l
         # ssm_step and out_proj (and conv_x_proj where it runs) let the next kernel load its
         # first weights sooner (1.4b 1.344 against 1.394)
         early_launch=frozenset({"conv_x_proj", "ssm_step", "out_proj_residual"}),
+        # 16 channels, as the layer-ops step's update kernel (SSD_TILES.step_bp); not swept here
+        ssd_block=16,
     )
+
+
+@dataclass(frozen=True)
+class ProductsBlocks:
+    """The products step's element-wise kernels that stream the state (kernels/decode_gemm.py's
+    conv_step and ssm_update): (channels a program, warps) each. Like OneRowBlocks, never
+    chosen by the batch size."""
+
+    conv_step: tuple[int, int]
+    ssm_update: tuple[int, int]
+
+
+# 128 channels in 4 warps (2.8b batch 128, whole steps: ssm_update 5.99 ms a step against
+# 6.15 at 64 channels, other shapes no better; conv_step within 0.3% from 64 to 256 channels)
+PRODUCTS_BLOCKS = ProductsBlocks(conv_step=(128, 4), ssm_update=(128, 4))
 
 
 @dataclass(frozen=True)
@@ -122,6 +154,7 @@ class DecodePlan:
     pdl: bool = True  # programmatic dependent launch between the step's kernels (Hopper and newer)
     blocks: OneRowBlocks | None = None  # the one-row step's settings (None: one_row_blocks's)
     reason: str = ""
+    products_blocks: ProductsBlocks = PRODUCTS_BLOCKS  # the products step's element-wise kernels'
 
     def __post_init__(self):
         if self.step not in ("one-row", "products", "layer-ops"):
@@ -252,3 +285,116 @@ def batch_invariant_ranges(d_model: int, dtype: torch.dtype, up_to: int = 512) -
         else:
             out.append([b, b, family])
     return [tuple(x) for x in out if x[2] != "cublas"]
+
+
+# == The prefill, Mamba-2 scan, training and sampler kernels' tiles ===========================
+# One instance of each kernel module's settings type, each value with its reason; the GPU ops
+# (core/ops.triton_ops, training_ops) bind them from KERNEL_TILES, the samplers
+# (core/sampling.pick_sampler) take SAMPLER_TILES. Measured on the H200 by the sweeps
+# named; their tables: benchmarks/RESULTS.md.
+
+# -- the prefill conv (kernels/causal_conv1d.py; benchmarks/tune_conv.py, 2.8b widths, bf16) --
+# A program walks its steps with the last inputs in registers, its loads pipelined so that
+# several rows of x are in flight a thread (1 x 8192: 55.4 µs against 70.5 for the plain
+# loop, 128 channels and 8 steps); outputs bitwise the same.
+CONV_TILES = ConvTiles(
+    be=256,  # 4 channels a thread
+    bt=32,
+    warps=2,
+    stages=3,
+    unroll=4,
+)
+
+# -- the step sizes' GEMM (kernels/step_size.py; benchmarks/tune_step_size.py, 2.8b widths) --
+# The sweep's best: 60.6 µs at 4096 tokens; its two exps an element are most of the gap to
+# cuBLAS's dt_proj alone, which writes no softplus.
+STEP_SIZE_TILES = StepSizeTiles(
+    bm=64,
+    bn=128,
+    bk=32,  # (not swept: dt_rank is 48-160 at the public sizes)
+    warps=4,
+    stages=3,
+)
+
+# -- the Mamba-1 prefill scan (kernels/selective_scan.py; benchmarks/tune_scan.py) --------------
+SCAN_TILES = ScanTiles(
+    # below both the one-pass scan's few launches win; above, its one program a row and 8
+    # channels walks too long (16 x 256 x 5120: 490.8 µs one-pass, 170.4 chunked)
+    chunked_from=1024,
+    chunked_work=1 << 21,
+    # half-length chunks where full ones leave the GPU short of programs (2.8b 1 x 4096, 1280
+    # programs: 375 µs against 440 with 128-step chunks); from 1536 up 128 steps win
+    chunk=128,
+    few_programs=1536,
+    # 4 channels a thread, one warp a program: each step's loads of B and C serve 64 states
+    be=128,
+    warps=1,
+    stages=4,
+    unroll=2,  # (1 x 4096: 317 µs against 340 with 1)
+    # one chunk (no summaries: each exp once) where the rows' channels give 768 warps of one
+    # channel a thread (2.8b 8 x 2048: 740.7 µs against 963.8 with 4 a thread in 128-step chunks)
+    one_chunk_lanes=24576,
+    # one channel a thread where 4 a thread leave the GPU too few warps (130m 2 x 1024: 58.6
+    # µs against 78.2); from ~16M channel-steps on they tie or lose
+    small_work=12 << 20,
+    lane_stages=3,  # (2.8b 8 x 2048, one chunk: 733 µs against 875 with 2 stages)
+    lane_unroll=4,
+    # the pass between the two walks one step a chunk: many small programs
+    prefix_be=32,
+    prefix_warps=4,
+    # (2.8b 16 x 1024: 760.6 µs against 808.9 with the step sizes made first); at 130m's
+    # dt_rank 48 the step-size kernel's product is small and it loses
+    softplus_from_rank=128,
+    step_size=STEP_SIZE_TILES,
+)
+
+# -- the Mamba-2 scan (kernels/ssd.py) ---------------------------------------------------------
+SSD_TILES = SSDTiles(
+    # the per-chunk states (H x P x N float32 each) are the chunked SSD's memory traffic:
+    # fewer, longer chunks move less
+    chunk=256,
+    # the chunk scan (benchmarks/tune_ssd_scan.py): 32-step blocks, the best at every public
+    # shape (2.7b 1 x 8192: the whole scan 0.428 ms a layer against 0.480 with 64-step blocks)
+    bt=64,
+    bs=32,
+    scan_warps=4,
+    scan_stages=3,  # (Triton's default)
+    state_bp=64,  # (not swept)
+    # the state passing (benchmarks/tune_ssd_pass.py): many chunks a load, the recurrence over
+    # them an associative scan (2.7b 1 x 8192: 54 µs a layer against 263 one chunk a load)
+    pass_bl=512,
+    pass_cb=8,
+    pass_warps=4,
+    sizes_bh=16,  # (not swept)
+    # C B^T once a group in a kernel of its own is slower than each head's program making it
+    # (2.7b's scan 0.853 ms against 0.820, `benchmarks/mamba2.py --scan-kernels`)
+    cb_once=False,
+    # the decode step's update (benchmarks/tune_ssd_step.py): one warp, faster with a bf16
+    # state at the large shapes and the same with float32 (2.7b batch 128, bf16 state: 85.5 µs
+    # a layer against 95.6 with 4 warps)
+    step_bp=16,
+    step_warps=1,
+)
+
+# -- training (kernels/scan_grad.py, kernels/conv_grad.py; fastmamba.Backbone under autograd) --
+# The scan's (benchmarks/tune_train_scan.py, forward + backward): the backward holds some ten
+# (BT, BE, N) tiles at once, so small tiles in 2 warps win (16 x 1024 x 256: 1.26 ms against
+# 1.58 at 32 steps, 8 channels, 4 warps).
+TRAIN_SCAN_TILES = TrainScanTiles(bt=16, be=8, warps=2)
+# The conv's backward (not swept; at 128 x 3's layer, 16 x 1024, the conv's forward and
+# backward take 0.78 ms); its forward is the prefill conv's kernel.
+CONV_GRAD_TILES = ConvGradTiles(forward=CONV_TILES, be=64, bt=32, warps=4)
+
+KERNEL_TILES = KernelTiles(conv=CONV_TILES, scan=SCAN_TILES, ssd=SSD_TILES, conv_grad=CONV_GRAD_TILES,
+                           train_scan=TRAIN_SCAN_TILES)
+
+# -- the samplers (kernels/sampler.py) ---------------------------------------------------------
+# The filters' search: counting passes spread over the row's programs narrow a band of keys to
+# at most `cap` tokens, which one program sorts (batch 1, top-p: 42.6 µs a step against 267
+# with sampling.sample's sort of the vocabulary).
+SAMPLER_TILES = SamplerTiles(
+    bv=1024,  # (50 programs a row at the public vocabularies)
+    nb=8,  # thresholds a pass (the band's range cut in 8 slices)
+    cap=1024,  # the sort at the end holds this many keys in one program's registers
+    rounds=4,  # bands still over `cap` after 4 passes are rare (very flat or tie-heavy rows)
+)

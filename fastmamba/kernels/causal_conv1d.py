@@ -12,6 +12,8 @@ x comes in in_proj's output dtype (model.in_proj_dtype); the sums run in float32
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -130,7 +132,7 @@ def _causal_conv1d_kernel(
     x2 = _input_at(x_row, sxe, sxt, st_row, e, emask, t0 - 2, start, K)
     x1 = _input_at(x_row, sxe, sxt, st_row, e, emask, t0 - 1, start, K)
     # (the loads pipelined and UNROLL steps an iteration, so that several rows of x are in
-    # flight a thread: see CONV_STAGES)
+    # flight a thread: see ConvTiles.stages)
     for t in tl.range(t0, tl.minimum(t0 + BT, T), num_stages=STAGES, loop_unroll_factor=UNROLL):
         x0 = tl.load(x_row + t * sxt + e * sxe, mask=emask & (t + tl.zeros_like(e) >= start), other=0.0).to(tl.float32)
         if RESETS:
@@ -152,20 +154,24 @@ def _causal_conv1d_kernel(
         tl.store(st_row + e[:, None] * K + kk[None, :], new.to(st_ptr.dtype.element_ty), mask=m)
 
 
-# Channels and time steps a program, its warps, and its loop's pipeline depth and steps an
-# iteration (benchmarks/tune_conv.py, H200, 2.8b widths, bf16 x and output, µs): 256
-# channels (4 a thread), 32 steps, 3 stages, 4 steps an iteration 55.4 at 1 x 8192 (3.03
-# TB/s), 97.4 at 8 x 2048 (3.45 TB/s), where the plain loop (128 channels, 8 steps: one row
-# of x in flight a thread) took 70.5 / 126.3; outputs bitwise the same.
-CONV_BE, CONV_BT, CONV_WARPS = 256, 32, 2
-CONV_STAGES, CONV_UNROLL = 3, 4
+@dataclass(frozen=True)
+class ConvTiles:
+    """causal_conv1d's launch settings (the chosen ones: engine/plan.py's CONV_TILES)."""
+
+    be: int  # channels a program
+    bt: int  # steps a program walks (the launcher takes at least MAX_K - 1)
+    warps: int
+    stages: int  # the walk's loads' pipeline depth (tl.range num_stages)
+    unroll: int  # steps a loop iteration (tl.range loop_unroll_factor)
+
+
 MAX_K = 4  # the kernel's window; wider convs (no public checkpoint has one) run the reference
 
 
-def causal_conv1d(x, weight, bias, state, start=None, dtype=torch.float32, resets=None):
+def causal_conv1d(x, weight, bias, state, start=None, dtype=torch.float32, resets=None, *, tiles: ConvTiles):
     """Triton twin of `causal_conv1d_ref`; x may be any strided (B, E, T) view. Returns a
     (B, E, T) view of a (B, T, E) buffer (the layout x_proj wants) in `dtype`: computed in
-    float32, rounded once on the way out."""
+    float32, rounded once on the way out. tiles: the kernel's launch settings."""
     B, E, T = x.shape
     K = weight.shape[-1]
     if K > MAX_K:
@@ -176,10 +182,10 @@ def causal_conv1d(x, weight, bias, state, start=None, dtype=torch.float32, reset
         start = torch.zeros(B, device=x.device, dtype=torch.int32)
     # (B, T) each step's latest reset (a placeholder the kernel never reads without resets)
     first = segment_starts(resets, K).to(torch.int32).contiguous() if resets is not None else start
-    BT = max(CONV_BT, MAX_K - 1)  # so that only the first block's window reaches before the chunk
-    _causal_conv1d_kernel[(triton.cdiv(E, CONV_BE), triton.cdiv(T, BT), B)](
+    BT = max(tiles.bt, MAX_K - 1)  # so that only the first block's window reaches before the chunk
+    _causal_conv1d_kernel[(triton.cdiv(E, tiles.be), triton.cdiv(T, BT), B)](
         x, x.stride(0), x.stride(1), x.stride(2), weight, bias if bias is not None else weight, state, y,
-        start, first, T, E, K=K, KP=triton.next_power_of_2(K), HAS_BIAS=bias is not None, BE=CONV_BE, BT=BT,
-        STAGES=CONV_STAGES, UNROLL=CONV_UNROLL, RESETS=resets is not None, num_warps=CONV_WARPS,
+        start, first, T, E, K=K, KP=triton.next_power_of_2(K), HAS_BIAS=bias is not None, BE=tiles.be, BT=BT,
+        STAGES=tiles.stages, UNROLL=tiles.unroll, RESETS=resets is not None, num_warps=tiles.warps,
     )
     return y.transpose(1, 2)

@@ -15,13 +15,22 @@ The second sum runs over positions from -(K-1): those are the old conv state's g
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ._triton import jit, tl, triton
-from .causal_conv1d import causal_conv1d, segment_starts
+from .causal_conv1d import ConvTiles, causal_conv1d, segment_starts
 
-# Channels and steps of a backward program's (BT, BE) tile, and its warps.
-CONV_GRAD_BE, CONV_GRAD_BT, CONV_GRAD_WARPS = 64, 32, 4
+
+@dataclass(frozen=True)
+class ConvGradTiles:
+    """causal_conv1d_train's launch settings (the chosen ones: engine/plan.py's CONV_GRAD_TILES)."""
+
+    forward: ConvTiles  # the forward's: the prefill conv's kernel
+    be: int  # channels of a backward program's (BT, BE) tile
+    bt: int  # steps of it
+    warps: int  # a backward program's
 
 
 @jit
@@ -97,16 +106,18 @@ def _conv_grad_input_kernel(
 
 class _Conv(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, state, resets):
+    def forward(ctx, x, weight, bias, state, resets, tiles):
         s0 = state.detach().clone()
-        y = causal_conv1d(x, weight, bias, state, resets=resets)  # updates the state in place
+        y = causal_conv1d(x, weight, bias, state, resets=resets, tiles=tiles.forward)  # updates the state in place
         ctx.save_for_backward(x, weight, bias, s0, resets)
+        ctx.tiles = tiles
         ctx.mark_dirty(state)
         return y, state
 
     @staticmethod
     def backward(ctx, dy, dstate):
         x, weight, bias, s0, resets = ctx.saved_tensors
+        tiles = ctx.tiles
         B, E, T = x.shape
         K = weight.shape[-1]
         dev = x.device
@@ -116,14 +127,14 @@ class _Conv(torch.autograd.Function):
         # (B, T) each step's latest reset, or a placeholder the kernels never read without resets
         first = segment_starts(resets, K).to(torch.int32).contiguous() if resets is not None else None
         first_arg = first if first is not None else dpre
-        BE, BT = CONV_GRAD_BE, CONV_GRAD_BT
+        BE, BT = tiles.be, tiles.bt
         _conv_grad_pre_kernel[(triton.cdiv(E, BE), triton.cdiv(T, BT), B)](
             x, *x.stride(), s0, weight, bias if bias is not None else weight, first_arg, dy, *dy.stride(), dpre, dw, db,
-            T, E, K=K, HAS_BIAS=bias is not None, RESETS=first is not None, BE=BE, BT=BT, num_warps=CONV_GRAD_WARPS,
+            T, E, K=K, HAS_BIAS=bias is not None, RESETS=first is not None, BE=BE, BT=BT, num_warps=tiles.warps,
         )
         dx = torch.empty(B, T + K - 1, E, device=dev)
         _conv_grad_input_kernel[(triton.cdiv(E, BE), triton.cdiv(T + K - 1, BT), B)](
-            dpre, weight, first_arg, dx, T, E, K=K, RESETS=first is not None, BE=BE, BT=BT, num_warps=CONV_GRAD_WARPS,
+            dpre, weight, first_arg, dx, T, E, K=K, RESETS=first is not None, BE=BE, BT=BT, num_warps=tiles.warps,
         )
         # the concatenation (old state, x) that the window and the new state read: (B, E, K + T)
         dfull = torch.cat([torch.zeros(B, E, 1, device=dev), dx.transpose(1, 2)], -1)
@@ -132,14 +143,15 @@ class _Conv(torch.autograd.Function):
             if first is not None:
                 keep = (torch.arange(T - K, T, device=dev)[None] >= first[:, -1:]).float()
             dfull[..., -K:] += dstate.float() * keep[:, None, :]
-        return dfull[..., K:], dw, db if bias is not None else None, dfull[..., :K].to(s0.dtype), None
+        return dfull[..., K:], dw, db if bias is not None else None, dfull[..., :K].to(s0.dtype), None, None
 
 
-def causal_conv1d_train(x, weight, bias, state, start=None, dtype=None, resets=None) -> torch.Tensor:
-    """The conv with gradients (Ops.conv of model.training_ops): x (B, E, T), weight (E, K),
+def causal_conv1d_train(x, weight, bias, state, start=None, dtype=None, resets=None, *,
+                        tiles: ConvGradTiles) -> torch.Tensor:
+    """The conv with gradients (Ops.conv of core/ops.training_ops): x (B, E, T), weight (E, K),
     bias (E,) or None, state (B, E, K) updated in place (autograd follows it), resets (B, T)
     bool or None. Returns y (B, E, T) float32, as causal_conv1d_ref (whose `dtype` it
-    ignores too). No left padding: a training pass has none."""
+    ignores too). No left padding: a training pass has none. tiles: the kernels' launch settings."""
     if start is not None:
         raise ValueError("causal_conv1d_train takes no left padding (start)")
-    return _Conv.apply(x.float(), weight.float(), None if bias is None else bias.float(), state, resets)[0]
+    return _Conv.apply(x.float(), weight.float(), None if bias is None else bias.float(), state, resets, tiles)[0]

@@ -142,19 +142,15 @@ def _ssm_update_kernel(
 # *_parts: how many B-row blocks a product's float32 result comes in, for the consumer to add
 # up (2 for an operand in halves, times the K chunks products.py's products write apart).
 # pdl: launch options from pdl.pdl_launch (default: a plain launch).
+# block: (channels a program, warps) of the two element-wise kernels that stream the state
+# (the plan's ProductsBlocks).
 
 
-# Channels a program and warps of the two element-wise kernels that stream the state
-# (2.8b, batch 128, whole steps: ssm_update at 128 channels 5.99 ms against 6.15 at 64,
-# other shapes no better; conv_step within 0.3% from 64 to 256 channels).
-CONV_STEP_BLOCK = (128, 4)
-SSM_UPDATE_BLOCK = (128, 4)
-
-
-def conv_step(xz, conv_state, conv_w, conv_b, xc, xc16, xc16_halves=False, xz_parts=1, pdl=NO_PDL) -> None:
+def conv_step(xz, conv_state, conv_w, conv_b, xc, xc16, xc16_halves=False, xz_parts=1, pdl=NO_PDL, *,
+              block: tuple[int, int]) -> None:
     """x = xz[:, :E]; xc = SiLU(conv step), also written to xc16; updates conv_state."""
     B, E, K = conv_state.shape
-    BE, warps = CONV_STEP_BLOCK
+    BE, warps = block
     _conv_step_kernel[(triton.cdiv(E, BE), B)](
         xz, conv_state, conv_w, conv_b if conv_b is not None else conv_w, xc, xc16, B, E,
         K=K, KP=triton.next_power_of_2(K), HAS_CB=conv_b is not None, XZ_PARTS=xz_parts, SPLIT=xc16_halves,
@@ -173,10 +169,11 @@ def dbc_rows(raw, dbc, dtr, dtr_halves=False, raw_parts=1, pdl=NO_PDL, norm_eps=
     )
 
 
-def ssm_update(dt, dbc, xc, xz, ssm_state, dt_bias, A, D, R, y, y_halves=False, dt_parts=1, xz_parts=1, pdl=NO_PDL) -> None:
+def ssm_update(dt, dbc, xc, xz, ssm_state, dt_bias, A, D, R, y, y_halves=False, dt_parts=1, xz_parts=1, pdl=NO_PDL, *,
+               block: tuple[int, int]) -> None:
     """y = gated output of one recurrence step (B and C from dbc[:, R:]); updates ssm_state."""
     B, E, N = ssm_state.shape
-    BE, warps = SSM_UPDATE_BLOCK
+    BE, warps = block
     _ssm_update_kernel[(triton.cdiv(E, BE), B)](
         dt, dbc, xc, xz, ssm_state, dt_bias, A, D, y, B, E, R, dbc.shape[1],
         N=N, NP=triton.next_power_of_2(N), DT_PARTS=dt_parts, XZ_PARTS=xz_parts,
@@ -192,8 +189,9 @@ class GemmDecodeStep:
     """One decode step for a fixed batch size, each projection one matrix product: through
     cuBLAS where `plan.cublas` names it, else through products.invariant_gemm, whose rows'
     bits do not depend on the batch size (every other kernel here treats each row alone).
-    plan: the engine's decode plan (engine/plan.py's DecodePlan: cublas, splits, halves, pdl). Same interface
-    as decode_step.DecodeStep (`__call__(tokens, state) -> logits`, `.logits`)."""
+    plan: the engine's decode plan (engine/plan.py's DecodePlan: cublas, splits, halves, pdl,
+    products_blocks). Same interface as decode_step.DecodeStep (`__call__(tokens, state) ->
+    logits`, `.logits`)."""
 
     def __init__(self, model, batch: int, plan):
         c, w = model.config, model.weights
@@ -238,6 +236,7 @@ class GemmDecodeStep:
         lookup (fastmamba.Backbone's step; tokens unused)."""
         c, w = self.model.config, self.model.weights
         R, eps, B, halves, parts, pdl = c.dt_rank, c.norm_eps, self.B, self.halves, self.parts, self.pdl
+        blocks = self.plan.products_blocks
         u_in, u_head = self.u[: self.rows["in_proj"]], self.u[: self.rows["lm_head"]]
         if h is None:
             torch.index_select(w.embedding, 0, tokens, out=self.u[:B])  # u as scratch for the lookup
@@ -250,13 +249,15 @@ class GemmDecodeStep:
             self.product("in_proj", u_in, lw.in_proj_w, self.xz)
             if lw.in_proj_b is not None:
                 self.xz[:B] += lw.in_proj_b
-            conv_step(self.xz, state.conv[i], lw.conv_w, lw.conv_b, self.xc, self.xc16, "x_proj" in halves, parts["in_proj"], pdl)
+            conv_step(self.xz, state.conv[i], lw.conv_w, lw.conv_b, self.xc, self.xc16, "x_proj" in halves, parts["in_proj"], pdl,
+                      block=blocks.conv_step)
             self.product("x_proj", self.xc16, lw.x_proj_w, self.dbc_raw)
             dbc_rows(self.dbc_raw, self.dbc, self.dtr16, "dt_proj" in halves, parts["x_proj"], pdl, c.dbc_norm_eps)
             self.product("dt_proj", self.dtr16, lw.dt_proj_w, self.dt)
             ssm_update(
                 self.dt, self.dbc, self.xc, self.xz, state.ssm[i], lw.dt_bias, lw.A, lw.D, R, self.y16,
                 y_halves="out_proj" in halves, dt_parts=parts["dt_proj"], xz_parts=parts["in_proj"], pdl=pdl,
+                block=blocks.ssm_update,
             )
             self.product("out_proj", self.y16, lw.out_proj_w, self.o)
             prev = lw.out_proj_b

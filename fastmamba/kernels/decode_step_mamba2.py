@@ -212,10 +212,6 @@ def _gated_out_proj_kernel(
     add_fixed(dh_ptr + row64 * D + n[None, :], acc, nmask[None, :])
 
 
-# Channels of a head an ssd_conv_step program takes (all N states of each in registers).
-STEP2_BP = 16
-
-
 class Mamba2DecodeStep(DecodeStep):
     """The one-row step of a Mamba-2 model (see the module's doc): decode_step.DecodeStep's
     buffers, embed, lm_head and argmax, with Mamba-2's layer in three kernels."""
@@ -225,7 +221,7 @@ class Mamba2DecodeStep(DecodeStep):
         c = model.config
         E, G, N, H, P = c.d_inner, c.n_groups, c.d_state, c.n_heads, c.head_dim
         dev = model.weights.embedding.device
-        self.BP = min(STEP2_BP, triton.next_power_of_2(P))
+        self.BP = min(plan.blocks.ssd_block, triton.next_power_of_2(P))  # a head's channels a program
         self.nPB = triton.cdiv(P, self.BP)
         programs = H * self.nPB  # ssd_conv_step's, a row
         self.BD2 = triton.next_power_of_2(triton.cdiv(c.d_model, programs))  # h columns each folds

@@ -24,12 +24,22 @@ the tests).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ._triton import INTERPRET, jit, tl, triton
 from .argmax_keys import ARGMAX_EMPTY, LOW32, advance_slots, argmax_keys, flip_negative, ordered_bits, token_of_key
 
-BV = 1024  # tokens a program
+
+@dataclass(frozen=True)
+class SamplerTiles:
+    """The samplers' launch settings (the chosen ones: engine/plan.py's SAMPLER_TILES)."""
+
+    bv: int  # tokens a program of the passes over a row
+    nb: int  # the filters' search: thresholds a pass (see _filter_keys)
+    cap: int  # tokens gathered and sorted at its end (a band narrowed to at most this many)
+    rounds: int  # passes over many programs before the gather (then one program narrows alone)
 
 
 @jit
@@ -100,13 +110,10 @@ def _pick_kernel(s_ptr, seed_ptr, step_ptr, kstar_ptr, best_ptr, V, FILTERED: tl
 # programs: it narrows a band of keys known to hold K (every token above the band is kept,
 # none below it) by counting the band's tokens and adding up their weights exp(s - s_max)
 # above NB thresholds a pass, until at most CAP tokens are left in it; those are gathered,
-# sorted and walked. Weights add up in fixed point (2^-40), so that the sums, and the
-# tokens, cannot depend on the order of the atomic adds. A band still over CAP tokens
-# after ROUNDS passes (rare: very flat or tie-heavy rows) is narrowed further by one
-# program (_select_alone, slow).
-NB = 8  # thresholds a pass
-CAP = 1024  # tokens gathered and sorted at the end
-ROUNDS = 4  # passes a selection
+# sorted and walked (NB, CAP and the passes: SamplerTiles). Weights add up in fixed point
+# (2^-40), so that the sums, and the tokens, cannot depend on the order of the atomic adds.
+# A band still over CAP tokens after the passes (rare: very flat or tie-heavy rows) is
+# narrowed further by one program (_select_alone, slow).
 KEY_MIN = tl.constexpr(ARGMAX_EMPTY + 1)  # below every token's key (masked lanes aside)
 _WEIGHT_ONE = tl.constexpr(2.0**40)
 # st, a selection's state per row: the band lo <= key <= hi, the tokens above it (count,
@@ -346,7 +353,7 @@ def _walk(key, n, above, w_above, cap, lim, s0, CAP: tl.constexpr):
 def _select_alone(s_ptr, scratch_ptr, row, V, s0, lo, hi, above, w_above, cap, lim, n_band, NB: tl.constexpr, CAP: tl.constexpr, BV: tl.constexpr):
     """_count_kernel and _narrow_kernel's passes in one program, from where they left the
     band, until at most CAP tokens are left in it; then the gather. Slow (one program
-    walks the row each pass): only for bands that ROUNDS passes left over CAP."""
+    walks the row each pass): only for bands that the passes left over CAP."""
     j = tl.arange(0, NB)
     whole = n_band < 0
     while (n_band > CAP) & (whole == 0):
@@ -408,12 +415,13 @@ def _finish_kernel(best_ptr, temp_ptr, tok_ptr, step_ptr, seen_ptr, B, V, BR: tl
     advance_slots(tok, rows, m, step_ptr, seen_ptr, V, BR)
 
 
-def _filter_keys(s: torch.Tensor, smax: torch.Tensor, p, stages) -> torch.Tensor:
+def _filter_keys(s: torch.Tensor, smax: torch.Tensor, p, stages, tiles: SamplerTiles) -> torch.Tensor:
     """kstar (B,): each row keeps the tokens whose key is at least kstar[row], found by
-    `stages` searches (see _needs): ROUNDS passes of _count_kernel and _narrow_kernel
+    `stages` searches (see _needs): tiles.rounds passes of _count_kernel and _narrow_kernel
     each, then _gather_kernel and _resolve_kernel."""
     B, V = s.shape
     dev = s.device
+    NB, CAP, BV = tiles.nb, tiles.cap, tiles.bv
     work = torch.zeros(B * (8 + 3 * NB + 4), device=dev, dtype=torch.int64)  # one memset for all
     st, T, cnt, mass, nmin, zq, ctr, kstar = torch.split(work, [8 * B, NB * B, NB * B, NB * B, B, B, B, B])
     st, T, cnt, mass = st.view(B, 8), T.view(B, NB), cnt.view(B, NB), mass.view(B, NB)
@@ -422,7 +430,7 @@ def _filter_keys(s: torch.Tensor, smax: torch.Tensor, p, stages) -> torch.Tensor
     params = (p.temperature, p.top_k, p.top_p, p.min_p)
     grid = (triton.cdiv(V, BV), B)
     for stage in stages:
-        for r in range(ROUNDS):
+        for r in range(tiles.rounds):
             _count_kernel[grid](s, smax, st, T, cnt, mass, nmin, *params, V, FIRST=r == 0, STAGE=stage, NB=NB, BV=BV)
             _narrow_kernel[(B,)](s, smax, st, T, cnt, mass, nmin, lim, zq, *params, V, FIRST=r == 0, STAGE=stage, NB=NB, CAP=CAP, num_warps=1)
         _gather_kernel[grid](s, st, ctr, scratch, V, CAP=CAP, BV=BV)
@@ -430,34 +438,35 @@ def _filter_keys(s: torch.Tensor, smax: torch.Tensor, p, stages) -> torch.Tensor
     return kstar
 
 
-def _sample(logits: torch.Tensor, p, stages: tuple) -> torch.Tensor:
+def _sample(logits: torch.Tensor, p, stages: tuple, tiles: SamplerTiles) -> torch.Tensor:
     """stages: the filters' searches (see _needs); () for none."""
     B, V = logits.shape
     x = logits.float().contiguous()
     best = torch.full((2, B), ARGMAX_EMPTY, device=x.device, dtype=torch.int64)  # greedy, sampled
     smax = torch.full((B,), float("-inf"), device=x.device)
     s = torch.empty_like(x)
-    grid = (triton.cdiv(V, BV), B)
-    _scale_kernel[grid](x, p.seen, p.repetition_penalty, p.temperature, s, best, smax, V, BV=BV)
-    kstar = _filter_keys(s, smax, p, stages) if stages else s  # s: unused
-    _pick_kernel[grid](s, p.seed, p.step, kstar, best[1], V, FILTERED=bool(stages), BV=BV)
+    grid = (triton.cdiv(V, tiles.bv), B)
+    _scale_kernel[grid](x, p.seen, p.repetition_penalty, p.temperature, s, best, smax, V, BV=tiles.bv)
+    kstar = _filter_keys(s, smax, p, stages, tiles) if stages else s  # s: unused
+    _pick_kernel[grid](s, p.seed, p.step, kstar, best[1], V, FILTERED=bool(stages), BV=tiles.bv)
     tokens = torch.empty(B, device=x.device, dtype=torch.int64)
     _finish_kernel[(1,)](best, p.temperature, tokens, p.step, p.seen, B, V, BR=triton.next_power_of_2(B))
     return tokens
 
 
-def sample_filtered(logits: torch.Tensor, p) -> torch.Tensor:
-    """sampling.sample for any slots: the same tokens, steps and seen marks."""
-    return _sample(logits, p, (0, 1))
+def sample_filtered(logits: torch.Tensor, p, tiles: SamplerTiles) -> torch.Tensor:
+    """sampling.sample for any slots: the same tokens, steps and seen marks. tiles: the
+    kernels' launch settings (as in the two below)."""
+    return _sample(logits, p, (0, 1), tiles)
 
 
-def sample_filtered_apart(logits: torch.Tensor, p) -> torch.Tensor:
+def sample_filtered_apart(logits: torch.Tensor, p, tiles: SamplerTiles) -> torch.Tensor:
     """sample_filtered for slots none of which uses top-k and top-p together (one search
     for the kept tokens, not two)."""
-    return _sample(logits, p, (1,))
+    return _sample(logits, p, (1,), tiles)
 
 
-def sample_temperature(logits: torch.Tensor, p) -> torch.Tensor:
+def sample_temperature(logits: torch.Tensor, p, tiles: SamplerTiles) -> torch.Tensor:
     """sampling.sample for slots that use no top-k, top-p or min-p (repetition penalty and
     temperature, greedy where the temperature is 0): no search for the kept tokens."""
-    return _sample(logits, p, ())
+    return _sample(logits, p, (), tiles)

@@ -30,6 +30,8 @@ decay has no gradient.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -37,13 +39,15 @@ from ._triton import jit, tl, triton
 from .activations import softplus
 from .selective_scan import _combine, _selective_scan_kernel
 
-# The training scan's tiles (benchmarks/tune_train_scan.py, H200, forward + backward): BT
-# steps a chunk (the saved states' spacing), BE channels a program, in WARPS warps. The
-# backward holds some ten (BT, BE, N) tiles at once; small tiles in 2 warps won: 16 x 1024 x
-# 256: 1.26 ms against 1.58 at (32, 8, 4 warps); 64 x 256 x 1024: 4.32 against 5.88.
-TRAIN_BT = 16
-TRAIN_BE = 8
-TRAIN_WARPS = 2
+
+@dataclass(frozen=True)
+class TrainScanTiles:
+    """step_and_scan_train's launch settings, forward and backward alike (the chosen ones:
+    engine/plan.py's TRAIN_SCAN_TILES)."""
+
+    bt: int  # steps a chunk: the saved states' spacing
+    be: int  # channels a program
+    warps: int
 
 
 @jit
@@ -140,7 +144,7 @@ def _scan_backward_kernel(
     tl.store(dD_ptr + b64 * E + e, dD, mask=emask)
 
 
-def _forward(x, dt, dt_bias, A, Bm, Cm, D, z, state, resets):
+def _forward(x, dt, dt_bias, A, Bm, Cm, D, z, state, resets, tiles):
     """The one-pass scan with the raw step sizes; y (B, E, T) float32 and the states the
     chunks start from (B, chunks, E, N). Updates state in place."""
     Bsz, E, T = x.shape
@@ -148,11 +152,11 @@ def _forward(x, dt, dt_bias, A, Bm, Cm, D, z, state, resets):
     y = torch.empty(Bsz, T, E, device=x.device, dtype=torch.float32)
     start = torch.zeros(Bsz, device=x.device, dtype=torch.int32)
     flags = resets.to(torch.uint8).contiguous() if resets is not None else start
-    saved = torch.empty(Bsz, triton.cdiv(T, TRAIN_BT), E, N, device=x.device)
-    _selective_scan_kernel[(Bsz, triton.cdiv(E, TRAIN_BE))](
+    saved = torch.empty(Bsz, triton.cdiv(T, tiles.bt), E, N, device=x.device)
+    _selective_scan_kernel[(Bsz, triton.cdiv(E, tiles.be))](
         x, *x.stride(), dt, *dt.stride(), Bm, *Bm.stride(), Cm, *Cm.stride(), z, *z.stride(), A, D, state, y, start,
-        flags, dt_bias, saved, T, E, N=N, NP=triton.next_power_of_2(N), BE=TRAIN_BE, BT=TRAIN_BT,
-        RESETS=resets is not None, RAW_DT=True, SAVE=True, num_warps=TRAIN_WARPS,
+        flags, dt_bias, saved, T, E, N=N, NP=triton.next_power_of_2(N), BE=tiles.be, BT=tiles.bt,
+        RESETS=resets is not None, RAW_DT=True, SAVE=True, num_warps=tiles.warps,
     )
     return y.transpose(1, 2), saved
 
@@ -163,12 +167,12 @@ class _Scan(torch.autograd.Function):
     layer less in memory between the passes."""
 
     @staticmethod
-    def forward(ctx, x, dt_r, dt_w, dt_bias, A, Bm, Cm, D, z, state, resets):
+    def forward(ctx, x, dt_r, dt_w, dt_bias, A, Bm, Cm, D, z, state, resets, tiles):
         s0 = state.detach().float().clone()  # the kernel runs on a float32 state
         dt = F.linear(dt_r, dt_w)  # (B, T, E), before the bias and softplus the kernel takes
-        y, saved = _forward(x, dt.transpose(1, 2), dt_bias, A, Bm, Cm, D, z, s0, resets)
+        y, saved = _forward(x, dt.transpose(1, 2), dt_bias, A, Bm, Cm, D, z, s0, resets, tiles)
         ctx.save_for_backward(x, dt_r, dt_w, dt_bias, A, Bm, Cm, D, z, saved, resets)
-        ctx.state_dtype = state.dtype
+        ctx.state_dtype, ctx.tiles = state.dtype, tiles
         with torch.no_grad():
             state.copy_(s0)
         ctx.mark_dirty(state)
@@ -188,28 +192,31 @@ class _Scan(torch.autograd.Function):
         dA, dinit = torch.empty(Bsz, E, N, device=dev), torch.empty(Bsz, E, N, device=dev)
         dD = torch.empty(Bsz, E, device=dev)
         flags = resets.to(torch.uint8).contiguous() if resets is not None else dx
-        _scan_backward_kernel[(Bsz, triton.cdiv(E, TRAIN_BE))](
+        tiles = ctx.tiles
+        _scan_backward_kernel[(Bsz, triton.cdiv(E, tiles.be))](
             x, *x.stride(), dt, *dt.stride(), z, *z.stride(), dy, *dy.stride(), Bm, *Bm.stride(), Cm, *Cm.stride(),
             dt_bias, A, D, saved, flags, dfinal,
             dx, ddt, dz, dB, dC, dA, dD, dinit, T, E,
-            N=N, NP=triton.next_power_of_2(N), BE=TRAIN_BE, BT=TRAIN_BT, RESETS=resets is not None,
-            num_warps=TRAIN_WARPS,
+            N=N, NP=triton.next_power_of_2(N), BE=tiles.be, BT=tiles.bt, RESETS=resets is not None,
+            num_warps=tiles.warps,
         )
         ddt_flat = ddt.view(-1, E)
         d_dt_r = (ddt_flat @ dt_w).view(dt_r.shape)
         d_dt_w = ddt_flat.t() @ dt_r.reshape(-1, dt_r.shape[-1])
         return (dx.transpose(1, 2), d_dt_r, d_dt_w, ddt_flat.sum(0), dA.sum(0), dB, dC, dD.sum(0), dz.transpose(1, 2),
-                dinit.to(ctx.state_dtype), None)
+                dinit.to(ctx.state_dtype), None, None)
 
 
-def step_and_scan_train(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, state, start=None, out_dtype=None, resets=None):
-    """The scan with gradients (Ops.scan of model.training_ops, step_and_scan_ref's
+def step_and_scan_train(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, state, start=None, out_dtype=None, resets=None, *,
+                        tiles: TrainScanTiles):
+    """The scan with gradients (Ops.scan of core/ops.training_ops, step_and_scan_ref's
     signature): x (B, E, T); dt_r (B, T, R) x_proj's step-size part, dt_w (E, R) and dt_b
     (E,) dt_proj's; A (E, N); Bm, Cm (B, N, T); D (E,); z (B, E, T); state (B, E, N),
     updated in place (autograd follows it); resets (B, T) bool or None. Returns y (B, E, T)
     float32, as step_and_scan_ref (whose out_dtype it ignores too). No left padding: a
-    training pass has none."""
+    training pass has none. tiles: the kernels' launch settings."""
     if start is not None:
         raise ValueError("step_and_scan_train takes no left padding (start)")
     f = lambda t: t.float()  # noqa: E731  (the kernels' and the Function's float32)
-    return _Scan.apply(f(x), f(dt_r), f(dt_w), f(dt_b), f(A).contiguous(), f(Bm), f(Cm), f(D), f(z), state, resets)[0]
+    return _Scan.apply(f(x), f(dt_r), f(dt_w), f(dt_b), f(A).contiguous(), f(Bm), f(Cm), f(D), f(z), state, resets,
+                       tiles)[0]

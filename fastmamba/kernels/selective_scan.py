@@ -15,7 +15,7 @@ from ._triton import jit, tl, triton
 from .activations import silu, softplus
 from .causal_conv1d import _pad_mask
 from .products import linear_storage
-from .step_size import step_size, step_size_ref
+from .step_size import StepSizeTiles, step_size, step_size_ref
 
 
 def selective_scan_ref(
@@ -325,42 +325,34 @@ def _scan_chunks_kernel(
         tl.store(st_ptr + b64 * E * N + e[:, None] * N + n[None, :], s.to(st_ptr.dtype.element_ty), mask=sm)  # rounded once
 
 
-# The chunked scan's launch (benchmarks/tune_scan.py, H200). Two thread layouts: 4 channels
-# a thread, one warp a program (fewest instructions a state: each step's loads of B and C
-# serve 64 states; the GPU's 132 x 4 schedulers then want many chunks), or 1 channel a
-# thread, 2-4 warps a program (4x the warps for the same channels, so fewer chunks fill the
-# GPU). Chunks of SCAN_CHUNK steps, or half that where full chunks would give fewer than
-# SCAN_FEW_PROGRAMS programs (2.8b 1 x 4096, 1280 programs: 375 µs against 440 with
-# 128-step chunks); from 1536 programs up 128 steps win (2.8b 1 x 8192: 525.0 against 541.4).
-SCAN_CHUNK = 128
-SCAN_FEW_PROGRAMS = 1536
-SCAN_BE = 128  # channels per program
-SCAN_WARPS = 1
-SCAN_PREFIX_BE, SCAN_PREFIX_WARPS = 32, 4  # the pass between: few steps, so many small programs
-SCAN_STAGES = 4  # software pipelining of each step's loads (tl.range num_stages)
-SCAN_UNROLL = 2  # steps a loop iteration (tl.range loop_unroll_factor): 1 x 4096 317 us against 340 with 1
+@dataclass(frozen=True)
+class ScanTiles:
+    """selective_scan's and step_and_scan's launch settings and the thresholds of their
+    choices (the chosen ones: engine/plan.py's SCAN_TILES). The chunked scan has two thread
+    layouts: 4 channels a thread, one warp a program (fewest instructions a state: each
+    step's loads of B and C serve 64 states; the GPU's schedulers then want many chunks), or
+    1 channel a thread, 2-4 warps a program (4x the warps for the same channels, so fewer
+    chunks fill the GPU)."""
+
+    chunked_from: int  # the chunked scan from this many steps on,
+    chunked_work: int  # or from this many channel-steps (B x E x T); below both, the one-pass scan
+    chunk: int  # the chunked scan's steps a chunk; half that where full chunks give
+    few_programs: int  # fewer warps than this (a program is one warp with 4 channels a thread)
+    be: int  # 4 channels a thread: channels a program,
+    warps: int  # its warps,
+    stages: int  # its loads' pipeline depth (tl.range num_stages; the pass between's too),
+    unroll: int  # and steps a loop iteration (tl.range loop_unroll_factor)
+    one_chunk_lanes: int  # one chunk, one channel a thread, where B x E reaches this
+    small_work: int  # one channel a thread, in chunks, below this many channel-steps (B x E x T)
+    lane_stages: int  # one channel a thread: its loads' pipeline depth,
+    lane_unroll: int  # and steps a loop iteration
+    prefix_be: int  # the pass between the two: channels a program,
+    prefix_warps: int  # and its warps
+    softplus_from_rank: int  # step_and_scan: a one-chunk walk takes the softplus itself from this dt_rank up
+    step_size: StepSizeTiles  # step_and_scan's step sizes otherwise (step_size.py)
+
+
 LOG2E = 1.4426950408889634
-# The chunked scan from SCAN_CHUNKED_FROM steps, or from SCAN_CHUNKED_WORK channel-steps
-# (B x E x T) at fewer steps: below, the one-pass scan's few launches win; above, its one
-# program a row and 8 channels walks too long (16 x 256 x 5120: 490.8 µs one-pass, 170.4
-# chunked; 1 x 128 x 5120: 21.0 against at least 31).
-SCAN_CHUNKED_FROM = 1024
-SCAN_CHUNKED_WORK = 1 << 21
-# One chunk (no summaries: each exp once) where the rows' channels give 768 warps of one
-# channel a thread (2.8b 8 x 2048: 740.7 µs against 963.8 with 4 channels a thread in
-# 128-step chunks); at 640 such warps 4 channels a thread still win.
-SCAN_ONE_CHUNK_LANES = 24576
-# One channel a thread in chunks of 128 steps (64 where fewer than 1536 warps) below this
-# many channel-steps (B x E x T), where 4 channels a thread leave the GPU too few warps
-# (130m 2 x 1024: 78.2 µs with 4 a thread, 58.6 with 1); from ~16M on they tie or lose.
-SCAN_SMALL_WORK = 12 << 20
-# step_and_scan: the one-chunk walk takes the softplus itself, after dt_proj alone, from
-# this dt_rank up (2.8b 16 x 1024: 760.6 µs against 808.9 with the step sizes made first);
-# at 130m's dt_rank 48 the step-size kernel's product is small and it loses.
-SCAN_SOFTPLUS_FROM_RANK = 128
-# One channel a thread: its loads' pipeline depth and steps a loop iteration (2.8b 8 x 2048,
-# one chunk: 733 µs against 875 with 2 stages).
-SCAN_LANE_STAGES, SCAN_LANE_UNROLL = 3, 4
 
 
 @dataclass(frozen=True)
@@ -377,23 +369,23 @@ class ScanLaunch:
     unroll: int
 
 
-def _chunked(B: int, E: int, T: int) -> bool:
+def _chunked(B: int, E: int, T: int, tiles: ScanTiles) -> bool:
     """Whether selective_scan runs the chunked scan by default."""
-    return T >= SCAN_CHUNKED_FROM or B * E * T >= SCAN_CHUNKED_WORK
+    return T >= tiles.chunked_from or B * E * T >= tiles.chunked_work
 
 
-def chunked_launch(B: int, E: int, T: int) -> ScanLaunch:
-    """The chunked scan's launch for B rows of E channels and T steps (see above)."""
-    if B * E >= SCAN_ONE_CHUNK_LANES:
-        return ScanLaunch(T, 64, 1, 2, SCAN_LANE_STAGES, SCAN_LANE_UNROLL)
-    if B * E * T < SCAN_SMALL_WORK:
-        warps = B * triton.cdiv(E, 32) * triton.cdiv(T, SCAN_CHUNK)
-        L = SCAN_CHUNK if warps >= SCAN_FEW_PROGRAMS else SCAN_CHUNK // 2
-        return ScanLaunch(L, 128, 1, 4, SCAN_LANE_STAGES, SCAN_LANE_UNROLL)
-    L = SCAN_CHUNK
-    if B * triton.cdiv(E, SCAN_BE) * triton.cdiv(T, L) < SCAN_FEW_PROGRAMS:
+def chunked_launch(B: int, E: int, T: int, tiles: ScanTiles) -> ScanLaunch:
+    """The chunked scan's launch for B rows of E channels and T steps (see ScanTiles)."""
+    if B * E >= tiles.one_chunk_lanes:
+        return ScanLaunch(T, 64, 1, 2, tiles.lane_stages, tiles.lane_unroll)
+    if B * E * T < tiles.small_work:
+        warps = B * triton.cdiv(E, 32) * triton.cdiv(T, tiles.chunk)
+        L = tiles.chunk if warps >= tiles.few_programs else tiles.chunk // 2
+        return ScanLaunch(L, 128, 1, 4, tiles.lane_stages, tiles.lane_unroll)
+    L = tiles.chunk
+    if B * triton.cdiv(E, tiles.be) * triton.cdiv(T, L) < tiles.few_programs:
         L //= 2
-    return ScanLaunch(L, SCAN_BE, 4, SCAN_WARPS, SCAN_STAGES, SCAN_UNROLL)
+    return ScanLaunch(L, tiles.be, 4, tiles.warps, tiles.stages, tiles.unroll)
 
 
 _16BIT = (torch.bfloat16, torch.float16)
@@ -412,7 +404,7 @@ def _as_words(x: torch.Tensor):
 
 def selective_scan(
     x, delta, A, Bm, Cm, D, z, state, start=None, out_dtype=torch.float32, chunked=None, launch: ScanLaunch | None = None,
-    dt_bias=None, resets=None,
+    dt_bias=None, resets=None, *, tiles: ScanTiles,
 ):
     """Triton twin of `selective_scan_ref`; inputs may be any strided views of those shapes.
     Returns a (B, E, T) view of a (B, T, E) buffer of y in out_dtype: computed in float32,
@@ -422,12 +414,13 @@ def selective_scan(
     by step, with a short pass between that carries the state from chunk to chunk; one
     chunk where the rows alone fill the GPU); otherwise the one-pass scan (associative scan
     inside chunks of 32 steps, chunks one after another). By default the chunked scan from
-    SCAN_CHUNKED_FROM steps or SCAN_CHUNKED_WORK channel-steps on, where its parallelism
+    tiles.chunked_from steps or tiles.chunked_work channel-steps on, where its parallelism
     pays for its passes. launch: the chunked scan's, instead of chunked_launch's.
 
     dt_bias (E,): delta is dt_proj's output before this bias and the softplus, which the
     chunked scan's walks then add and take at each step (see step_and_scan).
-    resets (B, T) bool: the row's state is zero before step t (as in selective_scan_ref)."""
+    resets (B, T) bool: the row's state is zero before step t (as in selective_scan_ref).
+    tiles: the launch settings and the thresholds of these choices."""
     Bsz, E, T = x.shape
     N = A.shape[1]
     y = torch.empty(Bsz, T, E, device=x.device, dtype=out_dtype)
@@ -436,10 +429,10 @@ def selective_scan(
     # one byte a step, or a placeholder the kernels never read without resets
     flags = resets.to(torch.uint8).contiguous() if resets is not None else start
     if chunked is None:
-        chunked = _chunked(Bsz, E, T)
+        chunked = _chunked(Bsz, E, T, tiles)
     if dt_bias is not None and not chunked:
         delta, dt_bias = F.softplus(delta + dt_bias[:, None]), None
-    run = (launch or chunked_launch(Bsz, E, T)) if chunked else None
+    run = (launch or chunked_launch(Bsz, E, T, tiles)) if chunked else None
     # a 16-bit x and z as words of two channels where a thread holds one (see _channels_at)
     words = chunked and run.CPL == 1
     xw, x16 = _as_words(x) if words else (x, None)
@@ -462,9 +455,9 @@ def selective_scan(
         dtb = D if dt_bias is None else dt_bias  # (a placeholder the kernels never read without RAW_DT)
         if grid[2] > 1:  # one chunk starts from the layer's state alone: no summaries to make
             _scan_summary_kernel[grid[:2] + (slots,)](*xdb, A2t, start, sums, dt_sums, dtb, flags, T, E, L, 0, **walk)
-        _scan_prefix_kernel[(Bsz, triton.cdiv(E, SCAN_PREFIX_BE))](
+        _scan_prefix_kernel[(Bsz, triton.cdiv(E, tiles.prefix_be))](
             state, start, init, sums, dt_sums, A2t, E, grid[2] - 1,
-            N=N, NP=NP, BE=SCAN_PREFIX_BE, STAGES=SCAN_STAGES, RESETS=resets is not None, num_warps=SCAN_PREFIX_WARPS,
+            N=N, NP=NP, BE=tiles.prefix_be, STAGES=tiles.stages, RESETS=resets is not None, num_warps=tiles.prefix_warps,
         )
         _scan_chunks_kernel[grid](*xdb, *cz, A2t, D, state, y, start, sums, init, dtb, flags, T, E, L, 0, Z16=z16, **walk)
         return y.transpose(1, 2)
@@ -483,19 +476,20 @@ def step_and_scan_ref(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, state, start=None, o
     return selective_scan_ref(x, delta.transpose(1, 2), A, Bm, Cm, D, z, state, start, resets=resets)
 
 
-def step_and_scan(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, state, start=None, out_dtype=torch.float32, resets=None) -> torch.Tensor:
+def step_and_scan(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, state, start=None, out_dtype=torch.float32, resets=None, *,
+                  tiles: ScanTiles) -> torch.Tensor:
     """Triton twin of `step_and_scan_ref`. Where the scan runs as one chunk (large batches)
-    of a wide model (SCAN_SOFTPLUS_FROM_RANK), dt_proj runs alone (cuBLAS) and the walk
+    of a wide model (tiles.softplus_from_rank), dt_proj runs alone (cuBLAS) and the walk
     takes each step's softplus itself, once a channel and step as step_size.py's kernel
     would, without that kernel's pass over memory; otherwise that kernel writes the step
     sizes first (the chunked scan's two passes would take every softplus twice)."""
     Bsz, E, T = x.shape
-    run = chunked_launch(Bsz, E, T) if _chunked(Bsz, E, T) else None
-    if run is not None and run.L >= T and dt_r.shape[-1] >= SCAN_SOFTPLUS_FROM_RANK:
+    run = chunked_launch(Bsz, E, T, tiles) if _chunked(Bsz, E, T, tiles) else None
+    if run is not None and run.L >= T and dt_r.shape[-1] >= tiles.softplus_from_rank:
         dt = linear_storage(dt_r, dt_w)  # (B, T, E) float32, before the bias
         return selective_scan(
             x, dt.transpose(1, 2), A, Bm, Cm, D, z, state, start, out_dtype, chunked=True, launch=run, dt_bias=dt_b,
-            resets=resets,
+            resets=resets, tiles=tiles,
         )
-    delta = step_size(dt_r, dt_w, dt_b)
-    return selective_scan(x, delta.transpose(1, 2), A, Bm, Cm, D, z, state, start, out_dtype, resets=resets)
+    delta = step_size(dt_r, dt_w, dt_b, tiles=tiles.step_size)
+    return selective_scan(x, delta.transpose(1, 2), A, Bm, Cm, D, z, state, start, out_dtype, resets=resets, tiles=tiles)

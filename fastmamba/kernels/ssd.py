@@ -6,7 +6,7 @@ dt_limit, zero at left padding), then the chunked SSD of `ssd_ref`: quadratic in
 chunk, a scan across chunks. `ssd_scan` is the Triton engine's:
 - a decode step (one token, no padding) is one kernel, `_ssd_step_kernel`, that updates
   every head's state in place;
-- a longer pass is the chunked SSD in three kernels over chunks of SSD_CHUNK steps, its
+- a longer pass is the chunked SSD in three kernels over chunks of SSDTiles.chunk steps, its
   products on the tensor cores: each chunk's own end state from a zero start
   (`_ssd_chunk_state_kernel`), the states passed from chunk to chunk
   (`_ssd_state_passing_kernel`: the state each chunk starts from, and the layer's new
@@ -20,6 +20,8 @@ reset. A pass with resets takes the chunked kernels, even at one step.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -130,11 +132,6 @@ def _ssd_step_kernel(
     tl.store(sp, s.to(st_ptr.dtype.element_ty), mask=sm)
     y = tl.sum(s * Cv[None, :], 1) + tl.load(D_ptr + h) * x
     tl.store(y_ptr + b64 * H * P + h * P + p, y, mask=pm)
-
-
-# Channels of a head a step program takes (all N states of each in registers), and its warps.
-SSD_STEP_BP = 16
-SSD_STEP_WARPS = 1
 
 
 @jit
@@ -267,7 +264,7 @@ def _ssd_chunk_cb_kernel(
 ):
     # One program: row b, chunk c, group g, BT of the chunk's steps: C_t . B_s for the steps
     # s up to the diagonal block, into cb (B, chunks, G, Q, Q) float32, which every head of
-    # the group reads in the chunk scan (SSD_CB_ONCE; the blocks above are never read).
+    # the group reads in the chunk scan (SSDTiles.cb_once; the blocks above are never read).
     b64 = (tl.program_id(0) // n_chunks).to(tl.int64)
     c = tl.program_id(0) % n_chunks
     g = tl.program_id(1)
@@ -334,39 +331,31 @@ def _ssd_chunk_scan_kernel(
     tl.store(y_ptr + ((b64 * T + t[:, None]) * H + h) * P + p[None, :], y, mask=tm[:, None] & pm[None, :])
 
 
-# The chunked SSD's tiles: chunks of SSD_CHUNK steps (the per-chunk states, H x P x N
-# float32 each, are its memory traffic: fewer, longer chunks move less); the chunk scan's
-# programs take SSD_BT steps and sum over SSD_BS at a time, with SSD_SCAN_WARPS warps
-# (benchmarks/tune_ssd_scan.py); the state passing BL elements and CB chunks at a time
-# (benchmarks/tune_ssd_pass.py).
-SSD_CHUNK = 256
-SSD_BT = 64
-SSD_BS = 32  # (the chunk-state kernel's blocks of steps too)
-SSD_SCAN_WARPS = 4
-SSD_SCAN_STAGES = 3  # (Triton's default)
-# (the whole scan, ms a layer, 2.7b / Codestral at 1 x 8192: 0.428 / 0.665 against 0.480 /
-# 0.740 at 64-step blocks; 8 warps, 128 steps a program or fewer stages were slower at
-# every shape; mamba_ssm's scan 0.513 / 1.269)
-SSD_STATE_BP = 64
-# (2.7b / Codestral, µs a layer, 1 x 8192 and 8 x 2048: 54 / 96 and 76 / 152, 80-85% of
-# the floor, against 65 / 179 and 92 / 283 at 128 elements and 32 chunks; the best of the
-# sweep was within 10% at each shape)
-SSD_PASS_BL = 512
-SSD_PASS_CB = 8
-SSD_PASS_WARPS = 4
-# Heads a step-size program takes (all of a chunk's steps of each).
-SSD_SIZES_BH = 16
-# C B^T once a group and chunk, in a kernel of its own, for the chunk scan's heads to read,
-# in place of each head's program computing it: measured slower (2.7b's scan 0.853 ms
-# against 0.820, Codestral's 1.275 / 1.221; `benchmarks/mamba2.py --scan-kernels`), so off.
-SSD_CB_ONCE = False
+@dataclass(frozen=True)
+class SSDTiles:
+    """ssd_scan's launch settings (the chosen ones: engine/plan.py's SSD_TILES)."""
+
+    chunk: int  # steps a chunk of the chunked SSD (whatever the caller's `chunk`: the same sum)
+    bt: int  # the chunk scan's steps a program (and the C B^T kernel's)
+    bs: int  # steps a block of the chunk scan's and the chunk state's sums over steps
+    scan_warps: int  # the chunk scan's warps
+    scan_stages: int  # and its loops' pipeline depth (num_stages)
+    state_bp: int  # the chunk state's channels a program
+    pass_bl: int  # the state passing's elements of a head's P x N state a program,
+    pass_cb: int  # its chunks a load (the recurrence over them an associative scan),
+    pass_warps: int  # and its warps
+    sizes_bh: int  # heads a step-size program (all of a chunk's steps of each)
+    cb_once: bool  # C B^T once a group and chunk, in a kernel of its own, for every head's chunk scan to read
+    step_bp: int  # the decode step's channels of a head a program (all N states of each in registers),
+    step_warps: int  # and its warps
 
 
-def ssd_scan(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=None, resets=None) -> torch.Tensor:
+def ssd_scan(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=None, resets=None, *,
+             tiles: SSDTiles) -> torch.Tensor:
     """Triton twin of `ssd_scan_ref` (the same arguments; x, dt, Bm, Cm may be views with
     their heads' and groups' channels contiguous, in float32 or 16-bit: float32 operands
-    take the products in three TF32 passes). The chunks are SSD_CHUNK steps whatever
-    `chunk` says: the result is the same sum."""
+    take the products in three TF32 passes). The chunks are tiles.chunk steps whatever
+    `chunk` says: the result is the same sum. tiles: the kernels' launch settings."""
     Bsz, T, H, P = x.shape
     G, N = Bm.shape[2], Bm.shape[3]
     even = (x.stride(3) == 1 and x.stride(2) == P and Bm.stride(3) == 1 and Bm.stride(2) == N
@@ -378,20 +367,20 @@ def ssd_scan(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=No
     assert state.is_contiguous()
     if T == 1 and start is None and resets is None and dt.stride(-1) == 1:
         y = torch.empty(Bsz, 1, H, P, device=x.device, dtype=torch.float32)
-        BP = min(SSD_STEP_BP, triton.next_power_of_2(P))
+        BP = min(tiles.step_bp, triton.next_power_of_2(P))
         _ssd_step_kernel[(triton.cdiv(P, BP), H, Bsz)](
             x, x.stride(0), Bm, Cm, Bm.stride(0), dt, dt.stride(0), dt_bias, A, D, state, y, H // G,
             float(dt_limit[0]), float(dt_limit[1]), H=H, P=P, N=N, BP=BP, NP=triton.next_power_of_2(N),
-            num_warps=SSD_STEP_WARPS,
+            num_warps=tiles.step_warps,
         )
         return y
-    Q = SSD_CHUNK if T > SSD_CHUNK // 2 else max(16, triton.next_power_of_2(T))
+    Q = tiles.chunk if T > tiles.chunk // 2 else max(16, triton.next_power_of_2(T))
     n_chunks = triton.cdiv(T, Q)
     steps = torch.empty(Bsz, T, H, device=x.device, dtype=torch.float32)  # the step sizes, after softplus
     cum = torch.empty(Bsz, n_chunks, Q, H, device=x.device, dtype=torch.float32)
-    _ssd_step_sizes_kernel[(Bsz * n_chunks, triton.cdiv(H, SSD_SIZES_BH))](
+    _ssd_step_sizes_kernel[(Bsz * n_chunks, triton.cdiv(H, tiles.sizes_bh))](
         dt, dt.stride(0), dt.stride(1), dt_bias, A, start if start is not None else dt_bias, steps, cum, T, n_chunks,
-        float(dt_limit[0]), float(dt_limit[1]), H=H, Q=Q, BH=SSD_SIZES_BH, START=start is not None, num_warps=4,
+        float(dt_limit[0]), float(dt_limit[1]), H=H, Q=Q, BH=tiles.sizes_bh, START=start is not None, num_warps=4,
     )
     dt = steps
     states = torch.empty(Bsz, n_chunks, H, P, N, device=x.device, dtype=torch.float32)
@@ -402,19 +391,19 @@ def ssd_scan(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=No
     # each step's latest reset (B, T) int32 (unread without resets: any tensor stands in)
     first = segment_starts(resets, 0).to(torch.int32).contiguous() if resets is not None else cum
     BP, NP = max(16, triton.next_power_of_2(P)), max(16, triton.next_power_of_2(N))
-    BS = min(SSD_BS, Q)
+    BS = min(tiles.bs, Q)
     common = dict(H=H, P=P, N=N, Q=Q, NP=NP, F32=f32, RESETS=resets is not None)
-    _ssd_chunk_state_kernel[(Bsz * n_chunks, H, triton.cdiv(P, min(BP, SSD_STATE_BP)))](
+    _ssd_chunk_state_kernel[(Bsz * n_chunks, H, triton.cdiv(P, min(BP, tiles.state_bp)))](
         x, x.stride(0), x.stride(1), Bm, Bm.stride(0), Bm.stride(1), dt, cum, first, states, T, n_chunks, H // G,
-        BS=BS, BP=min(BP, SSD_STATE_BP), **common, num_warps=4,
+        BS=BS, BP=min(BP, tiles.state_bp), **common, num_warps=4,
     )
-    _ssd_state_passing_kernel[(triton.cdiv(P * N, SSD_PASS_BL), H, Bsz)](
-        states, starts, state, cum, first, T, n_chunks, H=H, PN=P * N, Q=Q, BL=SSD_PASS_BL,
-        CB=min(SSD_PASS_CB, triton.next_power_of_2(n_chunks)), RESETS=resets is not None, num_warps=SSD_PASS_WARPS,
+    _ssd_state_passing_kernel[(triton.cdiv(P * N, tiles.pass_bl), H, Bsz)](
+        states, starts, state, cum, first, T, n_chunks, H=H, PN=P * N, Q=Q, BL=tiles.pass_bl,
+        CB=min(tiles.pass_cb, triton.next_power_of_2(n_chunks)), RESETS=resets is not None, num_warps=tiles.pass_warps,
     )
-    BT = min(SSD_BT, Q)
-    cb = states  # (unread unless SSD_CB_ONCE)
-    if SSD_CB_ONCE:
+    BT = min(tiles.bt, Q)
+    cb = states  # (unread unless tiles.cb_once)
+    if tiles.cb_once:
         cb = torch.empty(Bsz, n_chunks, G, Q, Q, device=x.device, dtype=torch.float32)
         _ssd_chunk_cb_kernel[(Bsz * n_chunks, G, Q // BT)](
             Bm, Cm, Bm.stride(0), Bm.stride(1), cb, T, n_chunks, G=G, N=N, Q=Q, BT=BT, BS=BS, NP=NP, F32=f32,
@@ -422,7 +411,7 @@ def ssd_scan(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=No
         )
     _ssd_chunk_scan_kernel[(Bsz * n_chunks, H, Q // BT)](
         x, x.stride(0), x.stride(1), Bm, Cm, Bm.stride(0), Bm.stride(1), dt, cum, first, starts, D, y, cb, T,
-        n_chunks, H // G, BT=BT, BS=BS, BP=BP, **common, CB_ONCE=SSD_CB_ONCE, G=G, num_warps=SSD_SCAN_WARPS,
-        num_stages=SSD_SCAN_STAGES,
+        n_chunks, H // G, BT=BT, BS=BS, BP=BP, **common, CB_ONCE=tiles.cb_once, G=G, num_warps=tiles.scan_warps,
+        num_stages=tiles.scan_stages,
     )
     return y

@@ -7,6 +7,8 @@ exp per channel at the head of every step, and nobody writes dt before its softp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -47,22 +49,28 @@ def _step_size_kernel(
     tl.store(out_ptr + m64[:, None] * E + e[None, :], softplus(v), mask=mm[:, None] & em[None, :])
 
 
-# Tiles (benchmarks/tune_step_size.py, H200, 2.8b widths): 64 x 128 with 4 warps, 60.6 us at
-# 4096 tokens (cuBLAS's dt_proj alone 38-53 us; without the softplus this kernel takes 45:
-# its two exps an element are most of the difference), 218 us at 16384.
-STEP_BM, STEP_BN, STEP_BK, STEP_WARPS, STEP_STAGES = 64, 128, 32, 4, 3
+@dataclass(frozen=True)
+class StepSizeTiles:
+    """step_size's launch settings (the chosen ones: engine/plan.py's STEP_SIZE_TILES)."""
+
+    bm: int  # tokens of a program's tile
+    bn: int  # channels of it
+    bk: int  # dt_rank a step of the loop over it
+    warps: int
+    stages: int  # the loop's pipeline depth (num_stages)
 
 
-def step_size(dt_r: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def step_size(dt_r: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, tiles: StepSizeTiles) -> torch.Tensor:
     """Triton twin of `step_size_ref`; dt_r (B, T, R) float32, any strides (a slice of
-    x_proj's output). Returns a contiguous (B, T, E) float32 tensor."""
+    x_proj's output). Returns a contiguous (B, T, E) float32 tensor. tiles: the kernel's
+    launch settings."""
     Bsz, T, R = dt_r.shape
     E = weight.shape[0]
     r2 = dt_r.reshape(Bsz * T, R)  # a view where the strides allow (x_proj's slice), else a copy
     out = torch.empty(Bsz, T, E, device=dt_r.device, dtype=torch.float32)
     M = Bsz * T
-    _step_size_kernel[(triton.cdiv(M, STEP_BM), triton.cdiv(E, STEP_BN))](
+    _step_size_kernel[(triton.cdiv(M, tiles.bm), triton.cdiv(E, tiles.bn))](
         r2, *r2.stride(), weight, bias, out, M, E, R, IEEE=weight.dtype == torch.float32,
-        BM=STEP_BM, BN=STEP_BN, BK=STEP_BK, num_warps=STEP_WARPS, num_stages=STEP_STAGES,
+        BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return out
