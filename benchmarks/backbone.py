@@ -20,6 +20,7 @@ import torch
 
 from fastmamba import Backbone, BackboneConfig
 from fastmamba.bench import copy_bandwidth, host_us
+from fastmamba.core.layers import state_bytes
 
 SHAPES = {"128x3": dict(input_dim=64, d_model=128, n_layer=3), "512x4": dict(input_dim=64, d_model=512, n_layer=4)}
 
@@ -157,10 +158,10 @@ def main() -> None:
                 host = host_us(lambda: bb.step(xn, s), 200)
                 with torch.no_grad():
                     eager = host_us(lambda: bb._step_eager(x, s), 50)
-                state_bytes = 2 * 4 * batch * c.n_layer * c.d_inner * (c.d_state + c.d_conv)
+                moved = 2 * batch * state_bytes(c, s.ssm.element_size())  # the state read and written
                 emit(shape=name, dtype=str(dtype)[6:], batch=batch, step_us=round(dev, 1), replay_us=round(replay, 1),
                      numpy_step_us=round(host, 1),
-                     eager_step_us=round(eager, 1), floor_us=round(state_bytes / bw * 1e6, 1))
+                     eager_step_us=round(eager, 1), floor_us=round(moved / bw * 1e6, 1))
             bb._graphs.clear()
             bb._last_graph = None
             if dtype == torch.float32 and not args.step_only:

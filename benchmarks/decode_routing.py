@@ -38,7 +38,16 @@ import torch
 
 from fastmamba import bench
 from fastmamba.core.dtypes import parse_dtype
-from fastmamba.engine.plan import ALL, IN_PROJ, LAYER_OPS, LAYER_OPS_DETERMINISTIC, NONE, PRODUCTS, DecodePlan, plan_for
+from fastmamba.engine.plan import (
+    ALL,
+    IN_PROJ,
+    LAYER_OPS,
+    LAYER_OPS_DETERMINISTIC,
+    NONE,
+    PRODUCTS,
+    DecodePlan,
+    plan_for,
+)
 
 CANDIDATES = {  # a layer kind's candidate steps
     "mamba1": {

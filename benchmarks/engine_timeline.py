@@ -1,7 +1,7 @@
 """The engine's step ahead on the GPU, measured: does the GPU idle while the host handles a
 step's tokens?
 
-For each model and stream count: the engine core (engine.py) in this process, with random
+For each model and stream count: the engine core (engine/engine_core.py) in this process, with random
 weights, `--streams` requests decoding together (no stop tokens). It times the engine's
 steps (wall ms a step, many steps) beside the decode step alone (the graph replayed
 back to back, sampling included: `fastmamba bench`'s measure), and records a torch
@@ -24,7 +24,8 @@ import torch
 
 from fastmamba.bench import random_language_model, time_graph_steps
 from fastmamba.core.sampling_params import SamplingParams
-from fastmamba.engine.engine_core import EngineCore, EngineRequest
+from fastmamba.engine.engine_core import EngineCore
+from fastmamba.engine.protocol import Request
 
 
 def busy_fraction(prof, t0_us: float, t1_us: float) -> float:
@@ -43,11 +44,11 @@ def busy_fraction(prof, t0_us: float, t1_us: float) -> float:
 
 def engine_case(lm, streams: int, steps: int, trace: Path | None) -> dict:
     V = lm.config.vocab_size
-    core = EngineCore(lm, max_batch=streams, prefill_tokens=4096)
+    core = EngineCore(lm.model, lm.prefill, max_batch=streams, prefill_tokens=4096)
     g = torch.Generator().manual_seed(0)
     for k in range(streams):
         ids = torch.randint(1, V, (64,), generator=g).tolist()
-        core.add(EngineRequest(ids, SamplingParams(max_tokens=100_000, temperature=0.8, seed=k, stop_token_ids=[])))
+        core.add(Request(k, ids, SamplingParams(max_tokens=100_000, temperature=0.8, seed=k, stop_token_ids=[])))
     for _ in range(20):  # admitted, prefilled, decoding
         core.step()
     assert core.running == streams

@@ -23,7 +23,14 @@ from pathlib import Path
 
 import torch
 
-from fastmamba.bench import SHAPES, copy_bandwidth, floor_ms, gpu_ms, random_model, time_graph_steps
+from fastmamba.bench import (
+    SHAPES,
+    copy_bandwidth,
+    floor_ms,
+    gpu_ms,
+    random_model,
+    time_graph_steps,
+)
 from fastmamba.engine.cuda_graphs import capture_graph
 
 
@@ -157,19 +164,19 @@ def scan_rows(size: str, c, emit, kernels: bool = False) -> None:
 
     emit(model=size, scan=f"{B}x{T} H{H} P{P} G{G} N{N}", fastmamba_ms=round(ms_of(ours), 3),
          mamba_ssm_ms=round(ms_of(theirs), 3))
-    if kernels:  # and by kernel, ours with C B^T in each head's program and once a group (ssd.SSD_CB_ONCE)
+    if kernels:  # and by kernel, ours with C B^T in each head's program and once a group (SSDTiles.cb_once)
+        from dataclasses import replace
+
         from benchmarks.profile_step import print_kernel_times
+        from fastmamba.engine.plan import SSD_TILES
 
-        from fastmamba.kernels import ssd
-
-        default = ssd.SSD_CB_ONCE
+        data = inputs(B, T, H, P, G, N)
         with torch.inference_mode():
-            for cb_once in (default, not default):  # (the default's time is the row above)
-                ssd.SSD_CB_ONCE = cb_once
-                if cb_once != default:
-                    emit(model=size, scan=f"{B}x{T}", cb_once=cb_once, fastmamba_ms=round(ms_of(ours), 3))
-                print_kernel_times(ours, f"{size} fastmamba scan, SSD_CB_ONCE={cb_once}", rows=8)
-            ssd.SSD_CB_ONCE = default
+            for cb_once in (SSD_TILES.cb_once, not SSD_TILES.cb_once):  # (the plan's time is the row above)
+                scan = scan_calls(data, c.chunk_size, c.dt_limit, tiles=replace(SSD_TILES, cb_once=cb_once))[0]
+                if cb_once != SSD_TILES.cb_once:
+                    emit(model=size, scan=f"{B}x{T}", cb_once=cb_once, fastmamba_ms=round(ms_of(scan), 3))
+                print_kernel_times(scan, f"{size} fastmamba scan, cb_once={cb_once}", rows=8)
             print_kernel_times(theirs, f"{size} mamba_ssm scan", rows=8)
 
 

@@ -1,4 +1,4 @@
-"""The multi-GPU run of fastmamba.deploy: Ray Serve replicas (one GPU each) behind the
+"""The multi-GPU run of fastmamba.serve.deploy: Ray Serve replicas (one GPU each) behind the
 OpenAI routes, on loopback, with bounded request loops. Four measurements:
 
 1. throughput (output tokens/s) and time to first token (p50 / p99) with 1 replica and
@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import math
 import random
 import socket
 import sys
@@ -133,12 +132,13 @@ def start_app(args, folder: str, replicas: int, routing: str, port: int, interva
     from ray import serve
 
     from fastmamba.serve.deploy import build
+    from fastmamba.serve.options import ServeOptions
 
     interval = float(args.stream_intervals.split(",")[0]) if interval is None else interval
-    serve.run(build(model=folder, replicas=replicas, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
-                    routing=routing, served_model_name="m", stream_interval_ms=interval,
-                    prefix_cache_mb=args.prefix_cache_mb),
-              name="fastmamba", route_prefix="/")
+    options = ServeOptions.from_dict(dict(model=folder, replicas=replicas, device=args.device, dtype=args.dtype,
+                                          max_batch=args.max_batch, served_model_name="m", stream_interval_ms=interval,
+                                          prefix_cache_mb=args.prefix_cache_mb))
+    serve.run(build(options, routing=routing), name="fastmamba", route_prefix="/")
 
 
 def plain_server(args, folder: str, port: int):
@@ -165,9 +165,9 @@ def plain_server(args, folder: str, port: int):
 def prefix_state_bytes(c) -> int:
     """One prefix cache entry's bytes (prefix_cache.CachedState): every layer's conv and ssm
     state in float32, and the logits."""
-    from fastmamba.core.layers import layer_kind
+    from fastmamba.core.layers import state_bytes
 
-    return 4 * (c.n_layer * sum(math.prod(s) for s in layer_kind(c).state(c)) + c.vocab_size)
+    return state_bytes(c, 4) + 4 * c.vocab_size
 
 
 def replica_actors() -> list:
@@ -210,7 +210,7 @@ def main() -> None:
     if args.shape:
         folder = tempfile.mkdtemp(prefix=f"fastmamba-{args.shape}-")
         bench.write_random_checkpoint(args.shape, folder, getattr(__import__("torch"), args.dtype))
-    from fastmamba.engine.loader import checkpoint_folder
+    from fastmamba.io.folders import checkpoint_folder
 
     folder = str(checkpoint_folder(folder))
     config = MambaConfig.from_file(Path(folder) / "config.json")

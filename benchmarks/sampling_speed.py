@@ -12,6 +12,7 @@ import torch
 from fastmamba.bench import random_model, time_graph_launches, time_graph_steps
 from fastmamba.core.sampling import SlotParams, pick_sampler, sample
 from fastmamba.core.sampling_params import SamplingParams
+from fastmamba.engine.plan import SAMPLER_TILES
 
 V = 50280
 SETTINGS = {
@@ -39,7 +40,7 @@ def main() -> None:
     print(torch.cuda.get_device_name(), flush=True)
     for batch in (1, 32, 128):
         for name, params in SETTINGS.items():
-            pick = pick_sampler([params], True)
+            pick = pick_sampler([params], True, SAMPLER_TILES)
             torch_us, picked_us = time_sampler(sample, params, batch), time_sampler(pick, params, batch)
             print(f"sampler alone, batch {batch:3d}, {name}: sample {torch_us:7.1f} us, {pick.__name__} {picked_us:7.1f} us", flush=True)
     if args.alone:

@@ -1,7 +1,7 @@
 """Serving benchmark: `fastmamba serve`'s HTTP API under load, on loopback.
 
 `fastmamba serve`'s front end (uvicorn in a thread of this process) over its engine process,
-on a model with random weights at a public shape; an asyncio load generator (in processes of its own, so
+on a model with random weights at a public shape (a checkpoint folder written for the run); an asyncio load generator (in processes of its own, so
 that it does not share the server's interpreter lock) with streaming clients at each
 concurrency, prompts of 64-2048 tokens and outputs of 64-512 drawn from a fixed seed (token
 ids: the model has no tokenizer). Per concurrency: output tokens/s, time to first token and
@@ -16,22 +16,25 @@ Every loop is bounded: a fixed number of requests per level, each with a timeout
 
 import argparse
 import asyncio
-import functools
 import json
 import random
 import socket
 import statistics
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import torch
 
-from fastmamba.bench import random_language_model, time_graph_steps
+import fastmamba
+from fastmamba.bench import time_graph_steps, write_random_checkpoint
 from fastmamba.core.sampling_params import SamplingParams
-from fastmamba.engine.process import EngineClient
+from fastmamba.engine.options import EngineOptions
+from fastmamba.engine.process import ProcessClient
 from fastmamba.io.prompts import PromptEncoder
-from fastmamba.serve.app import create_app, metrics_registry
+from fastmamba.serve.app import create_app
+from fastmamba.serve.options import ServeOptions
 
 
 def pct(values, q):
@@ -143,16 +146,18 @@ def main() -> None:
     levels = [int(x) for x in args.levels.split(",")]
     prompts, outputs = ([int(x) for x in a.split(",")] for a in (args.prompts, args.outputs))
     dtype, device = (torch.float32, "cpu") if args.cpu else (torch.bfloat16, "cuda")
-    make_lm = functools.partial(random_language_model, args.model, dtype, device)
-    registry, metrics = metrics_registry()
-    t0 = time.perf_counter()
+    folder = Path(tempfile.mkdtemp(prefix="fastmamba-bench-")) / args.model
+    write_random_checkpoint(args.model, folder, dtype)
     slots = max(levels + [16])  # the 16-client TTFT workload too
-    engine = EngineClient(make_lm, dict(max_batch=slots, prefill_tokens=args.prefill_tokens,
-                                        prefix_cache_bytes=256 << 20), max_queue=10 * slots)
+    options = ServeOptions(engine=EngineOptions(model=str(folder), device=device, dtype=str(dtype).removeprefix("torch."),
+                                                max_batch=slots, prefill_tokens=args.prefill_tokens),
+                           served_model_name=args.model, max_queue=10 * slots)
+    t0 = time.perf_counter()
+    engine = ProcessClient(options.engine, folder, max_queue=options.max_queue)
     print(f"engine process ready (graphs captured) in {time.perf_counter() - t0:.1f} s", flush=True)
-    lm = make_lm()  # offline: the same engine in this process
+    lm = fastmamba.load(folder, device=device, dtype=dtype)  # offline: the same engine in this process
     V = lm.config.vocab_size
-    server, url = start_server(create_app(engine, PromptEncoder(None, V), args.model, registry=registry, metrics=metrics))
+    server, url = start_server(create_app(engine, PromptEncoder(None, V), options))
     clients = start_clients(args.clients)
 
     def run_level(jobs, c):

@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _HOMES = {
     "load": "engine.loader",
-    "default_model_dir": "engine.loader",
+    "default_model_dir": "io.folders",
     "CheckpointError": "core.errors",
     "NonFiniteError": "core.errors",
     "SamplingParams": "core.sampling_params",

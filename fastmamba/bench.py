@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import time
 
 import torch
 
 from fastmamba.core.config import MambaConfig
+from fastmamba.core.layers import layer_kind, state_bytes
 from fastmamba.core.model import Mamba
-from fastmamba.core.layers import layer_kind
 
 SHAPES = {  # the public checkpoints' sizes (d_state 16, d_conv 4; vocab as published)
     "130m": MambaConfig(d_model=768, n_layer=24, vocab_size=50280),
@@ -85,9 +84,9 @@ def random_model(size: str, dtype: torch.dtype, device="cuda", state_dtype: torc
     shape, built on the device from the layer kind's table of tensors; its states in
     state_dtype. On a CUDA device it runs over the GPU ops (the Triton prefill), as
     `fastmamba.load` builds it; elsewhere over the reference ops."""
-    from fastmamba.io.checkpoint import build_weights
     from fastmamba.core.ops import REFERENCE_OPS, triton_ops
     from fastmamba.engine.plan import KERNEL_TILES
+    from fastmamba.io.checkpoint import build_weights
 
     c = SHAPES[size]
     tensors = _random_tensors(c, device)
@@ -119,8 +118,8 @@ def write_random_checkpoint(size: str, folder, dtype: torch.dtype = torch.bfloat
 def random_language_model(size: str, dtype: torch.dtype, device="cuda", state_dtype: torch.dtype = torch.float32):
     """random_model as a LanguageModel with no tokenizer, on the GPU engine where the device
     is CUDA (a module-level function: the serving benchmark's engine process makes its own)."""
-    from fastmamba.engine.language_model import LanguageModel
     from fastmamba.core.ops import REFERENCE_OPS, triton_ops
+    from fastmamba.engine.language_model import LanguageModel
     from fastmamba.engine.plan import KERNEL_TILES
 
     base = random_model(size, dtype, device, state_dtype)
@@ -136,10 +135,7 @@ def step_bytes(model: Mamba, batch: int) -> tuple[int, int]:
     # reads B rows only
     tensors = [w.lm_head, w.norm_f] + [t for lw in w.layers for t in vars(lw).values() if t is not None]
     weight = sum(t.numel() * t.element_size() for t in tensors)
-    c = model.config
-    size = torch.empty(0, dtype=model.state_dtype).element_size()
-    conv, ssm = layer_kind(c).state(c)  # one slot's, a layer
-    state = 2 * size * batch * c.n_layer * (math.prod(conv) + math.prod(ssm))  # read and written
+    state = 2 * batch * state_bytes(model.config, model.state_dtype.itemsize)  # read and written
     return weight, state
 
 
@@ -182,10 +178,10 @@ def time_graph_launches(launches, reps: int = 20) -> float:
 def time_graph_steps(model: Mamba, batch: int, steps: int = 200, deterministic: bool = False, params=None, plan=None) -> float:
     """Median ms per replayed decode step, sampling included: greedy, or with `params`
     (SamplingParams) the sampler that generation would pick for them. plan: a
-    decode_plan.DecodePlan instead of the table's."""
-    from fastmamba.engine.cuda_graphs import GraphDecoder
-    from fastmamba.core.sampling_params import SamplingParams
+    engine/plan.DecodePlan instead of the table's."""
     from fastmamba.core.sampling import pick_sampler
+    from fastmamba.core.sampling_params import SamplingParams
+    from fastmamba.engine.cuda_graphs import GraphDecoder
     from fastmamba.engine.plan import SAMPLER_TILES
 
     params = params or SamplingParams()

@@ -11,6 +11,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import fields
+
+from fastmamba.engine.options import EngineOptions, flag
+from fastmamba.serve.options import ServeOptions
 
 EXIT_ERROR, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 2, 130, 141
 
@@ -38,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Continue PROMPT with a Mamba model, streaming the text to stdout as it is produced.",
     )
     gen.add_argument("prompt", metavar="PROMPT", help="the text to continue")
-    _model_arguments(gen)
+    add_options(gen, EngineOptions, EngineOptions.MODEL_FIELDS)
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), higher = more random")
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
@@ -46,42 +50,14 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability (0 = off)")
     gen.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style penalty (1.0 = off)")
     gen.add_argument("--seed", type=int, default=None, help="random seed for sampling, 0 to 2^32-1 (default: random)")
-    _engine_arguments(gen)
     srv = commands.add_parser(
         "serve",
         help="serve the model over an OpenAI-compatible HTTP API",
         description="Serve a Mamba model over an OpenAI-compatible HTTP API (completions, chat, streaming), "
         "with continuous batching over state slots and a prefix state cache.",
     )
-    _model_arguments(srv)
-    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
-    srv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    srv.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: --model)")
-    srv.add_argument("--max-batch", type=int, default=None,
-                     help="state slots: requests decoded together (default: 16 on the CPU; on a GPU as many as "
-                     "its free memory holds, at most 256)")
-    srv.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a slot; more get 429 (default: 256)")
-    srv.add_argument("--max-model-len", type=int, default=32768,
-                     help="prompt + max_tokens of one request, at most; a request over it gets a 400 (default: 32768)")
-    srv.add_argument("--prefill-tokens", type=int, default=4096,
-                     help="prompt tokens prefilled per engine step at most: more gives throughput, fewer keeps "
-                     "the running streams' pace behind new prompts (default: 4096)")
-    srv.add_argument("--prefix-cache-mb", type=int, default=256, help="memory for cached prefix states, MiB; 0 = off (default: 256)")
-    srv.add_argument("--replicas", type=int, default=0,
-                     help="run N engine replicas on Ray Serve (one GPU each on CUDA), requests routed by prefix; "
-                     "needs pip install 'fastmamba[ray]' (default: 0, one engine without Ray)")
-    srv.add_argument("--autoscale", metavar="MIN:MAX",
-                     help="with Ray Serve: between MIN and MAX replicas as the load asks (in place of --replicas)")
-    srv.add_argument("--stream-interval-ms", type=float, default=None,
-                     help="with Ray Serve: a replica sends each stream's new tokens on every this many ms, in "
-                     "one message (each message costs Ray a fixed time); 0 = each token at once (default: 50)")
-    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (not on /health)")
-    srv.add_argument("--max-body-mb", type=float, default=8,
-                     help="largest request body, MiB; a larger one gets a 413 before it is read (default: 8)")
-    srv.add_argument("--shutdown-timeout", type=float, default=10,
-                     help="on SIGTERM or Ctrl-C, seconds to let running requests finish before they are "
-                     "cancelled and the server exits (default: 10)")
-    _engine_arguments(srv)
+    add_options(srv, EngineOptions)
+    add_options(srv, ServeOptions)
     bench = commands.add_parser(
         "bench",
         help="time GPU decode at the public model shapes (random weights)",
@@ -92,45 +68,20 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _model_arguments(ap: argparse.ArgumentParser) -> None:
-    """The flags that choose the model and where it runs (generate and serve)."""
-    ap.add_argument("--model", metavar="DIR|ORG/NAME",
-                    help="checkpoint folder (HF or original format) or a HuggingFace hub id; default: the bundled model")
-    ap.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    ap.add_argument("--dtype", default="float32", help="storage of the weights: float32, bfloat16/bf16, float16/fp16")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="CPU threads for PyTorch (default: 1, which does not collapse beside a busy neighbour)")
-
-
-def check_serve_flags(args) -> None:
-    """serve's numeric flags in their ranges, before anything loads (the one-line error names the flag)."""
-    for flag in ("max_queue", "max_model_len", "prefill_tokens"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-    if args.replicas < 0:
-        raise ValueError(f"--replicas must be at least 0, got {args.replicas}")
-    if args.stream_interval_ms is not None and not 0 <= args.stream_interval_ms <= 10_000:
-        raise ValueError(f"--stream-interval-ms must be from 0 to 10000, got {args.stream_interval_ms}")
-    if args.max_batch is not None and args.max_batch < 1:
-        raise ValueError(f"--max-batch must be at least 1, got {args.max_batch}")
-    if not 1 <= args.port <= 65535:
-        raise ValueError(f"--port must be from 1 to 65535, got {args.port}")
-    if args.prefix_cache_mb < 0:
-        raise ValueError(f"--prefix-cache-mb must be at least 0, got {args.prefix_cache_mb}")
-    if not 0 < args.max_body_mb <= 4096:
-        raise ValueError(f"--max-body-mb must be above 0 and at most 4096, got {args.max_body_mb:g}")
-    if not 0 <= args.shutdown_timeout <= 3600:
-        raise ValueError(f"--shutdown-timeout must be from 0 to 3600 seconds, got {args.shutdown_timeout:g}")
-
-
-def _engine_arguments(ap: argparse.ArgumentParser) -> None:
-    """The flags that choose how the engine computes (generate and serve)."""
-    ap.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="storage of the recurrent state (bfloat16: half the memory and a faster large-batch "
-                    "step on the GPU, at an accuracy cost that grows with the tokens; default: float32)")
-    ap.add_argument("--deterministic", action="store_true",
-                    help="GPU: a sequence's logits bitwise the same whatever else runs beside it "
-                    "(load(deterministic=True)); no effect on the CPU, which is deterministic already")
+def add_options(ap: argparse.ArgumentParser, options, names=None) -> None:
+    """The flags of an options dataclass's fields (all, or `names`): --field-name, typed by
+    the field, its help and argparse settings from the field's metadata, its default the
+    field's (so that a flag not given leaves the field's default)."""
+    for f in fields(options):
+        if f.name == "engine" or (names is not None and f.name not in names):
+            continue
+        meta = dict(f.metadata)
+        help_text = meta.pop("help")
+        if f.type == "bool":
+            ap.add_argument(flag(f.name), action="store_true", help=help_text)
+            continue
+        kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
+        ap.add_argument(flag(f.name), type=kind, default=f.default, help=help_text, **meta)
 
 
 def add_bench_arguments(ap: argparse.ArgumentParser) -> None:
@@ -157,17 +108,11 @@ def main(argv: list[str] | None = None) -> int:
             from fastmamba.bench import main_from_args
 
             return main_from_args(args)
-        if args.model is not None and not args.model.strip():
-            raise ValueError("--model is empty: give a checkpoint folder or a hub id org/name")
-        cores = os.cpu_count() or 1
-        if args.threads is not None and not 1 <= args.threads <= cores:
-            raise ValueError(f"--threads must be from 1 to {cores} (this machine's cores), got {args.threads}")
         if args.command == "serve":
-            check_serve_flags(args)
-            from fastmamba.serve.app import serve
+            from fastmamba.serve.main import serve
 
-            return serve(args)
-        return _generate(args)
+            return serve(ServeOptions.from_namespace(args))
+        return _generate(args, EngineOptions(**{name: getattr(args, name) for name in EngineOptions.MODEL_FIELDS}))
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except BrokenPipeError:
@@ -210,7 +155,7 @@ def _prompt_text(prompt: str) -> str:
     return prompt
 
 
-def _generate(args) -> int:
+def _generate(args, options: EngineOptions) -> int:
     if sys.stdout is None:  # started with stdout closed: nowhere to write the text
         return EXIT_BROKEN_PIPE
     prompt = _prompt_text(args.prompt)
@@ -226,10 +171,9 @@ def _generate(args) -> int:
         repetition_penalty=args.repetition_penalty,
         seed=args.seed,
     )
-    if args.model is None and not (fastmamba.default_model_dir() / "config.json").exists():
+    if options.model is None and not (fastmamba.default_model_dir() / "config.json").exists():
         raise ValueError("no bundled model in this install: pass --model DIR")
-    lm = fastmamba.load(args.model, device=args.device, dtype=args.dtype, threads=args.threads,
-                        state_dtype=args.state_dtype, deterministic=args.deterministic)
+    lm = fastmamba.load(**options.load_kwargs())
     if lm.tokenizer is None:
         raise ValueError(f"the model in {lm.path} has no tokenizer.json: give --model a folder with one")
     out = sys.stdout

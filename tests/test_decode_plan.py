@@ -1,4 +1,4 @@
-"""The decode plan table (fastmamba/decode_plan.py): it covers every width, dtype and batch
+"""The decode plan table (fastmamba/engine/plan.py): it covers every width, dtype and batch
 once, its plans are what the steps are built from, and the README's batch-invariance
 ranges are the table's."""
 

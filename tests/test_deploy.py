@@ -1,4 +1,4 @@
-"""fastmamba.deploy on a local Ray cluster (CPU, the bundled model): replicas behind the
+"""fastmamba.serve.deploy on a local Ray cluster (CPU, the bundled model): replicas behind the
 OpenAI routes, requests routed by prefix, a replica killed. Bounded request loops."""
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ def app():
     from ray import serve
 
     from fastmamba.serve.deploy import build
+    from fastmamba.serve.options import ServeOptions
 
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build(replicas=2, max_batch=4, served_model_name="tiny"), name="fastmamba", route_prefix="/")
+    options = ServeOptions.from_dict(dict(replicas=2, max_batch=4, served_model_name="tiny"))
+    serve.run(build(options), name="fastmamba", route_prefix="/")
     yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
     serve.shutdown()
     ray.shutdown()
@@ -106,25 +108,31 @@ def test_batch_over_a_dataset_equals_generate_batch(app, lm):
 
 def test_the_command_lines_scale_settings(monkeypatch):
     from fastmamba.serve import deploy
+    from fastmamba.serve.options import autoscaling
 
-    built = {}
-    monkeypatch.setattr(deploy, "build", lambda **kw: built.update(kw))
+    built = []
+    monkeypatch.setattr(deploy, "build", built.append)
     deploy.app({"model": "m", "replicas": "3", "max_batch": "8", "deterministic": "true", "stream_interval_ms": "20"})
-    assert built["replicas"] == 3 and built["max_batch"] == 8 and built["deterministic"] is True
-    assert built["stream_interval_ms"] == 20.0
-    built.clear()
+    options = built.pop()
+    assert options.replicas == 3 and options.engine.max_batch == 8 and options.engine.deterministic is True
+    assert options.stream_interval_ms == 20.0 and options.engine.model == "m"
     deploy.app({"autoscale": "1:4", "max_batch": "8"})
-    assert built["autoscaling"] == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8}
+    assert built.pop().autoscaling() == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8}
     for bad in ("4", "3:1", "a:b", "0:0"):
         with pytest.raises(ValueError, match="--autoscale"):
-            deploy.autoscaling(bad)
+            autoscaling(bad)
+        with pytest.raises(ValueError, match="--autoscale"):
+            deploy.app({"autoscale": bad})
+    with pytest.raises(ValueError, match="--max-batch"):
+        deploy.app({"max_batch": "many"})
 
 
 def test_a_routing_policy_is_prefix_or_round_robin():
     from fastmamba.serve.deploy import build
+    from fastmamba.serve.options import ServeOptions
 
     with pytest.raises(ValueError, match="routing must be 'prefix' or 'round-robin'"):
-        build(replicas=1, routing="random")
+        build(ServeOptions(replicas=1), routing="random")
 
 
 def test_a_replica_sends_a_streams_tokens_in_lists_at_its_interval():
@@ -132,37 +140,46 @@ def test_a_replica_sends_a_streams_tokens_in_lists_at_its_interval():
     came in each interval, every output once and in order, the end with the replica's stats."""
     import asyncio
 
-    from fastmamba.serve.deploy import EngineReplica
+    from fastmamba.engine import protocol
+    from fastmamba.engine.protocol import Finished, Stats, Token
+    from fastmamba.serve.deploy import EngineReplica, ReplicaOutputs
 
     class Engine:  # outputs every 5 ms, as the engine's steps would give them
-        stats = {"steps": 1}
+        stats = Stats(running=1)
         aborted = []
 
         def submit(self, ids, params, top_logprobs, emit):
             async def feed():
                 for k in range(30):
                     await asyncio.sleep(0.005)
-                    emit((0, k, None, "length" if k == 29 else None, {} if k == 29 else None))
+                    emit(Token(0, k))
+                emit(Finished(0, "length", 2, 30, 0, 0.0))
             self.task = asyncio.get_running_loop().create_task(feed())
             return 0
 
         def abort(self, rid):
             self.aborted.append(rid)
 
+        def shutdown(self, timeout=10):
+            pass
+
     replica = object.__new__(EngineReplica)
     replica.client, replica.name, replica.interval = Engine(), "r0", 0.04
+    replica._encode = protocol.encoder().encode
+    decode = protocol.decoder(ReplicaOutputs).decode
 
     async def run():
         t0, got = time.monotonic(), []
-        async for batch in replica.generate(1, [1, 2], {}, None):
-            got.append((time.monotonic() - t0, batch))
+        async for item in replica.generate(1, [1, 2], None, None):
+            got.append((time.monotonic() - t0, decode(item)))
         return got
 
     got = asyncio.run(run())
-    assert len(got[0][1]) == 1  # the first token goes on at once (waiting, it would have company)
-    assert [o[1] for _, b in got for o in b] == list(range(30))
+    assert len(got[0][1].outputs) == 1  # the first token goes on at once (waiting, it would have company)
+    assert [o.token for _, b in got for o in b.outputs if isinstance(o, Token)] == list(range(30))
     assert 3 <= len(got) <= 12  # ~150 ms of tokens in lists 40 ms apart, not 30 messages
     assert all(b - a >= 0.02 for (a, _), (b, _) in zip(got[1:], got[2:]))
-    end = got[-1][1][-1]
-    assert end[3] == "length" and end[4]["replica"] == "r0" and end[4]["stats"] == {"steps": 1}
+    last = got[-1][1]
+    assert isinstance(last.outputs[-1], Finished) and last.replica == "r0" and last.stats == Stats(running=1)
+    assert all(b.replica is None for _, b in got[:-1])
     assert replica.client.aborted == [0]  # (the request is let go once its stream ends)

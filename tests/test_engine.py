@@ -1,4 +1,5 @@
-"""The engine core (engine.py) without HTTP: what `generate` and `serve` both run."""
+"""The engine core (engine/engine_core.py) without HTTP: what `generate` and `serve` both run,
+its requests and outputs protocol.py's messages."""
 
 from __future__ import annotations
 
@@ -6,8 +7,20 @@ import pytest
 import torch
 
 import fastmamba
-from fastmamba.engine.engine_core import EngineCore, EngineRequest
 from fastmamba.core.sampling_params import SamplingParams
+from fastmamba.engine.engine_core import EngineCore
+from fastmamba.engine.protocol import Finished, Request, Token
+
+_rids = iter(range(1 << 30))
+
+
+def engine(lm, **options) -> EngineCore:
+    """The engine core over a language model's model and prefill."""
+    return EngineCore(lm.model, lm.prefill, threads=lm.threads, **options)
+
+
+def request(ids, params, top_logprobs=None) -> Request:
+    return Request(next(_rids), ids, params, top_logprobs)
 
 
 @pytest.fixture(scope="module")
@@ -15,26 +28,27 @@ def lm():
     return fastmamba.load()
 
 
-def run(core: EngineCore, reqs: list[EngineRequest], limit: int = 10_000) -> dict:
-    """Steps until every request ended: {rid: (tokens, finish reason, end info)}."""
+def run(core: EngineCore, reqs: list[Request], limit: int = 10_000) -> dict:
+    """Steps until every request ended: {rid: (tokens, finish reason, its Finished)}."""
     for r in reqs:
         core.add(r)
     got = {r.rid: ([], None, None) for r in reqs}
     for _ in range(limit):
-        for rid, token, _, reason, info in core.step():
-            tokens, _, _ = got[rid]
-            if token is not None:
-                tokens.append(token)
-            if reason is not None:
-                got[rid] = (tokens, reason, info)
+        for out in core.step():
+            tokens, _, _ = got[out.rid]
+            if isinstance(out, Token):
+                tokens.append(out.token)
+            else:
+                assert isinstance(out, Finished), out
+                got[out.rid] = (tokens, out.reason, out)
         if all(v[1] is not None for v in got.values()) and not core.has_work:
             return got
     raise AssertionError("the engine did not finish")
 
 
-def jobs(lm, n: int) -> list[EngineRequest]:
+def jobs(lm, n: int) -> list[Request]:
     prompts = ["To be, or not to be", "ROMEO.", "a", "Now is the winter of our discontent " * 3]
-    return [EngineRequest(lm.encode(prompts[k % 4]), SamplingParams(max_tokens=5 + 3 * k, temperature=0.8 * (k % 2),
+    return [request(lm.encode(prompts[k % 4]), SamplingParams(max_tokens=5 + 3 * k, temperature=0.8 * (k % 2),
                                                                     seed=k, stop_token_ids=[] if k % 3 else None))
             for k in range(n)]
 
@@ -44,7 +58,7 @@ def jobs(lm, n: int) -> list[EngineRequest]:
 def test_each_request_gets_what_generate_gives_it_alone(lm, run_ahead, prefill_tokens):
     """More requests than slots, prompts prefilled in chunks or together, and (run_ahead)
     the GPU's bookkeeping of a step ahead, whose extra steps past an end are discarded."""
-    core = EngineCore(lm, max_batch=3, prefill_tokens=prefill_tokens)
+    core = engine(lm, max_batch=3, prefill_tokens=prefill_tokens)
     core.run_ahead = run_ahead
     reqs = jobs(lm, 8)
     got = run(core, reqs)
@@ -52,7 +66,7 @@ def test_each_request_gets_what_generate_gives_it_alone(lm, run_ahead, prefill_t
         want = lm.generate(r.ids, r.params)
         tokens, reason, info = got[r.rid]
         assert tokens == want.token_ids and reason == want.finish_reason, r.rid
-        assert info["completion_tokens"] == len(tokens) and info["prompt_tokens"] == len(r.ids)
+        assert info.completion_tokens == len(tokens) and info.prompt_tokens == len(r.ids)
     assert core.running == 0 and not core.requests
 
 
@@ -60,22 +74,22 @@ def test_each_request_gets_what_generate_gives_it_alone(lm, run_ahead, prefill_t
 def test_a_finished_requests_state_is_cached_at_prompt_plus_output(lm, run_ahead):
     """The state kept when a request ends is the state after every token it fed: a prompt
     that continues the conversation resumes there and gets the cold prefill's tokens."""
-    core = EngineCore(lm, max_batch=2, prefill_tokens=64, prefix_cache_bytes=64 << 20)
+    core = engine(lm, max_batch=2, prefill_tokens=64, prefix_cache_bytes=64 << 20)
     core.run_ahead = run_ahead
-    first = EngineRequest(lm.encode("ROMEO.\nWhat say you?"), SamplingParams(max_tokens=12, stop_token_ids=[]))
+    first = request(lm.encode("ROMEO.\nWhat say you?"), SamplingParams(max_tokens=12, stop_token_ids=[]))
     tokens = run(core, [first])[first.rid][0]
     follow = first.ids + tokens + lm.encode(" Speak again.")
-    second = EngineRequest(follow, SamplingParams(max_tokens=6))
+    second = request(follow, SamplingParams(max_tokens=6))
     got, _, info = run(core, [second])[second.rid]
     # the step ahead has fed the last token too; without it, the one before
-    assert info["cached_tokens"] == len(first.ids) + len(tokens) - (0 if run_ahead else 1)
+    assert info.cached_tokens == len(first.ids) + len(tokens) - (0 if run_ahead else 1)
     assert got == lm.generate(follow, max_tokens=6).token_ids
 
 
 def test_abort_frees_the_slot_and_ends_the_outputs(lm):
-    core = EngineCore(lm, max_batch=1, prefill_tokens=64)
-    long = core.add(EngineRequest(lm.encode("To be"), SamplingParams(max_tokens=1000, stop_token_ids=[])))
-    waiting = core.add(EngineRequest(lm.encode("To be"), SamplingParams(max_tokens=2)))
+    core = engine(lm, max_batch=1, prefill_tokens=64)
+    long = core.add(request(lm.encode("To be"), SamplingParams(max_tokens=1000, stop_token_ids=[])))
+    waiting = core.add(request(lm.encode("To be"), SamplingParams(max_tokens=2)))
     for _ in range(3):
         core.step()
     assert core.running == 1 and len(core.waiting) == 1
@@ -83,16 +97,15 @@ def test_abort_frees_the_slot_and_ends_the_outputs(lm):
     outs = []
     while core.has_work:
         outs += core.step()
-    assert {o[0] for o in outs} == {waiting.rid} and outs[-1][3] is not None
+    assert {o.rid for o in outs} == {waiting.rid} and isinstance(outs[-1], Finished)
 
 
 def test_logprobs_are_the_chosen_and_best_tokens(lm):
-    core = EngineCore(lm, max_batch=2)
-    r = EngineRequest(lm.encode("To be"), SamplingParams(max_tokens=3), top_logprobs=2)
-    core.add(r)
+    core = engine(lm, max_batch=2)
+    core.add(request(lm.encode("To be"), SamplingParams(max_tokens=3), top_logprobs=2))
     entries = []
     while core.has_work:
-        entries += [o[2] for o in core.step() if o[1] is not None]
+        entries += [(o.logprob.chosen, o.logprob.top) for o in core.step() if isinstance(o, Token)]
     logits = lm.forward(torch.tensor([lm.encode("To be")]))[0, -1]
     best = torch.log_softmax(logits, -1).topk(2)
     chosen, top = entries[0]
@@ -105,9 +118,9 @@ def test_the_engine_on_the_gpu_generates_what_generate_does_alone(text_checkpoin
     """Deterministic mode (a slot's logits bitwise the same at any batch size), chunked
     prefill (a budget of 64 tokens a step) and the step ahead, against generate alone."""
     lm = fastmamba.load(text_checkpoint, device="cuda", deterministic=True)
-    core = EngineCore(lm, max_batch=6, prefill_tokens=64)
-    reqs = [EngineRequest(lm.encode("To be, or not to be " * (1 + k % 4)),
-                          SamplingParams(max_tokens=8 + 3 * k, temperature=0.8, seed=k, stop_token_ids=[]))
+    core = engine(lm, max_batch=6, prefill_tokens=64)
+    reqs = [request(lm.encode("To be, or not to be " * (1 + k % 4)),
+                    SamplingParams(max_tokens=8 + 3 * k, temperature=0.8, seed=k, stop_token_ids=[]))
             for k in range(10)]
     got = run(core, reqs)
     for r in reqs:

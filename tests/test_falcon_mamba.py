@@ -9,11 +9,11 @@ import json
 
 import pytest
 import torch
-
-import fastmamba
 from conftest import FALCON_CONFIGS
 from test_loader import edit_config, load_error
-from test_parity import F32_TOL, greedy_against_transformers, rel_err, random_ids
+from test_parity import F32_TOL, greedy_against_transformers, random_ids, rel_err
+
+import fastmamba
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

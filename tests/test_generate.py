@@ -27,9 +27,9 @@ def test_deterministic_prefills_each_prompt_as_it_would_alone(checkpoints):
     alone (the default prefills the prompts together, left-padded)."""
     lm = fastmamba.load(checkpoints["untied_bias_rank"], deterministic=True)
     prompts = [[5, 17, 3, 40], list(range(1, 30)), [7]]
-    logits, state = lm._prefill_prompts(prompts)
+    logits, state = lm.prefill(prompts)
     for i, ids in enumerate(prompts):
-        alone, alone_state = lm._prefill_prompts([ids])
+        alone, alone_state = lm.prefill([ids])
         assert torch.equal(logits[i], alone[0])
         assert torch.equal(state.conv[:, i], alone_state.conv[:, 0]) and torch.equal(state.ssm[:, i], alone_state.ssm[:, 0])
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import fastmamba
 from conftest import assert_within_transformers_16bit_error, save_hf_checkpoint
 from conftest import relative_error as rel_err
+
+import fastmamba
 
 pytestmark = pytest.mark.gpu
 F32_TOL = 1e-3
@@ -46,11 +46,11 @@ def test_engine_logits_match_the_cpu_reference(dtype, B, kind, real_shape_ckpt):
 
 
 def test_graph_replay_equals_eager_bitwise(real_shape_ckpt):
+    from fastmamba.core.sampling import SlotParams, sample
+    from fastmamba.core.sampling_params import SamplingParams
     from fastmamba.engine.cuda_graphs import GraphDecoder
     from fastmamba.engine.decode_step import make_decode_step
     from fastmamba.engine.plan import DecodePlan
-    from fastmamba.core.sampling_params import SamplingParams
-    from fastmamba.core.sampling import SlotParams, sample
 
     model = fastmamba.load(real_shape_ckpt, device="cuda", dtype="bfloat16").model
     B = 3
@@ -105,9 +105,9 @@ def test_deterministic_batch_prefill_is_bitwise_each_prompt_alone(real_shape_ckp
     the next replay)."""
     lm = fastmamba.load(real_shape_ckpt, device="cuda", dtype="bfloat16", deterministic=True)
     prompts = [[1, 2, 3], list(range(10, 40)), [7], list(range(100, 700))]
-    logits, state = lm._prefill_prompts(prompts)
+    logits, state = lm.prefill(prompts)
     for i, ids in enumerate(prompts):
-        alone, alone_state = lm._prefill_prompts([ids])
+        alone, alone_state = lm.prefill([ids])
         assert torch.equal(logits[i], alone[0]), i
         assert torch.equal(state.ssm[:, i], alone_state.ssm[:, 0]), i
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_loader import edit_config, load_error
 
 import fastmamba
-from test_loader import edit_config, load_error
 
 
 @pytest.fixture()

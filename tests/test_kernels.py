@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_within_transformers_16bit_error
 
 import fastmamba
-from conftest import assert_within_transformers_16bit_error
 from fastmamba.engine.decode_step import make_decode_step
 from fastmamba.engine.plan import PRODUCTS_BLOCKS, SAMPLER_TILES, DecodePlan
 from fastmamba.kernels import decode_step as ds
@@ -209,7 +209,7 @@ def test_whole_step_equals_the_reference_model(case, fused):
 def test_a_slot_is_bitwise_the_same_in_any_batch(checkpoints, batch, slot, rows, deterministic):
     """Deterministic mode: any batch size (70 rows take other product tiles than 1 or 3 on
     the GPU; the interpreter keeps one tiling, see products._tiles). Default: within one of
-    decode_plan.batch_invariant_ranges (here 1-4 and 5-32). (The interpreter's
+    plan.batch_invariant_ranges (here 1-4 and 5-32). (The interpreter's
     numpy products may round a row by its place in the tile: 21 rows put slot 2's low half
     where 5 rows do, at row 7 of a 16-row tile.)"""
     model = fastmamba.load(checkpoints["untied_bias_rank"], device=DEVICE, dtype="bfloat16").model
@@ -248,7 +248,7 @@ def test_gemm_matches_its_ref_in_every_chunk(dtype, M, N, K, splits):
 
 
 def test_make_decode_step_builds_what_the_plan_says(checkpoints):
-    """make_decode_step builds the step decode_plan.plan_for names, with its cuBLAS
+    """make_decode_step builds the step plan.plan_for names, with its cuBLAS
     products; a plan passed in wins over the table."""
     from fastmamba.engine.plan import ALL, IN_PROJ, NONE, DecodePlan, plan_for
     from fastmamba.kernels.decode_gemm import GemmDecodeStep
@@ -423,9 +423,9 @@ def test_triton_samplers_match_sample(name, rounds):
     times first, and with one pass its last step (one program narrowing alone) runs too."""
     from dataclasses import replace
 
-    from fastmamba.kernels import sampler
-    from fastmamba.core.sampling_params import SamplingParams
     from fastmamba.core.sampling import SlotParams, sample
+    from fastmamba.core.sampling_params import SamplingParams
+    from fastmamba.kernels import sampler
 
     tiles = replace(SAMPLER_TILES, cap=64, rounds=rounds)
     params = [SamplingParams(**kw) for kw in SAMPLER_PARAMS]

@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 import torch
+from conftest import save_original_checkpoint
 from safetensors.torch import load_file, save_file
 
 import fastmamba
-from conftest import save_original_checkpoint
 
 
 @pytest.fixture()

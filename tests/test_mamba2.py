@@ -8,12 +8,13 @@ import json
 
 import pytest
 import torch
+from conftest import assert_within_transformers_16bit_error, relative_error
 from safetensors.torch import load_file, save_file
 
 import fastmamba
-from conftest import assert_within_transformers_16bit_error, relative_error
-from fastmamba.engine.engine_core import EngineCore, EngineRequest
 from fastmamba.core.sampling_params import SamplingParams
+from fastmamba.engine.engine_core import EngineCore
+from fastmamba.engine.protocol import Finished, Request, Token
 
 transformers = pytest.importorskip("transformers")
 
@@ -113,23 +114,24 @@ def test_a_batch_gives_each_prompt_what_it_gets_alone(case):
 def check_engine_paths(lm, reference) -> None:
     """The serving engine's paths on `lm`: prompts in 8-token chunks, then a cached prefix
     resumed; each request's tokens what `reference` generates alone."""
-    core = EngineCore(lm, max_batch=2, prefill_tokens=8, prefix_cache_bytes=16 << 20)
+    core = EngineCore(lm.model, lm.prefill, max_batch=2, prefill_tokens=8, prefix_cache_bytes=16 << 20)
     first = ids(1, 20, seed=7)[0].tolist()
-    reqs = [EngineRequest(first, SamplingParams(max_tokens=6, stop_token_ids=[])),
-            EngineRequest(first + [5, 6, 7], SamplingParams(max_tokens=6, stop_token_ids=[]))]
+    reqs = [Request(0, first, SamplingParams(max_tokens=6, stop_token_ids=[])),
+            Request(1, first + [5, 6, 7], SamplingParams(max_tokens=6, stop_token_ids=[]))]
     got = {}
     for r in reqs:
         core.add(r)
         while core.has_work:
-            for rid, token, _, reason, info in core.step():
-                got.setdefault(rid, [[], None])
-                if token is not None:
-                    got[rid][0].append(token)
-                if reason is not None:
-                    got[rid][1] = info
+            for out in core.step():
+                got.setdefault(out.rid, [[], None])
+                if isinstance(out, Token):
+                    got[out.rid][0].append(out.token)
+                else:
+                    assert isinstance(out, Finished), out
+                    got[out.rid][1] = out
     for r in reqs:
         assert got[r.rid][0] == reference.generate(r.ids, max_tokens=6, stop_token_ids=[]).token_ids
-    assert got[reqs[1].rid][1]["cached_tokens"] >= len(first)
+    assert got[reqs[1].rid][1].cached_tokens >= len(first)
 
 
 def test_the_engine_with_chunks_and_the_prefix_cache(case):
@@ -359,11 +361,11 @@ def test_the_gpu_engines_model_equals_the_reference(tmp_path, monkeypatch, deter
     norms and scan step) against the reference: a prefill, then decode steps through the
     decode plan's step (or it and the one-row step in turn): logits and both states."""
     pytest.importorskip("triton")
-    from fastmamba.engine.plan import KERNEL_TILES, DecodePlan
-    from fastmamba.kernels import ssd
-    from fastmamba.engine.decode_step import make_decode_step
     from fastmamba.core.model import Mamba
     from fastmamba.core.ops import triton_ops
+    from fastmamba.engine.decode_step import make_decode_step
+    from fastmamba.engine.plan import KERNEL_TILES, DecodePlan
+    from fastmamba.kernels import ssd
 
     folder, _ = save_mamba2(tmp_path / "m", n_groups=2, use_bias=True)
     ref = fastmamba.load(folder).model
@@ -400,10 +402,10 @@ def test_the_one_row_step_equals_the_reference(tmp_path, overrides, before, stat
     pytest.importorskip("triton")
     from dataclasses import replace
 
-    from fastmamba.engine.plan import KERNEL_TILES, DecodePlan, one_row_blocks
-    from fastmamba.engine.decode_step import make_decode_step
     from fastmamba.core.model import Mamba
     from fastmamba.core.ops import triton_ops
+    from fastmamba.engine.decode_step import make_decode_step
+    from fastmamba.engine.plan import KERNEL_TILES, DecodePlan, one_row_blocks
 
     folder, _ = save_mamba2(tmp_path / "m", **overrides)
     loaded = fastmamba.load(folder).model
@@ -442,12 +444,15 @@ def test_the_one_row_kernels_equal_their_twins(tmp_path, before, out_tile):
     pytest.importorskip("triton")
     from dataclasses import replace
 
-    from fastmamba.engine.plan import KERNEL_TILES, DecodePlan, one_row_blocks
-    from fastmamba.engine.decode_step import make_decode_step
-    from fastmamba.kernels.gemv import from_fixed, to_fixed
-    from fastmamba.kernels.decode_step_mamba2 import gated_out_proj_ref, ssd_conv_step_ref
     from fastmamba.core.model import Mamba
     from fastmamba.core.ops import triton_ops
+    from fastmamba.engine.decode_step import make_decode_step
+    from fastmamba.engine.plan import KERNEL_TILES, DecodePlan, one_row_blocks
+    from fastmamba.kernels.decode_step_mamba2 import (
+        gated_out_proj_ref,
+        ssd_conv_step_ref,
+    )
+    from fastmamba.kernels.gemv import from_fixed, to_fixed
 
     folder, _ = save_mamba2(tmp_path / "m", n_groups=2, use_bias=True, use_conv_bias=True)
     loaded = fastmamba.load(folder, device=DEVICE).model

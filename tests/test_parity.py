@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import (
+    HF_CONFIGS,
+    assert_within_transformers_16bit_error,
+    save_hf_checkpoint,
+    save_original_checkpoint,
+)
 
 import fastmamba
-from conftest import HF_CONFIGS, assert_within_transformers_16bit_error, save_hf_checkpoint, save_original_checkpoint
 
 F32_TOL = 1e-4  # relative to the largest logit
 LOW_TOL = 2e-2  # bf16 / fp16 storage

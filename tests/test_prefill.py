@@ -7,11 +7,16 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import relative_error as rel_err
 
 import fastmamba
-from conftest import relative_error as rel_err
-from fastmamba.kernels.causal_conv1d import causal_conv1d, causal_conv1d_ref
+from fastmamba.core.mamba1 import in_proj_dtype
+from fastmamba.core.model import Mamba
+from fastmamba.core.ops import triton_ops
+from fastmamba.engine.plan import CONV_TILES, KERNEL_TILES, SCAN_TILES, STEP_SIZE_TILES
 from fastmamba.kernels import selective_scan as ss
+from fastmamba.kernels.causal_conv1d import causal_conv1d, causal_conv1d_ref
+from fastmamba.kernels.products import linear_storage
 from fastmamba.kernels.selective_scan import (
     ScanLaunch,
     selective_scan,
@@ -20,11 +25,6 @@ from fastmamba.kernels.selective_scan import (
     step_and_scan_ref,
 )
 from fastmamba.kernels.step_size import step_size, step_size_ref
-from fastmamba.kernels.products import linear_storage
-from fastmamba.core.model import Mamba
-from fastmamba.core.mamba1 import in_proj_dtype
-from fastmamba.core.ops import triton_ops
-from fastmamba.engine.plan import CONV_TILES, KERNEL_TILES, SCAN_TILES, STEP_SIZE_TILES
 
 pytest.importorskip("triton")
 GPU = torch.cuda.is_available()

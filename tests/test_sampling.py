@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastmamba.core.sampling_params import SamplingParams
 from fastmamba.core.sampling import SlotParams, hash32, sample, uniforms
+from fastmamba.core.sampling_params import SamplingParams
 
 
 def slots_for(params: list[SamplingParams], vocab: int, seeds=None, seen=None) -> SlotParams:

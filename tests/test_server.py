@@ -301,14 +301,14 @@ def test_api_key_and_queue_limit():
 
 
 def test_a_streamed_tokens_chunk_is_the_chunk_json_would_give():
-    """_Shape.sse_chunk's template (made once a choice) against the chunk's own JSON, for
+    """Response.sse_chunk's template (made once a choice) against the chunk's own JSON, for
     texts that JSON must escape."""
-    from fastmamba.serve.app import _Shape, _sse
+    from fastmamba.serve.responses import Response, sse
 
     for chat in (False, True):
-        shape = _Shape("cmpl-1", "m", chat, None, ["", ""])
+        shape = Response("cmpl-1", "m", chat, None, ["", ""])
         for piece in ("hello", "", 'a"b\\\n\u00e9\u0000', "日本", "\u2028"):
-            want = _sse(shape.chunk(1, {"content": piece} if chat else piece, None, None))
+            want = sse(shape.chunk(1, {"content": piece} if chat else piece, None, None))
             assert shape.sse_chunk(1, piece, None, None) == want
 
 
@@ -394,3 +394,28 @@ def test_the_engine_process_ends_with_its_front_end():
             return
         time.sleep(0.1)
     raise AssertionError("the engine process outlived its front end by 10 s")
+
+
+def test_the_http_process_imports_no_torch():
+    """The front end (options, app, chat template, engine client and protocol) runs without
+    the model stack: building serve's app for the bundled model imports no torch."""
+    code = """
+import sys
+from fastmamba.engine.client import EngineClient
+from fastmamba.engine.process import ProcessClient
+from fastmamba.io.folders import checkpoint_folder
+from fastmamba.serve.app import folder_app
+from fastmamba.serve.main import serve
+from fastmamba.serve.options import ServeOptions
+
+class Idle(EngineClient):
+    max_batch = 1
+    alive = True
+    def submit(self, *a, **k): raise AssertionError
+    def abort(self, rid): pass
+
+folder_app(Idle(), checkpoint_folder(None), ServeOptions())
+assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("fastmamba"))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

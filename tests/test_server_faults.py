@@ -11,12 +11,12 @@ import signal
 import time
 
 import pytest
-
 from test_server import Server, gauge, running
 
 openai = pytest.importorskip("openai")
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 LIMIT = 96  # --max-model-len of the shared server: anything it accepts finishes fast on a CPU
 

@@ -37,22 +37,29 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from fastmamba.engine.plan import (  # noqa: E402
-    CONV_GRAD_TILES, CONV_TILES, PRODUCTS_BLOCKS, SAMPLER_TILES, SCAN_TILES, SSD_TILES, STEP_SIZE_TILES, TRAIN_SCAN_TILES,
+    CONV_GRAD_TILES,
+    CONV_TILES,
+    PRODUCTS_BLOCKS,
+    SAMPLER_TILES,
+    SCAN_TILES,
+    SSD_TILES,
+    STEP_SIZE_TILES,
+    TRAIN_SCAN_TILES,
     one_row_blocks,
 )
 from fastmamba.kernels import causal_conv1d as cc  # noqa: E402
+from fastmamba.kernels import conv_grad as cg  # noqa: E402
 from fastmamba.kernels import decode_gemm as dg  # noqa: E402
 from fastmamba.kernels import decode_step as ds  # noqa: E402
+from fastmamba.kernels import decode_step_mamba2 as s2  # noqa: E402
+from fastmamba.kernels import gated_norm as gn  # noqa: E402
 from fastmamba.kernels import products as gm  # noqa: E402
 from fastmamba.kernels import rmsnorm as rn  # noqa: E402
 from fastmamba.kernels import sampler as sp  # noqa: E402
-from fastmamba.kernels import selective_scan as ss  # noqa: E402
-from fastmamba.kernels import step_size as st  # noqa: E402
-from fastmamba.kernels import conv_grad as cg  # noqa: E402
-from fastmamba.kernels import gated_norm as gn  # noqa: E402
 from fastmamba.kernels import scan_grad as sg  # noqa: E402
-from fastmamba.kernels import decode_step_mamba2 as s2  # noqa: E402
+from fastmamba.kernels import selective_scan as ss  # noqa: E402
 from fastmamba.kernels import ssd as sd  # noqa: E402
+from fastmamba.kernels import step_size as st  # noqa: E402
 
 target = GPUTarget("cuda", 90, 32)
 

@@ -1,4 +1,4 @@
-"""The Mamba-2 (SSD) layer over `model.Ops`: the pure-PyTorch twins on the reference engine,
+"""The Mamba-2 (SSD) layer over `core/ops.Ops`: the pure-PyTorch twins on the reference engine,
 cuBLAS and the Triton kernels (kernels/ssd.py, kernels/gated_norm.py) on the GPU engine.
 
 Per layer, with h the residual stream (d = d_model, E = d_inner = H heads x P head_dim,
@@ -89,7 +89,7 @@ def state_shapes(c) -> tuple[tuple[int, ...], tuple[int, ...]]:
 def mixer2(config, lw: Mamba2LayerWeights, u: torch.Tensor, conv_state, ssm_state, ops, start=None,
            resets=None) -> torch.Tensor:
     """One Mamba-2 layer's mixer over T new tokens, continuing from and updating the layer's
-    state: u (B, T, d) -> (B, T, d) f32, through `ops` (model.Ops: the pure-PyTorch twins,
+    state: u (B, T, d) -> (B, T, d) f32, through `ops` (core/ops.Ops: the pure-PyTorch twins,
     or cuBLAS and the Triton kernels). start (B,): left padding; resets (B, T) bool: the row's
     conv and ssm states are zero before step t (an episode's or a packed sequence's start)."""
     c = config

@@ -6,9 +6,9 @@ Two forms over one set of weights:
   differentiable with respect to the parameters, x and the initial state;
 - `bb.step(x, state)`: one step for a batch of environments, in place, no grad; on CUDA one
   graph replay per batch size and state.
-The sequence pass runs the language model's own layer (model.mixer), whose ops take reset
+The sequence pass runs the language model's own layer (core/mamba1.mixer), whose ops take reset
 flags: on the CPU the pure-PyTorch ops; on CUDA the prefill kernels without autograd, and
-under autograd the training ops (model.training_ops), whose conv and scan run forward and
+under autograd the training ops (core/ops.training_ops), whose conv and scan run forward and
 backward in Triton.
 The step runs the same layer; on CUDA through the language model's decode kernels
 (KernelStep) in a CUDA graph.
@@ -27,10 +27,10 @@ import torch
 from torch import nn
 
 from fastmamba.core.errors import CheckpointError
-from fastmamba.kernels.products import linear_storage
-from fastmamba.core.ops import REFERENCE_OPS
 from fastmamba.core.mamba1 import LayerWeights, mixer
+from fastmamba.core.ops import REFERENCE_OPS
 from fastmamba.core.state import MambaState
+from fastmamba.kernels.products import linear_storage
 
 FORMAT = "fastmamba.Backbone"
 
@@ -70,7 +70,7 @@ class BackboneConfig:
         if r == "auto":  # resolved here, so every reader sees a number
             object.__setattr__(self, "dt_rank", math.ceil(self.d_model / 16))
 
-    # the sizes model.mixer reads
+    # the sizes mamba1.mixer reads
     @property
     def d_inner(self) -> int:
         return self.expand * self.d_model
@@ -114,7 +114,7 @@ class _Mixer(nn.Module):
             self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
     def weights(self, norm_w: torch.Tensor) -> LayerWeights:
-        """The layer as model.mixer reads it (views of the parameters; A from A_log)."""
+        """The layer as mamba1.mixer reads it (views of the parameters; A from A_log)."""
         return LayerWeights(
             norm_w=norm_w, in_proj_w=self.in_proj.weight, in_proj_b=self.in_proj.bias,
             conv_w=self.conv1d.weight[:, 0, :], conv_b=self.conv1d.bias, x_proj_w=self.x_proj.weight,
@@ -135,7 +135,8 @@ class Backbone(nn.Module):
 
     config: the sizes (BackboneConfig). device, dtype: where the parameters live and the
     storage dtype of the large matrices (float32 default; norms, conv, A_log, D and biases
-    stay float32). state_dtype: the dtype of the states `new_state` makes (float32 default).
+    stay float32). state_dtype: the dtype of the states `new_state` makes (float32 default, or
+    bfloat16: core/dtypes.parse_state_dtype).
     Fresh parameters take mamba_ssm's initialisation from torch's RNG. state_dict names are
     transformers' MambaModel's without the embedding, plus `input_proj.*`.
     """
@@ -144,11 +145,11 @@ class Backbone(nn.Module):
         super().__init__()
         if not isinstance(config, BackboneConfig):
             raise ValueError(f"config must be a BackboneConfig, got {type(config).__name__}")
-        from fastmamba.core.dtypes import parse_dtype
+        from fastmamba.core.dtypes import parse_dtype, parse_state_dtype
 
         self.config = config
         dtype = parse_dtype(dtype or torch.float32)
-        self.state_dtype = parse_dtype(state_dtype or torch.float32)
+        self.state_dtype = parse_state_dtype(state_dtype or torch.float32)
         device = torch.device(device) if device is not None else None
         if config.input_proj:
             self.input_proj = nn.Linear(config.input_dim, config.d_model, device=device)
@@ -266,7 +267,7 @@ class Backbone(nn.Module):
         return super()._apply(fn, *args, **kwargs)
 
     def _layer_weights(self) -> list:
-        """Each layer as model.mixer reads it (LayerWeights: views of the parameters, A from A_log)."""
+        """Each layer as mamba1.mixer reads it (LayerWeights: views of the parameters, A from A_log)."""
         return [layer.mixer.weights(layer.norm.weight) for layer in self.layers]
 
     def _eager_weights(self) -> list:

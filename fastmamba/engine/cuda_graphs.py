@@ -1,7 +1,7 @@
 """CUDA graphs of the decode step and of prefill: launched from Python, a step is hundreds of
 kernel launches, which cost more than the GPU's work on all but the widest models.
 
-`PoolDecodeGraphs` and `ChunkPrefillGraphs` are the engine's (engine.py): the decode step
+`PoolDecodeGraphs` and `ChunkPrefillGraphs` are the engine's (engine_core.py): the decode step
 over a pool of state slots by batch bucket, and prefill chunks that continue a slot's state.
 `GraphPrefill` runs the prefill of new prompts, left-padded, as CUDA graphs too: a short
 prompt's prefill is a few hundred small launches, which cost more from Python than on the GPU.
@@ -19,8 +19,8 @@ from typing import Callable, Iterator
 import torch
 
 from fastmamba.core.model import Mamba
-from fastmamba.core.state import MambaState
 from fastmamba.core.sampling import SlotParams, sample_greedy
+from fastmamba.core.state import MambaState
 
 Pick = Callable[[torch.Tensor, SlotParams], torch.Tensor]
 
@@ -70,7 +70,7 @@ class GraphDecoder:
         from fastmamba.engine.decode_step import make_decode_step
 
         self.model = model
-        self.step = make_decode_step(model, batch, deterministic, plan)  # plan: decode_plan.plan_for's unless given
+        self.step = make_decode_step(model, batch, deterministic, plan)  # plan: plan.plan_for's unless given
         self.state = model.new_state(batch)
         self.slots = SlotParams.empty(batch, model.config.vocab_size, model.device)
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=model.device)

@@ -1,8 +1,9 @@
 """The engine core: every generation runs here. `generate`, `stream` and `generate_batch`
-drive it in the caller's process (language_model.py); `serve` runs it in a process of its
-own (engine_process.py). It is one loop of steps over a fixed pool of state slots
-(continuous batching), and it knows token ids only: text, stop strings and HTTP live in
-its callers.
+drive it in the caller's process (language_model.py, through client.InProcessClient);
+`serve` runs it in a process of its own (process.py). It is one loop of steps over a fixed
+pool of state slots (continuous batching), and it knows token ids only: text, stop strings
+and HTTP live in its callers. Requests come in and outputs go out as protocol.py's
+messages.
 
 A step:
 1. frees the slots of finished and aborted requests and admits waiting ones into free
@@ -22,38 +23,55 @@ A step:
 The decode input of a row is the token it sampled last, kept on the device: the host's
 reading of it is never on the GPU's path.
 
-Every sampled token feeds the slot's state exactly once (`EngineRequest.fed` counts them),
+Every sampled token feeds the slot's state exactly once (`RunningRequest.fed` counts them),
 so when a request finishes its slot holds the state after its prompt and output: the
 prefix cache keeps it there, where a chat's next turn starts.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field, fields
 
 import torch
 
-from fastmamba.engine.cuda_graphs import CHUNK_BATCHES, PREFILL_BUCKETS, ChunkPrefillGraphs, PoolDecodeGraphs
-from fastmamba.core.state import MambaState
-from fastmamba.engine.plan import SAMPLER_TILES
-from fastmamba.engine.prefix_cache import PrefixCache
-from fastmamba.core.sampling_params import SamplingParams, resolve_seed
+from fastmamba.core.errors import NonFiniteError
+from fastmamba.core.model import Mamba
 from fastmamba.core.sampling import SlotParams, pick_sampler
-
-_ids = itertools.count()
+from fastmamba.core.sampling_params import SamplingParams, resolve_seed
+from fastmamba.core.state import MambaState
+from fastmamba.engine import protocol
+from fastmamba.engine.cpu_threads import cpu_threads
+from fastmamba.engine.cuda_graphs import (
+    CHUNK_BATCHES,
+    PREFILL_BUCKETS,
+    ChunkPrefillGraphs,
+    PoolDecodeGraphs,
+)
+from fastmamba.engine.plan import SAMPLER_TILES
+from fastmamba.engine.prefill import Prefill
+from fastmamba.engine.prefix_cache import PrefixCache
+from fastmamba.engine.protocol import (
+    EngineError,
+    Failed,
+    Finished,
+    FirstToken,
+    Logprob,
+    Stats,
+    Token,
+)
 
 
 @dataclass(eq=False)
-class EngineRequest:
+class RunningRequest:
+    """A request (protocol.Request) as the engine runs it."""
+
+    rid: int
     ids: list[int]
     params: SamplingParams  # max_tokens is the request's own bound
     top_logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the k best
-    rid: int = field(default_factory=_ids.__next__)
     arrived: float = field(default_factory=time.perf_counter)
-    # -- the engine's, while the request runs --
     seed: int = 0
     stops: frozenset = frozenset()
     slot: int | None = None
@@ -73,26 +91,18 @@ class EngineRequest:
         return self.sampled[:-1] if self.sampled and self.sampled[-1] in self.stops else self.sampled
 
 
-# An output is a tuple, cheap to make and to send between processes:
-#   (rid, token, logprob, None, first)   a generated token (logprob: None, or (chosen, [(id, logprob), ...]);
-#                                        first: on a request's first token, its cached_tokens and queue_s)
-#   (rid, None, None, reason, info)      the request's end: reason "stop", "length" or "error";
-#                                        info: prompt_tokens, completion_tokens, cached_tokens, queue_s
-#                                        (for "error": message, status)
-
-
 class _Launch:
     """One step's sampled tokens (and logprobs) on their way to the host: copied into pinned
     memory behind the step's work, with one event, so the host reads them when it needs them
     and not sooner."""
 
     def __init__(self):
-        self.rows: list[tuple[EngineRequest, bool]] = []  # (request, finite-checked) per token
+        self.rows: list[tuple[RunningRequest, bool]] = []  # (request, finite-checked) per token
         self.parts: list[torch.Tensor] = []  # device int64: each part's tokens, then its finite flags
         self.logprobs: list[tuple[int, tuple]] = []  # (first row, (chosen, top ids, top values))
         self.host = None
 
-    def add(self, reqs: list[EngineRequest], tokens: torch.Tensor, finite: torch.Tensor | None = None,
+    def add(self, reqs: list[RunningRequest], tokens: torch.Tensor, finite: torch.Tensor | None = None,
             logprobs: tuple | None = None) -> None:
         if logprobs is not None:
             self.logprobs.append((len(self.rows), logprobs))
@@ -127,7 +137,7 @@ class _Launch:
             chosen, top_ids, top_values = (self.host[at + k].tolist() for k in range(3))
             at += 3
             for k, c in enumerate(chosen):
-                entries[first + k] = (c, list(zip(top_ids[k], top_values[k])))
+                entries[first + k] = Logprob(c, list(zip(top_ids[k], top_values[k])))
         return pairs, entries
 
 
@@ -141,37 +151,43 @@ def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple:
 class EngineCore:
     """The slots, the waiting queue, the prefix cache and the step loop (see the module's doc).
 
-    lm: a LanguageModel (its model, engine kind and deterministic mode).
-    prefill_tokens: prompt tokens prefilled a step at most (a longer prompt runs in chunks
-    over several steps).
-    prefix_cache_bytes: the prefix cache's budget (0: off, as offline; serve's is 256 MiB).
+    model: the model (its ops: the reference's or the GPU's); prefill: its prefill of new
+    prompts (whose `graphs` says whether this is the GPU engine, with CUDA graphs for the
+    decode step too, and whose `deterministic` the decode step follows).
+    max_batch: state slots. prefill_tokens: prompt tokens prefilled a step at most (a longer
+    prompt runs in chunks over several steps). prefix_cache_bytes: the prefix cache's budget
+    (0: off, as offline; serve's is 256 MiB). threads: PyTorch's CPU threads while a step
+    computes (cpu_threads.py; 0: as PyTorch has it).
     """
 
-    def __init__(self, lm, max_batch: int = 16, prefill_tokens: int = 1024, prefix_cache_bytes: int = 0):
-        self.lm, self.model = lm, lm.model
+    def __init__(self, model: Mamba, prefill: Prefill, max_batch: int = 16, prefill_tokens: int = 1024,
+                 prefix_cache_bytes: int = 0, threads: int = 1):
+        self.model, self.prefill = model, prefill
         self.device = self.model.device
-        self.max_batch, self.prefill_tokens = max_batch, prefill_tokens
+        self.max_batch, self.prefill_tokens, self.threads = max_batch, prefill_tokens, threads
         self.cache = PrefixCache(prefix_cache_bytes)
-        self.gpu = lm.engine == "triton"
+        self.gpu = prefill.graphs
         # a step ahead on the GPU (see above); on the CPU only in tests of the bookkeeping
         self.run_ahead = self.gpu
         self.pool = self.model.new_state(max_batch)  # one slot a running request
-        self.slots: list[EngineRequest | None] = [None] * max_batch
+        self.slots: list[RunningRequest | None] = [None] * max_batch
         self.slot_params = SlotParams.empty(max_batch, self.model.config.vocab_size, self.device)
         self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=self.device)  # each row's next decode input
-        self.waiting: deque[EngineRequest] = deque()
-        self.requests: dict[int, EngineRequest] = {}  # waiting and running, by rid
+        self.waiting: deque[RunningRequest] = deque()
+        self.requests: dict[int, RunningRequest] = {}  # waiting and running, by rid
         self.inflight: _Launch | None = None  # the step launched and not yet read (GPU)
         self.cache_queries = self.cache_hits = 0
         self.decode_graphs = self._chunk_pool = None
         self._chunk_graph_sets: dict = {}
         if self.gpu:
-            self.decode_graphs = PoolDecodeGraphs(self.model, self.pool, self.tokens, lm.deterministic)
+            self.decode_graphs = PoolDecodeGraphs(self.model, self.pool, self.tokens, prefill.deterministic)
 
     # -- the caller's side ------------------------------------------------------------------
 
-    def add(self, req: EngineRequest) -> EngineRequest:
-        """Queues a request (its ids checked by the caller); it is admitted at a step."""
+    def add(self, request: protocol.Request) -> RunningRequest:
+        """Queues a request (its ids and parameters checked where it was made); it is
+        admitted at a step."""
+        req = RunningRequest(request.rid, request.ids, request.params, request.top_logprobs)
         req.seed = resolve_seed(req.params.seed)
         stops = req.params.stop_token_ids
         req.stops = frozenset(stops if stops is not None else (self.model.config.eos_token_id,))
@@ -194,15 +210,14 @@ class EngineCore:
     def running(self) -> int:
         return sum(r is not None for r in self.slots)
 
-    def stats(self) -> dict:
-        return dict(running=self.running, waiting=len(self.waiting), cache_queries=self.cache_queries,
-                    cache_hits=self.cache_hits)
+    def stats(self) -> Stats:
+        return Stats(self.running, len(self.waiting), self.cache_queries, self.cache_hits)
 
-    def fail_all(self, message: str, status: int = 500) -> list:
-        """Ends every request with an error (the engine is shutting down, or a step failed)."""
+    def fail_all(self, error: EngineError) -> list[protocol.Output]:
+        """Ends every request with `error` (the engine is shutting down)."""
         outs = []
         for req in list(self.requests.values()):
-            self._end(req, outs, error=(message, status))
+            self._end(req, outs, error=error)
         self._free()
         self.waiting.clear()
         self.inflight = None
@@ -211,12 +226,12 @@ class EngineCore:
     # -- the step ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self) -> list:
-        """Runs one step; returns the outputs read in it (see the tuples above)."""
-        outs: list = []
+    def step(self) -> list[protocol.Output]:
+        """Runs one step; returns the outputs read in it."""
+        outs: list[protocol.Output] = []
         self._free()
         launch = _Launch()
-        with self.lm._threads():
+        with cpu_threads(self.threads, self.device):
             self._admit(launch, outs)
             self._prefill(launch, outs)
             try:
@@ -224,7 +239,7 @@ class EngineCore:
             except Exception as e:  # a fault of the step itself: fail what runs, keep serving
                 for r in self.slots:
                     if r is not None and not r.finished:
-                        self._end(r, outs, error=(f"{type(e).__name__}: {e}", 500))
+                        self._end(r, outs, error=_error_of(e))
                 launch = _Launch()
             launch.send()
         if self.run_ahead:  # read the step before this one
@@ -264,7 +279,7 @@ class EngineCore:
                     if n == len(r.ids):
                         self._sample([r], hit.logits[None], launch, checked=False)
             except Exception as e:
-                self._end(r, outs, error=(f"{type(e).__name__}: {e}", 500))
+                self._end(r, outs, error=_error_of(e))
 
     def _prefill(self, launch: _Launch, outs: list) -> None:
         budget = self.prefill_tokens
@@ -283,12 +298,12 @@ class EngineCore:
                 self._prefill_fresh(fresh, launch)
             except Exception as e:
                 for r in fresh:
-                    self._end(r, outs, error=(f"{type(e).__name__}: {e}", 500))
+                    self._end(r, outs, error=_error_of(e))
         # The rest in rounds of one chunk a request, as far as the budget goes; a round's
         # chunks of one length run together.
         todo = [r for r in todo if r not in fresh]
         while budget > 0 and todo:
-            chunks: dict[int, list[EngineRequest]] = {}
+            chunks: dict[int, list[RunningRequest]] = {}
             for r in todo:
                 if budget <= 0:
                     break
@@ -303,19 +318,19 @@ class EngineCore:
                     self._prefill_chunks(reqs, n, launch)
                 except Exception as e:
                     for r in reqs:
-                        self._end(r, outs, error=(f"{type(e).__name__}: {e}", 500))
+                        self._end(r, outs, error=_error_of(e))
             todo = [r for r in todo if not r.finished and r.pos < len(r.ids)]
 
-    def _prefill_fresh(self, reqs: list[EngineRequest], launch: _Launch) -> None:
+    def _prefill_fresh(self, reqs: list[RunningRequest], launch: _Launch) -> None:
         """Whole prompts from a zero state, together: left-padded to the longest, through the
-        language model's prefill (CUDA graphs for short ones; each alone in deterministic
+        engine's Prefill (prefill.py: CUDA graphs for short ones; each alone in deterministic
         mode). With the cache on (serving), in groups of the chunk graphs' batch sizes,
         whose prefill graphs capture_prefill_graphs captured at start."""
         if self.gpu and self.cache.budget and len(reqs) not in CHUNK_BATCHES:
             b = next(k for k in CHUNK_BATCHES if k <= len(reqs))
             self._prefill_fresh(reqs[:b], launch)
             return self._prefill_fresh(reqs[b:], launch)
-        logits, state = self.lm._prefill_prompts([r.ids for r in reqs])  # (n, V), state (L, n, ...)
+        logits, state = self.prefill([r.ids for r in reqs])  # (n, V), state (L, n, ...)
         rows = _to_device([r.slot for r in reqs], self.device)
         self.pool.conv.index_copy_(1, rows, state.conv)
         self.pool.ssm.index_copy_(1, rows, state.ssm)
@@ -325,7 +340,7 @@ class EngineCore:
             self.cache.store(r.ids, view.conv, view.ssm, logits[k])
         self._sample(reqs, logits, launch, checked=True)
 
-    def _prefill_chunks(self, reqs: list[EngineRequest], n: int, launch: _Launch) -> None:
+    def _prefill_chunks(self, reqs: list[RunningRequest], n: int, launch: _Launch) -> None:
         """The next n prompt tokens of each request, continuing its slot's state: through the
         chunk graphs in groups of their batch sizes on the GPU (n up to the cache's
         interval), else one eager pass over the gathered states."""
@@ -376,10 +391,10 @@ class EngineCore:
         for b in CHUNK_BATCHES:
             self._chunk_graphs(b)
             for n in (n for n in PREFILL_BUCKETS if n <= self.cache.interval):
-                if not self.lm.deterministic or b == 1:  # (deterministic: each prompt prefills alone)
-                    self.lm._prefill_prompts([[0] * n] * b)
+                if not self.prefill.deterministic or b == 1:  # (deterministic: each prompt prefills alone)
+                    self.prefill([[0] * n] * b)
 
-    def _sample(self, reqs: list[EngineRequest], logits: torch.Tensor, launch: _Launch, checked: bool) -> None:
+    def _sample(self, reqs: list[RunningRequest], logits: torch.Tensor, launch: _Launch, checked: bool) -> None:
         """The first tokens of requests whose prompts are in their slots, from logits (n, V):
         sampled with their slots' parameters (gathered, sampled, scattered back) into the
         slots' decode inputs."""
@@ -402,7 +417,7 @@ class EngineCore:
     def _slot_state(self, i: int) -> MambaState:
         return MambaState(self.pool.conv[:, i : i + 1], self.pool.ssm[:, i : i + 1])
 
-    def _decoding(self, r: EngineRequest | None) -> bool:
+    def _decoding(self, r: RunningRequest | None) -> bool:
         return r is not None and r.on_device and not r.just_sampled and not r.finished and not r.aborted
 
     def _move(self, src: int, dst: int) -> None:
@@ -466,26 +481,25 @@ class EngineCore:
             if r.finished or r.aborted:
                 continue  # a step past its end: discarded
             if checked and not finite:
-                self._end(r, outs, error=(f"NonFiniteError: {self.model.nonfinite_culprit([r.ids])}", 500))
+                self._end(r, outs, error=EngineError(protocol.NON_FINITE, self.model.nonfinite_culprit([r.ids])))
                 continue
             r.sampled.append(token)
             if token in r.stops:
                 self._end(r, outs, "stop")
                 continue
-            first = dict(cached_tokens=r.cached_tokens, queue_s=r.queued_s) if len(r.sampled) == 1 else None
-            outs.append((r.rid, token, entry, None, first))
+            first = FirstToken(r.cached_tokens, r.queued_s) if len(r.sampled) == 1 else None
+            outs.append(Token(r.rid, token, entry, first))
             if len(r.sampled) >= r.params.max_tokens:
                 self._end(r, outs, "length")
 
-    def _end(self, r: EngineRequest, outs: list, reason: str | None = None, error: tuple | None = None) -> None:
+    def _end(self, r: RunningRequest, outs: list, reason: str | None = None, error: EngineError | None = None) -> None:
         if r.finished:
             return
         r.finished = True
         if r.slot is None:  # still waiting
             self.requests.pop(r.rid, None)
         if error is not None:
-            message, status = error
-            outs.append((r.rid, None, None, "error", dict(message=message, status=status)))
+            outs.append(Failed(r.rid, error))
             return
         if r.slot is not None and r.last_logits is not None and not r.aborted:
             # the state after the prompt and every token fed since: a chat's next turn resumes here
@@ -493,8 +507,14 @@ class EngineCore:
             fed = (r.ids + r.sampled)[: r.fed]
             view = self._slot_state(r.slot)
             self.cache.store(fed, view.conv, view.ssm, logits[row])
-        outs.append((r.rid, None, None, reason, dict(prompt_tokens=len(r.ids), completion_tokens=len(r.output),
-                                                     cached_tokens=r.cached_tokens, queue_s=r.queued_s)))
+        outs.append(Finished(r.rid, reason, len(r.ids), len(r.output), r.cached_tokens, r.queued_s))
+
+
+def _error_of(e: Exception) -> EngineError:
+    """An exception of a step's work as the error its requests end with."""
+    if isinstance(e, NonFiniteError):  # the model's output overflowed for this input
+        return EngineError(protocol.NON_FINITE, str(e))
+    return EngineError(protocol.INTERNAL, f"{type(e).__name__}: {e}")
 
 
 def _to_device(ids: list[int], device) -> torch.Tensor:

@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
-import contextlib
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import numpy as np
 import torch
 
-from fastmamba.engine.cuda_graphs import PREFILL_BUCKETS, GraphPrefill, graph_prefill_tokens
+from fastmamba.core.errors import NonFiniteError
 from fastmamba.core.model import Mamba
-from fastmamba.core.state import MambaState
 from fastmamba.core.sampling_params import SamplingParams
-from fastmamba.io.prompts import PromptEncoder, check_token_ids, describe, is_integer_dtype
+from fastmamba.engine.client import InProcessClient
+from fastmamba.engine.cpu_threads import cpu_threads
+from fastmamba.engine.engine_core import EngineCore
+from fastmamba.engine.prefill import Prefill
+from fastmamba.engine.protocol import NON_FINITE, Failed, Finished
+from fastmamba.io.prompts import (
+    PromptEncoder,
+    check_token_ids,
+    describe,
+    is_integer_dtype,
+)
 from fastmamba.io.tokenizer import IncrementalDecoder, Tokenizer
 
 
@@ -33,6 +41,9 @@ class StreamPiece:
 
 
 class LanguageModel:
+    """A model with its tokenizer, and the engine its generations run on (`fastmamba.load`
+    makes one)."""
+
     def __init__(
         self,
         model: Mamba,
@@ -48,67 +59,27 @@ class LanguageModel:
         self.path = path
         self.engine = engine  # "reference" (pure PyTorch) or "triton" (GPU kernels + CUDA graphs)
         self.deterministic = deterministic
-        # PyTorch's CPU threads while this model computes (restored between calls and
-        # between streamed tokens): per-token products are small, and a second thread that
-        # waits for a core held by another process stalls every one of them (bundled model:
-        # 105 tokens/s with one thread beside a busy process, 28 with two). 0: as PyTorch has it.
+        # PyTorch's CPU threads while this model computes (cpu_threads.py), restored between
+        # calls and between streamed tokens. 0: as PyTorch has it.
         self.threads = 1 if threads is None else threads
-        self._graph_prefills: dict[tuple[int, int], GraphPrefill] = {}
-        self._prefill_pool = None  # the prefill graphs' one memory pool (see GraphPrefill)
+        self.prefill = Prefill(model, graphs=engine == "triton", deterministic=deterministic)
         self._backbone = None
-        self._core = None  # the engine (engine.py) under generate, stream and generate_batch
-        self._pending: dict[int, list] = {}  # outputs read for a generation that another one's loop drove
+        self._client: InProcessClient | None = None  # the engine under generate, stream and generate_batch
 
-    def _engine(self, batch: int):
-        """The engine core, with at least `batch` slots (made anew, larger, when a batch
-        outgrows it: its decode graphs are captured for every bucket up to its size)."""
-        from fastmamba.engine.engine_core import EngineCore
-
-        if self._core is None or self._core.max_batch < batch:
-            if self._core is not None and any(not (r.finished or r.aborted) for r in self._core.requests.values()):
+    def _engine(self, batch: int) -> InProcessClient:
+        """The engine, with at least `batch` slots (made anew, larger, when a batch outgrows
+        it: its decode graphs are captured for every bucket up to its size)."""
+        if self._client is None or self._client.max_batch < batch:
+            if self._client is not None and self._client.busy:
                 raise RuntimeError("a generation is still running: finish it before starting a larger batch")
             slots = 1 << (batch - 1).bit_length()  # powers of two: few rebuilds
             # offline, a step prefills whole prompts up to the model's chunk (no grid: no cache)
-            self._core = EngineCore(self, max_batch=slots, prefill_tokens=self.model.chunk_tokens)
-        return self._core
-
-    def _prefill(self, padded: torch.Tensor, start: torch.Tensor):
-        """Logits of each row's last token (B, V) and the state after the prompts."""
-        B, T = padded.shape
-        bucket = next((n for n in PREFILL_BUCKETS if n >= T), None)
-        if self.engine == "reference" or bucket is None or B * bucket > graph_prefill_tokens(self.config.d_model):
-            state = self.model.new_state(B)
-            return self.model.prefill(padded, state, start, last_only=True), state
-        graph = self._graph_prefills.get((B, bucket))
-        if graph is None:  # captured once per batch size and bucket, then reused
-            if self._prefill_pool is None:
-                self._prefill_pool = torch.cuda.graph_pool_handle()
-            graph = self._graph_prefills[(B, bucket)] = GraphPrefill(self.model, B, bucket, self._prefill_pool)
-        return graph(padded, start)
-
-    def _prefill_prompts(self, all_ids: list[list[int]]) -> tuple[torch.Tensor, MambaState]:
-        """Each prompt's last-token logits (B, V) and the state after it. The prompts
-        prefill together, left-padded to the longest (padding leaves a row's state
-        untouched). With `deterministic`, each prefills alone, as `generate` would prefill it
-        (so its logits are bitwise the same in any batch): a batched prefill's products and
-        scan chunks follow the batch's shape, and with them a row's rounding."""
-        if self.deterministic and len(all_ids) > 1:
-            logits, conv, ssm = [], [], []
-            for ids in all_ids:  # (copies: a prefill graph's outputs are its own, rewritten next call)
-                one, state = self._prefill_prompts([ids])
-                logits.append(one.clone())
-                conv.append(state.conv.clone())
-                ssm.append(state.ssm.clone())
-            return torch.cat(logits), MambaState(torch.cat(conv, 1), torch.cat(ssm, 1))
-        longest = max(len(ids) for ids in all_ids)
-        padded = np.zeros((len(all_ids), longest), dtype=np.int64)  # (numpy fills rows from lists at C speed)
-        for row, ids in zip(padded, all_ids):
-            row[longest - len(ids):] = ids
-        padded = torch.from_numpy(padded)
-        start = torch.tensor([longest - len(ids) for ids in all_ids], dtype=torch.int32)
-        if self.device.type == "cuda":  # (from pinned memory: a plain copy would wait for the GPU's queued work)
-            padded, start = (t.pin_memory().to(self.device, non_blocking=True) for t in (padded, start))
-        return self._prefill(padded, start)
+            core = EngineCore(self.model, self.prefill, max_batch=slots, prefill_tokens=self.model.chunk_tokens,
+                              threads=self.threads)
+            self._client = InProcessClient(core)
+        # (the attributes may change between generations: benchmarks set threads so)
+        self._client.core.threads, self.prefill.deterministic = self.threads, self.deterministic
+        return self._client
 
     @property
     def device(self) -> torch.device:
@@ -147,7 +118,7 @@ class LanguageModel:
         if input_ids.numel() == 0:
             raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: give at least one row of one token")
         self._check_ids(input_ids.flatten().tolist(), "input_ids")
-        with self._threads():
+        with cpu_threads(self.threads, self.device):
             logits = self.model.forward(input_ids.to(self.device, torch.int64))
             self.model.check_finite(logits, input_ids)  # (its rows are read only if the logits are not finite)
             return logits
@@ -221,19 +192,6 @@ class LanguageModel:
 
     # -- internals -------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _threads(self):
-        """PyTorch's CPU thread count set to `self.threads` for the work inside."""
-        before = torch.get_num_threads()
-        if self.threads and self.device.type == "cpu" and before != self.threads:
-            torch.set_num_threads(self.threads)
-            try:
-                yield
-            finally:
-                torch.set_num_threads(before)
-        else:
-            yield
-
     def encode(self, prompt) -> list[int]:
         """Token ids of a prompt: a str, or token ids (a list or tuple of ints, a 1-D integer
         tensor or numpy array). Anything else is a ValueError naming the problem."""
@@ -244,36 +202,30 @@ class LanguageModel:
 
     def _generate(self, all_ids: list[list[int]], params: list[SamplingParams]):
         """Yields (prompt index, token or None, finish reason or None) as the engine makes
-        them: the prompts run as requests of the engine core, driven from here. Another
-        generation's outputs read meanwhile (an interleaved stream) wait for its own loop."""
-        from fastmamba.engine.engine_core import EngineRequest
-        from fastmamba.core.errors import NonFiniteError
-
-        core = self._engine(len(all_ids))
-        reqs = [core.add(EngineRequest(ids, p)) for ids, p in zip(all_ids, params)]
-        index = {r.rid: i for i, r in enumerate(reqs)}
-        for r in reqs:
-            self._pending[r.rid] = []
-        left = len(reqs)
+        them: the prompts run as requests of the engine, stepped from here. Each request's
+        outputs go to its own queue, so a generation stepping the engine for another
+        (interleaved streams) leaves that one's outputs for its own loop."""
+        client = self._engine(len(all_ids))
+        queues = [deque() for _ in all_ids]
+        rids = [client.submit(ids, p, None, q.append) for ids, p, q in zip(all_ids, params, queues)]
+        left = len(rids)
         try:
             while left:
-                mine = [o for r in reqs for o in self._pending[r.rid]]
-                for r in reqs:
-                    self._pending[r.rid].clear()
-                if not mine:
-                    for o in core.step():
-                        if o[0] in self._pending:
-                            self._pending[o[0]].append(o)
+                if not any(queues):
+                    client.step()
                     continue
-                for rid, token, _, reason, info in mine:
-                    if reason == "error":
-                        message = info["message"]
-                        if message.startswith("NonFiniteError: "):
-                            raise NonFiniteError(message.removeprefix("NonFiniteError: "))
-                        raise RuntimeError(f"generation failed: {message}")
-                    left -= reason is not None
-                    yield index[rid], token, reason
+                for i, q in enumerate(queues):
+                    while q:
+                        out = q.popleft()
+                        if isinstance(out, Failed):
+                            if out.error.kind == NON_FINITE:
+                                raise NonFiniteError(out.error.message)
+                            raise RuntimeError(f"generation failed: {out.error.message}")
+                        if isinstance(out, Finished):
+                            left -= 1
+                            yield i, None, out.reason
+                        else:
+                            yield i, out.token, None
         finally:  # also when the caller stops reading a stream: its requests end
-            for r in reqs:
-                core.abort(r.rid)
-                self._pending.pop(r.rid, None)
+            for rid in rids:
+                client.abort(rid)

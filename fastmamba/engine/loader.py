@@ -3,41 +3,21 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
-from fastmamba.io.files import inside
-from fastmamba.io.checkpoint import load_checkpoint
-from fastmamba.core.dtypes import parse_dtype
+from fastmamba.core.dtypes import parse_dtype, parse_state_dtype
 from fastmamba.core.errors import CheckpointError
-from fastmamba.engine.language_model import LanguageModel
-from fastmamba.io.hub import is_hub_id, resolve as resolve_hub_id
-from fastmamba.kernels._triton import HAVE_TRITON
-from fastmamba.core.ops import REFERENCE_OPS, triton_ops
-from fastmamba.engine.plan import KERNEL_TILES
-from fastmamba.core.model import Mamba
 from fastmamba.core.layers import layer_kind
+from fastmamba.core.model import Mamba
+from fastmamba.core.ops import REFERENCE_OPS, triton_ops
+from fastmamba.engine.language_model import LanguageModel
+from fastmamba.engine.plan import KERNEL_TILES
+from fastmamba.io.checkpoint import load_checkpoint
+from fastmamba.io.files import inside
+from fastmamba.io.folders import checkpoint_folder
 from fastmamba.io.tokenizer import Tokenizer
-
-
-def default_model_dir() -> Path:
-    """The folder of the small model that ships inside the package."""
-    return Path(__file__).resolve().parent.parent / "default_model"
-
-
-def checkpoint_folder(path) -> Path:
-    """The folder `load` reads for `path`: the bundled model, a folder, or a hub id's snapshot."""
-    if path is None:
-        return default_model_dir()
-    if not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"model must be a checkpoint folder (a str or path) or a hub id org/name, "
-                         f"got {type(path).__name__} {path!r:.60}")
-    if isinstance(path, str) and not path.strip():
-        raise ValueError("the model path is empty: give a checkpoint folder or a hub id org/name")
-    if is_hub_id(path):
-        return resolve_hub_id(path)
-    return Path(path)
+from fastmamba.kernels._triton import HAVE_TRITON
 
 
 def load(
@@ -64,7 +44,7 @@ def load(
     size (the decode step's products then sum each output in one fixed order at every batch
     size, and a batch's prompts prefill one at a time; see benchmarks/RESULTS.md for the
     cost). Without it this holds within each batch range that
-    fastmamba.decode_plan.batch_invariant_ranges(d_model, dtype) lists (the README's table).
+    fastmamba.engine.plan.batch_invariant_ranges(d_model, dtype) lists (the README's table).
     threads: PyTorch's CPU threads while the model computes on the CPU (restored after each
     call): None means 1, which does not collapse when another process holds a core; 0
     leaves PyTorch's own setting.
@@ -73,10 +53,7 @@ def load(
     state's memory and the traffic of a large batch's decode step.
     Raises CheckpointError (a ValueError) naming the file and tensor or key on bad input.
     """
-    state = {"float32": torch.float32, "bfloat16": torch.bfloat16, torch.float32: torch.float32,
-             torch.bfloat16: torch.bfloat16}.get(state_dtype)
-    if state is None:
-        raise ValueError(f"state_dtype must be 'float32' or 'bfloat16', got {state_dtype!r}")
+    state = parse_state_dtype(state_dtype)
     cores = os.cpu_count() or 1  # (torch.set_num_threads far past the cores can crash the process)
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or not 0 <= threads <= cores):
         raise ValueError(f"threads must be None or an integer from 0 to {cores} (this machine's cores), got {threads!r}")

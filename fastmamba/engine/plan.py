@@ -10,18 +10,18 @@ The kernels' tiles (at the end): the prefill conv, step sizes and scan, Mamba-2'
 training kernels and the samplers, one instance of each kernel module's settings type
 (KERNEL_TILES for the GPU ops, SAMPLER_TILES for the samplers).
 
-The steps (docs/architecture.md, "Decode"):
+The steps (docs/architecture.md, "Plans: the tuned choices"):
 - "one-row" (kernels/decode_step.DecodeStep): one row a program, float32 multiply-and-sum
   GEMVs; it reads every weight once a row (the copies after the first from L2), so it wins
   at a few rows and loses as the rows, or the model's width, grow.
 - "products" (kernels/decode_gemm.GemmDecodeStep): each projection one matrix product,
   through the batch-invariant Triton GEMM (kernels/products.invariant_gemm) or cuBLAS.
-- "layer-ops" (kernels/decode_step.OpsDecodeStep): the model's own layers at one token over
+- "layer-ops" (engine/decode_step.OpsDecodeStep): the model's own layers at one token over
   the GPU ops (cuBLAS products, the Triton conv, norms and scan step): Mamba-2's.
   Deterministic: the products through invariant_gemm.
 - "one-row" for a Mamba-2 model (kernels/decode_step_mamba2.Mamba2DecodeStep): the Mamba-1
   step's design, three kernels a layer; its own table (MAMBA2_ROUTES) against "layer-ops"
-  (`benchmarks/mamba2.py --plans` times both).
+  (`benchmarks/decode_routing.py --models mamba2-130m,...` times both).
 A slot's logits are bitwise the same at every batch size within one of
 `batch_invariant_ranges` (the one-row step treats each row alone; the Triton products'
 sums have a fixed order); cuBLAS picks its algorithm by the shape. `deterministic=True`
@@ -75,7 +75,7 @@ class OneRowBlocks:
 
 
 def one_row_blocks(d_model: int, d_inner: int, vocab: int, dtype: torch.dtype, layer: str = "mamba1") -> OneRowBlocks:
-    """The one-row step's settings for a model's shapes (and its layer kind, model.LAYER_KINDS),
+    """The one-row step's settings for a model's shapes (and its layer kind, core/layers.LAYER_KINDS),
     each chosen by timing whole graph-replayed batch-1 steps (benchmarks/tune_decode.py
     --in-graph and its sweeps; Mamba-2's in_proj: benchmarks/mamba2.py --in-proj-tiles)."""
     wide, sixteen_bit = d_model > 1024, dtype != torch.float32
@@ -240,7 +240,7 @@ def _entry(table, d_model: int, dtype: torch.dtype, batch: int) -> Route | None:
 
 # Mamba-2 layers: the one-row step (kernels/decode_step_mamba2.py) at the few rows where it
 # wins, otherwise the layer over the GPU ops with cuBLAS's products (or, deterministic,
-# invariant_gemm's at every batch size, as for Mamba-1). `benchmarks/mamba2.py --plans`, H200
+# invariant_gemm's at every batch size, as for Mamba-1). `benchmarks/decode_routing.py`, H200
 # bf16, ms a step: one-row / cuBLAS / Triton products (2.7b batch 128: 14.76 / 16.33). A
 # bf16 state (opt-in) saves 1.5-1.6x at batch 128 and nothing at batch 1:
 # benchmarks/RESULTS.md, "Mamba-2". float32 weights were not measured: they take the layer

@@ -12,9 +12,10 @@ import torch
 
 from fastmamba.core.config import MambaConfig
 from fastmamba.core.errors import CheckpointError
-from fastmamba.io.files import inside, readable_file
-from fastmamba.core.model import MambaWeights
 from fastmamba.core.layers import layer_kind
+from fastmamba.core.model import MambaWeights
+from fastmamba.io.files import INDEX_FILES, WEIGHTS_FILES, inside, readable_file
+
 
 def expected_shapes(c: MambaConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the HF layout holds for this config, by HF name."""
@@ -25,11 +26,6 @@ def expected_shapes(c: MambaConfig) -> dict[str, tuple[int, ...]]:
     if not c.tie_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.d_model)
     return shapes
-
-
-# The files a folder's weights may come in, in the order they are looked for.
-INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 def _weight_files(folder: Path) -> list[Path]:

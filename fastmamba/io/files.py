@@ -1,5 +1,5 @@
-"""The files of a checkpoint folder, opened only where they lie inside it (no torch here:
-the HTTP front end reads config.json and tokenizer.json through it too)."""
+"""A checkpoint folder's files, opened only where they lie inside it (no torch here: the HTTP
+front end reads config.json and tokenizer.json through it too)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,10 @@ import errno
 from pathlib import Path
 
 from fastmamba.core.errors import CheckpointError
+
+# The files a folder's weights may come in, in the order they are looked for.
+INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 def inside(folder: Path, name) -> Path:

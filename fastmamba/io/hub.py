@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from fastmamba.core.errors import CheckpointError
+from fastmamba.io.files import INDEX_FILES, WEIGHTS_FILES
 
 # A hub id as the hub spells one: an owner and a name, each of letters, digits and . _ -
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -27,8 +28,6 @@ def is_hub_id(path) -> bool:
 
 
 def _complete(folder: Path) -> bool:
-    from fastmamba.io.checkpoint import INDEX_FILES, WEIGHTS_FILES
-
     has_weights = any((folder / n).exists() for n in INDEX_FILES + WEIGHTS_FILES)
     return (folder / "config.json").exists() and has_weights
 
@@ -41,7 +40,10 @@ def resolve(repo_id: str) -> Path:
     try:
         import huggingface_hub
         from huggingface_hub import constants
-        from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+        from huggingface_hub.errors import (
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+        )
     except ImportError:  # a dependency of the package: only a broken install lacks it
         raise CheckpointError(f"{repo_id}: loading a hub id needs huggingface_hub (pip install huggingface_hub)") from None
 

@@ -1,5 +1,5 @@
 """The decode step for larger batches, and the deterministic one: products and four Triton
-kernels a layer (where it runs: decode_plan.py's table).
+kernels a layer (where it runs: the engine's plan table, engine/plan.py).
 
 One step is, per layer (each product through cuBLAS or through products.py's Triton GEMM,
 as the plan says):
@@ -34,12 +34,11 @@ import torch.nn.functional as F
 from ._triton import jit, tl, triton
 from .activations import silu, softplus
 from .causal_conv1d import causal_conv1d_ref
-from .products import cublas_gemm, invariant_gemm, split_count
 from .pdl import NO_PDL, pdl_launch, wait_for_prior_kernel
+from .products import cublas_gemm, invariant_gemm, split_count
 from .rmsnorm import residual_rmsnorm
 from .selective_scan import selective_scan_ref
 from .split16 import load_sum, store_split
-
 
 # -- reference twins -------------------------------------------------------------------------
 

@@ -17,10 +17,10 @@ The conv step needs only its own channels of x, so it runs where they are comput
 x_proj's split over K is in_proj's split of x's channels: one kernel boundary a layer
 fewer (each costs a few microseconds of drain and ramp whatever the kernels' sizes). That
 pays up to d_model 1024; wider models run the conv step and x_proj as a kernel of their
-own, `conv_x_proj`, which loads x_proj's columns before its wait (OneRowBlocks.conv_in_in_proj, decode_plan.py).
+own, `conv_x_proj`, which loads x_proj's columns before its wait (the engine's plan: OneRowBlocks.conv_in_in_proj).
 
 Why it is shaped this way:
-- Small batches (where decode_plan.py's table says "one-row") run one row per program
+- Small batches (where the engine's plan table says "one-row") run one row per program
   with float32 multiply-and-sum products: bandwidth-bound GEMVs. Every reduction runs over
   a fixed split of K in a fixed order, so a row's result never depends on the other rows
   or on how many there are.
@@ -37,7 +37,7 @@ Why it is shaped this way:
   conv_x_proj x_proj's columns; in ssm_step the layer's state), and only then waits for
   the previous kernel's results (pdl.py). Some let the next kernel
   launch even before their own wait (`OneRowBlocks.early_launch`).
-- Larger batches run decode_gemm.py's step instead (decode_plan.py).
+- Larger batches run decode_gemm.py's step instead (the engine's plan table).
 """
 
 from __future__ import annotations
@@ -47,13 +47,26 @@ import torch.nn.functional as F
 
 from ._triton import jit, tl, triton
 from .activations import silu, softplus
-from .argmax_keys import ARGMAX_EMPTY, EMPTY_KEY, advance_slots, argmax_keys, token_of_key
+from .argmax_keys import (
+    ARGMAX_EMPTY,
+    EMPTY_KEY,
+    advance_slots,
+    argmax_keys,
+    token_of_key,
+)
 from .decode_gemm import conv_step_ref, ssm_update_ref
-from .gemv import add_fixed, from_fixed_tile, mm, mm_terms, mm_total, prefetch_to_l2, residual_tile, split_k_start
+from .gemv import (
+    add_fixed,
+    from_fixed_tile,
+    mm,
+    mm_terms,
+    mm_total,
+    prefetch_to_l2,
+    residual_tile,
+    split_k_start,
+)
 from .pdl import NO_PDL, let_next_kernel_launch, pdl_launch, wait_for_prior_kernel
 from .rmsnorm import residual_rmsnorm_ref
-
-
 
 # -- reference twins -------------------------------------------------------------------------
 

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from ._triton import jit, tl, triton
 from .activations import silu
 from .decode_step import DecodeStep
-from .gemv import add_fixed, mm, residual_tile, split_k_start
 from .gated_norm import gated_rmsnorm_ref, group_rmsnorm_ref
+from .gemv import add_fixed, mm, residual_tile, split_k_start
 from .pdl import let_next_kernel_launch, wait_for_prior_kernel
 from .ssd import ssd_scan_ref, ssd_step_update
 

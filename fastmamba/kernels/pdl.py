@@ -34,7 +34,7 @@ def wait_for_prior_kernel(PDL: tl.constexpr):
 
 def use_pdl(device: torch.device) -> bool:
     """Hopper or newer, and a Triton that can launch with it. (Whether a decode step uses
-    it is its plan's choice: decode_plan.DecodePlan.pdl.)"""
+    it is its plan's choice: the engine's DecodePlan.pdl.)"""
     if INTERPRET or device.type != "cuda":
         return False
     from triton.backends.nvidia.compiler import CUDAOptions

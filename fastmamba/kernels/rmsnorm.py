@@ -86,7 +86,7 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def add_norm_train(h, o, norm_w, eps, dtype=None):
-    """Ops.add_norm of model.training_ops: add_norm_ref's values, float32, with the norm's
+    """Ops.add_norm of core/ops.training_ops: add_norm_ref's values, float32, with the norm's
     backward written out (_RMSNorm)."""
     h = h.float() if o is None else h + o
     return h, _RMSNorm.apply(h, norm_w.float(), eps)

@@ -29,7 +29,15 @@ from dataclasses import dataclass
 import torch
 
 from ._triton import INTERPRET, jit, tl, triton
-from .argmax_keys import ARGMAX_EMPTY, LOW32, advance_slots, argmax_keys, flip_negative, ordered_bits, token_of_key
+from .argmax_keys import (
+    ARGMAX_EMPTY,
+    LOW32,
+    advance_slots,
+    argmax_keys,
+    flip_negative,
+    ordered_bits,
+    token_of_key,
+)
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,14 @@
-"""`fastmamba.deploy`: replicas of the serving engine on Ray Serve, past one GPU, with each
-request routed to the replica that holds its prompt's prefix.
+"""Replicas of the serving engine on Ray Serve, past one GPU, with each request routed to the
+replica that holds its prompt's prefix.
 
 Two deployments:
 - `EngineReplica`, `replicas` of it: each runs the serving engine exactly as `fastmamba
-  serve` does (engine_process.EngineClient: the engine in a process of its own), one GPU
-  each on CUDA. Its `generate` streams a request's engine outputs.
-- `Frontend`, the HTTP ingress: `fastmamba serve`'s FastAPI app (server.create_app: the
-  same routes, errors and metrics), whose requests go to the engine replicas through a
-  Ray handle.
+  serve` does (engine/process.ProcessClient: the engine in a process of its own), one GPU
+  each on CUDA. Its `generate` streams a request's engine outputs (protocol.py's messages,
+  in ReplicaOutputs).
+- `Frontend`, the HTTP ingress: `fastmamba serve`'s FastAPI app (app.create_app: the same
+  routes, errors and metrics), whose requests go to the engine replicas through a Ray
+  handle (RayClient, an engine client like the others).
 `batch` runs offline jobs over a Ray Dataset of prompts, one engine per actor.
 
 `PrefixRouter` sends a request to the replica that a consistent hash of its key names
@@ -17,31 +18,34 @@ completion's its prompt's first 512 token ids. So a conversation's next turn fin
 state its last turn left in that replica's prefix cache. When that replica already has
 `queue_bound` requests in flight, the least loaded one takes the request instead.
 
-    fastmamba serve --replicas 2 --model DIR ...           # Ray started locally
-    serve run fastmamba.deploy:app model=DIR replicas=2    # Ray's own command line
+    fastmamba serve --replicas 2 --model DIR ...                 # Ray started locally
+    serve run fastmamba.serve.deploy:app model=DIR replicas=2    # Ray's own command line
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import hashlib
 import itertools
 import time
 
+import msgspec
 import numpy as np
 from ray import serve
 from ray.serve._private.request_router.request_router import RequestRouter
 from ray.serve.config import RequestRouterConfig
 
-from fastmamba.engine.process import EngineClient, EngineDown, QueueFull
 from fastmamba.core.sampling_params import SamplingParams
+from fastmamba.engine import protocol
+from fastmamba.engine.client import EngineClient, EngineRefused
+from fastmamba.engine.options import EngineOptions
+from fastmamba.engine.protocol import EngineError, Failed, Output, Stats
+from fastmamba.io.folders import checkpoint_folder
+from fastmamba.serve.options import ServeOptions
 
 ROUTE_TOKENS = 512  # the prefix a request is routed by: the prefix cache's first grid point
-# A replica sends each stream's tokens on in lists, one each this many ms after the first
-# token (see EngineReplica.generate): tokens reach the client in bursts of up to this gap.
-STREAM_INTERVAL_MS = 50
+DEFAULT_REPLICAS = 2  # Ray's command line without replicas= or autoscale=
 
 
 def route_key(ids: list[int]) -> int:
@@ -80,30 +84,42 @@ class PrefixRouter(RequestRouter):
         return [sorted(ranked, key=lambda r: load[r.replica_id])]  # its home is busy: the least loaded
 
 
+class ReplicaOutputs(msgspec.Struct, array_like=True, frozen=True):
+    """What a replica's stream sends at once: a request's outputs (rids of the replica's
+    engine), and with the last of them the replica's name and its engine's stats, which the
+    front end's metrics sum over the replicas."""
+
+    outputs: list[Output]
+    replica: str | None = None
+    stats: Stats | None = None
+
+
 class EngineReplica:
-    """One replica: the serving engine in its own process, its outputs streamed per request."""
+    """One replica: the serving engine in its own process, its outputs streamed per request.
+    A replica sends each stream's tokens on in lists, one each `stream_interval_s` after the
+    first token (ServeOptions.stream_interval_ms): tokens reach the client in bursts of up
+    to that gap."""
 
-    def __init__(self, load_kwargs: dict, engine_kwargs: dict, max_queue: int, stream_interval_s: float):
-        from fastmamba.engine.loader import load
+    def __init__(self, options: EngineOptions, folder: str, max_queue: int, stream_interval_s: float):
+        from fastmamba.engine.process import ProcessClient
 
-        self.client = EngineClient(functools.partial(load, **load_kwargs), engine_kwargs, max_queue=max_queue)
+        self.client = ProcessClient(options, folder, max_queue=max_queue)
         self.name = serve.get_replica_context().replica_id.unique_id
         self.interval = stream_interval_s
+        self._encode = protocol.encoder().encode
 
-    async def generate(self, key: int, ids: list[int], fields: dict, top_logprobs: int | None):
-        """The engine's outputs for one request (engine.py's tuples), until its end, in lists:
-        the first output alone and at once (the time to first token), then what came in each
+    async def generate(self, key: int, ids: list[int], params: SamplingParams, top_logprobs: int | None):
+        """The engine's outputs for one request until its end, as encoded ReplicaOutputs: the
+        first output alone and at once (the time to first token), then what came in each
         `stream_interval_s`. Each item of a Ray stream costs both processes a fixed few
         hundred µs of Python, so one a token held 64 streams of 2.8b on an H200 to 0.22 of
-        the plain server's throughput (benchmarks/RESULTS.md, "Ray Serve")."""
+        the plain server's throughput (benchmarks/RESULTS.md, "Ray Serve"). `key` is for the
+        router. `params` come checked from the front end (unpickling does not check again)."""
         outs: asyncio.Queue = asyncio.Queue()
         try:
-            rid = self.client.submit(ids, SamplingParams(**fields), top_logprobs, outs.put_nowait)
-        except QueueFull as e:
-            yield [(None, None, None, "error", dict(message=f"the server is busy: {e}", status=429))]
-            return
-        except EngineDown as e:
-            yield [(None, None, None, "error", dict(message=str(e), status=503))]
+            rid = self.client.submit(ids, params, top_logprobs, outs.put_nowait)
+        except EngineRefused as e:
+            yield self._encode(ReplicaOutputs([Failed(-1, e.error)]))
             return
         try:
             sent = None  # when the last list went out
@@ -114,16 +130,14 @@ class EngineReplica:
                 while not outs.empty():
                     batch.append(outs.get_nowait())
                 sent = time.monotonic()
-                end = batch[-1]
-                if end[3] is not None:  # the end: with this replica's engine stats, for the front end's metrics
-                    batch[-1] = tuple(end[:4]) + ({**end[4], "replica": self.name, "stats": self.client.stats},)
-                    yield batch
+                if protocol.is_end(batch[-1]):
+                    yield self._encode(ReplicaOutputs(batch, self.name, self.client.stats))
                     return
-                yield batch
+                yield self._encode(ReplicaOutputs(batch))
         finally:  # the caller went away (or the request ended): nothing more for it
             self.client.abort(rid)
 
-    def stats(self) -> dict:
+    def stats(self) -> Stats:
         return self.client.stats
 
     def check_health(self) -> None:
@@ -136,51 +150,56 @@ class EngineReplica:
             client.shutdown(timeout=5)
 
 
-class RayEngine:
-    """server.create_app's engine, over the engine replicas' Ray handle: each request is a
-    streaming call, routed by its prompt's prefix."""
+class RayClient(EngineClient):
+    """An engine client over the engine replicas' Ray handle (app.create_app's engine under
+    Ray Serve): each request is a streaming call, routed by its key."""
 
     def __init__(self, handle):
         self.handle = handle.options(stream=True)
+        self.max_batch = 0  # (the replicas' own)
+        self.stats = Stats()
         self._tasks: dict[int, asyncio.Task] = {}
-        self._stats: dict[str, dict] = {}  # each replica's latest engine stats, from its requests' ends
+        self._replica_stats: dict[str, Stats] = {}  # each replica's latest, from its requests' ends
         self._rids = itertools.count()
-        self.on_stats = None
-        self.alive = True  # Ray replaces a replica that dies; its requests end with a 503
+        self._decode = protocol.decoder(ReplicaOutputs).decode
 
-    def submit(self, ids: list[int], params: SamplingParams, top_logprobs: int | None, emit, route=None) -> int:
+    @property
+    def alive(self) -> bool:
+        return True  # Ray replaces a replica that dies; its requests end with a 503
+
+    def submit(self, ids, params, top_logprobs, emit, route=None) -> int:
         """route: the routing key (a conversation's, from the front end), else the prompt's."""
         rid = next(self._rids)
         key = route if route is not None else route_key(ids)
-        fields = dataclasses.asdict(params)
 
         async def run():
             try:
-                async for batch in self.handle.generate.remote(key, ids, fields, top_logprobs):
-                    for out in batch:
-                        emit((rid,) + tuple(out[1:]))
-                        if out[3] is not None:
-                            self._replica_stats(out[4])
-                            return
+                async for item in self.handle.generate.remote(key, ids, params, top_logprobs):
+                    batch = self._decode(item)
+                    for out in batch.outputs:
+                        emit(msgspec.structs.replace(out, rid=rid))
+                    if batch.replica is not None:
+                        self._sum_stats(batch.replica, batch.stats)
+                    if batch.outputs and protocol.is_end(batch.outputs[-1]):
+                        return
                 raise RuntimeError("the replica's stream ended early")
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the replica died, or Ray could not reach one
-                emit((rid, None, None, "error", dict(message=f"the engine replica failed: {type(e).__name__}",
-                                                     status=503)))
+                emit(Failed(rid, EngineError(protocol.ENGINE_DOWN, f"the engine replica failed: {type(e).__name__}")))
             finally:
                 self._tasks.pop(rid, None)
 
         self._tasks[rid] = asyncio.get_running_loop().create_task(run())
         return rid
 
-    def _replica_stats(self, info: dict) -> None:
+    def _sum_stats(self, replica: str, stats: Stats) -> None:
         """The metrics' engine figures summed over the replicas (a replica's counters count on
         in its successor: Ray gives it a new name)."""
-        if "replica" not in info or self.on_stats is None:
-            return
-        self._stats[info["replica"]] = info["stats"]
-        self.on_stats({k: sum(s[k] for s in self._stats.values()) for k in info["stats"]})
+        self._replica_stats[replica] = stats
+        self.stats = sum(self._replica_stats.values(), Stats())
+        if self.on_stats is not None:
+            self.on_stats(self.stats)
 
     def abort(self, rid: int) -> None:
         task = self._tasks.pop(rid, None)
@@ -188,118 +207,59 @@ class RayEngine:
             task.cancel()  # cancels the streaming call: the replica's generator ends, and aborts the request
 
 
-def build(model=None, replicas: int = 2, device: str = "cpu", dtype: str = "float32", state_dtype: str = "float32",
-          deterministic: bool = False, threads: int | None = None, max_batch: int | None = None,
-          prefill_tokens: int = 4096, prefix_cache_mb: int = 256, max_queue: int = 256, max_model_len: int = 32768,
-          max_body_mb: float = 8, api_key: str | None = None, served_model_name: str | None = None,
-          queue_bound: int = 64, autoscaling: dict | None = None, routing: str = "prefix",
-          stream_interval_ms: float = STREAM_INTERVAL_MS):
-    """The Ray Serve application: `replicas` engine replicas (or an autoscaling config) behind
-    the HTTP front end. Arguments as `fastmamba serve`'s flags; routing: "prefix" (the
-    default) or "round-robin"; stream_interval_ms: how often a replica sends a stream's
-    new tokens on to the front end (0: each as it comes)."""
+def build(options: ServeOptions, queue_bound: int = 64, routing: str = "prefix"):
+    """The Ray Serve application: the options' replicas (or autoscaling range) of the engine
+    behind the HTTP front end. routing: "prefix" (the default) or "round-robin" (the
+    baseline the multi-GPU benchmark compares against); queue_bound: requests in flight on
+    a replica past which its requests go to the least loaded one."""
     if routing not in ("prefix", "round-robin"):
         raise ValueError(f"routing must be 'prefix' or 'round-robin', got {routing!r}")
-    if not stream_interval_ms >= 0:
-        raise ValueError(f"stream_interval_ms must be at least 0, got {stream_interval_ms!r}")
-    from fastmamba.engine.loader import checkpoint_folder
-
-    folder = checkpoint_folder(model)
-    load_kwargs = dict(path=str(folder), device=device, dtype=dtype, state_dtype=state_dtype,
-                       deterministic=deterministic, threads=threads)
-    engine_kwargs = dict(max_batch=max_batch, prefill_tokens=prefill_tokens, prefix_cache_bytes=prefix_cache_mb << 20)
-    gpu = device != "cpu"
-    scale = dict(autoscaling_config=autoscaling) if autoscaling else dict(num_replicas=replicas)
+    folder = str(checkpoint_folder(options.engine.model))
+    engine = options.engine
+    scaling = options.autoscaling()
+    scale = dict(autoscaling_config=scaling) if scaling else dict(num_replicas=options.replicas or DEFAULT_REPLICAS)
     engines = serve.deployment(EngineReplica).options(
-        name="EngineReplica", ray_actor_options={"num_gpus": 1} if gpu else {"num_cpus": 1},
+        name="EngineReplica", ray_actor_options={"num_gpus": 1} if engine.device != "cpu" else {"num_cpus": 1},
         graceful_shutdown_timeout_s=10, graceful_shutdown_wait_loop_s=0.5,
-        max_ongoing_requests=max_queue + (max_batch or 256),
+        max_ongoing_requests=options.max_queue + (engine.max_batch or 256),
         request_router_config=RequestRouterConfig(request_router_class=PrefixRouter,
                                                   request_router_kwargs={"queue_bound": queue_bound,
                                                                          "routing": routing}),
         **scale,
-    ).bind(load_kwargs, engine_kwargs, max_queue, stream_interval_ms / 1000)
-    options = dict(model_name=served_model_name or (model or "fastmamba-default"), folder=str(folder), api_key=api_key,
-                   max_model_len=max_model_len, max_body_mb=max_body_mb)
+    ).bind(engine, folder, options.max_queue, options.stream_interval_ms / 1000)
     frontend = serve.deployment(serve.ingress()(Frontend)).options(
         name="Frontend", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000,
         graceful_shutdown_timeout_s=10, graceful_shutdown_wait_loop_s=0.5)
-    return frontend.bind(engines, options)
+    return frontend.bind(engines, folder, options)
 
 
 class Frontend:
     """The HTTP ingress: `fastmamba serve`'s app over the engine replicas' handle, made in
     the replica (Ray calls __serve_build_asgi_app__ after the constructor)."""
 
-    def __init__(self, engines, options: dict):
-        self.engines, self.options = engines, options
+    def __init__(self, engines, folder: str, options: ServeOptions):
+        self.engines, self.folder, self.options = engines, folder, options
 
     def __serve_build_asgi_app__(self):
         from fastmamba.serve.app import folder_app
 
-        return folder_app(RayEngine(self.engines), **self.options)
-
-
-def autoscaling(spec: str, target: int = 16) -> dict:
-    """Ray Serve's autoscaling config from "MIN:MAX" replicas (each aiming at `target`
-    requests in flight); a ValueError naming --autoscale otherwise."""
-    try:
-        low, high = (int(x) for x in spec.split(":"))
-    except ValueError:
-        raise ValueError(f"--autoscale takes MIN:MAX replicas, got {spec!r}") from None
-    if not 0 <= low <= high or high < 1:
-        raise ValueError(f"--autoscale MIN:MAX needs 0 <= MIN <= MAX and MAX >= 1, got {spec!r}")
-    return {"min_replicas": low, "max_replicas": high, "target_ongoing_requests": target}
+        return folder_app(RayClient(self.engines), self.folder, self.options)
 
 
 def app(args: dict):
-    """`serve run fastmamba.deploy:app model=DIR replicas=2 device=cuda dtype=bfloat16 ...`
-    (autoscale=MIN:MAX in place of replicas)."""
-    ints = {"replicas", "threads", "max_batch", "prefill_tokens", "prefix_cache_mb", "max_queue", "max_model_len",
-            "queue_bound"}
-    kwargs = {k: int(v) if k in ints else float(v) if k in ("max_body_mb", "stream_interval_ms") else
-              (str(v).lower() in ("1", "true", "yes")) if k == "deterministic" else v for k, v in args.items()}
-    if "autoscale" in kwargs:
-        kwargs["autoscaling"] = autoscaling(kwargs.pop("autoscale"), kwargs.get("max_batch") or 16)
-    return build(**kwargs)
-
-
-def serve_replicas(args) -> int:
-    """`fastmamba serve --replicas N`: starts Ray here, runs the application until Ctrl-C or
-    SIGTERM, then shuts it down."""
-    import signal
-    import sys
-    import threading
-
-    import ray
-
-    from fastmamba.serve.app import _listen
-
-    scaling = autoscaling(args.autoscale, args.max_batch or 16) if args.autoscale else None
-    _listen(args.host, args.port).close()  # a bad or busy --port: one line, before Ray starts (its proxy binds it)
-    ray.init(include_dashboard=False, logging_level="ERROR")
-    try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        application = build(model=args.model, replicas=args.replicas, device=args.device, dtype=args.dtype,
-                            state_dtype=args.state_dtype, deterministic=args.deterministic, threads=args.threads,
-                            max_batch=args.max_batch, prefill_tokens=args.prefill_tokens,
-                            prefix_cache_mb=args.prefix_cache_mb, max_queue=args.max_queue,
-                            max_model_len=args.max_model_len, max_body_mb=args.max_body_mb, api_key=args.api_key,
-                            served_model_name=args.served_model_name, autoscaling=scaling,
-                            stream_interval_ms=STREAM_INTERVAL_MS if args.stream_interval_ms is None
-                            else args.stream_interval_ms)
-        serve.run(application, name="fastmamba", route_prefix="/")
-        scale = f"{args.autoscale} replicas, autoscaled" if args.autoscale else f"{args.replicas} replicas"
-        print(f"fastmamba: serving on http://{args.host}:{args.port} with {scale} (Ray Serve)",
-              file=sys.stderr, flush=True)
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        stop.wait()
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-    return 0
+    """`serve run fastmamba.serve.deploy:app model=DIR replicas=2 device=cuda dtype=bfloat16 ...`
+    (autoscale=MIN:MAX in place of replicas): the options by their field names, and build's
+    queue_bound and routing; another key is a ValueError naming it."""
+    args = dict(args)
+    router = {}
+    if "queue_bound" in args:
+        try:
+            router["queue_bound"] = int(args.pop("queue_bound"))
+        except ValueError:
+            raise ValueError("queue_bound takes an integer") from None
+    if "routing" in args:
+        router["routing"] = args.pop("routing")
+    return build(ServeOptions.from_dict(args), **router)
 
 
 class _Generate:
@@ -339,14 +299,12 @@ def batch(dataset, model=None, *, column: str = "prompt", seed: int = 0, concurr
     seed); each row gets what `generate` gives it alone with that seed, whatever the number
     of actors or rows a block (on a GPU exactly so with deterministic=True, else within the
     batch-invariant ranges). `sampling`: SamplingParams fields (max_tokens, temperature, ...)."""
-    from fastmamba.engine.loader import checkpoint_folder
-
     params = dataclasses.asdict(SamplingParams.from_kwargs(None, sampling))
     del params["seed"]  # (each row's own)
     if "seed" not in dataset.columns():
         dataset = dataset.map(lambda row: {**row, "seed": prompt_seed(row[column], seed)})
-    load_kwargs = dict(path=str(checkpoint_folder(model)), device=device, dtype=dtype, state_dtype=state_dtype,
-                       deterministic=deterministic)
+    engine = EngineOptions(model=model, device=device, dtype=dtype, state_dtype=state_dtype, deterministic=deterministic)
+    load_kwargs = {**engine.load_kwargs(), "path": str(checkpoint_folder(model))}
     resources = {"num_gpus": 1} if device != "cpu" else {"num_cpus": 1}
     from ray.data import ActorPoolStrategy
 

@@ -1,0 +1,37 @@
+"""The HTTP API's errors, as OpenAI's bodies: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+from fastmamba.engine.protocol import BUSY, SHUTTING_DOWN, EngineError
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is over this server's limit of {limit / 2**20:g} MiB (--max-body-mb)",
+                    code="request_too_large")
+
+
+def engine_down() -> APIError:
+    return APIError(503, "the engine is not running; the server cannot serve requests", code="engine_unavailable",
+                    kind="server_error")
+
+
+def from_engine(error: EngineError) -> APIError:
+    """An engine's error as the API's: 429 when its queue is full, 503 when it is shutting
+    down or gone, 500 when the model failed (its weights overflow, say)."""
+    if error.kind == BUSY:
+        return APIError(429, f"the server is busy: {error.message}; try again later", code="rate_limit_exceeded",
+                        kind="rate_limit_error")
+    if error.status == 503:
+        code = "server_shutting_down" if error.kind == SHUTTING_DOWN else "engine_unavailable"
+        return APIError(503, error.message, code=code, kind="server_error")
+    return APIError(error.status, f"generation failed: {error.message}", kind="server_error")

@@ -1,0 +1,124 @@
+"""`fastmamba serve`: the engine in its own process (or Ray Serve replicas), the HTTP app in
+this one under uvicorn, and a drained shutdown: SIGTERM or Ctrl-C stop new requests, let
+running ones finish for --shutdown-timeout seconds, end the rest with a 503, and end the
+command with exit code 0."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+
+from fastmamba.engine.client import EngineClient
+from fastmamba.io.folders import checkpoint_folder, default_model_dir
+from fastmamba.serve.options import ServeOptions
+
+
+def serve(options: ServeOptions) -> int:
+    """The command's `serve`: a ValueError naming the culprit (a flag, the model folder)
+    before anything slow starts, else serves until stopped."""
+    if any(importlib.util.find_spec(m) is None for m in ("fastapi", "uvicorn", "zmq")):
+        raise ValueError("serve needs the server packages: pip install 'fastmamba[serve]'")
+    if options.ray:
+        return serve_replicas(options)
+    import uvicorn
+
+    from fastmamba.engine.process import ProcessClient
+    from fastmamba.serve.app import folder_app
+
+    sock = listen(options.host, options.port)
+    folder = checkpoint_folder(options.engine.model)
+    if not (folder / "tokenizer.json").exists():
+        if not (folder / "config.json").exists() and options.engine.model is None:
+            raise ValueError(f"no bundled model in this install ({default_model_dir()}): pass --model DIR")
+        raise ValueError(f"the model in {folder} has no tokenizer.json: give --model a folder with one")
+    graphs = ", capturing CUDA graphs" if options.engine.device != "cpu" else ""
+    print(f"fastmamba: starting the engine (loading {folder}{graphs}) ...", file=sys.stderr, flush=True)
+    engine = ProcessClient(options.engine, folder, max_queue=options.max_queue)
+    try:
+        app = folder_app(engine, folder, options)
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=options.shutdown_timeout + 5)
+        info = engine.info
+        print(f"fastmamba: serving {options.model_name} on http://{options.host}:{options.port} ({info.device}, "
+              f"{info.dtype}, {info.max_batch} slots)", file=sys.stderr, flush=True)
+        _drained_server(config, engine, options.shutdown_timeout).run(sockets=[sock])
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def serve_replicas(options: ServeOptions) -> int:
+    """`fastmamba serve --replicas N`: starts Ray here, runs the application until Ctrl-C or
+    SIGTERM, then shuts it down."""
+    import signal
+
+    try:
+        import ray
+        from ray import serve
+
+        from fastmamba.serve.deploy import build
+    except ImportError:
+        raise ValueError("--replicas and --autoscale need Ray Serve: pip install 'fastmamba[ray]'") from None
+
+    listen(options.host, options.port).close()  # a bad or busy --port: one line, before Ray starts (its proxy binds it)
+    ray.init(include_dashboard=False, logging_level="ERROR")
+    try:
+        serve.start(http_options={"host": options.host, "port": options.port})
+        serve.run(build(options), name="fastmamba", route_prefix="/")
+        scale = f"{options.autoscale} replicas, autoscaled" if options.autoscale else f"{options.replicas} replicas"
+        print(f"fastmamba: serving on http://{options.host}:{options.port} with {scale} (Ray Serve)",
+              file=sys.stderr, flush=True)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def listen(host: str, port: int):
+    """The server's socket, bound before the model loads, so that a port in use or a host
+    this machine does not have is one line naming the flag, at once."""
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host {host}: cannot be resolved ({e})") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e})") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _drained_server(config, engine: EngineClient, drain_s: float):
+    """uvicorn's server with a drain: the first SIGTERM or Ctrl-C stops new connections
+    (uvicorn), lets running requests finish for `drain_s` seconds, then ends those still
+    running with a 503 (engine.shutdown), so every connection closes and the command exits
+    with 0. (uvicorn's own timeout, a little later, is the backstop: it cancels the tasks.)"""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        draining = None
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            # uvicorn raises the caught signal again once it has shut down, which would end
+            # the process by that signal: a drained shutdown ends with 0 instead
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+            if self.draining is None:
+                self.draining = threading.Timer(drain_s, engine.shutdown)
+                self.draining.daemon = True
+                self.draining.start()
+
+    return Server(config)

@@ -1,0 +1,127 @@
+"""Reading an OpenAI request's body: the JSON, each field type- and range-checked (a 400
+naming the field, never a 500 for a client's mistake), the prompts, the sampling parameters."""
+
+from __future__ import annotations
+
+import json
+
+from fastmamba.core.sampling_params import SamplingParams
+from fastmamba.io.prompts import PromptEncoder, check_token_ids
+from fastmamba.serve.errors import APIError, too_large
+
+MAX_PROMPTS = 64  # prompts in one completions request
+
+
+async def read_json(request, limit: int) -> dict:
+    """The request's body as a JSON object, its bytes counted as they come (a body sent
+    without a Content-Length too)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list", dict: "an object"}
+
+
+def get(body: dict, name: str, kind, default=None, lo=None, hi=None, required=False):
+    """body[name], type- and range-checked; a missing or null field is `default`."""
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise APIError(400, f"'{name}' is required", param=name)
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    ok = any(isinstance(value, k) and not (k in (int, float) and isinstance(value, bool)) for k in kinds)
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        names = " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
+        raise APIError(400, f"'{name}' must be {names}, got {json.dumps(value)[:60]}", param=name)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f"from {lo} to {hi}" if lo is not None and hi is not None else f"at least {lo}" if hi is None else f"at most {hi}"
+        raise APIError(400, f"'{name}' must be {bounds}, got {value}", param=name)
+    return value
+
+
+def check_model(body: dict, served: str) -> None:
+    model = get(body, "model", str, served)
+    if model != served:
+        raise APIError(404, f"the model '{model}' does not exist; this server serves '{served}'", param="model",
+                       code="model_not_found")
+
+
+def sampling_fields(body: dict, vocab: int) -> dict:
+    """The request's sampling fields, type-checked; each choice's SamplingParams is made from
+    them once (`sampling_params`), with its own seed and max_tokens."""
+    top_k = get(body, "top_k", int, 0)
+    seed = get(body, "seed", int, None)
+    if seed is not None and not 0 <= seed < 2**32:
+        raise APIError(400, f"'seed' must be from 0 to 2^32 - 1, got {seed}", param="seed")
+    stop_ids = get(body, "stop_token_ids", list, None)
+    if stop_ids:  # (an empty list: no stop tokens)
+        check_ids(stop_ids, vocab, "stop_token_ids")
+    for name in ("max_tokens", "max_completion_tokens"):
+        get(body, name, int, None, lo=1)
+    return dict(
+        temperature=get(body, "temperature", float, 1.0),
+        top_k=0 if top_k == -1 else top_k, top_p=get(body, "top_p", float, 1.0), min_p=get(body, "min_p", float, 0.0),
+        repetition_penalty=get(body, "repetition_penalty", float, 1.0), seed=seed, stop_token_ids=stop_ids,
+    )
+
+
+def sampling_params(fields: dict, **choice) -> SamplingParams:
+    """SamplingParams of the fields (with a choice's own seed and max_tokens): checked here,
+    once, and never again on the engine's side."""
+    try:
+        return SamplingParams(**{**fields, **choice})
+    except ValueError as e:  # "SamplingParams.<field> ...": name the request's field
+        field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
+        raise APIError(400, str(e).replace("SamplingParams.", "", 1), param=field) from None
+
+
+def check_ids(ids: list, vocab: int, name: str) -> None:
+    """The library's check of token ids (the first culprit named), as a 400 naming the field."""
+    if not ids:
+        raise APIError(400, f"'{name}' is empty", param=name)
+    try:
+        check_token_ids(ids, vocab, f"'{name}'")
+    except ValueError as e:
+        raise APIError(400, str(e), param=name) from None
+
+
+def encode(encoder: PromptEncoder, text: str, name: str) -> list[int]:
+    try:
+        ids = encoder.encode(text)
+    except ValueError as e:
+        raise APIError(400, f"'{name}': {e}", param=name) from None
+    return ids
+
+
+def prompts(encoder: PromptEncoder, prompt) -> list[tuple[str, list[int]]]:
+    """(text, ids) of each prompt: a string, a list of token ids, or a list of either."""
+    if prompt is None:
+        raise APIError(400, "'prompt' is required", param="prompt")
+    if isinstance(prompt, str):
+        return [(prompt, encode(encoder, prompt, "prompt"))]
+    if _is_ids(prompt):
+        check_ids(prompt, encoder.vocab_size, "prompt")
+        return [(encoder.tokenizer.decode(prompt) if encoder.tokenizer else "", list(prompt))]
+    # a batch: strings and lists of ids, one level deep, as OpenAI takes them
+    if isinstance(prompt, list) and 0 < len(prompt) <= MAX_PROMPTS and all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        return [p for item in prompt for p in prompts(encoder, item)]
+    raise APIError(400, f"'prompt' must be a string, a list of token ids, or a non-empty list of at most {MAX_PROMPTS} "
+                   "of those (strings or lists of token ids)", param="prompt")
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)

@@ -1,0 +1,108 @@
+"""OpenAI's response and stream-chunk bodies, built from a request's choices' events."""
+
+from __future__ import annotations
+
+import json
+import time
+
+
+def sse(obj: dict) -> str:
+    """One server-sent event of a JSON body."""
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+class Response:
+    """Builds OpenAI's response and chunk bodies from the engine's events, choice by choice."""
+
+    def __init__(self, rid, model, chat, encoder, echoes):
+        self.rid, self.model, self.chat, self.encoder = rid, model, chat, encoder
+        self.created = int(time.time())
+        self.texts = list(echoes)
+        self.first = [True] * len(echoes)
+        self.finish = [None] * len(echoes)
+        self.logprobs = [[] for _ in echoes]
+        self.usage = dict(prompt_tokens=0, completion_tokens=0, cached_tokens=0)
+        self._templates: dict[int, list[str]] = {}
+
+    def sse_chunk(self, index, piece: str, finish, logprob) -> str:
+        """A stream chunk's server-sent event. A plain token's comes from a template made
+        once a choice (its JSON with a marker where the text goes): a token's JSON costs a
+        dumps of its text only, which matters at tens of streams a step."""
+        if finish is not None or logprob is not None:
+            return sse(self.chunk(index, {"content": piece} if self.chat else piece, finish, logprob))
+        template = self._templates.get(index)
+        if template is None:
+            mark = "\u0000text\u0000"
+            body = sse(self.chunk(index, {"content": mark} if self.chat else mark, None, None))
+            template = self._templates[index] = body.split(json.dumps(mark))
+        return template[0] + json.dumps(piece) + template[1]
+
+    def add(self, index, kind, data):
+        """One event -> (text piece, finish reason, logprob entry) for a chunk."""
+        if kind == "done":
+            self.finish[index] = data["finish_reason"]
+            for key in self.usage:
+                self.usage[key] += data[key]
+            self.texts[index] += data["tail"]
+            return data["tail"], data["finish_reason"], None
+        piece = data["text"] or ""
+        out = self.texts[index] + piece if self.first[index] else piece  # echo: the prompt goes out first
+        self.texts[index] += piece
+        self.first[index] = False
+        entry = self._logprob(data) if data["logprob"] is not None else None
+        if entry is not None:
+            self.logprobs[index].append(entry)
+        return out, None, entry
+
+    def _token(self, t: int) -> str:
+        return self.encoder.tokenizer.decode([t]) if self.encoder.tokenizer else str(t)
+
+    def _logprob(self, data) -> dict:
+        lp = data["logprob"]
+        if self.chat:
+            def one(t, v):
+                s = self._token(t)
+                return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8", "replace"))}
+
+            return {**one(data["token"], lp["logprob"]), "top_logprobs": [one(t, v) for t, v in lp["top"]]}
+        return {"token": self._token(data["token"]), "logprob": lp["logprob"],
+                "top": {self._token(t): v for t, v in lp["top"]}}
+
+    def _choice_logprobs(self, entries):
+        if not entries:
+            return None
+        if self.chat:
+            return {"content": entries}
+        offsets, at = [], 0
+        for e in entries:
+            offsets.append(at)
+            at += len(e["token"])
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [e["top"] for e in entries], "text_offset": offsets}
+
+    def _usage(self):
+        u = self.usage
+        return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+                "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+                "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
+
+    def response(self) -> dict:
+        choices = []
+        for i, text in enumerate(self.texts):
+            c = {"index": i, "finish_reason": self.finish[i], "logprobs": self._choice_logprobs(self.logprobs[i])}
+            c.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+            choices.append(c)
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices,
+                "usage": self._usage()}
+
+    def chunk(self, index, delta, finish, logprob) -> dict:
+        c = {"index": index, "finish_reason": finish, "logprobs": self._choice_logprobs([logprob] if logprob else [])}
+        c.update({"delta": delta} if self.chat else {"text": delta})
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": [c]}
+
+    def usage_chunk(self) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": [],
+                "usage": self._usage()}
