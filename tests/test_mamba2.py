@@ -503,23 +503,25 @@ def test_mamba2_on_the_gpu_engine_equals_the_cpu(tmp_path):
 
 
 @pytest.mark.gpu
-def test_the_one_row_step_as_the_gpu_engines_step(tmp_path, monkeypatch):
-    """Mamba-2's one-row step routed for every batch size (the table's entry replaced): the
-    engine's CUDA graphs, greedy argmax inside, give the CPU's greedy tokens, alone and in
-    a batch, and a float32 state and a bfloat16 one."""
-    from fastmamba.engine import plan as decode_plan
+def test_the_one_row_step_as_the_gpu_engines_step(tmp_path):
+    """Mamba-2's one-row step for every batch size (a plan given in place of the table's):
+    the engine's CUDA graphs, greedy argmax inside, give the CPU's greedy tokens, alone and
+    in a batch, and a float32 state and a bfloat16 one."""
     from fastmamba.engine.decode_step import make_decode_step
+    from fastmamba.engine.plan import DecodePlan
 
-    monkeypatch.setattr(decode_plan, "LAYER_OPS", decode_plan.DecodePlan("one-row"))
+    one_row = DecodePlan("one-row")
     folder, _ = save_mamba2(tmp_path / "m", n_groups=2, use_bias=True)
     gpu, cpu = fastmamba.load(folder, device="cuda"), fastmamba.load(folder)
-    assert type(make_decode_step(gpu.model, 4)).__name__ == "Mamba2DecodeStep"
+    gpu.decode_plan = one_row
+    assert type(make_decode_step(gpu.model, 4, plan=one_row)).__name__ == "Mamba2DecodeStep"
     prompts = [ids(1, n, seed=n)[0].tolist() for n in (3, 17, 9, 11)]
     want = [cpu.generate(p, max_tokens=12, stop_token_ids=[]).token_ids for p in prompts]
     assert gpu.generate(prompts[1], max_tokens=12, stop_token_ids=[]).token_ids == want[1]
     together = gpu.generate_batch(prompts, [SamplingParams(max_tokens=12, stop_token_ids=[])] * 4)
     assert [g.token_ids for g in together] == want
     bf16 = fastmamba.load(folder, device="cuda", state_dtype="bfloat16")
+    bf16.decode_plan = one_row
     assert bf16.generate(prompts[1], max_tokens=4, stop_token_ids=[]).token_ids == want[1][:4]
 
 

@@ -188,7 +188,7 @@ class PoolDecodeGraphs:
     because a capture's warm-up calls run the step on the rows it captures.
     """
 
-    def __init__(self, model: Mamba, pool: MambaState, tokens: torch.Tensor, deterministic: bool = False):
+    def __init__(self, model: Mamba, pool: MambaState, tokens: torch.Tensor, deterministic: bool = False, plan=None):
         from fastmamba.engine.decode_step import make_decode_step
 
         max_batch = pool.conv.shape[1]
@@ -197,7 +197,7 @@ class PoolDecodeGraphs:
         mempool = torch.cuda.graph_pool_handle()  # one replays at a time: they share scratch
         self.graphs = {}
         for b in self.buckets:
-            step = make_decode_step(model, b, deterministic)
+            step = make_decode_step(model, b, deterministic, plan)  # plan: the table's unless given
             rows = MambaState(pool.conv[:, :b], pool.ssm[:, :b])
             ids = self.tokens[:b]
             self.graphs[b] = capture_graph(lambda: step(ids, rows), mempool) + (step,)

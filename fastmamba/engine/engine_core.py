@@ -157,11 +157,12 @@ class EngineCore:
     max_batch: state slots. prefill_tokens: prompt tokens prefilled a step at most (a longer
     prompt runs in chunks over several steps). prefix_cache_bytes: the prefix cache's budget
     (0: off, as offline; serve's is 256 MiB). threads: PyTorch's CPU threads while a step
-    computes (cpu_threads.py; 0: as PyTorch has it).
+    computes (cpu_threads.py; 0: as PyTorch has it). decode_plan: a DecodePlan (plan.py) for
+    the decode step at every batch size, in place of the plan table's (tests and benchmarks).
     """
 
     def __init__(self, model: Mamba, prefill: Prefill, max_batch: int = 16, prefill_tokens: int = 1024,
-                 prefix_cache_bytes: int = 0, threads: int = 1):
+                 prefix_cache_bytes: int = 0, threads: int = 1, decode_plan=None):
         self.model, self.prefill = model, prefill
         self.device = self.model.device
         self.max_batch, self.prefill_tokens, self.threads = max_batch, prefill_tokens, threads
@@ -180,7 +181,7 @@ class EngineCore:
         self.decode_graphs = self._chunk_pool = None
         self._chunk_graph_sets: dict = {}
         if self.gpu:
-            self.decode_graphs = PoolDecodeGraphs(self.model, self.pool, self.tokens, prefill.deterministic)
+            self.decode_graphs = PoolDecodeGraphs(self.model, self.pool, self.tokens, prefill.deterministic, decode_plan)
 
     # -- the caller's side ------------------------------------------------------------------
 

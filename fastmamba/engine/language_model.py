@@ -63,6 +63,9 @@ class LanguageModel:
         # calls and between streamed tokens. 0: as PyTorch has it.
         self.threads = 1 if threads is None else threads
         self.prefill = Prefill(model, graphs=engine == "triton", deterministic=deterministic)
+        # A DecodePlan (plan.py) for the engine's decode step at every batch size in place of
+        # the plan table's: for tests and benchmarks, set before the first generation.
+        self.decode_plan = None
         self._backbone = None
         self._client: InProcessClient | None = None  # the engine under generate, stream and generate_batch
 
@@ -75,7 +78,7 @@ class LanguageModel:
             slots = 1 << (batch - 1).bit_length()  # powers of two: few rebuilds
             # offline, a step prefills whole prompts up to the model's chunk (no grid: no cache)
             core = EngineCore(self.model, self.prefill, max_batch=slots, prefill_tokens=self.model.chunk_tokens,
-                              threads=self.threads)
+                              threads=self.threads, decode_plan=self.decode_plan)
             self._client = InProcessClient(core)
         # (the attributes may change between generations: benchmarks set threads so)
         self._client.core.threads, self.prefill.deterministic = self.threads, self.deterministic
