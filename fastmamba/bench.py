@@ -18,7 +18,8 @@ import time
 import torch
 
 from fastmamba.core.config import MambaConfig
-from fastmamba.core.layers import layer_kind, state_bytes
+from fastmamba.core.families import family, sublayers
+from fastmamba.core.layers import LAYER_KINDS, state_bytes
 from fastmamba.core.model import Mamba
 
 SHAPES = {  # the public checkpoints' sizes (d_state 16, d_conv 4; vocab as published)
@@ -51,7 +52,7 @@ def _random_tensor(name: str, shape: tuple[int, ...], n_layer: int, g: torch.Gen
         n = shape[-1] if len(shape) == 2 else 16
         a = torch.arange(1, n + 1, device=device, dtype=torch.float32)
         return a.repeat(shape[0], 1).log() if len(shape) == 2 else a.repeat(shape[0] // n + 1)[: shape[0]].log()
-    if name.endswith(("norm.weight", "mixer.D")):
+    if name.endswith(("norm.weight", "layernorm.weight", "mixer.D", "mamba.D")):
         return randn(0.1, 1.0)
     if name.endswith(("dt_proj.bias", "dt_bias")):
         return randn(1.0, -4.0)
@@ -60,22 +61,24 @@ def _random_tensor(name: str, shape: tuple[int, ...], n_layer: int, g: torch.Gen
     if name.endswith("bias"):
         return randn(0.1)
     fan_in = shape[-1]
-    return randn((fan_in * n_layer) ** -0.5 if name.endswith("out_proj.weight") else fan_in**-0.5)
+    outputs = ("out_proj.weight", "o_proj.weight", "down_proj.weight", "output_linear.weight")
+    return randn((fan_in * n_layer) ** -0.5 if name.endswith(outputs) else fan_in**-0.5)
 
 
 def _random_tensors(c: MambaConfig, device) -> dict[str, torch.Tensor]:
-    """Every tensor of a model of config c by its transformers name (the layer kind's table),
-    float32, random with _random_tensor's spreads (embedding 0.02, an untied head by
-    fan-in, norm_f near 1)."""
+    """Every tensor of a model of config c by its transformers name (its family's, the layer
+    table's kinds), float32, random with _random_tensor's spreads (embedding 0.02, an untied
+    head by fan-in, norm_f near 1)."""
     g = torch.Generator(device=device).manual_seed(0)
     tensors = {}
-    for i in range(c.n_layer):
-        for name, shape in layer_kind(c).shapes(c, f"backbone.layers.{i}.").items():
+    fam = family(c)
+    for sub in sublayers(c):
+        for name, shape in LAYER_KINDS[sub.kind].shapes(c, sub, fam).items():
             tensors[name] = _random_tensor(name, shape, c.n_layer, g, device)
-    tensors["backbone.embeddings.weight"] = 0.02 * torch.randn(c.vocab_size, c.d_model, device=device, generator=g)
+    tensors[fam.embedding] = 0.02 * torch.randn(c.vocab_size, c.d_model, device=device, generator=g)
     if not c.tie_embeddings:
-        tensors["lm_head.weight"] = c.d_model**-0.5 * torch.randn(c.vocab_size, c.d_model, device=device, generator=g)
-    tensors["backbone.norm_f.weight"] = 1.0 + 0.1 * torch.randn(c.d_model, device=device, generator=g)
+        tensors[fam.lm_head] = c.d_model**-0.5 * torch.randn(c.vocab_size, c.d_model, device=device, generator=g)
+    tensors[fam.norm_f] = 1.0 + 0.1 * torch.randn(c.d_model, device=device, generator=g)
     return tensors
 
 

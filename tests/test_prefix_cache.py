@@ -6,12 +6,14 @@ import random
 
 import torch
 
+from fastmamba.core.state import MambaState
 from fastmamba.engine.prefix_cache import PrefixCache
 
 
 def state(value: float):
+    """(one slot's state, logits) of a value."""
     t = torch.full((1, 1, 1, 1), float(value))
-    return t, t.clone(), torch.full((3,), float(value))
+    return MambaState(t, t.clone()), torch.full((3,), float(value))
 
 
 def test_the_longest_cached_prefix_at_any_length_against_brute_force():
@@ -34,15 +36,16 @@ def test_the_longest_cached_prefix_at_any_length_against_brute_force():
 
 
 def test_a_stored_state_is_a_copy():
-    conv, ssm, logits = state(1)
+    one, logits = state(1)
     cache = PrefixCache(1 << 20)
-    cache.store([5, 6], conv, ssm, logits)
-    ssm.fill_(7)
+    cache.store([5, 6], one, logits)
+    one.ssm.fill_(7)
     assert cache.lookup([5, 6, 7])[1].ssm.item() == 1
 
 
 def test_the_budget_evicts_the_least_recently_used():
-    one = sum(t.numel() * t.element_size() for t in state(0))
+    s, logits = state(0)
+    one = sum(t.numel() * t.element_size() for t in (s.conv, s.ssm, logits))
     cache = PrefixCache(3 * one)
     for i in range(3):
         cache.store([i, i, i], *state(i))

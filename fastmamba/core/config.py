@@ -1,4 +1,7 @@
-"""MambaConfig: the model's sizes, read from either checkpoint format's config.json."""
+"""MambaConfig: the model's sizes, read from config.json: Mamba-1 and Mamba-2 in either format
+(HF, original state-spaces), Falcon-Mamba, and the hybrids that put attention and MLPs
+beside Mamba-2 (Nemotron-H, Bamba, Granite-4.0-H, Falcon-H1). Every field that changes the
+math is read, or refused by name."""
 
 from __future__ import annotations
 
@@ -35,10 +38,58 @@ class MambaConfig:
     chunk_size: int = 256
     dt_limit: tuple[float, float] = (0.0, math.inf)
     norm_before_gate: bool = False
+    ssm_norm: bool = True  # Mamba-2's gated RMSNorm (Falcon-H1 may leave it out: y * silu(z))
+    # -- hybrids (core/families.py names their tensors) ------------------------------------
+    # The sublayers in order, each a kind of the layer table (core/layers.py): "mamba1",
+    # "mamba2", "attention", "mlp", or "mamba2+attention" (Falcon-H1: both on one norm, summed).
+    # Empty: a pure Mamba model, n_layer sublayers of `layer`.
+    blocks: tuple[str, ...] = ()
+    family: str = "mamba"  # the checkpoint's tensor names (core/families.py)
+    attn_heads: int = 0
+    kv_heads: int = 0
+    attn_head_dim: int = 0
+    attn_bias: bool = False  # q, k, v and o projections' biases
+    attn_scale: float = 0.0  # the softmax's scale; 0: attn_head_dim ** -0.5
+    rope_theta: float = 0.0  # 0: no positions in attention (NoPE)
+    rotary_dim: int = 0  # the leading dims of a head that RoPE rotates (partial rotary)
+    mlp_size: int = 0
+    mlp_act: str = "silu"  # "silu" or "relu2" (squared ReLU)
+    mlp_gated: bool = True  # act(gate(x)) * up(x), else act(up(x))
+    mlp_bias: bool = False
+    embedding_multiplier: float = 1.0  # the embedding's output scaled by this
+    logits_multiplier: float = 1.0  # the logits scaled by this
+    # The family's multipliers that scale a product's input or output (Granite's residual,
+    # Falcon-H1's muP ones), by their config.json names: folded into the weights at load
+    # (core/families.py), so that no kernel sees them.
+    multipliers: tuple[tuple[str, float | tuple[float, ...]], ...] = ()
 
     @property
     def n_heads(self) -> int:
         return self.d_inner // self.head_dim
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Each sublayer's kind, in order."""
+        return self.blocks or (self.layer,) * self.n_layer
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether any sublayer is other than a Mamba layer (attention, MLP): KV caches and no
+        fused Mamba decode kernels."""
+        return any(k not in ("mamba1", "mamba2") for k in self.kinds)
+
+    @property
+    def n_recurrent(self) -> int:
+        """The sublayers with a recurrent state (a Mamba mixer)."""
+        return sum(k.startswith("mamba") for k in self.kinds)
+
+    @property
+    def n_attention(self) -> int:
+        """The sublayers with a KV cache (attention)."""
+        return sum(k.endswith("attention") for k in self.kinds)
+
+    def multiplier(self, name: str, default=1.0):
+        return dict(self.multipliers).get(name, default)
 
     def __post_init__(self):
         # Derived sizes are resolved here so every reader sees plain numbers.
@@ -134,18 +185,20 @@ def _dt_rank(value, key: str, source: str) -> int:
     raise CheckpointError(f"{source}: key '{key}' must be \"auto\" or a positive integer, got {value!r}")
 
 
-_MODEL_TYPES = ("mamba", "falcon_mamba", "mamba2")
+_MODEL_TYPES = ("mamba", "falcon_mamba", "mamba2", "nemotron_h", "bamba", "granitemoehybrid", "falcon_h1")
 
 
 def _from_hf(raw: dict, source: str) -> MambaConfig:
     model_type = raw.get("model_type", "mamba")
     if model_type not in _MODEL_TYPES:
         raise CheckpointError(
-            f"{source}: model_type is {model_type!r}; supported: 'mamba' (Mamba-1), 'falcon_mamba' and 'mamba2' "
-            "(hybrids such as Jamba, Zamba2 or Nemotron-H are not)"
+            f"{source}: model_type is {model_type!r}; supported: 'mamba' (Mamba-1), 'falcon_mamba', 'mamba2', and the "
+            "hybrids 'nemotron_h', 'bamba', 'granitemoehybrid' (dense) and 'falcon_h1' (Jamba and Zamba2 are not)"
         )
     if model_type == "mamba2":
         return _mamba2_from_hf(raw, source)
+    if model_type in _HYBRIDS:
+        return _HYBRIDS[model_type](raw, source)
     falcon = model_type == "falcon_mamba"
     d_model = _get(raw, "hidden_size", int, source)
     expand = _get(raw, "expand", int, source, 2)
@@ -302,3 +355,264 @@ def _eos(raw: dict, source: str) -> int:
     if not isinstance(eos, int) or isinstance(eos, bool) or eos < 0:
         raise CheckpointError(f"{source}: key 'eos_token_id' must be a non-negative integer, got {eos!r}")
     return eos
+
+
+# -- hybrids ------------------------------------------------------------------------------------
+
+
+def _one_of(raw: dict, source: str, keys: tuple[str, ...], kind, default=None):
+    """The value of whichever of `keys` (a key and its other names, as hub configs and
+    transformers 5 spell it) config.json holds; two of them that disagree name both."""
+    present = [k for k in keys if raw.get(k) is not None]
+    values = {json.dumps(raw[k], sort_keys=True) for k in present}
+    if len(values) > 1:
+        raise CheckpointError(f"{source}: keys {' and '.join(repr(k) for k in present)} disagree "
+                              f"({', '.join(repr(raw[k]) for k in present)})")
+    return _get(raw, present[0], kind, source, default) if present else _get(raw, keys[0], kind, source, default)
+
+
+def _refuse_unless(raw: dict, source: str, key: str, allowed, why: str) -> None:
+    if key in raw and raw[key] not in allowed:
+        raise CheckpointError(f"{source}: key '{key}' is {raw[key]!r}; {why}")
+
+
+def _attention_fields(raw: dict, source: str, d_model: int, head_dim_keys=("head_dim",), rope: bool = True) -> dict:
+    heads = _get(raw, "num_attention_heads", int, source)
+    kv = _get(raw, "num_key_value_heads", int, source, heads)
+    if heads % kv:
+        raise CheckpointError(f"{source}: key 'num_key_value_heads' ({kv}) must divide 'num_attention_heads' ({heads})")
+    head_dim = _one_of(raw, source, head_dim_keys, int, d_model // heads)
+    if raw.get("sliding_window") is not None:
+        raise CheckpointError(f"{source}: key 'sliding_window' is {raw['sliding_window']!r}; only full attention is "
+                              "supported")
+    theta, rotary = _rope(raw, source, head_dim) if rope else (0.0, 0)
+    return dict(attn_heads=heads, kv_heads=kv, attn_head_dim=head_dim, attn_bias=_get(raw, "attention_bias", bool, source, False),
+                rope_theta=theta, rotary_dim=rotary)
+
+
+def _rope(raw: dict, source: str, head_dim: int) -> tuple[float, int]:
+    """RoPE's base and rotated dims, from transformers 5's `rope_parameters` or the older
+    top-level `rope_theta`, `partial_rotary_factor` and `rope_scaling`; any RoPE but the
+    default one is refused by name."""
+    params = raw.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        raise CheckpointError(f"{source}: key 'rope_parameters' must be an object, got {params!r}")
+    params = dict(params or {})
+    scaling = raw.get("rope_scaling")
+    if isinstance(scaling, dict):
+        params = {**scaling, **params}
+    elif scaling is not None:
+        raise CheckpointError(f"{source}: key 'rope_scaling' must be an object or null, got {scaling!r}")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default":
+        raise CheckpointError(f"{source}: RoPE of type {kind!r} (rope_parameters / rope_scaling) is not supported; "
+                              "only the default RoPE is")
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    theta = _get({"rope_theta": theta}, "rope_theta", float, source)
+    factor = _get({"partial_rotary_factor": factor}, "partial_rotary_factor", float, source)
+    rotary = int(head_dim * factor)
+    if not 0 < factor <= 1 or rotary % 2:
+        raise CheckpointError(f"{source}: key 'partial_rotary_factor' ({factor}) must be in (0, 1] and leave an even "
+                              f"number of rotated dims of head_dim {head_dim}")
+    return float(theta), rotary
+
+
+def _hybrid_mamba2(source: str, *, d_model: int, d_inner: int, n_heads: int, n_groups: int, **fields) -> dict:
+    """A hybrid's Mamba-2 fields, its sizes checked against each other."""
+    if d_inner % n_heads:
+        raise CheckpointError(f"{source}: the Mamba layers' width {d_inner} is not a multiple of their {n_heads} heads")
+    if n_heads % n_groups:
+        raise CheckpointError(f"{source}: the Mamba layers' {n_groups} groups must divide their {n_heads} heads")
+    return dict(layer="mamba2", d_model=d_model, d_inner=d_inner, head_dim=d_inner // n_heads, n_groups=n_groups,
+                **fields)
+
+
+def _vocab_and_head(raw: dict, source: str) -> dict:
+    return dict(vocab_size=_get(raw, "vocab_size", int, source),
+                tie_embeddings=_get(raw, "tie_word_embeddings", bool, source, False), eos_token_id=_eos(raw, source))
+
+
+_NEMOTRON_BLOCKS = {"M": "mamba2", "*": "attention", "-": "mlp", "E": "moe"}
+_NEMOTRON_TYPES = {"mamba": "mamba2", "linear_attention": "mamba2", "attention": "attention",
+                   "full_attention": "attention", "mlp": "mlp", "moe": "moe"}
+
+
+def _nemotron_h(raw: dict, source: str) -> MambaConfig:
+    """Nemotron-H (and Nemotron Nano v2): one sublayer a layer, "M" Mamba-2, "*" attention (no
+    positions), "-" an MLP of squared ReLU; `hybrid_override_pattern` (hub) or
+    `layers_block_type` (transformers 5)."""
+    pattern, types = raw.get("hybrid_override_pattern"), raw.get("layers_block_type")
+    if types is not None:
+        if not isinstance(types, list) or not all(t in _NEMOTRON_TYPES for t in types):
+            raise CheckpointError(f"{source}: key 'layers_block_type' must be a list of {sorted(_NEMOTRON_TYPES)}, "
+                                  f"got {types!r}")
+        blocks = [_NEMOTRON_TYPES[t] for t in types]
+        if pattern is not None and pattern != "".join({v: k for k, v in _NEMOTRON_BLOCKS.items()}[b] for b in blocks):
+            raise CheckpointError(f"{source}: keys 'hybrid_override_pattern' and 'layers_block_type' disagree")
+    elif isinstance(pattern, str) and pattern and set(pattern) <= set(_NEMOTRON_BLOCKS):
+        blocks = [_NEMOTRON_BLOCKS[ch] for ch in pattern]
+    else:
+        raise CheckpointError(f"{source}: key 'hybrid_override_pattern' must be a string of M, *, - and E "
+                              f"(or 'layers_block_type' a list), got {pattern!r}")
+    if "moe" in blocks:
+        raise CheckpointError(f"{source}: the layer pattern holds mixture-of-experts layers ('E' / 'moe'), which are "
+                              "not supported yet")
+    layers = raw.get("num_hidden_layers")
+    if layers is not None and layers != len(blocks):
+        raise CheckpointError(f"{source}: key 'num_hidden_layers' is {layers}, but the layer pattern has {len(blocks)}")
+    if raw.get("num_nextn_predict_layers", 0) not in (0, None):
+        raise CheckpointError(f"{source}: key 'num_nextn_predict_layers' is {raw['num_nextn_predict_layers']!r}; "
+                              "multi-token prediction layers are not supported")
+    _refuse_unless(raw, source, "mamba_hidden_act", ("silu",), "the Mamba layers' activation must be silu")
+    _refuse_unless(raw, source, "mlp_hidden_act", ("relu2", "silu"), "the MLP's activation must be relu2 or silu")
+    d_model = _get(raw, "hidden_size", int, source)
+    heads = _get(raw, "mamba_num_heads", int, source, 128)
+    head_dim = _get(raw, "mamba_head_dim", int, source, 64)
+    in_out_bias = _one_of(raw, source, ("use_bias", "mamba_proj_bias"), bool, False)
+    return MambaConfig(
+        n_layer=len(blocks), blocks=tuple(blocks), family="nemotron_h",
+        **_hybrid_mamba2(
+            source, d_model=d_model, d_inner=heads * head_dim, n_heads=heads,
+            n_groups=_one_of(raw, source, ("n_groups", "mamba_n_groups"), int, 8),
+            d_state=_get(raw, "ssm_state_size", int, source, 128),
+            d_conv=_one_of(raw, source, ("conv_kernel", "mamba_d_conv"), int, 4),
+            chunk_size=_one_of(raw, source, ("chunk_size", "mamba_chunk_size"), int, 128),
+            conv_bias=_one_of(raw, source, ("use_conv_bias", "mamba_conv_bias"), bool, True),
+            proj_bias=in_out_bias,
+            dt_limit=_dt_limit(raw.get("time_step_limit", raw.get("mamba_dt_limit")), "time_step_limit", source),
+        ),
+        norm_eps=_get(raw, "layer_norm_epsilon", float, source, 1e-5),
+        **_attention_fields(raw, source, d_model, ("head_dim", "attention_head_dim"), rope=False),
+        mlp_size=_get(raw, "intermediate_size", int, source), mlp_act=raw.get("mlp_hidden_act", "relu2"),
+        mlp_gated=False, mlp_bias=_get(raw, "mlp_bias", bool, source, False),
+        **_vocab_and_head(raw, source),
+    )
+
+
+def _mamba_fields_hf(raw: dict, source: str, d_model: int, d_inner: int) -> dict:
+    """The `mamba_*` keys that Bamba, Granite-4.0-H and Falcon-H1 share."""
+    heads = _get(raw, "mamba_n_heads", int, source, 128)
+    head = raw.get("mamba_d_head", "auto")
+    if head not in (None, "auto") and head * heads != d_inner:
+        raise CheckpointError(f"{source}: key 'mamba_d_head' ({head}) x 'mamba_n_heads' ({heads}) must be the Mamba "
+                              f"layers' width {d_inner}")
+    return _hybrid_mamba2(
+        source, d_model=d_model, d_inner=d_inner, n_heads=heads,
+        n_groups=_get(raw, "mamba_n_groups", int, source, 1), d_state=_get(raw, "mamba_d_state", int, source, 256),
+        d_conv=_get(raw, "mamba_d_conv", int, source, 4), chunk_size=_get(raw, "mamba_chunk_size", int, source, 256),
+        conv_bias=_get(raw, "mamba_conv_bias", bool, source, True), proj_bias=_get(raw, "mamba_proj_bias", bool, source, False),
+        dt_limit=_dt_limit(raw.get("time_step_limit"), "time_step_limit", source),
+    )
+
+
+def _expanded(raw: dict, source: str, d_model: int) -> int:
+    return _get(raw, "mamba_expand", int, source, 2) * d_model
+
+
+def _bamba(raw: dict, source: str) -> MambaConfig:
+    """Bamba: each layer a Mamba-2 or (at `attn_layer_indices`) an attention sublayer, then a
+    gated SiLU MLP; partial RoPE."""
+    layers = _get(raw, "num_hidden_layers", int, source)
+    attn = raw.get("attn_layer_indices") or []
+    if not isinstance(attn, list) or not all(isinstance(i, int) and 0 <= i < layers for i in attn):
+        raise CheckpointError(f"{source}: key 'attn_layer_indices' must be a list of layer indices below {layers}, "
+                              f"got {attn!r}")
+    _refuse_unless(raw, source, "hidden_act", ("silu",), "the MLP's activation must be silu")
+    d_model = _get(raw, "hidden_size", int, source)
+    blocks = [b for i in range(layers) for b in ("attention" if i in attn else "mamba2", "mlp")]
+    return MambaConfig(
+        n_layer=layers, blocks=tuple(blocks), family="bamba",
+        **_mamba_fields_hf(raw, source, d_model, _expanded(raw, source, d_model)),
+        norm_eps=_get(raw, "rms_norm_eps", float, source, 1e-5),
+        **_attention_fields(raw, source, d_model),
+        mlp_size=_get(raw, "intermediate_size", int, source), mlp_bias=_get(raw, "mlp_bias", bool, source, False),
+        **_vocab_and_head(raw, source),
+    )
+
+
+_GRANITE_TYPES = {"mamba": "mamba2", "linear_attention": "mamba2", "attention": "attention", "full_attention": "attention"}
+
+
+def _granite(raw: dict, source: str) -> MambaConfig:
+    """Granite-4.0-H (dense): each layer a Mamba-2 or attention sublayer, then the shared gated
+    SiLU MLP; the embedding, residual, attention and logits multipliers; RoPE or none."""
+    if raw.get("num_local_experts", 0) not in (0, None):
+        raise CheckpointError(f"{source}: key 'num_local_experts' is {raw['num_local_experts']!r}; mixture-of-experts "
+                              "layers are not supported yet (only dense Granite-4.0-H models)")
+    layers = _get(raw, "num_hidden_layers", int, source)
+    types = raw.get("layer_types") or raw.get("layers_block_type")
+    if not isinstance(types, list) or len(types) != layers or not all(t in _GRANITE_TYPES for t in types):
+        raise CheckpointError(f"{source}: key 'layer_types' must list {layers} of 'mamba' and 'attention', got {types!r}")
+    position = raw.get("position_embedding_type") or "nope"
+    if position not in ("rope", "nope"):
+        raise CheckpointError(f"{source}: key 'position_embedding_type' is {position!r}; 'rope' and 'nope' are supported")
+    _refuse_unless(raw, source, "hidden_act", ("silu",), "the MLP's activation must be silu")
+    d_model = _get(raw, "hidden_size", int, source)
+    blocks = [b for t in types for b in (_GRANITE_TYPES[t], "mlp")]
+    attention = _attention_fields(raw, source, d_model, rope=position == "rope")
+    attention["attn_scale"] = _get(raw, "attention_multiplier", float, source, attention["attn_head_dim"] ** -0.5)
+    return MambaConfig(
+        n_layer=layers, blocks=tuple(blocks), family="granitemoehybrid",
+        **_mamba_fields_hf(raw, source, d_model, _expanded(raw, source, d_model)),
+        norm_eps=_get(raw, "rms_norm_eps", float, source, 1e-6),
+        **attention,
+        mlp_size=_get(raw, "shared_intermediate_size", int, source),
+        embedding_multiplier=float(_get(raw, "embedding_multiplier", float, source, 1.0)),
+        logits_multiplier=1.0 / _get(raw, "logits_scaling", float, source, 1.0),
+        multipliers=(("residual_multiplier", float(_get(raw, "residual_multiplier", float, source, 1.0))),),
+        **_vocab_and_head(raw, source),
+    )
+
+
+def _multipliers(raw: dict, source: str, key: str, n: int) -> tuple[float, ...]:
+    value = raw.get(key)
+    if value is None:
+        return (1.0,) * n
+    if (not isinstance(value, list) or len(value) != n
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)):
+        raise CheckpointError(f"{source}: key '{key}' must be a list of {n} finite numbers, got {value!r}")
+    return tuple(float(v) for v in value)
+
+
+def _finite(raw: dict, source: str, key: str) -> float:
+    value = raw.get(key, 1.0)
+    if value is None:
+        return 1.0
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise CheckpointError(f"{source}: key '{key}' must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _falcon_h1(raw: dict, source: str) -> MambaConfig:
+    """Falcon-H1: each layer attention and Mamba-2 side by side on one norm (their outputs
+    summed), then a gated SiLU MLP; muP multipliers on nearly every product."""
+    layers = _get(raw, "num_hidden_layers", int, source)
+    _refuse_unless(raw, source, "hidden_act", ("silu",), "the MLP's activation must be silu")
+    d_model = _get(raw, "hidden_size", int, source)
+    d_ssm = raw.get("mamba_d_ssm")
+    d_inner = _get(raw, "mamba_d_ssm", int, source) if d_ssm is not None else _expanded(raw, source, d_model)
+    mamba = _mamba_fields_hf(raw, source, d_model, d_inner)
+    out_bias = _get(raw, "projectors_bias", bool, source, False)
+    if out_bias != mamba["proj_bias"]:
+        raise CheckpointError(f"{source}: keys 'mamba_proj_bias' ({mamba['proj_bias']}) and 'projectors_bias' "
+                              f"({out_bias}) differ; only equal in_proj and out_proj biases are supported")
+    names = ("ssm_in_multiplier", "ssm_out_multiplier", "attention_in_multiplier", "attention_out_multiplier",
+             "key_multiplier")
+    return MambaConfig(
+        n_layer=layers, blocks=("mamba2+attention", "mlp") * layers, family="falcon_h1", **mamba,
+        ssm_norm=_get(raw, "mamba_rms_norm", bool, source, False),
+        norm_before_gate=_get(raw, "mamba_norm_before_gate", bool, source, True),
+        norm_eps=_get(raw, "rms_norm_eps", float, source, 1e-5),
+        **_attention_fields(raw, source, d_model),
+        mlp_size=_get(raw, "intermediate_size", int, source), mlp_bias=_get(raw, "mlp_bias", bool, source, False),
+        embedding_multiplier=_finite(raw, source, "embedding_multiplier"),
+        logits_multiplier=_finite(raw, source, "lm_head_multiplier"),
+        multipliers=tuple((n, _finite(raw, source, n)) for n in names)
+        + (("ssm_multipliers", _multipliers(raw, source, "ssm_multipliers", 5)),
+           ("mlp_multipliers", _multipliers(raw, source, "mlp_multipliers", 2))),
+        **_vocab_and_head(raw, source),
+    )
+
+
+_HYBRIDS = {"nemotron_h": _nemotron_h, "bamba": _bamba, "granitemoehybrid": _granite, "falcon_h1": _falcon_h1}

@@ -1,50 +1,136 @@
-"""The one table of layer kinds: what each model family's recurrent layer is (its mixer, its
-tensors and their shapes, its weights built from them, a slot's state shapes, whether the
-Triton engine runs it), and the memory a slot's state takes, read from it."""
+"""The one table of sublayer kinds: what each kind is (how it runs, its tensors and their
+shapes, its weights built from them, the recurrent state and the keys and values a slot
+keeps for it, whether the Triton engine's fused decode kernels run it), and the memory a
+slot's recurrent state takes, read from it. The loader, the shape checks, the state and
+cache shapes and the engine read this table; a family (families.py) names the tensors."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
+from fastmamba.core import attention as attn
 from fastmamba.core import mamba2
+from fastmamba.core import mlp as mlp_
+from fastmamba.core.families import Family, Sublayer
 from fastmamba.core.mamba1 import mamba1_shapes, mamba1_weights, mixer
+
+
+@dataclass
+class Memory:
+    """What a sublayer reads and updates across passes, for the pass's rows: its conv and ssm
+    states (a Mamba mixer), its keys and values (attention: the cache, its attention
+    sublayer's index, the rows' slots in the cache)."""
+
+    conv: torch.Tensor | None = None  # (B, ...)
+    ssm: torch.Tensor | None = None
+    kv: object = None  # kv_cache.KVCache
+    layer: int = 0
+    rows: torch.Tensor | None = None  # (B,) int64
+
+
+@dataclass
+class ParallelWeights:
+    """Falcon-H1's mixer: Mamba-2 and attention side by side on one norm, their outputs summed."""
+
+    norm_w: torch.Tensor
+    mamba: mamba2.Mamba2LayerWeights
+    attention: attn.AttentionWeights
 
 
 @dataclass(frozen=True)
 class LayerKind:
-    """What a model family's recurrent layer is: its mixer (the `mixer` signature), its
-    tensors and their shapes, its weights from them, and one slot's conv and ssm state shapes."""
-
-    mixer: Callable
-    shapes: Callable  # (config, prefix) -> {HF name: shape}
-    weights: Callable  # (prefix, big, small) -> the layer's weights
-    state: Callable  # config -> (conv state shape, ssm state shape) of one slot
-    gpu_kernels: bool  # whether the Triton engine runs it
+    run: Callable  # (config, weights, u (B, T, d), Memory, ops, start, resets) -> (B, T, d) f32
+    shapes: Callable  # (config, Sublayer, Family) -> {name: shape}
+    weights: Callable  # (config, Sublayer, Family, big, small) -> the sublayer's weights
+    state: Callable | None  # config -> one slot's (conv, ssm) state shapes; None: no recurrent state
+    kv: bool  # whether a slot keeps its keys and values
+    gpu_kernels: bool  # whether the Triton engine's fused decode step runs it
 
 
-# The one table of layer kinds (MambaConfig.layer): the loader, the shape checks, the state
-# and its size, and the engine read it; a hybrid model's attention layers would be a row.
+def _no_resets(resets, kind: str) -> None:
+    if resets is not None:
+        raise ValueError(f"resets inside a sequence apply to Mamba layers, not to {kind} sublayers")
+
+
+def _attention_run(c, lw, u, m: Memory, ops, start=None, resets=None):
+    _no_resets(resets, "attention")
+    return attn.attention(c, lw, u, m.kv, m.layer, m.rows, ops, start)
+
+
+def _mlp_run(c, lw, u, m: Memory, ops, start=None, resets=None):
+    return mlp_.mlp(c, lw, u, ops)
+
+
+def _parallel_run(c, lw: ParallelWeights, u, m: Memory, ops, start=None, resets=None):
+    _no_resets(resets, "attention")
+    return mamba2.mixer2(c, lw.mamba, u, m.conv, m.ssm, ops, start) + attn.attention(c, lw.attention, u, m.kv,
+                                                                                     m.layer, m.rows, ops, start)
+
+
+def _parallel_shapes(c, s: Sublayer, f: Family) -> dict:
+    return {**mamba2.shapes(c, s.norm, s.prefixes[0]), **attn.shapes(c, s.norm, s.prefixes[1])}
+
+
+def _parallel_weights(c, s: Sublayer, f: Family, big, small) -> ParallelWeights:
+    return ParallelWeights(small(s.norm), mamba2.layer_weights(s.norm, s.prefixes[0], big, small),
+                           attn.layer_weights(s.norm, s.prefixes[1], big, small))
+
+
+def _mamba1_state(c):
+    return (c.d_inner, c.d_conv), (c.d_inner, c.d_state)
+
+
 LAYER_KINDS = {
-    "mamba1": LayerKind(mixer=mixer, shapes=mamba1_shapes, weights=mamba1_weights,
-                        state=lambda c: ((c.d_inner, c.d_conv), (c.d_inner, c.d_state)), gpu_kernels=True),
-    "mamba2": LayerKind(mixer=mamba2.mixer2, shapes=mamba2.shapes, weights=mamba2.layer_weights,
-                        state=mamba2.state_shapes, gpu_kernels=True),
+    "mamba1": LayerKind(
+        run=lambda c, lw, u, m, ops, start=None, resets=None: mixer(c, lw, u, m.conv, m.ssm, ops, start, resets),
+        shapes=lambda c, s, f: mamba1_shapes(c, s.norm, s.prefixes[0]),
+        weights=lambda c, s, f, big, small: mamba1_weights(s.norm, s.prefixes[0], big, small),
+        state=_mamba1_state, kv=False, gpu_kernels=True),
+    "mamba2": LayerKind(
+        run=lambda c, lw, u, m, ops, start=None, resets=None: mamba2.mixer2(c, lw, u, m.conv, m.ssm, ops, start,
+                                                                           resets),
+        shapes=lambda c, s, f: mamba2.shapes(c, s.norm, s.prefixes[0]),
+        weights=lambda c, s, f, big, small: mamba2.layer_weights(s.norm, s.prefixes[0], big, small),
+        state=mamba2.state_shapes, kv=False, gpu_kernels=True),
+    "attention": LayerKind(
+        run=_attention_run, shapes=lambda c, s, f: attn.shapes(c, s.norm, s.prefixes[0]),
+        weights=lambda c, s, f, big, small: attn.layer_weights(s.norm, s.prefixes[0], big, small),
+        state=None, kv=True, gpu_kernels=False),
+    "mlp": LayerKind(
+        run=_mlp_run, shapes=lambda c, s, f: mlp_.shapes(c, s.norm, s.prefixes[0], f.mlp),
+        weights=lambda c, s, f, big, small: mlp_.layer_weights(s.norm, s.prefixes[0], f.mlp, big, small),
+        state=None, kv=False, gpu_kernels=False),
+    "mamba2+attention": LayerKind(
+        run=_parallel_run, shapes=_parallel_shapes, weights=_parallel_weights, state=mamba2.state_shapes, kv=True,
+        gpu_kernels=False),
 }
 
 
 def layer_kind(config) -> LayerKind:
+    """The kind of a pure Mamba model's layers (config.layer), whose state every recurrent
+    sublayer of the model has (a hybrid's Mamba layers are all of one kind)."""
     return LAYER_KINDS[getattr(config, "layer", "mamba1")]
 
 
+def kinds(config) -> list[LayerKind]:
+    """Each sublayer's kind, in order."""
+    return [LAYER_KINDS[k] for k in getattr(config, "kinds", None) or (getattr(config, "layer", "mamba1"),) * config.n_layer]
 
 
 def state_bytes(config, dtype_bytes: int) -> int:
-    """The bytes one slot's recurrent state takes (every layer's conv and ssm state) when
-    stored in a dtype of `dtype_bytes` bytes an element: the one formula for every layer kind,
-    read by the server's slot count and the prefix cache's sizing."""
+    """The bytes one slot's recurrent state takes (every Mamba sublayer's conv and ssm state)
+    when stored in a dtype of `dtype_bytes` bytes an element: the one formula for every model,
+    read by the server's slot count and the prefix cache's sizing. (Attention's keys and
+    values grow with the context: kv_cache.py.)"""
     conv, ssm = layer_kind(config).state(config)
-    return config.n_layer * (_numel(conv) + _numel(ssm)) * dtype_bytes
+    return _n_recurrent(config) * (_numel(conv) + _numel(ssm)) * dtype_bytes
+
+
+def _n_recurrent(config) -> int:
+    return sum(k.state is not None for k in kinds(config))
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -121,44 +121,43 @@ def _mixer_step_ref(config, lw: LayerWeights, u: torch.Tensor, conv_state, ssm_s
     return linear(y * F.silu(z), lw.out_proj_w, lw.out_proj_b)[:, None]
 
 
-def mamba1_shapes(c, p: str) -> dict[str, tuple[int, ...]]:
-    """A Mamba-1 layer's tensors (HF names, prefix p = 'backbone.layers.{i}.') and their shapes."""
+def mamba1_shapes(c, norm: str, p: str) -> dict[str, tuple[int, ...]]:
+    """A Mamba-1 sublayer's tensors (HF names: its norm's, its mixer's under prefix p, e.g.
+    'backbone.layers.{i}.mixer.') and their shapes."""
     E, R, N, K, d = c.d_inner, c.dt_rank, c.d_state, c.d_conv, c.d_model
     shapes = {
-        p + "norm.weight": (d,),
-        p + "mixer.in_proj.weight": (2 * E, d),
-        p + "mixer.conv1d.weight": (E, 1, K),
-        p + "mixer.x_proj.weight": (R + 2 * N, E),
-        p + "mixer.dt_proj.weight": (E, R),
-        p + "mixer.dt_proj.bias": (E,),
-        p + "mixer.A_log": (E, N),
-        p + "mixer.D": (E,),
-        p + "mixer.out_proj.weight": (d, E),
+        norm: (d,),
+        p + "in_proj.weight": (2 * E, d),
+        p + "conv1d.weight": (E, 1, K),
+        p + "x_proj.weight": (R + 2 * N, E),
+        p + "dt_proj.weight": (E, R),
+        p + "dt_proj.bias": (E,),
+        p + "A_log": (E, N),
+        p + "D": (E,),
+        p + "out_proj.weight": (d, E),
     }
     if c.conv_bias:
-        shapes[p + "mixer.conv1d.bias"] = (E,)
+        shapes[p + "conv1d.bias"] = (E,)
     if c.proj_bias:
-        shapes[p + "mixer.in_proj.bias"] = (2 * E,)
-        shapes[p + "mixer.out_proj.bias"] = (d,)
+        shapes[p + "in_proj.bias"] = (2 * E,)
+        shapes[p + "out_proj.bias"] = (d,)
     return shapes
 
 
-def mamba1_weights(p: str, big, small) -> LayerWeights:
-    """Layer p's weights from its checked tensors: `big(name)` in the storage dtype,
+def mamba1_weights(norm: str, p: str, big, small) -> LayerWeights:
+    """The sublayer's weights from its checked tensors: `big(name)` in the storage dtype,
     `small(name)` in float32 (None where absent)."""
     return LayerWeights(
-        norm_w=small(p + "norm.weight"),
-        in_proj_w=big(p + "mixer.in_proj.weight"),
-        in_proj_b=small(p + "mixer.in_proj.bias"),
-        conv_w=small(p + "mixer.conv1d.weight")[:, 0, :],
-        conv_b=small(p + "mixer.conv1d.bias"),
-        x_proj_w=big(p + "mixer.x_proj.weight"),
-        dt_proj_w=big(p + "mixer.dt_proj.weight"),
-        dt_bias=small(p + "mixer.dt_proj.bias"),
-        A=-torch.exp(small(p + "mixer.A_log")),
-        D=small(p + "mixer.D"),
-        out_proj_w=big(p + "mixer.out_proj.weight"),
-        out_proj_b=small(p + "mixer.out_proj.bias"),
+        norm_w=small(norm),
+        in_proj_w=big(p + "in_proj.weight"),
+        in_proj_b=small(p + "in_proj.bias"),
+        conv_w=small(p + "conv1d.weight")[:, 0, :],
+        conv_b=small(p + "conv1d.bias"),
+        x_proj_w=big(p + "x_proj.weight"),
+        dt_proj_w=big(p + "dt_proj.weight"),
+        dt_bias=small(p + "dt_proj.bias"),
+        A=-torch.exp(small(p + "A_log")),
+        D=small(p + "D"),
+        out_proj_w=big(p + "out_proj.weight"),
+        out_proj_b=small(p + "out_proj.bias"),
     )
-
-

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -37,47 +38,49 @@ class Mamba2LayerWeights:
     dt_bias: torch.Tensor  # (H,) f32
     A: torch.Tensor  # (H,) f32, -exp(A_log)
     D: torch.Tensor  # (H,) f32
-    gate_norm_w: torch.Tensor  # (E,) f32, the gated norm's weight
+    gate_norm_w: torch.Tensor | None  # (E,) f32, the gated norm's weight (None: no norm, y * silu(z))
     out_proj_w: torch.Tensor  # (d, E) storage dtype
     out_proj_b: torch.Tensor | None  # (d,) f32
 
 
-def shapes(c, p: str) -> dict[str, tuple[int, ...]]:
-    """Layer `p`'s tensors (HF names, prefix p = 'backbone.layers.{i}.') and their shapes."""
+def shapes(c, norm: str, p: str) -> dict[str, tuple[int, ...]]:
+    """A Mamba-2 sublayer's tensors (HF names: its norm's, its mixer's under prefix p) and
+    their shapes."""
     E, N, G, H, K, d = c.d_inner, c.d_state, c.n_groups, c.n_heads, c.d_conv, c.d_model
     out = {
-        p + "norm.weight": (d,),
-        p + "mixer.in_proj.weight": (2 * E + 2 * G * N + H, d),
-        p + "mixer.conv1d.weight": (E + 2 * G * N, 1, K),
-        p + "mixer.dt_bias": (H,),
-        p + "mixer.A_log": (H,),
-        p + "mixer.D": (H,),
-        p + "mixer.norm.weight": (E,),
-        p + "mixer.out_proj.weight": (d, E),
+        norm: (d,),
+        p + "in_proj.weight": (2 * E + 2 * G * N + H, d),
+        p + "conv1d.weight": (E + 2 * G * N, 1, K),
+        p + "dt_bias": (H,),
+        p + "A_log": (H,),
+        p + "D": (H,),
+        p + "out_proj.weight": (d, E),
     }
+    if c.ssm_norm:
+        out[p + "norm.weight"] = (E,)
     if c.conv_bias:
-        out[p + "mixer.conv1d.bias"] = (E + 2 * G * N,)
+        out[p + "conv1d.bias"] = (E + 2 * G * N,)
     if c.proj_bias:
-        out[p + "mixer.in_proj.bias"] = (2 * E + 2 * G * N + H,)
-        out[p + "mixer.out_proj.bias"] = (d,)
+        out[p + "in_proj.bias"] = (2 * E + 2 * G * N + H,)
+        out[p + "out_proj.bias"] = (d,)
     return out
 
 
-def layer_weights(p: str, big, small) -> Mamba2LayerWeights:
-    """Layer p's weights from its checked tensors: `big(name)` in the storage dtype, `small(name)`
-    in float32 (None where absent)."""
+def layer_weights(norm: str, p: str, big, small) -> Mamba2LayerWeights:
+    """The sublayer's weights from its checked tensors: `big(name)` in the storage dtype,
+    `small(name)` in float32 (None where absent)."""
     return Mamba2LayerWeights(
-        norm_w=small(p + "norm.weight"),
-        in_proj_w=big(p + "mixer.in_proj.weight"),
-        in_proj_b=small(p + "mixer.in_proj.bias"),
-        conv_w=small(p + "mixer.conv1d.weight")[:, 0, :],
-        conv_b=small(p + "mixer.conv1d.bias"),
-        dt_bias=small(p + "mixer.dt_bias"),
-        A=-torch.exp(small(p + "mixer.A_log")),
-        D=small(p + "mixer.D"),
-        gate_norm_w=small(p + "mixer.norm.weight"),
-        out_proj_w=big(p + "mixer.out_proj.weight"),
-        out_proj_b=small(p + "mixer.out_proj.bias"),
+        norm_w=small(norm),
+        in_proj_w=big(p + "in_proj.weight"),
+        in_proj_b=small(p + "in_proj.bias"),
+        conv_w=small(p + "conv1d.weight")[:, 0, :],
+        conv_b=small(p + "conv1d.bias"),
+        dt_bias=small(p + "dt_bias"),
+        A=-torch.exp(small(p + "A_log")),
+        D=small(p + "D"),
+        gate_norm_w=small(p + "norm.weight"),
+        out_proj_w=big(p + "out_proj.weight"),
+        out_proj_b=small(p + "out_proj.bias"),
     )
 
 
@@ -102,5 +105,8 @@ def mixer2(config, lw: Mamba2LayerWeights, u: torch.Tensor, conv_state, ssm_stat
     x, Bm, Cm = xbc.split([E, G * N, G * N], dim=-1)
     y = ops.ssd(x.unflatten(-1, (H, P)), dt, lw.dt_bias, c.dt_limit, lw.A, Bm.unflatten(-1, (G, N)),
                 Cm.unflatten(-1, (G, N)), lw.D, ssm_state, c.chunk_size, start, resets)  # (B, T, H, P)
-    y = ops.gated_norm(y.flatten(-2), z, lw.gate_norm_w, G, c.norm_eps, c.norm_before_gate, lw.out_proj_w.dtype)
+    if lw.gate_norm_w is None:  # (Falcon-H1 without its SSM norm)
+        y = (y.flatten(-2).float() * F.silu(z.float())).to(lw.out_proj_w.dtype)
+    else:
+        y = ops.gated_norm(y.flatten(-2), z, lw.gate_norm_w, G, c.norm_eps, c.norm_before_gate, lw.out_proj_w.dtype)
     return ops.linear(y, lw.out_proj_w, lw.out_proj_b)

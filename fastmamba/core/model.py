@@ -1,5 +1,6 @@
-"""The Mamba language model in pure PyTorch over `Ops` (Mamba-1 or Mamba-2 layers, from the
-layer table): embedding, layers, final norm and LM head. On the reference ops it is the CPU
+"""The Mamba language model in pure PyTorch over `Ops`: embedding, sublayers of the layer
+table's kinds (Mamba-1 or Mamba-2 mixers; in a hybrid also attention, MLPs, or Falcon-H1's
+Mamba-2 + attention), final norm and LM head. On the reference ops it is the CPU
 engine and the oracle for the GPU kernels; on the Triton ops, the GPU engine's prefill.
 
 One definition for every storage dtype: the large matrices stay in their storage dtype and
@@ -15,7 +16,8 @@ import torch
 
 from fastmamba.core.config import MambaConfig
 from fastmamba.core.errors import NonFiniteError
-from fastmamba.core.layers import layer_kind
+from fastmamba.core.families import sublayers
+from fastmamba.core.layers import Memory, kinds, layer_kind
 from fastmamba.core.ops import REFERENCE_OPS, Ops
 from fastmamba.core.state import MambaState
 
@@ -23,13 +25,13 @@ from fastmamba.core.state import MambaState
 @dataclass
 class MambaWeights:
     embedding: torch.Tensor  # (V, d) storage dtype
-    layers: list  # LayerWeights (Mamba-1) or mamba2.Mamba2LayerWeights
+    layers: list  # each sublayer's weights (its kind's: mamba1.LayerWeights, mamba2.Mamba2LayerWeights, ...)
     norm_f: torch.Tensor  # (d,) f32
     lm_head: torch.Tensor  # (V, d) storage dtype; the embedding itself when tied
 
 
 class Mamba:
-    """A Mamba language model (Mamba-1 or Mamba-2 layers): embedding, layers, final norm and LM head.
+    """A Mamba language model (pure, or a hybrid): embedding, sublayers, final norm and LM head.
 
     `backbone` is the recurrent core on its own (vectors in, vectors out), for uses
     outside language modelling.
@@ -40,7 +42,15 @@ class Mamba:
         self.config = config
         self.weights = weights
         self.ops = ops
-        self.layer = layer_kind(config)
+        self.layer = layer_kind(config)  # the Mamba sublayers' kind
+        self.kinds = kinds(config)
+        # each sublayer's Memory indices: its recurrent state's (among the Mamba sublayers) and
+        # its KV cache's (among the attention sublayers)
+        self._memory_at = []
+        r = a = 0
+        for kind in self.kinds:
+            self._memory_at.append((r if kind.state else None, a if kind.kv else None))
+            r, a = r + (kind.state is not None), a + kind.kv
         # The dtype the conv and ssm states are stored in; every update computes in float32
         # and rounds once on store (the reference ops promote a 16-bit state as they read it).
         self.state_dtype = state_dtype
@@ -55,27 +65,72 @@ class Mamba:
     def device(self) -> torch.device:
         return self.weights.embedding.device
 
-    def new_state(self, batch: int) -> MambaState:
-        return MambaState.zeros(self.config, batch, self.device, self.state_dtype)
+    def new_state(self, batch: int, tokens: int = 0) -> MambaState:
+        """Zero state for `batch` slots; a hybrid's KV cache with room for `tokens` tokens a
+        slot to start with (it grows)."""
+        return MambaState.zeros(self.config, batch, self.device, self.state_dtype, self.weights.embedding.dtype, tokens)
 
-    def backbone(self, h: torch.Tensor, state: MambaState, start=None, check: bool | None = None) -> torch.Tensor:
-        """All layers and the final norm over T inputs: h (B, T, d) f32 -> (B, T, d) f32.
+    def _memory(self, state: MambaState, i: int, rows: torch.Tensor | None) -> Memory:
+        r, a = self._memory_at[i]
+        m = Memory()
+        if r is not None:
+            m.conv, m.ssm = state.conv[r], state.ssm[r]
+        if a is not None:
+            m.kv, m.layer, m.rows = state.kv, a, rows
+        return m
 
-        check: raise NonFiniteError at the first layer whose output holds NaN or inf. Always
-        on the reference ops (a reduction a layer, small beside the layer's products on the
-        CPU); off in the GPU kernels' pass, where the caller checks the logits and, if they
-        are not finite, runs `nonfinite_layer` to name the layer."""
+    def backbone(self, h: torch.Tensor, state: MambaState, start=None, check: bool | None = None,
+                 counts: list[int] | None = None) -> torch.Tensor:
+        """All sublayers and the final norm over T inputs: h (B, T, d) f32 -> (B, T, d) f32.
+
+        check: raise NonFiniteError at the first sublayer whose output holds NaN or inf. Always
+        on the reference ops (a reduction a sublayer, small beside its products on the CPU);
+        off in the GPU kernels' pass, where the caller checks the logits and, if they are not
+        finite, runs `nonfinite_culprit` to name the sublayer.
+        counts: a hybrid's real tokens a row (T less its left padding), for its KV cache's
+        blocks (read from `start` where not given)."""
         check = self.ops is REFERENCE_OPS if check is None else check
         h, o, eps = h.float(), None, self.config.norm_eps
-        for i, lw in enumerate(self.weights.layers):
-            # the norm comes out in the dtype in_proj reads (GPU path; the reference keeps f32)
-            h, u = self.ops.add_norm(h, o, lw.norm_w, eps, lw.in_proj_w.dtype)
-            o = self.layer.mixer(self.config, lw, u, state.conv[i], state.ssm[i], self.ops, start)
+        operands = self.weights.embedding.dtype  # the dtype the products read (GPU path; the reference keeps f32)
+        kv, rows_dev = state.kv, None
+        if kv is not None:
+            rows = state.cache_rows()
+            if counts is None:
+                T = h.shape[1]
+                counts = [T - s for s in start.tolist()] if start is not None else [T] * len(rows)
+            for r, n in zip(rows, counts):
+                kv.reserve(r, kv.held[r] + n)
+            rows_dev = torch.tensor(rows, dtype=torch.int64)
+            if h.is_cuda:  # (from pinned memory: a plain copy would wait for the GPU's queued work)
+                rows_dev = rows_dev.pin_memory().to(h.device, non_blocking=True)
+        for i, (kind, lw) in enumerate(zip(self.kinds, self.weights.layers)):
+            h, u = self.ops.add_norm(h, o, lw.norm_w, eps, operands)
+            o = kind.run(self.config, lw, u, self._memory(state, i, rows_dev), self.ops, start)
             if check and not torch.isfinite(o).all():
                 raise NonFiniteError(
-                    f"the model's output is not finite: layer {i} (backbone.layers.{i}) gives NaN or inf for this "
-                    f"input, its weights overflow the arithmetic (storage {str(lw.in_proj_w.dtype).removeprefix('torch.')})")
+                    f"the model's output is not finite: layer {i} ({self._name(i)}) gives NaN or inf for this "
+                    f"input, its weights overflow the arithmetic (storage {str(operands).removeprefix('torch.')})")
+        if kv is not None:
+            kv.advance(rows, counts)
         return self.ops.add_norm(h, o, self.weights.norm_f, eps, torch.float32)[1]
+
+    def _name(self, i: int) -> str:
+        """Sublayer i's place in the checkpoint (its norm's prefix)."""
+        if getattr(self.config, "family", "mamba") == "mamba":
+            return f"backbone.layers.{i}"
+        return sublayers(self.config)[i].norm.rsplit(".", 2)[0]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding of token ids (B, T) -> (B, T, d), scaled by the family's multiplier."""
+        h = self.weights.embedding[ids]
+        m = getattr(self.config, "embedding_multiplier", 1.0)
+        return h if m == 1.0 else h.float() * m
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits (f32) of final-normed hidden states, scaled by the family's multiplier."""
+        logits = self.ops.linear(h, self.weights.lm_head)
+        m = getattr(self.config, "logits_multiplier", 1.0)
+        return logits if m == 1.0 else logits * m
 
     def check_finite(self, logits: torch.Tensor, prompts) -> None:
         """NonFiniteError naming the first layer at fault if `logits` (of the prefill of
@@ -90,7 +145,7 @@ class Mamba:
         try:
             for ids in prompts:
                 x = torch.as_tensor(ids, dtype=torch.int64, device=self.device)[None]
-                h = self.backbone(self.weights.embedding[x], self.new_state(1), check=True)  # raises at a layer
+                h = self.backbone(self.embed(x), self.new_state(1, x.shape[1]), check=True)  # raises at a sublayer
                 if not torch.isfinite(h).all():
                     return "the model's output is not finite: the final norm (backbone.norm_f) gives NaN or inf for this input"
         except NonFiniteError as e:
@@ -108,15 +163,18 @@ class Mamba:
         """
         B, T = input_ids.shape
         chunk = max(1, self.chunk_tokens // B)  # steps a row
+        # a hybrid's real tokens a row, on the host, for its KV cache's blocks
+        start_host = start.tolist() if state.kv is not None and start is not None else [0] * B
         outs = []
         for c0 in range(0, T, chunk):
             ids = input_ids[:, c0 : c0 + chunk]
             chunk_start = None if start is None else (start - c0).clamp(min=0).to(torch.int32)
-            h = self.backbone(self.weights.embedding[ids], state, chunk_start)  # (B, Tc, d)
+            counts = [max(0, min(T, c0 + ids.shape[1]) - max(s, c0)) for s in start_host]
+            h = self.backbone(self.embed(ids), state, chunk_start, counts=counts)  # (B, Tc, d)
             if last_only:
                 h = h[:, -1:] if c0 + chunk >= T else None
             if h is not None:
-                outs.append(self.ops.linear(h, self.weights.lm_head))
+                outs.append(self.head(h))
         logits = torch.cat(outs, dim=1)
         return logits[:, -1] if last_only else logits
 
@@ -126,4 +184,4 @@ class Mamba:
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits of a whole sequence from an empty state: (B, T) -> (B, T, V) f32."""
-        return self.prefill(input_ids, self.new_state(input_ids.shape[0]))
+        return self.prefill(input_ids, self.new_state(input_ids.shape[0], input_ids.shape[1]))

@@ -1,4 +1,5 @@
-"""MambaState: the recurrent state of every layer for a fixed number of slots."""
+"""MambaState: the recurrent state of every Mamba sublayer for a fixed number of slots, and,
+in a hybrid, the attention sublayers' keys and values (kv_cache.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastmamba.core.kv_cache import KVCache
 from fastmamba.core.layers import layer_kind
 
 
@@ -13,16 +15,30 @@ from fastmamba.core.layers import layer_kind
 class MambaState:
     """The recurrent state of every layer for a fixed number of slots (batch rows)."""
 
-    conv: torch.Tensor  # (L, B, E, K) f32: the last K conv inputs, newest last
+    conv: torch.Tensor  # (L, B, E, K) f32: the last K conv inputs, newest last (L: the Mamba sublayers)
     ssm: torch.Tensor  # (L, B, E, N) f32
+    kv: KVCache | None = None  # a hybrid's keys and values (None: no attention)
+    kv_rows: list[int] | None = None  # the rows' slots in kv (None: 0 .. B-1)
 
     @classmethod
-    def zeros(cls, config, batch: int, device="cpu", dtype=torch.float32) -> "MambaState":
+    def zeros(cls, config, batch: int, device="cpu", dtype=torch.float32, kv_dtype=torch.float32,
+              tokens: int = 0) -> "MambaState":
+        """Zero state for `batch` slots; a hybrid's keys and values in kv_dtype (the weights'
+        storage dtype), a pool with room for `tokens` tokens a slot that grows when asked."""
         conv, ssm = layer_kind(config).state(config)  # one slot's, per layer
+        layers = getattr(config, "n_recurrent", config.n_layer)
+        kv = None
+        if getattr(config, "n_attention", 0):
+            kv = KVCache.for_tokens(config, batch, tokens, kv_dtype, device)
         return cls(
-            conv=torch.zeros(config.n_layer, batch, *conv, device=device, dtype=dtype),
-            ssm=torch.zeros(config.n_layer, batch, *ssm, device=device, dtype=dtype),
+            conv=torch.zeros(layers, batch, *conv, device=device, dtype=dtype),
+            ssm=torch.zeros(layers, batch, *ssm, device=device, dtype=dtype),
+            kv=kv,
         )
+
+    def cache_rows(self) -> list[int]:
+        """The rows' slots in the KV cache."""
+        return list(range(self.batch)) if self.kv_rows is None else list(self.kv_rows)
 
     @property
     def batch(self) -> int:
@@ -42,6 +58,10 @@ class MambaState:
         rows = slice(None) if mask is None else mask
         self.conv[:, rows].zero_()
         self.ssm[:, rows].zero_()
+        if self.kv is not None:  # (a hybrid's slots hold no keys and values after a reset)
+            slots = self.cache_rows()
+            for slot in slots if mask is None else [slots[mask]]:
+                self.kv.release(slot)
 
     def rows(self, index) -> "MambaState":
         """A copy holding only the given slots."""

@@ -38,6 +38,7 @@ import torch
 
 from fastmamba.core.errors import NonFiniteError
 from fastmamba.core.model import Mamba
+from fastmamba.core.ops import REFERENCE_OPS
 from fastmamba.core.sampling import SlotParams, pick_sampler
 from fastmamba.core.sampling_params import SamplingParams, resolve_seed
 from fastmamba.core.state import MambaState
@@ -167,7 +168,8 @@ class EngineCore:
         self.device = self.model.device
         self.max_batch, self.prefill_tokens, self.threads = max_batch, prefill_tokens, threads
         self.cache = PrefixCache(prefix_cache_bytes)
-        self.gpu = prefill.graphs
+        self.gpu = model.ops is not REFERENCE_OPS  # the GPU engine: its samplers, the step ahead
+        self.graphs = prefill.graphs  # CUDA graphs (not for hybrids: their attention reserves KV blocks on the host)
         # a step ahead on the GPU (see above); on the CPU only in tests of the bookkeeping
         self.run_ahead = self.gpu
         self.pool = self.model.new_state(max_batch)  # one slot a running request
@@ -180,7 +182,7 @@ class EngineCore:
         self.cache_queries = self.cache_hits = 0
         self.decode_graphs = self._chunk_pool = None
         self._chunk_graph_sets: dict = {}
-        if self.gpu:
+        if self.graphs:
             self.decode_graphs = PoolDecodeGraphs(self.model, self.pool, self.tokens, prefill.deterministic, decode_plan)
 
     # -- the caller's side ------------------------------------------------------------------
@@ -254,6 +256,8 @@ class EngineCore:
             if r is not None and (r.finished or r.aborted):
                 self.slots[i] = None
                 self.requests.pop(r.rid, None)
+                if self.pool.kv is not None:  # (its keys and values are in the prefix cache if it keeps them)
+                    self.pool.kv.release(i)
         if any(r.aborted for r in self.waiting):
             for r in [r for r in self.waiting if r.aborted]:
                 self.waiting.remove(r)
@@ -276,6 +280,8 @@ class EngineCore:
                     self.cache_hits += 1
                     self.pool.conv[:, r.slot : r.slot + 1].copy_(hit.conv)
                     self.pool.ssm[:, r.slot : r.slot + 1].copy_(hit.ssm)
+                    if hit.kv is not None:
+                        self.pool.kv.copy_slot(r.slot, hit.kv, 0)
                     r.pos = r.fed = r.cached_tokens = n
                     if n == len(r.ids):
                         self._sample([r], hit.logits[None], launch, checked=False)
@@ -327,7 +333,7 @@ class EngineCore:
         engine's Prefill (prefill.py: CUDA graphs for short ones; each alone in deterministic
         mode). With the cache on (serving), in groups of the chunk graphs' batch sizes,
         whose prefill graphs capture_prefill_graphs captured at start."""
-        if self.gpu and self.cache.budget and len(reqs) not in CHUNK_BATCHES:
+        if self.graphs and self.cache.budget and len(reqs) not in CHUNK_BATCHES:
             b = next(k for k in CHUNK_BATCHES if k <= len(reqs))
             self._prefill_fresh(reqs[:b], launch)
             return self._prefill_fresh(reqs[b:], launch)
@@ -336,16 +342,17 @@ class EngineCore:
         self.pool.conv.index_copy_(1, rows, state.conv)
         self.pool.ssm.index_copy_(1, rows, state.ssm)
         for k, r in enumerate(reqs):
+            if state.kv is not None:  # a hybrid's keys and values into its slot
+                self.pool.kv.copy_slot(r.slot, state.kv, k)
             r.pos = r.fed = len(r.ids)
-            view = self._slot_state(r.slot)
-            self.cache.store(r.ids, view.conv, view.ssm, logits[k])
+            self.cache.store(r.ids, self._slot_state(r.slot), logits[k])
         self._sample(reqs, logits, launch, checked=True)
 
     def _prefill_chunks(self, reqs: list[RunningRequest], n: int, launch: _Launch) -> None:
         """The next n prompt tokens of each request, continuing its slot's state: through the
         chunk graphs in groups of their batch sizes on the GPU (n up to the cache's
         interval), else one eager pass over the gathered states."""
-        graphs = self.gpu and n <= self.cache.interval
+        graphs = self.graphs and n <= self.cache.interval
         at = 0
         while at < len(reqs):
             b = next(k for k in CHUNK_BATCHES if k <= len(reqs) - at) if graphs else len(reqs) - at
@@ -356,7 +363,8 @@ class EngineCore:
             if graphs:
                 logits = self._chunk_graphs(b)(ids, self.pool, rows)
             else:
-                state = MambaState(self.pool.conv.index_select(1, rows), self.pool.ssm.index_select(1, rows))
+                state = MambaState(self.pool.conv.index_select(1, rows), self.pool.ssm.index_select(1, rows),
+                                   self.pool.kv, [r.slot for r in group])
                 logits = self.model.prefill(ids, state, last_only=True)
                 self.pool.conv.index_copy_(1, rows, state.conv)
                 self.pool.ssm.index_copy_(1, rows, state.ssm)
@@ -364,8 +372,7 @@ class EngineCore:
             for k, r in enumerate(group):
                 r.pos = r.fed = r.pos + n
                 if r.pos == len(r.ids) or r.pos % self.cache.interval == 0:
-                    view = self._slot_state(r.slot)
-                    self.cache.store(r.ids[: r.pos], view.conv, view.ssm, logits[k])
+                    self.cache.store(r.ids[: r.pos], self._slot_state(r.slot), logits[k])
                 if r.pos == len(r.ids):
                     done.append(k)
             if done:
@@ -387,7 +394,7 @@ class EngineCore:
         """Captures the prefill graphs a server's steps use, now, so that no request waits
         for a capture (one takes about three prefills' time): the chunk graphs, and the
         graphs of new prompts up to the cache's interval in groups of CHUNK_BATCHES."""
-        if not self.gpu:
+        if not self.graphs:
             return
         for b in CHUNK_BATCHES:
             self._chunk_graphs(b)
@@ -416,7 +423,7 @@ class EngineCore:
             r.last_logits = (kept, n)
 
     def _slot_state(self, i: int) -> MambaState:
-        return MambaState(self.pool.conv[:, i : i + 1], self.pool.ssm[:, i : i + 1])
+        return MambaState(self.pool.conv[:, i : i + 1], self.pool.ssm[:, i : i + 1], self.pool.kv, [i])
 
     def _decoding(self, r: RunningRequest | None) -> bool:
         return r is not None and r.on_device and not r.just_sampled and not r.finished and not r.aborted
@@ -426,6 +433,8 @@ class EngineCore:
         a, b = self.slots[src], self.slots[dst]
         for t in (self.pool.conv, self.pool.ssm):
             _swap(t[:, src], t[:, dst])
+        if self.pool.kv is not None:
+            self.pool.kv.swap(src, dst)
         for f in fields(self.slot_params):
             t = getattr(self.slot_params, f.name)
             _swap(t[src], t[dst])
@@ -451,7 +460,8 @@ class EngineCore:
             self._move(mover, hole)
         rows = self.slots[:d]
         if self.decode_graphs is None:
-            logits = self.model.step(self.tokens[:d], MambaState(self.pool.conv[:, :d], self.pool.ssm[:, :d]))
+            logits = self.model.step(self.tokens[:d], MambaState(self.pool.conv[:, :d], self.pool.ssm[:, :d],
+                                                                self.pool.kv))
         else:
             # the rows between d and the bucket are padding: keep aside any that hold a
             # request still prefilling
@@ -506,8 +516,7 @@ class EngineCore:
             # the state after the prompt and every token fed since: a chat's next turn resumes here
             logits, row = r.last_logits
             fed = (r.ids + r.sampled)[: r.fed]
-            view = self._slot_state(r.slot)
-            self.cache.store(fed, view.conv, view.ssm, logits[row])
+            self.cache.store(fed, self._slot_state(r.slot), logits[row])
         outs.append(Finished(r.rid, reason, len(r.ids), len(r.output), r.cached_tokens, r.queued_s))
 
 

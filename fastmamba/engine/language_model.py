@@ -62,7 +62,8 @@ class LanguageModel:
         # PyTorch's CPU threads while this model computes (cpu_threads.py), restored between
         # calls and between streamed tokens. 0: as PyTorch has it.
         self.threads = 1 if threads is None else threads
-        self.prefill = Prefill(model, graphs=engine == "triton", deterministic=deterministic)
+        # (no CUDA graphs for hybrids: their attention reserves KV blocks on the host each pass)
+        self.prefill = Prefill(model, graphs=engine == "triton" and not self.config.hybrid, deterministic=deterministic)
         # A DecodePlan (plan.py) for the engine's decode step at every batch size in place of
         # the plan table's: for tests and benchmarks, set before the first generation.
         self.decode_plan = None

@@ -4,7 +4,8 @@ starts with a cached prefix prefills only the rest.
 A Mamba state has one size whatever the prefix's length, so an entry is exact at any
 length and costs the same: the conv and ssm state of every layer for one slot, and the
 logits after the prefix's last token (so that a prompt cached whole needs no prefill at
-all). The prefixes live in a radix tree over token ids, so a lookup finds the longest cached
+all). A hybrid's entry also holds the keys and values of its attention sublayers for the
+prefix (a copy), which grow with its length. The prefixes live in a radix tree over token ids, so a lookup finds the longest cached
 prefix of any length in one walk; states are kept at a prompt's end, every INTERVAL tokens
 inside long prompts, and at the end of a finished request's prompt + output (where a chat's
 next turn starts). Entries live on the model's device under a byte budget, least recently
@@ -18,16 +19,21 @@ from dataclasses import dataclass
 
 import torch
 
+from fastmamba.core.kv_cache import KVCache
+from fastmamba.core.state import MambaState
+
 
 @dataclass
 class CachedState:
     conv: torch.Tensor  # (L, 1, E, K)
     ssm: torch.Tensor  # (L, 1, E, N)
     logits: torch.Tensor  # (V,) f32, after the prefix's last token
+    kv: KVCache | None = None  # a hybrid's keys and values of the prefix, a one-slot cache of their own
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.conv, self.ssm, self.logits))
+        kv = 0 if self.kv is None else 2 * self.kv.k.numel() * self.kv.k.element_size()
+        return kv + sum(t.numel() * t.element_size() for t in (self.conv, self.ssm, self.logits))
 
 
 # The serving engine's prefill chunks end on this grid, so that a long prompt leaves states
@@ -90,16 +96,22 @@ class PrefixCache:
         self._lru.move_to_end(found)
         return n, found.entry
 
-    def store(self, ids: list[int], conv: torch.Tensor, ssm: torch.Tensor, logits: torch.Tensor) -> None:
-        """Keeps copies of the state after `ids` (one slot's conv (L, 1, E, K), ssm (L, 1, E, N))
-        and the logits after its last token (V,)."""
+    def store(self, ids: list[int], state: MambaState, logits: torch.Tensor) -> None:
+        """Keeps copies of one slot's state after `ids` (conv (L, 1, E, K), ssm (L, 1, E, N),
+        and a hybrid's keys and values of its slot) and the logits after its last token (V,)."""
         if not self.budget or not ids:
             return
         node = self._insert(list(ids))
         if node.entry is not None:
             self._lru.move_to_end(node)
             return
-        entry = CachedState(conv.clone(), ssm.clone(), logits.detach().float().clone())
+        kv = None
+        if state.kv is not None:
+            src = state.cache_rows()[0]
+            kv = KVCache(state.kv.k.shape[0], *state.kv.k.shape[3:], slots=1, blocks=1 + state.kv.blocks_for(len(ids)),
+                         block_size=state.kv.block_size, dtype=state.kv.k.dtype, device=state.kv.k.device)
+            kv.copy_slot(0, state.kv, src)
+        entry = CachedState(state.conv.clone(), state.ssm.clone(), logits.detach().float().clone(), kv)
         if entry.nbytes > self.budget:
             self._prune(node)
             return

@@ -12,19 +12,20 @@ import torch
 
 from fastmamba.core.config import MambaConfig
 from fastmamba.core.errors import CheckpointError
-from fastmamba.core.layers import layer_kind
+from fastmamba.core.families import family, first_sublayer, fold_multipliers, sublayer, sublayers
+from fastmamba.core.layers import LAYER_KINDS
 from fastmamba.core.model import MambaWeights
 from fastmamba.io.files import INDEX_FILES, WEIGHTS_FILES, inside, readable_file
 
 
 def expected_shapes(c: MambaConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the HF layout holds for this config, by HF name."""
-    kind = layer_kind(c)
-    shapes = {"backbone.embeddings.weight": (c.vocab_size, c.d_model), "backbone.norm_f.weight": (c.d_model,)}
-    for i in range(c.n_layer):
-        shapes.update(kind.shapes(c, f"backbone.layers.{i}."))
+    """Every tensor the HF layout holds for this config, by HF name (the family's)."""
+    fam = family(c)
+    shapes = {fam.embedding: (c.vocab_size, c.d_model), fam.norm_f: (c.d_model,)}
+    for sub in sublayers(c):
+        shapes.update(LAYER_KINDS[sub.kind].shapes(c, sub, fam))
     if not c.tie_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.d_model)
+        shapes[fam.lm_head] = (c.vocab_size, c.d_model)
     return shapes
 
 
@@ -114,9 +115,6 @@ def one_line(e: Exception) -> str:
     return f"{type(e).__name__}: {text[:200]}"
 
 
-_LAYER = re.compile(r"backbone\.layers\.(\d+)\.")
-
-
 def read_tensors(folder: Path, config: MambaConfig) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
     """All tensors by HF name, checked against the config: (tensors, file each came from).
 
@@ -136,15 +134,18 @@ def read_tensors(folder: Path, config: MambaConfig) -> tuple[dict[str, torch.Ten
     files = ", ".join(sorted({p.name for p in origin.values()})) or "weights"
     # Checkpoints saved from a tied model (the original format's torch.save of a state dict)
     # may repeat the embedding as lm_head.weight: accepted below if it is the same tensor.
-    repeated_head = config.tie_embeddings and "lm_head.weight" in header
+    fam = family(config)
+    repeated_head = config.tie_embeddings and fam.lm_head in header
     # The layer count first: expected_shapes enumerates every layer, so it runs only once
     # the files are known to hold them.
-    present = {int(m.group(1)) for n in header if (m := _LAYER.match(n))}
+    layer = re.compile(re.escape(fam.layer).replace(re.escape("{i}"), r"(\d+)"))
+    present = {int(m.group(1)) for n in header if (m := layer.match(n))}
     if config.n_layer > len(present):
         first = next(i for i in range(config.n_layer) if i not in present)
+        norm = sublayer(config, first_sublayer(config, first)).norm
         raise CheckpointError(
-            f"{folder / files}: missing tensor 'backbone.layers.{first}.norm.weight': config.json says "
-            f"{config.n_layer} layers, the weights hold {len(present)}"
+            f"{folder / files}: missing tensor '{norm}': config.json says {config.n_layer} layers, the weights "
+            f"hold {len(present)}"
         )
     expected = expected_shapes(config)
     missing = [n for n in expected if n not in header]
@@ -167,15 +168,16 @@ def read_tensors(folder: Path, config: MambaConfig) -> tuple[dict[str, torch.Ten
     data = {id(f): f.tensors() for f in opened}
     tensors = {name: data[id(f)][stored] for name, (f, stored) in source.items()}
     if repeated_head:
-        head, emb = tensors.pop("lm_head.weight"), tensors["backbone.embeddings.weight"]
+        head, emb = tensors.pop(fam.lm_head), tensors[fam.embedding]
         if head.shape != emb.shape or not torch.equal(head, emb):
             raise CheckpointError(
-                f"{origin['lm_head.weight']}: tensor 'lm_head.weight' differs from the embedding, "
+                f"{origin[fam.lm_head]}: tensor '{fam.lm_head}' differs from the embedding, "
                 "but the config ties them (tie_word_embeddings / tie_embeddings is true)"
             )
     for name in expected:
         if not torch.isfinite(tensors[name]).all():
             raise CheckpointError(f"{origin[name]}: tensor '{name}' holds NaN or inf values")
+    fold_multipliers(config, tensors)
     return tensors, origin
 
 
@@ -197,11 +199,11 @@ def build_weights(
     def small(name):
         return None if name not in tensors else tensors[name].to(device=device, dtype=torch.float32).contiguous()
 
-    kind = layer_kind(config)
-    layers = [kind.weights(f"backbone.layers.{i}.", big, small) for i in range(config.n_layer)]
-    embedding = big("backbone.embeddings.weight")
-    lm_head = embedding if config.tie_embeddings else big("lm_head.weight")
-    return MambaWeights(embedding=embedding, layers=layers, norm_f=small("backbone.norm_f.weight"), lm_head=lm_head)
+    fam = family(config)
+    layers = [LAYER_KINDS[sub.kind].weights(config, sub, fam, big, small) for sub in sublayers(config)]
+    embedding = big(fam.embedding)
+    lm_head = embedding if config.tie_embeddings else big(fam.lm_head)
+    return MambaWeights(embedding=embedding, layers=layers, norm_f=small(fam.norm_f), lm_head=lm_head)
 
 
 def load_checkpoint(path, device, dtype: torch.dtype) -> tuple[MambaConfig, MambaWeights]:

@@ -1,0 +1,134 @@
+"""The attention sublayers' keys and values, paged: fixed-size blocks from one pool, and a
+table a slot of the blocks its tokens lie in (as vLLM's PagedAttention), so that a slot
+holds only the blocks its context uses.
+
+Slot s's token t lies in block `table[s, t // block_size]` at offset `t % block_size`;
+`lengths[s]` tokens are held. Block 0 is never handed out: a table's unused entries point
+to it, and the tokens a pass must not store (left padding) are written there, where no
+length reaches. Blocks are handed out and taken back on the host (`reserve`, `release`),
+before the pass that writes them; a pass only writes and reads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class KVCacheFull(RuntimeError):
+    """The pool has no free block for a reservation."""
+
+
+class KVCache:
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int, blocks: int, block_size: int = 16,
+                 max_tokens: int = 1 << 20, dtype=torch.float32, device="cpu"):
+        """layers: the attention sublayers; blocks: the pool's blocks (block 0 included);
+        max_tokens: a slot's context at most (its table's width)."""
+        self.block_size = block_size
+        shape = (layers, blocks, block_size, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_blocks = math.ceil(max_tokens / block_size)
+        self.table = torch.zeros(slots, 1, dtype=torch.int64, device=device)  # widened as slots grow
+        self.lengths = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.free = list(range(blocks - 1, 0, -1))  # a stack: the lowest block first
+        self.owned: list[list[int]] = [[] for _ in range(slots)]
+        self.held = [0] * slots  # lengths, on the host
+
+    @classmethod
+    def for_tokens(cls, config, slots: int, tokens: int, dtype, device, block_size: int = 16) -> "KVCache":
+        """A pool with room for `tokens` tokens in each of `slots` slots (a prefill's, or a
+        forward's), that grows when asked for more."""
+        per_slot = math.ceil(max(tokens, 1) / block_size)
+        cache = cls(config.n_attention, config.kv_heads, config.attn_head_dim, slots, 1 + slots * per_slot, block_size,
+                    dtype=dtype, device=device)
+        cache.growable = True
+        return cache
+
+    growable = False
+
+    @property
+    def slots(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def blocks(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def free_tokens(self) -> int:
+        return len(self.free) * self.block_size
+
+    def blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.block_size)
+
+    def reserve(self, slot: int, tokens: int) -> None:
+        """Blocks enough for slot `slot` to hold `tokens` tokens (its own and those to come in
+        the next pass). KVCacheFull if the pool has too few (a growable pool grows)."""
+        need = self.blocks_for(tokens) - len(self.owned[slot])
+        if need <= 0:
+            return
+        if self.blocks_for(tokens) > self.max_blocks:
+            raise KVCacheFull(f"a context of {tokens} tokens is over the cache's {self.max_blocks * self.block_size}")
+        if need > len(self.free):
+            if not self.growable:
+                raise KVCacheFull(f"{need} KV blocks asked for, {len(self.free)} free")
+            self._grow(need - len(self.free))
+        new = [self.free.pop() for _ in range(need)]
+        first = len(self.owned[slot])
+        self.owned[slot] += new
+        if len(self.owned[slot]) > self.table.shape[1]:
+            wider = torch.zeros(self.slots, len(self.owned[slot]), dtype=self.table.dtype, device=self.table.device)
+            wider[:, : self.table.shape[1]] = self.table
+            self.table = wider
+        self.table[slot, first : first + need] = torch.tensor(new, dtype=self.table.dtype).to(self.table.device)
+
+    def _grow(self, blocks: int) -> None:
+        old = self.blocks
+        extra = max(blocks, old)  # (doubling: few regrowths)
+        pad = (self.k.shape[0], extra, *self.k.shape[2:])
+        self.k = torch.cat([self.k, self.k.new_zeros(pad)], 1)
+        self.v = torch.cat([self.v, self.v.new_zeros(pad)], 1)
+        self.free = list(range(old + extra - 1, old - 1, -1)) + self.free
+
+    def release(self, slot: int) -> None:
+        """Slot `slot` holds nothing: its blocks go back to the pool."""
+        self.free += reversed(self.owned[slot])
+        self.owned[slot] = []
+        self.held[slot] = 0
+        self.table[slot] = 0
+        self.lengths[slot] = 0
+
+    def advance(self, rows: list[int], counts: list[int]) -> None:
+        """After a pass: each of `rows` holds `counts` more tokens."""
+        for r, n in zip(rows, counts):
+            self.held[r] += n
+        index = torch.tensor(rows, dtype=torch.int64).to(self.lengths.device)
+        self.lengths.index_add_(0, index, torch.tensor(counts, dtype=torch.int64).to(self.lengths.device))
+
+    def copy_slot(self, dst: int, src_cache: "KVCache", src: int) -> None:
+        """dst's context becomes src_cache's slot src's (a copy: blocks of its own)."""
+        self.release(dst)
+        n = src_cache.held[src]
+        if n == 0:
+            return
+        self.reserve(dst, n)
+        nb = self.blocks_for(n)
+        src_blocks = torch.tensor(src_cache.owned[src][:nb], dtype=torch.int64).to(src_cache.k.device)
+        dst_blocks = torch.tensor(self.owned[dst][:nb], dtype=torch.int64).to(self.k.device)
+        self.k[:, dst_blocks] = src_cache.k[:, src_blocks].to(self.k.device, self.k.dtype)
+        self.v[:, dst_blocks] = src_cache.v[:, src_blocks].to(self.v.device, self.v.dtype)
+        self.advance([dst], [n])
+
+    def swap(self, a: int, b: int) -> None:
+        """Slots a and b trade contexts (the engine keeps its decoding slots first)."""
+        self.owned[a], self.owned[b] = self.owned[b], self.owned[a]
+        self.held[a], self.held[b] = self.held[b], self.held[a]
+        for t in (self.table, self.lengths):
+            row = t[a].clone()
+            t[a] = t[b]
+            t[b] = row
+
+    def nbytes_per_token(self) -> int:
+        return 2 * self.k[:, 0, 0].numel() * self.k.element_size()

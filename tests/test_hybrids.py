@@ -1,0 +1,205 @@
+"""The hybrids (Nemotron-H, Bamba, Granite-4.0-H, Falcon-H1) on the reference engine, against
+transformers' own classes: tiny checkpoints written by `save_pretrained`, with several Mamba
+chunks, prompts longer than a KV block, GQA, RoPE (full, partial) and none, and each
+family's multipliers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import fastmamba
+from conftest import assert_within_transformers_16bit_error, relative_error, transformers_logits
+from fastmamba.core.sampling_params import SamplingParams
+from fastmamba.engine.engine_core import EngineCore
+from fastmamba.engine.protocol import Finished, Request, Token
+
+transformers = pytest.importorskip("transformers")
+
+V = 160
+MAMBA = dict(mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=8)
+
+
+def nemotron(**kw):
+    return transformers.NemotronHConfig(
+        vocab_size=V, hidden_size=64, layers_block_type=["mamba", "attention", "mlp", "mamba", "mlp"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=8,
+        mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=8, **kw), transformers.NemotronHForCausalLM
+
+
+def bamba(**kw):
+    rope = {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}
+    return transformers.BambaConfig(
+        vocab_size=V, hidden_size=64, num_hidden_layers=3, attn_layer_indices=[1], num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=96, rope_parameters=rope, **MAMBA, **kw), transformers.BambaForCausalLM
+
+
+def granite(position="rope", **kw):
+    return transformers.GraniteMoeHybridConfig(
+        vocab_size=V, hidden_size=64, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+        num_attention_heads=4, num_key_value_heads=1, shared_intermediate_size=96, num_local_experts=0,
+        position_embedding_type=position, embedding_multiplier=6.0, logits_scaling=4.0, residual_multiplier=0.3,
+        attention_multiplier=0.05, **MAMBA, **kw), transformers.GraniteMoeHybridForCausalLM
+
+
+def falcon(**kw):
+    return transformers.FalconH1Config(
+        vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, mamba_d_ssm=64, embedding_multiplier=2.0, lm_head_multiplier=0.5,
+        key_multiplier=0.7, attention_in_multiplier=0.9, attention_out_multiplier=1.1, ssm_in_multiplier=0.8,
+        ssm_out_multiplier=1.2, ssm_multipliers=[0.5, 0.6, 0.7, 0.8, 0.9], mlp_multipliers=[0.8, 0.9],
+        **MAMBA, **kw), transformers.FalconH1ForCausalLM
+
+
+CASES = {
+    "nemotron_h": lambda: nemotron(),
+    "bamba": lambda: bamba(),
+    "granite_rope": lambda: granite(),
+    "granite_nope_tied": lambda: granite("nope", tie_word_embeddings=True),
+    "falcon_h1_ssm_norm": lambda: falcon(mamba_rms_norm=True),
+    "falcon_h1": lambda: falcon(mamba_rms_norm=False),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    config, model_class = CASES[request.param]()
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    with torch.no_grad():  # (random biases and norms, so that each multiplier shows)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    return folder, model
+
+
+def ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, V, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_float32_logits_equal_transformers(case):
+    folder, hf = case
+    x = ids(2, 41)  # 41 tokens: several of Mamba's 8-step chunks and of the cache's 16-token blocks
+    got = fastmamba.load(folder).forward(x)
+    assert relative_error(got, transformers_logits(folder, x)) < 2e-3
+
+
+def test_greedy_equals_transformers_greedy_and_a_batch_equals_each_alone(case):
+    folder, hf = case
+    lm = fastmamba.load(folder)
+    prompts = [ids(1, n, seed=n)[0].tolist() for n in (5, 23, 9)]
+    alone = [lm.generate(p, max_tokens=12, stop_token_ids=[]).token_ids for p in prompts]
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    assert alone == want
+    params = [SamplingParams(max_tokens=10, temperature=0.9 * (k % 2), seed=k, stop_token_ids=[]) for k in range(3)]
+    together = lm.generate_batch(prompts, params)
+    assert [g.token_ids for g in together] == [lm.generate(p, q).token_ids for p, q in zip(prompts, params)]
+
+
+def test_decode_steps_continue_the_prefill(case):
+    """Teacher forcing: a prefill of 30 tokens then 11 steps gives the logits of one pass."""
+    folder, _ = case
+    model = fastmamba.load(folder).model
+    x = ids(2, 41, seed=3)
+    whole = model.forward(x)
+    state = model.new_state(2)
+    steps = [model.prefill(x[:, :30], state)[:, -1]]
+    steps += [model.step(x[:, t], state) for t in range(30, 40)]
+    assert relative_error(torch.stack(steps, 1), whole[:, 29:40]) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16bit_storage_within_transformers_own_error(case, dtype):
+    folder, _ = case
+    x = ids(2, 33, seed=5)
+    assert_within_transformers_16bit_error(fastmamba.load(folder, dtype=dtype).forward(x), folder, x, dtype)
+
+
+def test_the_prefix_cache_and_chunks_change_no_token(case):
+    """The serving engine with 8-token prefill chunks and the prefix cache (states and keys and
+    values kept on a 16-token grid, at prompt ends and at a finished request's end): each
+    request's tokens are what generate gives it alone with the cache off."""
+    folder, _ = case
+    lm = fastmamba.load(folder)
+    core = EngineCore(lm.model, lm.prefill, max_batch=3, prefill_tokens=8, prefix_cache_bytes=64 << 20)
+    core.cache.interval = 16
+    base = ids(1, 37, seed=9)[0].tolist()
+    prompts = [base, base + [5, 6, 7], base[:20], base + [8], base[:3]]
+    got = {}
+    for rid, p in enumerate(prompts):
+        core.add(Request(rid, p, SamplingParams(max_tokens=7, stop_token_ids=[])))
+        while core.has_work:  # one at a time: each later one can resume from the ones before
+            for out in core.step():
+                if isinstance(out, Token):
+                    got.setdefault(out.rid, []).append(out.token)
+                else:
+                    assert isinstance(out, Finished), out
+    assert core.cache_hits >= 3
+    for rid, p in enumerate(prompts):
+        assert got[rid] == lm.generate(p, max_tokens=7, stop_token_ids=[]).token_ids, rid
+
+
+# -- configs refused by name ------------------------------------------------------------------
+
+
+def edited(case, tmp_path, change) -> str:
+    folder, _ = case
+    out = tmp_path / "edited"
+    out.mkdir(parents=True)
+    for f in folder.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    config = json.loads((out / "config.json").read_text())
+    change(config)
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+def refused(path: str, *words: str) -> None:
+    with pytest.raises(fastmamba.CheckpointError) as e:
+        fastmamba.load(path)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda c: c.update(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10.0}), ("linear",)),
+    (lambda c: c.update(num_key_value_heads=3), ("num_key_value_heads",)),
+    (lambda c: c.update(sliding_window=8), ("sliding_window",)),
+    (lambda c: c.update(num_attention_heads=8), ("self_attn.", "has shape")),  # a tensor of another shape, named
+])
+def test_bamba_configs_that_change_the_math_are_refused_by_name(tmp_path, change, words):
+    config, model_class = bamba()
+    folder = tmp_path / "m"
+    model_class(config).save_pretrained(folder)
+    refused(edited((folder, None), tmp_path, change), *words)
+
+
+def test_nemotron_h_refuses_experts_and_reads_the_hub_pattern(tmp_path):
+    config, model_class = nemotron()
+    folder = tmp_path / "m"
+    model_class(config).save_pretrained(folder)
+
+    def hub_form(c):  # the hub's spelling of the pattern and the Mamba keys
+        del c["layers_block_type"]
+        c["hybrid_override_pattern"] = "M*-M-"
+        c["mamba_n_groups"] = c.pop("n_groups")
+    assert fastmamba.load(edited((folder, None), tmp_path / "a", hub_form)).config.kinds == (
+        "mamba2", "attention", "mlp", "mamba2", "mlp")
+    refused(edited((folder, None), tmp_path / "b", lambda c: c.update(layers_block_type=["mamba", "moe", "attention",
+                                                                                           "mlp", "mamba"])),
+            "mixture-of-experts")
+    refused(edited((folder, None), tmp_path / "c", lambda c: c.update(mamba_n_groups=4)), "'n_groups'",
+            "'mamba_n_groups'", "disagree")
+
+
+def test_granite_refuses_experts(tmp_path):
+    config, model_class = granite()
+    folder = tmp_path / "m"
+    model_class(config).save_pretrained(folder)
+    refused(edited((folder, None), tmp_path, lambda c: c.update(num_local_experts=4)), "num_local_experts")
