@@ -203,3 +203,35 @@ def test_granite_refuses_experts(tmp_path):
     folder = tmp_path / "m"
     model_class(config).save_pretrained(folder)
     refused(edited((folder, None), tmp_path, lambda c: c.update(num_local_experts=4)), "num_local_experts")
+
+
+def test_a_fixed_kv_cache_admits_what_fits_and_refuses_what_never_can(tmp_path):
+    """The serving engine's KV cache of 96 tokens (six 16-token blocks): a request holds its
+    prompt's and max_tokens' blocks from admission to its end, so two of 40 tokens each run
+    together, a third waits for one of them to end, and one of 120 tokens can never fit (an
+    error that says so); each still gets what generate gives it alone."""
+    config, model_class = nemotron()
+    folder = tmp_path / "m"
+    model_class(config).save_pretrained(folder)
+    lm = fastmamba.load(folder)
+    core = EngineCore(lm.model, lm.prefill, max_batch=4, kv_tokens=96)
+    prompts = [ids(1, 30, seed=k)[0].tolist() for k in range(3)]
+    for rid, p in enumerate(prompts):
+        core.add(Request(rid, p, SamplingParams(max_tokens=10, stop_token_ids=[])))
+    core.add(Request(9, ids(1, 100)[0].tolist(), SamplingParams(max_tokens=20)))
+    got, failed, running = {}, [], []
+    for _ in range(200):
+        outs = core.step()
+        running.append(core.running)
+        for out in outs:
+            if isinstance(out, Token):
+                got.setdefault(out.rid, []).append(out.token)
+            elif not isinstance(out, Finished):
+                failed.append(out)
+        if not core.has_work:
+            break
+    assert [f.rid for f in failed] == [9]
+    assert failed[0].error.kind == "context_too_long" and "holds 96" in failed[0].error.message
+    assert max(running) == 2  # the third waited for blocks
+    for rid, p in enumerate(prompts):
+        assert got[rid] == lm.generate(p, max_tokens=10, stop_token_ids=[]).token_ids

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from fastmamba.core.errors import NonFiniteError
+from fastmamba.core.kv_cache import KVCache
 from fastmamba.core.model import Mamba
 from fastmamba.core.ops import REFERENCE_OPS
 from fastmamba.core.sampling import SlotParams, pick_sampler
@@ -160,10 +161,13 @@ class EngineCore:
     (0: off, as offline; serve's is 256 MiB). threads: PyTorch's CPU threads while a step
     computes (cpu_threads.py; 0: as PyTorch has it). decode_plan: a DecodePlan (plan.py) for
     the decode step at every batch size, in place of the plan table's (tests and benchmarks).
+    kv_tokens: a hybrid's KV cache, tokens of keys and values of every attention sublayer at
+    most (None: a pool that grows as asked). A request is admitted when its prompt and
+    max_tokens fit among the free blocks, which it holds until it ends: it never runs out.
     """
 
     def __init__(self, model: Mamba, prefill: Prefill, max_batch: int = 16, prefill_tokens: int = 1024,
-                 prefix_cache_bytes: int = 0, threads: int = 1, decode_plan=None):
+                 prefix_cache_bytes: int = 0, threads: int = 1, decode_plan=None, kv_tokens: int | None = None):
         self.model, self.prefill = model, prefill
         self.device = self.model.device
         self.max_batch, self.prefill_tokens, self.threads = max_batch, prefill_tokens, threads
@@ -173,6 +177,10 @@ class EngineCore:
         # a step ahead on the GPU (see above); on the CPU only in tests of the bookkeeping
         self.run_ahead = self.gpu
         self.pool = self.model.new_state(max_batch)  # one slot a running request
+        if self.pool.kv is not None and kv_tokens is not None:
+            c, kv = model.config, self.pool.kv
+            self.pool.kv = KVCache(c.n_attention, c.kv_heads, c.attn_head_dim, max_batch, 1 + kv.blocks_for(kv_tokens),
+                                   kv.block_size, dtype=kv.k.dtype, device=self.device)
         self.slots: list[RunningRequest | None] = [None] * max_batch
         self.slot_params = SlotParams.empty(max_batch, self.model.config.vocab_size, self.device)
         self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=self.device)  # each row's next decode input
@@ -266,6 +274,11 @@ class EngineCore:
     def _admit(self, launch: _Launch, outs: list) -> None:
         while self.waiting and None in self.slots:
             r = self.waiting.popleft()
+            if not self._kv_room(r, outs):
+                if not r.finished:  # (it waits for blocks to come free)
+                    self.waiting.appendleft(r)
+                    break
+                continue
             # new requests take the highest free slot: the decoding ones gather at the lowest,
             # so the padding rows of a decode bucket are rarely anyone's
             r.slot = max(k for k, s in enumerate(self.slots) if s is None)
@@ -283,10 +296,30 @@ class EngineCore:
                     if hit.kv is not None:
                         self.pool.kv.copy_slot(r.slot, hit.kv, 0)
                     r.pos = r.fed = r.cached_tokens = n
+                if self.pool.kv is not None and not self.pool.kv.growable:
+                    self.pool.kv.reserve(r.slot, self._kv_tokens(r))
                     if n == len(r.ids):
                         self._sample([r], hit.logits[None], launch, checked=False)
             except Exception as e:
                 self._end(r, outs, error=_error_of(e))
+
+    def _kv_tokens(self, r: RunningRequest) -> int:
+        """The tokens of keys and values a request holds from admission: its prompt and output."""
+        return len(r.ids) + r.params.max_tokens
+
+    def _kv_room(self, r: RunningRequest, outs: list) -> bool:
+        """Whether a fixed KV cache has the free blocks a request needs; a request that can
+        never fit ends with an error saying why."""
+        kv = self.pool.kv
+        if kv is None or kv.growable:
+            return True
+        need = kv.blocks_for(self._kv_tokens(r))
+        if need > kv.blocks - 1:
+            self._end(r, outs, error=EngineError(protocol.CONTEXT_TOO_LONG, (
+                f"the prompt's {len(r.ids)} tokens and max_tokens {r.params.max_tokens} need {need * kv.block_size} "
+                f"tokens of keys and values; this engine's KV cache holds {(kv.blocks - 1) * kv.block_size}")))
+            return False
+        return need <= len(kv.free)
 
     def _prefill(self, launch: _Launch, outs: list) -> None:
         budget = self.prefill_tokens

@@ -50,6 +50,9 @@ class EngineOptions:
         "pace behind new prompts (default: 4096)"))
     prefix_cache_mb: int = field(default=256, metadata=option(
         "memory for cached prefix states, MiB; 0 = off (default: 256)"))
+    kv_cache_mb: int | None = field(default=None, metadata=option(
+        "hybrids: memory for the attention layers' keys and values, MiB (default: on a GPU half its free memory "
+        "once the model and its slots are in; 1024 on the CPU)"))
 
     # The fields `fastmamba generate` takes too (the rest are the serving engine's).
     MODEL_FIELDS = ("model", "device", "dtype", "threads", "state_dtype", "deterministic")
@@ -68,6 +71,8 @@ class EngineOptions:
             raise ValueError(f"--max-batch must be at least 1, got {self.max_batch}")
         if self.prefix_cache_mb < 0:
             raise ValueError(f"--prefix-cache-mb must be at least 0, got {self.prefix_cache_mb}")
+        if self.kv_cache_mb is not None and self.kv_cache_mb < 1:
+            raise ValueError(f"--kv-cache-mb must be at least 1, got {self.kv_cache_mb}")
 
     def load_kwargs(self) -> dict:
         """fastmamba.load's arguments."""
@@ -88,9 +93,28 @@ def build_engine(options: EngineOptions, folder=None):
     lm = load(**kwargs)
     max_batch = options.max_batch or default_max_batch(lm.model)
     core = EngineCore(lm.model, lm.prefill, max_batch=max_batch, prefill_tokens=options.prefill_tokens,
-                      prefix_cache_bytes=options.prefix_cache_mb << 20, threads=lm.threads)
+                      prefix_cache_bytes=options.prefix_cache_mb << 20, threads=lm.threads,
+                      kv_tokens=kv_cache_tokens(lm.model, options.kv_cache_mb, max_batch * slot_bytes(lm.model)))
     core.capture_prefill_graphs()
     return core, Ready(max_batch, lm.config.vocab_size, str(lm.device), str(lm.dtype).removeprefix("torch."))
+
+
+def kv_cache_tokens(model, megabytes: int | None, slots: int = 0) -> int | None:
+    """The tokens a hybrid's KV cache holds (None for a model without attention): `megabytes`
+    of them, or on a GPU half the memory free once the model and its slots (`slots` bytes,
+    not yet taken) are in, on the CPU 1024 MiB."""
+    c = model.config
+    if not getattr(c, "n_attention", 0):
+        return None
+    per_token = 2 * c.n_attention * c.kv_heads * c.attn_head_dim * model.weights.embedding.element_size()
+    if megabytes is None:
+        if model.device.type == "cuda":
+            import torch
+
+            free, _ = torch.cuda.mem_get_info(model.device)
+            return max(1, (free - slots) // 2 // per_token)
+        megabytes = 1024
+    return max(1, (megabytes << 20) // per_token)
 
 
 def default_max_batch(model) -> int:
@@ -100,10 +124,13 @@ def default_max_batch(model) -> int:
         return 16
     import torch
 
+    free, _ = torch.cuda.mem_get_info(model.device)
+    return max(1, min(256, free // 2 // slot_bytes(model)))
+
+
+def slot_bytes(model) -> int:
+    """A slot's memory: its recurrent state, logits (and the sampler's copies), activations."""
     from fastmamba.core.layers import state_bytes
 
     c = model.config
-    per_slot = state_bytes(c, model.state_dtype.itemsize)
-    per_slot += 4 * c.vocab_size * 4 + 16 * c.d_inner * 4  # logits (and the sampler's copies), activations
-    free, _ = torch.cuda.mem_get_info(model.device)
-    return max(1, min(256, free // 2 // per_slot))
+    return state_bytes(c, model.state_dtype.itemsize) + 4 * c.vocab_size * 4 + 16 * c.d_inner * 4

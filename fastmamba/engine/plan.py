@@ -260,6 +260,8 @@ LAYER_OPS_DETERMINISTIC = DecodePlan("layer-ops", pdl=False, reason="Mamba-2, de
 
 def plan_for(config, dtype: torch.dtype, batch: int, deterministic: bool = False) -> DecodePlan:
     """The decode plan for a model of this config, weights of `dtype`, `batch` rows."""
+    if getattr(config, "hybrid", False):  # (the fused steps are Mamba's alone)
+        return LAYER_OPS_DETERMINISTIC if deterministic else LAYER_OPS
     if config.layer == "mamba2":
         if deterministic:
             return LAYER_OPS_DETERMINISTIC

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastmamba.engine.protocol import BUSY, SHUTTING_DOWN, EngineError
+from fastmamba.engine.protocol import BUSY, CONTEXT_TOO_LONG, SHUTTING_DOWN, EngineError
 
 
 class APIError(Exception):
@@ -34,4 +34,6 @@ def from_engine(error: EngineError) -> APIError:
     if error.status == 503:
         code = "server_shutting_down" if error.kind == SHUTTING_DOWN else "engine_unavailable"
         return APIError(503, error.message, code=code, kind="server_error")
+    if error.kind == CONTEXT_TOO_LONG:
+        return APIError(400, error.message, param="max_tokens", code="context_length_exceeded")
     return APIError(error.status, f"generation failed: {error.message}", kind="server_error")
