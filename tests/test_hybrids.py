@@ -235,3 +235,23 @@ def test_a_fixed_kv_cache_admits_what_fits_and_refuses_what_never_can(tmp_path):
     assert max(running) == 2  # the third waited for blocks
     for rid, p in enumerate(prompts):
         assert got[rid] == lm.generate(p, max_tokens=10, stop_token_ids=[]).token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["nemotron_h", "bamba", "granite_rope", "falcon_h1"])
+def test_the_gpu_engine_runs_hybrids_as_the_cpu_does(tmp_path, name):
+    """The GPU engine (the Triton ops for the Mamba sublayers, torch's for attention and MLP):
+    float32 logits within 1e-3 of the CPU's, greedy tokens and a batch equal to the CPU's
+    alone; bf16 storage within transformers' own bf16 error."""
+    config, model_class = CASES[name]()
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(tmp_path)
+    cpu, gpu = fastmamba.load(tmp_path), fastmamba.load(tmp_path, device="cuda")
+    assert gpu.engine == "triton"
+    x = ids(2, 41)
+    assert relative_error(gpu.forward(x.cuda()), cpu.forward(x)) < 1e-3
+    prompts = [ids(1, n, seed=n)[0].tolist() for n in (5, 23, 9)]
+    want = [cpu.generate(p, max_tokens=10, stop_token_ids=[]).token_ids for p in prompts]
+    assert [g.token_ids for g in gpu.generate_batch(prompts, SamplingParams(max_tokens=10, stop_token_ids=[]))] == want
+    bf16 = fastmamba.load(tmp_path, device="cuda", dtype="bfloat16")
+    assert_within_transformers_16bit_error(bf16.forward(x.cuda()), tmp_path, x, "bfloat16")

@@ -68,10 +68,12 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float, rotary_dim: int) -> t
 
 
 def attention(c, lw: AttentionWeights, u: torch.Tensor, kv: KVCache, layer: int, rows: torch.Tensor, ops,
-              start: torch.Tensor | None = None) -> torch.Tensor:
+              start: torch.Tensor | None = None, blocks: int = 0) -> torch.Tensor:
     """One attention sublayer over T new tokens of `rows` (B,) of the cache (their blocks
     reserved): u (B, T, d) -> (B, T, d) f32; stores the tokens' keys and values (the caller
-    advances the cache's lengths once the whole pass has run). start (B,): left padding."""
+    advances the cache's lengths once the whole pass has run). start (B,): left padding.
+    blocks: the blocks the rows' contexts span after the pass, at most (0: the table's width):
+    the keys read, whatever a row reserved beyond."""
     B, T, _ = u.shape
     H, KVH, hd = c.attn_heads, c.kv_heads, c.attn_head_dim
     q = ops.linear(u, lw.q_w, lw.q_b).view(B, T, H, hd)
@@ -84,7 +86,7 @@ def attention(c, lw: AttentionWeights, u: torch.Tensor, kv: KVCache, layer: int,
     if c.rope_theta:
         q, k = rope(q, pos, c.rope_theta, c.rotary_dim), rope(k, pos, c.rope_theta, c.rotary_dim)
     bs = kv.block_size
-    table = kv.table[rows]  # (B, W)
+    table = kv.table[rows, : blocks or kv.table.shape[1]]  # (B, W)
     block = table.gather(1, (pos // bs).clamp(max=table.shape[1] - 1))
     where = torch.where(valid, block * bs + pos % bs, 0).flatten()  # padding to block 0, never read
     kv.k[layer].view(-1, KVH, hd).index_copy_(0, where, k.reshape(B * T, KVH, hd).to(kv.k.dtype))

@@ -29,6 +29,7 @@ class Memory:
     kv: object = None  # kv_cache.KVCache
     layer: int = 0
     rows: torch.Tensor | None = None  # (B,) int64
+    blocks: int = 0  # the blocks a row's context spans at most after the pass (the table's columns to read)
 
 
 @dataclass
@@ -57,7 +58,7 @@ def _no_resets(resets, kind: str) -> None:
 
 def _attention_run(c, lw, u, m: Memory, ops, start=None, resets=None):
     _no_resets(resets, "attention")
-    return attn.attention(c, lw, u, m.kv, m.layer, m.rows, ops, start)
+    return attn.attention(c, lw, u, m.kv, m.layer, m.rows, ops, start, m.blocks)
 
 
 def _mlp_run(c, lw, u, m: Memory, ops, start=None, resets=None):
@@ -66,8 +67,8 @@ def _mlp_run(c, lw, u, m: Memory, ops, start=None, resets=None):
 
 def _parallel_run(c, lw: ParallelWeights, u, m: Memory, ops, start=None, resets=None):
     _no_resets(resets, "attention")
-    return mamba2.mixer2(c, lw.mamba, u, m.conv, m.ssm, ops, start) + attn.attention(c, lw.attention, u, m.kv,
-                                                                                     m.layer, m.rows, ops, start)
+    return (mamba2.mixer2(c, lw.mamba, u, m.conv, m.ssm, ops, start)
+            + attn.attention(c, lw.attention, u, m.kv, m.layer, m.rows, ops, start, m.blocks))
 
 
 def _parallel_shapes(c, s: Sublayer, f: Family) -> dict:

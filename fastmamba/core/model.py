@@ -70,13 +70,13 @@ class Mamba:
         slot to start with (it grows)."""
         return MambaState.zeros(self.config, batch, self.device, self.state_dtype, self.weights.embedding.dtype, tokens)
 
-    def _memory(self, state: MambaState, i: int, rows: torch.Tensor | None) -> Memory:
+    def _memory(self, state: MambaState, i: int, rows: torch.Tensor | None, blocks: int) -> Memory:
         r, a = self._memory_at[i]
         m = Memory()
         if r is not None:
             m.conv, m.ssm = state.conv[r], state.ssm[r]
         if a is not None:
-            m.kv, m.layer, m.rows = state.kv, a, rows
+            m.kv, m.layer, m.rows, m.blocks = state.kv, a, rows, blocks
         return m
 
     def backbone(self, h: torch.Tensor, state: MambaState, start=None, check: bool | None = None,
@@ -92,7 +92,7 @@ class Mamba:
         check = self.ops is REFERENCE_OPS if check is None else check
         h, o, eps = h.float(), None, self.config.norm_eps
         operands = self.weights.embedding.dtype  # the dtype the products read (GPU path; the reference keeps f32)
-        kv, rows_dev = state.kv, None
+        kv, rows_dev, blocks = state.kv, None, 0
         if kv is not None:
             rows = state.cache_rows()
             if counts is None:
@@ -100,12 +100,13 @@ class Mamba:
                 counts = [T - s for s in start.tolist()] if start is not None else [T] * len(rows)
             for r, n in zip(rows, counts):
                 kv.reserve(r, kv.held[r] + n)
+            blocks = max(kv.blocks_for(kv.held[r] + n) for r, n in zip(rows, counts))
             rows_dev = torch.tensor(rows, dtype=torch.int64)
             if h.is_cuda:  # (from pinned memory: a plain copy would wait for the GPU's queued work)
                 rows_dev = rows_dev.pin_memory().to(h.device, non_blocking=True)
         for i, (kind, lw) in enumerate(zip(self.kinds, self.weights.layers)):
             h, u = self.ops.add_norm(h, o, lw.norm_w, eps, operands)
-            o = kind.run(self.config, lw, u, self._memory(state, i, rows_dev), self.ops, start)
+            o = kind.run(self.config, lw, u, self._memory(state, i, rows_dev, blocks), self.ops, start)
             if check and not torch.isfinite(o).all():
                 raise NonFiniteError(
                     f"the model's output is not finite: layer {i} ({self._name(i)}) gives NaN or inf for this "
