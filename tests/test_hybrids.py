@@ -255,3 +255,45 @@ def test_the_gpu_engine_runs_hybrids_as_the_cpu_does(tmp_path, name):
     assert [g.token_ids for g in gpu.generate_batch(prompts, SamplingParams(max_tokens=10, stop_token_ids=[]))] == want
     bf16 = fastmamba.load(tmp_path, device="cuda", dtype="bfloat16")
     assert_within_transformers_16bit_error(bf16.forward(x.cuda()), tmp_path, x, "bfloat16")
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_the_paged_decode_kernel_equals_its_twin(splits):
+    """kernels/paged_attention.py (Triton's interpreter here): scattered blocks, GQA, rows that
+    index other slots, lengths that end mid-block and at one token, splits with no block."""
+    pytest.importorskip("triton")
+    from fastmamba.kernels.paged_attention import PagedTiles, paged_decode, paged_decode_ref
+
+    g = torch.Generator().manual_seed(splits)
+    B, H, KVH, hd, BS, NB, W = 3, 6, 2, 12, 4, 20, 7
+    k, v = torch.randn(NB, BS, KVH, hd, generator=g), torch.randn(NB, BS, KVH, hd, generator=g)
+    table = torch.stack([torch.randperm(NB - 1, generator=g)[:W] + 1 for _ in range(5)])
+    lengths, rows = torch.tensor([0, 9, 27, 3, 5]), torch.tensor([1, 0, 2])
+    q = torch.randn(B, H, hd, generator=g)
+    got = paged_decode(q, k, v, table, lengths, 0.3, rows, 1, tiles=PagedTiles(splits, 1))
+    want = paged_decode_ref(q, k, v, table, lengths, 0.3, rows, 1)
+    assert (got - want).abs().max() < 1e-5
+    broken = paged_decode_ref(q, k, v, table, lengths, 0.3, rows, 0)  # (one token fewer: the test can fail)
+    assert (got - broken)[[0, 2]].abs().max() > 1e-3  # (row 1's slot would hold no token)
+
+
+def test_the_gpu_ops_decode_a_hybrid_as_the_reference_does(tmp_path):
+    """The GPU engine's ops (Triton's interpreter here: the Mamba kernels, the paged decode
+    attention) over a prefill and steps: the reference's logits."""
+    pytest.importorskip("triton")
+    from fastmamba.core.model import Mamba
+    from fastmamba.core.ops import triton_ops
+    from fastmamba.engine.plan import KERNEL_TILES
+
+    config, model_class = bamba()
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(tmp_path)
+    ref = fastmamba.load(tmp_path).model
+    ours = Mamba(ref.config, ref.weights, triton_ops(KERNEL_TILES))
+    x = ids(2, 25, seed=4)
+    states = ref.new_state(2), ours.new_state(2)
+    for model, state in zip((ref, ours), states):
+        model.prefill(x[:, :20], state)
+    for t in range(20, 25):
+        want, got = ref.step(x[:, t], states[0]), ours.step(x[:, t], states[1])
+        assert relative_error(got, want) < 1e-4, t

@@ -91,11 +91,14 @@ def attention(c, lw: AttentionWeights, u: torch.Tensor, kv: KVCache, layer: int,
     where = torch.where(valid, block * bs + pos % bs, 0).flatten()  # padding to block 0, never read
     kv.k[layer].view(-1, KVH, hd).index_copy_(0, where, k.reshape(B * T, KVH, hd).to(kv.k.dtype))
     kv.v[layer].view(-1, KVH, hd).index_copy_(0, where, v.reshape(B * T, KVH, hd).to(kv.v.dtype))
+    scale = c.attn_scale or hd**-0.5
+    if T == 1 and start is None and ops.paged_decode is not None:  # a decode step: the paged kernel
+        y = ops.paged_decode(q[:, 0], kv.k[layer], kv.v[layer], kv.table, kv.lengths, scale, rows, 1)
+        return ops.linear(y.reshape(B, 1, H * hd), lw.o_w, lw.o_b)
     keys = kv.k[layer][table].flatten(1, 2).float()  # (B, S, KVH, hd)
     values = kv.v[layer][table].flatten(1, 2).float()
     seen = torch.arange(keys.shape[1], device=u.device)[None, None, :] <= pos[:, :, None]  # (B, T, S)
     seen = seen | ~valid[:, :, None]  # (padding's rows attend anywhere: finite, then zeroed)
-    scale = c.attn_scale or hd**-0.5
     qg = q.view(B, T, KVH, H // KVH, hd)
     scores = torch.einsum("btgrd,bsgd->bgrts", qg, keys) * scale
     scores = scores.masked_fill(~seen[:, None, None], float("-inf"))

@@ -22,15 +22,19 @@ class KVCacheFull(RuntimeError):
 
 class KVCache:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int, blocks: int, block_size: int = 16,
-                 max_tokens: int = 1 << 20, dtype=torch.float32, device="cpu"):
+                 max_tokens: int | None = None, dtype=torch.float32, device="cpu", growable: bool = False):
         """layers: the attention sublayers; blocks: the pool's blocks (block 0 included);
-        max_tokens: a slot's context at most (its table's width)."""
-        self.block_size = block_size
+        max_tokens: a slot's context at most (its table's width; default: the pool's).
+        growable: the pool grows when a reservation needs more blocks than are free (a
+        prefill's or a forward's); otherwise its tensors never change, as CUDA graphs need,
+        and its table has its full width from the start."""
+        self.block_size, self.growable = block_size, growable
         shape = (layers, blocks, block_size, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_blocks = math.ceil(max_tokens / block_size)
-        self.table = torch.zeros(slots, 1, dtype=torch.int64, device=device)  # widened as slots grow
+        self.max_blocks = math.ceil(max_tokens / block_size) if max_tokens else (1 << 20 if growable else blocks - 1)
+        width = 1 if growable else self.max_blocks  # (a growable table widens as slots grow)
+        self.table = torch.zeros(slots, width, dtype=torch.int64, device=device)
         self.lengths = torch.zeros(slots, dtype=torch.int64, device=device)
         self.free = list(range(blocks - 1, 0, -1))  # a stack: the lowest block first
         self.owned: list[list[int]] = [[] for _ in range(slots)]
@@ -41,12 +45,8 @@ class KVCache:
         """A pool with room for `tokens` tokens in each of `slots` slots (a prefill's, or a
         forward's), that grows when asked for more."""
         per_slot = math.ceil(max(tokens, 1) / block_size)
-        cache = cls(config.n_attention, config.kv_heads, config.attn_head_dim, slots, 1 + slots * per_slot, block_size,
-                    dtype=dtype, device=device)
-        cache.growable = True
-        return cache
-
-    growable = False
+        return cls(config.n_attention, config.kv_heads, config.attn_head_dim, slots, 1 + slots * per_slot, block_size,
+                   dtype=dtype, device=device, growable=True)
 
     @property
     def slots(self) -> int:
@@ -82,7 +82,7 @@ class KVCache:
             wider = torch.zeros(self.slots, len(self.owned[slot]), dtype=self.table.dtype, device=self.table.device)
             wider[:, : self.table.shape[1]] = self.table
             self.table = wider
-        self.table[slot, first : first + need] = torch.tensor(new, dtype=self.table.dtype).to(self.table.device)
+        self.table[slot, first : first + need] = _to(new, self.table.device)
 
     def _grow(self, blocks: int) -> None:
         old = self.blocks
@@ -104,8 +104,16 @@ class KVCache:
         """After a pass: each of `rows` holds `counts` more tokens."""
         for r, n in zip(rows, counts):
             self.held[r] += n
-        index = torch.tensor(rows, dtype=torch.int64).to(self.lengths.device)
-        self.lengths.index_add_(0, index, torch.tensor(counts, dtype=torch.int64).to(self.lengths.device))
+        self.lengths.index_add_(0, _to(rows, self.lengths.device), _to(counts, self.lengths.device))
+
+    def after_graph_step(self, decoded: int, rows: int) -> None:
+        """After a CUDA graph's decode step of the first `rows` slots, which stored a token for
+        each and advanced their lengths on the device alone: the first `decoded` took a token
+        (their host lengths follow); the rest were padding (their lengths go back)."""
+        for r in range(decoded):
+            self.held[r] += 1
+        if rows > decoded:
+            self.lengths[decoded:rows].copy_(_to(self.held[decoded:rows], self.lengths.device))
 
     def copy_slot(self, dst: int, src_cache: "KVCache", src: int) -> None:
         """dst's context becomes src_cache's slot src's (a copy: blocks of its own)."""
@@ -115,8 +123,8 @@ class KVCache:
             return
         self.reserve(dst, n)
         nb = self.blocks_for(n)
-        src_blocks = torch.tensor(src_cache.owned[src][:nb], dtype=torch.int64).to(src_cache.k.device)
-        dst_blocks = torch.tensor(self.owned[dst][:nb], dtype=torch.int64).to(self.k.device)
+        src_blocks = _to(src_cache.owned[src][:nb], src_cache.k.device)
+        dst_blocks = _to(self.owned[dst][:nb], self.k.device)
         self.k[:, dst_blocks] = src_cache.k[:, src_blocks].to(self.k.device, self.k.dtype)
         self.v[:, dst_blocks] = src_cache.v[:, src_blocks].to(self.v.device, self.v.dtype)
         self.advance([dst], [n])
@@ -132,3 +140,10 @@ class KVCache:
 
     def nbytes_per_token(self) -> int:
         return 2 * self.k[:, 0, 0].numel() * self.k.element_size()
+
+
+def _to(values: list[int], device) -> torch.Tensor:
+    """Host ints as an int64 tensor on `device`, without making the host wait for the GPU's
+    queued work (from pinned memory: a plain copy from pageable memory would wait)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t

@@ -93,7 +93,9 @@ class Mamba:
         h, o, eps = h.float(), None, self.config.norm_eps
         operands = self.weights.embedding.dtype  # the dtype the products read (GPU path; the reference keeps f32)
         kv, rows_dev, blocks = state.kv, None, 0
-        if kv is not None:
+        if kv is not None and not state.kv_host:  # (a CUDA graph's pass: slots 0 .. B-1, device work alone)
+            rows_dev = torch.arange(h.shape[0], device=h.device)
+        elif kv is not None:
             rows = state.cache_rows()
             if counts is None:
                 T = h.shape[1]
@@ -111,7 +113,9 @@ class Mamba:
                 raise NonFiniteError(
                     f"the model's output is not finite: layer {i} ({self._name(i)}) gives NaN or inf for this "
                     f"input, its weights overflow the arithmetic (storage {str(operands).removeprefix('torch.')})")
-        if kv is not None:
+        if kv is not None and not state.kv_host:
+            kv.lengths[: h.shape[0]] += h.shape[1]
+        elif kv is not None:
             kv.advance(rows, counts)
         return self.ops.add_norm(h, o, self.weights.norm_f, eps, torch.float32)[1]
 

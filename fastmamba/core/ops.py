@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from fastmamba.kernels.causal_conv1d import ConvTiles, causal_conv1d_ref
 from fastmamba.kernels.conv_grad import ConvGradTiles
 from fastmamba.kernels.gated_norm import gated_rmsnorm_ref
+from fastmamba.kernels.paged_attention import PagedTiles
 from fastmamba.kernels.products import linear_storage
 from fastmamba.kernels.rmsnorm import add_norm_ref
 from fastmamba.kernels.scan_grad import TrainScanTiles
@@ -40,6 +41,9 @@ class Ops:
     add_norm: Callable  # add_norm_ref signature: (h + o, rmsnorm(h + o)), the norm in a given dtype
     ssd: Callable = ssd_scan_ref  # Mamba-2's scan (kernels/ssd.py)
     gated_norm: Callable = gated_rmsnorm_ref  # Mamba-2's gated norm (kernels/gated_norm.py)
+    # a decode step's attention over the paged KV cache (kernels/paged_attention.py); None:
+    # the attention sublayer's own torch ops, as for prefill
+    paged_decode: Callable | None = None
 
 
 REFERENCE_OPS = Ops(linear, causal_conv1d_ref, step_and_scan_ref, add_norm_ref)
@@ -55,18 +59,20 @@ class KernelTiles:
     ssd: SSDTiles  # Mamba-2's scan (kernels/ssd.py)
     conv_grad: ConvGradTiles  # the training conv (kernels/conv_grad.py)
     train_scan: TrainScanTiles  # the training scan (kernels/scan_grad.py)
+    paged: PagedTiles  # decode attention over the paged KV cache (kernels/paged_attention.py)
 
 
 def triton_ops(tiles: KernelTiles) -> Ops:
     """cuBLAS products and the Triton kernels (the GPU engine), launched with `tiles`."""
     from fastmamba.kernels.causal_conv1d import causal_conv1d
     from fastmamba.kernels.gated_norm import gated_rmsnorm
+    from fastmamba.kernels.paged_attention import paged_decode
     from fastmamba.kernels.rmsnorm import add_norm
     from fastmamba.kernels.selective_scan import step_and_scan
     from fastmamba.kernels.ssd import ssd_scan
 
     return Ops(linear_storage, partial(causal_conv1d, tiles=tiles.conv), partial(step_and_scan, tiles=tiles.scan),
-               add_norm, partial(ssd_scan, tiles=tiles.ssd), gated_rmsnorm)
+               add_norm, partial(ssd_scan, tiles=tiles.ssd), gated_rmsnorm, partial(paged_decode, tiles=tiles.paged))
 
 
 def training_ops(tiles: KernelTiles) -> Ops:

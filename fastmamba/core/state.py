@@ -19,6 +19,10 @@ class MambaState:
     ssm: torch.Tensor  # (L, B, E, N) f32
     kv: KVCache | None = None  # a hybrid's keys and values (None: no attention)
     kv_rows: list[int] | None = None  # the rows' slots in kv (None: 0 .. B-1)
+    # False: the KV cache's host bookkeeping (blocks reserved, lengths on the host) is the
+    # caller's, and a pass only stores and reads on the device (slots 0 .. B-1), as a CUDA
+    # graph must (engine/cuda_graphs.py)
+    kv_host: bool = True
 
     @classmethod
     def zeros(cls, config, batch: int, device="cpu", dtype=torch.float32, kv_dtype=torch.float32,

@@ -198,7 +198,8 @@ class PoolDecodeGraphs:
         self.graphs = {}
         for b in self.buckets:
             step = make_decode_step(model, b, deterministic, plan)  # plan: the table's unless given
-            rows = MambaState(pool.conv[:, :b], pool.ssm[:, :b])
+            # (a hybrid's KV cache: the graph stores and reads, the engine keeps the books)
+            rows = MambaState(pool.conv[:, :b], pool.ssm[:, :b], pool.kv, kv_host=False)
             ids = self.tokens[:b]
             self.graphs[b] = capture_graph(lambda: step(ids, rows), mempool) + (step,)
         pool.reset()

@@ -179,8 +179,10 @@ class EngineCore:
         self.pool = self.model.new_state(max_batch)  # one slot a running request
         if self.pool.kv is not None and kv_tokens is not None:
             c, kv = model.config, self.pool.kv
+            # (a table as wide as the longest context a slot may hold: 128k tokens at most)
             self.pool.kv = KVCache(c.n_attention, c.kv_heads, c.attn_head_dim, max_batch, 1 + kv.blocks_for(kv_tokens),
-                                   kv.block_size, dtype=kv.k.dtype, device=self.device)
+                                   kv.block_size, max_tokens=min(kv_tokens, 1 << 17), dtype=kv.k.dtype,
+                                   device=self.device)
         self.slots: list[RunningRequest | None] = [None] * max_batch
         self.slot_params = SlotParams.empty(max_batch, self.model.config.vocab_size, self.device)
         self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=self.device)  # each row's next decode input
@@ -190,8 +192,13 @@ class EngineCore:
         self.cache_queries = self.cache_hits = 0
         self.decode_graphs = self._chunk_pool = None
         self._chunk_graph_sets: dict = {}
-        if self.graphs:
-            self.decode_graphs = PoolDecodeGraphs(self.model, self.pool, self.tokens, prefill.deterministic, decode_plan)
+        # decode graphs: a pure Mamba model's on the GPU engine; a hybrid's once its KV cache
+        # has a fixed size (its tensors never change) and it is not deterministic (its products
+        # are cuBLAS's)
+        fixed_kv = self.pool.kv is not None and not self.pool.kv.growable
+        if self.graphs or (self.gpu and fixed_kv and not prefill.deterministic):
+            self.decode_graphs = PoolDecodeGraphs(self.model, self.pool, self.tokens, prefill.deterministic,
+                                                  decode_plan)
 
     # -- the caller's side ------------------------------------------------------------------
 
@@ -314,10 +321,11 @@ class EngineCore:
         if kv is None or kv.growable:
             return True
         need = kv.blocks_for(self._kv_tokens(r))
-        if need > kv.blocks - 1:
+        if need > min(kv.blocks - 1, kv.max_blocks):
             self._end(r, outs, error=EngineError(protocol.CONTEXT_TOO_LONG, (
                 f"the prompt's {len(r.ids)} tokens and max_tokens {r.params.max_tokens} need {need * kv.block_size} "
-                f"tokens of keys and values; this engine's KV cache holds {(kv.blocks - 1) * kv.block_size}")))
+                f"tokens of keys and values; this engine's KV cache holds "
+                f"{min(kv.blocks - 1, kv.max_blocks) * kv.block_size} a request")))
             return False
         return need <= len(kv.free)
 
@@ -502,6 +510,8 @@ class EngineCore:
             kept = [(i, self.pool.conv[:, i].clone(), self.pool.ssm[:, i].clone(), self.tokens[i].clone())
                     for i in range(d, bucket) if self.slots[i] is not None]
             logits = self.decode_graphs(d)
+            if self.pool.kv is not None:  # (the graph advanced the lengths on the device alone)
+                self.pool.kv.after_graph_step(d, bucket)
             for i, conv, ssm, tok in kept:
                 self.pool.conv[:, i].copy_(conv)
                 self.pool.ssm[:, i].copy_(ssm)

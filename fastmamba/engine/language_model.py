@@ -15,6 +15,7 @@ from fastmamba.core.sampling_params import SamplingParams
 from fastmamba.engine.client import InProcessClient
 from fastmamba.engine.cpu_threads import cpu_threads
 from fastmamba.engine.engine_core import EngineCore
+from fastmamba.engine.memory import kv_cache_tokens
 from fastmamba.engine.prefill import Prefill
 from fastmamba.engine.protocol import NON_FINITE, Failed, Finished
 from fastmamba.io.prompts import (
@@ -78,8 +79,11 @@ class LanguageModel:
                 raise RuntimeError("a generation is still running: finish it before starting a larger batch")
             slots = 1 << (batch - 1).bit_length()  # powers of two: few rebuilds
             # offline, a step prefills whole prompts up to the model's chunk (no grid: no cache)
+            # a hybrid's KV cache: on a GPU one pool of fixed size (its decode steps in CUDA
+            # graphs), half the free memory; on the CPU one that grows as asked
+            kv_tokens = kv_cache_tokens(self.model, None, 0) if self.device.type == "cuda" else None
             core = EngineCore(self.model, self.prefill, max_batch=slots, prefill_tokens=self.model.chunk_tokens,
-                              threads=self.threads, decode_plan=self.decode_plan)
+                              threads=self.threads, decode_plan=self.decode_plan, kv_tokens=kv_tokens)
             self._client = InProcessClient(core)
         # (the attributes may change between generations: benchmarks set threads so)
         self._client.core.threads, self.prefill.deterministic = self.threads, self.deterministic

@@ -85,6 +85,7 @@ def build_engine(options: EngineOptions, folder=None):
     captured): (EngineCore, protocol.Ready). folder: the checkpoint folder already resolved."""
     from fastmamba.engine.engine_core import EngineCore
     from fastmamba.engine.loader import load
+    from fastmamba.engine.memory import default_max_batch, kv_cache_tokens, slot_bytes
     from fastmamba.engine.protocol import Ready
 
     kwargs = options.load_kwargs()
@@ -97,40 +98,3 @@ def build_engine(options: EngineOptions, folder=None):
                       kv_tokens=kv_cache_tokens(lm.model, options.kv_cache_mb, max_batch * slot_bytes(lm.model)))
     core.capture_prefill_graphs()
     return core, Ready(max_batch, lm.config.vocab_size, str(lm.device), str(lm.dtype).removeprefix("torch."))
-
-
-def kv_cache_tokens(model, megabytes: int | None, slots: int = 0) -> int | None:
-    """The tokens a hybrid's KV cache holds (None for a model without attention): `megabytes`
-    of them, or on a GPU half the memory free once the model and its slots (`slots` bytes,
-    not yet taken) are in, on the CPU 1024 MiB."""
-    c = model.config
-    if not getattr(c, "n_attention", 0):
-        return None
-    per_token = 2 * c.n_attention * c.kv_heads * c.attn_head_dim * model.weights.embedding.element_size()
-    if megabytes is None:
-        if model.device.type == "cuda":
-            import torch
-
-            free, _ = torch.cuda.mem_get_info(model.device)
-            return max(1, (free - slots) // 2 // per_token)
-        megabytes = 1024
-    return max(1, (megabytes << 20) // per_token)
-
-
-def default_max_batch(model) -> int:
-    """The slots when --max-batch is not given: 16 on the CPU; on a GPU as many as half its
-    free memory holds (each slot's state, logits and decode activations), at most 256."""
-    if model.device.type != "cuda":
-        return 16
-    import torch
-
-    free, _ = torch.cuda.mem_get_info(model.device)
-    return max(1, min(256, free // 2 // slot_bytes(model)))
-
-
-def slot_bytes(model) -> int:
-    """A slot's memory: its recurrent state, logits (and the sampler's copies), activations."""
-    from fastmamba.core.layers import state_bytes
-
-    c = model.config
-    return state_bytes(c, model.state_dtype.itemsize) + 4 * c.vocab_size * 4 + 16 * c.d_inner * 4

@@ -41,6 +41,7 @@ from fastmamba.core.ops import KernelTiles
 from fastmamba.kernels.causal_conv1d import ConvTiles
 from fastmamba.kernels.conv_grad import ConvGradTiles
 from fastmamba.kernels.decode_gemm import PRODUCTS
+from fastmamba.kernels.paged_attention import PagedTiles
 from fastmamba.kernels.sampler import SamplerTiles
 from fastmamba.kernels.scan_grad import TrainScanTiles
 from fastmamba.kernels.selective_scan import ScanTiles
@@ -387,8 +388,13 @@ TRAIN_SCAN_TILES = TrainScanTiles(bt=16, be=8, warps=2)
 # backward take 0.78 ms); its forward is the prefill conv's kernel.
 CONV_GRAD_TILES = ConvGradTiles(forward=CONV_TILES, be=64, bt=32, warps=4)
 
+# -- a hybrid's decode attention (kernels/paged_attention.py) ---------------------------------
+# Each row and key/value head's program walks its share of the table's columns: 8 shares keep
+# a 16k-token context's keys spread over 8 programs a head at batch 1 (not swept).
+PAGED_TILES = PagedTiles(splits=8, warps=4)
+
 KERNEL_TILES = KernelTiles(conv=CONV_TILES, scan=SCAN_TILES, ssd=SSD_TILES, conv_grad=CONV_GRAD_TILES,
-                           train_scan=TRAIN_SCAN_TILES)
+                           train_scan=TRAIN_SCAN_TILES, paged=PAGED_TILES)
 
 # -- the samplers (kernels/sampler.py) ---------------------------------------------------------
 # The filters' search: counting passes spread over the row's programs narrow a band of keys to
