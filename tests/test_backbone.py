@@ -416,3 +416,174 @@ def test_the_language_models_backbone_follows_its_state_dtype():
     state = lm.backbone.new_state(3)
     assert state.ssm.dtype == torch.bfloat16 and state.conv.dtype == torch.bfloat16
     assert fastmamba.load().backbone.new_state(1).ssm.dtype == torch.float32
+
+
+def test_a_state_of_integers_is_refused_by_its_dtype():
+    """A state must hold floats: an int64 one was taken and rounded to integers every step."""
+    bb = make()
+    ints = fastmamba.MambaState(*(t.long() for t in (bb.new_state(2).conv, bb.new_state(2).ssm)))
+    with pytest.raises(ValueError, match="state must hold floating-point tensors.*torch.int64"):
+        bb.step(torch.zeros(2, 6), ints)
+    with pytest.raises(ValueError, match="torch.int64"):
+        bb(torch.zeros(2, 3, 6), ints)
+
+
+def test_reset_takes_masks_and_slot_indices_and_refuses_the_rest_by_name():
+    bb = make()
+    x = xs(4, 1)[:, 0]
+
+    def stepped():
+        state = bb.new_state(4)
+        bb.step(x, state)
+        return state
+
+    def zeroed(state):
+        return [bool(state.conv[:, i].eq(0).all() and state.ssm[:, i].eq(0).all()) for i in range(4)]
+
+    mask = [True, False, False, True]
+    for given in (torch.tensor(mask), mask, np.array(mask)):
+        state = stepped()
+        state.reset(given)
+        assert zeroed(state) == mask
+    for index in (2, np.int64(2)):
+        state = stepped()
+        state.reset(index)
+        assert zeroed(state) == [False, False, True, False]
+    state = stepped()
+    for bad, message in [(True, "got True"), (np.bool_(False), "got "), (4, "from 0 to 3"), (-1, "from 0 to 3"),
+                         (2.0, "got 2.0"), ("all", "got 'all'"), (torch.zeros(3, dtype=torch.bool), r"shape \(4,\).*\(3,\)"),
+                         (torch.tensor(True), r"shape \(4,\).*\(\)"), (torch.ones(4), "torch.float32"),
+                         ([1, 0], r"\(2,\)"), ([[True]] * 4, r"\(4, 1\)"), (["a"] * 4, "4 bools")]:
+        with pytest.raises(ValueError, match=message):
+            state.reset(bad)
+    assert zeroed(state) == [False] * 4  # nothing reset by a refused mask
+
+
+def test_new_state_takes_numpy_integers():
+    bb = make()
+    assert bb.new_state(np.int64(4)).batch == 4 and bb.new_state(np.int32(1)).conv.shape[1] == 1
+    for bad in (True, np.bool_(True), 2.0, 0, np.int64(-3), "2"):
+        with pytest.raises(ValueError, match="batch must be a positive integer"):
+            bb.new_state(bad)
+
+
+def test_a_device_that_is_not_there_is_a_value_error():
+    cfg = BackboneConfig(input_dim=4, d_model=8, n_layer=1)
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or 'cuda:N', got 'gpu0'"):
+        Backbone(cfg, device="gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device 'cuda' was asked for, but PyTorch sees no CUDA GPU here"):
+            Backbone(cfg, device="cuda")
+
+
+@pytest.mark.parametrize("convert,dtype", [
+    (lambda m: m.half(), torch.float16),
+    (lambda m: m.bfloat16(), torch.bfloat16),
+    (lambda m: m.to(torch.bfloat16), torch.bfloat16),
+    (lambda m: m.to("cpu", dtype=torch.float16), torch.float16),
+])
+def test_16bit_conversions_change_the_storage_alone(convert, dtype):
+    """.half(), .bfloat16(), .to(dtype): the large matrices take the dtype, the rest stays
+    float32, bit for bit; the module then computes as one made in that dtype."""
+    bb = make(proj_bias=True)
+    before = {k: v.clone() for k, v in bb.state_dict().items()}
+    x = xs(3, 5)
+    y, _ = bb(x)
+    y.square().mean().backward()  # grads follow their parameters' dtypes
+    assert convert(bb) is bb
+    made = Backbone(bb.config, dtype=dtype)
+    made.load_state_dict(before)
+    for name, p in bb.named_parameters():
+        want = made.state_dict()[name].dtype
+        assert p.dtype == want and p.grad.dtype == want, name
+        if want == torch.float32:
+            assert torch.equal(p.detach(), before[name]), name
+    with torch.no_grad():
+        assert torch.equal(bb(x)[0], made(x)[0])
+        assert torch.equal(bb.step(x[:, 0], bb.new_state(3)), made.step(x[:, 0], made.new_state(3)))
+    bb.float()
+    assert all(p.dtype == torch.float32 for p in bb.parameters())
+
+
+@pytest.mark.filterwarnings("ignore:Complex modules")
+def test_other_dtypes_are_refused_by_name():
+    bb = make()
+    for convert, name in [(lambda m: m.double(), "float64"), (lambda m: m.to(torch.float64), "float64"),
+                          (lambda m: m.to(torch.complex64), "complex64")]:
+        with pytest.raises(ValueError, match=f"float32, bfloat16 or float16, not {name}"):
+            convert(bb)
+        assert all(p.dtype == torch.float32 for p in bb.parameters())  # untouched
+
+
+def test_tensor_shapes_are_the_state_dicts():
+    from fastmamba.engine.backbone import tensor_shapes
+
+    for kw in (dict(), dict(proj_bias=True, conv_bias=False, dt_rank=3), dict(input_dim=16, input_proj=True)):
+        bb = make(**kw)
+        assert dict(tensor_shapes(bb.config)) == {k: tuple(v.shape) for k, v in bb.state_dict().items()}
+
+
+def test_load_checks_the_file_before_it_builds_a_layer(tmp_path, monkeypatch):
+    """A config of 100,000 layers over a file of 3: the first missing tensor is named before
+    any layer is built (it ran for minutes building them)."""
+    import fastmamba.engine.backbone as backbone
+
+    make(n_layer=3).save(tmp_path / "bb")
+    cfg = tmp_path / "bb" / "config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "n_layer": 100_000}))
+
+    def no_layers(*args, **kwargs):
+        raise AssertionError("a layer was built before the file was checked")
+
+    monkeypatch.setattr(backbone, "_Layer", no_layers)
+    with pytest.raises(fastmamba.CheckpointError, match="model.safetensors: missing tensor 'layers.3.norm.weight'"):
+        Backbone.load(tmp_path / "bb")
+
+
+def test_step_graphs_are_bounded_and_keyed_by_batch_and_state_memory(monkeypatch):
+    """The step's CUDA graphs (captures faked here, on the CPU): one set a batch size and
+    state dtype, a graph a state address within it, both bounded, none keeping a state
+    alive; a state at the address of one freed reuses its graph."""
+    import weakref
+
+    import fastmamba.engine.backbone as backbone
+    from fastmamba.engine import cuda_graphs
+
+    captures = []
+
+    def setup(self):  # (no kernels, buffers or pool without CUDA)
+        self.run, self.kernels, self.x, self.device_index, self.pool = print, None, None, 0, "pool"
+
+    def capture_graph(body, pool):
+        captures.append(pool)
+        return object(), None
+
+    monkeypatch.setattr(backbone._StepGraphs, "_setup", setup)
+    monkeypatch.setattr(cuda_graphs, "capture_graph", capture_graph)
+    bb = make()
+    a, b = bb.new_state(3), bb.new_state(3)
+    ga, gb = bb._graph_for(a), bb._graph_for(b)
+    assert ga is not gb and captures == ["pool", "pool"]  # the batch's one pool
+    assert bb._graph_for(a) is ga and bb._graph_for(fastmamba.MambaState(a.conv, a.ssm)) is ga and len(captures) == 2
+    assert len(bb._graphs) == 1  # one batch size, one dtype: its kernels and buffers shared
+    conv = weakref.ref(a.conv)
+    del a
+    assert conv() is None  # its graph kept no reference
+    held, dropped = [], []
+    for episode in range(1000):
+        state = bb.new_state(3)
+        g = bb._graph_for(state)
+        assert bb._graph_for(state) is g
+        dropped.append(weakref.ref(g))
+        held = (held + [state])[-3:]  # a few states alive at a time, as a run's rollouts keep
+        del g
+    assert len(bb._graphs) == 1 and len(bb._graphs.entries[(3, torch.float32, torch.float32)].states) == backbone.STATES_PER_BATCH
+    assert len({id(r()) for r in dropped if r() is not None}) <= backbone.STATES_PER_BATCH  # the rest freed
+    assert len(captures) < 1000  # states made after others were freed took their memory, and graphs
+    in_bf16 = fastmamba.MambaState(held[0].conv.bfloat16(), held[0].ssm.bfloat16())
+    assert bb._graph_for(in_bf16) is not bb._graph_for(held[0]) and len(bb._graphs) == 2
+    for batch in range(1, 20):
+        bb._graph_for(bb.new_state(batch))
+    assert len(bb._graphs) == backbone.STEP_BATCHES
+    bb.to("cpu")  # (a move drops them all)
+    assert len(bb._graphs) == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fastmamba.core.kv_cache import KVCache
@@ -51,7 +52,14 @@ class MambaState:
     def reset(self, mask=None) -> None:
         """Zeroes the slots of a sequence boundary: `mask` a (B,) bool tensor (True: reset
         that slot; on the state's device, a masked multiply: no host sync, safe inside a
-        CUDA graph), a slot index, or None for all."""
+        CUDA graph) or a list or numpy array of B bools, a slot index (an integer from 0 to
+        B - 1), or None for all. Anything else is a ValueError naming it (a bool alone is
+        refused: it would index slot 0 or 1)."""
+        if isinstance(mask, (list, tuple, np.ndarray)):
+            try:
+                mask = torch.as_tensor(mask)
+            except (TypeError, ValueError, RuntimeError):
+                raise ValueError(f"mask must be {self.batch} bools, got {mask!r}") from None
         if isinstance(mask, torch.Tensor):
             if mask.shape != (self.batch,) or mask.dtype != torch.bool:
                 raise ValueError(f"mask must be a bool tensor of shape ({self.batch},), got {mask.dtype} {tuple(mask.shape)}")
@@ -59,7 +67,11 @@ class MambaState:
             self.conv.mul_(keep)
             self.ssm.mul_(keep.to(self.ssm.dtype))
             return
-        rows = slice(None) if mask is None else mask
+        if mask is not None and (not isinstance(mask, (int, np.integer)) or isinstance(mask, (bool, np.bool_))
+                                 or not 0 <= mask < self.batch):
+            raise ValueError(f"mask must be a bool tensor of shape ({self.batch},), a slot index from 0 to "
+                             f"{self.batch - 1}, or None, got {mask!r}")
+        rows = slice(None) if mask is None else int(mask)
         self.conv[:, rows].zero_()
         self.ssm[:, rows].zero_()
         if self.kv is not None:  # (a hybrid's slots hold no keys and values after a reset)

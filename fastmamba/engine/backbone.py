@@ -5,7 +5,8 @@ Two forms over one set of weights:
 - `bb(x, state, resets)`: a (B, T) sequence pass, functional (returns the new state) and
   differentiable with respect to the parameters, x and the initial state;
 - `bb.step(x, state)`: one step for a batch of environments, in place, no grad; on CUDA one
-  graph replay per batch size and state.
+  graph replay (graphs kept by batch size, then by the state's memory, both bounded:
+  Backbone's doc).
 The sequence pass runs the language model's own layer (core/mamba1.mixer), whose ops take reset
 flags: on the CPU the pure-PyTorch ops; on CUDA the prefill kernels without autograd, and
 under autograd the training ops (core/ops.training_ops), whose conv and scan run forward and
@@ -19,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +79,33 @@ class BackboneConfig:
         return self.expand * self.d_model
 
     dbc_norm_eps = None  # plain Mamba layers (no Falcon-Mamba norm)
+
+
+def tensor_shapes(c: BackboneConfig):
+    """Each tensor of a Backbone's state_dict, (name, shape), from the config alone (so that
+    `load` checks a file before it builds a layer)."""
+    d, E, N, K, R = c.d_model, c.d_inner, c.d_state, c.d_conv, c.dt_rank
+    if c.input_proj:
+        yield "input_proj.weight", (d, c.input_dim)
+        yield "input_proj.bias", (d,)
+    for i in range(c.n_layer):
+        yield f"layers.{i}.norm.weight", (d,)
+        m = f"layers.{i}.mixer."
+        yield m + "A_log", (E, N)
+        yield m + "D", (E,)
+        yield m + "in_proj.weight", (2 * E, d)
+        if c.proj_bias:
+            yield m + "in_proj.bias", (2 * E,)
+        yield m + "conv1d.weight", (E, 1, K)
+        if c.conv_bias:
+            yield m + "conv1d.bias", (E,)
+        yield m + "x_proj.weight", (R + 2 * N, E)
+        yield m + "dt_proj.weight", (E, R)
+        yield m + "dt_proj.bias", (E,)
+        yield m + "out_proj.weight", (d, E)
+        if c.proj_bias:
+            yield m + "out_proj.bias", (d,)
+    yield "norm_f.weight", (d,)
 
 
 class _RMSNorm(nn.Module):
@@ -139,6 +169,17 @@ class Backbone(nn.Module):
     bfloat16: core/dtypes.parse_state_dtype).
     Fresh parameters take mamba_ssm's initialisation from torch's RNG. state_dict names are
     transformers' MambaModel's without the embedding, plus `input_proj.*`.
+    `.half()`, `.bfloat16()`, `.to(dtype)` change the large matrices' storage dtype alone (the
+    rest stays float32); a dtype other than float32, bfloat16 and float16 is a ValueError.
+
+    On CUDA, `step` replays a CUDA graph of the step. The graphs are kept by batch size and
+    state dtype (the decode kernels, their buffers and one memory pool each; the 8 sizes used
+    last), and inside those by where the state's tensors lie in memory, since a graph reads
+    and writes the memory it was captured on: a state stepped for the first time costs a
+    capture (about three steps' time), and the 4 state addresses used last keep theirs. A
+    state made after another of its batch was freed mostly lands where that one lay and
+    replays its graph. So a run that makes a state per episode keeps a bounded number of
+    graphs, and no graph keeps a state alive.
     """
 
     def __init__(self, config: BackboneConfig, *, device=None, dtype=None, state_dtype=None):
@@ -150,7 +191,7 @@ class Backbone(nn.Module):
         self.config = config
         dtype = parse_dtype(dtype or torch.float32)
         self.state_dtype = parse_state_dtype(state_dtype or torch.float32)
-        device = torch.device(device) if device is not None else None
+        device = _parse_device(device)
         if config.input_proj:
             self.input_proj = nn.Linear(config.input_dim, config.d_model, device=device)
             self.input_proj.weight.data = self.input_proj.weight.data.to(dtype)
@@ -158,8 +199,8 @@ class Backbone(nn.Module):
             self.input_proj = None
         self.layers = nn.ModuleList([_Layer(config, device, dtype) for _ in range(config.n_layer)])
         self.norm_f = _RMSNorm(config.d_model, device)
-        self._graphs: dict = {}  # (batch, state's storage) -> _StepGraph
-        self._last_graph = None  # the last device-tensor call's: its checks passed for that state
+        self._graphs = _LRU(STEP_BATCHES)  # (batch, state dtypes) -> _StepGraphs
+        self._last = None  # (graph, x's shape, the state's tensors weakly): the last device-tensor call's
         self._step_weights, self._step_versions = None, None  # the eager step's (see _eager_weights)
 
     @property
@@ -167,10 +208,11 @@ class Backbone(nn.Module):
         return self.norm_f.weight.device
 
     def new_state(self, batch: int) -> MambaState:
-        """Zero state for `batch` slots (environments), in state_dtype, on the module's device."""
-        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        """Zero state for `batch` slots (environments), in state_dtype, on the module's device.
+        batch: a positive integer (numpy's integers too)."""
+        if not isinstance(batch, (int, np.integer)) or isinstance(batch, (bool, np.bool_)) or batch < 1:
             raise ValueError(f"batch must be a positive integer, got {batch!r}")
-        return MambaState.zeros(self.config, batch, self.device, self.state_dtype)
+        return MambaState.zeros(self.config, int(batch), self.device, self.state_dtype)
 
     # -- the sequence pass ---------------------------------------------------------------------
 
@@ -234,11 +276,11 @@ class Backbone(nn.Module):
         """One step for every slot: x (B, input_dim) -> y (B, d_model) float32; updates
         `state` in place. x a device tensor gives one; a CPU tensor or a numpy array on a
         CUDA module goes through pinned buffers and gives the same type back. On CUDA the
-        step is one CUDA-graph replay, captured on first use for this batch size and state."""
-        graph = self._last_graph
-        if (graph is not None and type(x) is torch.Tensor and state.conv is graph.conv and state.ssm is graph.ssm
-                and x.shape == graph.x.shape and x.get_device() == graph.device_index and x.is_floating_point()):
-            return graph.on_device(x)  # the same batch, state and device as the last call: checked then
+        step is one CUDA-graph replay (see the class's doc for which graphs are kept)."""
+        last = self._last
+        if (last is not None and type(x) is torch.Tensor and state.conv is last[2]() and state.ssm is last[3]()
+                and x.shape == last[1] and x.get_device() == last[0].device_index and x.is_floating_point()):
+            return last[0].on_device(x)  # the same batch, state and device as the last call: checked then
         as_numpy = isinstance(x, np.ndarray)
         if as_numpy:
             if x.dtype.kind != "f":
@@ -249,22 +291,54 @@ class Backbone(nn.Module):
         if self.device.type != "cuda":
             y = self._step_eager(x.to(self.device), state)
             return y.numpy() if as_numpy else y
-        key = (x.shape[0], state.conv.data_ptr(), state.ssm.data_ptr(), state.conv.dtype)
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._graphs[key] = _StepGraph(self, state)
+        graph = self._graph_for(state)
         if x.device.type == "cuda":
             if x.device != self.device:
                 raise ValueError(f"x is on {x.device}, the backbone on {self.device}")
-            self._last_graph = graph
+            self._last = (graph, x.shape, weakref.ref(state.conv), weakref.ref(state.ssm))
             return graph.on_device(x)
-        return graph.from_host(x, as_numpy)
+        return graph.from_host(x, as_numpy, state)
+
+    @property
+    def _last_graph(self):
+        """The graph of the last device-tensor call (benchmarks time its replay alone)."""
+        return self._last[0] if self._last is not None else None
+
+    @_last_graph.setter
+    def _last_graph(self, value) -> None:
+        assert value is None, "only cleared"
+        self._last = None
+
+    def _graph_for(self, state: MambaState) -> "_StateGraph":
+        """The step's graph over this state's memory: from the graphs of its batch size and
+        dtypes, captured if that memory has none."""
+        key = (state.batch, state.conv.dtype, state.ssm.dtype)
+        graphs = self._graphs.get(key, lambda: _StepGraphs(self, state.batch))
+        return graphs.for_state(state)
 
     def _apply(self, fn, *args, **kwargs):
-        self._graphs.clear()  # .to(), .cuda(), .half() move the parameters the graphs read
-        self._last_graph = None
+        # .to(), .cuda(), .half() move or remake the parameters the graphs read
+        self._graphs.clear()
+        self._last = None
         self._step_weights, self._step_versions = None, None
-        return super()._apply(fn, *args, **kwargs)
+        target = fn(torch.zeros((), device=self.device))  # what fn makes of a float32 tensor
+        if target.dtype == torch.float32:
+            return super()._apply(fn, *args, **kwargs)
+        if target.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"a Backbone stores its large matrices in float32, bfloat16 or float16, not "
+                             f"{str(target.dtype).removeprefix('torch.')}")
+        # A 16-bit dtype is the large matrices' storage: the norms, conv, A_log, D and biases
+        # stay float32 (moved to the device fn names, not rounded through 16 bits).
+        large = {id(t) for p in self._large_matrices() for t in (p, p.grad) if t is not None}
+        return super()._apply(lambda t: fn(t) if id(t) in large or not t.is_floating_point() else t.to(target.device),
+                              *args, **kwargs)
+
+    def _large_matrices(self) -> list:
+        linears = [self.input_proj] if self.input_proj is not None else []
+        for layer in self.layers:
+            m = layer.mixer
+            linears += [m.in_proj, m.x_proj, m.dt_proj, m.out_proj]
+        return [lin.weight for lin in linears]
 
     def _layer_weights(self) -> list:
         """Each layer as mamba1.mixer reads it (LayerWeights: views of the parameters, A from A_log)."""
@@ -305,6 +379,10 @@ class Backbone(nn.Module):
     def _check_state(self, state, batch: int) -> MambaState:
         if not isinstance(state, MambaState):
             raise ValueError(f"state must be a MambaState (Backbone.new_state), got {type(state).__name__}")
+        if not state.conv.is_floating_point() or not state.ssm.is_floating_point():
+            raise ValueError(f"state must hold floating-point tensors (Backbone.new_state's are "
+                             f"{str(self.state_dtype).removeprefix('torch.')}), got conv {state.conv.dtype} and ssm "
+                             f"{state.ssm.dtype}")
         c = self.config
         conv, ssm = (c.n_layer, batch, c.d_inner, c.d_conv), (c.n_layer, batch, c.d_inner, c.d_state)
         if tuple(state.conv.shape) != conv or tuple(state.ssm.shape) != ssm:
@@ -354,21 +432,26 @@ class Backbone(nn.Module):
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
         except Exception as e:  # missing, truncated or corrupt: the library's many error types
             raise CheckpointError(f"{weights_path}: cannot read weights ({one_line(e)})") from None
-        bb = cls(config, device="meta", dtype=dtype or tensors.get("layers.0.mixer.in_proj.weight", torch.empty(0)).dtype)
-        expected = bb.state_dict()
-        for name, t in expected.items():
-            if name not in tensors:
+        # the file against the config before a layer is built (a config of far more layers
+        # than the file holds fails at the first one missing)
+        expected = 0
+        for name, shape in tensor_shapes(config):
+            t = tensors.get(name)
+            if t is None:
                 raise CheckpointError(f"{weights_path}: missing tensor '{name}'")
-            if tuple(tensors[name].shape) != tuple(t.shape):
-                raise CheckpointError(f"{weights_path}: tensor '{name}' has shape {tuple(tensors[name].shape)}, "
-                                      f"config.json implies {tuple(t.shape)}")
-            if not tensors[name].is_floating_point() or not torch.isfinite(tensors[name]).all():
+            if tuple(t.shape) != shape:
+                raise CheckpointError(f"{weights_path}: tensor '{name}' has shape {tuple(t.shape)}, "
+                                      f"config.json implies {shape}")
+            if not t.is_floating_point() or not torch.isfinite(t).all():
                 raise CheckpointError(f"{weights_path}: tensor '{name}' is not finite floating point")
-        if unexpected := sorted(set(tensors) - set(expected)):
-            raise CheckpointError(f"{weights_path}: unexpected tensor '{unexpected[0]}'")
-        bb = cls(config, device=device, dtype=dtype or expected["layers.0.mixer.in_proj.weight"].dtype,
+            expected += 1
+        if len(tensors) > expected:
+            names = {name for name, _ in tensor_shapes(config)}
+            raise CheckpointError(f"{weights_path}: unexpected tensor '{min(set(tensors) - names)}'")
+        bb = cls(config, device=device, dtype=dtype or tensors["layers.0.mixer.in_proj.weight"].dtype,
                  state_dtype=state_dtype)
-        bb.load_state_dict({k: v.to(expected[k].dtype) for k, v in tensors.items()})
+        dtypes = {name: p.dtype for name, p in bb.state_dict().items()}
+        bb.load_state_dict({k: v.to(dtypes[k]) for k, v in tensors.items()})
         return bb
 
     @classmethod
@@ -444,7 +527,7 @@ class KernelStep:
     def __init__(self, bb: Backbone, batch: int):
         from fastmamba.engine.decode_step import make_decode_step
 
-        self.config, self.bb = bb.config, bb
+        self.config, self.input_proj = bb.config, bb.input_proj  # (not bb: the backbone holds this)
         model = decode_model(bb)
         self.layers = model.weights.layers
         self.A_logs = [layer.mixer.A_log for layer in bb.layers]  # (read every step: no module lookups)
@@ -462,40 +545,106 @@ class KernelStep:
             self.versions = versions
 
     def __call__(self, x: torch.Tensor, state: MambaState) -> torch.Tensor:
-        p = self.bb.input_proj
+        p = self.input_proj
         h = linear_storage(x, p.weight, p.bias) if p is not None else x.float()
         return self.step(None, state, h=h)
 
 
-class _StepGraph:
-    """One batch size's step over one state's tensors, as CUDA graphs captured on first use:
-    one for device tensors (x copied in, y cloned out), one for host tensors (the copies
-    from and to pinned buffers inside the graph, so a call is one replay and one wait). The
-    step runs the decode kernels (KernelStep) where Triton is there, else the pure-PyTorch ops."""
+# Bounds on the step's CUDA graphs (see Backbone's doc): a graph costs its capture's memory
+# and a capture about three steps' time, while a run steps a few batch sizes (rollouts,
+# evaluation) and one or two states a batch size at a time.
+STEP_BATCHES = 8  # batch sizes (and state dtypes) with their kernels, buffers and graphs kept
+STATES_PER_BATCH = 4  # state addresses with a graph kept, per batch size
 
-    def __init__(self, bb: Backbone, state: MambaState):
+
+class _LRU:
+    """A dict of at most `size` entries that drops the least recently used."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.entries: OrderedDict = OrderedDict()
+
+    def get(self, key, make):
+        """The entry of `key`, made by make() (and the oldest dropped) if there is none."""
+        value = self.entries.get(key)
+        if value is None:
+            value = make()
+            self.entries[key] = value
+            if len(self.entries) > self.size:
+                self.entries.popitem(last=False)
+        else:
+            self.entries.move_to_end(key)
+        return value
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def state_address(state: MambaState) -> tuple:
+    """Where a state's tensors lie: what a graph captured over them reads and writes (their
+    shapes and dtype are the graph's batch size's)."""
+    return state.conv.data_ptr(), state.conv.stride(), state.ssm.data_ptr(), state.ssm.stride()
+
+
+class _StepGraphs:
+    """The step at one batch size on CUDA: the decode kernels and their scratch (KernelStep)
+    where Triton is there, else the pure-PyTorch step; the input and output buffers; one
+    memory pool; and the graphs over the last STATES_PER_BATCH state addresses. The kernels
+    and buffers are made at the first capture. Holds the backbone weakly (the backbone holds
+    this)."""
+
+    def __init__(self, bb: Backbone, batch: int):
+        self.bb, self.batch = weakref.ref(bb), batch
+        self.states = _LRU(STATES_PER_BATCH)  # state_address -> _StateGraph
+        self.kernels = self.run = None
+
+    def for_state(self, state: MambaState) -> "_StateGraph":
+        return self.states.get(state_address(state), lambda: _StateGraph(self, state))
+
+    def _setup(self) -> None:
         from fastmamba.kernels._triton import HAVE_TRITON
 
-        B, dev = state.batch, bb.device
-        self.kernels = KernelStep(bb, B) if HAVE_TRITON else None
-        self.run = self.kernels if self.kernels is not None else bb._step_eager
-        self.state, self.conv, self.ssm = state, state.conv, state.ssm
+        bb, B = self.bb(), self.batch
+        dev = bb.device
+        if HAVE_TRITON:
+            self.kernels = self.run = KernelStep(bb, B)
+        else:
+            module = self.bb
+            self.run = lambda x, state: module()._step_eager(x, state)
         self.device_index = dev.index if dev.index is not None else torch.cuda.current_device()
         self.x = torch.zeros(B, bb.config.input_dim, device=dev)
         self.host_x = torch.zeros(B, bb.config.input_dim, pin_memory=True)
         self.host_y = torch.zeros(B, bb.config.d_model, pin_memory=True)
-        self.device_graph, self.y = self._capture(lambda: self.run(self.x, state))
-        self.host_graph = None
+        self.pool = torch.cuda.graph_pool_handle()  # one replays at a time: the graphs share scratch
 
-    def _capture(self, body):
+    def capture(self, body, state: MambaState):
         """capture_graph's, with the state as it was before the warm-up calls."""
         from fastmamba.engine.cuda_graphs import capture_graph
 
-        saved = (self.conv.clone(), self.ssm.clone())
-        graph, out = capture_graph(body)
-        self.conv.copy_(saved[0])
-        self.ssm.copy_(saved[1])
+        if self.run is None:
+            self._setup()
+        saved = (state.conv.clone(), state.ssm.clone())
+        graph, out = capture_graph(body, self.pool)
+        state.conv.copy_(saved[0])
+        state.ssm.copy_(saved[1])
         return graph, out
+
+
+class _StateGraph:
+    """The step over one state's memory, as CUDA graphs captured on first use: one for
+    device tensors (x copied in, y cloned out), one for host tensors (the copies from and to
+    pinned buffers inside the graph, so a call is one replay and one wait). Holds no
+    reference to the state: its memory is where the graphs read and write it."""
+
+    def __init__(self, graphs: _StepGraphs, state: MambaState):
+        self.graphs = graphs
+        conv, ssm = state.conv, state.ssm  # (the bodies run at capture only)
+        self.device_graph, self.y = graphs.capture(lambda: graphs.run(graphs.x, MambaState(conv, ssm)), state)
+        self.x, self.kernels, self.device_index = graphs.x, graphs.kernels, graphs.device_index  # (the batch's)
+        self.host_graph = None
 
     def on_device(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
@@ -504,18 +653,33 @@ class _StepGraph:
         self.device_graph.replay()
         return self.y.clone()  # the graph's own output is rewritten by the next step
 
-    def from_host(self, x: torch.Tensor, as_numpy: bool):
+    def from_host(self, x: torch.Tensor, as_numpy: bool, state: MambaState):
+        g = self.graphs
         if self.host_graph is None:
             def body():
-                self.x.copy_(self.host_x, non_blocking=True)
-                self.host_y.copy_(self.run(self.x, self.state), non_blocking=True)
-            self.host_graph = self._capture(body)[0]
-        if self.kernels is not None:
-            self.kernels.sync()  # A, after an optimizer step
-        self.host_x.copy_(x)
+                g.x.copy_(g.host_x, non_blocking=True)
+                g.host_y.copy_(g.run(g.x, state), non_blocking=True)
+            self.host_graph = g.capture(body, state)[0]
+        if g.kernels is not None:
+            g.kernels.sync()  # A, after an optimizer step
+        g.host_x.copy_(x)
         self.host_graph.replay()
         torch.cuda.current_stream().synchronize()
-        return self.host_y.numpy().copy() if as_numpy else self.host_y.clone()
+        return g.host_y.numpy().copy() if as_numpy else g.host_y.clone()
+
+
+def _parse_device(device) -> torch.device | None:
+    """The module's device from a name or torch.device (None: torch's default), refused as
+    `fastmamba.load` refuses it."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for, but PyTorch sees no CUDA GPU here")
+    return dev
 
 
 def _describe(x) -> str:
