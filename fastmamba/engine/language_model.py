@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -43,7 +45,10 @@ class StreamPiece:
 
 class LanguageModel:
     """A model with its tokenizer, and the engine its generations run on (`fastmamba.load`
-    makes one)."""
+    makes one).
+
+    Safe to share between threads: calls from several threads are requests of the one
+    engine, batched together as the server's are, and each gets what it would get alone."""
 
     def __init__(
         self,
@@ -70,13 +75,23 @@ class LanguageModel:
         self.decode_plan = None
         self._backbone = None
         self._client: InProcessClient | None = None  # the engine under generate, stream and generate_batch
+        # Every thread's generations share the engine. `_lock` guards its request bookkeeping
+        # (submit, abort, a rebuild) and the `_stepping` flag; a step runs outside the lock
+        # but with the flag set, so one thread steps the engine for all while the others
+        # read their own outputs, or wait for the step's end (`_lock.wait`: no polling).
+        # `_queued` counts the threads waiting to submit: no step starts before they have,
+        # so a new request joins the next step, not the end of another's generation.
+        self._lock = threading.Condition(threading.Lock())
+        self._stepping = False
+        self._queued = 0
+        self._closed: deque = deque()  # (client, rids) of generations that ended while the engine was busy
 
     def _engine(self, batch: int) -> InProcessClient:
-        """The engine, with at least `batch` slots (made anew, larger, when a batch outgrows
-        it: its decode graphs are captured for every bucket up to its size)."""
-        if self._client is None or self._client.max_batch < batch:
-            if self._client is not None and self._client.busy:
-                raise RuntimeError("a generation is still running: finish it before starting a larger batch")
+        """The engine, with at least `batch` slots where it can be (made anew, larger, when a
+        batch outgrows an idle one: its decode graphs are captured for every bucket up to its
+        size). While other generations run, the one there takes the batch: its requests wait
+        for free slots. Called with the engine held (`_engine_held`)."""
+        if self._client is None or (self._client.max_batch < batch and not self._client.busy):
             slots = 1 << (batch - 1).bit_length()  # powers of two: few rebuilds
             # offline, a step prefills whole prompts up to the model's chunk (no grid: no cache)
             # a hybrid's KV cache: on a GPU one pool of fixed size (its decode steps in CUDA
@@ -97,11 +112,12 @@ class LanguageModel:
     def backbone(self):
         """The model's layers and final norm as a fastmamba.Backbone (vectors of d_model in
         and out) over the model's own tensors, shared, not copied."""
-        if self._backbone is None:
-            from fastmamba.engine.backbone import Backbone
+        with self._lock:
+            if self._backbone is None:
+                from fastmamba.engine.backbone import Backbone
 
-            self._backbone = Backbone.of_language_model(self.model)
-        return self._backbone
+                self._backbone = Backbone.of_language_model(self.model)
+            return self._backbone
 
     @property
     def dtype(self) -> torch.dtype:
@@ -212,15 +228,16 @@ class LanguageModel:
         """Yields (prompt index, token or None, finish reason or None) as the engine makes
         them: the prompts run as requests of the engine, stepped from here. Each request's
         outputs go to its own queue, so a generation stepping the engine for another
-        (interleaved streams) leaves that one's outputs for its own loop."""
-        client = self._engine(len(all_ids))
+        (interleaved streams, other threads) leaves that one's outputs for its own loop."""
         queues = [deque() for _ in all_ids]
-        rids = [client.submit(ids, p, None, q.append) for ids, p, q in zip(all_ids, params, queues)]
+        with self._engine_held():
+            client = self._engine(len(all_ids))
+            rids = [client.submit(ids, p, None, q.append) for ids, p, q in zip(all_ids, params, queues)]
         left = len(rids)
         try:
             while left:
                 if not any(queues):
-                    client.step()
+                    self._step_or_wait(client, queues)
                     continue
                 for i, q in enumerate(queues):
                     while q:
@@ -235,5 +252,57 @@ class LanguageModel:
                         else:
                             yield i, out.token, None
         finally:  # also when the caller stops reading a stream: its requests end
+            self._close(client, rids)
+
+    @contextmanager
+    def _engine_held(self):
+        """The engine to this thread alone inside: no step runs and no other thread changes
+        its requests."""
+        with self._lock:
+            self._queued += 1
+            try:
+                while self._stepping:
+                    self._lock.wait()
+            finally:
+                self._queued -= 1
+            try:
+                self._abort_closed()
+                yield
+            finally:
+                self._lock.notify_all()  # (a step waiting for this submission)
+
+    def _step_or_wait(self, client: InProcessClient, queues: list[deque]) -> None:
+        """One engine step for every generation, run by this thread; or, while another
+        thread runs one, a wait until it ends or an output for `queues` comes."""
+        with self._lock:
+            if self._stepping or self._queued:
+                while (self._stepping or self._queued) and not any(queues):
+                    self._lock.wait()
+                return
+            self._abort_closed()
+            self._stepping = True
+        try:
+            client.step()  # (its outputs go to their generations' queues: deque appends, thread-safe)
+        finally:
+            with self._lock:
+                self._stepping = False
+                self._lock.notify_all()
+
+    def _close(self, client: InProcessClient, rids: list[int]) -> None:
+        """Ends a generation's requests (a no-op for those finished). A generator may be
+        closed by the garbage collector in any thread, even one in the middle of a step or
+        holding the lock: so this never waits, and leaves the aborts to the engine's next
+        user when the engine is busy."""
+        self._closed.append((client, rids))
+        if self._lock.acquire(blocking=False):
+            try:
+                if not self._stepping:
+                    self._abort_closed()
+            finally:
+                self._lock.release()
+
+    def _abort_closed(self) -> None:
+        while self._closed:
+            client, rids = self._closed.popleft()
             for rid in rids:
                 client.abort(rid)
