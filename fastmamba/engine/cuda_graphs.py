@@ -29,7 +29,7 @@ def capture_graph(body: Callable[[], object], pool=None) -> tuple[torch.cuda.CUD
     """A CUDA graph of body() and the output of the captured call. Two warm-up calls on a
     side stream first: they compile the kernels, which must not happen inside a capture.
     pool: a memory pool to share with other graphs (torch.cuda.graph_pool_handle())."""
-    side = torch.cuda.Stream()
+    side = warmup_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
@@ -39,6 +39,22 @@ def capture_graph(body: Callable[[], object], pool=None) -> tuple[torch.cuda.CUD
     with no_cyclic_gc(), torch.cuda.graph(graph, pool=pool):
         out = body()
     return graph, out
+
+
+_WARMUP_STREAMS: dict[tuple, torch.cuda.Stream] = {}
+
+
+def warmup_stream() -> torch.cuda.Stream:
+    """The side stream of every capture's warm-up calls on the current device, one for the
+    process: cuBLAS keeps a workspace (32 MiB on an H100) for each stream it has run on until
+    the process ends, so a new stream a capture (torch hands out 32 in turn) would hold up to
+    a GiB that no deleted model gives back."""
+    # (keyed by the Stream type too: a test that stands in for torch.cuda's streams gets its own)
+    key = (torch.cuda.current_device() if torch.cuda.is_available() else None, torch.cuda.Stream)
+    stream = _WARMUP_STREAMS.get(key)
+    if stream is None:
+        stream = _WARMUP_STREAMS[key] = torch.cuda.Stream()  # (on the current device)
+    return stream
 
 
 @contextmanager
