@@ -218,32 +218,65 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def positive(kind, zero: bool = False):
+    """An argparse type: a number of `kind` (int or float) above 0, or from 0 with `zero`."""
+    rule = f"{'a whole number' if kind is int else 'a number'} {'>= 0' if zero else '> 0'}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not np.isfinite(value) or value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"{rule} is needed, got {text!r}")
+        return value
+
+    return parse
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number from 0 to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"a number from 0 to 1 is needed, got {text!r}")
+    return value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--core", default="mamba,lstm", help="mamba, lstm, or both comma-separated")
-    ap.add_argument("--total-steps", type=int, default=50_000, help="environment steps a run")
-    ap.add_argument("--seeds", type=int, default=3, help="runs a core, seeds 0 .. K-1")
+    ap.add_argument("--total-steps", type=positive(int), default=50_000, help="environment steps a run")
+    ap.add_argument("--seeds", type=positive(int), default=3, help="runs a core, seeds 0 .. K-1")
     ap.add_argument("--out", default="ppo", help="folder for returns.json and curve.png")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--envs", type=int, default=8)
-    ap.add_argument("--rollout", type=int, default=128, help="steps a rollout (the training sequences' length)")
-    ap.add_argument("--width", type=int, default=64, help="the core's width (d_model, or the LSTM's hidden size)")
-    ap.add_argument("--layers", type=int, default=1)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--epochs", type=int, default=4)
-    ap.add_argument("--minibatches", type=int, default=4, help="minibatches an epoch, split by environment")
-    ap.add_argument("--gamma", type=float, default=0.99)
-    ap.add_argument("--gae-lambda", type=float, default=0.95)
-    ap.add_argument("--clip", type=float, default=0.2)
-    ap.add_argument("--ent-coef", type=float, default=0.01)
-    ap.add_argument("--vf-coef", type=float, default=0.5)
-    ap.add_argument("--max-grad-norm", type=float, default=0.5)
+    ap.add_argument("--envs", type=positive(int), default=8)
+    ap.add_argument("--rollout", type=positive(int), default=128, help="steps a rollout (the training sequences' length)")
+    ap.add_argument("--width", type=positive(int), default=64, help="the core's width (d_model, or the LSTM's hidden size)")
+    ap.add_argument("--layers", type=positive(int), default=1)
+    ap.add_argument("--lr", type=positive(float), default=1e-3)
+    ap.add_argument("--epochs", type=positive(int), default=4)
+    ap.add_argument("--minibatches", type=positive(int), default=4, help="minibatches an epoch, split by environment")
+    ap.add_argument("--gamma", type=fraction, default=0.99)
+    ap.add_argument("--gae-lambda", type=fraction, default=0.95)
+    ap.add_argument("--clip", type=positive(float), default=0.2)
+    ap.add_argument("--ent-coef", type=positive(float, zero=True), default=0.01)
+    ap.add_argument("--vf-coef", type=positive(float, zero=True), default=0.5)
+    ap.add_argument("--max-grad-norm", type=positive(float), default=0.5)
     args = ap.parse_args()
     cores = [c.strip() for c in args.core.split(",") if c.strip()]
     if not cores or any(c not in ("mamba", "lstm") for c in cores):
         ap.error(f"--core takes mamba, lstm or both, got {args.core!r}")
     if args.envs % args.minibatches:
         ap.error(f"--minibatches ({args.minibatches}) must divide --envs ({args.envs})")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"--device takes cpu, cuda or cuda:N, got {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: PyTorch sees no CUDA GPU here")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "returns.json"

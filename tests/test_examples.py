@@ -40,3 +40,18 @@ def test_recurrent_ppo_refuses_an_unknown_core(tmp_path):
     r = subprocess.run([sys.executable, str(EXAMPLES / "recurrent_ppo.py"), "--core", "gru", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--core" in r.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--envs", "0"], "argument --envs: a whole number > 0 is needed, got '0'"),
+    (["--rollout", "-3"], "argument --rollout: a whole number > 0 is needed, got '-3'"),
+    (["--envs", "4", "--minibatches", "8"], "--minibatches (8) must divide --envs (4)"),
+    (["--lr", "0"], "argument --lr: a number > 0 is needed"),
+    (["--device", "gpu0"], "--device takes cpu, cuda or cuda:N, got 'gpu0'"),
+])
+def test_recurrent_ppo_refuses_nonsensical_sizes_in_one_line(tmp_path, args, message):
+    r = subprocess.run([sys.executable, str(EXAMPLES / "recurrent_ppo.py"), *args, "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"recurrent_ppo.py: error: {message}")
+    assert not (tmp_path / "o").exists()
