@@ -85,9 +85,8 @@ def attention(c, lw: AttentionWeights, u: torch.Tensor, kv: KVCache, layer: int,
     pos = kv.lengths[rows][:, None] + rel.clamp(min=0)  # (B, T)
     if c.rope_theta:
         q, k = rope(q, pos, c.rope_theta, c.rotary_dim), rope(k, pos, c.rope_theta, c.rotary_dim)
-    bs = kv.block_size
-    table = kv.table[rows, : blocks or kv.table.shape[1]]  # (B, W)
-    block = table.gather(1, (pos // bs).clamp(max=table.shape[1] - 1))
+    bs, width = kv.block_size, blocks or kv.table.shape[1]
+    block = kv.table[rows[:, None], (pos // bs).clamp(max=width - 1)]  # (B, T)
     where = torch.where(valid, block * bs + pos % bs, 0).flatten()  # padding to block 0, never read
     kv.k[layer].view(-1, KVH, hd).index_copy_(0, where, k.reshape(B * T, KVH, hd).to(kv.k.dtype))
     kv.v[layer].view(-1, KVH, hd).index_copy_(0, where, v.reshape(B * T, KVH, hd).to(kv.v.dtype))
@@ -95,6 +94,7 @@ def attention(c, lw: AttentionWeights, u: torch.Tensor, kv: KVCache, layer: int,
     if T == 1 and start is None and ops.paged_decode is not None:  # a decode step: the paged kernel
         y = ops.paged_decode(q[:, 0], kv.k[layer], kv.v[layer], kv.table, kv.lengths, scale, rows, 1)
         return ops.linear(y.reshape(B, 1, H * hd), lw.o_w, lw.o_b)
+    table = kv.table[rows, :width]  # (B, W)
     keys = kv.k[layer][table].flatten(1, 2).float()  # (B, S, KVH, hd)
     values = kv.v[layer][table].flatten(1, 2).float()
     seen = torch.arange(keys.shape[1], device=u.device)[None, None, :] <= pos[:, :, None]  # (B, T, S)
