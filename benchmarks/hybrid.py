@@ -1,0 +1,171 @@
+"""Hybrid models (Mamba-2 + attention + MLP) at a public shape with random weights, bf16, on the
+GPU engine: the engine's decode step at batch 1 / 32 / 128 over contexts of --context tokens
+(wall ms a step, sampling and the host's bookkeeping included, against the floor: weights,
+recurrent states and the contexts' keys and values read once), prefill 1 x 8192, and
+transformers' `generate` at batch 1 over the same random model in the same run.
+
+    python -m benchmarks.hybrid --shape nemotron-h-8b --json hybrid.json
+    python -m benchmarks.hybrid --shape nemotron-h-tiny --device cpu --no-hf   # a smoke run
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from fastmamba.bench import _random_tensors, copy_bandwidth
+from fastmamba.core.config import MambaConfig
+from fastmamba.core.model import Mamba
+from fastmamba.core.ops import REFERENCE_OPS, triton_ops
+from fastmamba.core.sampling_params import SamplingParams
+from fastmamba.engine.engine_core import EngineCore
+from fastmamba.engine.language_model import LanguageModel
+from fastmamba.engine.plan import KERNEL_TILES
+from fastmamba.engine.protocol import Request
+from fastmamba.io.checkpoint import build_weights
+
+# config.json fields of the public checkpoints (the layer pattern of Nemotron-H's 52-layer
+# models: 24 Mamba-2, 4 attention, 24 MLP sublayers)
+SHAPES = {
+    "nemotron-h-8b": {
+        "model_type": "nemotron_h", "hidden_size": 4096, "vocab_size": 131072, "tie_word_embeddings": False,
+        "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 21504, "mlp_hidden_act": "relu2",
+        "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128, "conv_kernel": 4, "chunk_size": 128,
+        "layer_norm_epsilon": 1e-5, "eos_token_id": 2},
+    "nemotron-h-tiny": {  # (a smoke run's)
+        "model_type": "nemotron_h", "hidden_size": 256, "vocab_size": 1024, "hybrid_override_pattern": "M-M*-M-",
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512, "mamba_num_heads": 8,
+        "mamba_head_dim": 64, "n_groups": 2, "ssm_state_size": 32, "eos_token_id": 2},
+}
+
+
+def cuda(device: str) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def model_of(shape: str, device: str) -> tuple[Mamba, dict]:
+    raw = SHAPES[shape]
+    c = MambaConfig.from_dict(raw, shape)
+    tensors = _random_tensors(c, device)
+    dtype = torch.bfloat16 if cuda(device) else torch.float32
+    weights = build_weights(c, tensors, dict.fromkeys(tensors, "random"), device, dtype)
+    del tensors
+    empty_cache()
+    return Mamba(c, weights, triton_ops(KERNEL_TILES) if cuda(device) else REFERENCE_OPS), raw
+
+
+def empty_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def synced(fn) -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e3
+
+
+def floor_ms(model: Mamba, batch: int, context: int, bandwidth: float) -> float:
+    w = model.weights
+    tensors = [w.embedding if w.lm_head is w.embedding else w.lm_head, w.norm_f]
+    tensors += [t for lw in w.layers for t in _tensors(lw)]
+    weights = sum(t.numel() * t.element_size() for t in tensors)
+    c = model.config
+    state = model.new_state(1)
+    per_row = 2 * (state.conv.numel() + state.ssm.numel()) * state.conv.element_size()
+    kv_bytes = w.embedding.element_size()  # (keys and values in the storage dtype)
+    kv = 2 * c.n_attention * c.kv_heads * c.attn_head_dim * kv_bytes * context  # every context's keys and values read
+    return (weights + batch * (per_row + kv)) / bandwidth * 1e3
+
+
+def _tensors(obj):
+    for v in vars(obj).values():
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif hasattr(v, "__dict__"):
+            yield from _tensors(v)
+
+
+def decode_ms(model: Mamba, batch: int, context: int, steps: int) -> float:
+    """Wall ms of an engine step once `batch` requests with `context`-token prompts decode."""
+    lm = LanguageModel(model, None, engine="triton" if model.weights.norm_f.is_cuda else "reference")
+    core = EngineCore(model, lm.prefill, max_batch=batch, prefill_tokens=8192,
+                      kv_tokens=batch * (context + 3 * steps + 64))
+    g = torch.Generator().manual_seed(batch)
+    for k in range(batch):
+        ids = torch.randint(3, model.config.vocab_size, (context,), generator=g).tolist()
+        core.add(Request(k, ids, SamplingParams(max_tokens=3 * steps + 32, stop_token_ids=[])))
+    while core.running < batch or any(r.pos < len(r.ids) for r in core.slots if r is not None):
+        core.step()
+    for _ in range(5):
+        core.step()
+    ms = synced(lambda: [core.step() for _ in range(steps)]) / steps
+    return ms  # (the engine and its KV cache go with this frame)
+
+
+def hf_ms_per_token(raw: dict, context: int, tokens: int = 16) -> float | None:
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        return None
+    config = AutoConfig.for_model(**raw)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    ids = torch.randint(3, raw["vocab_size"], (1, context), device="cuda")
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=2, do_sample=False)
+        short = synced(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False))
+        full = synced(lambda: model.generate(ids, max_new_tokens=tokens + 1, min_new_tokens=tokens + 1, do_sample=False))
+    return (full - short) / tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="nemotron-h-8b", choices=list(SHAPES))
+    ap.add_argument("--batches", default="1,32,128")
+    ap.add_argument("--context", type=int, default=1024, help="prompt tokens a request, before decoding")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cuda (bf16 weights, the GPU engine), or cpu for a smoke run (float32)")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    rows = []
+
+    def emit(**row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    if cuda(args.device) and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here (--device cpu for a smoke run)")
+    bw = copy_bandwidth() if cuda(args.device) else 20e9  # (the CPU's floor: a nominal 20 GB/s)
+    model, raw = model_of(args.shape, args.device)
+    emit(device=torch.cuda.get_device_name() if cuda(args.device) else "cpu", shape=args.shape,
+         copy_bandwidth_gbs=round(bw / 1e9))
+    for b in [int(x) for x in args.batches.split(",")]:
+        ms, floor = decode_ms(model, b, args.context, args.steps), floor_ms(model, b, args.context, bw)
+        emit(what="decode", batch=b, context=args.context, ms=round(ms, 3), floor_ms=round(floor, 3),
+             of_floor=round(floor / ms, 3))
+    tokens = 8192 if cuda(args.device) else 256
+    ids = torch.randint(3, model.config.vocab_size, (1, tokens), device=args.device)
+    with torch.inference_mode():
+        model.prefill(ids[:, :128], model.new_state(1, 128), last_only=True)
+        ms = min(synced(lambda: model.prefill(ids, model.new_state(1, tokens), last_only=True)) for _ in range(3))
+    emit(what="prefill", batch=1, tokens=tokens, ms=round(ms, 1))
+    if not args.no_hf and cuda(args.device):
+        model = None  # (the engine's model freed before transformers' is built)
+        empty_cache()
+        emit(what="transformers generate", batch=1, context=args.context,
+             ms_per_token=round(hf_ms_per_token(raw, args.context), 2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
