@@ -74,6 +74,28 @@ def test_config_that_disagrees_with_the_weights(ckpt):
     load_error(ckpt, "model.safetensors", "x_proj.weight", "config.json implies")
 
 
+def test_float8_weights_are_refused_by_name(ckpt):
+    edit_tensors(ckpt, lambda t: t.update({"backbone.layers.0.mixer.in_proj.weight":
+                                            t["backbone.layers.0.mixer.in_proj.weight"].to(torch.float8_e4m3fn)}))
+    load_error(ckpt, "model.safetensors", "backbone.layers.0.mixer.in_proj.weight", "float8", "FP8")
+
+
+def test_a_quantized_checkpoints_config_is_refused_by_name(ckpt):
+    edit_config(ckpt, lambda c: c.update(quantization_config={"quant_method": "compressed-tensors"}))
+    load_error(ckpt, "config.json", "quantization_config", "compressed-tensors")
+
+
+def test_a_mamba2_config_over_mamba1_weights(ckpt):
+    """Every field left to Mamba-2's defaults: the error says they are defaults; set so that
+    the config is consistent: the missing tensors come with the weights' own kind."""
+    edit_config(ckpt, lambda c: c.update(model_type="mamba2"))
+    load_error(ckpt, "config.json", "head_dim 64", "defaults, not in config.json: head_dim")
+    edit_config(ckpt, lambda c: c.update(head_dim=16))
+    load_error(ckpt, "config.json", "n_groups 8", "2 heads", "defaults, not in config.json: n_groups")
+    edit_config(ckpt, lambda c: c.update(n_groups=1))
+    load_error(ckpt, "model.safetensors", "missing tensor", "the weights are a Mamba-1 model's")
+
+
 def test_non_finite_values(ckpt):
     def poison(t):
         t["backbone.layers.1.mixer.D"][3] = float("nan")

@@ -186,6 +186,7 @@ def test_a_misshapen_tensor_is_named(tmp_path):
     (dict(rms_norm=False), "rms_norm"),
     (dict(time_step_limit=[0.5, 0.1]), "time_step_limit"),
     (dict(head_dim=24), "head_dim"),
+    (dict(chunk_size=10**12), "chunk size .* is 1000000000000"),
 ])
 def test_config_fields_are_checked_by_name(tmp_path, edit, says):
     folder, _ = save_mamba2(tmp_path / "m")

@@ -101,6 +101,13 @@ class MambaConfig:
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "MambaConfig":
         """Builds a config from an HF (`hidden_size`, ...) or original (`d_model`, ...) dict."""
+        if raw.get("quantization_config") is not None:
+            q = raw["quantization_config"]
+            method = q.get("quant_method", "quantized") if isinstance(q, dict) else "quantized"
+            raise CheckpointError(
+                f"{source}: key 'quantization_config' describes {method} weights, which are not supported yet; "
+                "load a float32, bfloat16 or float16 checkpoint"
+            )
         if "hidden_size" in raw:
             config = _from_hf(raw, source)
         elif "d_model" in raw:
@@ -108,6 +115,12 @@ class MambaConfig:
         else:
             raise CheckpointError(
                 f"{source}: neither 'hidden_size' (HF format) nor 'd_model' (original format) is present"
+            )
+        if config.layer == "mamba2" and not 1 <= config.chunk_size <= MAX_CHUNK_SIZE:
+            raise CheckpointError(
+                f"{source}: Mamba-2's chunk size (key 'chunk_size' / 'mamba_chunk_size') is {config.chunk_size}; it "
+                f"must be 1 to {MAX_CHUNK_SIZE} (the public checkpoints' are 128 or 256): a prefill holds chunk x "
+                "chunk scores a head"
             )
         if config.eos_token_id >= config.vocab_size:
             raise CheckpointError(
@@ -185,6 +198,10 @@ def _dt_rank(value, key: str, source: str) -> int:
     raise CheckpointError(f"{source}: key '{key}' must be \"auto\" or a positive integer, got {value!r}")
 
 
+# Mamba-2's largest chunk: a prefill's reference scan holds chunk x chunk scores a head
+# (the Triton scan's chunk is its own tile, the same sum).
+MAX_CHUNK_SIZE = 1024
+
 _MODEL_TYPES = ("mamba", "falcon_mamba", "mamba2", "nemotron_h", "bamba", "granitemoehybrid", "falcon_h1")
 
 
@@ -243,16 +260,25 @@ def _json_float(v):
 
 
 def _mamba2(source: str, *, d_model: int, expand: int, head_dim: int, n_heads: int | None, n_groups: int,
-            **fields) -> MambaConfig:
-    """A Mamba-2 config, its head and group counts checked against each other."""
+            absent: frozenset = frozenset(), **fields) -> MambaConfig:
+    """A Mamba-2 config, its head and group counts checked against each other. absent: the
+    fields config.json does not set (their defaults), so that an error blames no key the
+    file lacks without saying so."""
+
+    def defaults(*names: str) -> str:
+        unset = [n for n in names if n in absent]
+        return f"; defaults, not in config.json: {', '.join(unset)}" if unset else ""
+
     d_inner = expand * d_model
     if d_inner % head_dim:
-        raise CheckpointError(f"{source}: d_inner {d_inner} (expand x hidden size) is not a multiple of head_dim {head_dim}")
+        raise CheckpointError(f"{source}: d_inner {d_inner} (expand x hidden size) is not a multiple of head_dim "
+                              f"{head_dim}{defaults('head_dim')}")
     if n_heads is not None and n_heads != d_inner // head_dim:
         raise CheckpointError(f"{source}: key 'num_heads' is {n_heads}, but expand x hidden size / head_dim is "
                               f"{d_inner // head_dim}")
     if (d_inner // head_dim) % n_groups:
-        raise CheckpointError(f"{source}: key 'n_groups' ({n_groups}) must divide the {d_inner // head_dim} heads")
+        raise CheckpointError(f"{source}: Mamba-2's n_groups {n_groups} must divide its {d_inner // head_dim} heads "
+                              f"(d_inner {d_inner} / head_dim {head_dim}){defaults('n_groups', 'head_dim')}")
     return MambaConfig(d_model=d_model, d_inner=d_inner, head_dim=head_dim, n_groups=n_groups, layer="mamba2", **fields)
 
 
@@ -273,9 +299,12 @@ _MAMBA2_LAYER_KEYS = (
 
 
 def _mamba2_layer(raw: dict, source: str, hf: bool) -> dict:
-    """The layer fields of _MAMBA2_LAYER_KEYS from `raw` (config.json, or its ssm_cfg)."""
-    return {field: _get(raw, hf_key if hf else key, kind, source, hf_default if hf else default)
-            for field, hf_key, key, kind, hf_default, default in _MAMBA2_LAYER_KEYS}
+    """The layer fields of _MAMBA2_LAYER_KEYS from `raw` (config.json, or its ssm_cfg), and
+    `absent`: those it does not set."""
+    fields = {field: _get(raw, hf_key if hf else key, kind, source, hf_default if hf else default)
+              for field, hf_key, key, kind, hf_default, default in _MAMBA2_LAYER_KEYS}
+    absent = frozenset(field for field, hf_key, key, *_ in _MAMBA2_LAYER_KEYS if raw.get(hf_key if hf else key) is None)
+    return {**fields, "absent": absent}
 
 
 def _mamba2_from_hf(raw: dict, source: str) -> MambaConfig:

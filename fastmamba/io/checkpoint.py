@@ -54,6 +54,16 @@ def _weight_files(folder: Path) -> list[Path]:
     raise CheckpointError(f"{folder}: no weights file (model.safetensors, pytorch_model.bin or a shard index)")
 
 
+def _dtype_label(dtype: torch.dtype) -> str:
+    """A torch dtype in safetensors' spelling, lower case: f32, bf16, f8_e4m3, i64, ..."""
+    return {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64"}.get(
+        dtype, "f8" + str(dtype).removeprefix("torch.float8") if "float8" in str(dtype) else str(dtype).removeprefix("torch."))
+
+
+# The tensor dtypes the loader reads: float8 ones are FP8 checkpoints (not supported yet).
+_FLOAT_DTYPES = ("f32", "f16", "bf16", "f64")
+
+
 class _WeightsFile:
     """One weights file: its tensors' names, shapes and dtypes from the header alone, so a
     config can be checked against them before any data is read; the data on demand."""
@@ -67,13 +77,13 @@ class _WeightsFile:
 
                 with safe_open(str(path), framework="pt") as f:
                     slices = {name: f.get_slice(name) for name in f.keys()}
-                    # safetensors names its dtypes F16, BF16, F32, F64, F8_*, I64, BOOL, ...
-                    self.header = {n: (tuple(s.get_shape()), s.get_dtype().startswith(("F", "BF"))) for n, s in slices.items()}
+                    # safetensors names its dtypes F16, BF16, F32, F64, F8_E4M3, I64, BOOL, ...
+                    self.header = {n: (tuple(s.get_shape()), s.get_dtype().lower()) for n, s in slices.items()}
             else:
                 self._lazy = _torch_load(path)
                 if not isinstance(self._lazy, dict) or not all(isinstance(t, torch.Tensor) for t in self._lazy.values()):
                     raise CheckpointError(f"{path}: not a mapping of tensor names to tensors")
-                self.header = {n: (tuple(t.shape), t.is_floating_point()) for n, t in self._lazy.items()}
+                self.header = {n: (tuple(t.shape), _dtype_label(t.dtype)) for n, t in self._lazy.items()}
         except CheckpointError:
             raise
         except Exception as e:  # the libraries raise many types for truncated or corrupt files
@@ -151,7 +161,7 @@ def read_tensors(folder: Path, config: MambaConfig) -> tuple[dict[str, torch.Ten
     missing = [n for n in expected if n not in header]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"{folder / files}: missing tensor '{missing[0]}'{more}")
+        raise CheckpointError(f"{folder / files}: missing tensor '{missing[0]}'{more}{_other_layer_kind(config, header)}")
     unexpected = sorted(n for n in header if n not in expected and not (repeated_head and n == "lm_head.weight"))
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
@@ -163,8 +173,11 @@ def read_tensors(folder: Path, config: MambaConfig) -> tuple[dict[str, torch.Ten
             raise CheckpointError(
                 f"{origin[name]}: tensor '{name}' has shape {header[name][0]}, config.json implies {shape}"
             )
-        if not header[name][1]:
-            raise CheckpointError(f"{origin[name]}: tensor '{name}' is not floating point")
+        if header[name][1].startswith("f8"):
+            raise CheckpointError(f"{origin[name]}: tensor '{name}' is float8 ({header[name][1]}): FP8 checkpoints are "
+                                  "not supported yet; load a float32, bfloat16 or float16 one")
+        if header[name][1] not in _FLOAT_DTYPES:
+            raise CheckpointError(f"{origin[name]}: tensor '{name}' is not floating point ({header[name][1]})")
     data = {id(f): f.tensors() for f in opened}
     tensors = {name: data[id(f)][stored] for name, (f, stored) in source.items()}
     if repeated_head:
@@ -179,6 +192,18 @@ def read_tensors(folder: Path, config: MambaConfig) -> tuple[dict[str, torch.Ten
             raise CheckpointError(f"{origin[name]}: tensor '{name}' holds NaN or inf values")
     fold_multipliers(config, tensors)
     return tensors, origin
+
+
+def _other_layer_kind(config: MambaConfig, header: dict) -> str:
+    """A hint when the weights are of the other Mamba layer than config.json's: Mamba-1's mixer
+    has x_proj, Mamba-2's dt_bias and no x_proj."""
+    mamba1 = any(n.endswith("x_proj.weight") for n in header)
+    mamba2 = any(n.endswith("mixer.dt_bias") for n in header) and not mamba1
+    if config.layer == "mamba2" and mamba1:
+        return "; the weights are a Mamba-1 model's (they hold x_proj), config.json describes Mamba-2"
+    if config.layer == "mamba1" and mamba2:
+        return "; the weights are a Mamba-2 model's (they hold dt_bias), config.json describes Mamba-1"
+    return ""
 
 
 def build_weights(
