@@ -28,13 +28,21 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *flags: str):
+    """`fastmamba serve` in a subprocess on a free loopback port, its output (stdout and
+    stderr) in a file: `output()` reads it. `env`: variables to add (TMPDIR, say);
+    `preexec_fn`: run in the child before it starts (a lower open-file limit, say)."""
+
+    def __init__(self, *flags: str, env: dict | None = None, preexec_fn=None):
+        import tempfile
+
         self.port = free_port()
         self.key = flags[flags.index("--api-key") + 1] if "--api-key" in flags else None
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.log = tempfile.TemporaryFile(mode="w+")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "fastmamba.cli", "serve", "--port", str(self.port), *flags],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                                     stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env,
+                                     preexec_fn=preexec_fn)
         deadline = time.time() + 90
         while time.time() < deadline:
             try:
@@ -42,9 +50,13 @@ class Server:
                 return
             except OSError:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(self.proc.stdout.read())
+                    raise RuntimeError(self.output())
                 time.sleep(0.3)
         raise RuntimeError("the server did not start in 90 s")
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
 
     def client(self, **kw):
         return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=120, **kw)

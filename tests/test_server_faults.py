@@ -58,8 +58,8 @@ def test_a_non_streaming_client_that_hangs_up_frees_its_slot():
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_drains_then_exits_zero(sig):
-    s = Server("--max-model-len", "20000", "--shutdown-timeout", "2")
+def test_a_signal_drains_then_exits_zero(sig, tmp_path):
+    s = Server("--max-model-len", "20000", "--shutdown-timeout", "2", env={"TMPDIR": str(tmp_path)})
     try:
         streaming = long_request(s.port, stream=True)
         resp = streaming.getresponse()
@@ -74,6 +74,7 @@ def test_a_signal_drains_then_exits_zero(sig):
         assert "server_shutting_down" in tail and tail.endswith("data: [DONE]\n\n")
         assert s.proc.wait(timeout=30) == 0
         assert time.time() - t0 < 2 + 8  # the drain, then a prompt exit
+        assert not list(tmp_path.glob("fastmamba-*"))  # the engine's socket folder goes with it
         with pytest.raises(OSError):  # no longer accepting
             http.client.HTTPConnection("127.0.0.1", s.port, timeout=5).request("GET", "/health")
     finally:

@@ -117,8 +117,6 @@ class OpenAIServer:
         fields = requests.sampling_fields(body, self.encoder.vocab_size)
         requests.sampling_params(fields)  # a bad value is the client's first error (each choice's are made below)
         self._check_lengths(prompts, max_tokens)
-        if not self.engine.alive:
-            raise engine_down()
         events: asyncio.Queue = asyncio.Queue()
         choices = []
         for _, ids in prompts:

@@ -100,10 +100,11 @@ class EngineReplica:
     first token (ServeOptions.stream_interval_ms): tokens reach the client in bursts of up
     to that gap."""
 
-    def __init__(self, options: EngineOptions, folder: str, max_queue: int, stream_interval_s: float):
+    def __init__(self, options: EngineOptions, folder: str, max_queue: int, stream_interval_s: float,
+                 engine_timeout: float = 30):
         from fastmamba.engine.process import ProcessClient
 
-        self.client = ProcessClient(options, folder, max_queue=max_queue)
+        self.client = ProcessClient(options, folder, max_queue=max_queue, silence_s=engine_timeout)
         self.name = serve.get_replica_context().replica_id.unique_id
         self.interval = stream_interval_s
         self._encode = protocol.encoder().encode
@@ -141,8 +142,9 @@ class EngineReplica:
         return self.client.stats
 
     def check_health(self) -> None:
+        """Ray Serve's probe: a replica whose engine died or is wedged is replaced."""
         if not self.client.alive:
-            raise RuntimeError("the engine process is not running")
+            raise RuntimeError("the engine process is not running, or not answering")
 
     def __del__(self):
         client = getattr(self, "client", None)
@@ -226,7 +228,7 @@ def build(options: ServeOptions, queue_bound: int = 64, routing: str = "prefix")
                                                   request_router_kwargs={"queue_bound": queue_bound,
                                                                          "routing": routing}),
         **scale,
-    ).bind(engine, folder, options.max_queue, options.stream_interval_ms / 1000)
+    ).bind(engine, folder, options.max_queue, options.stream_interval_ms / 1000, options.engine_timeout)
     frontend = serve.deployment(serve.ingress()(Frontend)).options(
         name="Frontend", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000,
         graceful_shutdown_timeout_s=10, graceful_shutdown_wait_loop_s=0.5)

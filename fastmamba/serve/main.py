@@ -34,7 +34,7 @@ def serve(options: ServeOptions) -> int:
         raise ValueError(f"the model in {folder} has no tokenizer.json: give --model a folder with one")
     graphs = ", capturing CUDA graphs" if options.engine.device != "cpu" else ""
     print(f"fastmamba: starting the engine (loading {folder}{graphs}) ...", file=sys.stderr, flush=True)
-    engine = ProcessClient(options.engine, folder, max_queue=options.max_queue)
+    engine = ProcessClient(options.engine, folder, max_queue=options.max_queue, silence_s=options.engine_timeout)
     try:
         app = folder_app(engine, folder, options)
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=options.shutdown_timeout + 5)

@@ -37,6 +37,9 @@ class ServeOptions:
     shutdown_timeout: float = field(default=10, metadata=option(
         "on SIGTERM or Ctrl-C, seconds to let running requests finish before they are cancelled and the server "
         "exits (default: 10)"))
+    engine_timeout: float = field(default=30, metadata=option(
+        "seconds the engine process may go without a word (it reports twice a second, and after each step) before "
+        "it is taken for wedged: /health and its open requests get 503 until it answers again (default: 30)"))
 
     def __post_init__(self):
         for name in ("max_queue", "max_model_len"):
@@ -52,6 +55,8 @@ class ServeOptions:
             raise ValueError(f"--max-body-mb must be above 0 and at most 4096, got {self.max_body_mb:g}")
         if not 0 <= self.shutdown_timeout <= 3600:
             raise ValueError(f"--shutdown-timeout must be from 0 to 3600 seconds, got {self.shutdown_timeout:g}")
+        if not 1 <= self.engine_timeout <= 3600:
+            raise ValueError(f"--engine-timeout must be from 1 to 3600 seconds, got {self.engine_timeout:g}")
         if self.autoscale is not None:
             autoscaling(self.autoscale, 1)  # its own error, naming --autoscale
 
