@@ -1,7 +1,7 @@
 """`fastmamba serve`'s processes: the engine ends with its front end however the front end
 dies, a wedged engine shows on /health and ends its requests with 503s, the socket folder
-never outlives the server. A real server subprocess on a loopback port; every loop is
-bounded in count and time."""
+never outlives the server, and a bad --model folder is one line. A real server subprocess
+on a loopback port; every loop is bounded in count and time."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import http.client
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 
 import pytest
-from test_server import Server, engine_pid, running
+from test_server import Server, engine_pid, free_port, running
 
 pytest.importorskip("fastapi")
 
@@ -110,3 +112,26 @@ def test_a_stopped_engine_turns_health_503_and_ends_its_requests_until_it_answer
         except ProcessLookupError:
             pass
         s.stop()
+
+
+def serve_error(*flags: str) -> str:
+    """`fastmamba serve ...` that must fail at once: its one line of error."""
+    r = subprocess.run([sys.executable, "-m", "fastmamba.cli", "serve", "--port", str(free_port()), *flags],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+def test_a_missing_model_folder_or_a_file_is_one_line_saying_so(tmp_path):
+    missing = tmp_path / "no-such-model"
+    line = serve_error("--model", str(missing))
+    assert "does not exist" in line and str(missing) in line
+    a_file = tmp_path / "weights.bin"
+    a_file.write_bytes(b"\0")
+    line = serve_error("--model", str(a_file))
+    assert "is a file" in line and str(a_file) in line
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "no tokenizer.json" in serve_error("--model", str(empty))

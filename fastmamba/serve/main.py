@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import threading
+from pathlib import Path
 
 from fastmamba.engine.client import EngineClient
 from fastmamba.io.folders import checkpoint_folder, default_model_dir
@@ -27,11 +28,7 @@ def serve(options: ServeOptions) -> int:
     from fastmamba.serve.app import folder_app
 
     sock = listen(options.host, options.port)
-    folder = checkpoint_folder(options.engine.model)
-    if not (folder / "tokenizer.json").exists():
-        if not (folder / "config.json").exists() and options.engine.model is None:
-            raise ValueError(f"no bundled model in this install ({default_model_dir()}): pass --model DIR")
-        raise ValueError(f"the model in {folder} has no tokenizer.json: give --model a folder with one")
+    folder = model_folder(options)
     graphs = ", capturing CUDA graphs" if options.engine.device != "cpu" else ""
     print(f"fastmamba: starting the engine (loading {folder}{graphs}) ...", file=sys.stderr, flush=True)
     engine = ProcessClient(options.engine, folder, max_queue=options.max_queue, silence_s=options.engine_timeout)
@@ -61,6 +58,7 @@ def serve_replicas(options: ServeOptions) -> int:
         raise ValueError("--replicas and --autoscale need Ray Serve: pip install 'fastmamba[ray]'") from None
 
     listen(options.host, options.port).close()  # a bad or busy --port: one line, before Ray starts (its proxy binds it)
+    model_folder(options)
     ray.init(include_dashboard=False, logging_level="ERROR")
     try:
         serve.start(http_options={"host": options.host, "port": options.port})
@@ -76,6 +74,23 @@ def serve_replicas(options: ServeOptions) -> int:
         serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def model_folder(options: ServeOptions) -> Path:
+    """The checkpoint folder --model names, or a ValueError saying what is wrong with it in
+    one line: a folder that does not exist, a file, a folder without tokenizer.json."""
+    model = options.engine.model
+    folder = checkpoint_folder(model)
+    if model is None and not (folder / "config.json").exists():
+        raise ValueError(f"no bundled model in this install ({default_model_dir()}): pass --model DIR")
+    if not folder.exists():
+        raise ValueError(f"--model {model}: the folder {folder} does not exist (give a checkpoint folder or a hub id "
+                         "org/name)")
+    if not folder.is_dir():
+        raise ValueError(f"--model {model}: {folder} is a file, not a checkpoint folder")
+    if not (folder / "tokenizer.json").exists():
+        raise ValueError(f"the model in {folder} has no tokenizer.json: give --model a folder with one")
+    return folder
 
 
 def listen(host: str, port: int):
