@@ -3,26 +3,33 @@ OpenAI routes, requests routed by prefix, a replica killed. Bounded request loop
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
 import fastmamba
 
-ray = pytest.importorskip("ray")
-pytest.importorskip("ray.serve")
+if importlib.util.find_spec("ray") is None:  # (not imported here: the app fixture starts Ray as serve does, first)
+    pytest.skip("needs ray[serve]", allow_module_level=True)
 openai = pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")
 def app():
+    from fastmamba.serve.main import start_ray
+
+    start_ray("127.0.0.1", num_cpus=4)  # (on loopback where this is Ray's first import: see the test below)
+    import ray
     from ray import serve
 
     from fastmamba.serve.deploy import build
     from fastmamba.serve.options import ServeOptions
 
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -70,6 +77,8 @@ def test_a_conversations_turns_return_to_their_replica(app, lm):
 
 
 def test_a_killed_replica_leaves_the_app_serving(app):
+    import ray
+
     actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if "EngineReplica" in a["name"]]
     assert len(actors) == 2
     ray.kill(ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"]), no_restart=True)
@@ -87,6 +96,8 @@ def test_a_killed_replica_leaves_the_app_serving(app):
 def test_batch_over_a_dataset_equals_generate_batch(app, lm):
     """200 prompts on two actors, in blocks of 32: each row what generate_batch (and so
     generate alone) gives it with the row's seed, its own column where the dataset has one."""
+    import ray
+
     import fastmamba
     from fastmamba.serve.deploy import prompt_seed
 
@@ -183,3 +194,68 @@ def test_a_replica_sends_a_streams_tokens_in_lists_at_its_interval():
     assert isinstance(last.outputs[-1], Finished) and last.replica == "r0" and last.stats == Stats(running=1)
     assert all(b.replica is None for _, b in got[:-1])
     assert replica.client.aborted == [0]  # (the request is let go once its stream ends)
+
+
+
+# Run in a fresh interpreter (Ray's node address is settled when Ray is first imported):
+# start Ray as `serve --replicas` does for a loopback --host, then print every TCP listener
+# that this process or one of its descendants (the GCS, the raylet, the agents, the
+# workers) holds, as (address in /proc/net's hex, port).
+LISTENERS = """
+import json, os
+from fastmamba.serve.main import start_ray
+
+start_ray("127.0.0.1", num_cpus=1)
+import ray
+
+def descendants(root):
+    found, todo = {root}, [root]
+    while todo:
+        pid = todo.pop()
+        for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else ():
+            try:
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    kids = {int(c) for c in f.read().split()} - found
+            except OSError:
+                continue
+            found |= kids
+            todo.extend(kids)
+    return found
+
+listening = {}
+for table in ("tcp", "tcp6"):
+    with open(f"/proc/net/{table}") as f:
+        for line in list(f)[1:]:
+            fields = line.split()
+            if fields[3] == "0A":
+                address, port = fields[1].split(":")
+                listening[fields[9]] = (address, int(port, 16))
+held = set()
+for pid in descendants(os.getpid()):
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        continue
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in listening:
+            held.add(listening[target[8:-1]])
+print(json.dumps(sorted(held)))
+ray.shutdown()
+"""
+# 127.0.0.1, its IPv4-mapped IPv6 form and ::1 as /proc/net writes them
+LOOPBACK_HEX = ("0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000")
+
+
+def test_ray_started_by_serve_listens_on_loopback_only():
+    """`serve --replicas` with its default --host: none of Ray's services (the GCS, the
+    raylet, the dashboard agent, the runtime env agent, the workers) listens on another
+    interface (on Linux, Ray's own default puts several on every interface)."""
+    r = subprocess.run([sys.executable, "-c", LISTENERS], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    held = [tuple(x) for x in json.loads(r.stdout.strip().splitlines()[-1])]
+    assert len(held) >= 4, held  # (Ray's services did start)
+    assert all(address in LOOPBACK_HEX for address, _ in held), held

@@ -6,6 +6,8 @@ command with exit code 0."""
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
+import os
 import sys
 import threading
 from pathlib import Path
@@ -49,18 +51,22 @@ def serve_replicas(options: ServeOptions) -> int:
     SIGTERM, then shuts it down."""
     import signal
 
-    try:
-        import ray
-        from ray import serve
-
-        from fastmamba.serve.deploy import build
-    except ImportError:
-        raise ValueError("--replicas and --autoscale need Ray Serve: pip install 'fastmamba[ray]'") from None
-
+    needs_ray = "--replicas and --autoscale need Ray Serve: pip install 'fastmamba[ray]'"
+    if importlib.util.find_spec("ray") is None:  # (find_spec("ray.serve") would import Ray: start_ray must first)
+        raise ValueError(needs_ray)
     listen(options.host, options.port).close()  # a bad or busy --port: one line, before Ray starts (its proxy binds it)
     model_folder(options)
-    ray.init(include_dashboard=False, logging_level="ERROR")
+    start_ray(options.host)
+    import ray
+
+    serve = None
     try:
+        try:
+            from ray import serve
+
+            from fastmamba.serve.deploy import build
+        except ImportError:
+            raise ValueError(needs_ray) from None
         serve.start(http_options={"host": options.host, "port": options.port})
         serve.run(build(options), name="fastmamba", route_prefix="/")
         scale = f"{options.autoscale} replicas, autoscaled" if options.autoscale else f"{options.replicas} replicas"
@@ -71,9 +77,37 @@ def serve_replicas(options: ServeOptions) -> int:
             signal.signal(sig, lambda *_: stop.set())
         stop.wait()
     finally:
-        serve.shutdown()
+        if serve is not None:
+            serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def start_ray(host: str, **init) -> None:
+    """Starts Ray on this machine for `--replicas`, its services (the GCS, the raylet, the
+    agents, the workers) on loopback unless `host` (--host) is another address: on Linux Ray
+    takes this machine's network address for its node, and several of its services then
+    listen on every interface. Ray binds them to the node's address, and takes loopback for
+    it only where multi-machine clusters are off (its RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0,
+    read when Ray is first imported: serve imports it here, after setting it; a process
+    that imported Ray before keeps Ray's choice). A --host of one address puts them on that
+    address; 0.0.0.0 or :: leaves Ray's own choice. `init`: more ray.init arguments."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        address = None
+    local = host == "localhost" or (address is not None and address.is_loopback)
+    # (where Ray is imported already, its node address is settled: its services' processes
+    # must see the switch as it did, or they look for a node that does not exist)
+    if local and "ray" not in sys.modules:
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray
+
+    if local:
+        init.update(_node_ip_address="127.0.0.1", dashboard_host="127.0.0.1")
+    elif address is not None and not address.is_unspecified:
+        init.update(_node_ip_address=host, dashboard_host=host)
+    ray.init(**{"include_dashboard": False, "logging_level": "ERROR", **init})
 
 
 def model_folder(options: ServeOptions) -> Path:
