@@ -37,11 +37,14 @@ class EngineRefused(Exception):
 
 class EngineClient(abc.ABC):
     """Requests in, outputs to each request's `emit`. `stats` holds the engine's latest
-    Stats; `on_stats`, when set, is called with each new one."""
+    Stats; `on_stats`, when set, is called with each new one. `capacity`: the most requests
+    it holds at once, running and waiting (None: no fixed bound), so that a request of more
+    choices than that is refused as one that can never fit, not as a busy server's."""
 
     max_batch: int
     stats: Stats
     on_stats: Callable[[Stats], None] | None = None
+    capacity: int | None = None
 
     @property
     @abc.abstractmethod

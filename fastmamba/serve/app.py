@@ -4,8 +4,8 @@ process, or Ray Serve replicas).
 This process parses, validates, tokenizes, detokenizes (stop strings included) and streams;
 the engine owns the model. Endpoints: POST /v1/completions, /v1/chat/completions (both with
 `stream`), GET /v1/models, /health, /metrics, POST /tokenize, /detokenize. Errors are
-OpenAI's bodies (errors.py): 400 for a bad field (naming it), malformed JSON or an
-over-long prompt, 401 without the API key, 404 for an unknown model, 413 for a body over
+OpenAI's bodies (errors.py): 400 for a bad field (naming it), malformed or over-deep JSON,
+an over-long prompt or a request that can never fit the queue, 401 without the API key, 404 for an unknown model, 413 for a body over
 the limit, 429 when the queue is full, 503 when the engine is gone or shutting down; never
 a 500 for a client's mistake. No torch in this process.
 """
@@ -117,6 +117,11 @@ class OpenAIServer:
         fields = requests.sampling_fields(body, self.encoder.vocab_size)
         requests.sampling_params(fields)  # a bad value is the client's first error (each choice's are made below)
         self._check_lengths(prompts, max_tokens)
+        capacity, asked = self.engine.capacity, len(prompts) * n
+        if capacity is not None and asked > capacity:
+            raise APIError(400, f"this request asks for {asked} completions ({len(prompts)} prompt(s), n={n}) and this "
+                           f"server holds at most {capacity} at once (its state slots and --max-queue): it can never "
+                           "be taken; ask for fewer", param="n")
         events: asyncio.Queue = asyncio.Queue()
         choices = []
         for _, ids in prompts:

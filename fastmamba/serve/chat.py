@@ -49,7 +49,16 @@ def render_chat(template, messages) -> str:
             raise APIError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
         content = m.get("content")
         if isinstance(content, list):  # OpenAI's parts: the text ones, joined
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict):
+                    raise APIError(400, f"messages[{i}].content[{j}] must be an object such as "
+                                   '{"type": "text", "text": "..."}', param="messages")
+                if part.get("type") == "text":
+                    if not isinstance(part.get("text"), str):
+                        raise APIError(400, f"messages[{i}].content[{j}].text must be a string", param="messages")
+                    texts.append(part["text"])
+            content = "".join(texts)
         if not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
         clean.append({"role": m["role"], "content": content})

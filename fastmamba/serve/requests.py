@@ -1,33 +1,64 @@
-"""Reading an OpenAI request's body: the JSON, each field type- and range-checked (a 400
-naming the field, never a 500 for a client's mistake), the prompts, the sampling parameters."""
+"""Reading an OpenAI request's body: the JSON (its size, depth and numbers bounded before it
+is parsed), each field type- and range-checked (a 400 naming the field, never a 500 for a
+client's mistake), the prompts, the sampling parameters."""
 
 from __future__ import annotations
 
 import json
+import re
+
+import msgspec
 
 from fastmamba.core.sampling_params import SamplingParams
 from fastmamba.io.prompts import PromptEncoder, check_token_ids
 from fastmamba.serve.errors import APIError, too_large
 
 MAX_PROMPTS = 64  # prompts in one completions request
+MAX_DEPTH = 64  # nesting of a request body's arrays and objects (OpenAI's bodies need 4)
+MAX_DIGITS = 100  # digits of one number in a request body (a seed or a token id needs 10)
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string (its escapes skipped whole)
+_BRACKETS = b"[]{}"
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in _BRACKETS)
+_DIGIT_RUNS = bytes(0x30 if 0x30 <= c <= 0x39 else 0x20 for c in range(256))  # digits to "0", the rest to " "
 
 
 async def read_json(request, limit: int) -> dict:
-    """The request's body as a JSON object, its bytes counted as they come (a body sent
-    without a Content-Length too)."""
+    """The request's body as a JSON object: its bytes counted as they come (a body sent
+    without a Content-Length too), its shape bounded (check_shape) before it is parsed."""
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise too_large(limit)
         chunks.append(chunk)
+    raw = b"".join(chunks)
+    check_shape(raw)
     try:
-        body = json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as e:
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     return body
+
+
+def check_shape(raw: bytes) -> None:
+    """A 400 for a body nested deeper than MAX_DEPTH or holding a number of more than
+    MAX_DIGITS digits, found before any parser recurses into it or converts the number
+    (C-speed passes over the bytes: strings' contents blanked, then the digit runs and the
+    brackets read)."""
+    bare = _STRING.sub(b'""', raw)
+    if b"0" * (MAX_DIGITS + 1) in bare.translate(_DIGIT_RUNS):
+        raise APIError(400, f"the request body holds a number of more than {MAX_DIGITS} digits")
+    brackets = bare.translate(None, _NOT_BRACKETS)
+    if len(brackets) > MAX_DEPTH:
+        import numpy as np
+
+        steps = np.frombuffer(brackets, dtype=np.uint8)
+        depth = np.cumsum(np.where((steps == ord("[")) | (steps == ord("{")), 1, -1), dtype=np.int64)
+        if depth.max() > MAX_DEPTH:
+            raise APIError(400, f"the request body is nested over {MAX_DEPTH} levels deep")
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list", dict: "an object"}
