@@ -1,16 +1,21 @@
-"""`fastmamba serve` against clients' mistakes: every one is a 4xx naming it, never a 500 or a
-429 no retry could pass. A real server subprocess on a loopback port; every loop is bounded
-in count and time."""
+"""`fastmamba serve` against clients that are large, hostile or mistaken: long prompts leave
+the event loop free, a hostile chat template is a 400 naming it, every client mistake is a
+4xx. A real server subprocess on a loopback port; every loop is bounded in count and time."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import shutil
+import threading
+import time
+import urllib.error
+import urllib.request
 
 import pytest
 from test_server import Server
 
 pytest.importorskip("fastapi")
-
 
 @pytest.fixture(scope="module")
 def server():
@@ -69,3 +74,102 @@ def test_a_request_that_can_never_fit_is_a_400_and_one_that_fits_runs(server):
     assert err["param"] == "n" and "16" in err["message"] and "12" in err["message"]
     status, out = server.post("/v1/completions", {"prompt": prompts, "n": 3, "max_tokens": 1})
     assert status == 200 and len(out["choices"]) == 12
+
+
+def test_a_long_prompt_leaves_health_and_streams_free(server):
+    """A 3 MB prompt takes seconds to tokenize: meanwhile /health answers and a running
+    stream keeps its pace (the tokenizer holds the interpreter lock: it runs in a worker)."""
+    gaps, lat, done = [], [], threading.Event()
+
+    def watch_stream():
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        body = {"prompt": "To be", "max_tokens": 10**4, "temperature": 0, "stop_token_ids": [], "stream": True}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        last = time.time()
+        while not done.is_set() and resp.read1(4096):
+            now = time.time()
+            gaps.append(now - last)
+            last = now
+        conn.close()
+
+    def watch_health():
+        while not done.is_set():
+            t0 = time.time()
+            urllib.request.urlopen(server.url + "/health", timeout=30).read()
+            lat.append(time.time() - t0)
+            time.sleep(0.05)
+
+    watchers = [threading.Thread(target=watch_stream), threading.Thread(target=watch_health)]
+    for w in watchers:
+        w.start()
+    try:
+        time.sleep(0.5)
+        prompt = "hello world, this is text. " * (3_000_000 // 27)
+        t0 = time.time()
+        status, out = server.post("/tokenize", {"prompt": prompt})
+        took = time.time() - t0
+    finally:
+        done.set()
+        for w in watchers:
+            w.join(60)
+    assert status == 200 and out["count"] == len(out["tokens"]) > 1_000_000
+    assert took > 1.5  # (long enough that a blocked loop would show: it stalled 5 s before)
+    assert max(lat) < 2 and max(gaps[1:]) < 2, (max(lat), max(gaps[1:]), took)
+
+
+def hostile_model(tmp_path, template: str):
+    from fastmamba.io.folders import default_model_dir
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        shutil.copy(default_model_dir() / name, folder / name)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return folder
+
+
+def test_a_hostile_chat_template_is_a_400_naming_it_and_the_server_serves_on(tmp_path):
+    """A template that renders without end (the issue's froze the server for a minute at
+    3.7 GB): a 400 naming the template within a second or two, and the server serves on."""
+    folder = hostile_model(tmp_path, "{% for i in range(100000) %}{% for m in messages %}"
+                                     "{{ m['content'] * 100 }}{% endfor %}{% endfor %}")
+    s = Server("--model", str(folder))
+    try:
+        t0 = time.time()
+        err = error(s.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]}), 400)
+        assert time.time() - t0 < 5
+        assert err["code"] == "chat_template_failed" and str(folder / "tokenizer_config.json") in err["message"]
+        assert "rendered over" in err["message"]
+        status, out = s.post("/v1/completions", {"prompt": "To be", "max_tokens": 2})
+        assert status == 200 and out["usage"]["completion_tokens"] == 2
+    finally:
+        s.stop()
+
+
+def test_a_template_past_its_time_is_refused_and_its_worker_replaced(tmp_path):
+    """A template that loops without output: its worker is killed at the time bound, the
+    request refused naming the template, and the workers serve on."""
+    import asyncio
+
+    from fastmamba.io.prompts import PromptEncoder
+    from fastmamba.io.tokenizer import Tokenizer
+    from fastmamba.serve.chat import ChatTemplate, TemplateRefused
+    from fastmamba.serve.prompt_workers import PromptWorkers
+
+    folder = hostile_model(tmp_path, "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    encoder = PromptEncoder(Tokenizer(folder / "tokenizer.json"), 50280, folder)
+    workers = PromptWorkers(encoder, ChatTemplate(folder), count=1, render_timeout=1.0)
+
+    async def run():
+        t0 = time.time()
+        with pytest.raises(TemplateRefused, match="took over 1 s") as e:
+            await workers.chat([{"role": "user", "content": "hi"}])
+        assert str(folder / "tokenizer_config.json") in str(e.value) and time.time() - t0 < 4
+        text = "To be, or not to be. " * 1000  # (long: it goes to the new worker)
+        assert await workers.encode(text) == encoder.encode(text)
+
+    try:
+        asyncio.run(run())
+    finally:
+        workers.close()

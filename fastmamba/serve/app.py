@@ -2,12 +2,16 @@
 process, or Ray Serve replicas).
 
 This process parses, validates, tokenizes, detokenizes (stop strings included) and streams;
-the engine owns the model. Endpoints: POST /v1/completions, /v1/chat/completions (both with
-`stream`), GET /v1/models, /health, /metrics, POST /tokenize, /detokenize. Errors are
-OpenAI's bodies (errors.py): 400 for a bad field (naming it), malformed or over-deep JSON,
-an over-long prompt or a request that can never fit the queue, 401 without the API key, 404 for an unknown model, 413 for a body over
-the limit, 429 when the queue is full, 503 when the engine is gone or shutting down; never
-a 500 for a client's mistake. No torch in this process.
+the engine owns the model. Long texts and id lists, and chats under the checkpoint's own
+template, are tokenized, detokenized and rendered in worker processes (prompt_workers.py),
+so that the event loop (every stream, /health) never waits on them. Endpoints: POST
+/v1/completions, /v1/chat/completions (both with `stream`), GET /v1/models, /health,
+/metrics, POST /tokenize, /detokenize. Errors are OpenAI's bodies (errors.py): 400 for a
+bad field (naming it), malformed or over-deep JSON, an over-long prompt, a request that can
+never fit the queue or a chat template that fails on it, 401 without the API key, 404 for
+an unknown model, 413 for a body over the limit, 429 when the
+queue is full, 503 when the engine is gone, wedged or shutting down; never a 500 for a
+client's mistake. No torch in this process.
 """
 
 from __future__ import annotations
@@ -17,14 +21,17 @@ import time
 import uuid
 from pathlib import Path
 
+import msgspec
+
 from fastmamba.engine.client import EngineClient, EngineRefused
 from fastmamba.io.prompts import PromptEncoder
 from fastmamba.serve import requests
-from fastmamba.serve.chat import chat_template, conversation_key, render_chat
+from fastmamba.serve.chat import ChatTemplate, TemplateRefused, check_messages, conversation_key
 from fastmamba.serve.choices import Choice
 from fastmamba.serve.errors import APIError, engine_down, from_engine, too_large
 from fastmamba.serve.metrics import Metrics
 from fastmamba.serve.options import ServeOptions
+from fastmamba.serve.prompt_workers import PromptWorkers
 from fastmamba.serve.requests import get, read_json
 from fastmamba.serve.responses import Response, sse
 
@@ -40,35 +47,49 @@ class OpenAIServer:
     def __init__(self, engine: EngineClient, encoder: PromptEncoder, options: ServeOptions, metrics: Metrics):
         self.engine, self.encoder, self.options, self.metrics = engine, encoder, options, metrics
         self.model_name = options.model_name
-        self.template = chat_template(encoder.path)
+        self.template = ChatTemplate(encoder.path)
+        self.workers = PromptWorkers(encoder, self.template)
         self.created = int(time.time())
         engine.on_stats = metrics.update
 
     async def body(self, request) -> dict:
         return await read_json(request, self.options.max_body_bytes)
 
+    async def chat_prompt(self, messages: list[dict]) -> tuple[str, list[int]]:
+        """The prompt text and ids of checked messages (chat.check_messages), or a 400 naming
+        the template (its own error, or a bound it went past)."""
+        try:
+            return await self.workers.chat(messages)
+        except TemplateRefused as e:
+            raise APIError(400, str(e), param="messages", code="chat_template_failed") from None
+        except ValueError as e:
+            raise APIError(400, f"'messages': {e}", param="messages") from None
+
     async def models(self):
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "fastmamba"}]}
 
-    async def tokenize(self, request) -> dict:
+    async def tokenize(self, request):
+        from fastapi.responses import Response as HTTPResponse
+
         body = await self.body(request)
         if "messages" in body:
-            ids = requests.encode(self.encoder, render_chat(self.template, body["messages"]), "messages")
+            _, ids = await self.chat_prompt(check_messages(body["messages"]))
         else:
-            ids = requests.encode(self.encoder, get(body, "prompt", str, required=True), "prompt")
-        return {"tokens": ids, "count": len(ids)}
+            ids = await requests.encode(self.workers, get(body, "prompt", str, required=True), "prompt")
+        # (encoded here: FastAPI's own encoder walks a long prompt's ids in Python, for seconds)
+        return HTTPResponse(msgspec.json.encode({"tokens": ids, "count": len(ids)}), media_type="application/json")
 
     async def detokenize(self, request) -> dict:
         body = await self.body(request)
         ids = get(body, "tokens", list, required=True)
         requests.check_ids(ids, self.encoder.vocab_size, "tokens")
-        return {"prompt": self.encoder.tokenizer.decode(ids) if self.encoder.tokenizer else None}
+        return {"prompt": await self.workers.decode(ids) if self.encoder.tokenizer else None}
 
     async def completions(self, request):
         body = await self.body(request)
         requests.check_model(body, self.model_name)
-        prompts = requests.prompts(self.encoder, body.get("prompt"))
+        prompts = await requests.prompts(self.workers, body.get("prompt"))
         logprobs = get(body, "logprobs", int, None, lo=0, hi=MAX_LOGPROBS)
         echo = get(body, "echo", bool, False)
         max_tokens = get(body, "max_tokens", int, 16)  # OpenAI's default for completions
@@ -78,8 +99,8 @@ class OpenAIServer:
     async def chat(self, request):
         body = await self.body(request)
         requests.check_model(body, self.model_name)
-        text = render_chat(self.template, body.get("messages"))
-        prompts = [(text, requests.encode(self.encoder, text, "messages"))]
+        messages = check_messages(body.get("messages"))
+        prompts = [await self.chat_prompt(messages)]
         top = get(body, "top_logprobs", int, 0, lo=0, hi=MAX_LOGPROBS)
         top_logprobs = top if get(body, "logprobs", bool, False) else None
         # max_completion_tokens is OpenAI's current name, max_tokens the older one; without
@@ -91,7 +112,7 @@ class OpenAIServer:
                            "give one of them", param="max_completion_tokens")
         max_tokens = newer if newer is not None else max_tokens
         return await self._serve(request, body, prompts, chat=True, top_logprobs=top_logprobs, echo=False,
-                                 max_tokens=max_tokens, route=conversation_key(body["messages"]))
+                                 max_tokens=max_tokens, route=conversation_key(messages))
 
     def _check_lengths(self, prompts, max_tokens: int | None) -> None:
         limit = self.options.max_model_len
@@ -213,6 +234,8 @@ def create_app(engine: EngineClient, encoder: PromptEncoder, options: ServeOptio
     """The FastAPI app over a running engine; `encoder` encodes prompts with the checkpoint's
     tokenizer (its path: the chat template's folder); a metrics registry of its own unless
     given."""
+    import contextlib
+
     from fastapi import FastAPI
     from fastapi import Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
@@ -222,7 +245,13 @@ def create_app(engine: EngineClient, encoder: PromptEncoder, options: ServeOptio
 
     metrics = metrics or Metrics()
     server = OpenAIServer(engine, encoder, options, metrics)
-    app = FastAPI(title="fastmamba", docs_url=None, redoc_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        yield
+        server.workers.close()
+
+    app = FastAPI(title="fastmamba", docs_url=None, redoc_url=None, lifespan=lifespan)
 
     def error(e: APIError):
         return JSONResponse(e.body(), status_code=e.status)

@@ -1,5 +1,12 @@
-"""Chat prompts: the checkpoint's chat template (tokenizer_config.json's, rendered in a
-jinja2 sandbox as transformers renders it) or a plain one, and a conversation's routing key."""
+"""Chat prompts: the messages checked, the checkpoint's chat template (tokenizer_config.json's,
+rendered in a jinja2 sandbox as transformers renders it) or a plain one, and a
+conversation's routing key.
+
+A checkpoint's own template is code of unknown cost: it renders with its output counted as
+it comes (`ChatTemplate.render`'s limit), in a worker process that is killed past a time
+limit (prompt_workers.py), so that a hostile template is a 400 naming it, never a frozen
+server.
+"""
 
 from __future__ import annotations
 
@@ -19,28 +26,66 @@ PLAIN_CHAT_TEMPLATE = (
     "{{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
+RENDER_SLACK_CHARS = 1 << 20  # what a template may add to its messages' text (system prompts, tool lists)
 
 
-def chat_template(folder):
+class TemplateRefused(Exception):
+    """The chat template failed on these messages: its own error, or a bound it went past.
+    The message names the template; the client gets it as a 400."""
+
+
+class ChatTemplate:
     """The folder's chat template (tokenizer_config.json's, as transformers renders it), or
-    the plain one; compiled in a sandbox, as transformers does."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    the plain one; compiled in a sandbox, as transformers does. `builtin`: the plain one,
+    whose cost is known (it may render on the event loop)."""
 
-    source, extra = PLAIN_CHAT_TEMPLATE, {}
-    cfg = Path(folder) / "tokenizer_config.json" if folder else None
-    if cfg is not None and cfg.exists():
+    def __init__(self, folder):
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        source, self.extra, self.builtin = PLAIN_CHAT_TEMPLATE, {}, True
+        self.origin = "the plain chat template"
+        cfg = Path(folder) / "tokenizer_config.json" if folder else None
+        if cfg is not None and cfg.exists():
+            try:
+                raw = json.loads(cfg.read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                raw = {}
+            if isinstance(raw.get("chat_template"), str):
+                source, self.builtin = raw["chat_template"], False
+                self.origin = f"the chat template of {cfg}"
+            self.extra = {k: raw[k] for k in ("bos_token", "eos_token") if isinstance(raw.get(k), str)}
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self.compiled = env.from_string(source)
+
+    def render(self, messages: list[dict], limit: int) -> str:
+        """The prompt of checked messages (`check_messages`), its output counted as it
+        renders: past `limit` characters, TemplateRefused."""
+        pieces, size = [], 0
         try:
-            raw = json.loads(cfg.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            raw = {}
-        if isinstance(raw.get("chat_template"), str):
-            source = raw["chat_template"]
-        extra = {k: raw[k] for k in ("bos_token", "eos_token") if isinstance(raw.get(k), str)}
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(source), extra
+            for piece in self.compiled.generate(messages=messages, add_generation_prompt=True, **self.extra):
+                size += len(piece)
+                if size > limit:
+                    raise TemplateRefused(f"{self.origin} rendered over {limit} characters for these messages: "
+                                          "refused")
+                pieces.append(piece)
+        except TemplateRefused:
+            raise
+        except MemoryError:
+            raise TemplateRefused(f"{self.origin} ran out of memory rendering these messages") from None
+        except Exception as e:  # a template's own error (raise_exception, a role it refuses)
+            raise TemplateRefused(f"{self.origin} refused the messages: {e}") from None
+        return "".join(pieces)
 
 
-def render_chat(template, messages) -> str:
+def render_limit(messages: list[dict]) -> int:
+    """The most characters a template may render for checked messages: twice their text,
+    and RENDER_SLACK_CHARS more."""
+    return 2 * sum(len(m["content"]) for m in messages) + RENDER_SLACK_CHARS
+
+
+def check_messages(messages) -> list[dict]:
+    """The request's messages as {role, content} strings, or a 400 naming the culprit
+    (messages[i], messages[i].content[j])."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
     clean = []
@@ -62,14 +107,10 @@ def render_chat(template, messages) -> str:
         if not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
         clean.append({"role": m["role"], "content": content})
-    compiled, extra = template
-    try:
-        return compiled.render(messages=clean, add_generation_prompt=True, **extra)
-    except Exception as e:  # a template's own error (raise_exception, a role it refuses)
-        raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
+    return clean
 
 
-def conversation_key(messages: list) -> int:
+def conversation_key(messages: list[dict]) -> int:
     """A conversation's routing key (deploy.py): its messages up to its first user message,
     which every later turn repeats, so that each turn goes to the replica that holds the
     state the turn before left."""

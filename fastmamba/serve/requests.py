@@ -4,14 +4,16 @@ client's mistake), the prompts, the sampling parameters."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
 import msgspec
 
 from fastmamba.core.sampling_params import SamplingParams
-from fastmamba.io.prompts import PromptEncoder, check_token_ids
+from fastmamba.io.prompts import check_token_ids
 from fastmamba.serve.errors import APIError, too_large
+from fastmamba.serve.prompt_workers import PromptWorkers
 
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_DEPTH = 64  # nesting of a request body's arrays and objects (OpenAI's bodies need 4)
@@ -130,26 +132,27 @@ def check_ids(ids: list, vocab: int, name: str) -> None:
         raise APIError(400, str(e), param=name) from None
 
 
-def encode(encoder: PromptEncoder, text: str, name: str) -> list[int]:
+async def encode(workers: PromptWorkers, text: str, name: str) -> list[int]:
+    """A text's ids (a long one's tokenized off the event loop), a 400 naming the field."""
     try:
-        ids = encoder.encode(text)
+        return await workers.encode(text)
     except ValueError as e:
         raise APIError(400, f"'{name}': {e}", param=name) from None
-    return ids
 
 
-def prompts(encoder: PromptEncoder, prompt) -> list[tuple[str, list[int]]]:
+async def prompts(workers: PromptWorkers, prompt) -> list[tuple[str, list[int]]]:
     """(text, ids) of each prompt: a string, a list of token ids, or a list of either."""
+    encoder = workers.encoder
     if prompt is None:
         raise APIError(400, "'prompt' is required", param="prompt")
     if isinstance(prompt, str):
-        return [(prompt, encode(encoder, prompt, "prompt"))]
+        return [(prompt, await encode(workers, prompt, "prompt"))]
     if _is_ids(prompt):
         check_ids(prompt, encoder.vocab_size, "prompt")
-        return [(encoder.tokenizer.decode(prompt) if encoder.tokenizer else "", list(prompt))]
+        return [(await workers.decode(prompt) if encoder.tokenizer else "", list(prompt))]
     # a batch: strings and lists of ids, one level deep, as OpenAI takes them
     if isinstance(prompt, list) and 0 < len(prompt) <= MAX_PROMPTS and all(isinstance(p, str) or _is_ids(p) for p in prompt):
-        return [p for item in prompt for p in prompts(encoder, item)]
+        return [p for each in await asyncio.gather(*(prompts(workers, item) for item in prompt)) for p in each]
     raise APIError(400, f"'prompt' must be a string, a list of token ids, or a non-empty list of at most {MAX_PROMPTS} "
                    "of those (strings or lists of token ids)", param="prompt")
 
