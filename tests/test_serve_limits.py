@@ -1,12 +1,14 @@
-"""`fastmamba serve` against clients that are large, hostile or mistaken: long prompts leave
-the event loop free, a hostile chat template is a 400 naming it, every client mistake is a
-4xx. A real server subprocess on a loopback port; every loop is bounded in count and time."""
+"""`fastmamba serve` against clients that are large, slow, hostile or mistaken: long prompts
+leave the event loop free, a hostile chat template is a 400 naming it, slow clients cannot
+hold the server, every client mistake is a 4xx. A real server subprocess on a loopback
+port; every loop is bounded in count and time."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import shutil
+import socket
 import threading
 import time
 import urllib.error
@@ -17,9 +19,12 @@ from test_server import Server
 
 pytest.importorskip("fastapi")
 
+CLIENT_TIMEOUT = 1.5  # --client-timeout of the servers here
+
+
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--max-batch", "4", "--max-queue", "8")
+    s = Server("--max-batch", "4", "--max-queue", "8", "--client-timeout", str(CLIENT_TIMEOUT))
     yield s
     s.stop()
 
@@ -173,3 +178,76 @@ def test_a_template_past_its_time_is_refused_and_its_worker_replaced(tmp_path):
         asyncio.run(run())
     finally:
         workers.close()
+
+
+def slow_socket(port: int) -> socket.socket:
+    """A connection that sends half a request's headers, then nothing."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application")
+    return sock
+
+
+def test_slow_clients_are_refused_past_the_connection_limit_and_dropped_at_the_header_timeout():
+    """With 256 open files the server takes 128 connections: 160 slow clients fill it; a
+    client past the limit gets a 503 naming it at once (not a refused or hung connection);
+    the slow ones are dropped with a 408 after --client-timeout, and then all is served."""
+    import resource
+
+    def few_files():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+    s = Server("--client-timeout", str(CLIENT_TIMEOUT), preexec_fn=few_files)
+    socks = []
+    try:
+        for _ in range(160):
+            socks.append(slow_socket(s.port))
+        t0 = time.time()
+        try:
+            urllib.request.urlopen(s.url + "/health", timeout=10)
+            raise AssertionError("a client past the connection limit was served")
+        except urllib.error.HTTPError as e:
+            assert e.code == 503 and json.loads(e.read())["error"]["code"] == "too_many_connections"
+        assert time.time() - t0 < 2
+        answers = []
+        for sock in socks:  # each dropped after the header timeout, with a 408 (or the refusal)
+            data = b""
+            while chunk := sock.recv(4096):
+                data += chunk
+            answers.append(data.split(b" ", 2)[1] if data else b"")
+        assert time.time() - t0 < CLIENT_TIMEOUT + 5
+        assert answers.count(b"408") >= 100 and set(answers) <= {b"408", b"503"}, set(answers)
+        with urllib.request.urlopen(s.url + "/health", timeout=10) as r:
+            assert r.status == 200
+        status, out = s.post("/v1/completions", {"prompt": "To be", "max_tokens": 2})
+        assert status == 200 and out["usage"]["completion_tokens"] == 2
+    finally:
+        for sock in socks:
+            sock.close()
+        s.stop()
+
+
+def test_a_stalled_body_gets_408_and_a_client_hanging_up_mid_body_is_one_log_line(server):
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n" + b'{"prompt": "' + b"a" * 20)
+    t0 = time.time()
+    answer = b""
+    while chunk := sock.recv(4096):  # (the server closes the connection after its answer)
+        answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
+    assert CLIENT_TIMEOUT - 0.2 < time.time() - t0 < CLIENT_TIMEOUT + 3
+    sock.close()
+    before = server.output()
+    for _ in range(20):
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n" + b"{" * 100)
+        time.sleep(0.02)
+        sock.close()
+    deadline = time.time() + 10
+    while server.output()[len(before):].count("hung up") < 20 and time.time() < deadline:
+        time.sleep(0.1)
+    logged = server.output()[len(before):]
+    assert logged.count("hung up while sending its request body") == 20, logged[-2000:]
+    assert "Traceback" not in logged and len(logged.strip().splitlines()) == 20, logged[-2000:]
+    status, out = server.post("/v1/completions", {"prompt": "To be", "max_tokens": 2})
+    assert status == 200

@@ -9,7 +9,7 @@ so that the event loop (every stream, /health) never waits on them. Endpoints: P
 /metrics, POST /tokenize, /detokenize. Errors are OpenAI's bodies (errors.py): 400 for a
 bad field (naming it), malformed or over-deep JSON, an over-long prompt, a request that can
 never fit the queue or a chat template that fails on it, 401 without the API key, 404 for
-an unknown model, 413 for a body over the limit, 429 when the
+an unknown model, 408 for a body that stalls, 413 for a body over the limit, 429 when the
 queue is full, 503 when the engine is gone, wedged or shutting down; never a 500 for a
 client's mistake. No torch in this process.
 """
@@ -53,7 +53,7 @@ class OpenAIServer:
         engine.on_stats = metrics.update
 
     async def body(self, request) -> dict:
-        return await read_json(request, self.options.max_body_bytes)
+        return await read_json(request, self.options.max_body_bytes, self.options.client_timeout)
 
     async def chat_prompt(self, messages: list[dict]) -> tuple[str, list[int]]:
         """The prompt text and ids of checked messages (chat.check_messages), or a 400 naming
@@ -254,7 +254,8 @@ def create_app(engine: EngineClient, encoder: PromptEncoder, options: ServeOptio
     app = FastAPI(title="fastmamba", docs_url=None, redoc_url=None, lifespan=lifespan)
 
     def error(e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        # (a body that stalled is still owed: the connection cannot carry another request)
+        return JSONResponse(e.body(), status_code=e.status, headers={"connection": "close"} if e.status == 408 else None)
 
     async def api_error(_, e: APIError):  # (handlers async: a plain one would run in a thread)
         return error(e)

@@ -1,7 +1,7 @@
 """`fastmamba serve`: the engine in its own process (or Ray Serve replicas), the HTTP app in
-this one under uvicorn, and a drained shutdown: SIGTERM or Ctrl-C stop new requests, let
-running ones finish for --shutdown-timeout seconds, end the rest with a 503, and end the
-command with exit code 0."""
+this one under uvicorn (its connections bounded: connections.py), and a drained shutdown:
+SIGTERM or Ctrl-C stop new requests, let running ones finish for --shutdown-timeout
+seconds, end the rest with a 503, and end the command with exit code 0."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def serve(options: ServeOptions) -> int:
 
     from fastmamba.engine.process import ProcessClient
     from fastmamba.serve.app import folder_app
+    from fastmamba.serve.connections import MAX_HEADER_BYTES, connection_limit, guarded, http_protocol, open_file_limit
 
     sock = listen(options.host, options.port)
     folder = model_folder(options)
@@ -36,7 +37,14 @@ def serve(options: ServeOptions) -> int:
     engine = ProcessClient(options.engine, folder, max_queue=options.max_queue, silence_s=options.engine_timeout)
     try:
         app = folder_app(engine, folder, options)
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=options.shutdown_timeout + 5)
+        connections = connection_limit(open_file_limit())
+        config = uvicorn.Config(
+            app, log_level="warning", timeout_graceful_shutdown=options.shutdown_timeout + 5,
+            http=guarded(http_protocol(), connections, options.client_timeout), timeout_keep_alive=5,
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+            # (uvicorn's own check, at a request's headers, counts its running requests too:
+            # one above, it acts only on requests that outlive their connections)
+            limit_concurrency=connections + 1)
         info = engine.info
         print(f"fastmamba: serving {options.model_name} on http://{options.host}:{options.port} ({info.device}, "
               f"{info.dtype}, {info.max_batch} slots)", file=sys.stderr, flush=True)

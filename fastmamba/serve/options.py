@@ -40,6 +40,9 @@ class ServeOptions:
     engine_timeout: float = field(default=30, metadata=option(
         "seconds the engine process may go without a word (it reports twice a second, and after each step) before "
         "it is taken for wedged: /health and its open requests get 503 until it answers again (default: 30)"))
+    client_timeout: float = field(default=10, metadata=option(
+        "seconds a client may take to send a request's headers, or between two pieces of its body, before the "
+        "connection is closed (default: 10)"))
 
     def __post_init__(self):
         for name in ("max_queue", "max_model_len"):
@@ -57,6 +60,8 @@ class ServeOptions:
             raise ValueError(f"--shutdown-timeout must be from 0 to 3600 seconds, got {self.shutdown_timeout:g}")
         if not 1 <= self.engine_timeout <= 3600:
             raise ValueError(f"--engine-timeout must be from 1 to 3600 seconds, got {self.engine_timeout:g}")
+        if not 0.1 <= self.client_timeout <= 3600:
+            raise ValueError(f"--client-timeout must be from 0.1 to 3600 seconds, got {self.client_timeout:g}")
         if self.autoscale is not None:
             autoscaling(self.autoscale, 1)  # its own error, naming --autoscale
 

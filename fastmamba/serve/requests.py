@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 
 import msgspec
@@ -23,13 +24,36 @@ _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string (its escapes
 _BRACKETS = b"[]{}"
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in _BRACKETS)
 _DIGIT_RUNS = bytes(0x30 if 0x30 <= c <= 0x39 else 0x20 for c in range(256))  # digits to "0", the rest to " "
+log = logging.getLogger("uvicorn.error")
 
 
-async def read_json(request, limit: int) -> dict:
+class ClientGone(APIError):
+    """The client hung up while it sent its body: nobody to answer (one log line, no traceback)."""
+
+    def __init__(self):
+        super().__init__(499, "the client hung up while sending its request body")
+
+
+async def read_json(request, limit: int, timeout: float) -> dict:
     """The request's body as a JSON object: its bytes counted as they come (a body sent
-    without a Content-Length too), its shape bounded (check_shape) before it is parsed."""
+    without a Content-Length too), each piece awaited at most `timeout` seconds (a 408
+    after), its shape bounded (check_shape) before it is parsed."""
+    from starlette.requests import ClientDisconnect
+
     chunks, size = [], 0
-    async for chunk in request.stream():
+    pieces = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(pieces.__anext__(), timeout)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body stalled: nothing came for {timeout:g} s (--client-timeout)",
+                           code="request_timeout") from None
+        except ClientDisconnect:
+            client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+            log.warning("%s hung up while sending its request body", client)
+            raise ClientGone() from None
         size += len(chunk)
         if size > limit:
             raise too_large(limit)
