@@ -64,22 +64,58 @@ def health(url: str) -> int:
 
 def test_a_front_end_killed_mid_stream_leaves_no_engine_and_no_socket_folder(tmp_path):
     """SIGKILL of the front end while a stream runs: the engine (busy, its socket full of
-    outputs for a dead peer) and the prompt workers end within seconds, and the engine
-    removes the socket folder."""
+    outputs for a dead peer) and the prompt workers end within seconds. The socket folder
+    went as soon as the engine was connected: no way both processes end can leave it."""
     s = Server("--max-model-len", "20000", env={"TMPDIR": str(tmp_path)})
     try:
         resp = stream(s.port)
         engine = engine_pid(s.proc.pid)
         others = children(s.proc.pid)
-        assert engine in others and list(tmp_path.glob("fastmamba-*"))
+        assert engine in others and not list(tmp_path.glob("fastmamba-*"))
         s.proc.send_signal(signal.SIGKILL)
         s.proc.wait(timeout=30)
         took = wait_until(lambda: all(ended(p) for p in others), 10, "the engine and workers ending")
-        assert took < 5
-        wait_until(lambda: not list(tmp_path.glob("fastmamba-*")), 2, "the socket folder removed")
+        assert took < 5 and not list(tmp_path.glob("fastmamba-*"))
         resp.close()
     finally:
         s.stop()
+
+
+WATCHED = """
+import multiprocessing, sys, time
+from fastmamba.engine.process import exit_with_parent
+
+def child(folder):
+    exit_with_parent(remove=(folder,))
+    time.sleep(60)
+
+if __name__ == "__main__":
+    c = multiprocessing.get_context("spawn").Process(target=child, args=(sys.argv[1],))
+    c.start()
+    print(c.pid, flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_spawned_process_ends_and_removes_its_folder_when_its_parent_is_killed(tmp_path):
+    """The engine's watch on its parent (in force while it loads, before the front end has
+    removed the socket folder itself): SIGKILL of the parent ends the child at once, and the
+    child removes the folder."""
+    folder = tmp_path / "fastmamba-sockets"
+    folder.mkdir()
+    (folder / "to-engine").write_text("")
+    script = tmp_path / "watched.py"
+    script.write_text(WATCHED)
+    parent = subprocess.Popen([sys.executable, str(script), str(folder)], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        time.sleep(0.5)  # (the child's watch is up)
+        assert not ended(child) and folder.exists()
+        parent.kill()
+        parent.wait(timeout=10)
+        assert wait_until(lambda: ended(child) and not folder.exists(), 5, "the child ending") < 2
+    finally:
+        parent.kill()
 
 
 def test_a_stopped_engine_turns_health_503_and_ends_its_requests_until_it_answers_again():

@@ -5,11 +5,12 @@ never waits for the front end's Python, and the front end never waits for a step
 Between them, ZeroMQ PUSH/PULL sockets over ipc:// carry protocol.py's messages as msgpack:
 Request, Abort and Shutdown to the engine; Ready or Fatal once, then Outputs (one a step,
 with every output of the step and the engine's stats, and at least one every HEARTBEAT_S
-when idle) back. The front end watches the process: if it dies, or sends nothing for
-`silence_s` (stopped, or stuck in a step), `alive` turns False and every request still
-open ends with a Failed (protocol.ENGINE_DOWN) at once. The engine process watches its
-parent: when the front end is gone, however it went, the engine removes the socket folder
-and exits.
+when idle) back. The socket files go as soon as both connections are up. The front end
+watches the process: if it dies, or sends nothing for `silence_s` (stopped, or stuck in a
+step), `alive` turns False and every request still open ends with a Failed
+(protocol.ENGINE_DOWN) at once. The engine process watches its parent: when the front end
+is gone, however it went (while the engine loads too), the engine removes the socket
+folder and exits.
 
 No torch at import: the engine process imports the model stack when it starts.
 """
@@ -137,6 +138,7 @@ class ProcessClient(EngineClient):
             self._ctx.setsockopt(zmq.LINGER, 0)  # nothing queued for a dead engine holds this process
             self._out, self._in = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
             self._out.setsockopt(zmq.SNDHWM, 0)  # (bounded by the open requests: a send never blocks the event loop)
+            self._out.setsockopt(zmq.IMMEDIATE, 1)  # a send succeeds only over a connection that is up
             self._out.bind(to_engine)
             self._in.bind(from_engine)
             self.max_queue = max_queue
@@ -152,6 +154,7 @@ class ProcessClient(EngineClient):
                 daemon=True)
             self.proc.start()
             self.info = self._wait_ready(start_timeout)
+            self._remove_socket_files()
         except BaseException:  # a failed start, or Ctrl-C while loading: no process and no folder left
             self.close()
             raise
@@ -174,6 +177,18 @@ class ProcessClient(EngineClient):
             if not self.proc.is_alive():
                 raise RuntimeError(f"the engine process exited while starting (exit code {self.proc.exitcode})")
         raise RuntimeError(f"the engine did not start in {timeout:g} s")
+
+    def _remove_socket_files(self, timeout: float = 10) -> None:
+        """Once both connections are up the socket files have done their work: removed now,
+        no way the two processes end (Ray's SIGKILL of a replica and its children included)
+        leaves them behind. The engine's Ready came over one; a send succeeds only over the
+        other when it is up (an Abort of no request: the engine ignores it)."""
+        deadline = time.monotonic() + timeout
+        while not self._send(protocol.Abort(-1)):
+            if time.monotonic() > deadline or not self.proc.is_alive():
+                return  # (close removes them)
+            time.sleep(0.01)
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     @property
     def alive(self) -> bool:
