@@ -86,6 +86,21 @@ def test_a_finished_requests_state_is_cached_at_prompt_plus_output(lm, run_ahead
     assert got == lm.generate(follow, max_tokens=6).token_ids
 
 
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_a_prompt_cached_whole_takes_its_first_token_from_the_cached_logits(lm, run_ahead):
+    """The same prompt twice: the second finds its whole prompt in the prefix cache, prefills
+    nothing and still gets every token the first got."""
+    core = engine(lm, max_batch=2, prefill_tokens=64, prefix_cache_bytes=64 << 20)
+    core.run_ahead = run_ahead
+    prompt = lm.encode("To be, or not to be")
+    params = SamplingParams(max_tokens=6, stop_token_ids=[])
+    first = run(core, [request(prompt, params)], limit=200)
+    second = request(prompt, params)
+    tokens, reason, info = run(core, [second], limit=200)[second.rid]
+    assert info.cached_tokens == len(prompt)
+    assert tokens == next(iter(first.values()))[0] == lm.generate(prompt, params).token_ids
+
+
 def test_abort_frees_the_slot_and_ends_the_outputs(lm):
     core = engine(lm, max_batch=1, prefill_tokens=64)
     long = core.add(request(lm.encode("To be"), SamplingParams(max_tokens=1000, stop_token_ids=[])))

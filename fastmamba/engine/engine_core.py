@@ -304,9 +304,9 @@ class EngineCore:
                         self.pool.kv.copy_slot(r.slot, hit.kv, 0)
                     r.pos = r.fed = r.cached_tokens = n
                 if self.pool.kv is not None and not self.pool.kv.growable:
-                    self.pool.kv.reserve(r.slot, self._kv_tokens(r))
-                    if n == len(r.ids):
-                        self._sample([r], hit.logits[None], launch, checked=False)
+                    self.pool.kv.reserve(r.slot, self._kv_tokens(r))  # (its whole context's blocks, from now)
+                if n == len(r.ids):  # the whole prompt was cached: its first token from the cached logits
+                    self._sample([r], hit.logits[None], launch, checked=False)
             except Exception as e:
                 self._end(r, outs, error=_error_of(e))
 
