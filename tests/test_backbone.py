@@ -569,6 +569,8 @@ def test_step_graphs_are_bounded_and_keyed_by_batch_and_state_memory(monkeypatch
     conv = weakref.ref(a.conv)
     del a
     assert conv() is None  # its graph kept no reference
+    # (a later state may take a's freed memory and with it ga: held here, it would outlive its eviction)
+    del ga, gb
     held, dropped = [], []
     for episode in range(1000):
         state = bb.new_state(3)
