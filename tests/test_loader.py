@@ -80,6 +80,11 @@ def test_float8_weights_are_refused_by_name(ckpt):
     load_error(ckpt, "model.safetensors", "backbone.layers.0.mixer.in_proj.weight", "float8", "FP8")
 
 
+def test_integer_weights_are_refused_by_name(ckpt):
+    edit_tensors(ckpt, lambda t: t.update({"backbone.layers.1.mixer.D": t["backbone.layers.1.mixer.D"].to(torch.int64)}))
+    load_error(ckpt, "model.safetensors", "backbone.layers.1.mixer.D", "is i64, not floating point")
+
+
 def test_a_quantized_checkpoints_config_is_refused_by_name(ckpt):
     edit_config(ckpt, lambda c: c.update(quantization_config={"quant_method": "compressed-tensors"}))
     load_error(ckpt, "config.json", "quantization_config", "compressed-tensors")

@@ -177,7 +177,8 @@ def read_tensors(folder: Path, config: MambaConfig) -> tuple[dict[str, torch.Ten
             raise CheckpointError(f"{origin[name]}: tensor '{name}' is float8 ({header[name][1]}): FP8 checkpoints are "
                                   "not supported yet; load a float32, bfloat16 or float16 one")
         if header[name][1] not in _FLOAT_DTYPES:
-            raise CheckpointError(f"{origin[name]}: tensor '{name}' is not floating point ({header[name][1]})")
+            raise CheckpointError(f"{origin[name]}: tensor '{name}' is {header[name][1]}, not floating point "
+                                  "(float32, bfloat16, float16 or float64)")
     data = {id(f): f.tensors() for f in opened}
     tensors = {name: data[id(f)][stored] for name, (f, stored) in source.items()}
     if repeated_head:
