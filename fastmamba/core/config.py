@@ -1,7 +1,8 @@
 """MambaConfig: the model's sizes, read from config.json: Mamba-1 and Mamba-2 in either format
 (HF, original state-spaces), Falcon-Mamba, and the hybrids that put attention and MLPs
-beside Mamba-2 (Nemotron-H, Bamba, Granite-4.0-H, Falcon-H1). Every field that changes the
-math is read, or refused by name."""
+beside Mamba-2 (Nemotron-H, Bamba, Granite-4.0-H, Falcon-H1; their keys read in
+hybrid_config.py). Every field that changes the math is read, or refused by name
+(config_fields.py reads and checks each value)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from fastmamba.core.config_fields import dt_limit, dt_rank, eos_id, get
 from fastmamba.core.errors import CheckpointError
+from fastmamba.core.hybrid_config import HYBRIDS
 
 
 @dataclass(frozen=True)
@@ -171,33 +174,6 @@ class MambaConfig:
         }
 
 
-def _get(raw: dict, key: str, kind, source: str, default=None):
-    """One config value, type-checked; a missing required key or a wrong type names the key."""
-    if key not in raw or raw[key] is None:
-        if default is None:
-            raise CheckpointError(f"{source}: missing required key '{key}'")
-        return default
-    value = raw[key]
-    if kind is int:
-        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-    elif kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
-    else:
-        ok = isinstance(value, kind)
-    if not ok:
-        expected = {int: "a positive integer", float: "a positive finite number", bool: "true or false"}
-        raise CheckpointError(f"{source}: key '{key}' must be {expected.get(kind, kind.__name__)}, got {value!r}")
-    return value
-
-
-def _dt_rank(value, key: str, source: str) -> int:
-    if value in (None, "auto"):
-        return 0
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    raise CheckpointError(f"{source}: key '{key}' must be \"auto\" or a positive integer, got {value!r}")
-
-
 # Mamba-2's largest chunk: a prefill's reference scan holds chunk x chunk scores a head
 # (the Triton scan's chunk is its own tile, the same sum).
 MAX_CHUNK_SIZE = 1024
@@ -214,49 +190,26 @@ def _from_hf(raw: dict, source: str) -> MambaConfig:
         )
     if model_type == "mamba2":
         return _mamba2_from_hf(raw, source)
-    if model_type in _HYBRIDS:
-        return _HYBRIDS[model_type](raw, source)
+    if model_type in HYBRIDS:
+        return MambaConfig(**HYBRIDS[model_type](raw, source))
     falcon = model_type == "falcon_mamba"
-    d_model = _get(raw, "hidden_size", int, source)
-    expand = _get(raw, "expand", int, source, 2)
+    d_model = get(raw, "hidden_size", int, source)
+    expand = get(raw, "expand", int, source, 2)
     return MambaConfig(
         d_model=d_model,
-        n_layer=_get(raw, "num_hidden_layers", int, source),
-        vocab_size=_get(raw, "vocab_size", int, source),
-        d_state=_get(raw, "state_size", int, source, 16),
-        d_conv=_get(raw, "conv_kernel", int, source, 4),
-        d_inner=_get(raw, "intermediate_size", int, source, expand * d_model),
-        dt_rank=_dt_rank(raw.get("time_step_rank"), "time_step_rank", source),
-        conv_bias=_get(raw, "use_conv_bias", bool, source, True),
-        proj_bias=_get(raw, "use_bias", bool, source, False),
-        norm_eps=_get(raw, "layer_norm_epsilon", float, source, 1e-5),
-        tie_embeddings=_get(raw, "tie_word_embeddings", bool, source, True),
-        eos_token_id=_eos(raw, source),
-        dbc_norm_eps=_get(raw, "mixer_rms_eps", float, source, 1e-6) if falcon else None,
+        n_layer=get(raw, "num_hidden_layers", int, source),
+        vocab_size=get(raw, "vocab_size", int, source),
+        d_state=get(raw, "state_size", int, source, 16),
+        d_conv=get(raw, "conv_kernel", int, source, 4),
+        d_inner=get(raw, "intermediate_size", int, source, expand * d_model),
+        dt_rank=dt_rank(raw.get("time_step_rank"), "time_step_rank", source),
+        conv_bias=get(raw, "use_conv_bias", bool, source, True),
+        proj_bias=get(raw, "use_bias", bool, source, False),
+        norm_eps=get(raw, "layer_norm_epsilon", float, source, 1e-5),
+        tie_embeddings=get(raw, "tie_word_embeddings", bool, source, True),
+        eos_token_id=eos_id(raw, source),
+        dbc_norm_eps=get(raw, "mixer_rms_eps", float, source, 1e-6) if falcon else None,
     )
-
-
-def _dt_limit(value, key: str, source: str) -> tuple[float, float]:
-    """A [low, high] pair of step-size bounds (JSON may spell infinity `Infinity`)."""
-    if value is None:
-        return (0.0, math.inf)
-    if isinstance(value, (list, tuple)):  # (transformers writes infinity as {"__float__": "Infinity"})
-        value = [_json_float(v) for v in value]
-    ok = (isinstance(value, (list, tuple)) and len(value) == 2
-          and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
-          and 0 <= value[0] < value[1])
-    if not ok:
-        raise CheckpointError(f"{source}: key '{key}' must be [low, high] with 0 <= low < high, got {value!r}")
-    return (float(value[0]), float(value[1]))
-
-
-def _json_float(v):
-    if isinstance(v, dict) and set(v) == {"__float__"} and isinstance(v["__float__"], str):
-        try:
-            return float(v["__float__"])
-        except ValueError:
-            return v
-    return v
 
 
 def _mamba2(source: str, *, d_model: int, expand: int, head_dim: int, n_heads: int | None, n_groups: int,
@@ -301,7 +254,7 @@ _MAMBA2_LAYER_KEYS = (
 def _mamba2_layer(raw: dict, source: str, hf: bool) -> dict:
     """The layer fields of _MAMBA2_LAYER_KEYS from `raw` (config.json, or its ssm_cfg), and
     `absent`: those it does not set."""
-    fields = {field: _get(raw, hf_key if hf else key, kind, source, hf_default if hf else default)
+    fields = {field: get(raw, hf_key if hf else key, kind, source, hf_default if hf else default)
               for field, hf_key, key, kind, hf_default, default in _MAMBA2_LAYER_KEYS}
     absent = frozenset(field for field, hf_key, key, *_ in _MAMBA2_LAYER_KEYS if raw.get(hf_key if hf else key) is None)
     return {**fields, "absent": absent}
@@ -312,14 +265,14 @@ def _mamba2_from_hf(raw: dict, source: str) -> MambaConfig:
         raise CheckpointError(f"{source}: key 'rms_norm' is not true; only the gated RMSNorm of Mamba-2 is supported")
     return _mamba2(
         source,
-        d_model=_get(raw, "hidden_size", int, source),
-        n_heads=_get(raw, "num_heads", int, source) if raw.get("num_heads") is not None else None,
-        n_layer=_get(raw, "num_hidden_layers", int, source),
-        vocab_size=_get(raw, "vocab_size", int, source),
-        dt_limit=_dt_limit(raw.get("time_step_limit"), "time_step_limit", source),
-        norm_eps=_get(raw, "layer_norm_epsilon", float, source, 1e-5),
-        tie_embeddings=_get(raw, "tie_word_embeddings", bool, source, False),
-        eos_token_id=_eos(raw, source),
+        d_model=get(raw, "hidden_size", int, source),
+        n_heads=get(raw, "num_heads", int, source) if raw.get("num_heads") is not None else None,
+        n_layer=get(raw, "num_hidden_layers", int, source),
+        vocab_size=get(raw, "vocab_size", int, source),
+        dt_limit=dt_limit(raw.get("time_step_limit"), "time_step_limit", source),
+        norm_eps=get(raw, "layer_norm_epsilon", float, source, 1e-5),
+        tie_embeddings=get(raw, "tie_word_embeddings", bool, source, False),
+        eos_token_id=eos_id(raw, source),
         **_mamba2_layer(raw, source, hf=True),
     )
 
@@ -334,14 +287,14 @@ def _mamba2_from_original(raw: dict, ssm: dict, source: str, vocab_size: int) ->
         raise CheckpointError(f"{sub}: key 'd_ssm' is set; only an SSM over all of d_inner is supported")
     return _mamba2(
         source,
-        d_model=_get(raw, "d_model", int, source),
+        d_model=get(raw, "d_model", int, source),
         n_heads=None,
-        n_layer=_get(raw, "n_layer", int, source),
+        n_layer=get(raw, "n_layer", int, source),
         vocab_size=vocab_size,
-        dt_limit=_dt_limit(ssm.get("dt_limit"), "ssm_cfg.dt_limit", source),
-        norm_eps=_get(raw, "norm_epsilon", float, source, 1e-5),
-        tie_embeddings=_get(raw, "tie_embeddings", bool, source, True),
-        eos_token_id=_eos(raw, source),
+        dt_limit=dt_limit(ssm.get("dt_limit"), "ssm_cfg.dt_limit", source),
+        norm_eps=get(raw, "norm_epsilon", float, source, 1e-5),
+        tie_embeddings=get(raw, "tie_embeddings", bool, source, True),
+        eos_token_id=eos_id(raw, source),
         **_mamba2_layer(ssm, sub, hf=False),
     )
 
@@ -355,293 +308,23 @@ def _from_original(raw: dict, source: str) -> MambaConfig:
     if raw.get("rms_norm", True) is not True:
         raise CheckpointError(f"{source}: key 'rms_norm' is false; only RMSNorm Mamba models are supported")
     sub = f"{source} (ssm_cfg)"
-    d_model = _get(raw, "d_model", int, source)
-    multiple = _get(raw, "pad_vocab_size_multiple", int, source, 8)
-    vocab = _get(raw, "vocab_size", int, source)
+    d_model = get(raw, "d_model", int, source)
+    multiple = get(raw, "pad_vocab_size_multiple", int, source, 8)
+    vocab = get(raw, "vocab_size", int, source)
     if ssm.get("layer") == "Mamba2":
         return _mamba2_from_original(raw, ssm, source, math.ceil(vocab / multiple) * multiple)
-    expand = _get(ssm, "expand", int, sub, 2)
+    expand = get(ssm, "expand", int, sub, 2)
     return MambaConfig(
         d_model=d_model,
-        n_layer=_get(raw, "n_layer", int, source),
+        n_layer=get(raw, "n_layer", int, source),
         vocab_size=math.ceil(vocab / multiple) * multiple,
-        d_state=_get(ssm, "d_state", int, sub, 16),
-        d_conv=_get(ssm, "d_conv", int, sub, 4),
+        d_state=get(ssm, "d_state", int, sub, 16),
+        d_conv=get(ssm, "d_conv", int, sub, 4),
         d_inner=expand * d_model,
-        dt_rank=_dt_rank(ssm.get("dt_rank"), "ssm_cfg.dt_rank", source),
-        conv_bias=_get(ssm, "conv_bias", bool, sub, True),
-        proj_bias=_get(ssm, "bias", bool, sub, False),
-        norm_eps=_get(raw, "norm_epsilon", float, source, 1e-5),
-        tie_embeddings=_get(raw, "tie_embeddings", bool, source, True),
-        eos_token_id=_eos(raw, source),
+        dt_rank=dt_rank(ssm.get("dt_rank"), "ssm_cfg.dt_rank", source),
+        conv_bias=get(ssm, "conv_bias", bool, sub, True),
+        proj_bias=get(ssm, "bias", bool, sub, False),
+        norm_eps=get(raw, "norm_epsilon", float, source, 1e-5),
+        tie_embeddings=get(raw, "tie_embeddings", bool, source, True),
+        eos_token_id=eos_id(raw, source),
     )
-
-
-def _eos(raw: dict, source: str) -> int:
-    eos = raw.get("eos_token_id", 0)
-    if isinstance(eos, list) and eos:
-        eos = eos[0]
-    if not isinstance(eos, int) or isinstance(eos, bool) or eos < 0:
-        raise CheckpointError(f"{source}: key 'eos_token_id' must be a non-negative integer, got {eos!r}")
-    return eos
-
-
-# -- hybrids ------------------------------------------------------------------------------------
-
-
-def _one_of(raw: dict, source: str, keys: tuple[str, ...], kind, default=None):
-    """The value of whichever of `keys` (a key and its other names, as hub configs and
-    transformers 5 spell it) config.json holds; two of them that disagree name both."""
-    present = [k for k in keys if raw.get(k) is not None]
-    values = {json.dumps(raw[k], sort_keys=True) for k in present}
-    if len(values) > 1:
-        raise CheckpointError(f"{source}: keys {' and '.join(repr(k) for k in present)} disagree "
-                              f"({', '.join(repr(raw[k]) for k in present)})")
-    return _get(raw, present[0], kind, source, default) if present else _get(raw, keys[0], kind, source, default)
-
-
-def _refuse_unless(raw: dict, source: str, key: str, allowed, why: str) -> None:
-    if key in raw and raw[key] not in allowed:
-        raise CheckpointError(f"{source}: key '{key}' is {raw[key]!r}; {why}")
-
-
-def _attention_fields(raw: dict, source: str, d_model: int, head_dim_keys=("head_dim",), rope: bool = True) -> dict:
-    heads = _get(raw, "num_attention_heads", int, source)
-    kv = _get(raw, "num_key_value_heads", int, source, heads)
-    if heads % kv:
-        raise CheckpointError(f"{source}: key 'num_key_value_heads' ({kv}) must divide 'num_attention_heads' ({heads})")
-    head_dim = _one_of(raw, source, head_dim_keys, int, d_model // heads)
-    if raw.get("sliding_window") is not None:
-        raise CheckpointError(f"{source}: key 'sliding_window' is {raw['sliding_window']!r}; only full attention is "
-                              "supported")
-    theta, rotary = _rope(raw, source, head_dim) if rope else (0.0, 0)
-    return dict(attn_heads=heads, kv_heads=kv, attn_head_dim=head_dim, attn_bias=_get(raw, "attention_bias", bool, source, False),
-                rope_theta=theta, rotary_dim=rotary)
-
-
-def _rope(raw: dict, source: str, head_dim: int) -> tuple[float, int]:
-    """RoPE's base and rotated dims, from transformers 5's `rope_parameters` or the older
-    top-level `rope_theta`, `partial_rotary_factor` and `rope_scaling`; any RoPE but the
-    default one is refused by name."""
-    params = raw.get("rope_parameters")
-    if params is not None and not isinstance(params, dict):
-        raise CheckpointError(f"{source}: key 'rope_parameters' must be an object, got {params!r}")
-    params = dict(params or {})
-    scaling = raw.get("rope_scaling")
-    if isinstance(scaling, dict):
-        params = {**scaling, **params}
-    elif scaling is not None:
-        raise CheckpointError(f"{source}: key 'rope_scaling' must be an object or null, got {scaling!r}")
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
-        raise CheckpointError(f"{source}: RoPE of type {kind!r} (rope_parameters / rope_scaling) is not supported; "
-                              "only the default RoPE is")
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    theta = _get({"rope_theta": theta}, "rope_theta", float, source)
-    factor = _get({"partial_rotary_factor": factor}, "partial_rotary_factor", float, source)
-    rotary = int(head_dim * factor)
-    if not 0 < factor <= 1 or rotary % 2:
-        raise CheckpointError(f"{source}: key 'partial_rotary_factor' ({factor}) must be in (0, 1] and leave an even "
-                              f"number of rotated dims of head_dim {head_dim}")
-    return float(theta), rotary
-
-
-def _hybrid_mamba2(source: str, *, d_model: int, d_inner: int, n_heads: int, n_groups: int, **fields) -> dict:
-    """A hybrid's Mamba-2 fields, its sizes checked against each other."""
-    if d_inner % n_heads:
-        raise CheckpointError(f"{source}: the Mamba layers' width {d_inner} is not a multiple of their {n_heads} heads")
-    if n_heads % n_groups:
-        raise CheckpointError(f"{source}: the Mamba layers' {n_groups} groups must divide their {n_heads} heads")
-    return dict(layer="mamba2", d_model=d_model, d_inner=d_inner, head_dim=d_inner // n_heads, n_groups=n_groups,
-                **fields)
-
-
-def _vocab_and_head(raw: dict, source: str) -> dict:
-    return dict(vocab_size=_get(raw, "vocab_size", int, source),
-                tie_embeddings=_get(raw, "tie_word_embeddings", bool, source, False), eos_token_id=_eos(raw, source))
-
-
-_NEMOTRON_BLOCKS = {"M": "mamba2", "*": "attention", "-": "mlp", "E": "moe"}
-_NEMOTRON_TYPES = {"mamba": "mamba2", "linear_attention": "mamba2", "attention": "attention",
-                   "full_attention": "attention", "mlp": "mlp", "moe": "moe"}
-
-
-def _nemotron_h(raw: dict, source: str) -> MambaConfig:
-    """Nemotron-H (and Nemotron Nano v2): one sublayer a layer, "M" Mamba-2, "*" attention (no
-    positions), "-" an MLP of squared ReLU; `hybrid_override_pattern` (hub) or
-    `layers_block_type` (transformers 5)."""
-    pattern, types = raw.get("hybrid_override_pattern"), raw.get("layers_block_type")
-    if types is not None:
-        if not isinstance(types, list) or not all(t in _NEMOTRON_TYPES for t in types):
-            raise CheckpointError(f"{source}: key 'layers_block_type' must be a list of {sorted(_NEMOTRON_TYPES)}, "
-                                  f"got {types!r}")
-        blocks = [_NEMOTRON_TYPES[t] for t in types]
-        if pattern is not None and pattern != "".join({v: k for k, v in _NEMOTRON_BLOCKS.items()}[b] for b in blocks):
-            raise CheckpointError(f"{source}: keys 'hybrid_override_pattern' and 'layers_block_type' disagree")
-    elif isinstance(pattern, str) and pattern and set(pattern) <= set(_NEMOTRON_BLOCKS):
-        blocks = [_NEMOTRON_BLOCKS[ch] for ch in pattern]
-    else:
-        raise CheckpointError(f"{source}: key 'hybrid_override_pattern' must be a string of M, *, - and E "
-                              f"(or 'layers_block_type' a list), got {pattern!r}")
-    if "moe" in blocks:
-        raise CheckpointError(f"{source}: the layer pattern holds mixture-of-experts layers ('E' / 'moe'), which are "
-                              "not supported yet")
-    layers = raw.get("num_hidden_layers")
-    if layers is not None and layers != len(blocks):
-        raise CheckpointError(f"{source}: key 'num_hidden_layers' is {layers}, but the layer pattern has {len(blocks)}")
-    if raw.get("num_nextn_predict_layers", 0) not in (0, None):
-        raise CheckpointError(f"{source}: key 'num_nextn_predict_layers' is {raw['num_nextn_predict_layers']!r}; "
-                              "multi-token prediction layers are not supported")
-    _refuse_unless(raw, source, "mamba_hidden_act", ("silu",), "the Mamba layers' activation must be silu")
-    _refuse_unless(raw, source, "mlp_hidden_act", ("relu2", "silu"), "the MLP's activation must be relu2 or silu")
-    d_model = _get(raw, "hidden_size", int, source)
-    heads = _get(raw, "mamba_num_heads", int, source, 128)
-    head_dim = _get(raw, "mamba_head_dim", int, source, 64)
-    in_out_bias = _one_of(raw, source, ("use_bias", "mamba_proj_bias"), bool, False)
-    return MambaConfig(
-        n_layer=len(blocks), blocks=tuple(blocks), family="nemotron_h",
-        **_hybrid_mamba2(
-            source, d_model=d_model, d_inner=heads * head_dim, n_heads=heads,
-            n_groups=_one_of(raw, source, ("n_groups", "mamba_n_groups"), int, 8),
-            d_state=_get(raw, "ssm_state_size", int, source, 128),
-            d_conv=_one_of(raw, source, ("conv_kernel", "mamba_d_conv"), int, 4),
-            chunk_size=_one_of(raw, source, ("chunk_size", "mamba_chunk_size"), int, 128),
-            conv_bias=_one_of(raw, source, ("use_conv_bias", "mamba_conv_bias"), bool, True),
-            proj_bias=in_out_bias,
-            dt_limit=_dt_limit(raw.get("time_step_limit", raw.get("mamba_dt_limit")), "time_step_limit", source),
-        ),
-        norm_eps=_get(raw, "layer_norm_epsilon", float, source, 1e-5),
-        **_attention_fields(raw, source, d_model, ("head_dim", "attention_head_dim"), rope=False),
-        mlp_size=_get(raw, "intermediate_size", int, source), mlp_act=raw.get("mlp_hidden_act", "relu2"),
-        mlp_gated=False, mlp_bias=_get(raw, "mlp_bias", bool, source, False),
-        **_vocab_and_head(raw, source),
-    )
-
-
-def _mamba_fields_hf(raw: dict, source: str, d_model: int, d_inner: int) -> dict:
-    """The `mamba_*` keys that Bamba, Granite-4.0-H and Falcon-H1 share."""
-    heads = _get(raw, "mamba_n_heads", int, source, 128)
-    head = raw.get("mamba_d_head", "auto")
-    if head not in (None, "auto") and head * heads != d_inner:
-        raise CheckpointError(f"{source}: key 'mamba_d_head' ({head}) x 'mamba_n_heads' ({heads}) must be the Mamba "
-                              f"layers' width {d_inner}")
-    return _hybrid_mamba2(
-        source, d_model=d_model, d_inner=d_inner, n_heads=heads,
-        n_groups=_get(raw, "mamba_n_groups", int, source, 1), d_state=_get(raw, "mamba_d_state", int, source, 256),
-        d_conv=_get(raw, "mamba_d_conv", int, source, 4), chunk_size=_get(raw, "mamba_chunk_size", int, source, 256),
-        conv_bias=_get(raw, "mamba_conv_bias", bool, source, True), proj_bias=_get(raw, "mamba_proj_bias", bool, source, False),
-        dt_limit=_dt_limit(raw.get("time_step_limit"), "time_step_limit", source),
-    )
-
-
-def _expanded(raw: dict, source: str, d_model: int) -> int:
-    return _get(raw, "mamba_expand", int, source, 2) * d_model
-
-
-def _bamba(raw: dict, source: str) -> MambaConfig:
-    """Bamba: each layer a Mamba-2 or (at `attn_layer_indices`) an attention sublayer, then a
-    gated SiLU MLP; partial RoPE."""
-    layers = _get(raw, "num_hidden_layers", int, source)
-    attn = raw.get("attn_layer_indices") or []
-    if not isinstance(attn, list) or not all(isinstance(i, int) and 0 <= i < layers for i in attn):
-        raise CheckpointError(f"{source}: key 'attn_layer_indices' must be a list of layer indices below {layers}, "
-                              f"got {attn!r}")
-    _refuse_unless(raw, source, "hidden_act", ("silu",), "the MLP's activation must be silu")
-    d_model = _get(raw, "hidden_size", int, source)
-    blocks = [b for i in range(layers) for b in ("attention" if i in attn else "mamba2", "mlp")]
-    return MambaConfig(
-        n_layer=layers, blocks=tuple(blocks), family="bamba",
-        **_mamba_fields_hf(raw, source, d_model, _expanded(raw, source, d_model)),
-        norm_eps=_get(raw, "rms_norm_eps", float, source, 1e-5),
-        **_attention_fields(raw, source, d_model),
-        mlp_size=_get(raw, "intermediate_size", int, source), mlp_bias=_get(raw, "mlp_bias", bool, source, False),
-        **_vocab_and_head(raw, source),
-    )
-
-
-_GRANITE_TYPES = {"mamba": "mamba2", "linear_attention": "mamba2", "attention": "attention", "full_attention": "attention"}
-
-
-def _granite(raw: dict, source: str) -> MambaConfig:
-    """Granite-4.0-H (dense): each layer a Mamba-2 or attention sublayer, then the shared gated
-    SiLU MLP; the embedding, residual, attention and logits multipliers; RoPE or none."""
-    if raw.get("num_local_experts", 0) not in (0, None):
-        raise CheckpointError(f"{source}: key 'num_local_experts' is {raw['num_local_experts']!r}; mixture-of-experts "
-                              "layers are not supported yet (only dense Granite-4.0-H models)")
-    layers = _get(raw, "num_hidden_layers", int, source)
-    types = raw.get("layer_types") or raw.get("layers_block_type")
-    if not isinstance(types, list) or len(types) != layers or not all(t in _GRANITE_TYPES for t in types):
-        raise CheckpointError(f"{source}: key 'layer_types' must list {layers} of 'mamba' and 'attention', got {types!r}")
-    position = raw.get("position_embedding_type") or "nope"
-    if position not in ("rope", "nope"):
-        raise CheckpointError(f"{source}: key 'position_embedding_type' is {position!r}; 'rope' and 'nope' are supported")
-    _refuse_unless(raw, source, "hidden_act", ("silu",), "the MLP's activation must be silu")
-    d_model = _get(raw, "hidden_size", int, source)
-    blocks = [b for t in types for b in (_GRANITE_TYPES[t], "mlp")]
-    attention = _attention_fields(raw, source, d_model, rope=position == "rope")
-    attention["attn_scale"] = _get(raw, "attention_multiplier", float, source, attention["attn_head_dim"] ** -0.5)
-    return MambaConfig(
-        n_layer=layers, blocks=tuple(blocks), family="granitemoehybrid",
-        **_mamba_fields_hf(raw, source, d_model, _expanded(raw, source, d_model)),
-        norm_eps=_get(raw, "rms_norm_eps", float, source, 1e-6),
-        **attention,
-        mlp_size=_get(raw, "shared_intermediate_size", int, source),
-        embedding_multiplier=float(_get(raw, "embedding_multiplier", float, source, 1.0)),
-        logits_multiplier=1.0 / _get(raw, "logits_scaling", float, source, 1.0),
-        multipliers=(("residual_multiplier", float(_get(raw, "residual_multiplier", float, source, 1.0))),),
-        **_vocab_and_head(raw, source),
-    )
-
-
-def _multipliers(raw: dict, source: str, key: str, n: int) -> tuple[float, ...]:
-    value = raw.get(key)
-    if value is None:
-        return (1.0,) * n
-    if (not isinstance(value, list) or len(value) != n
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)):
-        raise CheckpointError(f"{source}: key '{key}' must be a list of {n} finite numbers, got {value!r}")
-    return tuple(float(v) for v in value)
-
-
-def _finite(raw: dict, source: str, key: str) -> float:
-    value = raw.get(key, 1.0)
-    if value is None:
-        return 1.0
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise CheckpointError(f"{source}: key '{key}' must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _falcon_h1(raw: dict, source: str) -> MambaConfig:
-    """Falcon-H1: each layer attention and Mamba-2 side by side on one norm (their outputs
-    summed), then a gated SiLU MLP; muP multipliers on nearly every product."""
-    layers = _get(raw, "num_hidden_layers", int, source)
-    _refuse_unless(raw, source, "hidden_act", ("silu",), "the MLP's activation must be silu")
-    d_model = _get(raw, "hidden_size", int, source)
-    d_ssm = raw.get("mamba_d_ssm")
-    d_inner = _get(raw, "mamba_d_ssm", int, source) if d_ssm is not None else _expanded(raw, source, d_model)
-    mamba = _mamba_fields_hf(raw, source, d_model, d_inner)
-    out_bias = _get(raw, "projectors_bias", bool, source, False)
-    if out_bias != mamba["proj_bias"]:
-        raise CheckpointError(f"{source}: keys 'mamba_proj_bias' ({mamba['proj_bias']}) and 'projectors_bias' "
-                              f"({out_bias}) differ; only equal in_proj and out_proj biases are supported")
-    names = ("ssm_in_multiplier", "ssm_out_multiplier", "attention_in_multiplier", "attention_out_multiplier",
-             "key_multiplier")
-    return MambaConfig(
-        n_layer=layers, blocks=("mamba2+attention", "mlp") * layers, family="falcon_h1", **mamba,
-        ssm_norm=_get(raw, "mamba_rms_norm", bool, source, False),
-        norm_before_gate=_get(raw, "mamba_norm_before_gate", bool, source, True),
-        norm_eps=_get(raw, "rms_norm_eps", float, source, 1e-5),
-        **_attention_fields(raw, source, d_model),
-        mlp_size=_get(raw, "intermediate_size", int, source), mlp_bias=_get(raw, "mlp_bias", bool, source, False),
-        embedding_multiplier=_finite(raw, source, "embedding_multiplier"),
-        logits_multiplier=_finite(raw, source, "lm_head_multiplier"),
-        multipliers=tuple((n, _finite(raw, source, n)) for n in names)
-        + (("ssm_multipliers", _multipliers(raw, source, "ssm_multipliers", 5)),
-           ("mlp_multipliers", _multipliers(raw, source, "mlp_multipliers", 2))),
-        **_vocab_and_head(raw, source),
-    )
-
-
-_HYBRIDS = {"nemotron_h": _nemotron_h, "bamba": _bamba, "granitemoehybrid": _granite, "falcon_h1": _falcon_h1}

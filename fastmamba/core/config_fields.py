@@ -1,0 +1,67 @@
+"""Reading config.json's values: each one type-checked, and a missing or malformed one named
+with its file and key (a CheckpointError)."""
+
+from __future__ import annotations
+
+import math
+
+from fastmamba.core.errors import CheckpointError
+
+
+def get(raw: dict, key: str, kind, source: str, default=None):
+    """One config value, type-checked; a missing required key or a wrong type names the key."""
+    if key not in raw or raw[key] is None:
+        if default is None:
+            raise CheckpointError(f"{source}: missing required key '{key}'")
+        return default
+    value = raw[key]
+    if kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        expected = {int: "a positive integer", float: "a positive finite number", bool: "true or false"}
+        raise CheckpointError(f"{source}: key '{key}' must be {expected.get(kind, kind.__name__)}, got {value!r}")
+    return value
+
+
+def dt_rank(value, key: str, source: str) -> int:
+    if value in (None, "auto"):
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    raise CheckpointError(f"{source}: key '{key}' must be \"auto\" or a positive integer, got {value!r}")
+
+
+def dt_limit(value, key: str, source: str) -> tuple[float, float]:
+    """A [low, high] pair of step-size bounds (JSON may spell infinity `Infinity`)."""
+    if value is None:
+        return (0.0, math.inf)
+    if isinstance(value, (list, tuple)):  # (transformers writes infinity as {"__float__": "Infinity"})
+        value = [_json_float(v) for v in value]
+    ok = (isinstance(value, (list, tuple)) and len(value) == 2
+          and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+          and 0 <= value[0] < value[1])
+    if not ok:
+        raise CheckpointError(f"{source}: key '{key}' must be [low, high] with 0 <= low < high, got {value!r}")
+    return (float(value[0]), float(value[1]))
+
+
+def _json_float(v):
+    if isinstance(v, dict) and set(v) == {"__float__"} and isinstance(v["__float__"], str):
+        try:
+            return float(v["__float__"])
+        except ValueError:
+            return v
+    return v
+
+
+def eos_id(raw: dict, source: str) -> int:
+    eos = raw.get("eos_token_id", 0)
+    if isinstance(eos, list) and eos:
+        eos = eos[0]
+    if not isinstance(eos, int) or isinstance(eos, bool) or eos < 0:
+        raise CheckpointError(f"{source}: key 'eos_token_id' must be a non-negative integer, got {eos!r}")
+    return eos
