@@ -27,7 +27,7 @@ heats).
     python -m benchmarks.decode_routing --models backbone-128x3 --dtypes float32 --batches 256,1024,4096
 
 A model "backbone-DxL" is fastmamba.Backbone(d_model D, n_layer L) as its step runs it
-(backbone.decode_model: the same kernels, an identity lm_head).
+(backbone_step.decode_model: the same kernels, an identity lm_head).
 """
 
 import argparse
@@ -69,7 +69,7 @@ def model_of(size: str, dtype: torch.dtype):
     if not size.startswith("backbone-"):
         return bench.random_model(size, dtype)
     from fastmamba import Backbone, BackboneConfig
-    from fastmamba.engine.backbone import decode_model
+    from fastmamba.engine.backbone_step import decode_model
 
     d_model, n_layer = map(int, size.removeprefix("backbone-").split("x"))
     torch.manual_seed(0)

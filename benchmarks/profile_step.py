@@ -36,7 +36,7 @@ def print_kernel_times(fn, title: str, warm: int = 3, calls: int = 5, rows: int 
 
 def profile_backbone(shape: str, dtype: torch.dtype, batches: list[int]) -> None:
     from fastmamba import Backbone, BackboneConfig
-    from fastmamba.engine.backbone import KernelStep
+    from fastmamba.engine.backbone_step import KernelStep
 
     d_model, n_layer = map(int, shape.split("x"))
     torch.manual_seed(0)

@@ -309,7 +309,7 @@ def test_the_language_models_backbone_shares_its_weights():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("B", [1, 37, 300])  # one-row kernels; decode_gemm.py's step, in its smaller and larger routes
 def test_gpu_graph_step_equals_eager_and_the_cpu(dtype, B):
-    from fastmamba.engine.backbone import KernelStep
+    from fastmamba.engine.backbone_step import KernelStep
 
     cpu = make(d_model=128, n_layer=3, input_dim=64, d_state=16)
     gpu = Backbone(cpu.config, device="cuda", dtype=dtype)
@@ -392,7 +392,7 @@ def test_kernel_step_equals_the_reference_step(batch, dtype, state_dtype):
     """KernelStep (the language model's decode kernels; Triton's interpreter without CUDA),
     with a float32 or a bf16 state (updated in float32, rounded once on store in both)."""
     pytest.importorskip("triton")
-    from fastmamba.engine.backbone import KernelStep
+    from fastmamba.engine.backbone_step import KernelStep
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ref = make(proj_bias=True)
@@ -546,7 +546,7 @@ def test_step_graphs_are_bounded_and_keyed_by_batch_and_state_memory(monkeypatch
     alive; a state at the address of one freed reuses its graph."""
     import weakref
 
-    import fastmamba.engine.backbone as backbone
+    import fastmamba.engine.backbone_step as backbone_step
     from fastmamba.engine import cuda_graphs
 
     captures = []
@@ -558,7 +558,7 @@ def test_step_graphs_are_bounded_and_keyed_by_batch_and_state_memory(monkeypatch
         captures.append(pool)
         return object(), None
 
-    monkeypatch.setattr(backbone._StepGraphs, "_setup", setup)
+    monkeypatch.setattr(backbone_step.StepGraphs, "_setup", setup)
     monkeypatch.setattr(cuda_graphs, "capture_graph", capture_graph)
     bb = make()
     a, b = bb.new_state(3), bb.new_state(3)
@@ -579,13 +579,13 @@ def test_step_graphs_are_bounded_and_keyed_by_batch_and_state_memory(monkeypatch
         dropped.append(weakref.ref(g))
         held = (held + [state])[-3:]  # a few states alive at a time, as a run's rollouts keep
         del g
-    assert len(bb._graphs) == 1 and len(bb._graphs.entries[(3, torch.float32, torch.float32)].states) == backbone.STATES_PER_BATCH
-    assert len({id(r()) for r in dropped if r() is not None}) <= backbone.STATES_PER_BATCH  # the rest freed
+    assert len(bb._graphs) == 1 and len(bb._graphs.entries[(3, torch.float32, torch.float32)].states) == backbone_step.STATES_PER_BATCH
+    assert len({id(r()) for r in dropped if r() is not None}) <= backbone_step.STATES_PER_BATCH  # the rest freed
     assert len(captures) < 1000  # states made after others were freed took their memory, and graphs
     in_bf16 = fastmamba.MambaState(held[0].conv.bfloat16(), held[0].ssm.bfloat16())
     assert bb._graph_for(in_bf16) is not bb._graph_for(held[0]) and len(bb._graphs) == 2
     for batch in range(1, 20):
         bb._graph_for(bb.new_state(batch))
-    assert len(bb._graphs) == backbone.STEP_BATCHES
+    assert len(bb._graphs) == backbone_step.STEP_BATCHES
     bb.to("cpu")  # (a move drops them all)
     assert len(bb._graphs) == 0

@@ -12,7 +12,7 @@ flags: on the CPU the pure-PyTorch ops; on CUDA the prefill kernels without auto
 under autograd the training ops (core/ops.training_ops), whose conv and scan run forward and
 backward in Triton.
 The step runs the same layer; on CUDA through the language model's decode kernels
-(KernelStep) in a CUDA graph.
+(backbone_step.KernelStep) in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import dataclasses
 import json
 import math
 import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from fastmamba.core.errors import CheckpointError
 from fastmamba.core.mamba1 import LayerWeights, mixer
 from fastmamba.core.ops import REFERENCE_OPS
 from fastmamba.core.state import MambaState
-from fastmamba.kernels.products import linear_storage
+from fastmamba.engine.backbone_step import LRU, STEP_BATCHES, StateGraph, StepGraphs
 
 FORMAT = "fastmamba.Backbone"
 
@@ -199,7 +198,7 @@ class Backbone(nn.Module):
             self.input_proj = None
         self.layers = nn.ModuleList([_Layer(config, device, dtype) for _ in range(config.n_layer)])
         self.norm_f = _RMSNorm(config.d_model, device)
-        self._graphs = _LRU(STEP_BATCHES)  # (batch, state dtypes) -> _StepGraphs
+        self._graphs = LRU(STEP_BATCHES)  # (batch, state dtypes) -> StepGraphs
         self._last = None  # (graph, x's shape, the state's tensors weakly): the last device-tensor call's
         self._step_weights, self._step_versions = None, None  # the eager step's (see _eager_weights)
 
@@ -309,11 +308,11 @@ class Backbone(nn.Module):
         assert value is None, "only cleared"
         self._last = None
 
-    def _graph_for(self, state: MambaState) -> "_StateGraph":
+    def _graph_for(self, state: MambaState) -> StateGraph:
         """The step's graph over this state's memory: from the graphs of its batch size and
         dtypes, captured if that memory has none."""
         key = (state.batch, state.conv.dtype, state.ssm.dtype)
-        graphs = self._graphs.get(key, lambda: _StepGraphs(self, state.batch))
+        graphs = self._graphs.get(key, lambda: StepGraphs(self, state.batch))
         return graphs.for_state(state)
 
     def _apply(self, fn, *args, **kwargs):
@@ -493,179 +492,6 @@ class Backbone(nn.Module):
             share(m.out_proj, "bias", lw.out_proj_b)
         share(bb.norm_f, "weight", w.norm_f)
         return bb
-
-
-def decode_model(bb: Backbone):
-    """The backbone as a language model for the decode kernels: an identity matrix as the
-    embedding (unused: the step takes vectors) and as lm_head, so that the "logits" are the
-    final-normed hidden state; the layers read the module's parameters, not copies (A = -exp(A_log)
-    is the one derived tensor: KernelStep.sync)."""
-    from fastmamba.core.config import MambaConfig
-    from fastmamba.core.model import Mamba, MambaWeights
-    from fastmamba.core.ops import triton_ops
-    from fastmamba.engine.plan import KERNEL_TILES
-
-    c = bb.config
-    storage = bb.layers[0].mixer.in_proj.weight.dtype
-    sizes = MambaConfig(
-        d_model=c.d_model, n_layer=c.n_layer, vocab_size=c.d_model, d_state=c.d_state, d_conv=c.d_conv,
-        d_inner=c.d_inner, dt_rank=c.dt_rank, conv_bias=c.conv_bias, proj_bias=c.proj_bias, norm_eps=c.norm_eps,
-    )
-    eye = torch.eye(c.d_model, device=bb.device, dtype=storage)
-    with torch.no_grad():  # the kernels read the parameters themselves
-        layers = bb._layer_weights()
-    return Mamba(sizes, MambaWeights(embedding=eye, layers=layers, norm_f=bb.norm_f.weight, lm_head=eye), triton_ops(KERNEL_TILES))
-
-
-class KernelStep:
-    """The step through the language model's decode kernels (kernels/decode_step.py: one
-    row a program at small batches; decode_gemm.py's step above), with vectors in place of
-    the embedding lookup and an identity matrix as lm_head, so that what they return is the
-    final-normed hidden state. Needs Triton; the state in any float dtype (the kernels update
-    it in float32 and round once on store)."""
-
-    def __init__(self, bb: Backbone, batch: int):
-        from fastmamba.engine.decode_step import make_decode_step
-
-        self.config, self.input_proj = bb.config, bb.input_proj  # (not bb: the backbone holds this)
-        model = decode_model(bb)
-        self.layers = model.weights.layers
-        self.A_logs = [layer.mixer.A_log for layer in bb.layers]  # (read every step: no module lookups)
-        self.versions = tuple(a._version for a in self.A_logs)
-        self.step = make_decode_step(model, batch)
-
-    def sync(self) -> None:
-        """A = -exp(A_log) anew where A_log has changed since (an optimizer step bumps its
-        version counter); outside any graph, before a replay."""
-        versions = tuple(a._version for a in self.A_logs)
-        if versions != self.versions:
-            with torch.no_grad():
-                for lw, A_log in zip(self.layers, self.A_logs):
-                    torch.exp(A_log.float(), out=lw.A).neg_()
-            self.versions = versions
-
-    def __call__(self, x: torch.Tensor, state: MambaState) -> torch.Tensor:
-        p = self.input_proj
-        h = linear_storage(x, p.weight, p.bias) if p is not None else x.float()
-        return self.step(None, state, h=h)
-
-
-# Bounds on the step's CUDA graphs (see Backbone's doc): a graph costs its capture's memory
-# and a capture about three steps' time, while a run steps a few batch sizes (rollouts,
-# evaluation) and one or two states a batch size at a time.
-STEP_BATCHES = 8  # batch sizes (and state dtypes) with their kernels, buffers and graphs kept
-STATES_PER_BATCH = 4  # state addresses with a graph kept, per batch size
-
-
-class _LRU:
-    """A dict of at most `size` entries that drops the least recently used."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.entries: OrderedDict = OrderedDict()
-
-    def get(self, key, make):
-        """The entry of `key`, made by make() (and the oldest dropped) if there is none."""
-        value = self.entries.get(key)
-        if value is None:
-            value = make()
-            self.entries[key] = value
-            if len(self.entries) > self.size:
-                self.entries.popitem(last=False)
-        else:
-            self.entries.move_to_end(key)
-        return value
-
-    def clear(self) -> None:
-        self.entries.clear()
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-
-def state_address(state: MambaState) -> tuple:
-    """Where a state's tensors lie: what a graph captured over them reads and writes (their
-    shapes and dtype are the graph's batch size's)."""
-    return state.conv.data_ptr(), state.conv.stride(), state.ssm.data_ptr(), state.ssm.stride()
-
-
-class _StepGraphs:
-    """The step at one batch size on CUDA: the decode kernels and their scratch (KernelStep)
-    where Triton is there, else the pure-PyTorch step; the input and output buffers; one
-    memory pool; and the graphs over the last STATES_PER_BATCH state addresses. The kernels
-    and buffers are made at the first capture. Holds the backbone weakly (the backbone holds
-    this)."""
-
-    def __init__(self, bb: Backbone, batch: int):
-        self.bb, self.batch = weakref.ref(bb), batch
-        self.states = _LRU(STATES_PER_BATCH)  # state_address -> _StateGraph
-        self.kernels = self.run = None
-
-    def for_state(self, state: MambaState) -> "_StateGraph":
-        return self.states.get(state_address(state), lambda: _StateGraph(self, state))
-
-    def _setup(self) -> None:
-        from fastmamba.kernels._triton import HAVE_TRITON
-
-        bb, B = self.bb(), self.batch
-        dev = bb.device
-        if HAVE_TRITON:
-            self.kernels = self.run = KernelStep(bb, B)
-        else:
-            module = self.bb
-            self.run = lambda x, state: module()._step_eager(x, state)
-        self.device_index = dev.index if dev.index is not None else torch.cuda.current_device()
-        self.x = torch.zeros(B, bb.config.input_dim, device=dev)
-        self.host_x = torch.zeros(B, bb.config.input_dim, pin_memory=True)
-        self.host_y = torch.zeros(B, bb.config.d_model, pin_memory=True)
-        self.pool = torch.cuda.graph_pool_handle()  # one replays at a time: the graphs share scratch
-
-    def capture(self, body, state: MambaState):
-        """capture_graph's, with the state as it was before the warm-up calls."""
-        from fastmamba.engine.cuda_graphs import capture_graph
-
-        if self.run is None:
-            self._setup()
-        saved = (state.conv.clone(), state.ssm.clone())
-        graph, out = capture_graph(body, self.pool)
-        state.conv.copy_(saved[0])
-        state.ssm.copy_(saved[1])
-        return graph, out
-
-
-class _StateGraph:
-    """The step over one state's memory, as CUDA graphs captured on first use: one for
-    device tensors (x copied in, y cloned out), one for host tensors (the copies from and to
-    pinned buffers inside the graph, so a call is one replay and one wait). Holds no
-    reference to the state: its memory is where the graphs read and write it."""
-
-    def __init__(self, graphs: _StepGraphs, state: MambaState):
-        self.graphs = graphs
-        conv, ssm = state.conv, state.ssm  # (the bodies run at capture only)
-        self.device_graph, self.y = graphs.capture(lambda: graphs.run(graphs.x, MambaState(conv, ssm)), state)
-        self.x, self.kernels, self.device_index = graphs.x, graphs.kernels, graphs.device_index  # (the batch's)
-        self.host_graph = None
-
-    def on_device(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None:
-            self.kernels.sync()  # A, after an optimizer step
-        self.x.copy_(x)
-        self.device_graph.replay()
-        return self.y.clone()  # the graph's own output is rewritten by the next step
-
-    def from_host(self, x: torch.Tensor, as_numpy: bool, state: MambaState):
-        g = self.graphs
-        if self.host_graph is None:
-            def body():
-                g.x.copy_(g.host_x, non_blocking=True)
-                g.host_y.copy_(g.run(g.x, state), non_blocking=True)
-            self.host_graph = g.capture(body, state)[0]
-        if g.kernels is not None:
-            g.kernels.sync()  # A, after an optimizer step
-        g.host_x.copy_(x)
-        self.host_graph.replay()
-        torch.cuda.current_stream().synchronize()
-        return g.host_y.numpy().copy() if as_numpy else g.host_y.clone()
 
 
 def _parse_device(device) -> torch.device | None:
