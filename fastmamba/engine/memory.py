@@ -7,6 +7,7 @@ import torch
 
 from fastmamba.core.layers import state_bytes
 
+
 def kv_cache_tokens(model, megabytes: int | None, slots: int = 0) -> int | None:
     """The tokens a hybrid's KV cache holds (None for a model without attention): `megabytes`
     of them, or on a GPU half the memory free once the model and its slots (`slots` bytes,
