@@ -17,6 +17,7 @@ import torch
 
 from fastmamba.bench import _random_tensors, copy_bandwidth
 from fastmamba.core.config import MambaConfig
+from fastmamba.core.kv_cache import bytes_per_token
 from fastmamba.core.model import Mamba
 from fastmamba.core.ops import REFERENCE_OPS, triton_ops
 from fastmamba.core.sampling_params import SamplingParams
@@ -80,8 +81,7 @@ def floor_ms(model: Mamba, batch: int, context: int, bandwidth: float) -> float:
     c = model.config
     state = model.new_state(1)
     per_row = 2 * (state.conv.numel() + state.ssm.numel()) * state.conv.element_size()
-    kv_bytes = w.embedding.element_size()  # (keys and values in the storage dtype)
-    kv = 2 * c.n_attention * c.kv_heads * c.attn_head_dim * kv_bytes * context  # every context's keys and values read
+    kv = bytes_per_token(c, w.embedding.element_size()) * context  # every context's keys and values read
     return (weights + batch * (per_row + kv)) / bandwidth * 1e3
 
 

@@ -16,6 +16,11 @@ import math
 import torch
 
 
+def bytes_per_token(config, element_size: int) -> int:
+    """A token's keys and values in every attention sublayer of a model of `config`."""
+    return 2 * config.n_attention * config.kv_heads * config.attn_head_dim * element_size
+
+
 class KVCacheFull(RuntimeError):
     """The pool has no free block for a reservation."""
 
@@ -138,8 +143,6 @@ class KVCache:
             t[a] = t[b]
             t[b] = row
 
-    def nbytes_per_token(self) -> int:
-        return 2 * self.k[:, 0, 0].numel() * self.k.element_size()
 
 
 def _to(values: list[int], device) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from fastmamba.core.kv_cache import bytes_per_token
 from fastmamba.core.layers import state_bytes
 
 
@@ -15,7 +16,7 @@ def kv_cache_tokens(model, megabytes: int | None, slots: int = 0) -> int | None:
     c = model.config
     if not getattr(c, "n_attention", 0):
         return None
-    per_token = 2 * c.n_attention * c.kv_heads * c.attn_head_dim * model.weights.embedding.element_size()
+    per_token = bytes_per_token(c, model.weights.embedding.element_size())
     if megabytes is None:
         if model.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(model.device)
