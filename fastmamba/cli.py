@@ -162,15 +162,19 @@ def _generate(args, options: EngineOptions) -> int:
 
     import fastmamba
 
-    params = fastmamba.SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.seed,
-    )
+    try:
+        params = fastmamba.SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            seed=args.seed,
+        )
+    except ValueError as e:  # "SamplingParams.max_tokens must be ...": name the flag the user gave
+        field, _, rest = str(e).removeprefix("SamplingParams.").partition(" ")
+        raise ValueError(f"{flag(field)} {rest}") from None
     if options.model is None and not (fastmamba.default_model_dir() / "config.json").exists():
         raise ValueError("no bundled model in this install: pass --model DIR")
     lm = fastmamba.load(**options.load_kwargs())

@@ -57,7 +57,11 @@ def test_broken_checkpoint_names_the_file(tmp_path, text_checkpoint):
 
 
 def test_bad_flag_values(text_checkpoint):
-    assert_one_line_error(run("generate", "--model", str(text_checkpoint), "--temperature", "-1", "hi"), "temperature")
+    assert_one_line_error(run("generate", "--model", str(text_checkpoint), "--temperature", "-1", "hi"), "--temperature")
+    # (the flag the user typed, not the library's field: SamplingParams.max_tokens)
+    r = run("generate", "--model", str(text_checkpoint), "--max-tokens", "0", "hi")
+    assert_one_line_error(r, "--max-tokens must be an integer >= 1, got 0")
+    assert "SamplingParams" not in r.stderr
     assert_one_line_error(run("generate", "--model", str(text_checkpoint), "--dtype", "int4", "hi"), "dtype")
     r = run("generate", "--model", str(text_checkpoint), "--max-tokens", "many", "hi")
     assert r.returncode == 2 and "--max-tokens" in r.stderr and "Traceback" not in r.stderr

@@ -29,6 +29,7 @@ from fastmamba.serve import requests
 from fastmamba.serve.chat import ChatTemplate, TemplateRefused, check_messages, conversation_key
 from fastmamba.serve.choices import Choice
 from fastmamba.serve.errors import APIError, engine_down, from_engine, too_large
+from fastmamba.serve.fields import check_fields
 from fastmamba.serve.metrics import Metrics
 from fastmamba.serve.options import ServeOptions
 from fastmamba.serve.prompt_workers import PromptWorkers
@@ -65,9 +66,17 @@ class OpenAIServer:
         except ValueError as e:
             raise APIError(400, f"'messages': {e}", param="messages") from None
 
+    def _model(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "fastmamba"}
+
     async def models(self):
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "fastmamba"}]}
+        return {"object": "list", "data": [self._model()]}
+
+    async def model(self, model: str):
+        if model != self.model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+        return self._model()
 
     async def tokenize(self, request):
         from fastapi.responses import Response as HTTPResponse
@@ -88,6 +97,7 @@ class OpenAIServer:
 
     async def completions(self, request):
         body = await self.body(request)
+        check_fields(body, "completions")
         requests.check_model(body, self.model_name)
         prompts = await requests.prompts(self.workers, body.get("prompt"))
         logprobs = get(body, "logprobs", int, None, lo=0, hi=MAX_LOGPROBS)
@@ -98,6 +108,7 @@ class OpenAIServer:
 
     async def chat(self, request):
         body = await self.body(request)
+        check_fields(body, "chat")
         requests.check_model(body, self.model_name)
         messages = check_messages(body.get("messages"))
         prompts = [await self.chat_prompt(messages)]
@@ -161,7 +172,7 @@ class OpenAIServer:
             raise from_engine(e.error) from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         echoes = [prompts[i // n][0] if echo else "" for i in range(len(choices))]
-        response = Response(rid, self.model_name, chat, self.encoder, echoes)
+        response = Response(rid, self.model_name, chat, self.encoder, echoes, n)
         if stream:
             from fastapi.responses import StreamingResponse
 
@@ -285,6 +296,7 @@ def create_app(engine: EngineClient, encoder: PromptEncoder, options: ServeOptio
         return HTTPResponse(page, media_type=content_type)
 
     app.get("/v1/models")(server.models)
+    app.get("/v1/models/{model:path}")(server.model)  # (a hub id has a slash)
     for path, endpoint in (("/tokenize", server.tokenize), ("/detokenize", server.detokenize),
                            ("/v1/completions", server.completions), ("/v1/chat/completions", server.chat)):
         app.post(path)(_taking_request(endpoint, HTTPRequest))

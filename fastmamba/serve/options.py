@@ -6,6 +6,7 @@ engine.options.EngineOptions, which a ServeOptions holds."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 from fastmamba.engine.options import EngineOptions, flag, option
 
@@ -18,7 +19,8 @@ class ServeOptions:
     host: str = field(default="127.0.0.1", metadata=option("address to bind (default: 127.0.0.1, this machine only)"))
     port: int = field(default=8000, metadata=option("port (default: 8000)"))
     served_model_name: str | None = field(default=None, metadata=option(
-        "the model's name in the API (default: --model, or fastmamba-default)", metavar="NAME"))
+        "the model's name in the API (default: the --model folder's name or hub id, or fastmamba-default)",
+        metavar="NAME"))
     max_queue: int = field(default=256, metadata=option(
         "requests that may wait for a slot; more get 429 (default: 256)"))
     max_model_len: int = field(default=32768, metadata=option(
@@ -67,8 +69,16 @@ class ServeOptions:
 
     @property
     def model_name(self) -> str:
-        """The model's name in the API."""
-        return self.served_model_name or self.engine.model or "fastmamba-default"
+        """The model's name in the API: --served-model-name, else the --model folder's own name
+        (a path's last part: `/data/models/mamba-130m/` is "mamba-130m") or the hub id as given,
+        else "fastmamba-default" (the bundled model)."""
+        if self.served_model_name:
+            return self.served_model_name
+        model = self.engine.model
+        if model is None:
+            return "fastmamba-default"
+        local = Path(model).expanduser()
+        return local.resolve().name if local.is_dir() else model
 
     @property
     def max_body_bytes(self) -> int:

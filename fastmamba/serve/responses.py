@@ -14,8 +14,8 @@ def sse(obj: dict) -> str:
 class Response:
     """Builds OpenAI's response and chunk bodies from the engine's events, choice by choice."""
 
-    def __init__(self, rid, model, chat, encoder, echoes):
-        self.rid, self.model, self.chat, self.encoder = rid, model, chat, encoder
+    def __init__(self, rid, model, chat, encoder, echoes, n: int = 1):
+        self.rid, self.model, self.chat, self.encoder, self.n = rid, model, chat, encoder, n
         self.created = int(time.time())
         self.texts = list(echoes)
         self.first = [True] * len(echoes)
@@ -41,8 +41,9 @@ class Response:
         """One event -> (text piece, finish reason, logprob entry) for a chunk."""
         if kind == "done":
             self.finish[index] = data["finish_reason"]
-            for key in self.usage:
-                self.usage[key] += data[key]
+            for key in self.usage:  # (a prompt counted once, not once for each of its n choices)
+                if key == "completion_tokens" or index % self.n == 0:
+                    self.usage[key] += data[key]
             self.texts[index] += data["tail"]
             return data["tail"], data["finish_reason"], None
         piece = data["text"] or ""

@@ -1,0 +1,94 @@
+"""Which fields of OpenAI's request bodies the server takes, and a 400 naming any other.
+
+A client that asks for something the server does not do (tools, JSON output, audio, a
+suffix) must hear so, not get a 200 that quietly ignored it. Every field of OpenAI's
+completions and chat bodies is listed here: the ones served, the ones served only at their
+neutral value (`store: false`, `modalities: ["text"]`, `response_format: {"type": "text"}`),
+the ones that only identify or describe the caller and change no token (`user`,
+`metadata`), and the ones refused, each with the reason the client reads. A field OpenAI
+does not define is refused as OpenAI refuses it ("unrecognized").
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastmamba.serve.errors import APIError
+
+# served by both endpoints (vLLM's extensions included: top_k, min_p, repetition_penalty,
+# stop_token_ids)
+_COMMON = {
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
+    "stop_token_ids", "n", "stream", "stream_options", "logprobs", "logit_bias", "presence_penalty",
+    "frequency_penalty",
+    # the caller's identity or bookkeeping: no token depends on them
+    "user", "metadata", "safety_identifier", "prompt_cache_key",
+}
+SERVED = {
+    "completions": _COMMON | {"prompt", "echo", "best_of", "suffix"},
+    "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "modalities",
+                       "store", "service_tier", "parallel_tool_calls", "reasoning_effort", "verbosity"},
+}
+
+_NOT_SERVED = "is not supported by this server"
+# OpenAI's fields this server does not implement, and what the client is told
+REFUSED = {
+    "tools": f"'tools' {_NOT_SERVED}: it does not parse tool calls from the model's output",
+    "tool_choice": f"'tool_choice' {_NOT_SERVED}: it does not parse tool calls from the model's output",
+    "functions": f"'functions' {_NOT_SERVED}: it does not parse function calls from the model's output",
+    "function_call": f"'function_call' {_NOT_SERVED}: it does not parse function calls from the model's output",
+    "audio": f"'audio' {_NOT_SERVED}: the model reads and writes text only",
+    "prediction": f"'prediction' (predicted outputs) {_NOT_SERVED}",
+    "web_search_options": f"'web_search_options' {_NOT_SERVED}: it has no web search",
+}
+
+
+def check_fields(body: dict, endpoint: str) -> None:
+    """A 400 naming the first field of `body` that the endpoint ("completions" or "chat")
+    does not serve, or serves only at a value other than the one given."""
+    served = SERVED[endpoint]
+    for name, value in body.items():
+        if name in REFUSED:
+            raise APIError(400, REFUSED[name], param=name, code="unsupported_field")
+        if name not in served:
+            other = "completions" if endpoint == "chat" else "chat"
+            where = f"; it is a field of /v1/{'chat/' if other == 'chat' else ''}completions" if name in SERVED[other] else ""
+            raise APIError(400, f"unrecognized request field '{name}'{where}", param=name, code="unrecognized_field")
+        if value is not None:
+            _check_value(name, value, body, endpoint)
+
+
+def _refuse(name: str, why: str):
+    raise APIError(400, f"'{name}' {why}", param=name, code="unsupported_field")
+
+
+def _check_value(name: str, value, body: dict, endpoint: str) -> None:
+    """Fields served only at their neutral value (the others are checked where they are read)."""
+    if name == "response_format":
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind in ("json_object", "json_schema"):
+            _refuse(name, f"of type '{kind}' {_NOT_SERVED}: it has no constrained (structured) output yet")
+        if kind != "text":
+            raise APIError(400, "'response_format' must be an object whose 'type' is 'text', 'json_object' or "
+                           f"'json_schema', got {json.dumps(value)[:80]}", param=name)
+    elif name == "modalities":
+        if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
+            raise APIError(400, "'modalities' must be a list of strings", param=name)
+        if set(value) - {"text"}:
+            _refuse(name, f"{sorted(set(value) - {'text'})} {_NOT_SERVED}: the model writes text only")
+    elif name == "store" and value is not False:
+        _refuse(name, f"true {_NOT_SERVED}: it stores no completions")
+    elif name == "service_tier" and value not in ("auto", "default"):
+        _refuse(name, f"{json.dumps(value)[:40]} {_NOT_SERVED}: it has one tier ('auto' or 'default')")
+    elif name == "parallel_tool_calls" and value is not False and value is not True:
+        raise APIError(400, "'parallel_tool_calls' must be true or false", param=name)
+    elif name in ("reasoning_effort", "verbosity"):
+        _refuse(name, f"{_NOT_SERVED}: the model has no such setting")
+    elif name == "suffix" and value != "":
+        _refuse(name, f"{_NOT_SERVED}: it does not fill in the middle")
+    elif name == "best_of":
+        if value != (body.get("n") or 1):
+            _refuse(name, f"{json.dumps(value)[:20]} {_NOT_SERVED}: it does not rank extra candidates "
+                    "(best_of may only equal n)")
+    elif name == "top_logprobs" and endpoint == "chat" and body.get("logprobs") is not True:
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true", param=name)
