@@ -99,9 +99,11 @@ def attention(c, lw: AttentionWeights, u: torch.Tensor, kv: KVCache, layer: int,
     values = kv.v[layer][table].flatten(1, 2).float()
     seen = torch.arange(keys.shape[1], device=u.device)[None, None, :] <= pos[:, :, None]  # (B, T, S)
     seen = seen | ~valid[:, :, None]  # (padding's rows attend anywhere: finite, then zeroed)
-    qg = q.view(B, T, KVH, H // KVH, hd)
-    scores = torch.einsum("btgrd,bsgd->bgrts", qg, keys) * scale
-    scores = scores.masked_fill(~seen[:, None, None], float("-inf"))
-    y = torch.einsum("bgrts,bsgd->btgrd", torch.softmax(scores, dim=-1), values).reshape(B, T, H * hd)
-    y = torch.where(valid[:, :, None], y, 0.0)
+    # torch's fused attention (query head h reads key-value head h // (H / KVH)): the scores
+    # are never held whole, so a long prompt's chunk of T tokens over S of context costs
+    # O(T + S) memory, not the (B, H, T, S) float32 scores of a plain softmax
+    y = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=seen[:, None], scale=scale,
+        enable_gqa=H != KVH)
+    y = torch.where(valid[:, :, None], y.transpose(1, 2).reshape(B, T, H * hd), 0.0)
     return ops.linear(y, lw.o_w, lw.o_b)
