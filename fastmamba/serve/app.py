@@ -48,7 +48,7 @@ class OpenAIServer:
     def __init__(self, engine: EngineClient, encoder: PromptEncoder, options: ServeOptions, metrics: Metrics):
         self.engine, self.encoder, self.options, self.metrics = engine, encoder, options, metrics
         self.model_name = options.model_name
-        self.template = ChatTemplate(encoder.path)
+        self.template = ChatTemplate(encoder.path, options.chat_template, options.chat_template_name)
         self.workers = PromptWorkers(encoder, self.template)
         self.created = int(time.time())
         engine.on_stats = metrics.update

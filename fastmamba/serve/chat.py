@@ -1,6 +1,12 @@
-"""Chat prompts: the messages checked, the checkpoint's chat template (tokenizer_config.json's,
-rendered in a jinja2 sandbox as transformers renders it) or a plain one, and a
+"""Chat prompts: the messages checked, the chat template (the checkpoint's, found and
+rendered as transformers finds and renders it, or a file given, or a plain one) and a
 conversation's routing key.
+
+Where the template comes from, in transformers' order: `--chat-template FILE`; else the
+folder's chat_template.jinja and additional_chat_templates/NAME.jinja (what transformers'
+save_pretrained writes: the default template and the named ones), which win over
+tokenizer_config.json's `chat_template` (a string, or a list of {"name", "template"});
+"default" unless `--chat-template-name` picks another; else the plain template.
 
 A checkpoint's own template is code of unknown cost: it renders with its output counted as
 it comes (`ChatTemplate.render`'s limit), in a worker process that is killed past a time
@@ -12,11 +18,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from datetime import datetime
 from pathlib import Path
 
 from fastmamba.serve.errors import APIError
 
-# A model folder with no chat template in tokenizer_config.json (the bundled one) gets this:
+# A model folder with no chat template (the bundled one) gets this:
 # one line a message, "role: content", then "assistant:" for the reply. A reply comes back
 # as the model wrote it after "assistant:", its leading space included, and is rendered
 # without a second one: a chat's next turn then starts with the tokens of the turn before,
@@ -27,6 +34,11 @@ PLAIN_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 RENDER_SLACK_CHARS = 1 << 20  # what a template may add to its messages' text (system prompts, tool lists)
+TEMPLATE_FILE = "chat_template.jinja"  # transformers' names for the files save_pretrained writes
+NAMED_TEMPLATES_FOLDER = "additional_chat_templates"
+DEFAULT_NAME = "default"
+# the named special tokens transformers hands a template (its SPECIAL_TOKENS_ATTRIBUTES)
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class TemplateRefused(Exception):
@@ -35,34 +47,40 @@ class TemplateRefused(Exception):
 
 
 class ChatTemplate:
-    """The folder's chat template (tokenizer_config.json's, as transformers renders it), or
-    the plain one; compiled in a sandbox, as transformers does. `builtin`: the plain one,
-    whose cost is known (it may render on the event loop)."""
+    """The chat template of a model folder (see the module's doc for where it is found), or
+    of `file` (--chat-template), `name` picking among the folder's named ones
+    (--chat-template-name); compiled in a sandbox, as transformers does. A ValueError names
+    what is wrong: an unreadable tokenizer_config.json or template file, an unknown name, a
+    template that does not compile. `origin` names the template in messages; `builtin`: the
+    plain one, whose cost is known (it may render on the event loop); `arguments`: what it
+    was made from, for a worker process to make it again."""
 
-    def __init__(self, folder):
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    def __init__(self, folder, file: str | None = None, name: str | None = None):
+        import jinja2
 
-        source, self.extra, self.builtin = PLAIN_CHAT_TEMPLATE, {}, True
-        self.origin = "the plain chat template"
-        cfg = Path(folder) / "tokenizer_config.json" if folder else None
-        if cfg is not None and cfg.exists():
-            try:
-                raw = json.loads(cfg.read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-                raw = {}
-            if isinstance(raw.get("chat_template"), str):
-                source, self.builtin = raw["chat_template"], False
-                self.origin = f"the chat template of {cfg}"
-            self.extra = {k: raw[k] for k in ("bos_token", "eos_token") if isinstance(raw.get(k), str)}
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        self.compiled = env.from_string(source)
+        self.arguments = (folder, file, name)
+        folder = Path(folder) if folder is not None else None
+        config_path, config = _tokenizer_config(folder)
+        self.special_tokens = _special_tokens(config)
+        source, self.origin = _template_source(folder, config_path, config, file, name)
+        self.builtin = source is None
+        if self.builtin:
+            source, self.origin = PLAIN_CHAT_TEMPLATE, "the plain chat template"
+        try:
+            self.compiled = _sandbox().from_string(source)
+        except jinja2.TemplateError as e:
+            where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+            raise ValueError(f"{self.origin} does not compile: {e.message}{where}") from None
 
     def render(self, messages: list[dict], limit: int) -> str:
         """The prompt of checked messages (`check_messages`), its output counted as it
         renders: past `limit` characters, TemplateRefused."""
         pieces, size = [], 0
+        # (tools and documents as transformers passes them without any: a template may test
+        # `tools is not none`)
+        variables = dict(self.special_tokens, messages=messages, tools=None, documents=None, add_generation_prompt=True)
         try:
-            for piece in self.compiled.generate(messages=messages, add_generation_prompt=True, **self.extra):
+            for piece in self.compiled.generate(**variables):
                 size += len(piece)
                 if size > limit:
                     raise TemplateRefused(f"{self.origin} rendered over {limit} characters for these messages: "
@@ -75,6 +93,138 @@ class ChatTemplate:
         except Exception as e:  # a template's own error (raise_exception, a role it refuses)
             raise TemplateRefused(f"{self.origin} refused the messages: {e}") from None
         return "".join(pieces)
+
+
+def _tokenizer_config(folder: Path | None) -> tuple[Path | None, dict]:
+    """The folder's tokenizer_config.json and its contents ({} where there is none); one
+    that cannot be read or is not a JSON object is a ValueError naming it."""
+    if folder is None:
+        return None, {}
+    path = folder / "tokenizer_config.json"
+    if not path.exists():
+        return path, {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ValueError(f"{path} cannot be read ({e.strerror or e})") from None
+    except ValueError as e:  # (not UTF-8, or not JSON)
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return path, config
+
+
+def _special_tokens(config: dict) -> dict[str, str]:
+    """The special tokens of tokenizer_config.json a template may use (bos_token, eos_token,
+    ...): each a string, or an AddedToken saved as an object with its "content"."""
+    tokens = {}
+    for key in SPECIAL_TOKENS:
+        value = config.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            tokens[key] = value
+    return tokens
+
+
+def _template_source(folder, config_path, config: dict, file: str | None, name: str | None) -> tuple[str | None, str]:
+    """The template's text and the words that name it in messages, or (None, "") where the
+    model has none (and none was asked for)."""
+    if file is not None:
+        if name is not None:
+            raise ValueError("--chat-template-name picks one of the model's own chat templates: it does not go with "
+                             "--chat-template FILE")
+        return _read(Path(file), "--chat-template"), f"the chat template {file} (--chat-template)"
+    templates = _template_files(folder) or _config_templates(config_path, config)
+    if not templates:
+        if name is not None:
+            raise ValueError(f"--chat-template-name {name}: the model in {folder} has no chat templates")
+        return None, ""
+    if (name or DEFAULT_NAME) not in templates:
+        names = ", ".join(sorted(templates))
+        if name is None:
+            raise ValueError(f"the model in {folder} has chat templates, none named {DEFAULT_NAME!r}: pick one with "
+                             f"--chat-template-name (its templates: {names})")
+        raise ValueError(f"--chat-template-name {name}: the model in {folder} has no chat template of that name (its "
+                         f"templates: {names})")
+    source, origin = templates[name or DEFAULT_NAME]
+    return (_read(source) if isinstance(source, Path) else source), origin
+
+
+def _template_files(folder: Path | None) -> dict[str, tuple[Path, str]]:
+    """{name: (file, origin)} of the folder's template files: chat_template.jinja is the
+    default, additional_chat_templates/NAME.jinja the one named NAME."""
+    if folder is None:
+        return {}
+    found = {}
+    default = folder / TEMPLATE_FILE
+    if default.is_file():
+        found[DEFAULT_NAME] = (default, f"the chat template {default}")
+    named = folder / NAMED_TEMPLATES_FOLDER
+    if named.is_dir():
+        for path in sorted(named.glob("*.jinja")):
+            found[path.name.removesuffix(".jinja")] = (path, f"the chat template {path}")
+    return found
+
+
+def _config_templates(config_path: Path | None, config: dict) -> dict[str, tuple[str, str]]:
+    """{name: (text, origin)} of tokenizer_config.json's chat_template: a string is the
+    default; a list holds {"name", "template"} objects. Anything else is a ValueError."""
+    value = config.get("chat_template")
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return {DEFAULT_NAME: (value, f"the chat template of {config_path}")}
+    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                       and isinstance(t.get("template"), str) for t in value):
+        return {t["name"]: (t["template"], f"the chat template {t['name']!r} of {config_path}") for t in value}
+    raise ValueError(f"{config_path}: chat_template must be a string or a list of "
+                     '{"name": ..., "template": ...} objects')
+
+
+def _read(path: Path, flag: str | None = None) -> str:
+    """A template file's text; one that cannot be read is a ValueError naming it (and the
+    flag that gave it)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as e:
+        reason = e.strerror or str(e)
+    except UnicodeDecodeError as e:
+        reason = f"not UTF-8 text: {e.reason} at byte {e.start}"
+    raise ValueError(f"{flag + ' ' if flag else ''}{path}: cannot read the chat template ({reason})")
+
+
+def _sandbox():
+    """A jinja2 environment as transformers compiles chat templates in: immutable sandbox,
+    trim_blocks and lstrip_blocks, loop controls (break, continue), its tojson filter and
+    its raise_exception and strftime_now functions, and its {% generation %} tag."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        # transformers marks the assistant's part with {% generation %} ... {% endgeneration %}
+        # (for training masks); what it renders is the body as it is
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    def raise_exception(message):
+        raise jinja2.TemplateError(message)
+
+    # transformers' own tojson: jinja's escapes HTML characters, and takes no indent or separators
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(format):
+        return datetime.now().strftime(format)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+    return env
 
 
 def render_limit(messages: list[dict]) -> int:

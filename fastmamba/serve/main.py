@@ -32,6 +32,7 @@ def serve(options: ServeOptions) -> int:
 
     sock = listen(options.host, options.port)
     folder = model_folder(options)
+    check_chat_template(options, folder)
     graphs = ", capturing CUDA graphs" if options.engine.device != "cpu" else ""
     print(f"fastmamba: starting the engine (loading {folder}{graphs}) ...", file=sys.stderr, flush=True)
     engine = ProcessClient(options.engine, folder, max_queue=options.max_queue, silence_s=options.engine_timeout)
@@ -63,7 +64,7 @@ def serve_replicas(options: ServeOptions) -> int:
     if importlib.util.find_spec("ray") is None:  # (find_spec("ray.serve") would import Ray: start_ray must first)
         raise ValueError(needs_ray)
     listen(options.host, options.port).close()  # a bad or busy --port: one line, before Ray starts (its proxy binds it)
-    model_folder(options)
+    check_chat_template(options, model_folder(options))
     start_ray(options.host)
     import ray
 
@@ -133,6 +134,18 @@ def model_folder(options: ServeOptions) -> Path:
     if not (folder / "tokenizer.json").exists():
         raise ValueError(f"the model in {folder} has no tokenizer.json: give --model a folder with one")
     return folder
+
+
+def check_chat_template(options: ServeOptions, folder: Path) -> None:
+    """The chat template the app will use (chat.ChatTemplate, which the app makes again the
+    same way), found and compiled before the engine loads: a ValueError naming where a bad
+    one came from; a warning where the model has none and chats get the plain one."""
+    from fastmamba.serve.chat import ChatTemplate
+
+    if ChatTemplate(folder, options.chat_template, options.chat_template_name).builtin:
+        print(f"fastmamba: warning: the model in {folder} has no chat template (no chat_template.jinja, no "
+              "chat_template in tokenizer_config.json): chats get the plain one, a 'role: content' line a message "
+              "(--chat-template FILE gives one)", file=sys.stderr, flush=True)
 
 
 def listen(host: str, port: int):

@@ -33,6 +33,13 @@ class ServeOptions:
     stream_interval_ms: float = field(default=STREAM_INTERVAL_MS, metadata=option(
         "with Ray Serve: a replica sends each stream's new tokens on every this many ms, in one message (each "
         "message costs Ray a fixed time); 0 = each token at once (default: 50)"))
+    chat_template: str | None = field(default=None, metadata=option(
+        "a jinja chat template file to use in place of the model's own (default: the model folder's "
+        "chat_template.jinja, else tokenizer_config.json's chat_template, else a plain 'role: content' one)",
+        metavar="FILE"))
+    chat_template_name: str | None = field(default=None, metadata=option(
+        "which of the model's named chat templates to use: additional_chat_templates/NAME.jinja or an entry of "
+        "tokenizer_config.json's list (default: default)", metavar="NAME"))
     api_key: str | None = field(default=None, metadata=option("require 'Authorization: Bearer KEY' (not on /health)"))
     max_body_mb: float = field(default=8, metadata=option(
         "largest request body, MiB; a larger one gets a 413 before it is read (default: 8)"))

@@ -29,10 +29,10 @@ WORKER_MEMORY_BYTES = 4 << 30  # the address space a worker may add to what it s
 RECYCLE_RSS_BYTES = 512 << 20  # a worker left holding more (a long prompt's ids, say) is replaced
 
 
-def _worker_main(conn, tokenizer_path, vocab_size: int, folder) -> None:
+def _worker_main(conn, tokenizer_path, vocab_size: int, folder, template_arguments: tuple) -> None:
     """A worker: answers (op, arg) jobs on its pipe with ("ok", result) or (kind, message),
     kind "value" (a ValueError: the input's fault), "template" (the template refused) or
-    "error"."""
+    "error". `template_arguments`: the server's ChatTemplate's, to make the same one."""
     from fastmamba.engine.process import exit_with_parent
     from fastmamba.io.tokenizer import Tokenizer
 
@@ -52,7 +52,7 @@ def _worker_main(conn, tokenizer_path, vocab_size: int, folder) -> None:
             elif op == "decode":
                 result = encoder.tokenizer.decode(arg)
             else:  # "chat": checked messages
-                template = template or ChatTemplate(folder)
+                template = template or ChatTemplate(*template_arguments)
                 text = template.render(arg, render_limit(arg))
                 result = (text, encoder.encode(text))
             reply = ("ok", result)
@@ -131,7 +131,7 @@ class PromptWorkers:
         self.encoder, self.template, self.render_timeout = encoder, template, render_timeout
         tokenizer = encoder.tokenizer
         self._args = (str(tokenizer.path) if tokenizer is not None else None, encoder.vocab_size,
-                      None if encoder.path is None else str(encoder.path))
+                      None if encoder.path is None else str(encoder.path), template.arguments)
         self._ctx = multiprocessing.get_context("spawn")
         count = count or min(2, os.cpu_count() or 1)  # (a long prompt takes a worker up to 2 GB)
         self._idle: queue.SimpleQueue = queue.SimpleQueue()

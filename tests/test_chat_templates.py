@@ -1,0 +1,283 @@
+"""Chat templates found and rendered as transformers finds and renders them: the folder's
+chat_template.jinja (over tokenizer_config.json's), tokenizer_config.json's string or list
+of named templates, additional_chat_templates/, --chat-template FILE and
+--chat-template-name; transformers' globals and filters; the errors at start and the 400s.
+Each rendering is compared with transformers' own apply_chat_template on the same folder."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime
+
+import pytest
+
+from fastmamba.io.folders import default_model_dir
+from fastmamba.io.tokenizer import Tokenizer
+from fastmamba.serve.chat import ChatTemplate, TemplateRefused
+from fastmamba.serve.options import ServeOptions
+
+pytest.importorskip("fastapi")
+pytest.importorskip("transformers")
+
+MESSAGES = [{"role": "system", "content": 'Be "brief" <b>, café'}, {"role": "user", "content": "Who art thou?"},
+            {"role": "assistant", "content": " A ghost."}, {"role": "user", "content": "Whence?"}]
+# uses bos_token, eos_token, tojson as transformers defines it (no HTML escaping) and the
+# generation prompt; its block tags' indents and newlines are not output (trim_blocks, lstrip_blocks)
+CHATML = """{{ bos_token }}{% for m in messages %}
+<|{{ m['role'] }}|>{{ m['content'] | tojson }}{{ eos_token }}
+    {% endfor %}
+    {% if add_generation_prompt %}
+<|assistant|>{% endif %}"""
+TOOL_USE = "{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor %}[ASSISTANT]"
+RAG = "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}|{% endfor %}"
+ONLY_USERS = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('This model takes no system prompt, "
+              "says its template') }}{% endif %}{% for m in messages %}User: {{ m['content'] }}\n{% endfor %}Bot:")
+
+
+def model_folder(tmp_path, config: dict | None = None, files: dict | None = None, name: str = "model"):
+    """A copy of the bundled model with this tokenizer_config.json (bos "<s>" as an
+    AddedToken object, eos a string, unless `config` says) and these files ({relative
+    path: text})."""
+    folder = tmp_path / name
+    folder.mkdir()
+    for part in ("config.json", "model.safetensors", "tokenizer.json"):
+        shutil.copy(default_model_dir() / part, folder / part)
+    config = {"bos_token": {"__type": "AddedToken", "content": "<s>", "special": True}, "eos_token": "</s>",
+              **(config or {})}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    for path, text in (files or {}).items():
+        (folder / path).parent.mkdir(parents=True, exist_ok=True)
+        (folder / path).write_text(text)
+    return folder
+
+
+def transformers_prompt(folder, messages=MESSAGES, chat_template: str | None = None) -> str:
+    """transformers' own rendering of the folder's template (or of `chat_template`: a name
+    or a template's text)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         chat_template=chat_template)
+
+
+def render(folder, messages=MESSAGES, **kw) -> str:
+    return ChatTemplate(folder, **kw).render(messages, 1 << 20)
+
+
+@contextlib.contextmanager
+def app_client(folder, **options):
+    """serve's app for `folder` with these ServeOptions, in this process (its prompt workers
+    in theirs), over an engine that is never asked: for /tokenize."""
+    from starlette.testclient import TestClient
+
+    from fastmamba.engine.client import EngineClient
+    from fastmamba.serve.app import folder_app
+
+    class Idle(EngineClient):
+        max_batch = 1
+        alive = True
+
+        def submit(self, *a, **k):
+            raise AssertionError("the engine is not asked here")
+
+        def abort(self, rid):
+            pass
+
+    with TestClient(folder_app(Idle(), folder, ServeOptions(**options))) as client:
+        yield client
+
+
+def served_prompt(client, folder, messages=MESSAGES) -> str:
+    """The prompt the app makes of `messages`: its ids from /tokenize, which must be the
+    tokenizer's ids of the text /detokenize gives back."""
+    r = client.post("/tokenize", json={"messages": messages})
+    assert r.status_code == 200, r.text
+    ids = r.json()["tokens"]
+    text = client.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert Tokenizer(folder / "tokenizer.json").encode(text) == ids
+    return text
+
+
+def start_error(*flags: str) -> str:
+    """`fastmamba serve` that must fail at start, before the engine loads: its one error line."""
+    t0 = time.time()
+    from test_server import free_port
+
+    r = subprocess.run([sys.executable, "-m", "fastmamba.cli", "serve", "--port", str(free_port()), *flags],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "starting the engine" not in r.stderr, r.stderr
+    assert time.time() - t0 < 30
+    lines = [line for line in r.stderr.splitlines() if line.startswith("fastmamba: error: ")]
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+def test_chat_template_jinja_wins_over_tokenizer_config_json(tmp_path):
+    folder = model_folder(tmp_path, {"chat_template": TOOL_USE}, {"chat_template.jinja": CHATML})
+    expected = transformers_prompt(folder)
+    assert expected == ('<s><|system|>"Be \\"brief\\" <b>, café"</s>\n<|user|>"Who art thou?"</s>\n'
+                        '<|assistant|>" A ghost."</s>\n<|user|>"Whence?"</s>\n<|assistant|>')
+    template = ChatTemplate(folder)
+    assert template.render(MESSAGES, 1 << 20) == expected and not template.builtin
+    assert template.origin == f"the chat template {folder / 'chat_template.jinja'}"
+    with app_client(folder) as client:
+        assert served_prompt(client, folder) == expected
+
+
+def test_a_chat_template_string_in_tokenizer_config_json(tmp_path):
+    folder = model_folder(tmp_path, {"chat_template": CHATML, "eos_token": {"__type": "AddedToken", "content": "<eos>"}})
+    expected = transformers_prompt(folder)
+    assert expected.startswith('<s><|system|>"Be') and '"Who art thou?"<eos>\n' in expected
+    assert render(folder) == expected
+
+
+def test_named_templates_in_tokenizer_config_json(tmp_path):
+    named = [{"name": "default", "template": CHATML}, {"name": "tool_use", "template": TOOL_USE}]
+    folder = model_folder(tmp_path, {"chat_template": named})
+    assert render(folder) == transformers_prompt(folder) == transformers_prompt(folder, chat_template=CHATML)
+    expected = transformers_prompt(folder, chat_template="tool_use")
+    assert expected == "[SYSTEM] Be \"brief\" <b>, café\n[USER] Who art thou?\n[ASSISTANT]  A ghost.\n" \
+                       "[USER] Whence?\n[ASSISTANT]"
+    assert render(folder, name="tool_use") == expected
+    with app_client(folder, chat_template_name="tool_use") as client:
+        assert served_prompt(client, folder) == expected
+    with pytest.raises(ValueError, match=r"--chat-template-name nope: .* no chat template of that name \(its "
+                                         r"templates: default, tool_use\)"):
+        ChatTemplate(folder, name="nope")
+
+
+def test_an_unknown_template_name_is_refused_at_start_naming_the_names(tmp_path):
+    folder = model_folder(tmp_path, {"chat_template": [{"name": "default", "template": CHATML},
+                                                       {"name": "tool_use", "template": TOOL_USE}]})
+    line = start_error("--model", str(folder), "--chat-template-name", "tools")
+    assert "--chat-template-name tools" in line and "default, tool_use" in line
+
+
+def test_the_additional_chat_templates_folder(tmp_path):
+    folder = model_folder(tmp_path, {"chat_template": TOOL_USE},
+                          {"chat_template.jinja": CHATML, "additional_chat_templates/rag.jinja": RAG})
+    assert render(folder) == transformers_prompt(folder)
+    expected = transformers_prompt(folder, chat_template="rag")
+    assert expected == 'Be "brief" <b>, café|Who art thou?| A ghost.|Whence?|'  # ({% generation %} renders its body)
+    assert render(folder, name="rag") == expected
+    assert ChatTemplate(folder, name="rag").origin.endswith("additional_chat_templates/rag.jinja")
+    with pytest.raises(ValueError, match=r"its templates: default, rag"):
+        ChatTemplate(folder, name="tool_use")  # (the files win over tokenizer_config.json's, as in transformers)
+    # named templates without a default: transformers refuses to pick one, and so does the server
+    (folder / "chat_template.jinja").unlink()
+    with pytest.raises(ValueError, match="no default"):
+        transformers_prompt(folder)
+    with pytest.raises(ValueError, match=r"none named 'default': pick one with --chat-template-name \(its "
+                                         r"templates: rag\)"):
+        ChatTemplate(folder)
+    assert render(folder, name="rag") == expected
+
+
+def test_chat_template_file_overrides_the_models(tmp_path):
+    folder = model_folder(tmp_path, {"chat_template": CHATML}, {"chat_template.jinja": CHATML})
+    file = tmp_path / "mine.jinja"
+    file.write_text(TOOL_USE)
+    expected = transformers_prompt(folder, chat_template=TOOL_USE)
+    assert expected.startswith("[SYSTEM] Be") and render(folder, file=str(file)) == expected
+    assert ChatTemplate(folder, file=str(file)).origin == f"the chat template {file} (--chat-template)"
+    with app_client(folder, chat_template=str(file)) as client:
+        assert served_prompt(client, folder) == expected
+    with pytest.raises(ValueError, match="does not go with --chat-template FILE"):
+        ChatTemplate(folder, file=str(file), name="default")
+
+
+def test_a_missing_chat_template_file_is_an_error_at_start_naming_the_flag_and_path(tmp_path):
+    missing = tmp_path / "nowhere" / "chat.jinja"
+    line = start_error("--chat-template", str(missing))
+    assert f"--chat-template {missing}: cannot read the chat template" in line and "No such file" in line
+    with pytest.raises(ValueError, match=r"--chat-template .*: cannot read the chat template \(Is a directory\)"):
+        ChatTemplate(default_model_dir(), file=str(tmp_path))
+
+
+def test_strftime_now_and_loop_controls_work_as_in_transformers(tmp_path):
+    # (tools: None, as transformers passes it without any)
+    template = ("{{ 'T' if tools is none else 'U' }}{{ strftime_now('%Y') }}:{% for m in messages %}{% if m['role'] == 'assistant' %}{% continue %}"
+                "{% endif %}{% if loop.index > 3 %}{% break %}{% endif %}{{ m['content'] }};{% endfor %}")
+    folder = model_folder(tmp_path, {"chat_template": template})
+    got = render(folder)
+    assert got == transformers_prompt(folder)
+    assert got == f'T{datetime.now().year}:Be "brief" <b>, café;Who art thou?;'  # (the 4th message: the loop broke)
+
+
+def test_raise_exception_is_a_400_carrying_the_templates_message(tmp_path):
+    """End to end: a server whose model has only a chat_template.jinja (no warning at
+    start) renders chats with it, and its raise_exception is the request's 400."""
+    from test_server import Server
+
+    folder = model_folder(tmp_path, files={"chat_template.jinja": ONLY_USERS})
+    users = [m for m in MESSAGES if m["role"] == "user"]
+    with pytest.raises(TemplateRefused, match="This model takes no system prompt, says its template"):
+        ChatTemplate(folder).render(MESSAGES, 1 << 20)
+    s = Server("--model", str(folder))
+    try:
+        status, body = s.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1})
+        assert status == 400 and body["error"]["code"] == "chat_template_failed", body
+        message = body["error"]["message"]
+        assert "This model takes no system prompt, says its template" in message
+        assert str(folder / "chat_template.jinja") in message
+        status, body = s.post("/v1/chat/completions", {"messages": users, "max_tokens": 2})
+        expected = transformers_prompt(folder, users)
+        assert expected == "User: Who art thou?\nUser: Whence?\nBot:"
+        assert status == 200 and body["usage"]["prompt_tokens"] == len(Tokenizer(folder / "tokenizer.json")
+                                                                        .encode(expected))
+        assert "warning" not in s.output()
+    finally:
+        s.stop()
+
+
+def test_a_model_without_a_template_gets_the_plain_one_and_a_warning(tmp_path, capsys):
+    from fastmamba.serve.main import check_chat_template
+
+    folder = model_folder(tmp_path)
+    assert ChatTemplate(folder).builtin and render(folder) == (
+        'system: Be "brief" <b>, café\nuser: Who art thou?\nassistant: A ghost.\nuser: Whence?\nassistant:')
+    check_chat_template(ServeOptions(), folder)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fastmamba: warning: ") and str(folder) in lines[0]
+    assert "no chat template" in lines[0]
+    (folder / "chat_template.jinja").write_text(CHATML)
+    check_chat_template(ServeOptions(), folder)
+    assert capsys.readouterr().err == ""
+
+
+def test_an_unreadable_tokenizer_config_json_is_an_error_at_start_naming_it(tmp_path):
+    folder = model_folder(tmp_path)
+    config = folder / "tokenizer_config.json"
+    config.write_text('{"chat_template": "{{ messages }}",')
+    line = start_error("--model", str(folder))
+    assert f"{config} is not valid JSON" in line
+    config.unlink()
+    config.mkdir()  # (unreadable even to root)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(config))} cannot be read \(Is a directory\)"):
+        ChatTemplate(folder)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(config))} cannot be read"):
+        with app_client(folder):  # (a Ray Serve front end makes its app this way)
+            pass
+    config.rmdir()
+    config.write_text(json.dumps({"chat_template": {"default": CHATML}}))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(config))}: chat_template must be a string or a list"):
+        ChatTemplate(folder)
+
+
+def test_a_template_that_does_not_compile_is_an_error_at_start_naming_where_it_came_from(tmp_path):
+    folder = model_folder(tmp_path, files={"chat_template.jinja": "{% for m in messages %}{{ m['content'] }}"})
+    line = start_error("--model", str(folder))
+    assert f"the chat template {folder / 'chat_template.jinja'} does not compile" in line and "endfor" in line
+    folder = model_folder(tmp_path, {"chat_template": [{"name": "default", "template": CHATML},
+                                                       {"name": "broken", "template": "{{ messages"}]}, name="named")
+    assert render(folder) == transformers_prompt(folder)
+    with pytest.raises(ValueError, match=rf"the chat template 'broken' of {re.escape(str(folder / 'tokenizer_config.json'))} does "
+                                         r"not compile: .*\(line 1\)"):
+        ChatTemplate(folder, name="broken")
