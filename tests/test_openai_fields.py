@@ -81,6 +81,16 @@ def test_fields_at_their_neutral_value_are_served(server, endpoint, extra):
     assert len(body["choices"]) == extra.get("n", 1)
 
 
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                                  {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}])
+def test_image_and_audio_content_parts_are_refused_naming_them(server, part):
+    """(they were dropped: an image-only message answered as an empty one)"""
+    message = {"role": "user", "content": [{"type": "text", "text": "what is this?"}, part]}
+    status, body = server.post("/v1/chat/completions", {"messages": [message], "max_tokens": 2})
+    assert status == 400 and body["error"]["param"] == "messages", body
+    assert "messages[0].content[1]" in body["error"]["message"] and part["type"] in body["error"]["message"]
+
+
 def test_the_openai_client_hears_why_tools_are_refused(server):
     c = server.client()
     with pytest.raises(openai.BadRequestError, match="tool calls"):

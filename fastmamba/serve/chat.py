@@ -249,10 +249,13 @@ def check_messages(messages) -> list[dict]:
                 if not isinstance(part, dict):
                     raise APIError(400, f"messages[{i}].content[{j}] must be an object such as "
                                    '{"type": "text", "text": "..."}', param="messages")
-                if part.get("type") == "text":
-                    if not isinstance(part.get("text"), str):
-                        raise APIError(400, f"messages[{i}].content[{j}].text must be a string", param="messages")
-                    texts.append(part["text"])
+                if part.get("type") != "text":  # (an image or audio part: this model reads text)
+                    kind = part.get("type")
+                    raise APIError(400, f"messages[{i}].content[{j}] is of type {json.dumps(kind)[:40]}: this model "
+                                   "reads text parts only", param="messages", code="unsupported_content")
+                if not isinstance(part.get("text"), str):
+                    raise APIError(400, f"messages[{i}].content[{j}].text must be a string", param="messages")
+                texts.append(part["text"])
             content = "".join(texts)
         if not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
