@@ -74,9 +74,10 @@ UNIT_STRIDES = ("sxe", "sde", "sbn", "scn", "sze", "srk")
 UNALIGNED = ("zero",)
 
 
-def compile_kernel(jitfn, types, constexprs, num_warps=4):
+def compile_kernel(jitfn, types, constexprs, num_warps=4, **options):
     """Compiles one kernel (arguments not named in `types` are int32 scalars, but for
-    UNIT_STRIDES, the constant 1) and prints its resource usage."""
+    UNIT_STRIDES, the constant 1) with the launch's other options (enable_fp_fusion) and
+    prints its resource usage."""
     names = jitfn.arg_names
     constexprs = {**{n: 1 for n in names if n in UNIT_STRIDES}, **constexprs}
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
@@ -85,7 +86,7 @@ def compile_kernel(jitfn, types, constexprs, num_warps=4):
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                if n not in UNALIGNED and (sig[n] == "i32" or sig[n].startswith("*"))}
     src = ASTSource(jitfn, sig, {(names.index(k),): v for k, v in constexprs.items()}, aligned)
-    kernel = triton.compile(src, target=target, options={"num_warps": num_warps})
+    kernel = triton.compile(src, target=target, options={"num_warps": num_warps, **options})
     print(f"  {jitfn.__name__:28s} {resource_usage(kernel.asm['cubin'])}  {constexprs}")
     if "--mix" in sys.argv or "--loops" in sys.argv:
         code = sass_code(cuobjdump(kernel.asm["cubin"], "-sass"))
@@ -315,9 +316,11 @@ def main() -> None:
                                                           NORM_BEFORE_GATE=False, BN=64, BK=128, BC=4, TILE_IN_GROUP=True,
                                                           PDL=True))
     res.append("mamba2 step + gated norm + chunked scan + one-row step: ok")
-    t = ptrs("logits_ptr", "pen_ptr", "temp_ptr", "s_ptr", "smax_ptr", seen_ptr="*i1", best_ptr="*i64")
+    t = ptrs("logits_ptr", "pen_ptr", "temp_ptr", "s_ptr", "smax_ptr", "bias_ptr", "presence_ptr", "frequency_ptr",
+             seen_ptr="*i1", best_ptr="*i64", count_ptr="*i32")
     BV, NB, CAP = SAMPLER_TILES.bv, SAMPLER_TILES.nb, SAMPLER_TILES.cap
-    compile_kernel(sp._scale_kernel, t, dict(BV=BV))
+    for penalties in (False, True):  # (as _sample launches it: with penalties, no fused multiply-adds)
+        compile_kernel(sp._scale_kernel, t, dict(PENALTIES=penalties, BV=BV), enable_fp_fusion=not penalties)
     rows = ptrs("s_ptr", "smax_ptr", "temp_ptr", "topp_ptr", "minp_ptr", topk_ptr="*i64", st_ptr="*i64", T_ptr="*i64", cnt_ptr="*i64",
                 mass_ptr="*i64", nmin_ptr="*i64", zq_ptr="*i64", lim_ptr="*fp64", ctr_ptr="*i64", scratch_ptr="*i64", kstar_ptr="*i64")
     for stage in (0, 1):
@@ -329,8 +332,10 @@ def main() -> None:
     t = ptrs("s_ptr", seed_ptr="*i64", step_ptr="*i64", kstar_ptr="*i64", best_ptr="*i64")
     for filtered in (False, True):
         compile_kernel(sp._pick_kernel, t, dict(FILTERED=filtered, BV=BV))
-    t = {"best_ptr": "*i64", "temp_ptr": "*fp32", "tok_ptr": "*i64", "step_ptr": "*i64", "seen_ptr": "*i1"}
-    compile_kernel(sp._finish_kernel, t, dict(BR=8))
+    t = {"best_ptr": "*i64", "temp_ptr": "*fp32", "tok_ptr": "*i64", "step_ptr": "*i64", "seen_ptr": "*i1",
+         "count_ptr": "*i32"}
+    for penalties in (False, True):
+        compile_kernel(sp._finish_kernel, t, dict(PENALTIES=penalties, BR=8))
     res.append("sampler: ok")
     print("\n".join(res))
 

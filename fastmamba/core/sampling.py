@@ -58,6 +58,13 @@ class SlotParams:
     seed: torch.Tensor  # (B,) int64
     step: torch.Tensor  # (B,) int64, tokens sampled so far
     seen: torch.Tensor  # (B, V) bool, prompt and generated tokens (for the repetition penalty)
+    presence_penalty: torch.Tensor  # (B,) f32
+    frequency_penalty: torch.Tensor  # (B,) f32
+    logit_bias: torch.Tensor  # (B, V) f32, dense: a fixed shape whatever the request's entries
+    # (B, V) int32, each token's count in the slot's output so far, for the presence and
+    # frequency penalties: kept by the samplers that apply them (pick_sampler), which every
+    # token of a slot that uses them goes through
+    counts: torch.Tensor
 
     @classmethod
     def empty(cls, batch: int, vocab: int, device) -> "SlotParams":
@@ -73,6 +80,10 @@ class SlotParams:
             seed=full(0, torch.int64),
             step=full(0, torch.int64),
             seen=torch.zeros(batch, vocab, dtype=torch.bool, device=device),
+            presence_penalty=full(0.0),
+            frequency_penalty=full(0.0),
+            logit_bias=torch.zeros(batch, vocab, dtype=torch.float32, device=device),
+            counts=torch.zeros(batch, vocab, dtype=torch.int32, device=device),
         )
 
     def rows(self, start: int, stop: int) -> "SlotParams":
@@ -96,6 +107,38 @@ class SlotParams:
         if not isinstance(prompt_ids, torch.Tensor):
             prompt_ids = torch.tensor(prompt_ids, dtype=torch.int64, device=self.seen.device)
         self.seen[slot, prompt_ids] = True
+        self.presence_penalty[slot] = params.presence_penalty
+        self.frequency_penalty[slot] = params.frequency_penalty
+        self.logit_bias[slot] = 0.0
+        self.counts[slot] = 0
+        if params.logit_bias:
+            V = self.logit_bias.shape[1]
+            if max(params.logit_bias) >= V:
+                raise ValueError(f"SamplingParams.logit_bias holds token id {max(params.logit_bias)}, outside the "
+                                 f"vocabulary [0, {V})")
+            ids = _to_device(torch.tensor(list(params.logit_bias), dtype=torch.int64), self.logit_bias.device)
+            bias = _to_device(torch.tensor(list(params.logit_bias.values()), dtype=torch.float32), self.logit_bias.device)
+            self.logit_bias[slot, ids] = bias
+
+
+def _to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device` without making the host wait for the GPU's queued work (a
+    copy from pageable memory would)."""
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
+
+
+def penalize(logits: torch.Tensor, p: SlotParams) -> torch.Tensor:
+    """OpenAI's logit bias, presence and frequency penalties on raw logits (B, V):
+    logits + bias - presence * (count > 0) - frequency * count, in float32, in that order
+    (the Triton samplers round each step alike)."""
+    x = logits.float() + p.logit_bias
+    x = x - torch.where(p.counts > 0, p.presence_penalty[:, None], 0.0)
+    return x - p.frequency_penalty[:, None] * p.counts.float()
+
+
+def count_tokens(token: torch.Tensor, p: SlotParams) -> None:
+    """Each slot's new token (B,) counted in its output's counts."""
+    p.counts.scatter_add_(1, token[:, None], torch.ones_like(token[:, None], dtype=torch.int32))
 
 
 def sample(logits: torch.Tensor, p: SlotParams) -> torch.Tensor:
@@ -136,14 +179,27 @@ def sample(logits: torch.Tensor, p: SlotParams) -> torch.Tensor:
     return token
 
 
+def sample_penalized(logits: torch.Tensor, p: SlotParams) -> torch.Tensor:
+    """`sample` after OpenAI's logit bias and presence and frequency penalties (`penalize`,
+    on the raw logits, as vLLM orders them); counts each slot's token."""
+    token = sample(penalize(logits, p), p)
+    count_tokens(token, p)
+    return token
+
+
 def pick_sampler(params: list[SamplingParams], gpu_kernels: bool, tiles: SamplerTiles):
     """The sampler for a batch of requests: the argmax alone where every request is greedy
     without a repetition penalty; for the GPU engine (gpu_kernels), the Triton samplers
     (kernels/sampler.py: the same tokens as `sample`; the filters' search only where a
     request uses top-k, top-p or min-p, twice where one uses top-k with top-p), launched
-    with `tiles`; otherwise `sample`, pure PyTorch. The same sampler and tiles give the same
-    object each call (the CUDA graphs are captured once per sampler)."""
-    if all(p.temperature == 0 and p.repetition_penalty == 1 for p in params):
+    with `tiles`; otherwise `sample`, pure PyTorch. Where a request uses OpenAI's logit
+    bias or presence or frequency penalty (SamplingParams.penalized), never the argmax
+    alone, and the sampler that applies them and counts the tokens (`sample_penalized`, or
+    the Triton sampler with penalties=True): every token of such a request is drawn by one,
+    so its counts are whole; other batches pay nothing for them. The same sampler and tiles
+    give the same object each call (the CUDA graphs are captured once per sampler)."""
+    penalized = any(p.penalized for p in params)
+    if not penalized and all(p.temperature == 0 and p.repetition_penalty == 1 for p in params):
         return sample_greedy
     from fastmamba.kernels._triton import HAVE_TRITON
 
@@ -151,18 +207,18 @@ def pick_sampler(params: list[SamplingParams], gpu_kernels: bool, tiles: Sampler
         from fastmamba.kernels import sampler
 
         if any(p.top_k and p.top_p < 1 for p in params):
-            return _with_tiles(sampler.sample_filtered, tiles)
+            return _with_tiles(sampler.sample_filtered, tiles, penalized)
         if any(p.top_k or p.top_p < 1 or p.min_p for p in params):
-            return _with_tiles(sampler.sample_filtered_apart, tiles)
-        return _with_tiles(sampler.sample_temperature, tiles)
-    return sample
+            return _with_tiles(sampler.sample_filtered_apart, tiles, penalized)
+        return _with_tiles(sampler.sample_temperature, tiles, penalized)
+    return sample_penalized if penalized else sample
 
 
 @cache
-def _with_tiles(sampler, tiles: SamplerTiles):
-    """sampler(logits, p, tiles) as sampler(logits, p), under the sampler's name: one object
-    per sampler and tiles."""
-    return update_wrapper(partial(sampler, tiles=tiles), sampler)
+def _with_tiles(sampler, tiles: SamplerTiles, penalties: bool = False):
+    """sampler(logits, p, tiles[, penalties=True]) as sampler(logits, p), under the
+    sampler's name: one object per sampler, tiles and penalties."""
+    return update_wrapper(partial(sampler, tiles=tiles, **({"penalties": True} if penalties else {})), sampler)
 
 
 def sample_greedy(logits: torch.Tensor, p: SlotParams) -> torch.Tensor:

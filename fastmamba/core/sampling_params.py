@@ -10,6 +10,9 @@ from dataclasses import dataclass, fields, replace
 
 MASK32 = 0xFFFFFFFF
 FLOAT32_MAX = 3.4028234663852886e38  # the sampler computes in float32: larger values cannot be held
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bounds: a bias of -100 bans a token, +100 all but forces it
+MAX_LOGIT_BIAS_TOKENS = 300
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty, as OpenAI bounds them
 
 
 @dataclass(frozen=True)
@@ -22,10 +25,17 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1.0 = off; HF semantics, over prompt and generated tokens
     seed: int | None = None  # 0 <= seed < 2**32 (a slot's random stream is 32-bit); None = a fresh random seed
     stop_token_ids: tuple[int, ...] | None = None  # None = the model's eos; () = none
+    # OpenAI's, applied to the raw logits before everything above (as vLLM does):
+    # logits[j] += logit_bias[j] - presence_penalty * (count[j] > 0) - frequency_penalty * count[j],
+    # count[j]: how often token j came in this request's output so far (not its prompt)
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100], at most 300; {} = None
+    presence_penalty: float = 0.0  # in [-2, 2]
+    frequency_penalty: float = 0.0  # in [-2, 2]
 
     def __post_init__(self):
         # numpy's scalars (np.int64, np.float32) are numbers too: held as Python's own
-        for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed"):
+        for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed",
+                     "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if isinstance(v, numbers.Integral) and not isinstance(v, (int, bool)) and type(v).__name__ != "bool_":
                 object.__setattr__(self, name, int(v))
@@ -38,6 +48,11 @@ class SamplingParams:
                     for i in self.stop_token_ids))
             except TypeError:
                 pass
+        if isinstance(self.logit_bias, dict):  # a copy of its own, numpy's keys and values as Python's
+            object.__setattr__(self, "logit_bias", {
+                int(k) if isinstance(k, numbers.Integral) and not isinstance(k, bool) else k:
+                float(v) if isinstance(v, numbers.Real) and not isinstance(v, (int, float, bool)) else v
+                for k, v in self.logit_bias.items()} or None)
 
         def bad(name, rule):
             raise ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
@@ -70,6 +85,27 @@ class SamplingParams:
             if isinstance(self.stop_token_ids, (str, bytes)) or not all(is_int(i) and i >= 0 for i in ids):
                 bad("stop_token_ids", "must be None or a list of token ids >= 0")
             object.__setattr__(self, "stop_token_ids", ids)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not is_num(getattr(self, name)) or not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                bad(name, f"must be a number from {-MAX_PENALTY:g} to {MAX_PENALTY:g}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias", "must be None or a dict of token ids to numbers")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+                raise ValueError(f"SamplingParams.logit_bias may hold at most {MAX_LOGIT_BIAS_TOKENS} tokens, "
+                                 f"got {len(self.logit_bias)}")
+            for token, bias in self.logit_bias.items():
+                if not is_int(token) or token < 0:
+                    raise ValueError(f"SamplingParams.logit_bias holds the key {token!r}, not a token id (an integer >= 0)")
+                if not is_num(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                    raise ValueError(f"SamplingParams.logit_bias gives token {token} the bias {bias!r}: it must be a "
+                                     f"number from {-MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}")
+            object.__setattr__(self, "logit_bias", {k: float(v) for k, v in self.logit_bias.items()})
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the request uses OpenAI's logit_bias, presence_penalty or frequency_penalty."""
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     @classmethod
     def from_kwargs(cls, params: "SamplingParams | dict | None", kwargs: dict) -> "SamplingParams":

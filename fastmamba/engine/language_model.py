@@ -166,7 +166,7 @@ class LanguageModel:
         with no token may carry held-back text). The texts concatenate to `generate`'s."""
         params = SamplingParams.from_kwargs(params, sampling)
         ids = self.encode(prompt)
-        self._check_ids(params.stop_token_ids or [], "SamplingParams.stop_token_ids")
+        self._check_params_ids(params)
         decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer else None
         for _, token, _ in self._generate([ids], [params]):
             if token is not None:
@@ -191,7 +191,7 @@ class LanguageModel:
         if not isinstance(params, list) or len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError(f"params must be one SamplingParams (or dict) or a list of {len(prompts)} of them")
         for p in params:
-            self._check_ids(p.stop_token_ids or [], "SamplingParams.stop_token_ids")
+            self._check_params_ids(p)
         all_ids = [self.encode(p) for p in prompts]
         decoders = [IncrementalDecoder(self.tokenizer) if self.tokenizer else None for _ in prompts]
         texts = [[] for _ in prompts]
@@ -223,6 +223,11 @@ class LanguageModel:
 
     def _check_ids(self, ids, what: str) -> list[int]:
         return check_token_ids(ids, self.config.vocab_size, what)
+
+    def _check_params_ids(self, params: SamplingParams) -> None:
+        """The token ids a SamplingParams names (stop tokens, logit_bias's keys), against the vocabulary."""
+        self._check_ids(params.stop_token_ids or [], "SamplingParams.stop_token_ids")
+        self._check_ids(list(params.logit_bias or ()), "SamplingParams.logit_bias")
 
     def _generate(self, all_ids: list[list[int]], params: list[SamplingParams]):
         """Yields (prompt index, token or None, finish reason or None) as the engine makes

@@ -35,6 +35,7 @@ def default_max_batch(model) -> int:
 
 
 def slot_bytes(model) -> int:
-    """A slot's memory: its recurrent state, logits (and the sampler's copies), activations."""
+    """A slot's memory: its recurrent state, logits (and the sampler's copies), the sampler's
+    rows (the seen marks; logit bias and token counts, 4 bytes each), activations."""
     c = model.config
-    return state_bytes(c, model.state_dtype.itemsize) + 4 * c.vocab_size * 4 + 16 * c.d_inner * 4
+    return state_bytes(c, model.state_dtype.itemsize) + 4 * c.vocab_size * 4 + 9 * c.vocab_size + 16 * c.d_inner * 4

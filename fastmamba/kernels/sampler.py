@@ -4,19 +4,21 @@ sampling.sample (the oracle, and the CPU path) is ~85 small torch kernels a step
 sort of the vocabulary: 270 µs at batch 1 and 2 ms at batch 128 on an H200
 (benchmarks/sampling_speed.py), more than the whole 130m decode step. Here:
 
-    _scale_kernel   repetition penalty, each row's greedy argmax, logits / temperature
-                    (s), each row's largest s
+    _scale_kernel   (penalties only) OpenAI's logit bias, presence and frequency
+                    penalties; repetition penalty, each row's greedy argmax, logits /
+                    temperature (s), each row's largest s
     (filters only)  the key of the last token top-k / top-p / min-p keep (_filter_keys:
                     a few passes that count, no sort of the vocabulary)
     _pick_kernel    Gumbel noise from the same counter-based hash, each row's argmax of
                     the kept tokens' s + noise
-    _finish_kernel  greedy or sampled token per row; step + 1; the token marked seen
+    _finish_kernel  greedy or sampled token per row; step + 1; the token marked seen (and
+                    with penalties, counted)
 
 The argmaxes are atomic maxima over int64 keys that order as (value, lower index) do
 (decode_step.argmax_keys), so the order of programs cannot change a token.
 `sample_temperature` serves rows without filters, `sample_filtered_apart` rows none of
 which combines top-k with top-p, `sample_filtered` any row; all take and update
-SlotParams exactly as `sample` does. Where `sample` sums probabilities in its sorted
+SlotParams exactly as `sample` does, or with penalties=True as `sample_penalized` does. Where `sample` sums probabilities in its sorted
 order, the search sums weights in fixed point in any order: a token whose mass ranked
 before it lies within float rounding of top_p may fall on the other side (never seen in
 the tests).
@@ -80,13 +82,22 @@ def _gumbel(seed, step, ids):
 
 
 @jit
-def _scale_kernel(logits_ptr, seen_ptr, pen_ptr, temp_ptr, s_ptr, best_ptr, smax_ptr, V, BV: tl.constexpr):
+def _scale_kernel(
+    logits_ptr, seen_ptr, pen_ptr, temp_ptr, s_ptr, best_ptr, smax_ptr, bias_ptr, count_ptr, presence_ptr,
+    frequency_ptr, V, PENALTIES: tl.constexpr, BV: tl.constexpr,
+):
     # s = penalised logits / temperature; each row's greedy key into best[row], its
-    # largest s into smax[row]
+    # largest s into smax[row]. PENALTIES: OpenAI's first, rounded step by step as
+    # sampling.penalize (launched without fused multiply-adds)
     row = tl.program_id(1).to(tl.int64)
     i = tl.program_id(0) * BV + tl.arange(0, BV)
     m = i < V
     x = tl.load(logits_ptr + row * V + i, mask=m, other=0.0)
+    if PENALTIES:
+        count = tl.load(count_ptr + row * V + i, mask=m, other=0)
+        x = x + tl.load(bias_ptr + row * V + i, mask=m, other=0.0)
+        x = x - tl.where(count > 0, tl.load(presence_ptr + row), 0.0)
+        x = x - tl.load(frequency_ptr + row) * count.to(tl.float32)
     pen = tl.load(pen_ptr + row)
     seen = tl.load(seen_ptr + row * V + i, mask=m, other=0) != 0
     x = tl.where(seen, tl.where(x > 0, x / pen, x * pen), x)
@@ -411,9 +422,10 @@ def _resolve_kernel(
 
 
 @jit
-def _finish_kernel(best_ptr, temp_ptr, tok_ptr, step_ptr, seen_ptr, B, V, BR: tl.constexpr):
+def _finish_kernel(best_ptr, temp_ptr, tok_ptr, step_ptr, seen_ptr, count_ptr, B, V, PENALTIES: tl.constexpr,
+                   BR: tl.constexpr):
     # token = the sampled one where temperature > 0, else the greedy one; step + 1; the
-    # token marked seen
+    # token marked seen; PENALTIES: counted too
     rows = tl.arange(0, BR)
     m = rows < B
     greedy = token_of_key(tl.load(best_ptr + rows, mask=m, other=0))
@@ -421,6 +433,9 @@ def _finish_kernel(best_ptr, temp_ptr, tok_ptr, step_ptr, seen_ptr, B, V, BR: tl
     tok = tl.where(tl.load(temp_ptr + rows, mask=m, other=0.0) > 0, sampled, greedy)
     tl.store(tok_ptr + rows, tok, mask=m)
     advance_slots(tok, rows, m, step_ptr, seen_ptr, V, BR)
+    if PENALTIES:
+        at = count_ptr + rows.to(tl.int64) * V + tok
+        tl.store(at, tl.load(at, mask=m, other=0) + 1, mask=m)
 
 
 def _filter_keys(s: torch.Tensor, smax: torch.Tensor, p, stages, tiles: SamplerTiles) -> torch.Tensor:
@@ -446,35 +461,41 @@ def _filter_keys(s: torch.Tensor, smax: torch.Tensor, p, stages, tiles: SamplerT
     return kstar
 
 
-def _sample(logits: torch.Tensor, p, stages: tuple, tiles: SamplerTiles) -> torch.Tensor:
-    """stages: the filters' searches (see _needs); () for none."""
+def _sample(logits: torch.Tensor, p, stages: tuple, tiles: SamplerTiles, penalties: bool) -> torch.Tensor:
+    """stages: the filters' searches (see _needs); () for none. penalties: OpenAI's too."""
     B, V = logits.shape
     x = logits.float().contiguous()
     best = torch.full((2, B), ARGMAX_EMPTY, device=x.device, dtype=torch.int64)  # greedy, sampled
     smax = torch.full((B,), float("-inf"), device=x.device)
     s = torch.empty_like(x)
     grid = (triton.cdiv(V, tiles.bv), B)
-    _scale_kernel[grid](x, p.seen, p.repetition_penalty, p.temperature, s, best, smax, V, BV=tiles.bv)
+    # (without fused multiply-adds: the penalties round as sampling.penalize's separate steps)
+    fusion = {"enable_fp_fusion": False} if penalties else {}
+    _scale_kernel[grid](x, p.seen, p.repetition_penalty, p.temperature, s, best, smax, p.logit_bias, p.counts,
+                        p.presence_penalty, p.frequency_penalty, V, PENALTIES=penalties, BV=tiles.bv, **fusion)
     kstar = _filter_keys(s, smax, p, stages, tiles) if stages else s  # s: unused
     _pick_kernel[grid](s, p.seed, p.step, kstar, best[1], V, FILTERED=bool(stages), BV=tiles.bv)
     tokens = torch.empty(B, device=x.device, dtype=torch.int64)
-    _finish_kernel[(1,)](best, p.temperature, tokens, p.step, p.seen, B, V, BR=triton.next_power_of_2(B))
+    _finish_kernel[(1,)](best, p.temperature, tokens, p.step, p.seen, p.counts, B, V, PENALTIES=penalties,
+                         BR=triton.next_power_of_2(B))
     return tokens
 
 
-def sample_filtered(logits: torch.Tensor, p, tiles: SamplerTiles) -> torch.Tensor:
-    """sampling.sample for any slots: the same tokens, steps and seen marks. tiles: the
-    kernels' launch settings (as in the two below)."""
-    return _sample(logits, p, (0, 1), tiles)
+def sample_filtered(logits: torch.Tensor, p, tiles: SamplerTiles, penalties: bool = False) -> torch.Tensor:
+    """sampling.sample for any slots (penalties: sampling.sample_penalized): the same
+    tokens, steps, seen marks (and counts). tiles: the kernels' launch settings (as in the
+    two below)."""
+    return _sample(logits, p, (0, 1), tiles, penalties)
 
 
-def sample_filtered_apart(logits: torch.Tensor, p, tiles: SamplerTiles) -> torch.Tensor:
+def sample_filtered_apart(logits: torch.Tensor, p, tiles: SamplerTiles, penalties: bool = False) -> torch.Tensor:
     """sample_filtered for slots none of which uses top-k and top-p together (one search
     for the kept tokens, not two)."""
-    return _sample(logits, p, (1,), tiles)
+    return _sample(logits, p, (1,), tiles, penalties)
 
 
-def sample_temperature(logits: torch.Tensor, p, tiles: SamplerTiles) -> torch.Tensor:
-    """sampling.sample for slots that use no top-k, top-p or min-p (repetition penalty and
-    temperature, greedy where the temperature is 0): no search for the kept tokens."""
-    return _sample(logits, p, (), tiles)
+def sample_temperature(logits: torch.Tensor, p, tiles: SamplerTiles, penalties: bool = False) -> torch.Tensor:
+    """sampling.sample (penalties: sample_penalized) for slots that use no top-k, top-p or
+    min-p (repetition penalty and temperature, greedy where the temperature is 0): no
+    search for the kept tokens."""
+    return _sample(logits, p, (), tiles, penalties)

@@ -133,7 +133,32 @@ def sampling_fields(body: dict, vocab: int) -> dict:
         temperature=get(body, "temperature", float, 1.0),
         top_k=0 if top_k == -1 else top_k, top_p=get(body, "top_p", float, 1.0), min_p=get(body, "min_p", float, 0.0),
         repetition_penalty=get(body, "repetition_penalty", float, 1.0), seed=seed, stop_token_ids=stop_ids,
+        logit_bias=logit_bias(body, vocab), presence_penalty=get(body, "presence_penalty", float, 0.0),
+        frequency_penalty=get(body, "frequency_penalty", float, 0.0),
     )
+
+
+_TOKEN_KEY = re.compile(r"[0-9]{1,20}")
+
+
+def logit_bias(body: dict, vocab: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias: an object of token ids (as strings, JSON's keys) to numbers, the
+    ids checked against the vocabulary; the values' range and the entries' count are
+    SamplingParams' checks (`sampling_params`)."""
+    bias = get(body, "logit_bias", dict, None)
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not _TOKEN_KEY.fullmatch(key):
+            raise APIError(400, f"'logit_bias' keys must be token ids (strings of digits), got {json.dumps(key)[:60]}",
+                           param="logit_bias")
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise APIError(400, f"'logit_bias' values must be numbers, got {json.dumps(value)[:60]} for token {key}",
+                           param="logit_bias")
+        out[int(key)] = value
+    check_ids(list(out), vocab, "logit_bias")
+    return out
 
 
 def sampling_params(fields: dict, **choice) -> SamplingParams:
