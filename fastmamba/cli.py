@@ -49,6 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
     gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability (0 = off)")
     gen.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style penalty (1.0 = off)")
+    gen.add_argument("--presence-penalty", type=float, default=0.0,
+                     help="OpenAI's: subtracted from a token's logit once it is in the output, -2 to 2 (0 = off)")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0,
+                     help="OpenAI's: subtracted from a token's logit once for each time it is in the output, -2 to 2 "
+                          "(0 = off)")
     gen.add_argument("--seed", type=int, default=None, help="random seed for sampling, 0 to 2^32-1 (default: random)")
     srv = commands.add_parser(
         "serve",
@@ -170,6 +175,8 @@ def _generate(args, options: EngineOptions) -> int:
             top_p=args.top_p,
             min_p=args.min_p,
             repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
             seed=args.seed,
         )
     except ValueError as e:  # "SamplingParams.max_tokens must be ...": name the flag the user gave

@@ -26,12 +26,14 @@ def test_generate_streams_the_same_text_as_the_api(text_checkpoint):
 def test_sampling_flags_reach_the_sampler(text_checkpoint):
     args = ["--temperature", "0.9", "--top-k", "20", "--top-p", "0.95", "--min-p", "0.01"]
     args += ["--repetition-penalty", "1.1", "--seed", "7", "--max-tokens", "10", "--dtype", "bf16"]
+    args += ["--presence-penalty", "1.5", "--frequency-penalty", "0.5"]
     r = run("generate", "--model", str(text_checkpoint), *args, "To be")
     assert r.returncode == 0, r.stderr
     lm = fastmamba.load(text_checkpoint, dtype="bfloat16")
-    g = lm.generate("To be", max_tokens=10, temperature=0.9, top_k=20, top_p=0.95, min_p=0.01,
-                    repetition_penalty=1.1, seed=7)
+    kw = dict(max_tokens=10, temperature=0.9, top_k=20, top_p=0.95, min_p=0.01, repetition_penalty=1.1, seed=7)
+    g = lm.generate("To be", **kw, presence_penalty=1.5, frequency_penalty=0.5)
     assert r.stdout == g.text + "\n"
+    assert g.token_ids != lm.generate("To be", **kw).token_ids  # (the penalties change this text: they reached it)
 
 
 def assert_one_line_error(r: subprocess.CompletedProcess, *fragments: str) -> None:
