@@ -13,16 +13,29 @@ DTYPES = {
     "bf16": torch.bfloat16,
     "float16": torch.float16,
     "fp16": torch.float16,
+    # FP8 weights (core/fp8.py): the projections in float8 e4m3 with a float32 scale a row
+    "fp8": torch.float8_e4m3fn,
+    "float8_e4m3fn": torch.float8_e4m3fn,
 }
 
 
-def parse_dtype(dtype) -> torch.dtype:
-    """A storage dtype from its name ("bfloat16", "bf16", ...) or a torch dtype."""
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+def parse_dtype(dtype, fp8: bool = True) -> torch.dtype:
+    """A storage dtype from its name ("bfloat16", "bf16", "fp8", ...) or a torch dtype.
+    fp8=False: for weights that are plain tensors (fastmamba.Backbone's), which FP8 is not."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values() and (fp8 or dtype != torch.float8_e4m3fn):
         return dtype
-    if isinstance(dtype, str) and dtype in DTYPES:
+    if isinstance(dtype, str) and dtype in DTYPES and (fp8 or DTYPES[dtype] != torch.float8_e4m3fn):
         return DTYPES[dtype]
-    raise ValueError(f"dtype must be one of float32, bfloat16, float16 (or a torch dtype), got {dtype!r}")
+    names = "float32, bfloat16, float16" + (", fp8" if fp8 else "")
+    raise ValueError(f"dtype must be one of {names} (or a torch dtype), got {dtype!r}")
+
+
+def embedding_dtype(storage: torch.dtype) -> torch.dtype:
+    """The dtype the embedding (and a head tied to it) is stored in: the storage dtype, but
+    float32 under fp8. An embedding lookup reads a few rows a step, so FP8 would save little
+    there, while a tied head is the largest product; and the CPU reference computes in
+    float32 anyway, so the fp8 figures measure the projections' rounding alone."""
+    return torch.float32 if storage == torch.float8_e4m3fn else storage
 
 # The dtypes a recurrent state may be stored in: updates compute in float32 and round once
 # on store. float16 is not among them: its range (65504) is too narrow for the ssm state of

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fastmamba.core import fp8
 from fastmamba.core.ops import REFERENCE_OPS, Ops, linear
 from fastmamba.kernels.causal_conv1d import causal_conv1d_ref
 
@@ -89,7 +90,8 @@ def mixer(
     if config.dbc_norm_eps is not None:  # Falcon-Mamba
         dt_r, Bm, Cm = (rms_unweighted(t, config.dbc_norm_eps) for t in (dt_r, Bm, Cm))
     y = ops.scan(
-        x, dt_r, lw.dt_proj_w, lw.dt_bias, lw.A, Bm.transpose(1, 2), Cm.transpose(1, 2), lw.D, z, ssm_state, start,
+        x, dt_r, fp8.dense(lw.dt_proj_w), lw.dt_bias, lw.A, Bm.transpose(1, 2), Cm.transpose(1, 2), lw.D, z,
+        ssm_state, start,
         out_dtype=lw.out_proj_w.dtype,  # y as out_proj reads it (GPU path; the reference keeps f32)
         **extra,
     )  # (B, E, T)

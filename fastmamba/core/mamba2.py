@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fastmamba.core.fp8 import operand_dtype
+
 
 @dataclass
 class Mamba2LayerWeights:
@@ -106,7 +108,7 @@ def mixer2(config, lw: Mamba2LayerWeights, u: torch.Tensor, conv_state, ssm_stat
     y = ops.ssd(x.unflatten(-1, (H, P)), dt, lw.dt_bias, c.dt_limit, lw.A, Bm.unflatten(-1, (G, N)),
                 Cm.unflatten(-1, (G, N)), lw.D, ssm_state, c.chunk_size, start, resets)  # (B, T, H, P)
     if lw.gate_norm_w is None:  # (Falcon-H1 without its SSM norm)
-        y = (y.flatten(-2).float() * F.silu(z.float())).to(lw.out_proj_w.dtype)
+        y = (y.flatten(-2).float() * F.silu(z.float())).to(operand_dtype(lw.out_proj_w))
     else:
         y = ops.gated_norm(y.flatten(-2), z, lw.gate_norm_w, G, c.norm_eps, c.norm_before_gate, lw.out_proj_w.dtype)
     return ops.linear(y, lw.out_proj_w, lw.out_proj_b)

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fastmamba.core import fp8
+
 
 @dataclass
 class MLPWeights:
@@ -41,11 +43,18 @@ def layer_weights(norm: str, p: str, names: tuple[str, ...], big, small) -> MLPW
     biases = [small(p + n + ".bias") for n in ins]
     return MLPWeights(
         norm_w=small(norm),
-        in_w=torch.cat([big(p + n + ".weight") for n in ins]) if len(ins) > 1 else big(p + ins[0] + ".weight"),
+        in_w=_cat([big(p + n + ".weight") for n in ins]),
         in_b=None if biases[0] is None else torch.cat(biases),
         out_w=big(p + names[-1] + ".weight"),
         out_b=small(p + names[-1] + ".bias"),
     )
+
+
+def _cat(matrices: list):
+    """Gate's and up's matrices as one (FP8 ones with their scales)."""
+    if len(matrices) == 1:
+        return matrices[0]
+    return fp8.cat(matrices) if isinstance(matrices[0], fp8.Fp8Weight) else torch.cat(matrices)
 
 
 ACTIVATIONS = {"silu": F.silu, "relu2": lambda x: F.relu(x).square()}

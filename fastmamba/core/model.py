@@ -17,6 +17,7 @@ import torch
 from fastmamba.core.config import MambaConfig
 from fastmamba.core.errors import NonFiniteError
 from fastmamba.core.families import sublayers
+from fastmamba.core.fp8 import FP8, Fp8Weight
 from fastmamba.core.layers import Memory, kinds, layer_kind
 from fastmamba.core.ops import REFERENCE_OPS, Ops
 from fastmamba.core.state import MambaState
@@ -24,10 +25,17 @@ from fastmamba.core.state import MambaState
 
 @dataclass
 class MambaWeights:
-    embedding: torch.Tensor  # (V, d) storage dtype
+    embedding: torch.Tensor  # (V, d) storage dtype (float32 under fp8: dtypes.embedding_dtype)
     layers: list  # each sublayer's weights (its kind's: mamba1.LayerWeights, mamba2.Mamba2LayerWeights, ...)
     norm_f: torch.Tensor  # (d,) f32
-    lm_head: torch.Tensor  # (V, d) storage dtype; the embedding itself when tied
+    lm_head: torch.Tensor | Fp8Weight  # (V, d) storage dtype; the embedding itself when tied
+    fp8: bool = False  # the projections (and an untied head) are Fp8Weights (core/fp8.py)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The large matrices' storage dtype (float8_e4m3fn for FP8 weights, whose embedding
+        keeps its own)."""
+        return FP8 if self.fp8 else self.embedding.dtype
 
 
 class Mamba:
@@ -39,6 +47,9 @@ class Mamba:
 
     def __init__(self, config: MambaConfig, weights: MambaWeights, ops: Ops = REFERENCE_OPS, chunk_tokens: int = 16384,
                  state_dtype: torch.dtype = torch.float32):
+        if weights.fp8 and ops is not REFERENCE_OPS:
+            raise ValueError("fp8 weights run on the reference engine (the CPU): the GPU's fp8 kernels are not "
+                             "built yet")
         self.config = config
         self.weights = weights
         self.ops = ops
@@ -112,7 +123,7 @@ class Mamba:
             if check and not torch.isfinite(o).all():
                 raise NonFiniteError(
                     f"the model's output is not finite: layer {i} ({self._name(i)}) gives NaN or inf for this "
-                    f"input, its weights overflow the arithmetic (storage {str(operands).removeprefix('torch.')})")
+                    f"input, its weights overflow the arithmetic (storage {str(self.weights.dtype).removeprefix('torch.')})")
         if kv is not None and not state.kv_host:
             kv.lengths[: h.shape[0]] += h.shape[1]
         elif kv is not None:

@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from fastmamba.core import fp8
+from fastmamba.core.fp8 import Fp8Weight
 from fastmamba.kernels.causal_conv1d import ConvTiles, causal_conv1d_ref
 from fastmamba.kernels.conv_grad import ConvGradTiles
 from fastmamba.kernels.gated_norm import gated_rmsnorm_ref
@@ -24,9 +26,13 @@ from fastmamba.kernels.selective_scan import ScanTiles, step_and_scan_ref
 from fastmamba.kernels.ssd import SSDTiles, ssd_scan_ref
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype=None) -> torch.Tensor:
-    """x @ weight.T + bias with float32 accumulation whatever the weight's storage dtype.
+def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None,
+           out_dtype=None) -> torch.Tensor:
+    """x @ weight.T + bias with float32 accumulation whatever the weight's storage dtype (an
+    Fp8Weight's scales applied to the sums: core/fp8.linear).
     out_dtype: kernels/products.linear_storage's output dtype; the reference keeps float32."""
+    if isinstance(weight, Fp8Weight):
+        return fp8.linear(x, weight, bias)
     return F.linear(x.float(), weight.float(), bias)
 
 

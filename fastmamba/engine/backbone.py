@@ -188,7 +188,7 @@ class Backbone(nn.Module):
         from fastmamba.core.dtypes import parse_dtype, parse_state_dtype
 
         self.config = config
-        dtype = parse_dtype(dtype or torch.float32)
+        dtype = parse_dtype(dtype or torch.float32, fp8=False)  # (its weights are nn.Linear's tensors)
         self.state_dtype = parse_state_dtype(state_dtype or torch.float32)
         device = _parse_device(device)
         if config.input_proj:
@@ -463,6 +463,9 @@ class Backbone(nn.Module):
             raise ValueError(f"a {c.layer} model's layers are not a fastmamba.Backbone (its layers are Mamba-1's)")
         if c.dbc_norm_eps is not None:
             raise ValueError("a Falcon-Mamba model's layers are not a fastmamba.Backbone (their norm of dt, B, C)")
+        if w.dtype == torch.float8_e4m3fn:
+            raise ValueError("an fp8 model's layers are not a fastmamba.Backbone (its weights are nn.Linear's tensors, "
+                             "not FP8 ones): load the model with dtype float32, bfloat16 or float16")
         config = BackboneConfig(
             input_dim=c.d_model, d_model=c.d_model, n_layer=c.n_layer, d_state=c.d_state, d_conv=c.d_conv,
             expand=c.d_inner // c.d_model, dt_rank=c.dt_rank, norm_eps=c.norm_eps, conv_bias=c.conv_bias,

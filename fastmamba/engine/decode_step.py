@@ -24,6 +24,8 @@ def make_decode_step(model, batch: int, deterministic: bool = False, plan=None):
     of which step and products run where). A one-row plan without launch settings takes
     the table's for the model's shapes (plan.one_row_blocks)."""
     c, dtype = model.config, model.weights.embedding.dtype
+    if model.weights.fp8:
+        raise ValueError("fp8 weights have no GPU decode step: the GPU's fp8 kernels are not built yet")
     plan = plan or plan_for(c, dtype, batch, deterministic)
     if plan.step == "layer-ops":
         return OpsDecodeStep(model, plan)

@@ -121,7 +121,8 @@ class LanguageModel:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.weights.embedding.dtype
+        """The large matrices' storage dtype (torch.float8_e4m3fn for dtype="fp8")."""
+        return self.model.weights.dtype
 
     def __repr__(self) -> str:
         c = self.config

@@ -36,8 +36,10 @@ def load(
     read first, then the hub; HF_HOME and HF_HUB_OFFLINE apply); a folder of that name
     wins when it exists. None loads the bundled default model.
     device: "cpu" or "cuda" (or a torch.device).
-    dtype: storage of the large matrices, "float32", "bfloat16" or "float16" (or a torch
-    dtype); accumulation, states, norms and logits are float32 whatever it is.
+    dtype: storage of the large matrices, "float32", "bfloat16", "float16" or "fp8" (or a torch
+    dtype); accumulation, states, norms and logits are float32 whatever it is. "fp8" (the
+    CPU only, for now): the projections and an untied head in float8 e4m3 with a float32
+    scale a row (core/fp8.py), the embedding in float32.
     engine: "triton" (GPU kernels and CUDA graphs, the default on CUDA) or "reference"
     (the pure-PyTorch path, the default and only choice on the CPU).
     deterministic: on the GPU, make a slot's logits bitwise the same whatever the batch
@@ -62,6 +64,9 @@ def load(
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if storage == torch.float8_e4m3fn and dev.type != "cpu":  # (before anything touches the GPU)
+        raise ValueError(f"dtype 'fp8' runs on the CPU for now (device='cpu'): the GPU's fp8 kernels are not built "
+                         f"yet; on {device!r} load with dtype='bfloat16'")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for, but PyTorch sees no CUDA GPU here")
     if dev.type not in ("cpu", "cuda"):

@@ -33,7 +33,8 @@ class EngineOptions:
         metavar="DIR|ORG/NAME"))
     device: str = field(default="cpu", metadata=option("cpu or cuda (default: cpu)"))
     dtype: str = field(default="float32", metadata=option(
-        "storage of the weights: float32, bfloat16/bf16, float16/fp16"))
+        "storage of the weights: float32, bfloat16/bf16, float16/fp16, fp8 (the CPU: float8 e4m3 projections with a "
+        "scale a row)"))
     threads: int | None = field(default=None, metadata=option(
         "CPU threads for PyTorch (default: 1, which does not collapse beside a busy neighbour)"))
     state_dtype: str = field(default="float32", metadata=option(

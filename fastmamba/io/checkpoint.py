@@ -11,8 +11,10 @@ from pathlib import Path
 import torch
 
 from fastmamba.core.config import MambaConfig
+from fastmamba.core.dtypes import embedding_dtype
 from fastmamba.core.errors import CheckpointError
 from fastmamba.core.families import family, first_sublayer, fold_multipliers, sublayer, sublayers
+from fastmamba.core.fp8 import FP8, quantize
 from fastmamba.core.layers import LAYER_KINDS
 from fastmamba.core.model import MambaWeights
 from fastmamba.io.files import INDEX_FILES, WEIGHTS_FILES, inside, readable_file
@@ -210,26 +212,32 @@ def _other_layer_kind(config: MambaConfig, header: dict) -> str:
 def build_weights(
     config: MambaConfig, tensors: dict[str, torch.Tensor], origin: dict[str, Path], device, dtype: torch.dtype
 ) -> MambaWeights:
-    """Moves checked tensors to the device: large matrices in `dtype`, the rest in float32."""
+    """Moves checked tensors to the device: the large matrices in `dtype`, the embedding in
+    dtypes.embedding_dtype(dtype), the rest in float32. dtype fp8: the projections (and an
+    untied head) as Fp8Weights, quantized here."""
     fp16_max = torch.finfo(torch.float16).max
+    fp8 = dtype == FP8
 
-    def big(name):
+    def cast(name, to):
         t = tensors[name]
-        if dtype == torch.float16 and (peak := t.abs().max().item()) > fp16_max:
+        if to == torch.float16 and (peak := t.abs().max().item()) > fp16_max:
             raise CheckpointError(
                 f"{origin[name]}: tensor '{name}' holds values up to {peak:.3g}, beyond float16's range; "
                 "load it with dtype='bfloat16' or 'float32'"
             )
-        return t.to(device=device, dtype=dtype).contiguous()
+        return t.to(device=device, dtype=to).contiguous()
+
+    def big(name):
+        return quantize(tensors[name].to(device)) if fp8 else cast(name, dtype)
 
     def small(name):
         return None if name not in tensors else tensors[name].to(device=device, dtype=torch.float32).contiguous()
 
     fam = family(config)
     layers = [LAYER_KINDS[sub.kind].weights(config, sub, fam, big, small) for sub in sublayers(config)]
-    embedding = big(fam.embedding)
+    embedding = cast(fam.embedding, embedding_dtype(dtype))
     lm_head = embedding if config.tie_embeddings else big(fam.lm_head)
-    return MambaWeights(embedding=embedding, layers=layers, norm_f=small(fam.norm_f), lm_head=lm_head)
+    return MambaWeights(embedding=embedding, layers=layers, norm_f=small(fam.norm_f), lm_head=lm_head, fp8=fp8)
 
 
 def load_checkpoint(path, device, dtype: torch.dtype) -> tuple[MambaConfig, MambaWeights]:

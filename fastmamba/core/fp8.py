@@ -1,0 +1,145 @@
+"""FP8 weights (`dtype="fp8"`): a large matrix stored as float8 e4m3 values with float32
+scales, quantized at load or read as a published FP8 checkpoint holds it, and its product on
+the reference engine.
+
+A row's scale is its largest magnitude over e4m3's largest value (448), so the row's values
+span e4m3's whole range; each value is w / scale rounded to the nearest e4m3 value (ties to
+even), saturating at +-448. Published checkpoints may carry a scale per block of the matrix
+instead (DeepSeek-V3's 128 x 128): `Fp8Weight.block` then says the block's shape. The product
+multiplies in float32 and applies the scales to the sums, so a decode step reads one byte a
+weight and the accumulation stays float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+# Every e4m3 value as float32, by its byte: a lookup converts a matrix 5x faster on the CPU than
+# torch's float8 conversion (1280 x 320, one thread: 0.33 against 1.8 ms), which a decode
+# step pays for every matrix
+_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+
+
+def values(data: torch.Tensor) -> torch.Tensor:
+    """e4m3 values (any shape) as float32, exactly."""
+    table = _VALUES.to(data.device)
+    return table.index_select(0, data.view(torch.uint8).flatten().int()).view(data.shape)
+
+
+@dataclass(frozen=True, eq=False)
+class Fp8Weight:
+    """A matrix (out, in) as e4m3 values and float32 scales: w ~ data * scale, a scale per
+    output row (scale (out,)), or per block of `block` = (rows, columns) (scale
+    (ceil(out / rows), ceil(in / columns)), the last blocks cut short by the matrix's edge)."""
+
+    data: torch.Tensor  # (out, in) float8_e4m3fn
+    scale: torch.Tensor  # (out,) float32, or (out / rows, in / columns) rounded up with `block`
+    block: tuple[int, int] | None = None
+
+    dtype = FP8  # the storage dtype, as a tensor's .dtype says it
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes a product reads: the values and the scales."""
+        return self.data.nbytes + self.scale.nbytes
+
+    def row_scales(self) -> torch.Tensor:
+        """Each element's scale (out, in) f32 for block scales; (out, 1) for a scale a row."""
+        if self.block is None:
+            return self.scale[:, None]
+        rows, cols = self.block
+        out, k = self.data.shape
+        return self.scale.repeat_interleave(rows, 0)[:out].repeat_interleave(cols, 1)[:, :k]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The matrix as data * scale (float32 arithmetic, one rounding), then in `dtype`."""
+        return (values(self.data) * self.row_scales()).to(dtype)
+
+    def to(self, device) -> Fp8Weight:
+        return Fp8Weight(self.data.to(device), self.scale.to(device), self.block)
+
+    def scale_rows(self, rows: slice, by: float) -> Fp8Weight:
+        """The matrix with rows `rows` multiplied by `by` (a model family's multiplier folded
+        in at load), through the scales alone; block scales need the rows to be whole blocks."""
+        scale = self.scale.clone()
+        if self.block is None:
+            scale[rows] *= by
+            return Fp8Weight(self.data, scale, None)
+        h, out = self.block[0], self.data.shape[0]
+        start, stop, _ = rows.indices(out)
+        if start % h or (stop % h and stop != out):
+            raise ValueError(f"rows {start}:{stop} are not whole blocks of {h} rows")
+        scale[start // h : -(-stop // h)] *= by
+        return Fp8Weight(self.data, scale, self.block)
+
+
+def cat(weights: list[Fp8Weight]) -> Fp8Weight:
+    """Matrices stacked by rows (an MLP's gate and up, one product), their scales with them;
+    block scales need every matrix but the last to be whole blocks of rows."""
+    block = weights[0].block
+    if any(w.block != block for w in weights):
+        raise ValueError("the matrices' scales are of different layouts")
+    if block is not None and any(w.data.shape[0] % block[0] for w in weights[:-1]):
+        raise ValueError(f"the matrices' rows are not whole blocks of {block[0]}")
+    return Fp8Weight(torch.cat([w.data for w in weights]), torch.cat([w.scale for w in weights]), block)
+
+
+def quantize(w: torch.Tensor, scale: torch.Tensor | None = None) -> Fp8Weight:
+    """w (out, in) as e4m3 with a float32 scale a row: by default the row's largest magnitude
+    over 448 (1 for a row of zeros); values w / scale rounded to nearest, saturating at +-448."""
+    w = w.float()
+    if scale is None:
+        amax = w.abs().amax(dim=1)  # (out,)
+        scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (w / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX)  # (the division may pass 448 by an ulp)
+    return Fp8Weight(q.to(FP8).contiguous(), scale.float().contiguous())
+
+
+def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T + bias in float32: the e4m3 values multiply in float32 and the scales apply to
+    the sums (a row's; a block's sums over its columns, added), as a GPU kernel reading the
+    bytes would. x (..., in) -> (..., out) f32."""
+    x = x.float()
+    if w.block is None:
+        y = F.linear(x, values(w.data)) * w.scale
+    else:
+        rows, cols = w.block
+        out, k = w.data.shape
+        row_scale = w.scale.repeat_interleave(rows, 0)[:out]  # (out, in / cols)
+        v = values(w.data)
+        y = sum(F.linear(x[..., j : j + cols], v[:, j : j + cols]) * row_scale[:, j // cols] for j in range(0, k, cols))
+    return y if bias is None else y + bias
+
+
+def dense(weight):
+    """A matrix as a tensor, for a kernel that takes it whole (the scan's step sizes read
+    dt_proj): an Fp8Weight dequantized to float32 (the same values, the scale applied before
+    the sum, not after), a tensor as it is."""
+    return weight.dequantize() if isinstance(weight, Fp8Weight) else weight
+
+
+def operand_dtype(weight) -> torch.dtype:
+    """The dtype a product's input may be rounded to before the product reads it: the
+    weight's own for a 16/32-bit matrix, float32 for an FP8 one (its reference multiplies in
+    float32; the GPU's FP8 kernels will name theirs)."""
+    return torch.float32 if isinstance(weight, Fp8Weight) else weight.dtype
+
+
+def nbytes(t) -> int:
+    """The bytes a tensor or an Fp8Weight holds (None: 0)."""
+    if t is None:
+        return 0
+    return t.nbytes if isinstance(t, Fp8Weight) else t.numel() * t.element_size()
