@@ -1,9 +1,11 @@
 """FP8 weights (load(dtype="fp8")) on the reference engine: the quantization's error bounds,
-the model's logits against float32, and the GPU refused before it is touched."""
+the model's logits against float32, FP8 checkpoints written by compressed-tensors itself, the
+schemes refused by name, and the GPU refused before it is touched."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 
@@ -175,6 +177,198 @@ def test_a_hybrid_in_fp8(tmp_path, name):
     assert core.cache_hits >= 2
     for rid, p in enumerate(prompts):
         assert got[rid] == lm.generate(p, max_tokens=5, stop_token_ids=[]).token_ids, rid
+
+
+# -- FP8 checkpoints (compressed-tensors) -------------------------------------------------------
+
+
+def compress(model, folder, strategy: str, block=None, static_inputs: bool = False, ignore=(), fmt=None):
+    """`model` quantized and saved by compressed-tensors itself: float8 e4m3 weights of every
+    Linear but `ignore`, symmetric, scales by `strategy` from each matrix's own range (the
+    library's calculate_qparams, as its observers give them), then its ModelCompressor's
+    compress_model, save_pretrained and update_config. Returns the decompressed weights the
+    library gives back, by module name (what a load must reproduce), and the stored values and
+    scales; `model` is left decompressed, as a float32 model of those weights."""
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        QuantizationStatus,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    weights = dict(num_bits=8, type="float", strategy=strategy, symmetric=True, dynamic=False)
+    if block:
+        weights["block_structure"] = list(block)
+    inputs = QuantizationArgs(num_bits=8, type="float", strategy="tensor", symmetric=True, dynamic=False) \
+        if static_inputs else None
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights), input_activations=inputs)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore),
+                                                        quantization_status=QuantizationStatus.INITIALIZED))
+    for _, module in model.named_modules():
+        if not hasattr(module, "weight_scale"):
+            continue
+        w = module.weight.data
+        if strategy == "tensor":
+            lo, hi = w.min().reshape(1), w.max().reshape(1)
+        elif strategy == "channel":
+            lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+        else:
+            from compressed_tensors.quantization.utils import maybe_pad_tensor_for_block_quant
+
+            r, c = block
+            p = maybe_pad_tensor_for_block_quant(w, (r, c))
+            b = p.reshape(p.shape[0] // r, r, p.shape[1] // c, c).transpose(1, 2)
+            lo, hi = b.amin((-1, -2)), b.amax((-1, -2))
+        scale, _ = calculate_qparams(lo, hi, module.quantization_scheme.weights)
+        module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+        if static_inputs:
+            module.input_scale.data.fill_(0.05)
+    compressor = ModelCompressor.from_pretrained_model(model, fmt)
+    compressor.compress_model(model)
+    model.save_pretrained(folder)
+    compressor.update_config(folder)
+    stored = {n: (m.weight.data.clone(), m.weight_scale.data.clone()) for n, m in model.named_modules()
+              if hasattr(m, "weight_scale")}
+    compressor.decompress_model(model)
+    for m in model.modules():  # (no activation quantization: fastmamba's products take float32 activations)
+        m.quantization_enabled = False
+    assert ct.__version__
+    return {n: m.weight.data.float() for n, m in model.named_modules() if n in stored}, stored
+
+
+def tiny_mamba(**kw):
+    torch.manual_seed(0)
+    config = transformers.MambaConfig(hidden_size=16, num_hidden_layers=2, state_size=16, vocab_size=101,
+                                      tie_word_embeddings=False, **kw)
+    return transformers.MambaForCausalLM(config).eval()
+
+
+MATRICES = ("in_proj", "x_proj", "dt_proj", "out_proj")
+
+
+@pytest.mark.parametrize("strategy, block, static_inputs, ignore", [
+    ("channel", None, False, ()),  # the head quantized too; format naive-quantized (the library's pick)
+    ("tensor", None, True, ("lm_head",)),  # static input scales (read, unused); the head left 32-bit
+    ("block", (8, 8), False, ("lm_head",)),  # x_proj's 33 rows and dt_proj's 1 column: blocks cut short
+])
+def test_a_compressed_tensors_checkpoint_loads_as_the_library_decompresses_it(tmp_path, strategy, block,
+                                                                               static_inputs, ignore):
+    model = tiny_mamba()
+    x = torch.randint(0, 101, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(x).logits
+    decompressed, stored = compress(model, tmp_path, strategy, block, static_inputs, ignore)
+    q = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert q["quant_method"] == "compressed-tensors" and q["config_groups"]["group_0"]["weights"]["strategy"] == strategy
+    lm = fastmamba.load(tmp_path, dtype="fp8")
+    w = lm.model.weights
+    for i, lw in enumerate(w.layers):
+        for m in MATRICES:
+            got, name = getattr(lw, m + "_w"), f"backbone.layers.{i}.mixer.{m}"
+            assert isinstance(got, Fp8Weight) and got.block == block
+            assert torch.equal(got.data.view(torch.uint8), stored[name][0].view(torch.uint8))  # not requantized
+            if strategy == "tensor":  # the one scale, each row's
+                assert torch.equal(got.scale, stored[name][1].float().expand(got.shape[0]))
+            assert torch.equal(got.dequantize(), decompressed[name]), name
+    if "lm_head" in ignore:
+        assert w.lm_head.dtype == torch.float32 and torch.equal(w.lm_head, model.lm_head.weight.float())
+    else:
+        assert torch.equal(w.lm_head.dequantize(), decompressed["lm_head"])
+    # the same checkpoint under float32: the library's dequantized weights, exactly
+    dense = fastmamba.load(tmp_path).model.weights.layers[1]
+    assert torch.equal(dense.in_proj_w, decompressed["backbone.layers.1.mixer.in_proj"])
+    # the logits: transformers' model of the library's decompressed weights, and the unquantized model's
+    with torch.no_grad():
+        assert relative_error(lm.forward(x), model(x).logits) < 1e-5
+    assert relative_error(lm.forward(x), ref) < FP8_OVER_BF16 * relative_error(
+        fastmamba.load(tmp_path, dtype="bfloat16").forward(x), model(x).logits.detach()) + 1e-2
+
+
+def test_a_compressed_tensors_falcon_h1_folds_its_multipliers_into_the_scales(tmp_path):
+    """Falcon-H1's muP multipliers scale sections of in_proj's rows and whole matrices: an FP8
+    checkpoint's are folded into its scales (channel and 8-row blocks): the logits of
+    transformers' model of the library's decompressed weights (which applies them itself)."""
+    from test_hybrids import falcon
+
+    config, model_class = falcon(mamba_rms_norm=False)
+    torch.manual_seed(0)
+    x = torch.randint(0, 160, (2, 21), generator=torch.Generator().manual_seed(2))
+    for strategy, block in (("channel", None), ("block", (8, 8))):
+        folder = tmp_path / strategy
+        model = model_class(config).eval()
+        compress(model, folder, strategy, block, ignore=("lm_head",))
+        lm = fastmamba.load(folder, dtype="fp8")
+        assert lm.model.weights.layers[0].mamba.in_proj_w.block == block
+        with torch.no_grad():
+            assert relative_error(lm.forward(x), model(x).logits) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fp8")
+    compress(tiny_mamba(), folder, "channel")
+    return folder
+
+
+def edited(folder, tmp_path, config=None, tensors=None, files=None):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "edited"
+    shutil.copytree(folder, out)
+    if config:
+        cfg = json.loads((out / "config.json").read_text())
+        config(cfg["quantization_config"])
+        (out / "config.json").write_text(json.dumps(cfg))
+    if tensors:
+        t = load_file(str(out / "model.safetensors"))
+        tensors(t)
+        save_file(t, str(out / "model.safetensors"))
+    for name, text in (files or {}).items():
+        (out / name).write_text(text)
+    return out
+
+
+def weights_of(q):
+    return q["config_groups"]["group_0"]["weights"]
+
+
+S = "backbone.layers.0.mixer.in_proj."
+REFUSED = {  # an edit of the checkpoint -> what the error names
+    "int8 weights": (dict(config=lambda q: weights_of(q).update(type="int")), ["weights.type", "'int'"]),
+    "int4 weights": (dict(config=lambda q: weights_of(q).update(num_bits=4)), ["weights.num_bits", "4"]),
+    "groups": (dict(config=lambda q: weights_of(q).update(strategy="group", group_size=None)),
+               ["weights.strategy", "'group'"]),
+    "asymmetric": (dict(config=lambda q: weights_of(q).update(symmetric=False)), ["weights.symmetric", "False"]),
+    "packed format": (dict(config=lambda q: q.update(format="pack-quantized")), ["quantization_config.format",
+                                                                                "pack-quantized"]),
+    "modelopt in config.json": (dict(config=lambda q: q.update(quant_method="modelopt")),
+                                ["quantization_config.quant_method", "'modelopt'"]),
+    "modelopt's file": (dict(files={"hf_quant_config.json": json.dumps({"quantization": {"quant_algo": "FP8"}})}),
+                        ["hf_quant_config.json", "quant_algo", "'FP8'", "ModelOpt"]),
+    "a KV cache scheme": (dict(config=lambda q: q.update(kv_cache_scheme={"num_bits": 8})), ["kv_cache_scheme"]),
+    "e5m2 values": (dict(tensors=lambda t: t.update({S + "weight": t[S + "weight"].float().to(torch.float8_e5m2)})),
+                    [S + "weight", "f8_e5m2"]),
+    "a missing scale": (dict(tensors=lambda t: t.pop(S + "weight_scale")), ["missing tensor", S + "weight_scale"]),
+    "a scale of the wrong shape": (dict(tensors=lambda t: t.update({S + "weight_scale": torch.ones(3, 1)})),
+                                   [S + "weight_scale", "(3, 1)", "(64, 1) (channel)"]),
+    "an activation scale the scheme has not": (dict(tensors=lambda t: t.update({S + "input_scale": torch.ones(1)})),
+                                               ["unexpected tensor", S + "input_scale"]),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_other_schemes_are_refused_by_name(fp8_checkpoint, tmp_path, case):
+    edit, fragments = REFUSED[case]
+    with pytest.raises(fastmamba.CheckpointError) as info:
+        fastmamba.load(edited(fp8_checkpoint, tmp_path, **edit), dtype="fp8")
+    for f in fragments:
+        assert f in str(info.value), (f, str(info.value))
 
 
 # -- the GPU, the command line -----------------------------------------------------------------

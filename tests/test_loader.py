@@ -86,8 +86,11 @@ def test_integer_weights_are_refused_by_name(ckpt):
 
 
 def test_a_quantized_checkpoints_config_is_refused_by_name(ckpt):
+    """(FP8 checkpoints in the compressed-tensors format are read: tests/test_fp8.py.)"""
+    edit_config(ckpt, lambda c: c.update(quantization_config={"quant_method": "gptq", "bits": 4}))
+    load_error(ckpt, "config.json", "quantization_config.quant_method", "gptq")
     edit_config(ckpt, lambda c: c.update(quantization_config={"quant_method": "compressed-tensors"}))
-    load_error(ckpt, "config.json", "quantization_config", "compressed-tensors")
+    load_error(ckpt, "config.json", "quantization_config.format", "None")
 
 
 def test_a_mamba2_config_over_mamba1_weights(ckpt):

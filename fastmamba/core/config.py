@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fastmamba.core.config_fields import dt_limit, dt_rank, eos_id, get
 from fastmamba.core.errors import CheckpointError
 from fastmamba.core.hybrid_config import HYBRIDS
+from fastmamba.core.quant_config import Fp8Scheme, fp8_scheme
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ class MambaConfig:
     # Falcon-H1's muP ones), by their config.json names: folded into the weights at load
     # (core/families.py), so that no kernel sees them.
     multipliers: tuple[tuple[str, float | tuple[float, ...]], ...] = ()
+    # An FP8 checkpoint's scheme (its quantization_config, quant_config.py): how the float8
+    # weights it stores are scaled. None: its weights are 16/32-bit.
+    fp8: Fp8Scheme | None = None
 
     @property
     def n_heads(self) -> int:
@@ -104,13 +108,7 @@ class MambaConfig:
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "MambaConfig":
         """Builds a config from an HF (`hidden_size`, ...) or original (`d_model`, ...) dict."""
-        if raw.get("quantization_config") is not None:
-            q = raw["quantization_config"]
-            method = q.get("quant_method", "quantized") if isinstance(q, dict) else "quantized"
-            raise CheckpointError(
-                f"{source}: key 'quantization_config' describes {method} weights, which are not supported yet; "
-                "load a float32, bfloat16 or float16 checkpoint"
-            )
+        fp8 = fp8_scheme(raw["quantization_config"], source) if raw.get("quantization_config") is not None else None
         if "hidden_size" in raw:
             config = _from_hf(raw, source)
         elif "d_model" in raw:
@@ -129,7 +127,7 @@ class MambaConfig:
             raise CheckpointError(
                 f"{source}: key 'eos_token_id' is {config.eos_token_id}, outside the vocabulary [0, {config.vocab_size})"
             )
-        return config
+        return config if fp8 is None else replace(config, fp8=fp8)
 
     @classmethod
     def from_file(cls, path: Path) -> "MambaConfig":

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from fastmamba.core.config import MambaConfig
+from fastmamba.core.errors import CheckpointError
+from fastmamba.core.fp8 import Fp8Weight
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,8 @@ def first_sublayer(config: MambaConfig, layer: int) -> int:
 
 
 def fold_multipliers(config: MambaConfig, tensors: dict[str, torch.Tensor]) -> None:
-    """Scales (float32, before the storage dtype's rounding) the weights whose
+    """Scales (float32, before the storage dtype's rounding; an FP8 checkpoint's matrices
+    through their scales) the weights whose
     product's input or output a family multiplies by a constant, so that the model runs
     without them: Granite-4.0-H's residual multiplier (each sublayer's output), Falcon-H1's
     muP multipliers (in_proj's input and each section of its output, out_proj's output,
@@ -94,7 +97,13 @@ def fold_multipliers(config: MambaConfig, tensors: dict[str, torch.Tensor]) -> N
     def scale(name: str, by, rows: slice = slice(None), suffixes=("weight", "bias")) -> None:
         for suffix in suffixes:
             t = tensors.get(f"{name}.{suffix}")
-            if t is not None and by != 1.0:
+            if t is not None and by != 1.0 and isinstance(t, Fp8Weight):  # an FP8 checkpoint's: through its scales
+                try:
+                    tensors[f"{name}.{suffix}"] = t.scale_rows(rows, by)
+                except ValueError as e:
+                    raise CheckpointError(f"tensor '{name}.{suffix}': a multiplier of config.json scales its {e}, "
+                                          "which its FP8 scales cannot express") from None
+            elif t is not None and by != 1.0:
                 t = t.float().clone()  # (a copy: the files' own tensors may be read-only maps)
                 t[rows] *= by
                 tensors[f"{name}.{suffix}"] = t

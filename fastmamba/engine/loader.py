@@ -39,7 +39,8 @@ def load(
     dtype: storage of the large matrices, "float32", "bfloat16", "float16" or "fp8" (or a torch
     dtype); accumulation, states, norms and logits are float32 whatever it is. "fp8" (the
     CPU only, for now): the projections and an untied head in float8 e4m3 with a float32
-    scale a row (core/fp8.py), the embedding in float32.
+    scale a row (core/fp8.py), the embedding in float32; an FP8 checkpoint (compressed-tensors)
+    keeps its own values and scales, and under any other dtype is dequantized.
     engine: "triton" (GPU kernels and CUDA graphs, the default on CUDA) or "reference"
     (the pure-PyTorch path, the default and only choice on the CPU).
     deterministic: on the GPU, make a slot's logits bitwise the same whatever the batch

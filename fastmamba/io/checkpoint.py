@@ -1,4 +1,5 @@
-"""Reading a checkpoint folder (HF or original state-spaces format) into MambaWeights, strictly."""
+"""Reading a checkpoint folder (HF or original state-spaces format; FP8 ones in the
+compressed-tensors format) into MambaWeights, strictly."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from fastmamba.core.config import MambaConfig
 from fastmamba.core.dtypes import embedding_dtype
 from fastmamba.core.errors import CheckpointError
 from fastmamba.core.families import family, first_sublayer, fold_multipliers, sublayer, sublayers
-from fastmamba.core.fp8 import FP8, quantize
+from fastmamba.core.fp8 import FP8, Fp8Weight, quantize
 from fastmamba.core.layers import LAYER_KINDS
 from fastmamba.core.model import MambaWeights
 from fastmamba.io.files import INDEX_FILES, WEIGHTS_FILES, inside, readable_file
@@ -62,7 +63,7 @@ def _dtype_label(dtype: torch.dtype) -> str:
         dtype, "f8" + str(dtype).removeprefix("torch.float8") if "float8" in str(dtype) else str(dtype).removeprefix("torch."))
 
 
-# The tensor dtypes the loader reads: float8 ones are FP8 checkpoints (not supported yet).
+# The tensor dtypes the loader reads (float8 e4m3 ones where config.json names an FP8 scheme).
 _FLOAT_DTYPES = ("f32", "f16", "bf16", "f64")
 
 
@@ -164,37 +165,105 @@ def read_tensors(folder: Path, config: MambaConfig) -> tuple[dict[str, torch.Ten
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{folder / files}: missing tensor '{missing[0]}'{more}{_other_layer_kind(config, header)}")
-    unexpected = sorted(n for n in header if n not in expected and not (repeated_head and n == "lm_head.weight"))
+    # An FP8 checkpoint's float8 weights: each with its scale, perhaps a static activation scale (unused)
+    fp8 = _fp8_companions(config, expected, header)
+    companions = {n for names in fp8.values() for n in names if n}
+    unexpected = sorted(n for n in header if n not in expected and n not in companions
+                        and not (repeated_head and n == "lm_head.weight"))
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise CheckpointError(
             f"{origin[unexpected[0]]}: unexpected tensor '{unexpected[0]}'{more} for the sizes in config.json"
         )
+    layouts = {}  # float8 weight -> (its scale's name, strategy, block)
     for name, shape in expected.items():
         if header[name][0] != shape:
             raise CheckpointError(
                 f"{origin[name]}: tensor '{name}' has shape {header[name][0]}, config.json implies {shape}"
             )
+        if name in fp8:
+            layouts[name] = _fp8_layout(config, name, shape, fp8[name][0], header, origin)
+            continue
         if header[name][1].startswith("f8"):
-            raise CheckpointError(f"{origin[name]}: tensor '{name}' is float8 ({header[name][1]}): FP8 checkpoints are "
-                                  "not supported yet; load a float32, bfloat16 or float16 one")
+            why = ("config.json has no quantization_config (where an FP8 checkpoint says how its values are scaled)"
+                   if config.fp8 is None else
+                   "FP8 checkpoints hold float8 (e4m3) values in the projections' matrices only")
+            raise CheckpointError(f"{origin[name]}: tensor '{name}' is float8 ({header[name][1]}), but {why}; "
+                                  "load a float32, bfloat16 or float16 checkpoint (dtype='fp8' quantizes one at load)")
         if header[name][1] not in _FLOAT_DTYPES:
             raise CheckpointError(f"{origin[name]}: tensor '{name}' is {header[name][1]}, not floating point "
                                   "(float32, bfloat16, float16 or float64)")
     data = {id(f): f.tensors() for f in opened}
     tensors = {name: data[id(f)][stored] for name, (f, stored) in source.items()}
+    for name, (scale, strategy, block) in layouts.items():
+        tensors[name] = _fp8_weight(tensors[name], tensors[scale], strategy, block, origin[scale], scale)
+    for name in companions:
+        tensors.pop(name, None)
     if repeated_head:
         head, emb = tensors.pop(fam.lm_head), tensors[fam.embedding]
-        if head.shape != emb.shape or not torch.equal(head, emb):
+        if head.shape != emb.shape or not torch.equal(_dense(head), _dense(emb)):
             raise CheckpointError(
                 f"{origin[fam.lm_head]}: tensor '{fam.lm_head}' differs from the embedding, "
                 "but the config ties them (tie_word_embeddings / tie_embeddings is true)"
             )
     for name in expected:
-        if not torch.isfinite(tensors[name]).all():
+        if not torch.isfinite(_dense(tensors[name])).all():
             raise CheckpointError(f"{origin[name]}: tensor '{name}' holds NaN or inf values")
     fold_multipliers(config, tensors)
     return tensors, origin
+
+
+def _fp8_companions(config: MambaConfig, expected: dict, header: dict) -> dict[str, tuple[str, str | None]]:
+    """An FP8 checkpoint's float8 matrices: {weight: (its scale's name, its static activation
+    scale's name where the scheme stores them and the file holds one, else None)}."""
+    if config.fp8 is None:
+        return {}
+    out = {}
+    for name, shape in expected.items():
+        if name.endswith(".weight") and len(shape) == 2 and header[name][1].startswith("f8"):
+            stem = name.removesuffix("weight")
+            out[name] = (stem + "weight_scale",
+                         stem + "input_scale" if config.fp8.input_scales and stem + "input_scale" in header else None)
+    return out
+
+
+def _fp8_layout(config: MambaConfig, name: str, shape: tuple[int, int], scale: str, header: dict,
+                origin: dict) -> tuple[str, str, tuple[int, int] | None]:
+    """A float8 matrix's scale checked against the scheme in config.json: (scale's name,
+    strategy, block shape or None)."""
+    if header[name][1] != "f8_e4m3":
+        raise CheckpointError(f"{origin[name]}: tensor '{name}' is float8 {header[name][1]}: FP8 weights are e4m3 "
+                              "(F8_E4M3)")
+    if scale not in header:
+        raise CheckpointError(f"{origin[name]}: missing tensor '{scale}', the scale of the float8 tensor '{name}'")
+    got, dtype = header[scale]
+    if dtype not in _FLOAT_DTYPES:
+        raise CheckpointError(f"{origin[scale]}: tensor '{scale}' is {dtype}, not floating point")
+    shapes = config.fp8.scale_shapes(*shape)
+    fits = [(strategy, block) for s, strategy, block in shapes if s == got]
+    if not fits:
+        implied = " or ".join(f"{s} ({strategy})" for s, strategy, _ in shapes)
+        raise CheckpointError(f"{origin[scale]}: tensor '{scale}' has shape {got}; config.json's quantization_config "
+                              f"implies {implied} for a {shape} weight")
+    return (scale, *fits[0])
+
+
+def _fp8_weight(data: torch.Tensor, scale: torch.Tensor, strategy: str, block, path: Path, name: str) -> Fp8Weight:
+    """A checkpoint's float8 matrix and its scale as an Fp8Weight: a tensor's scale repeated
+    for each row (exact: the same float32 number), a channel's or a block's as stored."""
+    s = scale.float()
+    if strategy == "tensor":
+        s = s.reshape(()).expand(data.shape[0])
+    elif strategy == "channel":
+        s = s.reshape(data.shape[0])
+    if not torch.isfinite(s).all():
+        raise CheckpointError(f"{path}: tensor '{name}' holds NaN or inf values")
+    return Fp8Weight(data.contiguous(), s.contiguous(), block)
+
+
+def _dense(t):
+    """A tensor, or an Fp8Weight's values as float32."""
+    return t.dequantize() if isinstance(t, Fp8Weight) else t
 
 
 def _other_layer_kind(config: MambaConfig, header: dict) -> str:
@@ -210,16 +279,17 @@ def _other_layer_kind(config: MambaConfig, header: dict) -> str:
 
 
 def build_weights(
-    config: MambaConfig, tensors: dict[str, torch.Tensor], origin: dict[str, Path], device, dtype: torch.dtype
+    config: MambaConfig, tensors: dict, origin: dict[str, Path], device, dtype: torch.dtype
 ) -> MambaWeights:
     """Moves checked tensors to the device: the large matrices in `dtype`, the embedding in
     dtypes.embedding_dtype(dtype), the rest in float32. dtype fp8: the projections (and an
-    untied head) as Fp8Weights, quantized here."""
+    untied head) as Fp8Weights, quantized here from 16/32-bit values, or as an FP8 checkpoint
+    stores them; an FP8 checkpoint's matrices under another dtype are dequantized."""
     fp16_max = torch.finfo(torch.float16).max
     fp8 = dtype == FP8
 
     def cast(name, to):
-        t = tensors[name]
+        t = _dense(tensors[name])
         if to == torch.float16 and (peak := t.abs().max().item()) > fp16_max:
             raise CheckpointError(
                 f"{origin[name]}: tensor '{name}' holds values up to {peak:.3g}, beyond float16's range; "
@@ -228,13 +298,27 @@ def build_weights(
         return t.to(device=device, dtype=to).contiguous()
 
     def big(name):
-        return quantize(tensors[name].to(device)) if fp8 else cast(name, dtype)
+        t = tensors[name]
+        if fp8 and isinstance(t, Fp8Weight):  # as the FP8 checkpoint stores it
+            return t.to(device)
+        if fp8 and config.fp8 is not None:  # a matrix the FP8 checkpoint left unquantized (its `ignore`: often the head)
+            return cast(name, embedding_dtype(dtype))
+        if fp8:
+            return quantize(t.to(device))
+        return cast(name, dtype)
 
     def small(name):
         return None if name not in tensors else tensors[name].to(device=device, dtype=torch.float32).contiguous()
 
     fam = family(config)
-    layers = [LAYER_KINDS[sub.kind].weights(config, sub, fam, big, small) for sub in sublayers(config)]
+    layers = []
+    for sub in sublayers(config):
+        try:
+            layers.append(LAYER_KINDS[sub.kind].weights(config, sub, fam, big, small))
+        except CheckpointError:
+            raise
+        except ValueError as e:  # (an FP8 checkpoint's block scales that its gate and up cannot share)
+            raise CheckpointError(f"{origin[sub.norm]}: the sublayer of '{sub.norm}': {e}") from None
     embedding = cast(fam.embedding, embedding_dtype(dtype))
     lm_head = embedding if config.tie_embeddings else big(fam.lm_head)
     return MambaWeights(embedding=embedding, layers=layers, norm_f=small(fam.norm_f), lm_head=lm_head, fp8=fp8)
@@ -246,6 +330,21 @@ def load_checkpoint(path, device, dtype: torch.dtype) -> tuple[MambaConfig, Mamb
         raise CheckpointError(f"{folder}: no such checkpoint folder")
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: a checkpoint is a folder holding config.json and weights")
+    if os.path.lexists(folder / "hf_quant_config.json"):
+        _refuse_modelopt(inside(folder, "hf_quant_config.json"))
     config = MambaConfig.from_file(inside(folder, "config.json"))
     tensors, origin = read_tensors(folder, config)
     return config, build_weights(config, tensors, origin, device, dtype)
+
+
+def _refuse_modelopt(path: Path):
+    """NVIDIA ModelOpt's quantized checkpoints (hf_quant_config.json) are not read: a
+    CheckpointError naming their algorithm."""
+    try:
+        algo = json.loads(path.read_text())["quantization"]["quant_algo"]
+    except Exception:
+        algo = "unreadable"
+    raise CheckpointError(
+        f"{path}: quantization.quant_algo is {algo!r}: NVIDIA ModelOpt's quantized checkpoints are not supported; "
+        "fastmamba reads FP8 checkpoints in the compressed-tensors format, or quantizes a float32, bfloat16 or "
+        "float16 one at load with dtype='fp8'")
