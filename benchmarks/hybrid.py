@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from fastmamba.bench import _random_tensors, copy_bandwidth
+from fastmamba.bench import HYBRID_SHAPES, _random_tensors, copy_bandwidth
 from fastmamba.core.config import MambaConfig
 from fastmamba.core.kv_cache import bytes_per_token
 from fastmamba.core.model import Mamba
@@ -27,28 +27,13 @@ from fastmamba.engine.plan import KERNEL_TILES
 from fastmamba.engine.protocol import Request
 from fastmamba.io.checkpoint import build_weights
 
-# config.json fields of the public checkpoints (the layer pattern of Nemotron-H's 52-layer
-# models: 24 Mamba-2, 4 attention, 24 MLP sublayers)
-SHAPES = {
-    "nemotron-h-8b": {
-        "model_type": "nemotron_h", "hidden_size": 4096, "vocab_size": 131072, "tie_word_embeddings": False,
-        "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 21504, "mlp_hidden_act": "relu2",
-        "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128, "conv_kernel": 4, "chunk_size": 128,
-        "layer_norm_epsilon": 1e-5, "eos_token_id": 2},
-    "nemotron-h-tiny": {  # (a smoke run's)
-        "model_type": "nemotron_h", "hidden_size": 256, "vocab_size": 1024, "hybrid_override_pattern": "M-M*-M-",
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512, "mamba_num_heads": 8,
-        "mamba_head_dim": 64, "n_groups": 2, "ssm_state_size": 32, "eos_token_id": 2},
-}
-
 
 def cuda(device: str) -> bool:
     return torch.device(device).type == "cuda"
 
 
 def model_of(shape: str, device: str) -> tuple[Mamba, dict]:
-    raw = SHAPES[shape]
+    raw = HYBRID_SHAPES[shape]
     c = MambaConfig.from_dict(raw, shape)
     tensors = _random_tensors(c, device)
     dtype = torch.bfloat16 if cuda(device) else torch.float32
@@ -128,7 +113,7 @@ def hf_ms_per_token(raw: dict, context: int, tokens: int = 16) -> float | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="nemotron-h-8b", choices=list(SHAPES))
+    ap.add_argument("--shape", default="nemotron-h-8b", choices=list(HYBRID_SHAPES))
     ap.add_argument("--batches", default="1,32,128")
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens a request, before decoding")
     ap.add_argument("--steps", type=int, default=30)

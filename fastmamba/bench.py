@@ -40,6 +40,21 @@ SHAPES = {  # the public checkpoints' sizes (d_state 16, d_conv 4; vocab as publ
                                 tie_embeddings=False),
 }
 
+# hybrids' config.json fields as the public checkpoints have them (the layer pattern of
+# Nemotron-H's 52-layer models: 24 Mamba-2, 4 attention, 24 MLP sublayers)
+HYBRID_SHAPES = {
+    "nemotron-h-8b": {
+        "model_type": "nemotron_h", "hidden_size": 4096, "vocab_size": 131072, "tie_word_embeddings": False,
+        "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 21504, "mlp_hidden_act": "relu2",
+        "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128, "conv_kernel": 4, "chunk_size": 128,
+        "layer_norm_epsilon": 1e-5, "eos_token_id": 2},
+    "nemotron-h-tiny": {  # (a smoke run's; the bundled tokenizer's vocabulary, for a served one)
+        "model_type": "nemotron_h", "hidden_size": 256, "vocab_size": 4096, "hybrid_override_pattern": "M-M*-M-",
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512, "mamba_num_heads": 8,
+        "mamba_head_dim": 64, "n_groups": 2, "ssm_state_size": 32, "eos_token_id": 2},
+}
+
 
 def _random_tensor(name: str, shape: tuple[int, ...], n_layer: int, g: torch.Generator, device) -> torch.Tensor:
     """A float32 tensor of a layer, of the spread trained models have, by its name: norms
@@ -100,22 +115,24 @@ def random_model(size: str, dtype: torch.dtype, device="cuda", state_dtype: torc
 
 
 def write_random_checkpoint(size: str, folder, dtype: torch.dtype = torch.bfloat16) -> None:
-    """A Mamba-1 checkpoint folder of random weights at a public shape (random_model's,
-    made on the CPU), in transformers' format, with the bundled model's tokenizer: for
-    benchmarks that load a folder (Ray Serve replicas). The products and the embedding are
-    stored in dtype (the loader stores them so), the rest in float32."""
+    """A checkpoint folder of random weights at a public shape (a Mamba-1 one of SHAPES, as
+    random_model's, or a hybrid of HYBRID_SHAPES), made on the CPU, in transformers' format,
+    with the bundled model's tokenizer: for benchmarks that load a folder (the server's, Ray
+    Serve replicas). The products and the embedding are stored in dtype (the loader stores
+    them so), the rest in float32."""
     import shutil
     from pathlib import Path
 
     from safetensors.torch import save_file
 
-    c = SHAPES[size]
+    raw = HYBRID_SHAPES.get(size)
+    c = MambaConfig.from_dict(raw, size) if raw is not None else SHAPES[size]
     tensors = _random_tensors(c, "cpu")
     big = {k: v.to(dtype) for k, v in tensors.items() if k.endswith(("proj.weight", "embeddings.weight", "lm_head.weight"))}
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     save_file({**tensors, **big}, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(c.to_hf_dict(), indent=2))
+    (folder / "config.json").write_text(json.dumps(raw if raw is not None else c.to_hf_dict(), indent=2))
     shutil.copy(Path(__file__).parent / "default_model" / "tokenizer.json", folder / "tokenizer.json")
 
 
