@@ -1,10 +1,12 @@
 """Hybrid models (Mamba-2 + attention + MLP) at a public shape with random weights, bf16, on the
 GPU engine: the engine's decode step at batch 1 / 32 / 128 over contexts of --context tokens
 (wall ms a step, sampling and the host's bookkeeping included, against the floor: weights,
-recurrent states and the contexts' keys and values read once), prefill 1 x 8192, and
-transformers' `generate` at batch 1 over the same random model in the same run.
+recurrent states and the contexts' keys and values read once) with the state in each of
+--state-dtypes, a --long prompt (32768 tokens) through the engine (its first token, its
+step, the memory it held at the peak), prefill 1 x 8192, and transformers' `generate` at
+batch 1 over the same random model in the same run.
 
-    python -m benchmarks.hybrid --shape nemotron-h-8b --json hybrid.json
+    python -m benchmarks.hybrid --shape nemotron-h-8b --state-dtypes float32,bfloat16 --json hybrid.json
     python -m benchmarks.hybrid --shape nemotron-h-tiny --device cpu --no-hf   # a smoke run
 """
 
@@ -17,6 +19,7 @@ import torch
 
 from fastmamba.bench import HYBRID_SHAPES, _random_tensors, copy_bandwidth
 from fastmamba.core.config import MambaConfig
+from fastmamba.core.dtypes import parse_state_dtype
 from fastmamba.core.kv_cache import bytes_per_token
 from fastmamba.core.model import Mamba
 from fastmamba.core.ops import REFERENCE_OPS, triton_ops
@@ -24,7 +27,7 @@ from fastmamba.core.sampling_params import SamplingParams
 from fastmamba.engine.engine_core import EngineCore
 from fastmamba.engine.language_model import LanguageModel
 from fastmamba.engine.plan import KERNEL_TILES
-from fastmamba.engine.protocol import Request
+from fastmamba.engine.protocol import Request, Token
 from fastmamba.io.checkpoint import build_weights
 
 
@@ -95,6 +98,29 @@ def decode_ms(model: Mamba, batch: int, context: int, steps: int) -> float:
     return ms  # (the engine and its KV cache go with this frame)
 
 
+def long_prompt(model: Mamba, tokens: int, out: int = 16) -> dict:
+    """One request with a `tokens`-token prompt through the engine (prefilled in chunks):
+    its time to the first token, its decode step, and the device memory it held at the
+    peak beyond what the model held before."""
+    gpu = model.weights.norm_f.is_cuda
+    lm = LanguageModel(model, None, engine="triton" if gpu else "reference")
+    if gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    core = EngineCore(model, lm.prefill, max_batch=1, prefill_tokens=8192, kv_tokens=tokens + out + 64)
+    ids = torch.randint(3, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(7)).tolist()
+    core.add(Request(0, ids, SamplingParams(max_tokens=out, stop_token_ids=[])))
+    t0, times = time.perf_counter(), []
+    while core.has_work:
+        if any(isinstance(o, Token) for o in core.step()):
+            times.append(time.perf_counter())
+    peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if gpu else float("nan")
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return dict(tokens=tokens, ttft_ms=round((times[0] - t0) * 1e3, 1),
+                decode_ms=round(sorted(gaps)[len(gaps) // 2] * 1e3, 3) if gaps else None, peak_gib_above_model=round(peak, 2))
+
+
 def hf_ms_per_token(raw: dict, context: int, tokens: int = 16) -> float | None:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -117,6 +143,10 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32,128")
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens a request, before decoding")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--state-dtypes", default="float32", help="the recurrent state's dtypes to decode with (float32,bfloat16)")
+    ap.add_argument("--long", type=int, default=None,
+                    help="a prompt of this many tokens through the engine: its first token, step and peak memory "
+                         "(default: 32768 on the GPU, none on the CPU; 0: none)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--device", default="cuda", help="cuda (bf16 weights, the GPU engine), or cpu for a smoke run (float32)")
     ap.add_argument("--json")
@@ -133,10 +163,16 @@ def main() -> None:
     model, raw = model_of(args.shape, args.device)
     emit(device=torch.cuda.get_device_name() if cuda(args.device) else "cpu", shape=args.shape,
          copy_bandwidth_gbs=round(bw / 1e9))
-    for b in [int(x) for x in args.batches.split(",")]:
-        ms, floor = decode_ms(model, b, args.context, args.steps), floor_ms(model, b, args.context, bw)
-        emit(what="decode", batch=b, context=args.context, ms=round(ms, 3), floor_ms=round(floor, 3),
-             of_floor=round(floor / ms, 3))
+    for state_dtype in args.state_dtypes.split(","):
+        m = Mamba(model.config, model.weights, model.ops, state_dtype=parse_state_dtype(state_dtype))
+        for b in [int(x) for x in args.batches.split(",")]:
+            ms, floor = decode_ms(m, b, args.context, args.steps), floor_ms(m, b, args.context, bw)
+            emit(what="decode", state=state_dtype, batch=b, context=args.context, ms=round(ms, 3),
+                 floor_ms=round(floor, 3), of_floor=round(floor / ms, 3))
+        m = None
+    long = args.long if args.long is not None else (32768 if cuda(args.device) else 0)
+    if long:
+        emit(what="long prompt", **long_prompt(model, long))
     tokens = 8192 if cuda(args.device) else 256
     ids = torch.randint(3, model.config.vocab_size, (1, tokens), device=args.device)
     with torch.inference_mode():
