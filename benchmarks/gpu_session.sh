@@ -6,6 +6,11 @@
 #   SERVE=1 bash benchmarks/gpu_session.sh   # the engine's step ahead and the serving workload (~4 minutes)
 #   BENCH=1 bash benchmarks/gpu_session.sh   # the benchmarks only: decode with HF, prefill,
 #                                            # deterministic decode (~7 minutes)
+#   HYBRID=1 bash benchmarks/gpu_session.sh  # Nemotron-H-8B's shape: decode (float32 and bf16 state),
+#                                            # a 32k-token prompt, prefill, transformers; then served at
+#                                            # 64 streams (~8 minutes)
+#   SOAK=1 bash benchmarks/gpu_session.sh    # 8 minutes of the soak on the 2.8b shape (~9 minutes)
+# (the server's packages as wheels: fastapi 0.165 needs opentelemetry-api beside it)
 set -uo pipefail
 out=${OUT:-gpu_out}
 mkdir -p "$out"
@@ -19,6 +24,18 @@ if [ -z "${BENCH:-}" ]; then
   # (PYTHONPATH: this checkout's fastmamba for the subprocesses the tests start, where it is not installed)
   PYTHONPATH=. timeout 420 python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$out/gpu_tests.log" | grep -E "^FAILED|passed|failed"
   timeout 120 python3 -m fastmamba.cli bench --models 130m,1.4b,2.8b --dtypes bfloat16 --batches 1 --json "$out/decode.json"
+  exit 0
+fi
+if [ -n "${HYBRID:-}" ]; then
+  timeout 300 python3 -m benchmarks.hybrid --shape nemotron-h-8b --state-dtypes float32,bfloat16 --json "$out/hybrid.json" \
+    2>&1 | grep -v "transformers\]" | tee "$out/hybrid.log"
+  timeout 200 python3 -m benchmarks.serve --model nemotron-h-8b --levels 64 --json "$out/serve_hybrid.json" 2>&1 \
+    | grep -v Warning | tee "$out/serve_hybrid.log"
+  exit 0
+fi
+if [ -n "${SOAK:-}" ]; then
+  timeout 560 python3 -m benchmarks.soak --model 2.8b --minutes 8 --json "$out/soak.json" > "$out/soak.out" 2>&1
+  tail -30 "$out/soak.out"
   exit 0
 fi
 if [ -n "${SERVE:-}" ]; then
