@@ -4,6 +4,7 @@ here: the HTTP front end builds these without loading the model stack."""
 
 from __future__ import annotations
 
+import json
 import numbers
 import secrets
 from dataclasses import dataclass, fields, replace
@@ -13,6 +14,10 @@ FLOAT32_MAX = 3.4028234663852886e38  # the sampler computes in float32: larger v
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bounds: a bias of -100 bans a token, +100 all but forces it
 MAX_LOGIT_BIAS_TOKENS = 300
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty, as OpenAI bounds them
+# a guide's kinds (structured output), and the spec each takes: json_object none (""), json_schema
+# a JSON schema (a dict, or its JSON text), regex a regular expression, choice a list of strings
+# (or its JSON text)
+GUIDE_KINDS = ("json_object", "json_schema", "regex", "choice")
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100], at most 300; {} = None
     presence_penalty: float = 0.0  # in [-2, 2]
     frequency_penalty: float = 0.0  # in [-2, 2]
+    # structured output: (kind, spec), one of GUIDE_KINDS; the output is held to it (xgrammar,
+    # `pip install 'fastmamba[structured]'`), and it ends ("stop") where the grammar is complete
+    guide: tuple[str, str] | None = None
 
     def __post_init__(self):
         # numpy's scalars (np.int64, np.float32) are numbers too: held as Python's own
@@ -53,6 +61,13 @@ class SamplingParams:
                 int(k) if isinstance(k, numbers.Integral) and not isinstance(k, bool) else k:
                 float(v) if isinstance(v, numbers.Real) and not isinstance(v, (int, float, bool)) else v
                 for k, v in self.logit_bias.items()} or None)
+
+        if isinstance(self.guide, (list, tuple)) and len(self.guide) == 2 and not isinstance(self.guide[1], str):
+            kind, spec = self.guide  # a schema's dict or a choice's list as its JSON text
+            if isinstance(spec, (dict, list, tuple)):
+                object.__setattr__(self, "guide", (kind, json.dumps(spec, ensure_ascii=False)))
+        if isinstance(self.guide, list):
+            object.__setattr__(self, "guide", tuple(self.guide))
 
         def bad(name, rule):
             raise ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
@@ -102,6 +117,9 @@ class SamplingParams:
                                      f"number from {-MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}")
             object.__setattr__(self, "logit_bias", {k: float(v) for k, v in self.logit_bias.items()})
 
+        if self.guide is not None:
+            _check_guide(self.guide)
+
     @property
     def penalized(self) -> bool:
         """Whether the request uses OpenAI's logit_bias, presence_penalty or frequency_penalty."""
@@ -120,6 +138,31 @@ class SamplingParams:
             if key not in names:
                 raise TypeError(f"unknown sampling option {key!r}; options are {', '.join(sorted(names))}")
         return replace(params if params is not None else cls(), **kwargs)
+
+
+def _check_guide(guide) -> None:
+    rule = (f"SamplingParams.guide must be None or (kind, spec), kind one of {', '.join(GUIDE_KINDS)}, "
+            f"got {guide!r}"[:300])
+    if not isinstance(guide, tuple) or len(guide) != 2 or guide[0] not in GUIDE_KINDS or not isinstance(guide[1], str):
+        raise ValueError(rule)
+    kind, spec = guide
+    if kind == "json_schema":
+        try:
+            schema = json.loads(spec)
+        except ValueError:
+            schema = None
+        if not isinstance(schema, dict):
+            raise ValueError(f"SamplingParams.guide's JSON schema must be a JSON object, got {spec[:80]!r}")
+    elif kind == "choice":
+        try:
+            choices = json.loads(spec)
+        except ValueError:
+            choices = None
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+            raise ValueError(f"SamplingParams.guide's choices must be a non-empty list of non-empty strings, "
+                             f"got {spec[:80]!r}")
+    elif kind == "regex" and not spec:
+        raise ValueError("SamplingParams.guide's regex is empty")
 
 
 def resolve_seed(seed: int | None) -> int:

@@ -19,7 +19,12 @@ A step:
    is queued before step t's tokens are read, so the GPU runs on while the host handles
    them (stops, outputs). A row whose request turns out to have finished at step t has
    run one step too many, which is discarded. On the CPU a step queued ahead is a step
-   computed, so there each step's tokens are read at once.
+   computed, so there each step's tokens are read at once. While any request is guided
+   (structured output, guides.py) there is no step ahead on the GPU either: a guided row's
+   mask needs the token before, so each step's tokens are read in that step.
+A guided request's rows of logits are masked before they are sampled (its matcher fills a
+bitmask on the host; the other rows untouched), and each token it reads goes through its
+matcher; the grammar complete, the request ends ("stop").
 The decode input of a row is the token it sampled last, kept on the device: the host's
 reading of it is never on the GPU's path.
 
@@ -51,6 +56,7 @@ from fastmamba.engine.cuda_graphs import (
     ChunkPrefillGraphs,
     PoolDecodeGraphs,
 )
+from fastmamba.engine.guides import GuideError, Guides, mask
 from fastmamba.engine.plan import SAMPLER_TILES
 from fastmamba.engine.prefill import Prefill
 from fastmamba.engine.prefix_cache import PrefixCache
@@ -87,6 +93,7 @@ class RunningRequest:
     aborted: bool = False
     queued_s: float = 0.0
     last_logits: tuple | None = None  # (logits, row): the logits after the last token fed
+    matcher: object | None = None  # a guided request's grammar matcher (guides.py), from its admission
 
     @property
     def output(self) -> list[int]:
@@ -164,10 +171,13 @@ class EngineCore:
     kv_tokens: a hybrid's KV cache, tokens of keys and values of every attention sublayer at
     most (None: a pool that grows as asked). A request is admitted when its prompt and
     max_tokens fit among the free blocks, which it holds until it ends: it never runs out.
+    tokenizer: the checkpoint's tokenizer.json, whose vocabulary guided requests' grammars
+    are compiled over (None: the checkpoint has none, and guided requests fail).
     """
 
     def __init__(self, model: Mamba, prefill: Prefill, max_batch: int = 16, prefill_tokens: int = 1024,
-                 prefix_cache_bytes: int = 0, threads: int = 1, decode_plan=None, kv_tokens: int | None = None):
+                 prefix_cache_bytes: int = 0, threads: int = 1, decode_plan=None, kv_tokens: int | None = None,
+                 tokenizer=None):
         self.model, self.prefill = model, prefill
         self.device = self.model.device
         self.max_batch, self.prefill_tokens, self.threads = max_batch, prefill_tokens, threads
@@ -190,6 +200,7 @@ class EngineCore:
         self.requests: dict[int, RunningRequest] = {}  # waiting and running, by rid
         self.inflight: _Launch | None = None  # the step launched and not yet read (GPU)
         self.cache_queries = self.cache_hits = 0
+        self.guides = Guides(tokenizer, model.config.vocab_size, model.config.eos_token_id)
         self.decode_graphs = self._chunk_pool = None
         self._chunk_graph_sets: dict = {}
         # decode graphs: a pure Mamba model's on the GPU engine; a hybrid's once its KV cache
@@ -247,6 +258,9 @@ class EngineCore:
     def step(self) -> list[protocol.Output]:
         """Runs one step; returns the outputs read in it."""
         outs: list[protocol.Output] = []
+        if self.inflight is not None and self._guided():  # a guided request came: no step ahead from here
+            launch, self.inflight = self.inflight, None
+            self._read(launch, outs)
         self._free()
         launch = _Launch()
         with cpu_threads(self.threads, self.device):
@@ -260,11 +274,15 @@ class EngineCore:
                         self._end(r, outs, error=_error_of(e))
                 launch = _Launch()
             launch.send()
-        if self.run_ahead:  # read the step before this one
+        if self.run_ahead and not self._guided():  # read the step before this one
             launch, self.inflight = self.inflight, (launch if launch.rows else None)
         if launch is not None:
             self._read(launch, outs)
         return outs
+
+    def _guided(self) -> bool:
+        """Whether a guided request waits or runs (then each step's tokens are read in it)."""
+        return any(r.params.guide is not None and not r.finished for r in self.requests.values())
 
     def _free(self) -> None:
         for i, r in enumerate(self.slots):
@@ -292,6 +310,8 @@ class EngineCore:
             self.slots[r.slot] = r
             r.queued_s = time.perf_counter() - r.arrived
             try:
+                if r.params.guide is not None:
+                    r.matcher = self.guides.matcher(r.params.guide, r.stops)
                 self.slot_params.set_slot(r.slot, r.params, r.seed, _to_device(r.ids, self.device))
                 self.pool.reset(r.slot)
                 self.cache_queries += 1
@@ -450,13 +470,14 @@ class EngineCore:
         sampler = pick_sampler([r.params for r in reqs], self.gpu, SAMPLER_TILES)
         slots = _to_device([r.slot for r in reqs], self.device)
         params = SlotParams(**{f.name: getattr(self.slot_params, f.name)[slots] for f in fields(self.slot_params)})
-        tok = sampler(logits, params)
+        guided = mask([r.matcher for r in reqs], logits)
+        tok = sampler(guided, params)
         for f in fields(self.slot_params):
             getattr(self.slot_params, f.name)[slots] = getattr(params, f.name)
         self.tokens[slots] = tok
         finite = torch.isfinite(logits).all(-1) if checked else None
         k = max((r.top_logprobs or 0 for r in reqs), default=0)
-        lp = _logprobs(logits, tok, k) if any(r.top_logprobs is not None for r in reqs) else None
+        lp = _logprobs(guided, tok, k) if any(r.top_logprobs is not None for r in reqs) else None
         launch.add(reqs, tok, finite, lp)
         kept = logits.clone() if self.gpu else logits  # (a prefill graph's logits are rewritten by its next replay)
         for n, r in enumerate(reqs):
@@ -517,11 +538,12 @@ class EngineCore:
                 self.pool.ssm[:, i].copy_(ssm)
                 self.tokens[i].copy_(tok)
         sampler = pick_sampler([r.params for r in rows], self.gpu, SAMPLER_TILES)
-        tok = sampler(logits[:d], self.slot_params.rows(0, d))
+        guided = mask([r.matcher for r in rows], logits[:d])  # (the logits kept for the cache: unmasked)
+        tok = sampler(guided, self.slot_params.rows(0, d))
         self.tokens[:d].copy_(tok)
         lp = None
         if any(r.top_logprobs is not None for r in rows):
-            lp = _logprobs(logits[:d], tok, max(r.top_logprobs or 0 for r in rows))
+            lp = _logprobs(guided, tok, max(r.top_logprobs or 0 for r in rows))
         launch.add(rows, tok, None, lp)
         for k, r in enumerate(rows):
             r.fed += 1
@@ -541,15 +563,21 @@ class EngineCore:
             if token in r.stops:
                 self._end(r, outs, "stop")
                 continue
+            if r.matcher is not None and not r.matcher.accept_token(token):
+                self._end(r, outs, error=EngineError(protocol.INTERNAL, f"the grammar refused token {token}"))
+                continue
             first = FirstToken(r.cached_tokens, r.queued_s) if len(r.sampled) == 1 else None
             outs.append(Token(r.rid, token, entry, first))
-            if len(r.sampled) >= r.params.max_tokens:
+            if r.matcher is not None and r.matcher.is_terminated():  # (a guide's end without stop tokens)
+                self._end(r, outs, "stop")
+            elif len(r.sampled) >= r.params.max_tokens:
                 self._end(r, outs, "length")
 
     def _end(self, r: RunningRequest, outs: list, reason: str | None = None, error: EngineError | None = None) -> None:
         if r.finished:
             return
         r.finished = True
+        r.matcher = None
         if r.slot is None:  # still waiting
             self.requests.pop(r.rid, None)
         if error is not None:
@@ -567,6 +595,8 @@ def _error_of(e: Exception) -> EngineError:
     """An exception of a step's work as the error its requests end with."""
     if isinstance(e, NonFiniteError):  # the model's output overflowed for this input
         return EngineError(protocol.NON_FINITE, str(e))
+    if isinstance(e, GuideError):  # a guide that cannot be served: the request's fault
+        return EngineError(protocol.BAD_REQUEST, str(e))
     return EngineError(protocol.INTERNAL, f"{type(e).__name__}: {e}")
 
 

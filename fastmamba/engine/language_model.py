@@ -19,7 +19,7 @@ from fastmamba.engine.cpu_threads import cpu_threads
 from fastmamba.engine.engine_core import EngineCore
 from fastmamba.engine.memory import kv_cache_tokens
 from fastmamba.engine.prefill import Prefill
-from fastmamba.engine.protocol import NON_FINITE, Failed, Finished
+from fastmamba.engine.protocol import BAD_REQUEST, NON_FINITE, Failed, Finished
 from fastmamba.io.prompts import (
     PromptEncoder,
     check_token_ids,
@@ -98,7 +98,8 @@ class LanguageModel:
             # graphs), half the free memory; on the CPU one that grows as asked
             kv_tokens = kv_cache_tokens(self.model, None, 0) if self.device.type == "cuda" else None
             core = EngineCore(self.model, self.prefill, max_batch=slots, prefill_tokens=self.model.chunk_tokens,
-                              threads=self.threads, decode_plan=self.decode_plan, kv_tokens=kv_tokens)
+                              threads=self.threads, decode_plan=self.decode_plan, kv_tokens=kv_tokens,
+                              tokenizer=self.tokenizer.path if self.tokenizer is not None else None)
             self._client = InProcessClient(core)
         # (the attributes may change between generations: benchmarks set threads so)
         self._client.core.threads, self.prefill.deterministic = self.threads, self.deterministic
@@ -251,6 +252,8 @@ class LanguageModel:
                         if isinstance(out, Failed):
                             if out.error.kind == NON_FINITE:
                                 raise NonFiniteError(out.error.message)
+                            if out.error.kind == BAD_REQUEST:  # (a guide that does not compile)
+                                raise ValueError(out.error.message)
                             raise RuntimeError(f"generation failed: {out.error.message}")
                         if isinstance(out, Finished):
                             left -= 1

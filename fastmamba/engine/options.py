@@ -96,6 +96,7 @@ def build_engine(options: EngineOptions, folder=None):
     max_batch = options.max_batch or default_max_batch(lm.model)
     core = EngineCore(lm.model, lm.prefill, max_batch=max_batch, prefill_tokens=options.prefill_tokens,
                       prefix_cache_bytes=options.prefix_cache_mb << 20, threads=lm.threads,
-                      kv_tokens=kv_cache_tokens(lm.model, options.kv_cache_mb, max_batch * slot_bytes(lm.model)))
+                      kv_tokens=kv_cache_tokens(lm.model, options.kv_cache_mb, max_batch * slot_bytes(lm.model)),
+                      tokenizer=lm.tokenizer.path if lm.tokenizer is not None else None)
     core.capture_prefill_graphs()
     return core, Ready(max_batch, lm.config.vocab_size, str(lm.device), str(lm.dtype).removeprefix("torch."))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fastmamba.engine.protocol import BUSY, CONTEXT_TOO_LONG, SHUTTING_DOWN, EngineError
+import re
+
+from fastmamba.engine.protocol import BAD_REQUEST, BUSY, CONTEXT_TOO_LONG, SHUTTING_DOWN, EngineError
 
 
 class APIError(Exception):
@@ -34,6 +36,9 @@ def from_engine(error: EngineError) -> APIError:
     if error.status == 503:
         code = "server_shutting_down" if error.kind == SHUTTING_DOWN else "engine_unavailable"
         return APIError(503, error.message, code=code, kind="server_error")
+    if error.kind == BAD_REQUEST:  # (its message begins with the field's name in quotes)
+        field = re.match(r"'(\w+)'", error.message)
+        return APIError(400, error.message, param=field.group(1) if field else None)
     if error.kind == CONTEXT_TOO_LONG:
         return APIError(400, error.message, param="max_tokens", code="context_length_exceeded")
     return APIError(error.status, f"generation failed: {error.message}", kind="server_error")

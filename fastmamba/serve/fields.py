@@ -1,9 +1,9 @@
 """Which fields of OpenAI's request bodies the server takes, and a 400 naming any other.
 
-A client that asks for something the server does not do (tools, JSON output, audio, a
-suffix) must hear so, not get a 200 that quietly ignored it. Every field of OpenAI's
+A client that asks for something the server does not do (tools, audio, a suffix) must hear
+so, not get a 200 that quietly ignored it. Every field of OpenAI's
 completions and chat bodies is listed here: the ones served, the ones served only at their
-neutral value (`store: false`, `modalities: ["text"]`, `response_format: {"type": "text"}`),
+neutral value (`store: false`, `modalities: ["text"]`),
 the ones that only identify or describe the caller and change no token (`user`,
 `metadata`), and the ones refused, each with the reason the client reads. A field OpenAI
 does not define is refused as OpenAI refuses it ("unrecognized").
@@ -16,11 +16,12 @@ import json
 from fastmamba.serve.errors import APIError
 
 # served by both endpoints (vLLM's extensions included: top_k, min_p, repetition_penalty,
-# stop_token_ids)
+# stop_token_ids, and structured output's guided_regex and guided_choice, read in requests.guide
+# with chat's response_format)
 _COMMON = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
     "stop_token_ids", "n", "stream", "stream_options", "logprobs", "logit_bias", "presence_penalty",
-    "frequency_penalty",
+    "frequency_penalty", "guided_regex", "guided_choice",
     # the caller's identity or bookkeeping: no token depends on them
     "user", "metadata", "safety_identifier", "prompt_cache_key",
 }
@@ -64,11 +65,9 @@ def _refuse(name: str, why: str):
 
 def _check_value(name: str, value, body: dict, endpoint: str) -> None:
     """Fields served only at their neutral value (the others are checked where they are read)."""
-    if name == "response_format":
+    if name == "response_format":  # (json_object's and json_schema's specs: requests.guide)
         kind = value.get("type") if isinstance(value, dict) else None
-        if kind in ("json_object", "json_schema"):
-            _refuse(name, f"of type '{kind}' {_NOT_SERVED}: it has no constrained (structured) output yet")
-        if kind != "text":
+        if kind not in ("text", "json_object", "json_schema"):
             raise APIError(400, "'response_format' must be an object whose 'type' is 'text', 'json_object' or "
                            f"'json_schema', got {json.dumps(value)[:80]}", param=name)
     elif name == "modalities":

@@ -5,6 +5,7 @@ client's mistake), the prompts, the sampling parameters."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
 import re
@@ -134,8 +135,53 @@ def sampling_fields(body: dict, vocab: int) -> dict:
         top_k=0 if top_k == -1 else top_k, top_p=get(body, "top_p", float, 1.0), min_p=get(body, "min_p", float, 0.0),
         repetition_penalty=get(body, "repetition_penalty", float, 1.0), seed=seed, stop_token_ids=stop_ids,
         logit_bias=logit_bias(body, vocab), presence_penalty=get(body, "presence_penalty", float, 0.0),
-        frequency_penalty=get(body, "frequency_penalty", float, 0.0),
+        frequency_penalty=get(body, "frequency_penalty", float, 0.0), guide=guide(body),
     )
+
+
+def guide(body: dict) -> tuple[str, str] | None:
+    """The request's structured output, as SamplingParams.guide: chat's response_format
+    (json_object, or json_schema with {name, schema, strict}), or vLLM's guided_regex or
+    guided_choice; one of them at most. Checked here as far as no grammar is compiled (the
+    engine compiles it, and a spec it cannot compile is a 400 naming the field too)."""
+    found = []
+    fmt = body.get("response_format")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object":
+        found.append(("response_format", ("json_object", "")))
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(400, "'response_format' of type 'json_schema' needs 'json_schema': {'name': ..., 'schema': "
+                           "a JSON schema (an object), 'strict': ...}", param="response_format")
+        if not isinstance(spec.get("name", ""), str) or not isinstance(spec.get("strict", False), (bool, type(None))):
+            raise APIError(400, "'response_format': json_schema's 'name' must be a string and 'strict' true or false",
+                           param="response_format")
+        found.append(("response_format", ("json_schema", json.dumps(schema, ensure_ascii=False))))
+    regex = get(body, "guided_regex", str, None)
+    if regex is not None:
+        try:
+            re.compile(regex)
+        except (re.error, RecursionError, OverflowError) as e:
+            raise APIError(400, f"'guided_regex' is not a regular expression: {e}", param="guided_regex") from None
+        if not regex:
+            raise APIError(400, "'guided_regex' is empty", param="guided_regex")
+        found.append(("guided_regex", ("regex", regex)))
+    choices = get(body, "guided_choice", list, None)
+    if choices is not None:
+        if not choices or not all(isinstance(c, str) and c for c in choices):
+            raise APIError(400, "'guided_choice' must be a non-empty list of non-empty strings", param="guided_choice")
+        found.append(("guided_choice", ("choice", json.dumps(choices, ensure_ascii=False))))
+    if len(found) > 1:
+        raise APIError(400, f"give one structured output at most: {', '.join(repr(n) for n, _ in found)} were given",
+                       param=found[1][0])
+    if not found:
+        return None
+    if importlib.util.find_spec("xgrammar") is None:
+        raise APIError(400, f"'{found[0][0]}' needs structured output, which needs xgrammar: "
+                       "pip install 'fastmamba[structured]'", param=found[0][0])
+    return found[0][1]
 
 
 _TOKEN_KEY = re.compile(r"[0-9]{1,20}")
