@@ -198,6 +198,7 @@ class EngineCore:
         self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=self.device)  # each row's next decode input
         self.waiting: deque[RunningRequest] = deque()
         self.requests: dict[int, RunningRequest] = {}  # waiting and running, by rid
+        self.guided: set[int] = set()  # the rids of those that are guided (no step ahead while any is)
         self.inflight: _Launch | None = None  # the step launched and not yet read (GPU)
         self.cache_queries = self.cache_hits = 0
         self.guides = Guides(tokenizer, model.config.vocab_size, model.config.eos_token_id)
@@ -221,6 +222,8 @@ class EngineCore:
         stops = req.params.stop_token_ids
         req.stops = frozenset(stops if stops is not None else (self.model.config.eos_token_id,))
         self.requests[req.rid] = req
+        if req.params.guide is not None:
+            self.guided.add(req.rid)
         self.waiting.append(req)
         return req
 
@@ -282,19 +285,24 @@ class EngineCore:
 
     def _guided(self) -> bool:
         """Whether a guided request waits or runs (then each step's tokens are read in it)."""
-        return any(r.params.guide is not None and not r.finished for r in self.requests.values())
+        return bool(self.guided)
+
+    def _forget(self, r: RunningRequest) -> None:
+        """A request leaves the engine's books (its slot freed, or never given one)."""
+        self.requests.pop(r.rid, None)
+        self.guided.discard(r.rid)
 
     def _free(self) -> None:
         for i, r in enumerate(self.slots):
             if r is not None and (r.finished or r.aborted):
                 self.slots[i] = None
-                self.requests.pop(r.rid, None)
+                self._forget(r)
                 if self.pool.kv is not None:  # (its keys and values are in the prefix cache if it keeps them)
                     self.pool.kv.release(i)
         if any(r.aborted for r in self.waiting):
             for r in [r for r in self.waiting if r.aborted]:
                 self.waiting.remove(r)
-                self.requests.pop(r.rid, None)
+                self._forget(r)
 
     def _admit(self, launch: _Launch, outs: list) -> None:
         while self.waiting and None in self.slots:
@@ -579,7 +587,7 @@ class EngineCore:
         r.finished = True
         r.matcher = None
         if r.slot is None:  # still waiting
-            self.requests.pop(r.rid, None)
+            self._forget(r)
         if error is not None:
             outs.append(Failed(r.rid, error))
             return
