@@ -9,9 +9,9 @@ import json
 
 import pytest
 import torch
+from conftest import assert_within_transformers_16bit_error, relative_error, transformers_logits
 
 import fastmamba
-from conftest import assert_within_transformers_16bit_error, relative_error, transformers_logits
 from fastmamba.core.sampling_params import SamplingParams
 from fastmamba.engine.engine_core import EngineCore
 from fastmamba.engine.protocol import Finished, Request, Token
@@ -202,11 +202,13 @@ def test_nemotron_h_refuses_experts_and_reads_the_hub_pattern(tmp_path):
             "'mamba_n_groups'", "disagree")
 
 
-def test_granite_refuses_experts(tmp_path):
+def test_granite_with_experts_over_dense_weights_names_the_missing_expert_tensor(tmp_path):
+    """(Granite with experts: tests/test_moe.py.)"""
     config, model_class = granite()
     folder = tmp_path / "m"
     model_class(config).save_pretrained(folder)
-    refused(edited((folder, None), tmp_path, lambda c: c.update(num_local_experts=4)), "num_local_experts")
+    refused(edited((folder, None), tmp_path, lambda c: c.update(num_local_experts=4, intermediate_size=48)),
+            "missing tensor", "block_sparse_moe.")
 
 
 def test_a_fixed_kv_cache_admits_what_fits_and_refuses_what_never_can(tmp_path):

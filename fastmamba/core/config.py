@@ -45,7 +45,8 @@ class MambaConfig:
     ssm_norm: bool = True  # Mamba-2's gated RMSNorm (Falcon-H1 may leave it out: y * silu(z))
     # -- hybrids (core/families.py names their tensors) ------------------------------------
     # The sublayers in order, each a kind of the layer table (core/layers.py): "mamba1",
-    # "mamba2", "attention", "mlp", or "mamba2+attention" (Falcon-H1: both on one norm, summed).
+    # "mamba2", "attention", "mlp", "moe" (experts and a shared MLP), or "mamba2+attention"
+    # (Falcon-H1: both on one norm, summed).
     # Empty: a pure Mamba model, n_layer sublayers of `layer`.
     blocks: tuple[str, ...] = ()
     family: str = "mamba"  # the checkpoint's tensor names (core/families.py)
@@ -60,6 +61,12 @@ class MambaConfig:
     mlp_act: str = "silu"  # "silu" or "relu2" (squared ReLU)
     mlp_gated: bool = True  # act(gate(x)) * up(x), else act(up(x))
     mlp_bias: bool = False
+    # A mixture of experts (the "moe" sublayers, core/moe.py): n_experts gated MLPs of
+    # expert_size each (the MLP's activation), experts_per_token of them picked a token by the
+    # softmax of the router's top logits, renormalized; beside the shared MLP of mlp_size
+    n_experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0
     embedding_multiplier: float = 1.0  # the embedding's output scaled by this
     logits_multiplier: float = 1.0  # the logits scaled by this
     # The family's multipliers that scale a product's input or output (Granite's residual,
@@ -184,7 +191,7 @@ def _from_hf(raw: dict, source: str) -> MambaConfig:
     if model_type not in _MODEL_TYPES:
         raise CheckpointError(
             f"{source}: model_type is {model_type!r}; supported: 'mamba' (Mamba-1), 'falcon_mamba', 'mamba2', and the "
-            "hybrids 'nemotron_h', 'bamba', 'granitemoehybrid' (dense) and 'falcon_h1' (Jamba and Zamba2 are not)"
+            "hybrids 'nemotron_h', 'bamba', 'granitemoehybrid' and 'falcon_h1' (Jamba and Zamba2 are not)"
         )
     if model_type == "mamba2":
         return _mamba2_from_hf(raw, source)

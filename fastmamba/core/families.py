@@ -5,7 +5,8 @@ sublayers of the layer table's kinds (layers.py).
 A model is an embedding, then sublayers, each `h = h + op(rmsnorm(h) * norm)`, then a final
 norm and the LM head. A pure Mamba model has one sublayer a layer (its mixer); Nemotron-H
 too (a Mamba-2, an attention or an MLP sublayer); Bamba, Granite-4.0-H and Falcon-H1 have
-two a layer (the mixer, then the MLP), and Falcon-H1's mixer is attention and Mamba-2 side
+two a layer (the mixer, then the MLP: Granite's with experts a mixture of experts and its
+shared MLP), and Falcon-H1's mixer is attention and Mamba-2 side
 by side on one norm.
 """
 
@@ -39,6 +40,9 @@ class Family:
     # the MLP's tensors: (up, down) for act(up(x)); (gate, up, down) for act(gate(x)) * up(x);
     # (gate_up, down) where gate and up are one tensor, gate's rows first
     mlp: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+    # a mixture of experts' tensors (core/moe.py), suffixes of its first prefix: (router, the
+    # experts' stacked gate_up, their stacked down); its second prefix, if any, is its shared MLP's
+    moe: tuple[str, ...] = ("router.layer", "input_linear", "output_linear")
     lm_head: str = "lm_head.weight"
 
 
@@ -55,7 +59,8 @@ FAMILIES = {
     "bamba": Family("model.embed_tokens.weight", "model.final_layernorm.weight", "model.layers.{i}.",
                     {**_MIXER_AND_MLP, "mlp": ("pre_ff_layernorm.weight", ("feed_forward.",))}, two_per_layer=True),
     "granitemoehybrid": Family("model.embed_tokens.weight", "model.norm.weight", "model.layers.{i}.",
-                               {**_MIXER_AND_MLP, "mlp": ("post_attention_layernorm.weight", ("shared_mlp.",))},
+                               {**_MIXER_AND_MLP, "mlp": ("post_attention_layernorm.weight", ("shared_mlp.",)),
+                                "moe": ("post_attention_layernorm.weight", ("block_sparse_moe.", "shared_mlp."))},
                                two_per_layer=True, mlp=("input_linear", "output_linear")),
     "falcon_h1": Family("model.embed_tokens.weight", "model.final_layernorm.weight", "model.layers.{i}.",
                         {**_MIXER_AND_MLP, "mlp": ("pre_ff_layernorm.weight", ("feed_forward.",))}, two_per_layer=True),
@@ -109,7 +114,10 @@ def fold_multipliers(config: MambaConfig, tensors: dict[str, torch.Tensor]) -> N
                 tensors[f"{name}.{suffix}"] = t
 
     for sub in sublayers(config):
-        if config.family == "granitemoehybrid":
+        if config.family == "granitemoehybrid" and sub.kind == "moe":  # (the experts' and the shared MLP's sum)
+            scale(sub.prefixes[0] + family(config).moe[-1], m("residual_multiplier"))
+            scale(sub.prefixes[1] + family(config).mlp[-1], m("residual_multiplier"))
+        elif config.family == "granitemoehybrid":
             out = {"mamba2": "out_proj", "attention": "o_proj", "mlp": family(config).mlp[-1]}[sub.kind]
             scale(sub.prefixes[0] + out, m("residual_multiplier"))
         elif config.family == "falcon_h1" and sub.kind == "mamba2+attention":

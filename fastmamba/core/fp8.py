@@ -35,7 +35,9 @@ def values(data: torch.Tensor) -> torch.Tensor:
 class Fp8Weight:
     """A matrix (out, in) as e4m3 values and float32 scales: w ~ data * scale, a scale per
     output row (scale (out,)), or per block of `block` = (rows, columns) (scale
-    (ceil(out / rows), ceil(in / columns)), the last blocks cut short by the matrix's edge)."""
+    (ceil(out / rows), ceil(in / columns)), the last blocks cut short by the matrix's edge).
+    A mixture of experts' stacked matrices (E, out, in) have a scale a row (E, out); `w[e]`
+    is expert e's matrix."""
 
     data: torch.Tensor  # (out, in) float8_e4m3fn
     scale: torch.Tensor  # (out,) float32, or (out / rows, in / columns) rounded up with `block`
@@ -56,10 +58,14 @@ class Fp8Weight:
         """The bytes a product reads: the values and the scales."""
         return self.data.nbytes + self.scale.nbytes
 
+    def __getitem__(self, e: int) -> Fp8Weight:
+        """Matrix e of stacked matrices (E, out, in), as a view."""
+        return Fp8Weight(self.data[e], self.scale[e], self.block)
+
     def row_scales(self) -> torch.Tensor:
-        """Each element's scale (out, in) f32 for block scales; (out, 1) for a scale a row."""
+        """Each element's scale (out, in) f32 for block scales; (..., out, 1) for a scale a row."""
         if self.block is None:
-            return self.scale[:, None]
+            return self.scale[..., None]
         rows, cols = self.block
         out, k = self.data.shape
         return self.scale.repeat_interleave(rows, 0)[:out].repeat_interleave(cols, 1)[:, :k]
@@ -98,13 +104,14 @@ def cat(weights: list[Fp8Weight]) -> Fp8Weight:
 
 
 def quantize(w: torch.Tensor, scale: torch.Tensor | None = None) -> Fp8Weight:
-    """w (out, in) as e4m3 with a float32 scale a row: by default the row's largest magnitude
-    over 448 (1 for a row of zeros); values w / scale rounded to nearest, saturating at +-448."""
+    """w (out, in) (or stacked experts' (E, out, in)) as e4m3 with a float32 scale a row: by
+    default the row's largest magnitude over 448 (1 for a row of zeros); values w / scale
+    rounded to nearest, saturating at +-448."""
     w = w.float()
     if scale is None:
-        amax = w.abs().amax(dim=1)  # (out,)
+        amax = w.abs().amax(dim=-1)  # (..., out)
         scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    q = (w / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX)  # (the division may pass 448 by an ulp)
+    q = (w / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX)  # (the division may pass 448 by an ulp)
     return Fp8Weight(q.to(FP8).contiguous(), scale.float().contiguous())
 
 

@@ -186,12 +186,37 @@ def _bamba(raw: dict, source: str) -> dict:
 _GRANITE_TYPES = {"mamba": "mamba2", "linear_attention": "mamba2", "attention": "attention", "full_attention": "attention"}
 
 
+# Routing keys of other MoE families that would change Granite's routing: refused unless they
+# say what Granite does (softmax over the top-k logits, renormalized, unscaled, no groups).
+# (`output_router_logits`, `router_aux_loss_coef` and `router_jitter_noise` are training's.)
+_GRANITE_ROUTING = {"scoring_func": ("softmax",), "norm_topk_prob": (True,), "routed_scaling_factor": (1, 1.0),
+                    "n_group": (1,), "topk_group": (1,), "topk_method": ("greedy",), "moe_router_bias": (False,),
+                    "router_bias": (False,)}
+
+
+def _granite_experts(raw: dict, source: str) -> dict:
+    """Granite's mixture of experts: `num_local_experts` gated MLPs of `intermediate_size`,
+    `num_experts_per_tok` a token (core/moe.py); none (a dense model) where it is 0."""
+    if raw.get("num_local_experts") in (0, None):
+        return {}
+    experts = get(raw, "num_local_experts", int, source)
+    per_token = get(raw, "num_experts_per_tok", int, source, 2)
+    if not 1 <= per_token <= experts:
+        raise CheckpointError(f"{source}: key 'num_experts_per_tok' is {per_token}; it must be 1 to "
+                              f"'num_local_experts' ({experts})")
+    for key, allowed in _GRANITE_ROUTING.items():
+        if raw.get(key) is not None:
+            _refuse_unless(raw, source, key, allowed, f"Granite's routing is a softmax over the top "
+                           f"'num_experts_per_tok' logits, renormalized (only {allowed[0]!r} is supported)")
+    return dict(n_experts=experts, experts_per_token=per_token, expert_size=get(raw, "intermediate_size", int, source))
+
+
 def _granite(raw: dict, source: str) -> dict:
-    """Granite-4.0-H (dense): each layer a Mamba-2 or attention sublayer, then the shared gated
-    SiLU MLP; the embedding, residual, attention and logits multipliers; RoPE or none."""
-    if raw.get("num_local_experts", 0) not in (0, None):
-        raise CheckpointError(f"{source}: key 'num_local_experts' is {raw['num_local_experts']!r}; mixture-of-experts "
-                              "layers are not supported yet (only dense Granite-4.0-H models)")
+    """Granite-4.0-H: each layer a Mamba-2 or attention sublayer, then the shared gated SiLU
+    MLP, with the mixture of experts beside it where `num_local_experts` > 0 (one "moe"
+    sublayer: routed experts plus the shared MLP); the embedding, residual, attention and
+    logits multipliers; RoPE or none."""
+    moe = _granite_experts(raw, source)
     layers = get(raw, "num_hidden_layers", int, source)
     types = raw.get("layer_types") or raw.get("layers_block_type")
     if not isinstance(types, list) or len(types) != layers or not all(t in _GRANITE_TYPES for t in types):
@@ -201,7 +226,7 @@ def _granite(raw: dict, source: str) -> dict:
         raise CheckpointError(f"{source}: key 'position_embedding_type' is {position!r}; 'rope' and 'nope' are supported")
     _refuse_unless(raw, source, "hidden_act", ("silu",), "the MLP's activation must be silu")
     d_model = get(raw, "hidden_size", int, source)
-    blocks = [b for t in types for b in (_GRANITE_TYPES[t], "mlp")]
+    blocks = [b for t in types for b in (_GRANITE_TYPES[t], "moe" if moe else "mlp")]
     attention = _attention_fields(raw, source, d_model, rope=position == "rope")
     attention["attn_scale"] = get(raw, "attention_multiplier", float, source, attention["attn_head_dim"] ** -0.5)
     return dict(
@@ -209,7 +234,7 @@ def _granite(raw: dict, source: str) -> dict:
         **_mamba_fields_hf(raw, source, d_model, _expanded(raw, source, d_model)),
         norm_eps=get(raw, "rms_norm_eps", float, source, 1e-6),
         **attention,
-        mlp_size=get(raw, "shared_intermediate_size", int, source),
+        mlp_size=get(raw, "shared_intermediate_size", int, source), **moe,
         embedding_multiplier=float(get(raw, "embedding_multiplier", float, source, 1.0)),
         logits_multiplier=1.0 / get(raw, "logits_scaling", float, source, 1.0),
         multipliers=(("residual_multiplier", float(get(raw, "residual_multiplier", float, source, 1.0))),),

@@ -14,6 +14,7 @@ import torch
 from fastmamba.core import attention as attn
 from fastmamba.core import mamba2
 from fastmamba.core import mlp as mlp_
+from fastmamba.core import moe as moe_
 from fastmamba.core.families import Family, Sublayer
 from fastmamba.core.mamba1 import mamba1_shapes, mamba1_weights, mixer
 
@@ -49,6 +50,9 @@ class LayerKind:
     state: Callable | None  # config -> one slot's (conv, ssm) state shapes; None: no recurrent state
     kv: bool  # whether a slot keeps its keys and values
     gpu_kernels: bool  # whether the Triton engine's fused decode step runs it
+    # whether the GPU engine (its CUDA graphs: no host syncs) runs it; else the model runs on the
+    # reference engine (pure PyTorch) on any device
+    gpu_engine: bool = True
 
 
 def _no_resets(resets, kind: str) -> None:
@@ -63,6 +67,19 @@ def _attention_run(c, lw, u, m: Memory, ops, start=None, resets=None):
 
 def _mlp_run(c, lw, u, m: Memory, ops, start=None, resets=None):
     return mlp_.mlp(c, lw, u, ops)
+
+
+def _moe_run(c, lw, u, m: Memory, ops, start=None, resets=None):
+    return moe_.moe(c, lw, u, ops)
+
+
+def _moe_shapes(c, s: Sublayer, f: Family) -> dict:
+    return moe_.shapes(c, s.norm, s.prefixes[0], s.prefixes[1] if len(s.prefixes) > 1 else None, f.moe, f.mlp)
+
+
+def _moe_weights(c, s: Sublayer, f: Family, big, small) -> moe_.MoEWeights:
+    return moe_.layer_weights(s.norm, s.prefixes[0], s.prefixes[1] if len(s.prefixes) > 1 else None, f.moe, f.mlp,
+                              big, small)
 
 
 def _parallel_run(c, lw: ParallelWeights, u, m: Memory, ops, start=None, resets=None):
@@ -104,6 +121,10 @@ LAYER_KINDS = {
         run=_mlp_run, shapes=lambda c, s, f: mlp_.shapes(c, s.norm, s.prefixes[0], f.mlp),
         weights=lambda c, s, f, big, small: mlp_.layer_weights(s.norm, s.prefixes[0], f.mlp, big, small),
         state=None, kv=False, gpu_kernels=False),
+    # routed experts and a shared MLP (core/moe.py); the host reads each expert's token count,
+    # so no CUDA graph holds it until the GPU's grouped MoE kernel exists
+    "moe": LayerKind(run=_moe_run, shapes=_moe_shapes, weights=_moe_weights, state=None, kv=False, gpu_kernels=False,
+                     gpu_engine=False),
     "mamba2+attention": LayerKind(
         run=_parallel_run, shapes=_parallel_shapes, weights=_parallel_weights, state=mamba2.state_shapes, kv=True,
         gpu_kernels=False),

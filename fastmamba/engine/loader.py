@@ -8,7 +8,7 @@ import torch
 
 from fastmamba.core.dtypes import parse_dtype, parse_state_dtype
 from fastmamba.core.errors import CheckpointError
-from fastmamba.core.layers import layer_kind
+from fastmamba.core.layers import LAYER_KINDS, layer_kind
 from fastmamba.core.model import Mamba
 from fastmamba.core.ops import REFERENCE_OPS, triton_ops
 from fastmamba.engine.language_model import LanguageModel
@@ -80,8 +80,12 @@ def load(
     if engine == "triton" and not gpu_kernels:
         raise ValueError(f"engine 'triton' has no kernels for {config.layer} layers yet: use engine='reference' "
                          "(pure PyTorch, on any device)")
+    off_gpu = sorted({name for name in config.kinds if not LAYER_KINDS[name].gpu_engine})
+    if engine == "triton" and off_gpu:
+        raise ValueError(f"engine 'triton' cannot run {', '.join(off_gpu)} sublayers yet (the GPU's kernels and "
+                         "CUDA graphs for them are not built): use engine='reference' (pure PyTorch, on any device)")
     if engine is None:
-        engine = "triton" if dev.type == "cuda" and HAVE_TRITON and gpu_kernels else "reference"
+        engine = "triton" if dev.type == "cuda" and HAVE_TRITON and gpu_kernels and not off_gpu else "reference"
     tokenizer = None
     if (folder / "tokenizer.json").exists():
         tokenizer = Tokenizer(inside(folder, "tokenizer.json"))
