@@ -1,6 +1,7 @@
 """The mixture-of-experts sublayer (core/moe.py) on the reference engine: Granite-4.0-H with
-experts against transformers' own GraniteMoeHybrid classes (tiny checkpoints written by
-`save_pretrained`: Mamba-2 and attention layers, RoPE and none, one and two experts a token),
+experts and Nemotron-H's "E" layers against transformers' own GraniteMoeHybrid and NemotronH
+classes (tiny checkpoints written by `save_pretrained`: Mamba-2 and attention layers, RoPE
+and none, one and two experts a token; Nemotron's groups, correction bias and scaling),
 routing ties and experts no token picks, and the configs and tensors refused by name."""
 
 from __future__ import annotations
@@ -31,22 +32,38 @@ def granite_moe(position="rope", k=2, **kw):
         mamba_n_groups=2, mamba_chunk_size=8, **kw)
 
 
+def nemotron_moe(k=2, **kw):
+    """Nemotron-H with experts (Nemotron 3): squared-ReLU experts, sigmoid routing with a
+    correction bias, groups, scaling; an MLP layer of another width than the shared expert."""
+    return transformers.NemotronHConfig(
+        vocab_size=V, hidden_size=64, layers_block_type=["mamba", "moe", "attention", "moe", "mlp"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=8,
+        mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=8, n_routed_experts=8, num_experts_per_tok=k,
+        moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, **kw)
+
+
 CASES = {
-    "rope_two_a_token": lambda: granite_moe("rope", k=2),
-    "nope_one_a_token_tied": lambda: granite_moe("nope", k=1, tie_word_embeddings=True),
+    "granite_rope_two_a_token": lambda: granite_moe("rope", k=2),
+    "granite_nope_one_a_token_tied": lambda: granite_moe("nope", k=1, tie_word_embeddings=True),
+    "nemotron_groups_scaled": lambda: nemotron_moe(k=2, n_group=4, topk_group=2, routed_scaling_factor=2.5),
+    "nemotron_one_a_token_unnormalized": lambda: nemotron_moe(k=1, norm_topk_prob=False),
 }
 
 
 def save(config, folder, router=None):
     """A random model of `config` saved to `folder` (norms spread, so the multipliers show;
-    `router(weight)` edits each layer's router weight in place)."""
+    Nemotron-H's router (zeros at init) and correction bias random; `router(weight)` edits
+    each layer's router weight (and bias) in place)."""
     torch.manual_seed(0)
-    model = transformers.GraniteMoeHybridForCausalLM(config).eval()
+    nemotron = isinstance(config, transformers.NemotronHConfig)
+    model = (transformers.NemotronHForCausalLM if nemotron else transformers.GraniteMoeHybridForCausalLM)(config).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
-            if router is not None and name.endswith("router.weight"):
+            if name.endswith(("gate.weight", "e_score_correction_bias")):
+                p.normal_(0.0, 0.3)
+            if router is not None and name.endswith(("router.weight", "gate.weight", "e_score_correction_bias")):
                 router(p)
     model.save_pretrained(folder)
     return model
@@ -66,11 +83,16 @@ def test_the_config_and_the_weights(case):
     folder, hf = case
     lm = fastmamba.load(folder)
     c = lm.config
-    assert c.kinds == ("mamba2", "moe", "attention", "moe", "mamba2", "moe")
-    assert (c.n_experts, c.expert_size, c.experts_per_token) == (4, 48, hf.config.num_experts_per_tok)
-    assert lm.engine == "reference"
     lw = lm.model.weights.layers[1]
-    assert lw.in_w.shape == (4, 96, 64) and lw.out_w.shape == (4, 64, 48) and lw.router_w.shape == (4, 64)
+    assert lm.engine == "reference" and c.experts_per_token == hf.config.num_experts_per_tok
+    if c.family == "nemotron_h":
+        assert c.kinds == ("mamba2", "moe", "attention", "moe", "mlp")
+        assert (c.n_experts, c.expert_size, c.shared_size, c.mlp_size, c.router) == (8, 32, 48, 96, "sigmoid")
+        assert lw.in_w.shape == (8, 32, 64) and lw.out_w.shape == (8, 64, 32) and lw.router_b.shape == (8,)
+    else:
+        assert c.kinds == ("mamba2", "moe", "attention", "moe", "mamba2", "moe")
+        assert (c.n_experts, c.expert_size, c.router) == (4, 48, "softmax")
+        assert lw.in_w.shape == (4, 96, 64) and lw.out_w.shape == (4, 64, 48) and lw.router_w.shape == (4, 64)
 
 
 def test_float32_logits_equal_transformers(case):
@@ -115,9 +137,15 @@ def test_fp8_weights_quantize_each_expert(case):
     folder, _ = case
     lm = fastmamba.load(folder, dtype="fp8")
     lw = lm.model.weights.layers[1]
-    assert isinstance(lw.in_w, Fp8Weight) and lw.in_w.scale.shape == (4, 96)
-    x = ids(2, 20, seed=6)
-    assert relative_error(lm.forward(x), fastmamba.load(folder).forward(x)) < 0.1
+    assert isinstance(lw.in_w, Fp8Weight) and lw.in_w.scale.shape == lw.in_w.shape[:2]
+    assert torch.isfinite(lm.forward(ids(2, 20, seed=6))).all()
+    # each expert's product reads its own values and scales: the sublayer equals it over the
+    # dequantized matrices
+    c = lm.config
+    dense = moe.MoEWeights(lw.norm_w, lw.router_w, lw.in_w.dequantize(), lw.out_w.dequantize(),
+                           lw.shared_in.dequantize(), lw.shared_out.dequantize(), lw.router_b)
+    u = torch.randn(1, 9, c.d_model, generator=torch.Generator().manual_seed(2))
+    assert relative_error(moe.moe(c, lw, u, REFERENCE_OPS), moe.moe(c, dense, u, REFERENCE_OPS)) < 1e-5
 
 
 def test_a_token_routes_and_sums_alone_whatever_shares_its_experts(case):
@@ -137,17 +165,33 @@ def test_a_token_routes_and_sums_alone_whatever_shares_its_experts(case):
 # -- routing ties, experts no token picks ------------------------------------------------------
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_ties_pick_as_transformers_and_unpicked_experts_are_skipped(tmp_path, k):
-    """A router of zeros: every logit ties, so each token takes torch.topk's first k experts
-    (transformers' order) at equal weights, and the others get no token."""
+def transformers_route(hf, x):
+    """transformers' own router of the model's first MoE layer on x (N, d): (experts, weights)."""
+    with torch.no_grad():
+        if isinstance(hf, transformers.NemotronHForCausalLM):
+            _, weights, experts = hf.model.layers[1].mixer.gate(x)
+        else:
+            _, weights, experts = hf.model.layers[0].block_sparse_moe.router(x)
+    return experts, weights.float()
+
+
+@pytest.mark.parametrize("make", [lambda: granite_moe("nope", k=1), lambda: granite_moe("nope", k=2),
+                                  lambda: nemotron_moe(k=2, n_group=4, topk_group=2, routed_scaling_factor=2.5)],
+                         ids=["granite_k1", "granite_k2", "nemotron_groups"])
+def test_ties_pick_as_transformers_and_unpicked_experts_are_skipped(tmp_path, make):
+    """A router of zeros (and a zero correction bias): every score ties, so each token takes
+    the experts torch.topk gives first (transformers' order) at equal weights, and the others
+    get no token."""
     folder = tmp_path / "m"
-    hf = save(granite_moe("nope", k=k), folder, router=lambda w: w.zero_())
+    hf = save(make(), folder, router=lambda w: w.zero_())
     lm = fastmamba.load(folder)
     c, lw = lm.config, lm.model.weights.layers[1]
-    experts, weights = moe.route(c, lw, torch.randn(7, c.d_model), REFERENCE_OPS)
-    assert torch.equal(experts, torch.zeros(7, 4).topk(k, dim=-1).indices)
-    assert len(experts.unique()) == k < 4 and torch.equal(weights, torch.full((7, k), 1.0 / k))
+    x = torch.randn(7, c.d_model)
+    experts, weights = moe.route(c, lw, x, REFERENCE_OPS)
+    want_experts, want_weights = transformers_route(hf, x)
+    assert torch.equal(experts, want_experts) and relative_error(weights, want_weights) < 1e-6
+    assert len(experts.unique()) == c.experts_per_token < c.n_experts
+    assert torch.equal(weights, torch.full_like(weights, weights[0, 0].item()))
     x = ids(2, 25, seed=2)
     assert relative_error(lm.forward(x), transformers_logits(folder, x)) < 2e-3
     p = ids(1, 9, seed=4)[0].tolist()
@@ -156,15 +200,34 @@ def test_ties_pick_as_transformers_and_unpicked_experts_are_skipped(tmp_path, k)
     assert lm.generate(p, max_tokens=8, stop_token_ids=[]).token_ids == want[0, len(p):].tolist()
 
 
+def test_the_router_picks_and_weighs_as_transformers(case):
+    """On random inputs (no ties): transformers' router's experts (in its order) and weights."""
+    folder, hf = case
+    model = fastmamba.load(folder).model
+    x = torch.randn(64, model.config.d_model, generator=torch.Generator().manual_seed(3))
+    experts, weights = moe.route(model.config, model.weights.layers[1], x, REFERENCE_OPS)
+    want_experts, want_weights = transformers_route(hf, x)
+    assert torch.equal(experts, want_experts) and relative_error(weights, want_weights) < 1e-5
+
+
 def every_expert(c, lw, x):
-    """The routed sum computed by running every expert on every token (x (N, d)): the oracle."""
+    """The routed sum computed by running every expert on every token (x (N, d)): the oracle
+    (Granite's routing computed here; Nemotron-H's taken from moe.route)."""
     logits = x @ lw.router_w.T  # (N, E)
-    top, picked = logits.topk(c.experts_per_token, dim=-1)
-    gates = torch.zeros_like(logits).scatter(1, picked, torch.softmax(top, dim=-1))  # (N, E)
+    if c.router == "softmax":
+        top, picked = logits.topk(c.experts_per_token, dim=-1)
+        weights = torch.softmax(top, dim=-1)
+    else:
+        picked, weights = moe.route(c, lw, x, REFERENCE_OPS)
+    gates = torch.zeros_like(logits).scatter(1, picked, weights)  # (N, E)
     out = torch.zeros_like(x)
     for e in range(c.n_experts):
-        gate, up = (x @ lw.in_w[e].float().T).split(c.expert_size, dim=-1)
-        out += gates[:, e : e + 1] * ((torch.nn.functional.silu(gate) * up) @ lw.out_w[e].float().T)
+        a = x @ lw.in_w[e].float().T
+        if c.mlp_gated:
+            h = torch.nn.functional.silu(a[:, : c.expert_size]) * a[:, c.expert_size :]
+        else:
+            h = torch.relu(a).square()
+        out += gates[:, e : e + 1] * (h @ lw.out_w[e].float().T)
     return out
 
 
@@ -174,7 +237,7 @@ def test_experts_that_no_token_picks_are_skipped(case):
     folder, _ = case
     model = fastmamba.load(folder).model
     c, lw = model.config, model.weights.layers[3]
-    lw = moe.MoEWeights(lw.norm_w, lw.router_w, lw.in_w, lw.out_w)  # (the routed part alone)
+    lw = moe.MoEWeights(lw.norm_w, lw.router_w, lw.in_w, lw.out_w, router_b=lw.router_b)  # (the routed part alone)
     for n in (1, 3, 17):
         x = torch.randn(n, c.d_model, generator=torch.Generator().manual_seed(n))
         picked, _ = moe.route(c, lw, x, REFERENCE_OPS)
@@ -226,26 +289,59 @@ def test_routing_and_sizes_that_change_the_math_are_refused_by_name(small, tmp_p
     refused(edited(small, tmp_path, change), *words)
 
 
+@pytest.fixture(scope="module")
+def small_nemotron(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("small_nemotron")
+    save(nemotron_moe(k=2, n_group=4, topk_group=2), folder)
+    return folder
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda c: c.update(moe_latent_size=16), ("'moe_latent_size'", "latent")),
+    (lambda c: c.update(n_shared_experts=2), ("'n_shared_experts'",)),
+    (lambda c: c.update(n_group=3), ("'n_group'", "3")),
+    (lambda c: c.update(topk_group=5), ("'topk_group'",)),
+    (lambda c: c.update(topk_group=1, num_experts_per_tok=3), ("'num_experts_per_tok'", "3")),
+    (lambda c: c.update(moe_intermediate_size=40), ("experts.0.up_proj.weight", "has shape")),
+    (lambda c: c.update(moe_shared_expert_intermediate_size=40), ("shared_experts.up_proj.weight", "has shape")),
+    (lambda c: c.update(n_routed_experts=4, n_group=2), ("unexpected tensor", "mixer.experts.4.")),
+])
+def test_nemotron_routing_and_sizes_that_change_the_math_are_refused_by_name(small_nemotron, tmp_path, change,
+                                                                              words):
+    refused(edited(small_nemotron, tmp_path, change), *words)
+
+
+def test_nemotron_reads_the_hub_pattern_with_experts(small_nemotron, tmp_path):
+    def hub_form(c):
+        del c["layers_block_type"]
+        c["hybrid_override_pattern"] = "ME*E-"
+    assert fastmamba.load(edited(small_nemotron, tmp_path, hub_form)).config.kinds == (
+        "mamba2", "moe", "attention", "moe", "mlp")
+
+
 def test_the_training_keys_are_accepted(small, tmp_path):
     path = edited(small, tmp_path, lambda c: c.update(output_router_logits=True, router_aux_loss_coef=0.02,
                                                       router_jitter_noise=0.1, norm_topk_prob=True))
     assert fastmamba.load(path).config.n_experts == 4
 
 
-@pytest.mark.parametrize("name,shape", [("block_sparse_moe.output_linear.weight", (4, 64, 40)),
-                                        ("block_sparse_moe.input_linear.weight", (3, 96, 64)),
-                                        ("block_sparse_moe.router.layer.weight", (4, 32))])
-def test_an_expert_tensor_of_the_wrong_shape_is_named(small, tmp_path, name, shape):
+@pytest.mark.parametrize("name,shape", [("model.layers.2.block_sparse_moe.output_linear.weight", (4, 64, 40)),
+                                        ("model.layers.2.block_sparse_moe.input_linear.weight", (3, 96, 64)),
+                                        ("model.layers.2.block_sparse_moe.router.layer.weight", (4, 32)),
+                                        ("backbone.layers.3.mixer.experts.5.down_proj.weight", (64, 31)),
+                                        ("backbone.layers.1.mixer.gate.e_score_correction_bias", (9,))])
+def test_an_expert_tensor_of_the_wrong_shape_is_named(small, small_nemotron, tmp_path, name, shape):
     from safetensors.torch import load_file, save_file
 
     out = tmp_path / "m"
     out.mkdir()
-    for f in small.iterdir():
+    for f in (small if name.startswith("model.") else small_nemotron).iterdir():
         (out / f.name).write_bytes(f.read_bytes())
     tensors = load_file(str(out / "model.safetensors"))
-    tensors[f"model.layers.2.{name}"] = torch.zeros(shape)
+    assert name in tensors
+    tensors[name] = torch.zeros(shape)
     save_file(tensors, str(out / "model.safetensors"))
-    refused(str(out), f"'model.layers.2.{name}' has shape {shape}")
+    refused(str(out), f"'{name}' has shape {shape}")
 
 
 @pytest.mark.gpu

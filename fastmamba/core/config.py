@@ -67,6 +67,15 @@ class MambaConfig:
     n_experts: int = 0
     experts_per_token: int = 0
     expert_size: int = 0
+    # Nemotron-H's router: "sigmoid" scores, a per-expert bias added for the choice alone, the
+    # choice limited to the topk_groups best of expert_groups groups (a group's score: its two
+    # best), the picked scores renormalized where norm_topk, then scaled by routed_scaling
+    router: str = "softmax"
+    expert_groups: int = 1
+    topk_groups: int = 1
+    norm_topk: bool = True
+    routed_scaling: float = 1.0
+    shared_size: int = 0  # the shared MLP's width beside the experts; 0: mlp_size
     embedding_multiplier: float = 1.0  # the embedding's output scaled by this
     logits_multiplier: float = 1.0  # the logits scaled by this
     # The family's multipliers that scale a product's input or output (Granite's residual,

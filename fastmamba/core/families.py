@@ -41,7 +41,8 @@ class Family:
     # (gate_up, down) where gate and up are one tensor, gate's rows first
     mlp: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
     # a mixture of experts' tensors (core/moe.py), suffixes of its first prefix: (router, the
-    # experts' stacked gate_up, their stacked down); its second prefix, if any, is its shared MLP's
+    # experts' stacked gate_up (or up), their stacked down; "{e}" in a name: one tensor an
+    # expert); its second prefix, if any, is its shared MLP's
     moe: tuple[str, ...] = ("router.layer", "input_linear", "output_linear")
     lm_head: str = "lm_head.weight"
 
@@ -54,8 +55,9 @@ _MIXER_AND_MLP = {"mamba2": ("input_layernorm.weight", ("mamba.",)),
 
 FAMILIES = {
     "mamba": Family("backbone.embeddings.weight", "backbone.norm_f.weight", "backbone.layers.{i}.", _MIXER_ONLY),
-    "nemotron_h": Family("backbone.embeddings.weight", "backbone.norm_f.weight", "backbone.layers.{i}.", _MIXER_ONLY,
-                         mlp=("up_proj", "down_proj")),
+    "nemotron_h": Family("backbone.embeddings.weight", "backbone.norm_f.weight", "backbone.layers.{i}.",
+                         {**_MIXER_ONLY, "moe": ("norm.weight", ("mixer.", "mixer.shared_experts."))},
+                         mlp=("up_proj", "down_proj"), moe=("gate", "experts.{e}.up_proj", "experts.{e}.down_proj")),
     "bamba": Family("model.embed_tokens.weight", "model.final_layernorm.weight", "model.layers.{i}.",
                     {**_MIXER_AND_MLP, "mlp": ("pre_ff_layernorm.weight", ("feed_forward.",))}, two_per_layer=True),
     "granitemoehybrid": Family("model.embed_tokens.weight", "model.norm.weight", "model.layers.{i}.",

@@ -91,9 +91,9 @@ _NEMOTRON_TYPES = {"mamba": "mamba2", "linear_attention": "mamba2", "attention":
 
 
 def _nemotron_h(raw: dict, source: str) -> dict:
-    """Nemotron-H (and Nemotron Nano v2): one sublayer a layer, "M" Mamba-2, "*" attention (no
-    positions), "-" an MLP of squared ReLU; `hybrid_override_pattern` (hub) or
-    `layers_block_type` (transformers 5)."""
+    """Nemotron-H (and Nemotron Nano v2, Nemotron 3): one sublayer a layer, "M" Mamba-2, "*"
+    attention (no positions), "-" an MLP of squared ReLU, "E" a mixture of experts;
+    `hybrid_override_pattern` (hub) or `layers_block_type` (transformers 5)."""
     pattern, types = raw.get("hybrid_override_pattern"), raw.get("layers_block_type")
     if types is not None:
         if not isinstance(types, list) or not all(t in _NEMOTRON_TYPES for t in types):
@@ -107,9 +107,7 @@ def _nemotron_h(raw: dict, source: str) -> dict:
     else:
         raise CheckpointError(f"{source}: key 'hybrid_override_pattern' must be a string of M, *, - and E "
                               f"(or 'layers_block_type' a list), got {pattern!r}")
-    if "moe" in blocks:
-        raise CheckpointError(f"{source}: the layer pattern holds mixture-of-experts layers ('E' / 'moe'), which are "
-                              "not supported yet")
+    moe = _nemotron_experts(raw, source) if "moe" in blocks else {}
     layers = raw.get("num_hidden_layers")
     if layers is not None and layers != len(blocks):
         raise CheckpointError(f"{source}: key 'num_hidden_layers' is {layers}, but the layer pattern has {len(blocks)}")
@@ -137,9 +135,39 @@ def _nemotron_h(raw: dict, source: str) -> dict:
         norm_eps=get(raw, "layer_norm_epsilon", float, source, 1e-5),
         **_attention_fields(raw, source, d_model, ("head_dim", "attention_head_dim"), rope=False),
         mlp_size=get(raw, "intermediate_size", int, source), mlp_act=raw.get("mlp_hidden_act", "relu2"),
-        mlp_gated=False, mlp_bias=get(raw, "mlp_bias", bool, source, False),
+        mlp_gated=False, mlp_bias=get(raw, "mlp_bias", bool, source, False), **moe,
         **_vocab_and_head(raw, source),
     )
+
+
+def _nemotron_experts(raw: dict, source: str) -> dict:
+    """Nemotron-H's mixture of experts ("E" layers, Nemotron 3): `n_routed_experts` squared-ReLU
+    MLPs of `moe_intermediate_size`, `num_experts_per_tok` a token chosen by sigmoid scores plus
+    a correction bias within the `topk_group` best of `n_group` groups, weights renormalized
+    (`norm_topk_prob`) and scaled (`routed_scaling_factor`); one shared MLP of
+    `moe_shared_expert_intermediate_size`. A latent projection is refused by name."""
+    if raw.get("moe_latent_size") is not None:
+        raise CheckpointError(f"{source}: key 'moe_latent_size' is {raw['moe_latent_size']!r}; experts behind a "
+                              "latent projection are not supported")
+    _refuse_unless(raw, source, "n_shared_experts", (1, None), "one shared expert is supported (as transformers "
+                   "builds it: one MLP of 'moe_shared_expert_intermediate_size')")
+    experts = get(raw, "n_routed_experts", int, source)
+    per_token = get(raw, "num_experts_per_tok", int, source)
+    groups = get(raw, "n_group", int, source, 1)
+    topk_groups = get(raw, "topk_group", int, source, 1)
+    if experts % groups or (groups > 1 and experts // groups < 2):
+        raise CheckpointError(f"{source}: key 'n_group' ({groups}) must divide 'n_routed_experts' ({experts}) into "
+                              "groups of 2 or more")
+    if topk_groups > groups:
+        raise CheckpointError(f"{source}: key 'topk_group' ({topk_groups}) is more than 'n_group' ({groups})")
+    if per_token > topk_groups * (experts // groups):
+        raise CheckpointError(f"{source}: key 'num_experts_per_tok' ({per_token}) is more than the experts of "
+                              f"'topk_group' ({topk_groups}) groups")
+    return dict(n_experts=experts, experts_per_token=per_token, expert_size=get(raw, "moe_intermediate_size", int,
+                source), router="sigmoid", expert_groups=groups, topk_groups=topk_groups,
+                norm_topk=get(raw, "norm_topk_prob", bool, source, True),
+                routed_scaling=float(get(raw, "routed_scaling_factor", float, source, 1.0)),
+                shared_size=get(raw, "moe_shared_expert_intermediate_size", int, source))
 
 
 def _mamba_fields_hf(raw: dict, source: str, d_model: int, d_inner: int) -> dict:

@@ -78,7 +78,7 @@ def _moe_shapes(c, s: Sublayer, f: Family) -> dict:
 
 
 def _moe_weights(c, s: Sublayer, f: Family, big, small) -> moe_.MoEWeights:
-    return moe_.layer_weights(s.norm, s.prefixes[0], s.prefixes[1] if len(s.prefixes) > 1 else None, f.moe, f.mlp,
+    return moe_.layer_weights(c, s.norm, s.prefixes[0], s.prefixes[1] if len(s.prefixes) > 1 else None, f.moe, f.mlp,
                               big, small)
 
 

@@ -21,10 +21,10 @@ class MLPWeights:
     out_b: torch.Tensor | None = None
 
 
-def shapes(c, norm: str, p: str, names: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+def shapes(c, norm: str, p: str, names: tuple[str, ...], size: int = 0) -> dict[str, tuple[int, ...]]:
     """The sublayer's tensors and shapes; names: the family's (up, down), (gate, up, down) or
-    (gate_up, down) (families.Family.mlp)."""
-    d, F_ = c.d_model, c.mlp_size
+    (gate_up, down) (families.Family.mlp); size: its width (0: c.mlp_size)."""
+    d, F_ = c.d_model, size or c.mlp_size
     rows = {2: (2 * F_ if c.mlp_gated else F_,), 3: (F_, F_)}[len(names)]
     out = {norm: (d,)}
     for name, n in zip(names[:-1], rows):
@@ -65,7 +65,7 @@ def mlp(c, lw: MLPWeights, u: torch.Tensor, ops) -> torch.Tensor:
     a = ops.linear(u, lw.in_w, lw.in_b)
     act = ACTIVATIONS[c.mlp_act]
     if c.mlp_gated:
-        gate, up = a.split(c.mlp_size, dim=-1)
+        gate, up = a.chunk(2, dim=-1)
         h = act(gate) * up
     else:
         h = act(a)

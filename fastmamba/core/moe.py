@@ -1,15 +1,17 @@
-"""The mixture-of-experts sublayer over `Ops` (Granite-4.0-H with experts): a router picks
-`experts_per_token` of `n_experts` gated SiLU MLPs for each token, their outputs are summed
-weighted by the softmax of the picked logits, and a shared MLP (mlp.py) runs on every token
-and is added.
+"""The mixture-of-experts sublayer over `Ops` (Granite-4.0-H with experts, Nemotron-H's "E"
+layers): a router picks `experts_per_token` of `n_experts` MLPs for each token (gated SiLU
+ones for Granite, squared-ReLU ones for Nemotron-H, as the family's MLP), their outputs are
+summed weighted by the router, and a shared MLP (mlp.py) runs on every token and is added.
 
-Routing: the router's logits in float32, `torch.topk` (transformers' tie order: equal
-logits pick as torch.topk does), the softmax over the k picked logits (Granite renormalizes:
-the weights of a token sum to 1). The experts are stored stacked, gate's rows before up's:
-(E, 2 I, d) and (E, d, I). A pass gathers each expert's tokens and runs one product an
-active expert; each (token, pick) pair's output lands in its own row, and a token's picks
-are summed in pick order, so a token's output does not depend on which other tokens share
-its experts (no atomics, no order that a batch changes)."""
+Routing in float32, as transformers does it: Granite's softmax over the top-k logits
+(`torch.topk`, so equal logits pick in transformers' order; renormalized: a token's weights
+sum to 1); Nemotron-H's sigmoid scores, a correction bias added for the choice alone, the
+choice limited to the best groups of experts, the picked scores renormalized and scaled. The
+experts are kept stacked, (E, 2 I, d) (gate's rows before up's) or (E, I, d), and (E, d, I);
+a checkpoint that stores them one by one is stacked at load. A pass gathers each expert's
+tokens and runs one product an active expert; each (token, pick) pair's output lands in its
+own row, and a token's picks are summed in pick order, so a token's output does not depend
+on which other tokens share its experts (no atomics, no order that a batch changes)."""
 
 from __future__ import annotations
 
@@ -27,41 +29,81 @@ class MoEWeights:
     # (E, d) f32: the routing is a discrete choice, so its logits keep float32 weights (a
     # rounded router would move tokens to other experts; it is E rows, small beside the experts)
     router_w: torch.Tensor
-    in_w: torch.Tensor | Fp8Weight  # (E, 2 I, d) gate's rows then up's; storage dtype
+    in_w: torch.Tensor | Fp8Weight  # (E, 2 I, d) gated (gate's rows, then up's), (E, I, d) not; storage dtype
     out_w: torch.Tensor | Fp8Weight  # (E, d, I)
     shared_in: torch.Tensor | Fp8Weight | None = None  # the shared MLP's (mlp.MLPWeights' in_w, out_w)
     shared_out: torch.Tensor | Fp8Weight | None = None
+    router_b: torch.Tensor | None = None  # (E,) f32: Nemotron-H's correction bias, for the choice alone
 
 
 def shapes(c, norm: str, p: str, shared: str | None, names: tuple[str, ...], mlp_names: tuple[str, ...]) -> dict:
-    """The sublayer's tensors and shapes; names: the family's (router, gate_up, down) of the
-    experts (families.Family.moe), mlp_names: its shared MLP's (families.Family.mlp)."""
+    """The sublayer's tensors and shapes; names: the family's (router, up (or gate_up), down)
+    of the experts (families.Family.moe), stacked, or one tensor an expert where a name holds
+    "{e}"; mlp_names: its shared MLP's (families.Family.mlp)."""
     d, E, I = c.d_model, c.n_experts, c.expert_size
-    router, gate_up, down = names
-    out = {norm: (d,), p + router + ".weight": (E, d), p + gate_up + ".weight": (E, 2 * I, d),
-           p + down + ".weight": (E, d, I)}
+    router, up, down = names
+    rows = 2 * I if c.mlp_gated else I
+    out = {norm: (d,), p + router + ".weight": (E, d)}
+    if c.router == "sigmoid":
+        out[p + router + ".e_score_correction_bias"] = (E,)
+    for name, shape in ((up, (rows, d)), (down, (d, I))):
+        if "{e}" in name:
+            out.update({p + name.format(e=e) + ".weight": shape for e in range(E)})
+        else:
+            out[p + name + ".weight"] = (E, *shape)
     if shared is not None:
-        out.update(mlp_.shapes(c, norm, shared, mlp_names))
+        out.update(mlp_.shapes(c, norm, shared, mlp_names, c.shared_size))
     return out
 
 
-def layer_weights(norm: str, p: str, shared: str | None, names: tuple[str, ...], mlp_names: tuple[str, ...],
+def layer_weights(c, norm: str, p: str, shared: str | None, names: tuple[str, ...], mlp_names: tuple[str, ...],
                   big, small) -> MoEWeights:
     """The sublayer's weights: `big(name)` in the storage dtype, `small(name)` in float32."""
-    router, gate_up, down = names
-    lw = MoEWeights(norm_w=small(norm), router_w=small(p + router + ".weight"), in_w=big(p + gate_up + ".weight"),
-                    out_w=big(p + down + ".weight"))
+    router, up, down = names
+
+    def experts(name):
+        if "{e}" not in name:
+            return big(p + name + ".weight")
+        return _stack([big(p + name.format(e=e) + ".weight") for e in range(c.n_experts)])
+
+    lw = MoEWeights(norm_w=small(norm), router_w=small(p + router + ".weight"), in_w=experts(up),
+                    out_w=experts(down), router_b=small(p + router + ".e_score_correction_bias"))
     if shared is not None:
         s = mlp_.layer_weights(norm, shared, mlp_names, big, small)
         lw.shared_in, lw.shared_out = s.in_w, s.out_w
     return lw
 
 
+def _stack(matrices: list):
+    """Experts' matrices as one stacked tensor (FP8 ones with their scales)."""
+    if isinstance(matrices[0], Fp8Weight):
+        if any(m.block is not None for m in matrices):
+            raise ValueError("experts' matrices with block scales cannot be stacked")
+        return Fp8Weight(torch.stack([m.data for m in matrices]), torch.stack([m.scale for m in matrices]))
+    return torch.stack(matrices)
+
+
 def route(c, lw: MoEWeights, x: torch.Tensor, ops) -> tuple[torch.Tensor, torch.Tensor]:
     """x (N, d) -> each token's experts (N, k) int64 and their weights (N, k) f32."""
     logits = ops.linear(x, lw.router_w).float()  # (N, E)
-    top, experts = logits.topk(c.experts_per_token, dim=-1)  # (N, k)
-    return experts, torch.softmax(top, dim=-1)
+    k = c.experts_per_token
+    if c.router == "softmax":
+        top, experts = logits.topk(k, dim=-1)  # (N, k)
+        return experts, torch.softmax(top, dim=-1)
+    # sigmoid (Nemotron-H), as transformers' NemotronHTopkRouter, call for call (its tie order)
+    scores = logits.sigmoid()  # (N, E)
+    choice = scores + lw.router_b if lw.router_b is not None else scores
+    G = c.expert_groups
+    if G > 1:
+        group_scores = choice.view(-1, G, c.n_experts // G).topk(2, dim=-1)[0].sum(dim=-1)  # (N, G)
+        groups = torch.topk(group_scores, k=c.topk_groups, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()  # (N, G)
+        choice = choice.masked_fill(~keep.repeat_interleave(c.n_experts // G, dim=1), float("-inf"))
+    experts = torch.topk(choice, k=k, dim=-1, sorted=False)[1]  # (N, k)
+    weights = scores.gather(1, experts)
+    if c.norm_topk:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return experts, weights * c.routed_scaling
 
 
 def moe(c, lw: MoEWeights, u: torch.Tensor, ops) -> torch.Tensor:
@@ -81,8 +123,9 @@ def moe(c, lw: MoEWeights, u: torch.Tensor, ops) -> torch.Tensor:
             continue
         rows = order[at : at + n]  # (n,)
         at += n
-        gate, up = ops.linear(x[rows // k], lw.in_w[e]).split(I, dim=-1)  # (n, I) each
-        y[rows] = ops.linear(act(gate) * up, lw.out_w[e]).float()
+        a = ops.linear(x[rows // k], lw.in_w[e])  # (n, 2 I) gated, (n, I) not
+        h = act(a[:, :I]) * a[:, I:] if c.mlp_gated else act(a)
+        y[rows] = ops.linear(h, lw.out_w[e]).float()
     y = y.view(-1, k, d)
     routed = y[:, 0] * weights[:, :1]
     for j in range(1, k):  # (in pick order: the same sum whatever the batch)
