@@ -12,6 +12,9 @@ import pytest
 import torch
 from conftest import assert_within_transformers_16bit_error, relative_error, transformers_logits
 
+# (the dense hybrids' own: the greedy test runs here again over this module's `case`)
+from test_hybrids import ids, refused, test_greedy_equals_transformers_greedy_and_a_batch_equals_each_alone  # noqa: F401
+
 import fastmamba
 from fastmamba.core import moe
 from fastmamba.core.fp8 import Fp8Weight
@@ -75,8 +78,6 @@ def case(request, tmp_path_factory):
     return folder, save(CASES[request.param](), folder)
 
 
-def ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, V, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def test_the_config_and_the_weights(case):
@@ -101,18 +102,6 @@ def test_float32_logits_equal_transformers(case):
     assert relative_error(fastmamba.load(folder).forward(x), transformers_logits(folder, x)) < 2e-3
 
 
-def test_greedy_equals_transformers_greedy_and_a_batch_equals_each_alone(case):
-    folder, hf = case
-    lm = fastmamba.load(folder)
-    prompts = [ids(1, n, seed=n)[0].tolist() for n in (5, 23, 9)]
-    alone = [lm.generate(p, max_tokens=12, stop_token_ids=[]).token_ids for p in prompts]
-    with torch.no_grad():
-        want = [hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    assert alone == want
-    params = [SamplingParams(max_tokens=10, temperature=0.9 * (k % 2), seed=k, stop_token_ids=[]) for k in range(3)]
-    together = lm.generate_batch(prompts, params)
-    assert [g.token_ids for g in together] == [lm.generate(p, q).token_ids for p, q in zip(prompts, params)]
 
 
 def test_decode_steps_continue_the_prefill(case):
@@ -261,11 +250,6 @@ def edited(folder, tmp_path, change) -> str:
     return str(out)
 
 
-def refused(path: str, *words: str) -> None:
-    with pytest.raises(fastmamba.CheckpointError) as e:
-        fastmamba.load(path)
-    for w in words:
-        assert w in str(e.value), str(e.value)
 
 
 @pytest.fixture(scope="module")
