@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 
 import torch
 
@@ -46,7 +46,7 @@ from fastmamba.core.kv_cache import KVCache
 from fastmamba.core.model import Mamba
 from fastmamba.core.ops import REFERENCE_OPS
 from fastmamba.core.sampling import SlotParams, pick_sampler
-from fastmamba.core.sampling_params import SamplingParams, resolve_seed
+from fastmamba.core.sampling_params import resolve_seed
 from fastmamba.core.state import MambaState
 from fastmamba.engine import protocol
 from fastmamba.engine.cpu_threads import cpu_threads
@@ -65,96 +65,10 @@ from fastmamba.engine.protocol import (
     Failed,
     Finished,
     FirstToken,
-    Logprob,
     Stats,
     Token,
 )
-
-
-@dataclass(eq=False)
-class RunningRequest:
-    """A request (protocol.Request) as the engine runs it."""
-
-    rid: int
-    ids: list[int]
-    params: SamplingParams  # max_tokens is the request's own bound
-    top_logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the k best
-    arrived: float = field(default_factory=time.perf_counter)
-    seed: int = 0
-    stops: frozenset = frozenset()
-    slot: int | None = None
-    pos: int = 0  # prompt tokens in the slot's state (cached or prefilled)
-    fed: int = 0  # tokens the slot's state has taken in: the prompt's, then each decode input
-    sampled: list[int] = field(default_factory=list)  # every token sampled, a stop token included
-    cached_tokens: int = 0
-    on_device: bool = False  # its last sampled token waits on the device as the next decode input
-    just_sampled: bool = False  # its first token came in this step's prefill: it decodes from the next
-    finished: bool = False
-    aborted: bool = False
-    queued_s: float = 0.0
-    last_logits: tuple | None = None  # (logits, row): the logits after the last token fed
-    matcher: object | None = None  # a guided request's grammar matcher (guides.py), from its admission
-
-    @property
-    def output(self) -> list[int]:
-        return self.sampled[:-1] if self.sampled and self.sampled[-1] in self.stops else self.sampled
-
-
-class _Launch:
-    """One step's sampled tokens (and logprobs) on their way to the host: copied into pinned
-    memory behind the step's work, with one event, so the host reads them when it needs them
-    and not sooner."""
-
-    def __init__(self):
-        self.rows: list[tuple[RunningRequest, bool]] = []  # (request, finite-checked) per token
-        self.parts: list[torch.Tensor] = []  # device int64: each part's tokens, then its finite flags
-        self.logprobs: list[tuple[int, tuple]] = []  # (first row, (chosen, top ids, top values))
-        self.host = None
-
-    def add(self, reqs: list[RunningRequest], tokens: torch.Tensor, finite: torch.Tensor | None = None,
-            logprobs: tuple | None = None) -> None:
-        if logprobs is not None:
-            self.logprobs.append((len(self.rows), logprobs))
-        self.rows += [(r, finite is not None) for r in reqs]
-        tokens = tokens.long()
-        flags = torch.ones_like(tokens) if finite is None else finite.to(torch.int64).expand(tokens.shape)
-        self.parts.append(torch.stack([tokens, flags], 1))
-
-    def send(self) -> None:
-        if not self.parts:
-            return
-        tensors = [torch.cat(self.parts)] + [t for _, lp in self.logprobs for t in lp]
-        if tensors[0].is_cuda:
-            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-            for h, t in zip(self.host, tensors):
-                h.copy_(t, non_blocking=True)
-            self.done = torch.cuda.Event()
-            self.done.record()
-        else:
-            self.host, self.done = tensors, None
-
-    def read(self):
-        """(token, finite) per row, and each row's logprob entry or None."""
-        if self.host is None:
-            return [], []
-        if self.done is not None:
-            self.done.synchronize()
-        pairs = self.host[0].tolist()
-        entries = [None] * len(self.rows)
-        at = 1
-        for first, _ in self.logprobs:
-            chosen, top_ids, top_values = (self.host[at + k].tolist() for k in range(3))
-            at += 3
-            for k, c in enumerate(chosen):
-                entries[first + k] = Logprob(c, list(zip(top_ids[k], top_values[k])))
-        return pairs, entries
-
-
-def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple:
-    """The chosen tokens' log-probabilities (n,) and the k best (n, k) ids and values, on the device."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    top = torch.topk(lp, k, dim=-1)
-    return lp.gather(1, tokens[:, None])[:, 0], top.indices, top.values
+from fastmamba.engine.running import Launch, RunningRequest, logprobs_of
 
 
 class EngineCore:
@@ -199,7 +113,7 @@ class EngineCore:
         self.waiting: deque[RunningRequest] = deque()
         self.requests: dict[int, RunningRequest] = {}  # waiting and running, by rid
         self.guided: set[int] = set()  # the rids of those that are guided (no step ahead while any is)
-        self.inflight: _Launch | None = None  # the step launched and not yet read (GPU)
+        self.inflight: Launch | None = None  # the step launched and not yet read (GPU)
         self.cache_queries = self.cache_hits = 0
         self.guides = Guides(tokenizer, model.config.vocab_size, model.config.eos_token_id)
         self.decode_graphs = self._chunk_pool = None
@@ -265,7 +179,7 @@ class EngineCore:
             launch, self.inflight = self.inflight, None
             self._read(launch, outs)
         self._free()
-        launch = _Launch()
+        launch = Launch()
         with cpu_threads(self.threads, self.device):
             self._admit(launch, outs)
             self._prefill(launch, outs)
@@ -275,7 +189,7 @@ class EngineCore:
                 for r in self.slots:
                     if r is not None and not r.finished:
                         self._end(r, outs, error=_error_of(e))
-                launch = _Launch()
+                launch = Launch()
             launch.send()
         if self.run_ahead and not self._guided():  # read the step before this one
             launch, self.inflight = self.inflight, (launch if launch.rows else None)
@@ -304,7 +218,7 @@ class EngineCore:
                 self.waiting.remove(r)
                 self._forget(r)
 
-    def _admit(self, launch: _Launch, outs: list) -> None:
+    def _admit(self, launch: Launch, outs: list) -> None:
         while self.waiting and None in self.slots:
             r = self.waiting.popleft()
             if not self._kv_room(r, outs):
@@ -357,7 +271,7 @@ class EngineCore:
             return False
         return need <= len(kv.free)
 
-    def _prefill(self, launch: _Launch, outs: list) -> None:
+    def _prefill(self, launch: Launch, outs: list) -> None:
         budget = self.prefill_tokens
         todo = sorted((r for r in self.slots if r is not None and not r.finished and r.pos < len(r.ids)),
                       key=lambda r: r.arrived)  # oldest first: the earliest request's first token comes first
@@ -397,7 +311,7 @@ class EngineCore:
                         self._end(r, outs, error=_error_of(e))
             todo = [r for r in todo if not r.finished and r.pos < len(r.ids)]
 
-    def _prefill_fresh(self, reqs: list[RunningRequest], launch: _Launch) -> None:
+    def _prefill_fresh(self, reqs: list[RunningRequest], launch: Launch) -> None:
         """Whole prompts from a zero state, together: left-padded to the longest, through the
         engine's Prefill (prefill.py: CUDA graphs for short ones; each alone in deterministic
         mode). With the cache on (serving), in groups of the chunk graphs' batch sizes,
@@ -417,7 +331,7 @@ class EngineCore:
             self.cache.store(r.ids, self._slot_state(r.slot), logits[k])
         self._sample(reqs, logits, launch, checked=True)
 
-    def _prefill_chunks(self, reqs: list[RunningRequest], n: int, launch: _Launch) -> None:
+    def _prefill_chunks(self, reqs: list[RunningRequest], n: int, launch: Launch) -> None:
         """The next n prompt tokens of each request, continuing its slot's state: through the
         chunk graphs in groups of their batch sizes on the GPU (n up to the cache's
         interval), else one eager pass over the gathered states."""
@@ -471,7 +385,7 @@ class EngineCore:
                 if not self.prefill.deterministic or b == 1:  # (deterministic: each prompt prefills alone)
                     self.prefill([[0] * n] * b)
 
-    def _sample(self, reqs: list[RunningRequest], logits: torch.Tensor, launch: _Launch, checked: bool) -> None:
+    def _sample(self, reqs: list[RunningRequest], logits: torch.Tensor, launch: Launch, checked: bool) -> None:
         """The first tokens of requests whose prompts are in their slots, from logits (n, V):
         sampled with their slots' parameters (gathered, sampled, scattered back) into the
         slots' decode inputs."""
@@ -485,7 +399,7 @@ class EngineCore:
         self.tokens[slots] = tok
         finite = torch.isfinite(logits).all(-1) if checked else None
         k = max((r.top_logprobs or 0 for r in reqs), default=0)
-        lp = _logprobs(guided, tok, k) if any(r.top_logprobs is not None for r in reqs) else None
+        lp = logprobs_of(guided, tok, k) if any(r.top_logprobs is not None for r in reqs) else None
         launch.add(reqs, tok, finite, lp)
         kept = logits.clone() if self.gpu else logits  # (a prefill graph's logits are rewritten by its next replay)
         for n, r in enumerate(reqs):
@@ -514,7 +428,7 @@ class EngineCore:
             if r is not None:
                 r.slot = i
 
-    def _decode(self, launch: _Launch) -> None:
+    def _decode(self, launch: Launch) -> None:
         decoding = [self._decoding(r) for r in self.slots]
         for r in self.slots:  # a first token sampled in this step's prefill is decoded from the next step
             if r is not None:
@@ -551,7 +465,7 @@ class EngineCore:
         self.tokens[:d].copy_(tok)
         lp = None
         if any(r.top_logprobs is not None for r in rows):
-            lp = _logprobs(guided, tok, max(r.top_logprobs or 0 for r in rows))
+            lp = logprobs_of(guided, tok, max(r.top_logprobs or 0 for r in rows))
         launch.add(rows, tok, None, lp)
         for k, r in enumerate(rows):
             r.fed += 1
@@ -559,7 +473,7 @@ class EngineCore:
 
     # -- reading a step's tokens ------------------------------------------------------------
 
-    def _read(self, launch: _Launch, outs: list) -> None:
+    def _read(self, launch: Launch, outs: list) -> None:
         pairs, entries = launch.read()
         for (r, checked), (token, finite), entry in zip(launch.rows, pairs, entries):
             if r.finished or r.aborted:
