@@ -102,16 +102,20 @@ def test_greedy_equals_transformers_greedy_and_a_batch_equals_each_alone(case):
     assert [g.token_ids for g in together] == [lm.generate(p, q).token_ids for p, q in zip(prompts, params)]
 
 
-def test_decode_steps_continue_the_prefill(case):
-    """Teacher forcing: a prefill of 30 tokens then 11 steps gives the logits of one pass."""
-    folder, _ = case
+def assert_steps_continue_the_prefill(folder, length: int, prefix: int) -> None:
+    """Teacher forcing: a prefill of `prefix` tokens then a step a token gives the logits of
+    one pass over `length` tokens."""
     model = fastmamba.load(folder).model
-    x = ids(2, 41, seed=3)
+    x = ids(2, length, seed=3)
     whole = model.forward(x)
     state = model.new_state(2)
-    steps = [model.prefill(x[:, :30], state)[:, -1]]
-    steps += [model.step(x[:, t], state) for t in range(30, 40)]
-    assert relative_error(torch.stack(steps, 1), whole[:, 29:40]) < 1e-5
+    steps = [model.prefill(x[:, :prefix], state)[:, -1]]
+    steps += [model.step(x[:, t], state) for t in range(prefix, length - 1)]
+    assert relative_error(torch.stack(steps, 1), whole[:, prefix - 1 : length - 1]) < 1e-5
+
+
+def test_decode_steps_continue_the_prefill(case):
+    assert_steps_continue_the_prefill(case[0], 41, 30)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -12,8 +12,14 @@ import pytest
 import torch
 from conftest import assert_within_transformers_16bit_error, relative_error, transformers_logits
 
-# (the dense hybrids' own: the greedy test runs here again over this module's `case`)
-from test_hybrids import ids, refused, test_greedy_equals_transformers_greedy_and_a_batch_equals_each_alone  # noqa: F401
+# (the dense hybrids' own: their float32 and greedy tests run here again over this module's `case`)
+from test_hybrids import (  # noqa: F401
+    assert_steps_continue_the_prefill,
+    ids,
+    refused,
+    test_float32_logits_equal_transformers,
+    test_greedy_equals_transformers_greedy_and_a_batch_equals_each_alone,
+)
 
 import fastmamba
 from fastmamba.core import moe
@@ -96,23 +102,8 @@ def test_the_config_and_the_weights(case):
         assert lw.in_w.shape == (4, 96, 64) and lw.out_w.shape == (4, 64, 48) and lw.router_w.shape == (4, 64)
 
 
-def test_float32_logits_equal_transformers(case):
-    folder, _ = case
-    x = ids(2, 41)
-    assert relative_error(fastmamba.load(folder).forward(x), transformers_logits(folder, x)) < 2e-3
-
-
-
-
 def test_decode_steps_continue_the_prefill(case):
-    folder, _ = case
-    model = fastmamba.load(folder).model
-    x = ids(2, 30, seed=3)
-    whole = model.forward(x)
-    state = model.new_state(2)
-    steps = [model.prefill(x[:, :22], state)[:, -1]]
-    steps += [model.step(x[:, t], state) for t in range(22, 29)]
-    assert relative_error(torch.stack(steps, 1), whole[:, 21:29]) < 1e-5
+    assert_steps_continue_the_prefill(case[0], 30, 22)
 
 
 def test_bfloat16_storage_within_transformers_own_error(case):
