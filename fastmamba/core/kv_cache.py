@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from fastmamba.core.transfer import to_device
+
 
 def bytes_per_token(config, element_size: int) -> int:
     """A token's keys and values in every attention sublayer of a model of `config`."""
@@ -87,7 +89,7 @@ class KVCache:
             wider = torch.zeros(self.slots, len(self.owned[slot]), dtype=self.table.dtype, device=self.table.device)
             wider[:, : self.table.shape[1]] = self.table
             self.table = wider
-        self.table[slot, first : first + need] = _to(new, self.table.device)
+        self.table[slot, first : first + need] = to_device(new, self.table.device)
 
     def _grow(self, blocks: int) -> None:
         old = self.blocks
@@ -109,7 +111,7 @@ class KVCache:
         """After a pass: each of `rows` holds `counts` more tokens."""
         for r, n in zip(rows, counts):
             self.held[r] += n
-        self.lengths.index_add_(0, _to(rows, self.lengths.device), _to(counts, self.lengths.device))
+        self.lengths.index_add_(0, to_device(rows, self.lengths.device), to_device(counts, self.lengths.device))
 
     def after_graph_step(self, decoded: int, rows: int) -> None:
         """After a CUDA graph's decode step of the first `rows` slots, which stored a token for
@@ -118,7 +120,7 @@ class KVCache:
         for r in range(decoded):
             self.held[r] += 1
         if rows > decoded:
-            self.lengths[decoded:rows].copy_(_to(self.held[decoded:rows], self.lengths.device))
+            self.lengths[decoded:rows].copy_(to_device(self.held[decoded:rows], self.lengths.device))
 
     def copy_slot(self, dst: int, src_cache: "KVCache", src: int) -> None:
         """dst's context becomes src_cache's slot src's (a copy: blocks of its own)."""
@@ -128,8 +130,8 @@ class KVCache:
             return
         self.reserve(dst, n)
         nb = self.blocks_for(n)
-        src_blocks = _to(src_cache.owned[src][:nb], src_cache.k.device)
-        dst_blocks = _to(self.owned[dst][:nb], self.k.device)
+        src_blocks = to_device(src_cache.owned[src][:nb], src_cache.k.device)
+        dst_blocks = to_device(self.owned[dst][:nb], self.k.device)
         self.k[:, dst_blocks] = src_cache.k[:, src_blocks].to(self.k.device, self.k.dtype)
         self.v[:, dst_blocks] = src_cache.v[:, src_blocks].to(self.v.device, self.v.dtype)
         self.advance([dst], [n])
@@ -142,11 +144,3 @@ class KVCache:
             row = t[a].clone()
             t[a] = t[b]
             t[b] = row
-
-
-
-def _to(values: list[int], device) -> torch.Tensor:
-    """Host ints as an int64 tensor on `device`, without making the host wait for the GPU's
-    queued work (from pinned memory: a plain copy from pageable memory would wait)."""
-    t = torch.tensor(values, dtype=torch.int64)
-    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t

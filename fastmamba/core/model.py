@@ -21,6 +21,7 @@ from fastmamba.core.fp8 import FP8, Fp8Weight
 from fastmamba.core.layers import Memory, kinds, layer_kind
 from fastmamba.core.ops import REFERENCE_OPS, Ops
 from fastmamba.core.state import MambaState
+from fastmamba.core.transfer import to_device
 
 
 @dataclass
@@ -114,9 +115,7 @@ class Mamba:
             for r, n in zip(rows, counts):
                 kv.reserve(r, kv.held[r] + n)
             blocks = max(kv.blocks_for(kv.held[r] + n) for r, n in zip(rows, counts))
-            rows_dev = torch.tensor(rows, dtype=torch.int64)
-            if h.is_cuda:  # (from pinned memory: a plain copy would wait for the GPU's queued work)
-                rows_dev = rows_dev.pin_memory().to(h.device, non_blocking=True)
+            rows_dev = to_device(rows, h.device)
         for i, (kind, lw) in enumerate(zip(self.kinds, self.weights.layers)):
             h, u = self.ops.add_norm(h, o, lw.norm_w, eps, operands)
             o = kind.run(self.config, lw, u, self._memory(state, i, rows_dev, blocks), self.ops, start)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fastmamba.core.sampling_params import MASK32, SamplingParams
+from fastmamba.core.transfer import to_device
 
 if TYPE_CHECKING:
     from fastmamba.kernels.sampler import SamplerTiles
@@ -116,15 +117,9 @@ class SlotParams:
             if max(params.logit_bias) >= V:
                 raise ValueError(f"SamplingParams.logit_bias holds token id {max(params.logit_bias)}, outside the "
                                  f"vocabulary [0, {V})")
-            ids = _to_device(torch.tensor(list(params.logit_bias), dtype=torch.int64), self.logit_bias.device)
-            bias = _to_device(torch.tensor(list(params.logit_bias.values()), dtype=torch.float32), self.logit_bias.device)
+            ids = to_device(list(params.logit_bias), self.logit_bias.device)
+            bias = to_device(list(params.logit_bias.values()), self.logit_bias.device, torch.float32)
             self.logit_bias[slot, ids] = bias
-
-
-def _to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor on `device` without making the host wait for the GPU's queued work (a
-    copy from pageable memory would)."""
-    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
 
 
 def penalize(logits: torch.Tensor, p: SlotParams) -> torch.Tensor:

@@ -48,6 +48,7 @@ from fastmamba.core.ops import REFERENCE_OPS
 from fastmamba.core.sampling import SlotParams, pick_sampler
 from fastmamba.core.sampling_params import resolve_seed
 from fastmamba.core.state import MambaState
+from fastmamba.core.transfer import to_device
 from fastmamba.engine import protocol
 from fastmamba.engine.cpu_threads import cpu_threads
 from fastmamba.engine.cuda_graphs import (
@@ -234,7 +235,7 @@ class EngineCore:
             try:
                 if r.params.guide is not None:
                     r.matcher = self.guides.matcher(r.params.guide, r.stops)
-                self.slot_params.set_slot(r.slot, r.params, r.seed, _to_device(r.ids, self.device))
+                self.slot_params.set_slot(r.slot, r.params, r.seed, to_device(r.ids, self.device))
                 self.pool.reset(r.slot)
                 self.cache_queries += 1
                 n, hit = self.cache.lookup(r.ids)
@@ -321,7 +322,7 @@ class EngineCore:
             self._prefill_fresh(reqs[:b], launch)
             return self._prefill_fresh(reqs[b:], launch)
         logits, state = self.prefill([r.ids for r in reqs])  # (n, V), state (L, n, ...)
-        rows = _to_device([r.slot for r in reqs], self.device)
+        rows = to_device([r.slot for r in reqs], self.device)
         self.pool.conv.index_copy_(1, rows, state.conv)
         self.pool.ssm.index_copy_(1, rows, state.ssm)
         for k, r in enumerate(reqs):
@@ -341,8 +342,8 @@ class EngineCore:
             b = next(k for k in CHUNK_BATCHES if k <= len(reqs) - at) if graphs else len(reqs) - at
             group = reqs[at : at + b]
             at += b
-            ids = _to_device([t for r in group for t in r.ids[r.pos : r.pos + n]], self.device).view(b, n)
-            rows = _to_device([r.slot for r in group], self.device)
+            ids = to_device([t for r in group for t in r.ids[r.pos : r.pos + n]], self.device).view(b, n)
+            rows = to_device([r.slot for r in group], self.device)
             if graphs:
                 logits = self._chunk_graphs(b)(ids, self.pool, rows)
             else:
@@ -359,7 +360,7 @@ class EngineCore:
                 if r.pos == len(r.ids):
                     done.append(k)
             if done:
-                self._sample([group[k] for k in done], logits[_to_device(done, self.device)], launch, checked=True)
+                self._sample([group[k] for k in done], logits[to_device(done, self.device)], launch, checked=True)
 
     def _chunk_graphs(self, batch: int):
         """The chunk prefill graphs of one batch size, captured at first use (serve captures
@@ -390,7 +391,7 @@ class EngineCore:
         sampled with their slots' parameters (gathered, sampled, scattered back) into the
         slots' decode inputs."""
         sampler = pick_sampler([r.params for r in reqs], self.gpu, SAMPLER_TILES)
-        slots = _to_device([r.slot for r in reqs], self.device)
+        slots = to_device([r.slot for r in reqs], self.device)
         params = SlotParams(**{f.name: getattr(self.slot_params, f.name)[slots] for f in fields(self.slot_params)})
         guided = mask([r.matcher for r in reqs], logits)
         tok = sampler(guided, params)
@@ -520,17 +521,6 @@ def _error_of(e: Exception) -> EngineError:
     if isinstance(e, GuideError):  # a guide that cannot be served: the request's fault
         return EngineError(protocol.BAD_REQUEST, str(e))
     return EngineError(protocol.INTERNAL, f"{type(e).__name__}: {e}")
-
-
-def _to_device(ids: list[int], device) -> torch.Tensor:
-    """Token ids (or slot indices) as an int64 tensor on `device`, without making the host
-    wait for the GPU: a plain host-to-device copy from pageable memory (torch.tensor(...,
-    device=...), or indexing with a list) waits for the stream's queued work, the step ahead
-    included."""
-    t = torch.tensor(ids, dtype=torch.int64)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _swap(a: torch.Tensor, b: torch.Tensor) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from fastmamba.core.model import Mamba
 from fastmamba.core.state import MambaState
+from fastmamba.core.transfer import to_device
 from fastmamba.engine.cuda_graphs import (
     PREFILL_BUCKETS,
     GraphPrefill,
@@ -47,9 +48,7 @@ class Prefill:
         padded = torch.from_numpy(padded)
         start = torch.tensor([longest - len(ids) for ids in all_ids], dtype=torch.int32)
         device = self.model.device
-        if device.type == "cuda":  # (from pinned memory: a plain copy would wait for the GPU's queued work)
-            padded, start = (t.pin_memory().to(device, non_blocking=True) for t in (padded, start))
-        return self.padded(padded, start)
+        return self.padded(to_device(padded, device), to_device(start, device))
 
     def padded(self, padded: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, MambaState]:
         """The same for prompts already left-padded: padded (B, T) on the model's device,
