@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from fastmamba.core.transfer import to_device
+
 STRUCTURED_EXTRA = "pip install 'fastmamba[structured]'"
 CACHED_GRAMMARS = 64
 # the request field each kind comes from at the HTTP API (an error names it)
@@ -125,7 +127,5 @@ def mask(matchers: list, logits: torch.Tensor) -> torch.Tensor:
     for k in rows:
         matchers[k].fill_next_token_bitmask(bitmask, k)
     out = logits.clone() if logits.is_cuda or logits.dtype == torch.float32 else logits.float()  # (xgrammar's CPU kernel: float32)
-    if out.is_cuda:
-        bitmask = bitmask.pin_memory().to(out.device, non_blocking=True)
-    xgrammar.apply_token_bitmask_inplace(out, bitmask, indices=rows)
+    xgrammar.apply_token_bitmask_inplace(out, to_device(bitmask, out.device), indices=rows)
     return out
