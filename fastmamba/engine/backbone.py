@@ -13,6 +13,8 @@ under autograd the training ops (core/ops.training_ops), whose conv and scan run
 backward in Triton.
 The step runs the same layer; on CUDA through the language model's decode kernels
 (backbone_step.KernelStep) in a CUDA graph.
+BackboneConfig(layer="mamba2") makes the layers Mamba-2's (core/mamba2.mixer2), with the same
+API and state type; its parameters and ops are backbone_mamba2.py's.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from fastmamba.core.errors import CheckpointError
 from fastmamba.core.mamba1 import LayerWeights, mixer
 from fastmamba.core.ops import REFERENCE_OPS
 from fastmamba.core.state import MambaState
+from fastmamba.engine import backbone_mamba2
 from fastmamba.engine.backbone_step import LRU, STEP_BATCHES, StateGraph, StepGraphs
 
 FORMAT = "fastmamba.Backbone"
@@ -42,17 +45,28 @@ class BackboneConfig:
     input_dim: int  # width of the vectors fed in
     d_model: int
     n_layer: int
-    d_state: int = 16
+    d_state: int | None = None  # None: the layer's usual size (Mamba-1 16, Mamba-2 128)
     d_conv: int = 4
     expand: int = 2
-    dt_rank: int | str = "auto"  # "auto": ceil(d_model / 16)
+    dt_rank: int | str = "auto"  # Mamba-1's; "auto": ceil(d_model / 16)
     norm_eps: float = 1e-5
     conv_bias: bool = True
     proj_bias: bool = False  # in_proj / out_proj bias
     input_proj: bool | None = None  # a Linear input_dim -> d_model; None: when the widths differ
+    layer: str = "mamba1"  # "mamba1" (selective scan) or "mamba2" (SSD: backbone_mamba2.py)
+    # Mamba-2's (mamba_ssm's defaults): heads of head_dim channels (d_inner = expand x d_model
+    # of them), sharing n_groups groups of B and C; the sequence pass's chunks of chunk_size steps
+    head_dim: int = 64
+    n_groups: int = 1
+    chunk_size: int = 256
 
     def __post_init__(self):
-        for name in ("input_dim", "d_model", "n_layer", "d_state", "d_conv", "expand"):
+        if self.layer not in ("mamba1", "mamba2"):
+            raise ValueError(f"BackboneConfig.layer must be 'mamba1' or 'mamba2', got {self.layer!r}")
+        if self.d_state is None:
+            object.__setattr__(self, "d_state", 128 if self.layer == "mamba2" else 16)
+        for name in ("input_dim", "d_model", "n_layer", "d_state", "d_conv", "expand", "head_dim", "n_groups",
+                     "chunk_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"BackboneConfig.{name} must be a positive integer, got {v!r}")
@@ -71,13 +85,29 @@ class BackboneConfig:
                              "so input_proj cannot be false")
         if r == "auto":  # resolved here, so every reader sees a number
             object.__setattr__(self, "dt_rank", math.ceil(self.d_model / 16))
+        if self.layer == "mamba2":
+            if self.d_inner % self.head_dim:
+                raise ValueError(f"BackboneConfig.head_dim {self.head_dim} must divide d_inner = expand x d_model = "
+                                 f"{self.d_inner}")
+            if self.n_heads % self.n_groups:
+                raise ValueError(f"BackboneConfig.n_groups {self.n_groups} must divide the {self.n_heads} heads "
+                                 f"(d_inner {self.d_inner} / head_dim {self.head_dim})")
 
-    # the sizes mamba1.mixer reads
+    # the sizes mamba1.mixer and mamba2.mixer2 read
     @property
     def d_inner(self) -> int:
         return self.expand * self.d_model
 
+    @property
+    def n_heads(self) -> int:
+        return self.d_inner // self.head_dim
+
     dbc_norm_eps = None  # plain Mamba layers (no Falcon-Mamba norm)
+    # Mamba-2 as mamba_ssm's Mamba2 module makes it: step sizes unclamped, the gated norm
+    # (of y * silu(z)) present
+    dt_limit = (0.0, math.inf)
+    norm_before_gate = False
+    ssm_norm = True
 
 
 def tensor_shapes(c: BackboneConfig):
@@ -88,6 +118,9 @@ def tensor_shapes(c: BackboneConfig):
         yield "input_proj.weight", (d, c.input_dim)
         yield "input_proj.bias", (d,)
     for i in range(c.n_layer):
+        if c.layer == "mamba2":
+            yield from backbone_mamba2.tensor_shapes(c, i).items()
+            continue
         yield f"layers.{i}.norm.weight", (d,)
         m = f"layers.{i}.mixer."
         yield m + "A_log", (E, N)
@@ -156,7 +189,7 @@ class _Layer(nn.Module):
     def __init__(self, c: BackboneConfig, device, dtype):
         super().__init__()
         self.norm = _RMSNorm(c.d_model, device)
-        self.mixer = _Mixer(c, device, dtype)
+        self.mixer = backbone_mamba2.Mixer2(c, device, dtype) if c.layer == "mamba2" else _Mixer(c, device, dtype)
 
 
 class Backbone(nn.Module):
@@ -211,7 +244,18 @@ class Backbone(nn.Module):
         batch: a positive integer (numpy's integers too)."""
         if not isinstance(batch, (int, np.integer)) or isinstance(batch, (bool, np.bool_)) or batch < 1:
             raise ValueError(f"batch must be a positive integer, got {batch!r}")
-        return MambaState.zeros(self.config, int(batch), self.device, self.state_dtype)
+        conv, ssm = self._state_shapes()
+        L, B = self.config.n_layer, int(batch)
+        return MambaState(torch.zeros(L, B, *conv, device=self.device, dtype=self.state_dtype),
+                          torch.zeros(L, B, *ssm, device=self.device, dtype=self.state_dtype))
+
+    def _state_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """One slot's conv and ssm state of a layer: Mamba-1's (E, K) and (E, N); Mamba-2's
+        (E + 2GN, K) and (E, N), E = H x P (backbone_mamba2.py)."""
+        c = self.config
+        if c.layer == "mamba2":
+            return backbone_mamba2.state_shapes(c)
+        return (c.d_inner, c.d_conv), (c.d_inner, c.d_state)
 
     # -- the sequence pass ---------------------------------------------------------------------
 
@@ -241,8 +285,8 @@ class Backbone(nn.Module):
     def _kernel_ops(self, x: torch.Tensor, state: MambaState):
         """On CUDA: the prefill kernels' ops (Triton: the conv and the scan take the resets)
         where autograd will not need the pass, else the training ops (the conv and the scan
-        as autograd Functions whose backward runs in Triton). Elsewhere None: the reference
-        ops, whose every operation autograd differentiates."""
+        as autograd Functions whose backward runs in Triton; a Mamba-2 layer's: backbone_mamba2.gpu_ops).
+        Elsewhere None: the reference ops, whose every operation autograd differentiates."""
         from fastmamba.kernels._triton import HAVE_TRITON
 
         if self.device.type != "cuda" or not HAVE_TRITON:
@@ -251,21 +295,24 @@ class Backbone(nn.Module):
         from fastmamba.engine.plan import KERNEL_TILES
 
         inputs = [x, state.conv, state.ssm, *self.parameters()]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-            return training_ops(KERNEL_TILES)
-        return triton_ops(KERNEL_TILES)
+        training = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+        if self.config.layer == "mamba2":
+            return backbone_mamba2.gpu_ops(training)
+        return training_ops(KERNEL_TILES) if training else triton_ops(KERNEL_TILES)
 
     def _layers(self, x: torch.Tensor, convs, ssms, resets=None, ops=None, weights=None) -> torch.Tensor:
         """x (B, T, input_dim) -> (B, T, d_model) f32, updating each layer's conv and ssm
         state; through `ops` (None: the reference ops). weights: each layer's LayerWeights
         (None: read from the modules now, as autograd needs)."""
-        c, ops = self.config, ops or REFERENCE_OPS
+        c = self.config
+        ops = ops or (backbone_mamba2.CPU_OPS if c.layer == "mamba2" else REFERENCE_OPS)
+        layer = backbone_mamba2.run if c.layer == "mamba2" else mixer
         h = ops.linear(x, self.input_proj.weight, self.input_proj.bias) if self.input_proj is not None else x.float()
         o = None
         weights = weights or self._layer_weights()
         for lw, conv, ssm in zip(weights, convs, ssms):
             h, u = ops.add_norm(h, o, lw.norm_w, c.norm_eps, lw.in_proj_w.dtype)
-            o = mixer(c, lw, u, conv, ssm, ops, resets=resets)
+            o = layer(c, lw, u, conv, ssm, ops, resets=resets)
         return ops.add_norm(h, o, self.norm_f.weight, c.norm_eps, torch.float32)[1]
 
     # -- the step ------------------------------------------------------------------------------
@@ -333,11 +380,14 @@ class Backbone(nn.Module):
                               *args, **kwargs)
 
     def _large_matrices(self) -> list:
-        linears = [self.input_proj] if self.input_proj is not None else []
+        large = [self.input_proj.weight] if self.input_proj is not None else []
         for layer in self.layers:
             m = layer.mixer
-            linears += [m.in_proj, m.x_proj, m.dt_proj, m.out_proj]
-        return [lin.weight for lin in linears]
+            if isinstance(m, backbone_mamba2.Mixer2):
+                large += m.large_matrices()
+            else:
+                large += [m.in_proj.weight, m.x_proj.weight, m.dt_proj.weight, m.out_proj.weight]
+        return large
 
     def _layer_weights(self) -> list:
         """Each layer as mamba1.mixer reads it (LayerWeights: views of the parameters, A from A_log)."""
@@ -357,10 +407,11 @@ class Backbone(nn.Module):
     def _step_eager(self, x: torch.Tensor, state: MambaState) -> torch.Tensor:
         # (on CUDA this runs inside a CUDA graph, whose replays must make A from A_log themselves)
         weights = self._eager_weights() if self.device.type == "cpu" else None
+        ops = backbone_mamba2.step_ops(self.device) if self.config.layer == "mamba2" else None
         if state.conv.dtype == torch.float32 and state.ssm.dtype == torch.float32:
-            return self._layers(x[:, None], list(state.conv), list(state.ssm), weights=weights)[:, 0]
+            return self._layers(x[:, None], list(state.conv), list(state.ssm), ops=ops, weights=weights)[:, 0]
         convs, ssms = list(state.conv.float()), list(state.ssm.float())  # 16-bit state: update in f32
-        y = self._layers(x[:, None], convs, ssms, weights=weights)[:, 0]
+        y = self._layers(x[:, None], convs, ssms, ops=ops, weights=weights)[:, 0]
         state.conv.copy_(torch.stack(convs))  # rounded once, on store
         state.ssm.copy_(torch.stack(ssms))
         return y
@@ -382,8 +433,8 @@ class Backbone(nn.Module):
             raise ValueError(f"state must hold floating-point tensors (Backbone.new_state's are "
                              f"{str(self.state_dtype).removeprefix('torch.')}), got conv {state.conv.dtype} and ssm "
                              f"{state.ssm.dtype}")
-        c = self.config
-        conv, ssm = (c.n_layer, batch, c.d_inner, c.d_conv), (c.n_layer, batch, c.d_inner, c.d_state)
+        c, (conv1, ssm1) = self.config, self._state_shapes()
+        conv, ssm = (c.n_layer, batch, *conv1), (c.n_layer, batch, *ssm1)
         if tuple(state.conv.shape) != conv or tuple(state.ssm.shape) != ssm:
             raise ValueError(f"state has conv {tuple(state.conv.shape)} and ssm {tuple(state.ssm.shape)}, but this "
                              f"backbone at batch {batch} needs conv {conv} and ssm {ssm}")

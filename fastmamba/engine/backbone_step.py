@@ -111,7 +111,7 @@ def state_address(state: MambaState) -> tuple:
 
 class StepGraphs:
     """The step at one batch size on CUDA: the decode kernels and their scratch (KernelStep)
-    where Triton is there, else the pure-PyTorch step; the input and output buffers; one
+    where Triton is there, else (and for Mamba-2 layers) the module's own step; the input and output buffers; one
     memory pool; and the graphs over the last STATES_PER_BATCH state addresses. The kernels
     and buffers are made at the first capture. Holds the backbone weakly (the backbone holds
     this)."""
@@ -129,9 +129,9 @@ class StepGraphs:
 
         bb, B = self.bb(), self.batch
         dev = bb.device
-        if HAVE_TRITON:
+        if HAVE_TRITON and bb.config.layer == "mamba1":
             self.kernels = self.run = KernelStep(bb, B)
-        else:
+        else:  # the module's own step (a Mamba-2 layer's on the GPU ops: backbone_mamba2.step_ops)
             module = self.bb
             self.run = lambda x, state: module()._step_eager(x, state)
         self.device_index = dev.index if dev.index is not None else torch.cuda.current_device()
