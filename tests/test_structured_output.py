@@ -10,7 +10,7 @@ import re
 import pytest
 
 pytest.importorskip("xgrammar")
-from test_engine import engine, request  # noqa: E402
+from test_engine import engine, request, run  # noqa: E402
 from test_server import Server, openai  # noqa: E402
 
 import fastmamba  # noqa: E402
@@ -133,9 +133,10 @@ def test_a_bad_guide_is_a_400_naming_the_field(server, body, param, words):
 
 @pytest.mark.parametrize("run_ahead", [False, True])
 def test_guided_requests_beside_free_ones_in_one_batch(lm, run_ahead):
-    """In the engine (run_ahead: the GPU's step ahead, which a guided request switches off):
-    each request, guided or free, gives what it gives alone; the free ones' tokens are those
-    of a batch without any guide."""
+    """In the engine (run_ahead: the GPU's step ahead, kept while guided requests run: their
+    step before is read between a step's pass and its sampling): each request, guided or
+    free, gives what it gives alone; the free ones' tokens are those of a batch without any
+    guide."""
     core = engine(lm, max_batch=4, tokenizer=lm.tokenizer.path)
     core.run_ahead = run_ahead
     params = [SamplingParams(max_tokens=60, temperature=1.0, seed=k, guide=("json_schema", SCHEMA) if k % 2 else None)
@@ -160,10 +161,13 @@ def test_guided_requests_beside_free_ones_in_one_batch(lm, run_ahead):
     for r in reqs:
         if r not in early:
             core.add(r)
+    ahead = 0
     for _ in range(1000):
         step()
+        ahead += core.inflight is not None
         if not core.has_work:
             break
+    assert (ahead > 20) == run_ahead  # (the step ahead kept with guided rows decoding)
     for r in reqs:
         want = lm.generate(r.ids, r.params)
         tokens, reason = got[r.rid]
@@ -171,6 +175,24 @@ def test_guided_requests_beside_free_ones_in_one_batch(lm, run_ahead):
         if r.params.guide is not None:
             assert valid(lm.tokenizer.decode(tokens)) and reason == "stop"
     assert core.running == 0 and not core.requests and core.inflight is None
+
+
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_a_guided_requests_state_is_cached_at_prompt_plus_output(lm, run_ahead):
+    """A guided request that ends as its step before is read between a pass and its sampling
+    (run_ahead) leaves the state after every token it fed, as a free one does: the next turn
+    resumes there and gets the cold prefill's tokens."""
+    core = engine(lm, max_batch=2, prefill_tokens=64, prefix_cache_bytes=64 << 20, tokenizer=lm.tokenizer.path)
+    core.run_ahead = run_ahead
+    first = request(lm.encode("ROMEO.\nWhat say you?"), SamplingParams(max_tokens=40, temperature=1.0, seed=3,
+                                                                         guide=("regex", REGEX), stop_token_ids=[]))
+    tokens, reason, _ = run(core, [first])[first.rid]
+    assert re.fullmatch(REGEX, lm.tokenizer.decode(tokens)) and reason == "stop"
+    follow = first.ids + tokens + lm.encode(" Speak again.")
+    second = request(follow, SamplingParams(max_tokens=6))
+    got, _, info = run(core, [second])[second.rid]
+    assert info.cached_tokens == len(first.ids) + len(tokens) - (0 if run_ahead else 1)
+    assert got == lm.generate(follow, max_tokens=6).token_ids
 
 
 def test_python_api(lm):

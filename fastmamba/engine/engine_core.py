@@ -19,12 +19,13 @@ A step:
    is queued before step t's tokens are read, so the GPU runs on while the host handles
    them (stops, outputs). A row whose request turns out to have finished at step t has
    run one step too many, which is discarded. On the CPU a step queued ahead is a step
-   computed, so there each step's tokens are read at once. While any request is guided
-   (structured output, guides.py) there is no step ahead on the GPU either: a guided row's
-   mask needs the token before, so each step's tokens are read in that step.
+   computed, so there each step's tokens are read at once.
 A guided request's rows of logits are masked before they are sampled (its matcher fills a
 bitmask on the host; the other rows untouched), and each token it reads goes through its
-matcher; the grammar complete, the request ends ("stop").
+matcher; the grammar complete, the request ends ("stop"). A guided row's mask needs the
+token before, so where a step decodes one, the step before's tokens are read between its
+decode pass's launch and its sampling: the host reads them and fills the masks while the
+GPU runs the pass, and the step ahead is kept.
 The decode input of a row is the token it sampled last, kept on the device: the host's
 reading of it is never on the GPU's path.
 
@@ -113,7 +114,6 @@ class EngineCore:
         self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=self.device)  # each row's next decode input
         self.waiting: deque[RunningRequest] = deque()
         self.requests: dict[int, RunningRequest] = {}  # waiting and running, by rid
-        self.guided: set[int] = set()  # the rids of those that are guided (no step ahead while any is)
         self.inflight: Launch | None = None  # the step launched and not yet read (GPU)
         self.cache_queries = self.cache_hits = 0
         self.guides = Guides(tokenizer, model.config.vocab_size, model.config.eos_token_id)
@@ -137,8 +137,6 @@ class EngineCore:
         stops = req.params.stop_token_ids
         req.stops = frozenset(stops if stops is not None else (self.model.config.eos_token_id,))
         self.requests[req.rid] = req
-        if req.params.guide is not None:
-            self.guided.add(req.rid)
         self.waiting.append(req)
         return req
 
@@ -176,36 +174,28 @@ class EngineCore:
     def step(self) -> list[protocol.Output]:
         """Runs one step; returns the outputs read in it."""
         outs: list[protocol.Output] = []
-        if self.inflight is not None and self._guided():  # a guided request came: no step ahead from here
-            launch, self.inflight = self.inflight, None
-            self._read(launch, outs)
         self._free()
         launch = Launch()
         with cpu_threads(self.threads, self.device):
             self._admit(launch, outs)
             self._prefill(launch, outs)
             try:
-                self._decode(launch)
+                self._decode(launch, outs)
             except Exception as e:  # a fault of the step itself: fail what runs, keep serving
                 for r in self.slots:
                     if r is not None and not r.finished:
                         self._end(r, outs, error=_error_of(e))
                 launch = Launch()
             launch.send()
-        if self.run_ahead and not self._guided():  # read the step before this one
+        if self.run_ahead:  # read the step before this one (unless _decode did)
             launch, self.inflight = self.inflight, (launch if launch.rows else None)
         if launch is not None:
             self._read(launch, outs)
         return outs
 
-    def _guided(self) -> bool:
-        """Whether a guided request waits or runs (then each step's tokens are read in it)."""
-        return bool(self.guided)
-
     def _forget(self, r: RunningRequest) -> None:
         """A request leaves the engine's books (its slot freed, or never given one)."""
         self.requests.pop(r.rid, None)
-        self.guided.discard(r.rid)
 
     def _free(self) -> None:
         for i, r in enumerate(self.slots):
@@ -429,7 +419,7 @@ class EngineCore:
             if r is not None:
                 r.slot = i
 
-    def _decode(self, launch: Launch) -> None:
+    def _decode(self, launch: Launch, outs: list) -> None:
         decoding = [self._decoding(r) for r in self.slots]
         for r in self.slots:  # a first token sampled in this step's prefill is decoded from the next step
             if r is not None:
@@ -460,6 +450,14 @@ class EngineCore:
                 self.pool.conv[:, i].copy_(conv)
                 self.pool.ssm[:, i].copy_(ssm)
                 self.tokens[i].copy_(tok)
+        for k, r in enumerate(rows):
+            r.fed += 1
+            r.last_logits = (logits, k)
+        if self.inflight is not None and any(r.matcher is not None for r in rows):
+            # a guided row's mask needs the step before's token: read that step now, while the
+            # pass above runs (a request it ends has its matcher dropped: its row is discarded)
+            launch_before, self.inflight = self.inflight, None
+            self._read(launch_before, outs)
         sampler = pick_sampler([r.params for r in rows], self.gpu, SAMPLER_TILES)
         guided = mask([r.matcher for r in rows], logits[:d])  # (the logits kept for the cache: unmasked)
         tok = sampler(guided, self.slot_params.rows(0, d))
@@ -468,9 +466,6 @@ class EngineCore:
         if any(r.top_logprobs is not None for r in rows):
             lp = logprobs_of(guided, tok, max(r.top_logprobs or 0 for r in rows))
         launch.add(rows, tok, None, lp)
-        for k, r in enumerate(rows):
-            r.fed += 1
-            r.last_logits = (logits, k)
 
     # -- reading a step's tokens ------------------------------------------------------------
 
