@@ -21,10 +21,10 @@ COMPLETION = {"prompt": "To be", "max_tokens": 2}
 
 # (endpoint, field, value, words the message must carry)
 REFUSED = [
-    ("chat", "tools", [TOOL], "tool calls"),
-    ("chat", "tool_choice", "auto", "tool calls"),
-    ("chat", "functions", [TOOL["function"]], "function calls"),
-    ("chat", "function_call", "auto", "function calls"),
+    ("chat", "tools", [TOOL], "no tool support"),  # (the bundled model's plain template; tools: test_tools.py)
+    ("chat", "tool_choice", "auto", "needs 'tools'"),
+    ("chat", "functions", [TOOL["function"]], "give the functions in 'tools'"),
+    ("chat", "function_call", "auto", "give 'tools' and 'tool_choice'"),
     ("chat", "audio", {"voice": "alloy", "format": "wav"}, "text only"),
     ("chat", "modalities", ["text", "audio"], "['audio']"),
     ("chat", "prediction", {"type": "content", "content": "x"}, "predicted outputs"),
@@ -40,7 +40,7 @@ REFUSED = [
     ("chat", "frobnicate", 1, "unrecognized request field 'frobnicate'"),
     ("completions", "suffix", "end", "fill in the middle"),
     ("completions", "best_of", 3, "best_of may only equal n"),
-    ("completions", "tools", [TOOL], "tool calls"),
+    ("completions", "tools", [TOOL], "a field of /v1/chat/completions"),
     ("completions", "messages", [], "a field of /v1/chat/completions"),
     ("completions", "frobnicate", 1, "unrecognized request field 'frobnicate'"),
 ]
@@ -92,7 +92,7 @@ def test_image_and_audio_content_parts_are_refused_naming_them(server, part):
 
 def test_the_openai_client_hears_why_tools_are_refused(server):
     c = server.client()
-    with pytest.raises(openai.BadRequestError, match="tool calls"):
+    with pytest.raises(openai.BadRequestError, match="no tool support"):
         c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], tools=[TOOL])
     with pytest.raises(openai.BadRequestError, match="'json_object' or 'json_schema'"):
         c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],

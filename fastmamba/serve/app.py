@@ -25,7 +25,7 @@ import msgspec
 
 from fastmamba.engine.client import EngineClient, EngineRefused
 from fastmamba.io.prompts import PromptEncoder
-from fastmamba.serve import requests
+from fastmamba.serve import requests, tools
 from fastmamba.serve.chat import ChatTemplate, TemplateRefused, check_messages, conversation_key
 from fastmamba.serve.choices import Choice
 from fastmamba.serve.errors import APIError, engine_down, from_engine, too_large
@@ -56,11 +56,12 @@ class OpenAIServer:
     async def body(self, request) -> dict:
         return await read_json(request, self.options.max_body_bytes, self.options.client_timeout)
 
-    async def chat_prompt(self, messages: list[dict]) -> tuple[str, list[int]]:
-        """The prompt text and ids of checked messages (chat.check_messages), or a 400 naming
-        the template (its own error, or a bound it went past)."""
+    async def chat_prompt(self, messages: list[dict], tool_request: tools.ToolRequest | None = None
+                          ) -> tuple[str, list[int]]:
+        """The prompt text and ids of checked messages (chat.check_messages) and the request's
+        tools, or a 400 naming the template (its own error, or a bound it went past)."""
         try:
-            return await self.workers.chat(messages)
+            return await self.workers.chat(messages, tool_request.tools if tool_request else None)
         except TemplateRefused as e:
             raise APIError(400, str(e), param="messages", code="chat_template_failed") from None
         except ValueError as e:
@@ -83,7 +84,8 @@ class OpenAIServer:
 
         body = await self.body(request)
         if "messages" in body:
-            _, ids = await self.chat_prompt(check_messages(body["messages"]))
+            messages = check_messages(body["messages"])
+            _, ids = await self.chat_prompt(messages, self._tools(body))
         else:
             ids = await requests.encode(self.workers, get(body, "prompt", str, required=True), "prompt")
         # (encoded here: FastAPI's own encoder walks a long prompt's ids in Python, for seconds)
@@ -111,7 +113,8 @@ class OpenAIServer:
         check_fields(body, "chat")
         requests.check_model(body, self.model_name)
         messages = check_messages(body.get("messages"))
-        prompts = [await self.chat_prompt(messages)]
+        tool_request = self._tools(body)
+        prompts = [await self.chat_prompt(messages, tool_request)]
         top = get(body, "top_logprobs", int, 0, lo=0, hi=MAX_LOGPROBS)
         top_logprobs = top if get(body, "logprobs", bool, False) else None
         # max_completion_tokens is OpenAI's current name, max_tokens the older one; without
@@ -123,7 +126,10 @@ class OpenAIServer:
                            "give one of them", param="max_completion_tokens")
         max_tokens = newer if newer is not None else max_tokens
         return await self._serve(request, body, prompts, chat=True, top_logprobs=top_logprobs, echo=False,
-                                 max_tokens=max_tokens, route=conversation_key(messages))
+                                 max_tokens=max_tokens, route=conversation_key(messages), tool_request=tool_request)
+
+    def _tools(self, body: dict) -> tools.ToolRequest | None:
+        return tools.read(body, self.template.uses_tools, self.template.origin)
 
     def _check_lengths(self, prompts, max_tokens: int | None) -> None:
         limit = self.options.max_model_len
@@ -136,7 +142,7 @@ class OpenAIServer:
                                f"limit of {limit} (--max-model-len)", param="max_tokens", code="context_length_exceeded")
 
     async def _serve(self, request, body, prompts, chat: bool, top_logprobs, echo: bool, max_tokens: int | None,
-                     route: int | None = None):
+                     route: int | None = None, tool_request: tools.ToolRequest | None = None):
         n = get(body, "n", int, 1, lo=1, hi=MAX_N)
         stream = get(body, "stream", bool, False)
         opts = get(body, "stream_options", dict, {}) or {}
@@ -146,7 +152,7 @@ class OpenAIServer:
         if not all(isinstance(s, str) and s for s in stop):
             raise APIError(400, "stop must be a string or a list of non-empty strings", param="stop")
         get(body, "user", str, None)
-        fields = requests.sampling_fields(body, self.encoder.vocab_size)
+        fields = requests.sampling_fields(body, self.encoder.vocab_size, tool_request and tool_request.guide)
         requests.sampling_params(fields)  # a bad value is the client's first error (each choice's are made below)
         self._check_lengths(prompts, max_tokens)
         capacity, asked = self.engine.capacity, len(prompts) * n
@@ -172,7 +178,7 @@ class OpenAIServer:
             raise from_engine(e.error) from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         echoes = [prompts[i // n][0] if echo else "" for i in range(len(choices))]
-        response = Response(rid, self.model_name, chat, self.encoder, echoes, n)
+        response = Response(rid, self.model_name, chat, self.encoder, echoes, n, tool_request)
         if stream:
             from fastapi.responses import StreamingResponse
 
@@ -199,7 +205,7 @@ class OpenAIServer:
                 except asyncio.TimeoutError:
                     continue
                 if kind == "error":
-                    raise from_engine(data)
+                    raise tools.rename_error(from_engine(data), response.tools)
                 response.add(index, kind, data)
                 done += kind == "done"
         finally:
@@ -212,7 +218,7 @@ class OpenAIServer:
         try:
             if response.chat:
                 for i in range(len(choices)):
-                    yield sse(response.chunk(i, {"role": "assistant", "content": ""}, None, None))
+                    yield sse(response.chunk(i, response.first_delta(i), None, None))
             failed = False
             while done < len(choices) and not failed:
                 # every event waiting goes out in one write: a loop that falls behind the
@@ -223,7 +229,7 @@ class OpenAIServer:
                 out = []
                 for index, kind, data in batch:
                     if kind == "error":
-                        out.append(sse(from_engine(data).body()))
+                        out.append(sse(tools.rename_error(from_engine(data), response.tools).body()))
                         failed = True
                         break
                     piece, finish, logprob = response.add(index, kind, data)

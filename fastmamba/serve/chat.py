@@ -29,8 +29,8 @@ from fastmamba.serve.errors import APIError
 # without a second one: a chat's next turn then starts with the tokens of the turn before,
 # and resumes from their cached state.
 PLAIN_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}:{% if message['content'][:1] != ' ' %} {% endif %}"
-    "{{ message['content'] }}\n{% endfor %}"
+    "{% for message in messages %}{{ message['role'] }}:{% if (message['content'] or '')[:1] != ' ' %} {% endif %}"
+    "{{ message['content'] or '' }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 RENDER_SLACK_CHARS = 1 << 20  # what a template may add to its messages' text (system prompts, tool lists)
@@ -53,10 +53,12 @@ class ChatTemplate:
     what is wrong: an unreadable tokenizer_config.json or template file, an unknown name, a
     template that does not compile. `origin` names the template in messages; `builtin`: the
     plain one, whose cost is known (it may render on the event loop); `arguments`: what it
-    was made from, for a worker process to make it again."""
+    was made from, for a worker process to make it again; `uses_tools`: whether the template
+    reads the `tools` variable (without it a request's tools could not reach the model)."""
 
     def __init__(self, folder, file: str | None = None, name: str | None = None):
         import jinja2
+        from jinja2 import meta
 
         self.arguments = (folder, file, name)
         folder = Path(folder) if folder is not None else None
@@ -66,19 +68,22 @@ class ChatTemplate:
         self.builtin = source is None
         if self.builtin:
             source, self.origin = PLAIN_CHAT_TEMPLATE, "the plain chat template"
+        env = _sandbox()
         try:
-            self.compiled = _sandbox().from_string(source)
+            self.compiled = env.from_string(source)
         except jinja2.TemplateError as e:
             where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
             raise ValueError(f"{self.origin} does not compile: {e.message}{where}") from None
+        self.uses_tools = "tools" in meta.find_undeclared_variables(env.parse(source))
 
-    def render(self, messages: list[dict], limit: int) -> str:
-        """The prompt of checked messages (`check_messages`), its output counted as it
-        renders: past `limit` characters, TemplateRefused."""
+    def render(self, messages: list[dict], limit: int, tools: list | None = None) -> str:
+        """The prompt of checked messages (`check_messages`) and the request's tools (the
+        OpenAI dicts, as transformers passes them), its output counted as it renders: past
+        `limit` characters, TemplateRefused."""
         pieces, size = [], 0
-        # (tools and documents as transformers passes them without any: a template may test
-        # `tools is not none`)
-        variables = dict(self.special_tokens, messages=messages, tools=None, documents=None, add_generation_prompt=True)
+        # (tools and documents as transformers passes them: None without any, and a template
+        # may test `tools is not none`)
+        variables = dict(self.special_tokens, messages=messages, tools=tools, documents=None, add_generation_prompt=True)
         try:
             for piece in self.compiled.generate(**variables):
                 size += len(piece)
@@ -227,15 +232,19 @@ def _sandbox():
     return env
 
 
-def render_limit(messages: list[dict]) -> int:
-    """The most characters a template may render for checked messages: twice their text,
-    and RENDER_SLACK_CHARS more."""
-    return 2 * sum(len(m["content"]) for m in messages) + RENDER_SLACK_CHARS
+def render_limit(messages: list[dict], tools: list | None = None) -> int:
+    """The most characters a template may render for checked messages and tools: twice their
+    text (a message's content and tool calls, the tools' JSON), and RENDER_SLACK_CHARS more."""
+    size = sum(len(m["content"] or "") + (len(json.dumps(m["tool_calls"])) if "tool_calls" in m else 0)
+               for m in messages)
+    return 2 * (size + (len(json.dumps(tools)) if tools else 0)) + RENDER_SLACK_CHARS
 
 
 def check_messages(messages) -> list[dict]:
-    """The request's messages as {role, content} strings, or a 400 naming the culprit
-    (messages[i], messages[i].content[j])."""
+    """The request's messages as {role, content} (content a string, or None in an assistant's
+    message of tool calls), with an assistant's `tool_calls` (each function's arguments
+    parsed from their JSON, as transformers' templates read them) and a tool message's
+    `tool_call_id`; or a 400 naming the culprit (messages[i], messages[i].content[j], ...)."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
     clean = []
@@ -243,6 +252,7 @@ def check_messages(messages) -> list[dict]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
         content = m.get("content")
+        calls = _tool_calls(m, i)
         if isinstance(content, list):  # OpenAI's parts: the text ones, joined
             texts = []
             for j, part in enumerate(content):
@@ -257,10 +267,48 @@ def check_messages(messages) -> list[dict]:
                     raise APIError(400, f"messages[{i}].content[{j}].text must be a string", param="messages")
                 texts.append(part["text"])
             content = "".join(texts)
-        if not isinstance(content, str):
+        if not isinstance(content, str) and not (content is None and calls):
             raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
-        clean.append({"role": m["role"], "content": content})
+        message = {"role": m["role"], "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        if m.get("tool_call_id") is not None:
+            if not isinstance(m["tool_call_id"], str):
+                raise APIError(400, f"messages[{i}].tool_call_id must be a string", param="messages")
+            message["tool_call_id"] = m["tool_call_id"]
+        clean.append(message)
     return clean
+
+
+def _tool_calls(message: dict, i: int) -> list[dict] | None:
+    """An assistant message's tool_calls, checked, each {"id", "type": "function", "function":
+    {"name", "arguments"}} with the arguments parsed from their JSON text."""
+    calls = message.get("tool_calls")
+    if not calls:  # (absent, null or [])
+        return None
+    if message["role"] != "assistant" or not isinstance(calls, list):
+        raise APIError(400, f"messages[{i}].tool_calls must be a list, in an assistant's message", param="messages")
+    out = []
+    for j, c in enumerate(calls):
+        where = f"messages[{i}].tool_calls[{j}]"
+        function = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(function, dict) or c.get("type", "function") != "function":
+            raise APIError(400, f'{where} must be {{"id": ..., "type": "function", "function": {{"name": ..., '
+                           '"arguments": ...}}}}', param="messages")
+        if not isinstance(c.get("id", ""), str) or not isinstance(function.get("name"), str):
+            raise APIError(400, f"{where}: its 'id' and its function's 'name' must be strings", param="messages")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except (ValueError, RecursionError):
+                raise APIError(400, f"{where}.function.arguments is not JSON: {arguments[:60]!r}",
+                               param="messages") from None
+        if not isinstance(arguments, dict):
+            raise APIError(400, f"{where}.function.arguments must be a JSON object", param="messages")
+        call = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        out.append({"id": c["id"], **call} if "id" in c else call)
+    return out
 
 
 def conversation_key(messages: list[dict]) -> int:

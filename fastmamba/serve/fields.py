@@ -1,6 +1,6 @@
 """Which fields of OpenAI's request bodies the server takes, and a 400 naming any other.
 
-A client that asks for something the server does not do (tools, audio, a suffix) must hear
+A client that asks for something the server does not do (audio, a suffix) must hear
 so, not get a 200 that quietly ignored it. Every field of OpenAI's
 completions and chat bodies is listed here: the ones served, the ones served only at their
 neutral value (`store: false`, `modalities: ["text"]`),
@@ -17,7 +17,7 @@ from fastmamba.serve.errors import APIError
 
 # served by both endpoints (vLLM's extensions included: top_k, min_p, repetition_penalty,
 # stop_token_ids, and structured output's guided_regex and guided_choice, read in requests.guide
-# with chat's response_format)
+# with chat's response_format; chat's tools and tool_choice are read in tools.py)
 _COMMON = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
     "stop_token_ids", "n", "stream", "stream_options", "logprobs", "logit_bias", "presence_penalty",
@@ -28,16 +28,16 @@ _COMMON = {
 SERVED = {
     "completions": _COMMON | {"prompt", "echo", "best_of", "suffix"},
     "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "modalities",
-                       "store", "service_tier", "parallel_tool_calls", "reasoning_effort", "verbosity"},
+                       "store", "service_tier", "tools", "tool_choice", "parallel_tool_calls", "reasoning_effort",
+                       "verbosity"},
 }
 
 _NOT_SERVED = "is not supported by this server"
 # OpenAI's fields this server does not implement, and what the client is told
 REFUSED = {
-    "tools": f"'tools' {_NOT_SERVED}: it does not parse tool calls from the model's output",
-    "tool_choice": f"'tool_choice' {_NOT_SERVED}: it does not parse tool calls from the model's output",
-    "functions": f"'functions' {_NOT_SERVED}: it does not parse function calls from the model's output",
-    "function_call": f"'function_call' {_NOT_SERVED}: it does not parse function calls from the model's output",
+    "functions": f"'functions' (OpenAI's deprecated form of tools) {_NOT_SERVED}: give the functions in 'tools'",
+    "function_call": f"'function_call' (OpenAI's deprecated form of tool_choice) {_NOT_SERVED}: give 'tools' and "
+                     "'tool_choice'",
     "audio": f"'audio' {_NOT_SERVED}: the model reads and writes text only",
     "prediction": f"'prediction' (predicted outputs) {_NOT_SERVED}",
     "web_search_options": f"'web_search_options' {_NOT_SERVED}: it has no web search",

@@ -51,9 +51,10 @@ def _worker_main(conn, tokenizer_path, vocab_size: int, folder, template_argumen
                 result = encoder.encode(arg)
             elif op == "decode":
                 result = encoder.tokenizer.decode(arg)
-            else:  # "chat": checked messages
+            else:  # "chat": checked messages and the request's tools
                 template = template or ChatTemplate(*template_arguments)
-                text = template.render(arg, render_limit(arg))
+                messages, tools = arg
+                text = template.render(messages, render_limit(messages, tools), tools)
                 result = (text, encoder.encode(text))
             reply = ("ok", result)
         except ValueError as e:
@@ -175,14 +176,14 @@ class PromptWorkers:
             return self.encoder.tokenizer.decode(ids)
         return await self._run(("decode", ids))
 
-    async def chat(self, messages: list[dict]) -> tuple[str, list[int]]:
-        """The prompt of checked messages and its ids. Raises TemplateRefused (naming the
-        template) and the encoder's ValueError."""
+    async def chat(self, messages: list[dict], tools: list | None = None) -> tuple[str, list[int]]:
+        """The prompt of checked messages (and the request's tools) and its ids. Raises
+        TemplateRefused (naming the template) and the encoder's ValueError."""
         if self.template.builtin:  # (its cost is known: only a long prompt's tokenizing leaves the loop)
-            text = self.template.render(messages, render_limit(messages))
+            text = self.template.render(messages, render_limit(messages, tools), tools)
             return text, await self.encode(text)
         try:
-            return await self._run(("chat", messages), self.render_timeout)
+            return await self._run(("chat", (messages, tools)), self.render_timeout)
         except WorkerFailed as e:
             if e.timed_out:
                 raise TemplateRefused(f"{self.template.origin} took over {self.render_timeout:g} s to render these "

@@ -118,9 +118,10 @@ def check_model(body: dict, served: str) -> None:
                        code="model_not_found")
 
 
-def sampling_fields(body: dict, vocab: int) -> dict:
+def sampling_fields(body: dict, vocab: int, tool_guide: tuple[str, str] | None = None) -> dict:
     """The request's sampling fields, type-checked; each choice's SamplingParams is made from
-    them once (`sampling_params`), with its own seed and max_tokens."""
+    them once (`sampling_params`), with its own seed and max_tokens. `tool_guide`: the guide
+    of a tool_choice (tools.py)."""
     top_k = get(body, "top_k", int, 0)
     seed = get(body, "seed", int, None)
     if seed is not None and not 0 <= seed < 2**32:
@@ -135,15 +136,16 @@ def sampling_fields(body: dict, vocab: int) -> dict:
         top_k=0 if top_k == -1 else top_k, top_p=get(body, "top_p", float, 1.0), min_p=get(body, "min_p", float, 0.0),
         repetition_penalty=get(body, "repetition_penalty", float, 1.0), seed=seed, stop_token_ids=stop_ids,
         logit_bias=logit_bias(body, vocab), presence_penalty=get(body, "presence_penalty", float, 0.0),
-        frequency_penalty=get(body, "frequency_penalty", float, 0.0), guide=guide(body),
+        frequency_penalty=get(body, "frequency_penalty", float, 0.0), guide=guide(body, tool_guide),
     )
 
 
-def guide(body: dict) -> tuple[str, str] | None:
+def guide(body: dict, tool_guide: tuple[str, str] | None = None) -> tuple[str, str] | None:
     """The request's structured output, as SamplingParams.guide: chat's response_format
-    (json_object, or json_schema with {name, schema, strict}), or vLLM's guided_regex or
-    guided_choice; one of them at most. Checked here as far as no grammar is compiled (the
-    engine compiles it, and a spec it cannot compile is a 400 naming the field too)."""
+    (json_object, or json_schema with {name, schema, strict}), vLLM's guided_regex or
+    guided_choice, or `tool_guide` (tool_choice "required" or a named function); one of
+    them at most. Checked here as far as no grammar is compiled (the engine compiles it, and
+    a spec it cannot compile is a 400 naming the field too)."""
     found = []
     fmt = body.get("response_format")
     kind = fmt.get("type") if isinstance(fmt, dict) else None
@@ -173,6 +175,8 @@ def guide(body: dict) -> tuple[str, str] | None:
         if not choices or not all(isinstance(c, str) and c for c in choices):
             raise APIError(400, "'guided_choice' must be a non-empty list of non-empty strings", param="guided_choice")
         found.append(("guided_choice", ("choice", json.dumps(choices, ensure_ascii=False))))
+    if tool_guide is not None:
+        found.append(("tool_choice", tool_guide))
     if len(found) > 1:
         raise APIError(400, f"give one structured output at most: {', '.join(repr(n) for n, _ in found)} were given",
                        param=found[1][0])

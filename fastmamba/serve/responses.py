@@ -1,4 +1,5 @@
-"""OpenAI's response and stream-chunk bodies, built from a request's choices' events."""
+"""OpenAI's response and stream-chunk bodies, built from a request's choices' events (a chat's
+tool calls read from each choice's text by tools.ToolReply)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ def sse(obj: dict) -> str:
 class Response:
     """Builds OpenAI's response and chunk bodies from the engine's events, choice by choice."""
 
-    def __init__(self, rid, model, chat, encoder, echoes, n: int = 1):
+    def __init__(self, rid, model, chat, encoder, echoes, n: int = 1, tools=None):
         self.rid, self.model, self.chat, self.encoder, self.n = rid, model, chat, encoder, n
+        self.tools = tools  # a chat's tools.ToolRequest, or None
+        self.replies = [tools.reply() for _ in echoes] if tools is not None else [None] * len(echoes)
         self.created = int(time.time())
         self.texts = list(echoes)
         self.first = [True] * len(echoes)
@@ -27,7 +30,13 @@ class Response:
     def sse_chunk(self, index, piece: str, finish, logprob) -> str:
         """A stream chunk's server-sent event. A plain token's comes from a template made
         once a choice (its JSON with a marker where the text goes): a token's JSON costs a
-        dumps of its text only, which matters at tens of streams a step."""
+        dumps of its text only, which matters at tens of streams a step. A choice read for
+        tool calls has its deltas from its ToolReply."""
+        reply = self.replies[index]
+        if reply is not None:
+            if finish is None:
+                return sse(self.chunk(index, reply.delta(piece), None, logprob))
+            return sse(self.chunk(index, reply.last(piece, self.texts[index]), reply.finish(finish), logprob))
         if finish is not None or logprob is not None:
             return sse(self.chunk(index, {"content": piece} if self.chat else piece, finish, logprob))
         template = self._templates.get(index)
@@ -36,6 +45,10 @@ class Response:
             body = sse(self.chunk(index, {"content": mark} if self.chat else mark, None, None))
             template = self._templates[index] = body.split(json.dumps(mark))
         return template[0] + json.dumps(piece) + template[1]
+
+    def first_delta(self, index) -> dict:
+        reply = self.replies[index]
+        return reply.first_delta() if reply is not None else {"role": "assistant", "content": ""}
 
     def add(self, index, kind, data):
         """One event -> (text piece, finish reason, logprob entry) for a chunk."""
@@ -91,7 +104,12 @@ class Response:
         choices = []
         for i, text in enumerate(self.texts):
             c = {"index": i, "finish_reason": self.finish[i], "logprobs": self._choice_logprobs(self.logprobs[i])}
-            c.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+            reply = self.replies[i]
+            if reply is not None:
+                c["message"] = reply.message(text)
+                c["finish_reason"] = reply.finish(self.finish[i])
+            else:
+                c.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
             choices.append(c)
         obj = "chat.completion" if self.chat else "text_completion"
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices,
