@@ -60,7 +60,7 @@ def ssd_chunked(x, dt, A, Bm, Cm, D, state, chunk: int, resets=None):
     latest reset, segment_starts, is the same for both). No tensor is written in place, so
     autograd differentiates every input, the state included."""
     wide = _wide(x)
-    Bsz, T, H, P = x.shape
+    T, H = x.shape[1:3]
     x, dt, A, D = x.to(wide), dt.to(wide), A.to(wide), D.to(wide)
     Bh, Ch = _heads(Bm, H, wide), _heads(Cm, H, wide)
     first = None if resets is None else segment_starts(resets, 0)  # (B, T): the latest reset, -1 before any
