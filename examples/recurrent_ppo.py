@@ -1,7 +1,7 @@
 """PPO with a recurrent policy on CartPole with its velocities hidden: the agent sees the
 cart's position and the pole's angle only, so it must remember to act well. The recurrent
-core is `fastmamba.Backbone` (`--core mamba`) or `torch.nn.LSTM` (`--core lstm`), with
-everything else equal: the same heads, rollouts, losses and settings.
+core is `fastmamba.Backbone` (`--core mamba`, or `--core mamba2` for its Mamba-2 layers) or
+`torch.nn.LSTM` (`--core lstm`), with everything else equal: the same heads, rollouts, losses and settings.
 
 Rollouts run the core a step at a time over a batch of environments, each row reset at its
 own episode's start; each update trains on the rollout's sequences from their stored
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -44,6 +45,10 @@ class Core(nn.Module):
         self.kind = kind
         if kind == "mamba":
             self.net = fastmamba.Backbone(fastmamba.BackboneConfig(input_dim=obs_dim, d_model=width, n_layer=layers))
+        elif kind == "mamba2":  # the same Backbone, its layers Mamba-2's (heads of 32 channels where they fit)
+            self.net = fastmamba.Backbone(fastmamba.BackboneConfig(
+                input_dim=obs_dim, d_model=width, n_layer=layers, layer="mamba2", head_dim=math.gcd(32, 2 * width),
+                d_state=64, chunk_size=64))
         else:
             self.net = nn.LSTM(obs_dim, width, num_layers=layers, batch_first=True)
             # the Backbone's features come out of its final RMSNorm, at unit scale; the LSTM's
@@ -53,24 +58,24 @@ class Core(nn.Module):
         self.width, self.layers = width, layers
 
     def new_state(self, batch: int, device):
-        if self.kind == "mamba":
+        if self.kind != "lstm":
             return self.net.new_state(batch)
         zeros = torch.zeros(self.layers, batch, self.width, device=device)
         return (zeros, zeros.clone())
 
     def copy(self, state):
-        if self.kind == "mamba":
+        if self.kind != "lstm":
             return fastmamba.MambaState(state.conv.clone(), state.ssm.clone())
         return tuple(t.clone() for t in state)
 
     def rows(self, state, idx):
-        if self.kind == "mamba":
+        if self.kind != "lstm":
             return fastmamba.MambaState(state.conv[:, idx], state.ssm[:, idx])
         return tuple(t[:, idx] for t in state)
 
     def step(self, obs: torch.Tensor, state, starts: torch.Tensor):
         """obs (B, obs_dim), starts (B,) bool -> features (B, width); the state in place."""
-        if self.kind == "mamba":
+        if self.kind != "lstm":
             state.reset(starts)
             return self.net.step(obs, state)
         keep = (~starts).float()[None, :, None]
@@ -82,7 +87,7 @@ class Core(nn.Module):
 
     def sequence(self, obs: torch.Tensor, state, starts: torch.Tensor) -> torch.Tensor:
         """obs (B, T, obs_dim) from `state`, starts (B, T) bool -> features (B, T, width)."""
-        if self.kind == "mamba":
+        if self.kind != "lstm":
             return self.net(obs, state, resets=starts)[0]
         h, c = state
         outs = []
@@ -203,7 +208,7 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = {"mamba": "tab:blue", "lstm": "tab:orange"}
+    colors = {"mamba": "tab:blue", "mamba2": "tab:green", "lstm": "tab:orange"}
     for core, seeds in results.items():
         for k, (seed, curve) in enumerate(sorted(seeds.items())):
             if curve:
@@ -247,7 +252,7 @@ def fraction(text: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--core", default="mamba,lstm", help="mamba, lstm, or both comma-separated")
+    ap.add_argument("--core", default="mamba,lstm", help="mamba, mamba2, lstm, or several comma-separated")
     ap.add_argument("--total-steps", type=positive(int), default=50_000, help="environment steps a run")
     ap.add_argument("--seeds", type=positive(int), default=3, help="runs a core, seeds 0 .. K-1")
     ap.add_argument("--out", default="ppo", help="folder for returns.json and curve.png")
@@ -267,8 +272,8 @@ def main() -> None:
     ap.add_argument("--max-grad-norm", type=positive(float), default=0.5)
     args = ap.parse_args()
     cores = [c.strip() for c in args.core.split(",") if c.strip()]
-    if not cores or any(c not in ("mamba", "lstm") for c in cores):
-        ap.error(f"--core takes mamba, lstm or both, got {args.core!r}")
+    if not cores or any(c not in ("mamba", "mamba2", "lstm") for c in cores):
+        ap.error(f"--core takes mamba, mamba2, lstm or several of them, got {args.core!r}")
     if args.envs % args.minibatches:
         ap.error(f"--minibatches ({args.minibatches}) must divide --envs ({args.envs})")
     try:

@@ -61,31 +61,33 @@ def ssd_chunked(x, dt, A, Bm, Cm, D, state, chunk: int, resets=None):
     autograd differentiates every input, the state included."""
     wide = _wide(x)
     T, H = x.shape[1:3]
-    x, dt, A, D = x.to(wide), dt.to(wide), A.to(wide), D.to(wide)
-    Bh, Ch = _heads(Bm, H, wide), _heads(Cm, H, wide)
-    first = None if resets is None else segment_starts(resets, 0)  # (B, T): the latest reset, -1 before any
+    # heads first: (B, H, T, .) so that every product below is a batched matmul
+    x, dt = x.to(wide).transpose(1, 2), dt.to(wide).transpose(1, 2)  # (B, H, T, P), (B, H, T)
+    A, D = A.to(wide)[:, None], D.to(wide)
+    Bh, Ch = _heads(Bm, H, wide).transpose(1, 2), _heads(Cm, H, wide).transpose(1, 2)  # (B, H, T, N)
+    first = None if resets is None else segment_starts(resets, 0)[:, None]  # (B, 1, T): the latest reset, -1 before any
     s = state.to(wide)  # (B, H, P, N)
     ys = []
     for t0 in range(0, T, chunk):
-        xs, dts, Bs, Cs = (v[:, t0 : t0 + chunk] for v in (x, dt, Bh, Ch))
-        Q = xs.shape[1]
-        S = torch.cumsum(dts * A, dim=1)  # (B, Q, H)
-        reach = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()[None, :, :, None]  # s <= t
-        from_in = torch.exp(S)  # (B, Q, H): s_in's decay to each step
-        to_end = torch.exp(S[:, -1:] - S) * dts  # (B, Q, H): each step's input's weight in s_out
+        xs, dts, Bs, Cs = (v[:, :, t0 : t0 + chunk] for v in (x, dt, Bh, Ch))
+        Q = xs.shape[2]
+        S = torch.cumsum(dts * A, dim=-1)  # (B, H, Q)
+        reach = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()  # (Qt, Qs): s <= t
+        from_in = torch.exp(S)  # (B, H, Q): s_in's decay to each step
+        to_end = torch.exp(S[..., -1:] - S) * dts  # (B, H, Q): each step's input's weight in s_out
         if first is not None:
-            f = first[:, t0 : t0 + chunk]  # (B, Q)
-            reach = reach & (f[:, :, None] == f[:, None, :])[..., None]
-            from_in = from_in * (f < t0)[..., None]
-            to_end = to_end * (f == f[:, -1:])[..., None]
+            f = first[..., t0 : t0 + chunk]  # (B, 1, Q)
+            reach = reach & (f[..., :, None] == f[..., None, :])  # (B, 1, Qt, Qs)
+            from_in = from_in * (f < t0)
+            to_end = to_end * (f == f[..., -1:])
         # exp only where s reaches t (S_t - S_s <= 0 there: no overflow, and no inf * 0 in
         # the backward of the masked entries)
-        decay = torch.exp((S[:, :, None, :] - S[:, None, :, :]).masked_fill(~reach, float("-inf")))  # (B, Qt, Qs, H)
-        scores = torch.einsum("bthn,bshn->btsh", Cs, Bs) * decay
-        y = torch.einsum("btsh,bshp->bthp", scores, xs * dts[..., None])
-        ys.append(y + torch.einsum("bthn,bhpn->bthp", Cs, s) * from_in[..., None])
-        s = s * from_in[:, -1, :, None, None] + torch.einsum("bsh,bshp,bshn->bhpn", to_end, xs, Bs)
-    return torch.cat(ys, dim=1) + x * D[:, None], s
+        decay = torch.exp((S[..., :, None] - S[..., None, :]).masked_fill(~reach, float("-inf")))  # (B, H, Qt, Qs)
+        scores = (Cs @ Bs.transpose(-1, -2)) * decay  # (B, H, Qt, Qs)
+        y = scores @ (xs * dts[..., None]) + (Cs @ s.transpose(-1, -2)) * from_in[..., None]  # (B, H, Q, P)
+        ys.append(y)
+        s = s * from_in[..., -1, None, None] + (xs * to_end[..., None]).transpose(-1, -2) @ Bs
+    return (torch.cat(ys, dim=2) + x * D[:, None, None]).transpose(1, 2), s
 
 
 def step_sizes(dt, dt_bias, dt_limit) -> torch.Tensor:
