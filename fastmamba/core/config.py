@@ -1,7 +1,7 @@
 """MambaConfig: the model's sizes, read from config.json: Mamba-1 and Mamba-2 in either format
-(HF, original state-spaces), Falcon-Mamba, and the hybrids that put attention and MLPs
-beside Mamba-2 (Nemotron-H, Bamba, Granite-4.0-H, Falcon-H1; their keys read in
-hybrid_config.py). Every field that changes the math is read, or refused by name
+(HF, original state-spaces), Falcon-Mamba, and the hybrids that put attention, MLPs and
+experts beside Mamba-2 (Nemotron-H, Bamba, Granite-4.0-H, Falcon-H1) or Mamba-1 (Jamba;
+their keys read in hybrid_config.py). Every field that changes the math is read, or refused by name
 (config_fields.py reads and checks each value)."""
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ class MambaConfig:
     tie_embeddings: bool = True
     eos_token_id: int = 0
     # Falcon-Mamba: after x_proj, dt_r, B and C are each RMS-normalised over their last
-    # dimension, with no weight, with this eps; None: plain Mamba, no such norm.
+    # dimension, with no weight, with this eps (Jamba: then times the weights of its
+    # "mamba1_normed" layers); None: plain Mamba, no such norm.
     dbc_norm_eps: float | None = None
     # The layer: "mamba1" (selective scan), or "mamba2" (SSD: heads of head_dim channels
     # sharing n_groups groups of B and C, scanned in chunks of chunk_size; mamba2.py)
@@ -45,7 +46,8 @@ class MambaConfig:
     ssm_norm: bool = True  # Mamba-2's gated RMSNorm (Falcon-H1 may leave it out: y * silu(z))
     # -- hybrids (core/families.py names their tensors) ------------------------------------
     # The sublayers in order, each a kind of the layer table (core/layers.py): "mamba1",
-    # "mamba2", "attention", "mlp", "moe" (experts and a shared MLP), or "mamba2+attention"
+    # "mamba1_normed" (Jamba's: dt, B and C normed with weights), "mamba2", "attention", "mlp",
+    # "moe" (experts, and a shared MLP where the family has one), or "mamba2+attention"
     # (Falcon-H1: both on one norm, summed).
     # Empty: a pure Mamba model, n_layer sublayers of `layer`.
     blocks: tuple[str, ...] = ()
@@ -63,13 +65,16 @@ class MambaConfig:
     mlp_bias: bool = False
     # A mixture of experts (the "moe" sublayers, core/moe.py): n_experts gated MLPs of
     # expert_size each (the MLP's activation), experts_per_token of them picked a token by the
-    # softmax of the router's top logits, renormalized; beside the shared MLP of mlp_size
+    # router (below); beside the shared MLP of mlp_size where the family has one
     n_experts: int = 0
     experts_per_token: int = 0
     expert_size: int = 0
-    # Nemotron-H's router: "sigmoid" scores, a per-expert bias added for the choice alone, the
-    # choice limited to the topk_groups best of expert_groups groups (a group's score: its two
-    # best), the picked scores renormalized where norm_topk, then scaled by routed_scaling
+    # The router: "softmax" (Granite) the softmax of the top logits, renormalized;
+    # "softmax_all" (Jamba) the top probabilities of a softmax over all experts, not
+    # renormalized; "sigmoid" (Nemotron-H) sigmoid scores, a per-expert bias added for the
+    # choice alone, the choice limited to the topk_groups best of expert_groups groups (a
+    # group's score: its two best), the picked scores renormalized where norm_topk, then
+    # scaled by routed_scaling
     router: str = "softmax"
     expert_groups: int = 1
     topk_groups: int = 1
@@ -192,7 +197,7 @@ class MambaConfig:
 # (the Triton scan's chunk is its own tile, the same sum).
 MAX_CHUNK_SIZE = 1024
 
-_MODEL_TYPES = ("mamba", "falcon_mamba", "mamba2", "nemotron_h", "bamba", "granitemoehybrid", "falcon_h1")
+_MODEL_TYPES = ("mamba", "falcon_mamba", "mamba2", "nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "jamba")
 
 
 def _from_hf(raw: dict, source: str) -> MambaConfig:
@@ -200,7 +205,7 @@ def _from_hf(raw: dict, source: str) -> MambaConfig:
     if model_type not in _MODEL_TYPES:
         raise CheckpointError(
             f"{source}: model_type is {model_type!r}; supported: 'mamba' (Mamba-1), 'falcon_mamba', 'mamba2', and the "
-            "hybrids 'nemotron_h', 'bamba', 'granitemoehybrid' and 'falcon_h1' (Jamba and Zamba2 are not)"
+            "hybrids 'nemotron_h', 'bamba', 'granitemoehybrid', 'falcon_h1' and 'jamba' (Zamba2 is not)"
         )
     if model_type == "mamba2":
         return _mamba2_from_hf(raw, source)

@@ -27,6 +27,16 @@ def get(raw: dict, key: str, kind, source: str, default=None):
     return value
 
 
+def index(raw: dict, key: str, source: str, default: int) -> int:
+    """A non-negative integer (a layer index or offset); a wrong type or sign names the key."""
+    value = raw.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise CheckpointError(f"{source}: key '{key}' must be a non-negative integer, got {value!r}")
+    return value
+
+
 def dt_rank(value, key: str, source: str) -> int:
     if value in (None, "auto"):
         return 0

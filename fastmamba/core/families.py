@@ -7,7 +7,8 @@ norm and the LM head. A pure Mamba model has one sublayer a layer (its mixer); N
 too (a Mamba-2, an attention or an MLP sublayer); Bamba, Granite-4.0-H and Falcon-H1 have
 two a layer (the mixer, then the MLP: Granite's with experts a mixture of experts and its
 shared MLP), and Falcon-H1's mixer is attention and Mamba-2 side
-by side on one norm.
+by side on one norm. Jamba has two a layer too: a Mamba-1 mixer (its dt, B and C normed with
+weights) or attention, then an MLP or a mixture of experts (no shared MLP).
 """
 
 from __future__ import annotations
@@ -41,10 +42,14 @@ class Family:
     # (gate_up, down) where gate and up are one tensor, gate's rows first
     mlp: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
     # a mixture of experts' tensors (core/moe.py), suffixes of its first prefix: (router, the
-    # experts' stacked gate_up (or up), their stacked down; "{e}" in a name: one tensor an
-    # expert); its second prefix, if any, is its shared MLP's
+    # experts' stacked gate_up (or up), their stacked down); "{e}" in a name: one tensor an
+    # expert, and then gate and up may be apart (router, gate, up, down); its second prefix, if
+    # any, is its shared MLP's
     moe: tuple[str, ...] = ("router.layer", "input_linear", "output_linear")
     lm_head: str = "lm_head.weight"
+    # the weighted RMSNorms of a Mamba-1 mixer's dt, B and C (the "mamba1_normed" kind: Jamba's),
+    # suffixes of the mixer's prefix
+    dbc_norms: tuple[str, ...] = ("dt_layernorm", "b_layernorm", "c_layernorm")
 
 
 _MIXER_ONLY = {"mamba1": ("norm.weight", ("mixer.",)), "mamba2": ("norm.weight", ("mixer.",)),
@@ -64,6 +69,13 @@ FAMILIES = {
                                {**_MIXER_AND_MLP, "mlp": ("post_attention_layernorm.weight", ("shared_mlp.",)),
                                 "moe": ("post_attention_layernorm.weight", ("block_sparse_moe.", "shared_mlp."))},
                                two_per_layer=True, mlp=("input_linear", "output_linear")),
+    "jamba": Family("model.embed_tokens.weight", "model.final_layernorm.weight", "model.layers.{i}.",
+                    {"mamba1_normed": ("input_layernorm.weight", ("mamba.",)),
+                     "attention": ("input_layernorm.weight", ("self_attn.",)),
+                     "mlp": ("pre_ff_layernorm.weight", ("feed_forward.",)),
+                     "moe": ("pre_ff_layernorm.weight", ("feed_forward.",))},
+                    two_per_layer=True, moe=("router", "experts.{e}.gate_proj", "experts.{e}.up_proj",
+                                             "experts.{e}.down_proj")),
     "falcon_h1": Family("model.embed_tokens.weight", "model.final_layernorm.weight", "model.layers.{i}.",
                         {**_MIXER_AND_MLP, "mlp": ("pre_ff_layernorm.weight", ("feed_forward.",))}, two_per_layer=True),
 }

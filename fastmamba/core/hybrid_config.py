@@ -1,6 +1,6 @@
-"""The hybrids' config.json (Nemotron-H, Bamba, Granite-4.0-H, Falcon-H1) as MambaConfig's
-fields: the sublayers in order, the Mamba-2, attention and MLP sizes, the family's
-multipliers. Every field that changes the math is read, or refused by name; config.py
+"""The hybrids' config.json (Nemotron-H, Bamba, Granite-4.0-H, Falcon-H1, Jamba) as
+MambaConfig's fields: the sublayers in order, the Mamba-1 or Mamba-2, attention, MLP and
+experts' sizes, the family's multipliers. Every field that changes the math is read, or refused by name; config.py
 builds the MambaConfig."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 
-from fastmamba.core.config_fields import dt_limit, eos_id, get
+from fastmamba.core.config_fields import dt_limit, dt_rank, eos_id, get, index
 from fastmamba.core.errors import CheckpointError
 
 
@@ -320,4 +320,60 @@ def _falcon_h1(raw: dict, source: str) -> dict:
     )
 
 
-HYBRIDS = {"nemotron_h": _nemotron_h, "bamba": _bamba, "granitemoehybrid": _granite, "falcon_h1": _falcon_h1}
+# Routing keys of other MoE families that would change Jamba's routing: refused unless they say
+# what Jamba does (the top k of a softmax over all experts, not renormalized, unscaled, no groups).
+_JAMBA_ROUTING = {**_GRANITE_ROUTING, "norm_topk_prob": (False,)}
+
+
+def _jamba(raw: dict, source: str) -> dict:
+    """Jamba: layer i a Mamba-1 mixer whose dt, B and C are RMS-normalised with weights, or
+    attention without positions where i % attn_layer_period == attn_layer_offset; then a
+    gated SiLU MLP, or a mixture of `num_experts` of them where i % expert_layer_period ==
+    expert_layer_offset (and num_experts > 1), routed by the top `num_experts_per_tok` of a
+    softmax over all experts, not renormalized, with no shared MLP. Absent keys take
+    transformers' JambaConfig defaults. (`use_mamba_kernels`, `use_mambapy` and
+    `use_associative_scan` choose transformers' kernels, `num_logits_to_keep` which logits it
+    computes: none changes the math.)"""
+    layers = get(raw, "num_hidden_layers", int, source)
+    periods = {}
+    for what, period, offset in (("attn", 8, 4), ("expert", 2, 1)):
+        p, o = get(raw, f"{what}_layer_period", int, source, period), index(raw, f"{what}_layer_offset", source, offset)
+        if o >= p:
+            raise CheckpointError(f"{source}: key '{what}_layer_offset' ({o}) must be below '{what}_layer_period' ({p})")
+        periods[what] = (p, o)
+    experts = _one_of(raw, source, ("num_experts", "num_local_experts"), int, 16)
+    moe_at = [experts > 1 and i % periods["expert"][0] == periods["expert"][1] for i in range(layers)]
+    moe = {}
+    if any(moe_at):
+        per_token = get(raw, "num_experts_per_tok", int, source, 2)
+        if per_token > experts:
+            raise CheckpointError(f"{source}: key 'num_experts_per_tok' is {per_token}; it must be 1 to "
+                                  f"'num_experts' ({experts})")
+        for key, allowed in _JAMBA_ROUTING.items():
+            if raw.get(key) is not None:
+                _refuse_unless(raw, source, key, allowed, "Jamba's routing is the top 'num_experts_per_tok' of a "
+                               f"softmax over all experts, not renormalized (only {allowed[0]!r} is supported)")
+        moe = dict(n_experts=experts, experts_per_token=per_token,
+                   expert_size=get(raw, "intermediate_size", int, source), router="softmax_all", norm_topk=False)
+    _refuse_unless(raw, source, "hidden_act", ("silu",), "the Mamba layers' and the MLPs' activation must be silu")
+    _refuse_unless(raw, source, "attention_bias", (False, None), "Jamba's attention has no biases")
+    d_model = get(raw, "hidden_size", int, source)
+    eps = get(raw, "rms_norm_eps", float, source, 1e-6)
+    blocks = [b for i in range(layers) for b in ("attention" if i % periods["attn"][0] == periods["attn"][1]
+                                                 else "mamba1_normed", "moe" if moe_at[i] else "mlp")]
+    attention = _attention_fields({"num_key_value_heads": 8, **raw}, source, d_model, rope=False)
+    return dict(
+        n_layer=layers, blocks=tuple(blocks), family="jamba", layer="mamba1", d_model=d_model,
+        d_inner=get(raw, "mamba_expand", int, source, 2) * d_model, d_state=get(raw, "mamba_d_state", int, source, 16),
+        d_conv=get(raw, "mamba_d_conv", int, source, 4),
+        dt_rank=dt_rank(raw.get("mamba_dt_rank"), "mamba_dt_rank", source),
+        conv_bias=get(raw, "mamba_conv_bias", bool, source, True),
+        proj_bias=get(raw, "mamba_proj_bias", bool, source, False),
+        dbc_norm_eps=eps, norm_eps=eps, **{**attention, "attn_bias": False},
+        mlp_size=get(raw, "intermediate_size", int, source), **moe,
+        **_vocab_and_head({"eos_token_id": 2, **raw}, source),
+    )
+
+
+HYBRIDS = {"nemotron_h": _nemotron_h, "bamba": _bamba, "granitemoehybrid": _granite, "falcon_h1": _falcon_h1,
+           "jamba": _jamba}

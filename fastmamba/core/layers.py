@@ -101,12 +101,22 @@ def _mamba1_state(c):
     return (c.d_inner, c.d_conv), (c.d_inner, c.d_state)
 
 
+def _mamba1_run(c, lw, u, m: Memory, ops, start=None, resets=None):
+    return mixer(c, lw, u, m.conv, m.ssm, ops, start, resets)
+
+
 LAYER_KINDS = {
     "mamba1": LayerKind(
-        run=lambda c, lw, u, m, ops, start=None, resets=None: mixer(c, lw, u, m.conv, m.ssm, ops, start, resets),
-        shapes=lambda c, s, f: mamba1_shapes(c, s.norm, s.prefixes[0]),
+        run=_mamba1_run, shapes=lambda c, s, f: mamba1_shapes(c, s.norm, s.prefixes[0]),
         weights=lambda c, s, f, big, small: mamba1_weights(s.norm, s.prefixes[0], big, small),
         state=_mamba1_state, kv=False, gpu_kernels=True),
+    # the same mixer with weighted RMSNorms on dt, B and C (Jamba's; the family names them,
+    # families.Family.dbc_norms): the fused decode kernels have no such weights, and the GPU
+    # engine has not been checked against it, so it runs on the reference engine
+    "mamba1_normed": LayerKind(
+        run=_mamba1_run, shapes=lambda c, s, f: mamba1_shapes(c, s.norm, s.prefixes[0], f.dbc_norms),
+        weights=lambda c, s, f, big, small: mamba1_weights(s.norm, s.prefixes[0], big, small, f.dbc_norms),
+        state=_mamba1_state, kv=False, gpu_kernels=False, gpu_engine=False),
     "mamba2": LayerKind(
         run=lambda c, lw, u, m, ops, start=None, resets=None: mamba2.mixer2(c, lw, u, m.conv, m.ssm, ops, start,
                                                                            resets),

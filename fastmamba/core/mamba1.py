@@ -8,7 +8,7 @@ R = dt_rank, K = d_conv):
 u         = rmsnorm(h) * norm.w
 x, z      = split(in_proj(u), [E, E])
 x         = silu(causal depthwise conv over time (K taps) of x)   # conv state (E, K)
-dt_r, B, C = split(x_proj(x), [R, N, N])                          # Falcon-Mamba: each RMS-normalised
+dt_r, B, C = split(x_proj(x), [R, N, N])                          # Falcon-Mamba, Jamba: each RMS-normalised
 dt        = softplus(dt_proj(dt_r) + dt_bias)
 s         = s * exp(dt * A) + (dt * x) (outer) B                   # ssm state (E, N)
 y         = (s @ C + D * x) * silu(z)
@@ -45,6 +45,9 @@ class LayerWeights:
     D: torch.Tensor  # (E,) f32
     out_proj_w: torch.Tensor  # (d, E) storage dtype
     out_proj_b: torch.Tensor | None  # (d,) f32
+    # Jamba: the weights of dt_r's, B's and C's RMSNorms ((R,), (N,), (N,) f32); None: unweighted
+    # (Falcon-Mamba) or no such norm (config.dbc_norm_eps None)
+    dbc_norm_w: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def rms_unweighted(t: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,6 +55,17 @@ def rms_unweighted(t: torch.Tensor, eps: float) -> torch.Tensor:
     dt_r, B and C (it has no weight)."""
     t = t.float()
     return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _dbc_norms(config, lw: LayerWeights, dt_r, Bm, Cm):
+    """x_proj's dt_r, B and C each RMS-normalised where the config says (Falcon-Mamba, Jamba),
+    times its norm's weight where the layer has one (Jamba)."""
+    if config.dbc_norm_eps is None:
+        return dt_r, Bm, Cm
+    normed = [rms_unweighted(t, config.dbc_norm_eps) for t in (dt_r, Bm, Cm)]
+    if lw.dbc_norm_w is not None:
+        normed = [t * w for t, w in zip(normed, lw.dbc_norm_w)]
+    return normed
 
 
 def in_proj_dtype(weight_dtype: torch.dtype) -> torch.dtype:
@@ -87,8 +101,7 @@ def mixer(
     # operand, and the scan's input
     x = ops.conv(x, lw.conv_w, lw.conv_b, conv_state, start, lw.x_proj_w.dtype, **extra)  # (B, E, T)
     dt_r, Bm, Cm = ops.linear(x.transpose(1, 2), lw.x_proj_w).split([R, N, N], dim=-1)  # (B, T, R|N|N)
-    if config.dbc_norm_eps is not None:  # Falcon-Mamba
-        dt_r, Bm, Cm = (rms_unweighted(t, config.dbc_norm_eps) for t in (dt_r, Bm, Cm))
+    dt_r, Bm, Cm = _dbc_norms(config, lw, dt_r, Bm, Cm)
     y = ops.scan(
         x, dt_r, fp8.dense(lw.dt_proj_w), lw.dt_bias, lw.A, Bm.transpose(1, 2), Cm.transpose(1, 2), lw.D, z,
         ssm_state, start,
@@ -109,9 +122,7 @@ def _mixer_step_ref(config, lw: LayerWeights, u: torch.Tensor, conv_state, ssm_s
     xz = linear(u[:, 0], lw.in_proj_w, lw.in_proj_b)  # (B, 2E)
     x, z = xz[:, :E], xz[:, E:]
     xc = causal_conv1d_ref(x[:, :, None], lw.conv_w, lw.conv_b, conv_state)[:, :, 0]  # its one-step window
-    dt_r, Bm, Cm = linear(xc, lw.x_proj_w).split([R, N, N], dim=-1)  # (B, R|N|N)
-    if config.dbc_norm_eps is not None:  # Falcon-Mamba
-        dt_r, Bm, Cm = (rms_unweighted(t, config.dbc_norm_eps) for t in (dt_r, Bm, Cm))
+    dt_r, Bm, Cm = _dbc_norms(config, lw, *linear(xc, lw.x_proj_w).split([R, N, N], dim=-1))  # (B, R|N|N)
     delta = F.softplus(linear(dt_r, lw.dt_proj_w, lw.dt_bias))  # (B, E)
     decay, gain = torch.exp(delta[:, :, None] * lw.A), (delta * xc)[:, :, None]
     if ssm_state.dtype == torch.float32:  # in place: fewer small calls
@@ -123,9 +134,10 @@ def _mixer_step_ref(config, lw: LayerWeights, u: torch.Tensor, conv_state, ssm_s
     return linear(y * F.silu(z), lw.out_proj_w, lw.out_proj_b)[:, None]
 
 
-def mamba1_shapes(c, norm: str, p: str) -> dict[str, tuple[int, ...]]:
+def mamba1_shapes(c, norm: str, p: str, dbc_norms: tuple[str, ...] = ()) -> dict[str, tuple[int, ...]]:
     """A Mamba-1 sublayer's tensors (HF names: its norm's, its mixer's under prefix p, e.g.
-    'backbone.layers.{i}.mixer.') and their shapes."""
+    'backbone.layers.{i}.mixer.') and their shapes; dbc_norms: the names of dt_r's, B's and
+    C's norms, where the layer weighs them (Jamba's)."""
     E, R, N, K, d = c.d_inner, c.dt_rank, c.d_state, c.d_conv, c.d_model
     shapes = {
         norm: (d,),
@@ -143,12 +155,14 @@ def mamba1_shapes(c, norm: str, p: str) -> dict[str, tuple[int, ...]]:
     if c.proj_bias:
         shapes[p + "in_proj.bias"] = (2 * E,)
         shapes[p + "out_proj.bias"] = (d,)
+    for name, n in zip(dbc_norms, (R, N, N)):
+        shapes[p + name + ".weight"] = (n,)
     return shapes
 
 
-def mamba1_weights(norm: str, p: str, big, small) -> LayerWeights:
+def mamba1_weights(norm: str, p: str, big, small, dbc_norms: tuple[str, ...] = ()) -> LayerWeights:
     """The sublayer's weights from its checked tensors: `big(name)` in the storage dtype,
-    `small(name)` in float32 (None where absent)."""
+    `small(name)` in float32 (None where absent); dbc_norms as mamba1_shapes'."""
     return LayerWeights(
         norm_w=small(norm),
         in_proj_w=big(p + "in_proj.weight"),
@@ -162,4 +176,5 @@ def mamba1_weights(norm: str, p: str, big, small) -> LayerWeights:
         D=small(p + "D"),
         out_proj_w=big(p + "out_proj.weight"),
         out_proj_b=small(p + "out_proj.bias"),
+        dbc_norm_w=tuple(small(p + name + ".weight") for name in dbc_norms) or None,
     )

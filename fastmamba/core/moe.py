@@ -1,14 +1,17 @@
 """The mixture-of-experts sublayer over `Ops` (Granite-4.0-H with experts, Nemotron-H's "E"
-layers): a router picks `experts_per_token` of `n_experts` MLPs for each token (gated SiLU
-ones for Granite, squared-ReLU ones for Nemotron-H, as the family's MLP), their outputs are
-summed weighted by the router, and a shared MLP (mlp.py) runs on every token and is added.
+layers, Jamba's): a router picks `experts_per_token` of `n_experts` MLPs for each token (gated
+SiLU ones for Granite and Jamba, squared-ReLU ones for Nemotron-H, as the family's MLP), their
+outputs are summed weighted by the router, and a shared MLP (mlp.py), where the family has
+one, runs on every token and is added.
 
-Routing in float32, as transformers does it: Granite's softmax over the top-k logits
-(`torch.topk`, so equal logits pick in transformers' order; renormalized: a token's weights
-sum to 1); Nemotron-H's sigmoid scores, a correction bias added for the choice alone, the
-choice limited to the best groups of experts, the picked scores renormalized and scaled. The
-experts are kept stacked, (E, 2 I, d) (gate's rows before up's) or (E, I, d), and (E, d, I);
-a checkpoint that stores them one by one is stacked at load. A pass gathers each expert's
+Routing in float32, as transformers does it (config.router): Granite's softmax over the top-k
+logits ("softmax": `torch.topk`, so equal logits pick in transformers' order; renormalized: a
+token's weights sum to 1); Jamba's top k of the softmax over all experts ("softmax_all": not
+renormalized, a token's weights sum to less than 1); Nemotron-H's sigmoid scores, a correction
+bias added for the choice alone, the choice limited to the best groups of experts, the picked
+scores renormalized and scaled. The experts are kept stacked, (E, 2 I, d) (gate's rows before
+up's) or (E, I, d), and (E, d, I); a checkpoint that stores them one by one (Jamba's gate and
+up apart) is stacked at load. A pass gathers each expert's
 tokens and runs one product an active expert; each (token, pick) pair's output lands in its
 own row, and a token's picks are summed in pick order, so a token's output does not depend
 on which other tokens share its experts (no atomics, no order that a batch changes)."""
@@ -39,14 +42,14 @@ class MoEWeights:
 def shapes(c, norm: str, p: str, shared: str | None, names: tuple[str, ...], mlp_names: tuple[str, ...]) -> dict:
     """The sublayer's tensors and shapes; names: the family's (router, up (or gate_up), down)
     of the experts (families.Family.moe), stacked, or one tensor an expert where a name holds
-    "{e}"; mlp_names: its shared MLP's (families.Family.mlp)."""
+    "{e}" (then also (router, gate, up, down)); mlp_names: its shared MLP's (families.Family.mlp)."""
     d, E, I = c.d_model, c.n_experts, c.expert_size
-    router, up, down = names
-    rows = 2 * I if c.mlp_gated else I
+    router, *ins, down = names
+    rows = 2 * I if c.mlp_gated and len(ins) == 1 else I
     out = {norm: (d,), p + router + ".weight": (E, d)}
     if c.router == "sigmoid":
         out[p + router + ".e_score_correction_bias"] = (E,)
-    for name, shape in ((up, (rows, d)), (down, (d, I))):
+    for name, shape in [*((n, (rows, d)) for n in ins), (down, (d, I))]:
         if "{e}" in name:
             out.update({p + name.format(e=e) + ".weight": shape for e in range(E)})
         else:
@@ -58,15 +61,16 @@ def shapes(c, norm: str, p: str, shared: str | None, names: tuple[str, ...], mlp
 
 def layer_weights(c, norm: str, p: str, shared: str | None, names: tuple[str, ...], mlp_names: tuple[str, ...],
                   big, small) -> MoEWeights:
-    """The sublayer's weights: `big(name)` in the storage dtype, `small(name)` in float32."""
-    router, up, down = names
+    """The sublayer's weights: `big(name)` in the storage dtype, `small(name)` in float32;
+    gate's and up's matrices (where the family names them apart) as one, gate's rows first."""
+    router, *ins, down = names
 
-    def experts(name):
-        if "{e}" not in name:
-            return big(p + name + ".weight")
-        return _stack([big(p + name.format(e=e) + ".weight") for e in range(c.n_experts)])
+    def experts(*names):
+        if "{e}" not in names[0]:  # (stacked in the checkpoint: one matrix, gate's and up's rows in it)
+            return big(p + names[0] + ".weight")
+        return _stack([mlp_._cat([big(p + n.format(e=e) + ".weight") for n in names]) for e in range(c.n_experts)])
 
-    lw = MoEWeights(norm_w=small(norm), router_w=small(p + router + ".weight"), in_w=experts(up),
+    lw = MoEWeights(norm_w=small(norm), router_w=small(p + router + ".weight"), in_w=experts(*ins),
                     out_w=experts(down), router_b=small(p + router + ".e_score_correction_bias"))
     if shared is not None:
         s = mlp_.layer_weights(norm, shared, mlp_names, big, small)
@@ -90,6 +94,9 @@ def route(c, lw: MoEWeights, x: torch.Tensor, ops) -> tuple[torch.Tensor, torch.
     if c.router == "softmax":
         top, experts = logits.topk(k, dim=-1)  # (N, k)
         return experts, torch.softmax(top, dim=-1)
+    if c.router == "softmax_all":  # (Jamba: the top k of every expert's probability, kept as they are)
+        weights, experts = torch.softmax(logits, dim=-1).topk(k, dim=-1)  # (N, k)
+        return experts, weights
     # sigmoid (Nemotron-H), as transformers' NemotronHTopkRouter, call for call (its tie order)
     scores = logits.sigmoid()  # (N, E)
     choice = scores + lw.router_b if lw.router_b is not None else scores
