@@ -10,7 +10,8 @@ import pytest
 import torch
 from conftest import assert_within_transformers_16bit_error, relative_error
 
-# (the dense hybrids' own: their float32 and greedy tests run here again over this module's `case`)
+# (the dense hybrids' own: their float32, greedy and serving engine tests run here again over
+# this module's `case`)
 from test_hybrids import (  # noqa: F401
     assert_steps_continue_the_prefill,
     edited,
@@ -18,6 +19,7 @@ from test_hybrids import (  # noqa: F401
     refused,
     test_float32_logits_equal_transformers,
     test_greedy_equals_transformers_greedy_and_a_batch_equals_each_alone,
+    test_the_prefix_cache_and_chunks_change_no_token,
 )
 from test_moe import every_expert
 
