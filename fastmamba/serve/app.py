@@ -1,17 +1,17 @@
 """The OpenAI-compatible HTTP app over an engine client (engine/client.py: the engine
 process, or Ray Serve replicas).
 
-This process parses, validates, tokenizes, detokenizes (stop strings included) and streams;
-the engine owns the model. Long texts and id lists, and chats under the checkpoint's own
-template, are tokenized, detokenized and rendered in worker processes (prompt_workers.py),
-so that the event loop (every stream, /health) never waits on them. Endpoints: POST
-/v1/completions, /v1/chat/completions (both with `stream`), GET /v1/models, /health,
-/metrics, POST /tokenize, /detokenize. Errors are OpenAI's bodies (errors.py): 400 for a
-bad field (naming it), malformed or over-deep JSON, an over-long prompt, a request that can
-never fit the queue or a chat template that fails on it, 401 without the API key, 404 for
-an unknown model, 408 for a body that stalls, 413 for a body over the limit, 429 when the
-queue is full, 503 when the engine is gone, wedged or shutting down; never a 500 for a
-client's mistake. No torch in this process.
+This process parses, validates, tokenizes, detokenizes (stop strings included), reads a
+chat's tool calls (tools.py) and streams; the engine owns the model. Long texts and id
+lists, and chats under the checkpoint's own template, are tokenized, detokenized and
+rendered in worker processes (prompt_workers.py), so that the event loop (every stream,
+/health) never waits on them. Endpoints: POST /v1/completions, /v1/chat/completions (both
+with `stream`), GET /v1/models, /health, /metrics, POST /tokenize, /detokenize. Errors are
+OpenAI's bodies (errors.py): 400 for a bad field (naming it), malformed or over-deep JSON,
+an over-long prompt, a request that can never fit the queue or a chat template that fails
+on it, 401 without the API key, 404 for an unknown model, 408 for a body that stalls, 413
+for a body over the limit, 429 when the queue is full, 503 when the engine is gone, wedged
+or shutting down; never a 500 for a client's mistake. No torch in this process.
 """
 
 from __future__ import annotations

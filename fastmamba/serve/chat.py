@@ -1,6 +1,7 @@
-"""Chat prompts: the messages checked, the chat template (the checkpoint's, found and
-rendered as transformers finds and renders it, or a file given, or a plain one) and a
-conversation's routing key.
+"""Chat prompts: the messages checked (an assistant's tool calls and a tool's results among
+them), the chat template (the checkpoint's, found and rendered as transformers finds and
+renders it, with the request's tools, or a file given, or a plain one) and a conversation's
+routing key.
 
 Where the template comes from, in transformers' order: `--chat-template FILE`; else the
 folder's chat_template.jinja and additional_chat_templates/NAME.jinja (what transformers'
