@@ -1,4 +1,5 @@
-"""Prefill benchmark: tokens/s of the Triton prefill at public shapes (random weights, bf16),
+"""Prefill benchmark: tokens/s of the Triton prefill at public shapes (random weights, bf16,
+or each of --dtypes: fp8 runs its products through cuBLASLt's FP8 GEMM, kernels/fp8_gemm.py),
 time to first token through `generate` / `generate_batch` (1 x 128, 1 x 2048, 1 x 8192,
 8 x 2048: graph-captured prefill where cuda_graphs.graph_prefill_tokens says), and peak memory of a 100k-token prompt;
 with --hf, transformers' forward over the same 1 x 8192 prompt for a ratio.
@@ -10,6 +11,7 @@ that no launch waits on the GPU), and the same prefill replayed as a CUDA graph
 
     python -m benchmarks.prefill --models 130m,2.8b,falcon-7b [--hf] --json prefill.json
     python -m benchmarks.prefill --host --models 130m,2.8b
+    python -m benchmarks.prefill --models 2.8b --dtypes bfloat16,fp8 --shapes 1x8192,8x2048
 """
 
 import argparse
@@ -65,9 +67,13 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=100_000, help="tokens of the long-prompt run on 130m")
     ap.add_argument("--models", default="130m,2.8b", help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--shapes", default="1x2048,1x8192,8x2048", help="prefills timed alone, BATCHxTOKENS")
+    ap.add_argument("--dtypes", default="bfloat16", help="weights' storage dtypes, comma-separated (bfloat16, fp8, ...)")
     ap.add_argument("--hf", action="store_true", help="also time transformers' forward at 1 x 8192")
     ap.add_argument("--host", action="store_true", help="only eager against a CUDA graph, and the host's issue time")
     args = ap.parse_args()
+    from fastmamba.core.dtypes import parse_dtype
+
+    dtypes = [parse_dtype(d) for d in args.dtypes.split(",")]
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     rows = []
 
@@ -77,9 +83,10 @@ def main() -> None:
 
     print(f"device: {torch.cuda.get_device_name()}")
     if not args.host:
-        print(f"{'model':>6} {'shape':>8} {'ms':>9} {'tokens/s':>10} {'peak GiB':>8}")
-    for size in args.models.split(","):
-        model = random_model(size, torch.bfloat16)
+        print(f"{'model':>6} {'dtype':>13} {'shape':>8} {'ms':>9} {'tokens/s':>10} {'peak GiB':>8}")
+    for size, dtype in [(s, d) for s in args.models.split(",") for d in dtypes]:
+        model = random_model(size, dtype)
+        dt = str(dtype).removeprefix("torch.")
         V = model.config.vocab_size
         if args.host:
             host_rows(model, size, shapes, emit)
@@ -89,10 +96,10 @@ def main() -> None:
         for B, T in shapes:
             torch.cuda.reset_peak_memory_stats()
             ms = prefill_ms(model, B, T)
-            row = dict(model=size, batch=B, tokens=T, ms=round(ms, 2), tokens_per_s=round(B * T / ms * 1e3),
+            row = dict(model=size, dtype=dt, batch=B, tokens=T, ms=round(ms, 2), tokens_per_s=round(B * T / ms * 1e3),
                        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
-            emit(row, f"{size:>6} {B:>3}x{T:<5} {row['ms']:9.2f} {row['tokens_per_s']:10,} {row['peak_gib']:8.2f}")
-        if args.hf:
+            emit(row, f"{size:>6} {dt:>13} {B:>3}x{T:<5} {row['ms']:9.2f} {row['tokens_per_s']:10,} {row['peak_gib']:8.2f}")
+        if args.hf and dtype == torch.bfloat16:
             hf = hf_model(model.config, torch.bfloat16)
             ids = torch.randint(0, V, (1, 8192), device="cuda")
             with torch.inference_mode():
@@ -108,15 +115,15 @@ def main() -> None:
             one = dict(max_tokens=1, stop_token_ids=[])
             ttft = wall_ms(lambda: lm.generate(prompts[0], **one) if B == 1 else lm.generate_batch(prompts, one), repeat=10)
             eager = wall_ms(lambda: model.prefill(torch.tensor(prompts, device="cuda"), model.new_state(B), last_only=True).argmax(-1).tolist(), repeat=10)
-            emit(dict(model=size, batch=B, prompt_tokens=n, ttft_ms=round(ttft, 3), eager_prefill_ms=round(eager, 3)),
-                 f"{size:>6} time to first token, {B} x {n}-token prompt{'s' if B > 1 else ''}: {ttft:.2f} ms "
+            emit(dict(model=size, dtype=dt, batch=B, prompt_tokens=n, ttft_ms=round(ttft, 3), eager_prefill_ms=round(eager, 3)),
+                 f"{size:>6} {dt} time to first token, {B} x {n}-token prompt{'s' if B > 1 else ''}: {ttft:.2f} ms "
                  f"(eager prefill, no graph: {eager:.2f} ms)")
         if size == "130m":
             torch.cuda.reset_peak_memory_stats()
             ms = prefill_ms(model, 1, args.long, repeat=1)
             peak = torch.cuda.max_memory_allocated() / 2**30
-            emit(dict(model=size, long_tokens=args.long, ms=round(ms, 1), peak_gib=round(peak, 2)),
-                 f"{size:>6} {args.long:,}-token prompt: {ms:.0f} ms, peak {peak:.2f} GiB (chunks of {model.chunk_tokens} tokens)")
+            emit(dict(model=size, dtype=dt, long_tokens=args.long, ms=round(ms, 1), peak_gib=round(peak, 2)),
+                 f"{size:>6} {dt} {args.long:,}-token prompt: {ms:.0f} ms, peak {peak:.2f} GiB (chunks of {model.chunk_tokens} tokens)")
         model = lm = None  # free the weights and graphs before the next size
         torch.cuda.empty_cache()
     if args.json:

@@ -150,3 +150,12 @@ def nbytes(t) -> int:
     if t is None:
         return 0
     return t.nbytes if isinstance(t, Fp8Weight) else t.numel() * t.element_size()
+
+
+def block_scaled(weights) -> list[str]:
+    """The names of a model's (core/model.MambaWeights') block-scaled FP8 matrices, e.g.
+    'layers.3.in_proj_w' or 'lm_head': the GPU's FP8 products take a scale a row."""
+    found = [f"layers.{i}.{name}" for i, lw in enumerate(weights.layers) for name, t in vars(lw).items()
+             if isinstance(t, Fp8Weight) and t.block is not None]
+    head = weights.lm_head
+    return found + (["lm_head"] if isinstance(head, Fp8Weight) and head.block is not None else [])

@@ -17,7 +17,7 @@ import torch
 from fastmamba.core.config import MambaConfig
 from fastmamba.core.errors import NonFiniteError
 from fastmamba.core.families import sublayers
-from fastmamba.core.fp8 import FP8, Fp8Weight
+from fastmamba.core.fp8 import FP8, Fp8Weight, block_scaled
 from fastmamba.core.layers import Memory, kinds, layer_kind
 from fastmamba.core.ops import REFERENCE_OPS, Ops
 from fastmamba.core.state import MambaState
@@ -48,9 +48,14 @@ class Mamba:
 
     def __init__(self, config: MambaConfig, weights: MambaWeights, ops: Ops = REFERENCE_OPS, chunk_tokens: int = 16384,
                  state_dtype: torch.dtype = torch.float32):
+        if weights.fp8 and not ops.fp8:
+            raise ValueError("fp8 weights run on the reference ops or the GPU's (core/ops.triton_ops), not on "
+                             "these ops (the training ops take plain tensors)")
         if weights.fp8 and ops is not REFERENCE_OPS:
-            raise ValueError("fp8 weights run on the reference engine (the CPU): the GPU's fp8 kernels are not "
-                             "built yet")
+            blocks = block_scaled(weights)
+            if blocks:
+                raise ValueError(f"block-scaled FP8 weights ({blocks[0]} and {len(blocks) - 1} more) run on the "
+                                 "reference engine (engine='reference'): the GPU's FP8 products take a scale a row")
         self.config = config
         self.weights = weights
         self.ops = ops

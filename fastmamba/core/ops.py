@@ -7,19 +7,20 @@ backward runs in Triton (fastmamba.Backbone under autograd).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
+from functools import partial, wraps
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from fastmamba.core import fp8
-from fastmamba.core.fp8 import Fp8Weight
+from fastmamba.core.fp8 import FP8, Fp8Weight
 from fastmamba.kernels.causal_conv1d import ConvTiles, causal_conv1d_ref
 from fastmamba.kernels.conv_grad import ConvGradTiles
+from fastmamba.kernels.fp8_gemm import fp8_linear
 from fastmamba.kernels.gated_norm import gated_rmsnorm_ref
 from fastmamba.kernels.paged_attention import PagedTiles
-from fastmamba.kernels.products import linear_storage
+from fastmamba.kernels.products import linear_invariant, linear_storage
 from fastmamba.kernels.rmsnorm import add_norm_ref
 from fastmamba.kernels.scan_grad import TrainScanTiles
 from fastmamba.kernels.selective_scan import ScanTiles, step_and_scan_ref
@@ -50,9 +51,43 @@ class Ops:
     # a decode step's attention over the paged KV cache (kernels/paged_attention.py); None:
     # the attention sublayer's own torch ops, as for prefill
     paged_decode: Callable | None = None
+    fp8: bool = False  # whether `linear` takes Fp8Weights (and the rest an activation dtype of FP8)
 
 
-REFERENCE_OPS = Ops(linear, causal_conv1d_ref, step_and_scan_ref, add_norm_ref)
+REFERENCE_OPS = Ops(linear, causal_conv1d_ref, step_and_scan_ref, add_norm_ref, fp8=True)
+
+
+def gpu_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The GPU's product: kernels/products.linear_storage, or for an Fp8Weight
+    kernels/fp8_gemm.fp8_linear (cuBLASLt's FP8 GEMM, the activations quantized a token)."""
+    if isinstance(weight, Fp8Weight):
+        return fp8_linear(x, weight.data, weight.scale, bias, out_dtype)
+    return linear_storage(x, weight, bias, out_dtype)
+
+
+def gpu_linear_invariant(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None,
+                         out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """kernels/products.linear_invariant (a row's bits the same at any number of rows), an
+    Fp8Weight's e4m3 values read by the same GEMM, bfloat16 activations, its scales on the sums."""
+    if isinstance(weight, Fp8Weight):
+        return linear_invariant(x, weight.data, bias, out_dtype, scale=weight.scale)
+    return linear_invariant(x, weight, bias, out_dtype)
+
+
+def _fp8_as_bfloat16(fn: Callable) -> Callable:
+    """fn with a dtype argument of FP8 taken as bfloat16: a layer asks for the activations
+    its next product reads in the weights' storage dtype, which for FP8 weights is the
+    products' own business (fp8_linear quantizes a token at a time); bfloat16 keeps
+    float32's range at half the bytes, as on the bfloat16 path."""
+
+    @wraps(fn)
+    def wrapped(*args, **kwargs):
+        args = tuple(torch.bfloat16 if a is FP8 else a for a in args)
+        kwargs = {k: torch.bfloat16 if v is FP8 else v for k, v in kwargs.items()}
+        return fn(*args, **kwargs)
+
+    return wrapped
 
 
 @dataclass(frozen=True)
@@ -77,8 +112,10 @@ def triton_ops(tiles: KernelTiles) -> Ops:
     from fastmamba.kernels.selective_scan import step_and_scan
     from fastmamba.kernels.ssd import ssd_scan
 
-    return Ops(linear_storage, partial(causal_conv1d, tiles=tiles.conv), partial(step_and_scan, tiles=tiles.scan),
-               add_norm, partial(ssd_scan, tiles=tiles.ssd), gated_rmsnorm, partial(paged_decode, tiles=tiles.paged))
+    fp8_safe = _fp8_as_bfloat16
+    return Ops(gpu_linear, fp8_safe(partial(causal_conv1d, tiles=tiles.conv)),
+               fp8_safe(partial(step_and_scan, tiles=tiles.scan)), add_norm, fp8_safe(partial(ssd_scan, tiles=tiles.ssd)),
+               fp8_safe(gated_rmsnorm), partial(paged_decode, tiles=tiles.paged), fp8=True)
 
 
 def training_ops(tiles: KernelTiles) -> Ops:

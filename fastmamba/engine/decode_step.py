@@ -11,21 +11,18 @@ from dataclasses import replace
 import torch
 
 from fastmamba.core.model import Mamba
-from fastmamba.core.ops import triton_ops
+from fastmamba.core.ops import gpu_linear_invariant, triton_ops
 from fastmamba.engine.plan import KERNEL_TILES, one_row_blocks, plan_for
 from fastmamba.kernels.decode_gemm import GemmDecodeStep
 from fastmamba.kernels.decode_step import DecodeStep
 from fastmamba.kernels.decode_step_mamba2 import Mamba2DecodeStep
-from fastmamba.kernels.products import linear_invariant
 
 
 def make_decode_step(model, batch: int, deterministic: bool = False, plan=None):
     """The decode step for this batch size as `plan` says (default: plan.plan_for, the table
     of which step and products run where). A one-row plan without launch settings takes
     the table's for the model's shapes (plan.one_row_blocks)."""
-    c, dtype = model.config, model.weights.embedding.dtype
-    if model.weights.fp8:
-        raise ValueError("fp8 weights have no GPU decode step: the GPU's fp8 kernels are not built yet")
+    c, dtype = model.config, model.weights.dtype  # (float8_e4m3fn for FP8 weights: their own rows)
     plan = plan or plan_for(c, dtype, batch, deterministic)
     if plan.step == "layer-ops":
         return OpsDecodeStep(model, plan)
@@ -34,6 +31,9 @@ def make_decode_step(model, batch: int, deterministic: bool = False, plan=None):
     if plan.blocks is None:
         plan = replace(plan, blocks=one_row_blocks(c.d_model, c.d_inner, c.vocab_size, dtype, c.layer))
     if c.layer == "mamba2":
+        if model.weights.fp8:
+            raise ValueError("FP8 Mamba-2 layers have no one-row decode step yet: their plan is 'layer-ops' "
+                             "(plan.plan_for's), whose products read the FP8 weights")
         return Mamba2DecodeStep(model, batch, plan)
     return DecodeStep(model, batch, plan)
 
@@ -48,7 +48,7 @@ class OpsDecodeStep:
         self.plan = plan
         ops = triton_ops(KERNEL_TILES)  # (whatever ops the model was built with: this is the GPU's step)
         if not plan.cublas:
-            ops = replace(ops, linear=linear_invariant)
+            ops = replace(ops, linear=gpu_linear_invariant)
         self.model = Mamba(model.config, model.weights, ops, model.chunk_tokens, model.state_dtype)
 
     def __call__(self, tokens: torch.Tensor, state, argmax: bool = False) -> torch.Tensor:

@@ -8,10 +8,12 @@ import torch
 
 from fastmamba.core.dtypes import parse_dtype, parse_state_dtype
 from fastmamba.core.errors import CheckpointError
+from fastmamba.core.fp8 import block_scaled
 from fastmamba.core.layers import LAYER_KINDS, layer_kind
 from fastmamba.core.model import Mamba
 from fastmamba.core.ops import REFERENCE_OPS, triton_ops
 from fastmamba.engine.language_model import LanguageModel
+from fastmamba.engine.memory import check_weights_fit
 from fastmamba.engine.plan import KERNEL_TILES
 from fastmamba.io.checkpoint import load_checkpoint
 from fastmamba.io.files import inside
@@ -37,10 +39,13 @@ def load(
     wins when it exists. None loads the bundled default model.
     device: "cpu" or "cuda" (or a torch.device).
     dtype: storage of the large matrices, "float32", "bfloat16", "float16" or "fp8" (or a torch
-    dtype); accumulation, states, norms and logits are float32 whatever it is. "fp8" (the
-    CPU only, for now): the projections and an untied head in float8 e4m3 with a float32
-    scale a row (core/fp8.py), the embedding in float32; an FP8 checkpoint (compressed-tensors)
-    keeps its own values and scales, and under any other dtype is dequantized.
+    dtype); accumulation, states, norms and logits are float32 whatever it is. "fp8": the
+    projections and an untied head in float8 e4m3 with a float32 scale a row (core/fp8.py),
+    the embedding in float32; an FP8 checkpoint (compressed-tensors) keeps its own values
+    and scales, and under any other dtype is dequantized. On the GPU the decode step's
+    kernels read the e4m3 bytes and prefill runs cuBLASLt's FP8 GEMM (kernels/fp8_gemm.py);
+    block-scaled FP8 checkpoints run on the reference engine. On CUDA a model whose weights
+    cannot fit the free memory is refused (a CheckpointError) before any is allocated.
     engine: "triton" (GPU kernels and CUDA graphs, the default on CUDA) or "reference"
     (the pure-PyTorch path, the default and only choice on the CPU).
     deterministic: on the GPU, make a slot's logits bitwise the same whatever the batch
@@ -65,9 +70,6 @@ def load(
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
-    if storage == torch.float8_e4m3fn and dev.type != "cpu":  # (before anything touches the GPU)
-        raise ValueError(f"dtype 'fp8' runs on the CPU for now (device='cpu'): the GPU's fp8 kernels are not built "
-                         f"yet; on {device!r} load with dtype='bfloat16'")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for, but PyTorch sees no CUDA GPU here")
     if dev.type not in ("cpu", "cuda"):
@@ -75,7 +77,12 @@ def load(
     if engine not in (None, "triton", "reference") or (engine == "triton" and (dev.type != "cuda" or not HAVE_TRITON)):
         raise ValueError(f"engine must be 'reference', or 'triton' on a CUDA device with Triton installed; got {engine!r}")
     folder = checkpoint_folder(path)
+    if dev.type == "cuda":  # (refused before any weight is allocated, not halfway)
+        check_weights_fit(folder, storage, dev)
     config, weights = load_checkpoint(folder, dev, storage)
+    if weights.fp8 and engine == "triton" and block_scaled(weights):
+        raise ValueError(f"engine 'triton' takes FP8 weights with a scale a row; this checkpoint's are block-scaled "
+                         f"({block_scaled(weights)[0]}): use engine='reference'")
     gpu_kernels = layer_kind(config).gpu_kernels
     if engine == "triton" and not gpu_kernels:
         raise ValueError(f"engine 'triton' has no kernels for {config.layer} layers yet: use engine='reference' "
@@ -85,7 +92,8 @@ def load(
         raise ValueError(f"engine 'triton' cannot run {', '.join(off_gpu)} sublayers yet (the GPU's kernels and "
                          "CUDA graphs for them are not built): use engine='reference' (pure PyTorch, on any device)")
     if engine is None:
-        engine = "triton" if dev.type == "cuda" and HAVE_TRITON and gpu_kernels and not off_gpu else "reference"
+        engine = ("triton" if dev.type == "cuda" and HAVE_TRITON and gpu_kernels and not off_gpu
+                  and not (weights.fp8 and block_scaled(weights)) else "reference")
     tokenizer = None
     if (folder / "tokenizer.json").exists():
         tokenizer = Tokenizer(inside(folder, "tokenizer.json"))

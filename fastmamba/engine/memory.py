@@ -3,10 +3,20 @@ activations), and a hybrid's KV cache, sized from the free memory where not give
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import torch
 
+from fastmamba.core.config import MambaConfig
+from fastmamba.core.dtypes import embedding_dtype
+from fastmamba.core.errors import CheckpointError
+from fastmamba.core.families import family
+from fastmamba.core.fp8 import FP8
 from fastmamba.core.kv_cache import bytes_per_token
 from fastmamba.core.layers import state_bytes
+from fastmamba.io.checkpoint import expected_shapes
+from fastmamba.io.files import inside
 
 
 def kv_cache_tokens(model, megabytes: int | None, slots: int = 0) -> int | None:
@@ -39,3 +49,54 @@ def slot_bytes(model) -> int:
     rows (the seen marks; logit bias and token counts, 4 bytes each), activations."""
     c = model.config
     return state_bytes(c, model.state_dtype.itemsize) + 4 * c.vocab_size * 4 + 9 * c.vocab_size + 16 * c.d_inner * 4
+
+
+def _is_matrix(name: str, shape: tuple[int, ...]) -> bool:
+    """A tensor the loader stores in the storage dtype: a projection's or experts' weight
+    (2-D, or stacked 3-D), not a conv's (E, 1, K) nor a vector."""
+    return name.endswith(".weight") and len(shape) >= 2 and not (len(shape) == 3 and shape[1] == 1)
+
+
+def weights_bytes(config: MambaConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """(the bytes a model's weights take on the device in storage `dtype`, the most that
+    loading holds besides for a moment): from the shapes its checkpoint must have
+    (io/checkpoint.expected_shapes, which the loader checks the files' headers against).
+    The projections in `dtype` (FP8: a byte a weight and a float32 scale a row), the
+    embedding in dtypes.embedding_dtype, the rest float32. The moment: one matrix in float32
+    (a conversion's copy), three of it under FP8 (quantizing: its float32 copy, scaled and
+    clamped)."""
+    total, largest = 0, 0
+    for name, shape in expected_shapes(config).items():
+        n = math.prod(shape)
+        if name == family(config).embedding:
+            total += n * embedding_dtype(dtype).itemsize
+        elif _is_matrix(name, shape):
+            total += n * dtype.itemsize + (4 * math.prod(shape[:-1]) if dtype == FP8 else 0)
+            largest = max(largest, n)
+        else:
+            total += 4 * n
+    return total, 4 * largest * (3 if dtype == FP8 else 1)
+
+
+def check_weights_fit(folder: Path, dtype: torch.dtype, device: torch.device, free: int | None = None) -> None:
+    """A CheckpointError before anything is allocated if the model in folder cannot fit the
+    GPU's free memory in storage `dtype` (free: torch.cuda.mem_get_info's, where not given),
+    naming the bytes needed and free, and --dtype fp8 where that would fit: never a CUDA
+    out-of-memory error halfway through the load."""
+    config = MambaConfig.from_file(inside(folder, "config.json"))
+    need, moment = weights_bytes(config, dtype)
+    if free is None:
+        free, _ = torch.cuda.mem_get_info(device)
+    if need + moment <= free:
+        return
+    gib = 2.0**30
+    hint = ""
+    if dtype != FP8:
+        fp8_need, fp8_moment = weights_bytes(config, FP8)
+        if fp8_need + fp8_moment <= free:
+            hint = f"; with dtype 'fp8' (--dtype fp8) its weights take {fp8_need / gib:.2f} GiB and would fit"
+    raise CheckpointError(
+        f"{folder}: the model's weights need {need / gib:.2f} GiB ({need} bytes) in {str(dtype).removeprefix('torch.')}"
+        f", and loading them {moment / gib:.2f} GiB more for a moment, but {device} has {free / gib:.2f} GiB "
+        f"({free} bytes) free{hint}"
+    )

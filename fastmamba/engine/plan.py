@@ -175,7 +175,7 @@ class DecodePlan:
 
 @dataclass(frozen=True)
 class Route:
-    weights: str  # "16-bit" (bfloat16, float16) or "float32"
+    weights: str  # "16-bit" (bfloat16, float16), "float32" or "fp8" (float8 e4m3 with a scale a row)
     widths: tuple[int, int]  # d_model, from and to
     batches: tuple[int, int]  # batch sizes, from and to
     step: str
@@ -214,12 +214,25 @@ ROUTES = (
     Route("float32", (1, 2048), (65, MANY), "products", NONE,
           "(1.4b batch 128: 8.962 against cuBLAS 11.372, 512: 32.55 / 35.06; 130m 1024: 7.16 / 8.82)"),
     Route("float32", (2049, MANY), (65, MANY), "products", NONE, "(2.8b batch 128: 18.111 against 20.804, 256: 33.15 / 37.07)"),
+    # -- FP8 weights: UNTUNED defaults, not yet measured on a GPU ------------------------------------
+    # The one-row kernels and the Triton products read the e4m3 bytes themselves (kernels/fp8_gemm.py);
+    # cuBLAS's products would need the activations in FP8 too, so every products step here is
+    # all Triton (bfloat16 operands, the values widened exactly). The one-row crossovers are
+    # 16-bit's: half the weight bytes should move them, which the device run will say.
+    Route("fp8", (1, 768), (1, 4), "one-row", NONE, "untuned: 16-bit's crossover"),
+    Route("fp8", (769, 1024), (1, 3), "one-row", NONE, "untuned: 16-bit's crossover"),
+    Route("fp8", (1025, MANY), (1, 2), "one-row", NONE, "untuned: 16-bit's crossover"),
+    Route("fp8", (1, 768), (5, MANY), "products", NONE, "untuned: the Triton products read the e4m3 bytes"),
+    Route("fp8", (769, 1024), (4, MANY), "products", NONE, "untuned: as above"),
+    Route("fp8", (1025, MANY), (3, MANY), "products", NONE, "untuned: as above"),
 )
 DETERMINISTIC = Route("any", (1, MANY), (1, MANY), "products", NONE,
                       "deterministic=True: the batch-invariant Triton products at every batch size")
 
 
 def _weights(dtype: torch.dtype) -> str:
+    if dtype == torch.float8_e4m3fn:
+        return "fp8"
     return "float32" if dtype == torch.float32 else "16-bit"
 
 
@@ -253,6 +266,8 @@ MAMBA2_ROUTES = (
           "Mamba-2 (2.7b batch 1: 1.967 against 2.815, Codestral 4.059 / 5.211; batch 2: 2.880 / 2.963, "
           "Codestral loses, 6.278 / 5.393)"),
 )
+# FP8 Mamba-2 (untuned): the layer over the GPU ops, its products kernels/fp8_gemm.fp8_linear
+# (cuBLASLt's FP8 GEMM, the activations quantized a token), until MAMBA2_ROUTES has fp8 rows.
 LAYER_OPS = DecodePlan("layer-ops", cublas=ALL, pdl=False,
                        reason="Mamba-2: the layer over the GPU ops, cuBLAS products "
                        "(2.7b batch 128: 14.76 ms against 16.33)")
@@ -260,7 +275,8 @@ LAYER_OPS_DETERMINISTIC = DecodePlan("layer-ops", pdl=False, reason="Mamba-2, de
 
 
 def plan_for(config, dtype: torch.dtype, batch: int, deterministic: bool = False) -> DecodePlan:
-    """The decode plan for a model of this config, weights of `dtype`, `batch` rows."""
+    """The decode plan for a model of this config, weights of `dtype` (the large matrices':
+    MambaWeights.dtype, float8_e4m3fn for FP8 weights), `batch` rows."""
     if getattr(config, "hybrid", False):  # (the fused steps are Mamba's alone)
         return LAYER_OPS_DETERMINISTIC if deterministic else LAYER_OPS
     if config.layer == "mamba2":

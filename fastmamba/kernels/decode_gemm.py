@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from ._triton import jit, tl, triton
 from .activations import silu, softplus
 from .causal_conv1d import causal_conv1d_ref
+from .fp8_gemm import operand_dtype, weight_parts
 from .pdl import NO_PDL, pdl_launch, wait_for_prior_kernel
 from .products import cublas_gemm, invariant_gemm, split_count
 from .rmsnorm import residual_rmsnorm
@@ -198,8 +199,21 @@ class GemmDecodeStep:
         self.model, self.B, self.plan = model, batch, plan
         self.cublas_products = set(plan.cublas)  # the rest through invariant_gemm
         self.splits = dict(plan.splits)
+        # FP8 projections (fp8_gemm.py): their operands in bfloat16, the e4m3 values widened
+        # exactly in invariant_gemm's programs; a head left in float32 (tied to the
+        # embedding) keeps a float32 operand
+        fp8 = weight_parts(w.layers[0].in_proj_w)[1] is not None if w.layers else False
+        if fp8:
+            names = [n for n in ("in_proj_w", "x_proj_w", "dt_proj_w", "out_proj_w")
+                     if any(weight_parts(getattr(lw, n))[1] is None for lw in w.layers)]
+            if names or self.cublas_products:
+                raise ValueError("the products step runs FP8 weights through its Triton products, every projection "
+                                 f"in FP8 (cuBLAS products asked for: {sorted(self.cublas_products)}; "
+                                 f"projections not in FP8: {names})")
+            sdt = torch.bfloat16
+        head_dtype = operand_dtype(w.lm_head) if fp8 else sdt
         # the products whose 16-bit operand comes in two halves, B rows each (split16.py)
-        self.halves = plan.halves if sdt != torch.float32 else frozenset()
+        self.halves = plan.halves if sdt != torch.float32 and not fp8 else frozenset()
         d, E, N, R = c.d_model, c.d_inner, c.d_state, c.dt_rank
         self.rows = rows = {p: 2 * batch if p in self.halves else batch for p in PRODUCTS}  # each product's operand rows
         # the K chunks each product's result comes in (plan.splits)
@@ -212,6 +226,8 @@ class GemmDecodeStep:
         self.h = torch.zeros(batch, d, **f32)
         self.o = torch.zeros(self.parts["out_proj"] * batch, d, **f32)
         self.u = torch.zeros(max(rows["in_proj"], rows["lm_head"]), d, device=dev, dtype=sdt)
+        # lm_head's operand: u itself, or its own buffer where the head reads another dtype
+        self.u_head = self.u if head_dtype == sdt else torch.zeros(rows["lm_head"], d, device=dev, dtype=head_dtype)
         self.xz = torch.zeros(self.parts["in_proj"] * batch, 2 * E, **f32)
         self.xc = torch.zeros(batch, E, **f32)
         self.xc16 = torch.zeros(rows["x_proj"], E, device=dev, dtype=sdt)
@@ -224,9 +240,10 @@ class GemmDecodeStep:
         self.logits = torch.zeros(batch, c.vocab_size, **f32)
         self.pdl = pdl_launch(dev) if plan.pdl else NO_PDL
 
-    def product(self, name: str, a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+    def product(self, name: str, a: torch.Tensor, weight, out: torch.Tensor) -> None:
         if name not in self.cublas_products:
-            invariant_gemm(a, weight, out, self.splits[name], self.pdl)
+            values, scale = weight_parts(weight)
+            invariant_gemm(a, values, out, self.splits[name], self.pdl, scale=scale)
         else:
             cublas_gemm(a, weight, out)
 
@@ -236,11 +253,14 @@ class GemmDecodeStep:
         c, w = self.model.config, self.model.weights
         R, eps, B, halves, parts, pdl = c.dt_rank, c.norm_eps, self.B, self.halves, self.parts, self.pdl
         blocks = self.plan.products_blocks
-        u_in, u_head = self.u[: self.rows["in_proj"]], self.u[: self.rows["lm_head"]]
-        if h is None:
-            torch.index_select(w.embedding, 0, tokens, out=self.u[:B])  # u as scratch for the lookup
-            h = self.u[:B]
-        self.h.copy_(h)
+        u_in, u_head = self.u[: self.rows["in_proj"]], self.u_head[: self.rows["lm_head"]]
+        if h is None and w.embedding.dtype == self.h.dtype:  # (a float32 embedding: FP8 weights')
+            torch.index_select(w.embedding, 0, tokens, out=self.h)
+        else:
+            if h is None:
+                torch.index_select(w.embedding, 0, tokens, out=self.u[:B])  # u as scratch for the lookup
+                h = self.u[:B]
+            self.h.copy_(h)
         prev = None  # the previous layer's out_proj bias, added with its output
         for i, lw in enumerate(w.layers):
             residual_rmsnorm(self.h, self.o if i else None, prev, lw.norm_w, eps, u_in, o_parts=parts["out_proj"],

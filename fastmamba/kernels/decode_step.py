@@ -43,7 +43,6 @@ Why it is shaped this way:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ._triton import jit, tl, triton
 from .activations import silu, softplus
@@ -55,6 +54,7 @@ from .argmax_keys import (
     token_of_key,
 )
 from .decode_gemm import conv_step_ref, ssm_update_ref
+from .fp8_gemm import linear_ref, weight_parts
 from .gemv import (
     add_fixed,
     from_fixed_tile,
@@ -73,26 +73,26 @@ from .rmsnorm import residual_rmsnorm_ref
 
 def rmsnorm_linear_ref(h, norm_w, eps, weight, bias=None):
     """(B, d) f32 -> (B, n_out) f32: linear(rmsnorm(h) * norm_w)."""
-    return F.linear(residual_rmsnorm_ref(h, None, None, norm_w, eps)[1], weight.float(), bias)
+    return linear_ref(residual_rmsnorm_ref(h, None, None, norm_w, eps)[1], weight, bias)
 
 
 def conv_x_proj_ref(x, conv_state, conv_w, conv_b, x_proj_w):
     """x (B, E) -> xc (B, E) f32 after conv + SiLU, and dbc (B, R+2N) f32; updates conv_state."""
     xc = conv_step_ref(x, conv_state, conv_w, conv_b)
-    return xc, F.linear(xc, x_proj_w.float())
+    return xc, linear_ref(xc, x_proj_w)
 
 
 def ssm_step_ref(dbc, xc, z, ssm_state, dt_proj_w, dt_bias, A, D):
     """One recurrence step -> y (B, E) f32 (D skip and SiLU(z) gate applied); updates ssm_state."""
     N = A.shape[1]
     R = dbc.shape[1] - 2 * N
-    dt = F.linear(dbc[:, :R], dt_proj_w.float())  # (B, E)
+    dt = linear_ref(dbc[:, :R], dt_proj_w)  # (B, E)
     return ssm_update_ref(dt, dbc[:, R : R + N], dbc[:, R + N :], xc, z, ssm_state, dt_bias, A, D)
 
 
 def out_proj_residual_ref(y, weight, bias, h):
     """h + y @ weight.T + bias, f32."""
-    return h + F.linear(y.float(), weight.float(), bias)
+    return h + linear_ref(y, weight, bias)
 
 
 def embed_ref(tokens, embedding):
@@ -119,9 +119,9 @@ def _embed_kernel(tok_ptr, emb_ptr, h_ptr, dh_ptr, B, D, BN: tl.constexpr, PDL: 
 
 @jit
 def _rmsnorm_linear_kernel(
-    h_ptr, dh_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, xc_ptr, dbc_ptr, best_ptr,
-    B, D, NOUT, E, J, eps,
-    HAS_BIAS: tl.constexpr, CONV: tl.constexpr, ARGMAX: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+    h_ptr, dh_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, wxs_ptr, xc_ptr, dbc_ptr,
+    best_ptr, B, D, NOUT, E, J, eps,
+    W_SCALED: tl.constexpr, WX_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, CONV: tl.constexpr, ARGMAX: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     HAS_CB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     BJ: tl.constexpr, STAGES: tl.constexpr, SUM_LAST: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -161,6 +161,8 @@ def _rmsnorm_linear_kernel(
         sq += hk * hk
         acc += mm_terms(hk * nw[None, :], w, SUM_LAST)
     acc = mm_total(acc, SUM_LAST) * (1.0 / tl.sqrt(tl.sum(sq, 1) / D + eps))[:, None]
+    if W_SCALED:  # FP8 weights: each sum times its row's scale, once
+        acc *= tl.load(ws_ptr + n, mask=nmask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nmask, other=0.0)[None, :]
     tl.store(out_ptr + rows[:, None] * NOUT + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
@@ -172,7 +174,7 @@ def _rmsnorm_linear_kernel(
             # x_proj's columns are loaded only now, from L2 (prefetched before the wait: 130m
             # 0.196 ms a step against 0.203 from memory); loaded into registers before the
             # wait, they slowed the whole step 1.3x (bf16) to 3.5x (float32)
-            _add_x_proj_share(xc, _x_proj_columns(wx_ptr, n, E, J, BJ), rows, rmask, dbc_ptr, J, BJ)
+            _add_x_proj_share(xc, _x_proj_columns(wx_ptr, n, E, J, BJ), rows, rmask, dbc_ptr, wxs_ptr, J, BJ, WX_SCALED)
 
 
 @jit
@@ -237,16 +239,22 @@ def _x_proj_columns(wx_ptr, n, E, J, BJ: tl.constexpr):
 
 
 @jit
-def _add_x_proj_share(xc, wx, rows, rmask, dbc_ptr, J, BJ: tl.constexpr):
-    """This program's share of xc @ x_proj.T, added to dbc in fixed point (exact in any order)."""
+def _add_x_proj_share(xc, wx, rows, rmask, dbc_ptr, wxs_ptr, J, BJ: tl.constexpr, SCALED: tl.constexpr):
+    """This program's share of xc @ x_proj.T, added to dbc in fixed point (exact in any order);
+    SCALED: FP8 x_proj, the share times each output row's scale (the scales distribute over
+    the shares' sum)."""
     j = tl.arange(0, BJ)
-    add_fixed(dbc_ptr + rows[:, None] * BJ + j[None, :], mm(xc, wx), rmask[:, None] & (j < J)[None, :])
+    share = mm(xc, wx)
+    if SCALED:
+        share *= tl.load(wxs_ptr + j, mask=j < J, other=0.0)[None, :]
+    add_fixed(dbc_ptr + rows[:, None] * BJ + j[None, :], share, rmask[:, None] & (j < J)[None, :])
 
 
 @jit
 def _conv_x_proj_kernel(
-    xz_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, xc_ptr, dbc_ptr, B, E, J,
-    K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
+    xz_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, wxs_ptr, xc_ptr, dbc_ptr, B, E, J,
+    K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr, WX_SCALED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # The conv step and x_proj as a kernel of their own, for wide models (see
     # OneRowBlocks.conv_in_in_proj): the same work as in_proj's epilogue, on x from xz.
@@ -261,14 +269,14 @@ def _conv_x_proj_kernel(
     wait_for_prior_kernel(PDL)
     x = tl.load(xz_ptr + rows[:, None] * (2 * E) + n[None, :], mask=rmask[:, None] & (n < E)[None, :], other=0.0)
     xc = _conv_step(x, cw, cw_new, cb, window, rows, rmask, n, cs_ptr, xc_ptr, E, K, KP)
-    _add_x_proj_share(xc, wx, rows, rmask, dbc_ptr, J, BJ)
+    _add_x_proj_share(xc, wx, rows, rmask, dbc_ptr, wxs_ptr, J, BJ, WX_SCALED)
 
 
 @jit
 def _ssm_step_kernel(
-    dbc_ptr, xc_ptr, xz_ptr, ss_ptr, dtw_ptr, dtb_ptr, A_ptr, D_ptr, y_ptr, h_ptr, dh_ptr, B, E, R, DM, eps,
+    dbc_ptr, xc_ptr, xz_ptr, ss_ptr, dtw_ptr, dts_ptr, dtb_ptr, A_ptr, D_ptr, y_ptr, h_ptr, dh_ptr, B, E, R, DM, eps,
     N: tl.constexpr, NP: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr,
-    BE: tl.constexpr, BD: tl.constexpr, DBC_NORM: tl.constexpr, PDL: tl.constexpr,
+    BE: tl.constexpr, BD: tl.constexpr, DBC_NORM: tl.constexpr, DT_SCALED: tl.constexpr, PDL: tl.constexpr,
 ):
     let_next_kernel_launch(PDL)
     pid_b = tl.program_id(0)
@@ -286,6 +294,8 @@ def _ssm_step_kernel(
     w = tl.load(dtw_ptr + e[:, None] * R + r[None, :], mask=emask[:, None] & (r < R)[None, :], other=0.0)
     A = tl.load(A_ptr + e[:, None] * N + nn[None, :], mask=emask[:, None] & nmask[None, :], other=0.0)
     dtb = tl.load(dtb_ptr + e, mask=emask, other=0.0)
+    if DT_SCALED:  # FP8 dt_proj: its rows' scales
+        dts = tl.load(dts_ptr + e, mask=emask, other=0.0)
     Dv = tl.load(D_ptr + e, mask=emask, other=0.0)
     sp = ss_ptr + rows[:, None, None] * (E * N) + e[None, :, None] * N + nn[None, None, :]
     sm = m[:, :, None] & nmask[None, None, :]
@@ -305,8 +315,10 @@ def _ssm_step_kernel(
     cols = pid_e * BD + tl.arange(0, BD)
     offs, hm = rows[:, None] * DM + cols[None, :], rmask[:, None] & (cols < DM)[None, :]
     h_new = residual_tile(h_ptr, dh_ptr, offs, hm)
-    dt = mm(dtr, w) + dtb[None, :]  # (1, BE)
-    dt = softplus(dt)
+    dt = mm(dtr, w)  # (1, BE)
+    if DT_SCALED:
+        dt *= dts[None, :]
+    dt = softplus(dt + dtb[None, :])
     s = s * tl.exp(dt[:, :, None] * A[None, :, :]) + (dt * x)[:, :, None] * Bv[:, None, :]
     # Every thread holding an element of the state or of h / dh has read it before it is
     # rewritten (dh's zeros go out in another layout than dh came in: without a barrier a
@@ -322,8 +334,8 @@ def _ssm_step_kernel(
 
 @jit
 def _out_proj_residual_kernel(
-    y_ptr, w_ptr, b_ptr, dh_ptr, dbc_ptr, B, D, E, KCHUNK,
-    HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
+    y_ptr, w_ptr, ws_ptr, b_ptr, dh_ptr, dbc_ptr, B, D, E, KCHUNK,
+    W_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
 ):
     let_next_kernel_launch(PDL)
     pid_b = tl.program_id(0)
@@ -346,6 +358,8 @@ def _out_proj_residual_kernel(
         k = k + BK  # the next tile (nothing past this split's end)
         w = tl.load(w_ptr + n[:, None] * E + k[None, :], mask=nmask[:, None] & (k < k_end)[None, :], other=0.0)
         acc += mm(yk, w_now)
+    if W_SCALED:  # FP8 weights: this split's sums times their rows' scales
+        acc *= tl.load(ws_ptr + n, mask=nmask, other=0.0)[None, :]
     if HAS_BIAS:  # once, with the first split (n >= pid_s * D holds there only)
         acc += tl.load(b_ptr + n, mask=nmask & (n >= pid_s * D), other=0.0)[None, :]
     # This split's share of y @ W.T, added to dh in fixed point (exact in any order); the
@@ -430,6 +444,7 @@ class DecodeStep:
         (mm_terms), where d takes more than one K tile (in one tile the products would wait
         through the loop in registers for nothing). unroll: the K loop unrolled by this much
         where the products are summed after it."""
+        weight, scale = weight_parts(weight)
         n_out, d = weight.shape
         BN, BK, warps, stages = blocks
         sum_last = sum_last and d > BK
@@ -438,13 +453,15 @@ class DecodeStep:
         if conv is not None:
             lw, conv_state = conv
             cb = lw.conv_b if lw.conv_b is not None else lw.conv_w
-            conv_args = (conv_state, lw.conv_w, cb, lw.x_proj_w, self.xc, self.dbc)
+            wx, wxs = weight_parts(lw.x_proj_w)
+            conv_args = (conv_state, lw.conv_w, cb, wx, wx if wxs is None else wxs, self.xc, self.dbc)
         else:  # unused pointers
-            conv_args = (out,) * 6
+            wxs = None
+            conv_args = (out,) * 7
         _rmsnorm_linear_kernel[grid](
-            self.h, self.dh, norm_w, weight, bias if bias is not None else weight, out, *conv_args, self.best,
-            self.B, d, n_out, c.d_inner, self.J, c.norm_eps,
-            HAS_BIAS=bias is not None, CONV=conv is not None, ARGMAX=argmax, K=c.d_conv, KP=triton.next_power_of_2(c.d_conv),
+            self.h, self.dh, norm_w, weight, weight if scale is None else scale, bias if bias is not None else weight, out,
+            *conv_args, self.best, self.B, d, n_out, c.d_inner, self.J, c.norm_eps,
+            W_SCALED=scale is not None, WX_SCALED=wxs is not None, HAS_BIAS=bias is not None, CONV=conv is not None, ARGMAX=argmax, K=c.d_conv, KP=triton.next_power_of_2(c.d_conv),
             HAS_CB=conv is not None and conv[0].conv_b is not None,
             BN=BN, BK=BK, BJ=self.BJ, STAGES=stages, SUM_LAST=sum_last, UNROLL=unroll if sum_last else 1,
             num_warps=warps, **self.pdl_for("rmsnorm_linear"),
@@ -461,11 +478,12 @@ class DecodeStep:
             return
         self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, **linear)
         c = self.model.config
+        wx, wxs = weight_parts(lw.x_proj_w)
         _conv_x_proj_kernel[(self.B, triton.cdiv(c.d_inner, self.BN_conv))](
             self.xz, conv_state, lw.conv_w, lw.conv_b if lw.conv_b is not None else lw.conv_w,
-            lw.x_proj_w, self.xc, self.dbc, self.B, c.d_inner, self.J,
+            wx, wx if wxs is None else wxs, self.xc, self.dbc, self.B, c.d_inner, self.J,
             K=c.d_conv, KP=triton.next_power_of_2(c.d_conv), HAS_CB=lw.conv_b is not None,
-            BN=self.BN_conv, BJ=self.BJ, num_warps=max(4, self.BN_conv // 16), **self.pdl_for("conv_x_proj"),
+            BN=self.BN_conv, BJ=self.BJ, WX_SCALED=wxs is not None, num_warps=max(4, self.BN_conv // 16), **self.pdl_for("conv_x_proj"),
         )
 
     def lm_head(self, argmax: bool = False) -> None:
@@ -487,20 +505,23 @@ class DecodeStep:
         """y from dbc, xc and the z half of xz; updates ssm_state (B, E, N); folds dh into h
         (h += dh, dh = 0)."""
         c = self.model.config
+        dtw, dts = weight_parts(lw.dt_proj_w)
         _ssm_step_kernel[(self.B, triton.cdiv(c.d_inner, self.BE_ssm))](
-            self.dbc, self.xc, self.xz, ssm_state, lw.dt_proj_w, lw.dt_bias, lw.A, lw.D, self.y, self.h, self.dh,
-            self.B, c.d_inner, c.dt_rank, c.d_model, c.dbc_norm_eps or 0.0, N=c.d_state, NP=self.NP, BJ=self.BJ,
-            BR=self.BR, BE=self.BE_ssm, BD=self.BD_ssm, DBC_NORM=c.dbc_norm_eps is not None, num_warps=self.warps_ssm,
+            self.dbc, self.xc, self.xz, ssm_state, dtw, dtw if dts is None else dts, lw.dt_bias, lw.A, lw.D, self.y,
+            self.h, self.dh, self.B, c.d_inner, c.dt_rank, c.d_model, c.dbc_norm_eps or 0.0, N=c.d_state, NP=self.NP,
+            BJ=self.BJ, BR=self.BR, BE=self.BE_ssm, BD=self.BD_ssm, DBC_NORM=c.dbc_norm_eps is not None,
+            DT_SCALED=dts is not None, num_warps=self.warps_ssm,
             **self.pdl_for("ssm_step"),
         )
 
     def out_proj_residual(self, lw) -> None:
         """dh += y @ out_proj.T + bias (dh is zero before: ssm_step leaves it so); zeroes dbc."""
         c = self.model.config
+        w, ws = weight_parts(lw.out_proj_w)
         _out_proj_residual_kernel[(self.B, self.nt_d, self.nsplit_out)](
-            self.y, lw.out_proj_w, lw.out_proj_b if lw.out_proj_b is not None else lw.out_proj_w,
+            self.y, w, w if ws is None else ws, lw.out_proj_b if lw.out_proj_b is not None else w,
             self.dh, self.dbc, self.B, c.d_model, c.d_inner, self.kchunk_out,
-            HAS_BIAS=lw.out_proj_b is not None, BN=self.BN_out, BK=self.BK_out, BJ=self.BJ, num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),
+            W_SCALED=ws is not None, HAS_BIAS=lw.out_proj_b is not None, BN=self.BN_out, BK=self.BK_out, BJ=self.BJ, num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),
         )
 
     def __call__(self, tokens: torch.Tensor, state, argmax: bool = False, h: torch.Tensor | None = None) -> torch.Tensor:

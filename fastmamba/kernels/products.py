@@ -63,9 +63,10 @@ def cublas_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> Non
         torch.mm(a, weight.t(), out_dtype=torch.float32, out=out)
 
 
-def invariant_gemm_ref(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """a (M, K) @ weight (N, K).T in float32."""
-    return F.linear(a.float(), weight.float())
+def invariant_gemm_ref(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """a (M, K) @ weight (N, K).T in float32; scale: e4m3 weight's row scales, on the sums."""
+    y = F.linear(a.float(), weight.float())
+    return y if scale is None else y * scale
 
 
 @jit
@@ -82,8 +83,9 @@ def tensor_dot(a, b, acc, F32: tl.constexpr):
 
 @jit(do_not_specialize=["M"])
 def _gemm_kernel(
-    a_ptr, w_ptr, out_ptr, M, N, K, KCHUNK,
-    F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+    a_ptr, w_ptr, s_ptr, out_ptr, M, N, K, KCHUNK,
+    F32: tl.constexpr, SCALED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # (M is not specialised on its value: the code must not change with the batch size.)
     wait_for_prior_kernel(PDL)
@@ -101,7 +103,11 @@ def _gemm_kernel(
         kmask = k < k_end
         a = tl.load(a_ptr + rows64[:, None] * K + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if SCALED:  # e4m3 values, widened exactly to the operand's dtype
+            w = w.to(a_ptr.dtype.element_ty)
         acc = tensor_dot(a, tl.trans(w), acc, F32)
+    if SCALED:  # an FP8 weight's row scales, once on each sum
+        acc *= tl.load(s_ptr + n, mask=nmask, other=0.0)[None, :]
     out = out_ptr + pid_s.to(tl.int64) * M * N + rows64[:, None] * N + n[None, :]
     tl.store(out, acc, mask=rmask[:, None] & nmask[None, :])
 
@@ -161,27 +167,35 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def invariant_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, splits: int = 1, pdl: dict = NO_PDL) -> None:
+def invariant_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, splits: int = 1, pdl: dict = NO_PDL,
+                   scale: torch.Tensor | None = None) -> None:
     """out[s * M:(s + 1) * M] = a @ weight[:, chunk s].T for each K chunk s (split_count of
     them; they add up to the whole product), float32. a (M, K) in the weight's dtype. pdl:
-    launch options from pdl.pdl_launch (default: a plain launch)."""
+    launch options from pdl.pdl_launch (default: a plain launch).
+    scale (N,) float32: weight holds float8 e4m3 values and each output column's sum (each
+    chunk's) is multiplied by its row's scale; a in bfloat16 (or float32)."""
     M, K = a.shape
     N = weight.shape[0]
     chunk = _chunk(K, splits)
     chunks = triton.cdiv(K, chunk)
     assert out.shape == (chunks * M, N) and out.is_contiguous() and a.is_contiguous()
-    f32 = weight.dtype == torch.float32
+    assert (scale is None) == (weight.dtype != torch.float8_e4m3fn), "an FP8 weight comes with its scales"
+    f32 = a.dtype == torch.float32
+    # (FP8 weights: untuned, the 16-bit tiles; their bytes are half as many a tile)
     t = _tiles(M, N, K, chunks, f32, _multiprocessors(weight.device))
     grid = (triton.cdiv(M, t.BM), triton.cdiv(N, t.BN), chunks)
-    _gemm_kernel[grid](a, weight, out, M, N, K, chunk, F32=f32, BM=t.BM, BN=t.BN, BK=t.BK, STAGES=t.stages, num_warps=t.warps, **pdl)
+    _gemm_kernel[grid](a, weight, scale if scale is not None else weight, out, M, N, K, chunk, F32=f32,
+                       SCALED=scale is not None, BM=t.BM, BN=t.BN, BK=t.BK, STAGES=t.stages, num_warps=t.warps, **pdl)
 
 
 def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                     out_dtype: torch.dtype = torch.float32, scale: torch.Tensor | None = None) -> torch.Tensor:
     """linear_storage through invariant_gemm: a row's result is the same bits at any number
-    of rows (the deterministic decode of the layers that run on their ops, Mamba-2)."""
-    x2 = x.reshape(-1, x.shape[-1]).to(weight.dtype).contiguous()
+    of rows (the deterministic decode of the layers that run on their ops, Mamba-2).
+    scale: weight holds e4m3 values with these row scales (x rounded to bfloat16)."""
+    operand = torch.bfloat16 if scale is not None else weight.dtype
+    x2 = x.reshape(-1, x.shape[-1]).to(operand).contiguous()
     out = torch.empty(x2.shape[0], weight.shape[0], device=x.device, dtype=torch.float32)
-    invariant_gemm(x2, weight, out)
+    invariant_gemm(x2, weight, out, scale=scale)
     out = out.view(*x.shape[:-1], weight.shape[0])
     return (out if bias is None else out + bias).to(out_dtype)

@@ -1,0 +1,107 @@
+"""FP8 weights' products on the GPU: a float8 e4m3 matrix (out, in) with a float32 scale a row.
+
+Prefill (`fp8_linear`): cuBLASLt's FP8 GEMM (torch._scaled_mm, Hopper and newer), the
+activations quantized a token (row) at a time to e4m3 (the row's largest magnitude / 448,
+as the weights' rows are), the two row-wise scales applied to the float32 sums in the GEMM's
+epilogue. Its output is bfloat16 (cuBLASLt's row-wise kernels write no float32), added to a
+bias and widened in float32. Shapes cuBLASLt cannot take (a side of the weight not a
+multiple of 16: an odd vocabulary's head) go through products.invariant_gemm instead, whose
+programs read the e4m3 values, widen them exactly to bfloat16 beside bfloat16 activations and
+scale each sum once at the end, as the decode step's products do.
+
+The decode step's products (products.py's GEMM, the one-row kernels of decode_step.py and
+decode_step_mamba2.py) read the e4m3 bytes themselves: the weight dtype is the pointer's,
+and a SCALED constexpr multiplies each output's sum by its row's scale, once.
+
+A weight reaches the kernels as two tensors (`weight_parts`): the kernels import nothing of
+fastmamba outside kernels/, so an FP8 weight is anything with e4m3 `data` and a float32
+`scale` a row (core/fp8.Fp8Weight); block-scaled ones are the engine's to refuse.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+_FP8 = torch.float8_e4m3fn
+
+
+def weight_parts(weight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A weight as (values, its rows' float32 scales or None): a tensor as it is, an FP8
+    weight (e4m3 `data` (out, in), float32 `scale` (out,)) as its two tensors."""
+    if isinstance(weight, torch.Tensor):
+        return weight, None
+    assert getattr(weight, "block", None) is None, "block-scaled FP8 weights have no GPU kernels"
+    return weight.data, weight.scale
+
+
+def operand_dtype(weight) -> torch.dtype:
+    """The dtype a GPU product's activations are rounded to before it reads them: bfloat16
+    for an FP8 weight (its e4m3 values widen to bfloat16 exactly), the weight's own dtype
+    otherwise."""
+    return torch.bfloat16 if weight_parts(weight)[1] is not None else weight.dtype
+
+
+def linear_ref(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias in float32, the decode kernels' twin: a tensor widened, an FP8
+    weight's e4m3 values widened and each sum times its row's scale (as the kernels do)."""
+    values, scale = weight_parts(weight)
+    y = F.linear(x.float(), values.float())
+    if scale is not None:
+        y = y * scale
+    return y if bias is None else y + bias
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (e4m3 values (M, K), float32 scales (M, 1)): each row over its largest
+    magnitude / 448 (a zero row's scale 1), rounded to nearest, saturating. Torch ops
+    only: no host sync, so it runs inside a CUDA graph."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1, keepdim=True)  # (M, 1)
+    scale = torch.where(amax > 0, amax / _E4M3_MAX, torch.ones_like(amax))
+    # (contiguous: element-wise ops keep a transposed view's strides, and cuBLASLt wants rows)
+    return (x / scale).clamp(-_E4M3_MAX, _E4M3_MAX).to(_FP8).contiguous(), scale
+
+
+def fp8_linear_ref(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                   out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """What fp8_linear computes, in float32: x (..., K) quantized a row, times the e4m3
+    values (N, K).T, each sum scaled by its row's and its column's scale, plus bias."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, sx = quantize_rows(x2)
+    y = (xq.float() @ values.float().t()) * sx * scale[None, :]  # (M, N)
+    y = y.view(*x.shape[:-1], values.shape[0])
+    return (y if bias is None else y + bias).to(out_dtype)
+
+
+def scaled_mm_fits(values: torch.Tensor) -> bool:
+    """Whether cuBLASLt's FP8 GEMM takes this weight: both sides multiples of 16."""
+    n, k = values.shape
+    return n % 16 == 0 and k % 16 == 0
+
+
+def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x (..., K) @ (values * scale).T + bias for e4m3 values (N, K) row-major and their
+    float32 scales (N,): on CUDA through torch._scaled_mm with x quantized a row
+    (fp8_linear_ref's arithmetic, its sums rounded once to bfloat16), or through
+    products.invariant_gemm where the shape does not fit cuBLASLt; on the CPU the reference.
+    Output (..., N) in out_dtype."""
+    if not x.is_cuda:
+        return fp8_linear_ref(x, values, scale, bias, out_dtype)
+    x2 = x.reshape(-1, x.shape[-1])
+    N = values.shape[0]
+    if scaled_mm_fits(values):
+        xq, sx = quantize_rows(x2)
+        y = torch._scaled_mm(xq, values.t(), scale_a=sx, scale_b=scale.view(1, N), out_dtype=torch.bfloat16,
+                             use_fast_accum=False)
+    else:
+        from .products import invariant_gemm
+
+        y = torch.empty(x2.shape[0], N, device=x.device, dtype=torch.float32)
+        invariant_gemm(x2.to(torch.bfloat16).contiguous(), values, y, scale=scale)
+    y = y.view(*x.shape[:-1], N)
+    if bias is not None:
+        y = y.float() + bias
+    return y.to(out_dtype)
