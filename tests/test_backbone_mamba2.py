@@ -356,6 +356,67 @@ def test_the_gpu_ops_equal_the_cpus():
         assert rel_err(found[1][name].cpu(), g) < (1e-4 if DEVICE == "cuda" else 1e-5), name
 
 
+@pytest.mark.parametrize("T,Q", [(40, 16), (33, 16), (7, 64)])  # chunks and a part; one short chunk
+@pytest.mark.parametrize("with_resets", [False, True])
+def test_the_triton_ssd_matches_autograd_of_the_chunked_ssd(T, Q, with_resets):
+    """kernels/ssd_grad.ssd_scan_train_triton (the forward kernels of ssd.py, its own backward)
+    against autograd through ssd_scan_train: y, the new state and every gradient."""
+    pytest.importorskip("triton")
+    from dataclasses import replace
+
+    from fastmamba.engine.plan import SSD_TILES
+    from fastmamba.kernels.ssd_grad import SSD_GRAD_TILES, ssd_scan_train, ssd_scan_train_triton
+
+    B, H, P, G, N = 2, 4, 3, 2, 5
+    g = torch.Generator().manual_seed(T)
+    inp = [torch.randn(*shape, generator=g) for shape in ((B, T, H, P), (B, T, H), (H,))]
+    inp += [-2 * torch.rand(H, generator=g)] + [torch.randn(*shape, generator=g)
+                                                for shape in ((B, T, G, N), (B, T, G, N), (H,), (B, H, P, N))]
+    resets = torch.rand(B, T, generator=g) < 0.15 if with_resets else None
+    wy, ws = torch.randn(B, T, H, P, generator=g), torch.randn(B, H, P, N, generator=g)
+    found = []
+    for scan, kw in ((ssd_scan_train, {}), (ssd_scan_train_triton, dict(tiles=SSD_TILES,
+                                                                           grad_tiles=replace(SSD_GRAD_TILES, chunk=Q)))):
+        leaves = [v.clone().to(DEVICE).requires_grad_(True) for v in inp]
+        x, dt, dt_bias, A, Bm, Cm, D, s0 = leaves
+        state = s0.clone()
+        y = scan(x, dt, dt_bias, (0.0, math.inf), A, Bm, Cm, D, state, Q, None,
+                 None if resets is None else resets.to(DEVICE), **kw)
+        ((y * wy.to(DEVICE)).sum() + (state * ws.to(DEVICE)).sum()).backward()
+        found.append([y.detach().cpu(), state.detach().cpu()] + [v.grad.cpu() for v in leaves])
+    tol = 1e-4 if DEVICE == "cuda" else 2e-5
+    for name, ours, theirs in zip("y state x dt dt_bias A B C D state0".split(), found[1], found[0]):
+        assert rel_err(ours, theirs) < tol, name
+
+
+def test_the_ssd_backward_kernels_compile_for_hopper():
+    """The training SSD's backward kernels compile for sm_90 at mamba_ssm's head sizes (no
+    GPU needed: Triton ships ptxas; tools/compile_kernels.py's compile_kernel)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import compile_kernels as ck
+from fastmamba.kernels import ssd_grad as sg
+dims = dict(H=8, P=64, N=128, G=1, Q=sg.SSD_GRAD_TILES.chunk, PP=64, NP=128, RESETS=True)
+ck.compile_kernel(sg._ssd_bwd_chunk_kernel, ck.ptrs("x_ptr", "dy_ptr", "B_ptr", "C_ptr", "dt_ptr", "cum_ptr",
+    "starts_ptr", "gend_ptr", "A_ptr", "D_ptr", "dx_ptr", "dB_ptr", "dC_ptr", "ddt_ptr", "dA_ptr", "dD_ptr",
+    first_ptr="*i32"), dims, num_warps=sg.SSD_GRAD_TILES.warps)
+ck.compile_kernel(sg._ssd_bwd_dstart_kernel, ck.ptrs("dy_ptr", "C_ptr", "cum_ptr", "out_ptr", first_ptr="*i32"), dims,
+                  num_warps=sg.SSD_GRAD_TILES.warps)
+print("compiled")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tools = Path(__file__).resolve().parents[1] / "tools"
+    r = subprocess.run([sys.executable, "-c", script, str(tools)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("B", [1, 37, 300])
@@ -395,8 +456,8 @@ def test_gpu_graph_step_equals_eager_and_the_cpu(dtype, B):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_sequence_pass_with_resets(dtype):
     """On CUDA without autograd the sequence pass runs the prefill kernels; with autograd
-    the conv's training kernel and the chunked SSD in torch ops, whose gradients match the CPU's."""
-    from fastmamba.kernels.ssd_grad import ssd_scan_train
+    the training kernels (the conv's and the SSD's), whose gradients match the CPU's."""
+    from fastmamba.kernels.ssd_grad import ssd_scan_train_triton
 
     cpu = make(d_model=64, n_layer=3, input_dim=24, head_dim=32, d_state=32, n_groups=2, chunk_size=64)
     gpu = Backbone(cpu.config, device="cuda", dtype=dtype)
@@ -418,7 +479,7 @@ def test_gpu_sequence_pass_with_resets(dtype):
     assert rel_err(new.conv.cpu(), new_ref.conv) < tol
     w = torch.randn(5, 300, 64, generator=g)  # (the norm makes sum(y^2) near constant)
     xg = x.cuda().requires_grad_()
-    assert gpu._kernel_ops(xg, gpu_state).ssd is ssd_scan_train
+    assert gpu._kernel_ops(xg, gpu_state).ssd.func is ssd_scan_train_triton
     (gpu(xg, gpu_state, resets.cuda())[0] * w.cuda()).mean().backward()
     xc = x.clone().requires_grad_()
     (cpu16(xc, state, resets)[0] * w).mean().backward()

@@ -8,10 +8,10 @@ Which ops run the layer:
   torch ops that autograd differentiates (the reference's in-place state update would not be);
 - on CUDA without autograd (rollouts, evaluation), the language model's prefill kernels
   (kernels/ssd.py's chunked SSD and the conv take the resets);
-- on CUDA under autograd, the conv's training kernel (kernels/conv_grad.py: forward and
-  backward in Triton), the products and norms as torch ops in float32, and the SSD as
-  ssd_grad's chunked torch ops: its backward is autograd's over those ops (cuBLAS batched
-  products), not a Triton kernel of its own;
+- on CUDA under autograd, the training kernels: the conv's (kernels/conv_grad.py) and the
+  SSD's (kernels/ssd_grad.ssd_scan_train_triton: the language model's chunked forward
+  kernels, and a backward of its own), forward and backward in Triton; the products and
+  norms as torch ops in float32;
 - the step, the layer at one token: on the CPU the reference ops; on CUDA the GPU ops
   (kernels/ssd.py's step kernel), replayed as a CUDA graph (backbone_step.py).
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import partial
 
 import torch
 from torch import nn
@@ -99,13 +100,15 @@ def run(c, lw: Mamba2LayerWeights, u: torch.Tensor, conv: torch.Tensor, ssm: tor
 
 def gpu_ops(training: bool) -> Ops:
     """The ops of the sequence pass on CUDA (see the module's doc): the prefill kernels, or
-    under autograd the conv's training kernel and ssd_grad's chunked SSD."""
+    under autograd the training kernels (the conv's and the SSD's)."""
     from fastmamba.core.ops import training_ops, triton_ops
     from fastmamba.engine.plan import KERNEL_TILES
+    from fastmamba.kernels.ssd_grad import ssd_scan_train_triton
 
     if not training:
         return triton_ops(KERNEL_TILES)
-    return replace(training_ops(KERNEL_TILES), ssd=ssd_scan_train, gated_norm=CPU_OPS.gated_norm)
+    return replace(training_ops(KERNEL_TILES), ssd=partial(ssd_scan_train_triton, tiles=KERNEL_TILES.ssd),
+                   gated_norm=CPU_OPS.gated_norm)
 
 
 def step_ops(device: torch.device) -> Ops:
