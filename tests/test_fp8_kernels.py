@@ -203,17 +203,31 @@ def test_the_plan_has_fp8_rows_without_cublas(fp8_models):
     assert isinstance(make_decode_step(model, 64), GemmDecodeStep)
 
 
-def test_fp8_mamba2_decodes_through_its_layers(tmp_path):
-    """FP8 Mamba-2: the plan's layer-ops step (its products fp8_linear's); the one-row
-    step is refused by name."""
+@pytest.mark.parametrize("before", [False, True])
+def test_fp8_mamba2_one_row_step(tmp_path, before):
+    """FP8 Mamba-2's one-row step (kernels/decode_step_mamba2.py: in_proj and the head
+    through decode_step.py's kernel, out_proj in gated_out_proj, each reading the e4m3
+    bytes) against the reference engine's FP8 steps from the same state; the plan's FP8
+    Mamba-2 rows: one-row at a few rows, the layer over the GPU ops past them."""
     from test_mamba2 import save_mamba2
 
-    folder, _ = save_mamba2(tmp_path / "m")
-    model = fastmamba.load(folder, dtype="fp8").model
-    assert plan_for(model.config, FP8, 1).step == "layer-ops"
+    from fastmamba.kernels.decode_step_mamba2 import Mamba2DecodeStep
+
+    folder, _ = save_mamba2(tmp_path / "m", n_groups=2, use_bias=True)
+    loaded = fastmamba.load(folder, device=DEVICE, dtype="fp8").model
+    model = type(loaded)(dataclasses.replace(loaded.config, norm_before_gate=before), loaded.weights)
+    assert plan_for(model.config, FP8, 1).step == "one-row" and plan_for(model.config, FP8, 8).step == "layer-ops"
     assert plan_for(model.config, FP8, 1, deterministic=True).step == "layer-ops"
-    with pytest.raises(ValueError, match="FP8 Mamba-2 layers have no one-row decode step"):
-        make_decode_step(model, 1, plan=DecodePlan("one-row"))
+    B = 3
+    step = make_decode_step(model, B, plan=DecodePlan("one-row"))
+    assert isinstance(step, Mamba2DecodeStep)
+    state = model.new_state(B)
+    ids = torch.randint(0, 97, (B, 12), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    model.prefill(ids[:, :7], state, last_only=True)
+    ref_state = fastmamba.MambaState(state.conv.clone(), state.ssm.clone())
+    for t in range(7, 12):
+        assert rel_err(step(ids[:, t], state), model.step(ids[:, t], ref_state)) < ONE_ROW_TOL
+    assert rel_err(state.ssm, ref_state.ssm) < ONE_ROW_TOL and rel_err(state.conv, ref_state.conv) < ONE_ROW_TOL
 
 
 # -- the GPU ops' prefill (core/ops.triton_ops) --------------------------------------------------

@@ -265,9 +265,11 @@ MAMBA2_ROUTES = (
     Route("16-bit", (1025, MANY), (1, 1), "one-row", NONE,
           "Mamba-2 (2.7b batch 1: 1.967 against 2.815, Codestral 4.059 / 5.211; batch 2: 2.880 / 2.963, "
           "Codestral loses, 6.278 / 5.393)"),
+    # FP8 weights: UNTUNED, 16-bit's crossovers; past them the layer over the GPU ops (its
+    # products kernels/fp8_gemm.fp8_linear: cuBLASLt's FP8 GEMM, the activations quantized a token)
+    Route("fp8", (1, 1024), (1, 4), "one-row", NONE, "untuned: 16-bit's Mamba-2 crossover"),
+    Route("fp8", (1025, MANY), (1, 1), "one-row", NONE, "untuned: 16-bit's Mamba-2 crossover"),
 )
-# FP8 Mamba-2 (untuned): the layer over the GPU ops, its products kernels/fp8_gemm.fp8_linear
-# (cuBLASLt's FP8 GEMM, the activations quantized a token), until MAMBA2_ROUTES has fp8 rows.
 LAYER_OPS = DecodePlan("layer-ops", cublas=ALL, pdl=False,
                        reason="Mamba-2: the layer over the GPU ops, cuBLAS products "
                        "(2.7b batch 128: 14.76 ms against 16.33)")

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from ._triton import jit, tl, triton
 from .activations import silu
 from .decode_step import DecodeStep
+from .fp8_gemm import linear_ref, weight_parts
 from .gated_norm import gated_rmsnorm_ref, group_rmsnorm_ref
 from .gemv import add_fixed, mm, residual_tile, split_k_start
 from .pdl import let_next_kernel_launch, wait_for_prior_kernel
@@ -66,7 +67,7 @@ def gated_out_proj_ref(v, zxbcdt, lw, c) -> torch.Tensor:
         u = gated_rmsnorm_ref(v, z, lw.gate_norm_w, G, c.norm_eps, True)
     else:  # v is y * silu(z) already: its group norm, with no gate after
         u = group_rmsnorm_ref(v, lw.gate_norm_w, G, c.norm_eps)
-    return F.linear(u, lw.out_proj_w.float(), lw.out_proj_b)
+    return linear_ref(u, lw.out_proj_w, lw.out_proj_b)
 
 
 # -- kernels -----------------------------------------------------------------------------------
@@ -159,11 +160,11 @@ def _ssd_conv_step_kernel(
 
 @jit
 def _gated_out_proj_kernel(
-    v_ptr, zx_ptr, part_ptr, gw_ptr, w_ptr, b_ptr, dh_ptr, cs_ptr, D, KCHUNK, eps,
+    v_ptr, zx_ptr, part_ptr, gw_ptr, w_ptr, ws_ptr, b_ptr, dh_ptr, cs_ptr, D, KCHUNK, eps,
     E: tl.constexpr, G: tl.constexpr, N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     PARTS: tl.constexpr, PPG: tl.constexpr, GP: tl.constexpr, PPGP: tl.constexpr,
     HAS_BIAS: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    BC: tl.constexpr, TILE_IN_GROUP: tl.constexpr, PDL: tl.constexpr,
+    BC: tl.constexpr, TILE_IN_GROUP: tl.constexpr, W_SCALED: tl.constexpr, PDL: tl.constexpr,
 ):
     let_next_kernel_launch(PDL)
     row = tl.program_id(0)
@@ -207,6 +208,8 @@ def _gated_out_proj_kernel(
         k = k + BK  # the next tile (nothing past this split's end)
         w = tl.load(w_ptr + n[:, None] * E + k[None, :], mask=nmask[:, None] & (k < k_end)[None, :], other=0.0)
         acc += mm(u[None, :], w_now)
+    if W_SCALED:  # FP8 weights: this split's sums times their rows' scales
+        acc *= tl.load(ws_ptr + n, mask=nmask, other=0.0)[None, :]
     if HAS_BIAS:  # once, with the first split (n >= pid_s * D holds there only)
         acc += tl.load(b_ptr + n, mask=nmask & (n >= pid_s * D), other=0.0)[None, :]
     add_fixed(dh_ptr + row64 * D + n[None, :], acc, nmask[None, :])
@@ -245,9 +248,10 @@ class Mamba2DecodeStep(DecodeStep):
     def gated_out_proj(self, lw, conv_state) -> None:
         c = self.model.config
         parts = self.part.shape[1]
+        w, ws = weight_parts(lw.out_proj_w)
         _gated_out_proj_kernel[(self.B, self.nt_d, self.nsplit_out)](
-            self.y, self.zxbcdt, self.part, lw.gate_norm_w, lw.out_proj_w,
-            lw.out_proj_b if lw.out_proj_b is not None else lw.out_proj_w, self.dh, conv_state,
+            self.y, self.zxbcdt, self.part, lw.gate_norm_w, w, w if ws is None else ws,
+            lw.out_proj_b if lw.out_proj_b is not None else w, self.dh, conv_state,
             c.d_model, self.kchunk_out, c.norm_eps,
             E=c.d_inner, G=c.n_groups, N=c.d_state, H=c.n_heads, K=c.d_conv, KP=triton.next_power_of_2(c.d_conv),
             PARTS=parts, PPG=parts // c.n_groups, GP=triton.next_power_of_2(c.n_groups),
@@ -256,7 +260,7 @@ class Mamba2DecodeStep(DecodeStep):
             # every K tile inside one group (the splits start at whole tiles): its scale is
             # one number; the per-column choice took Codestral's out_proj to 44 µs against
             # 16 µs of weights (8 groups: 8 selects a column against 8 products a column)
-            TILE_IN_GROUP=(c.d_inner // c.n_groups) % self.BK_out == 0,
+            TILE_IN_GROUP=(c.d_inner // c.n_groups) % self.BK_out == 0, W_SCALED=ws is not None,
             num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),  # (likewise)
         )
 
