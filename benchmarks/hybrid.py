@@ -1,13 +1,19 @@
-"""Hybrid models (Mamba-2 + attention + MLP) at a public shape with random weights, bf16, on the
-GPU engine: the engine's decode step at batch 1 / 32 / 128 over contexts of --context tokens
-(wall ms a step, sampling and the host's bookkeeping included, against the floor: weights,
-recurrent states and the contexts' keys and values read once) with the state in each of
---state-dtypes, a --long prompt (32768 tokens) through the engine (its first token, its
-step, the memory it held at the peak), prefill 1 x 8192, and transformers' `generate` at
-batch 1 over the same random model in the same run.
+"""Hybrid models (Mamba-2 + attention + MLP or experts) at a public shape with random weights,
+bf16, on the engine fastmamba.load gives them on the GPU (the GPU engine; the reference engine,
+pure PyTorch, where the layer table says the GPU engine does not run a kind: the experts):
+the engine's decode step at batch 1 / 32 / 128 over contexts of --context tokens (wall ms a
+step, sampling and the host's bookkeeping included, against the floor: weights (of experts,
+those the rows pick), recurrent states and the contexts' keys and values read once) with the
+state in each of --state-dtypes, a --long prompt (32768 tokens) through the engine (its first
+token, its step, the memory it held at the peak), prefill 1 x 8192, and transformers'
+`generate` at batch 1 over the same random model in the same run.
 
     python -m benchmarks.hybrid --shape nemotron-h-8b --state-dtypes float32,bfloat16 --json hybrid.json
+    python -m benchmarks.hybrid --shape granite-4.0-h-tiny --json granite.json   # experts: the reference engine
     python -m benchmarks.hybrid --shape nemotron-h-tiny --device cpu --no-hf   # a smoke run
+
+(nemotron-3-nano-30b-a3b: 63 GB of bf16 weights, and its experts, stored one by one, are
+stacked at load, about 120 GB at the peak: an H200.)
 """
 
 import argparse
@@ -21,7 +27,9 @@ from fastmamba.bench import HYBRID_SHAPES, _random_tensors, copy_bandwidth
 from fastmamba.core.config import MambaConfig
 from fastmamba.core.dtypes import parse_state_dtype
 from fastmamba.core.kv_cache import bytes_per_token
+from fastmamba.core.layers import LAYER_KINDS, layer_kind
 from fastmamba.core.model import Mamba
+from fastmamba.core.moe import MoEWeights
 from fastmamba.core.ops import REFERENCE_OPS, triton_ops
 from fastmamba.core.sampling_params import SamplingParams
 from fastmamba.engine.engine_core import EngineCore
@@ -35,15 +43,25 @@ def cuda(device: str) -> bool:
     return torch.device(device).type == "cuda"
 
 
+def gpu_engine(c: MambaConfig) -> bool:
+    """Whether the GPU engine runs every sublayer kind of the model (the layer table's say, as
+    fastmamba.load reads it); else it runs on the reference engine on the GPU too."""
+    return layer_kind(c).gpu_kernels and all(LAYER_KINDS[k].gpu_engine for k in c.kinds)
+
+
+def engine(model: Mamba) -> str:
+    return "reference" if model.ops is REFERENCE_OPS else "triton"
+
+
 def model_of(shape: str, device: str) -> tuple[Mamba, dict]:
     raw = HYBRID_SHAPES[shape]
     c = MambaConfig.from_dict(raw, shape)
-    tensors = _random_tensors(c, device)
     dtype = torch.bfloat16 if cuda(device) else torch.float32
+    tensors = _random_tensors(c, device, dtype)
     weights = build_weights(c, tensors, dict.fromkeys(tensors, "random"), device, dtype)
     del tensors
     empty_cache()
-    return Mamba(c, weights, triton_ops(KERNEL_TILES) if cuda(device) else REFERENCE_OPS), raw
+    return Mamba(c, weights, triton_ops(KERNEL_TILES) if cuda(device) and gpu_engine(c) else REFERENCE_OPS), raw
 
 
 def empty_cache() -> None:
@@ -62,11 +80,18 @@ def synced(fn) -> float:
 
 
 def floor_ms(model: Mamba, batch: int, context: int, bandwidth: float) -> float:
-    w = model.weights
+    """The step's floor: its weights (of a mixture of experts, those the rows pick: E (1 - (1 -
+    k / E)^B) experts of E, expected under uniform routing, as random weights route), every
+    row's recurrent state read and written and its context's keys and values read, at the
+    copy bandwidth."""
+    w, c = model.weights, model.config
     tensors = [w.embedding if w.lm_head is w.embedding else w.lm_head, w.norm_f]
     tensors += [t for lw in w.layers for t in _tensors(lw)]
     weights = sum(t.numel() * t.element_size() for t in tensors)
-    c = model.config
+    if c.n_experts:
+        unpicked = (1 - c.experts_per_token / c.n_experts) ** batch  # (an expert no row picks)
+        weights -= unpicked * sum(t.numel() * t.element_size() for lw in w.layers if isinstance(lw, MoEWeights)
+                                  for t in (lw.in_w, lw.out_w))
     state = model.new_state(1)
     per_row = 2 * (state.conv.numel() + state.ssm.numel()) * state.conv.element_size()
     kv = bytes_per_token(c, w.embedding.element_size()) * context  # every context's keys and values read
@@ -83,7 +108,7 @@ def _tensors(obj):
 
 def decode_ms(model: Mamba, batch: int, context: int, steps: int) -> float:
     """Wall ms of an engine step once `batch` requests with `context`-token prompts decode."""
-    lm = LanguageModel(model, None, engine="triton" if model.weights.norm_f.is_cuda else "reference")
+    lm = LanguageModel(model, None, engine=engine(model))
     core = EngineCore(model, lm.prefill, max_batch=batch, prefill_tokens=8192,
                       kv_tokens=batch * (context + 3 * steps + 64))
     g = torch.Generator().manual_seed(batch)
@@ -103,7 +128,7 @@ def long_prompt(model: Mamba, tokens: int, out: int = 16) -> dict:
     its time to the first token, its decode step, and the device memory it held at the
     peak beyond what the model held before."""
     gpu = model.weights.norm_f.is_cuda
-    lm = LanguageModel(model, None, engine="triton" if gpu else "reference")
+    lm = LanguageModel(model, None, engine=engine(model))
     if gpu:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -161,7 +186,7 @@ def main() -> None:
         ap.error("--device cuda: no CUDA device here (--device cpu for a smoke run)")
     bw = copy_bandwidth() if cuda(args.device) else 20e9  # (the CPU's floor: a nominal 20 GB/s)
     model, raw = model_of(args.shape, args.device)
-    emit(device=torch.cuda.get_device_name() if cuda(args.device) else "cpu", shape=args.shape,
+    emit(device=torch.cuda.get_device_name() if cuda(args.device) else "cpu", shape=args.shape, engine=engine(model),
          copy_bandwidth_gbs=round(bw / 1e9))
     for state_dtype in args.state_dtypes.split(","):
         m = Mamba(model.config, model.weights, model.ops, state_dtype=parse_state_dtype(state_dtype))

@@ -49,6 +49,36 @@ HYBRID_SHAPES = {
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 21504, "mlp_hidden_act": "relu2",
         "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128, "conv_kernel": 4, "chunk_size": 128,
         "layer_norm_epsilon": 1e-5, "eos_token_id": 2},
+    # ibm-granite/granite-4.0-h-tiny (7B, experts): the values as a public test fixture copies its
+    # config.json (GRANITE_H_TINY_HF, found by search; the hub's file itself was not found);
+    # 40 layers, 4 key-value heads and head_dim 128 (1536 / 12) as fitmyllm.com's page of the
+    # model lists them. Not found, so left at the reader's defaults: embedding_multiplier,
+    # residual_multiplier, attention_multiplier, logits_scaling (scalars folded into the weights
+    # at load: no bytes, no time), rms_norm_eps, eos_token_id; position_embedding_type absent
+    # reads as "nope", as the Granite-4.0-H models are.
+    "granite-4.0-h-tiny": {
+        "model_type": "granitemoehybrid", "hidden_size": 1536, "num_hidden_layers": 40, "vocab_size": 100352,
+        "tie_word_embeddings": True,
+        "layer_types": ["mamba"] * 5 + ["attention"] + (["mamba"] * 9 + ["attention"]) * 3 + ["mamba"] * 4,
+        "num_attention_heads": 12, "num_key_value_heads": 4, "intermediate_size": 512, "shared_intermediate_size": 1024,
+        "num_local_experts": 64, "num_experts_per_tok": 6, "mamba_n_heads": 48, "mamba_d_head": 64, "mamba_expand": 2,
+        "mamba_n_groups": 1, "mamba_d_state": 128, "mamba_d_conv": 4, "mamba_chunk_size": 256},
+    # nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B (experts, 23 Mamba-2 + 23 MoE + 6 attention layers):
+    # its config.json as public copies of it give it (a test's NEMOTRON3_30B_JSON, of transformers
+    # 4.55.4, found by search), each size the same in NVIDIA-NeMo/Megatron-Bridge's
+    # Nemotron3NanoProvider (src/megatron/bridge/models/nemotronh/nemotron_h_provider.py: pattern,
+    # hidden 2688, 64 Mamba heads of 64, state 128, 32 heads of 128 over 2 key-value heads, 128
+    # experts of 1856, top 6 scaled by 2.5, a shared expert of 3712, one group; 8 Mamba groups
+    # its base class's)
+    "nemotron-3-nano-30b-a3b": {
+        "model_type": "nemotron_h", "hidden_size": 2688, "vocab_size": 131072, "tie_word_embeddings": False,
+        "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+        "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 1856,
+        "mlp_hidden_act": "relu2", "mamba_num_heads": 64, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128,
+        "conv_kernel": 4, "chunk_size": 128, "use_conv_bias": True, "use_bias": False, "n_routed_experts": 128,
+        "num_experts_per_tok": 6, "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712,
+        "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+        "layer_norm_epsilon": 1e-5, "eos_token_id": 2},
     "nemotron-h-tiny": {  # (a smoke run's; the bundled tokenizer's vocabulary, for a served one)
         "model_type": "nemotron_h", "hidden_size": 256, "vocab_size": 4096, "hybrid_override_pattern": "M-M*-M-",
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512, "mamba_num_heads": 8,
@@ -81,19 +111,26 @@ def _random_tensor(name: str, shape: tuple[int, ...], n_layer: int, g: torch.Gen
     return randn((fan_in * n_layer) ** -0.5 if name.endswith(outputs) else fan_in**-0.5)
 
 
-def _random_tensors(c: MambaConfig, device) -> dict[str, torch.Tensor]:
+def _random_tensors(c: MambaConfig, device, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Every tensor of a model of config c by its transformers name (its family's, the layer
-    table's kinds), float32, random with _random_tensor's spreads (embedding 0.02, an untied
-    head by fan-in, norm_f near 1)."""
+    table's kinds), random with _random_tensor's spreads (embedding 0.02, an untied head by
+    fan-in, norm_f near 1): float32, the matrices in `dtype`, each rounded as it is made (so
+    that a model of 30B weights in bf16 is never held in float32 whole)."""
     g = torch.Generator(device=device).manual_seed(0)
     tensors = {}
     fam = family(c)
+
+    def matrix(name: str, t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if name.endswith("weight") and t.dim() >= 2 and "conv1d" not in name else t
+
     for sub in sublayers(c):
         for name, shape in LAYER_KINDS[sub.kind].shapes(c, sub, fam).items():
-            tensors[name] = _random_tensor(name, shape, c.n_layer, g, device)
-    tensors[fam.embedding] = 0.02 * torch.randn(c.vocab_size, c.d_model, device=device, generator=g)
+            tensors[name] = matrix(name, _random_tensor(name, shape, c.n_layer, g, device))
+    tensors[fam.embedding] = matrix(fam.embedding, 0.02 * torch.randn(c.vocab_size, c.d_model, device=device,
+                                                                     generator=g))
     if not c.tie_embeddings:
-        tensors[fam.lm_head] = c.d_model**-0.5 * torch.randn(c.vocab_size, c.d_model, device=device, generator=g)
+        tensors[fam.lm_head] = matrix(fam.lm_head, c.d_model**-0.5 * torch.randn(c.vocab_size, c.d_model, device=device,
+                                                                                  generator=g))
     tensors[fam.norm_f] = 1.0 + 0.1 * torch.randn(c.d_model, device=device, generator=g)
     return tensors
 
