@@ -43,8 +43,9 @@ def rand(*shape, seed=0):
 
 @pytest.fixture(scope="module")
 def fp8_models(checkpoints):
-    """The tiny checkpoints in FP8 on the test's device (the reference engine's weights)."""
-    return {name: fastmamba.load(checkpoints[name], device=DEVICE, dtype="fp8").model
+    """The tiny checkpoints in FP8 on the test's device, on the reference engine (whose
+    `step` is the oracle; the decode steps under test take its weights)."""
+    return {name: fastmamba.load(checkpoints[name], device=DEVICE, dtype="fp8", engine="reference").model
             for name in ("untied_bias_rank", "kernel3_state8", "odd_vocab_tied")}
 
 
@@ -146,7 +147,8 @@ def test_one_row_kernels_equal_their_twins_in_fp8(fp8_models):
     step.dh.zero_()
     step.out_proj_residual(lw)
     got = gemv.from_fixed(step.dh[:B])
-    assert rel_err(got, ds.out_proj_residual_ref(step.y[:B], lw.out_proj_w, lw.out_proj_b, torch.zeros_like(got))) < ONE_ROW_TOL
+    want = ds.out_proj_residual_ref(step.y[:B], lw.out_proj_w, lw.out_proj_b, torch.zeros_like(got))
+    assert rel_err(got, want) < ONE_ROW_TOL
 
 
 # -- the products step (kernels/decode_gemm.py) -------------------------------------------------
@@ -214,7 +216,7 @@ def test_fp8_mamba2_one_row_step(tmp_path, before):
     from fastmamba.kernels.decode_step_mamba2 import Mamba2DecodeStep
 
     folder, _ = save_mamba2(tmp_path / "m", n_groups=2, use_bias=True)
-    loaded = fastmamba.load(folder, device=DEVICE, dtype="fp8").model
+    loaded = fastmamba.load(folder, device=DEVICE, dtype="fp8", engine="reference").model
     model = type(loaded)(dataclasses.replace(loaded.config, norm_before_gate=before), loaded.weights)
     assert plan_for(model.config, FP8, 1).step == "one-row" and plan_for(model.config, FP8, 8).step == "layer-ops"
     assert plan_for(model.config, FP8, 1, deterministic=True).step == "layer-ops"
@@ -235,7 +237,7 @@ def test_fp8_mamba2_one_row_step(tmp_path, before):
 
 def test_the_gpu_ops_prefill_fp8(checkpoints):
     """The model over the GPU ops with FP8 weights (Triton conv and scan; the products
-    fp8_linear, here its reference arithmetic on the CPU; the activations the layers ask in
+    fp8_linear: cuBLASLt's on a GPU, its reference arithmetic on the CPU; the activations the layers ask in
     "FP8" written in bfloat16): its logits against float32 within ACTIVATIONS_OVER_WEIGHTS
     of the reference FP8 engine's error; the training ops refuse FP8 weights."""
     from fastmamba.core.model import Mamba
@@ -243,8 +245,8 @@ def test_the_gpu_ops_prefill_fp8(checkpoints):
     from fastmamba.engine.plan import KERNEL_TILES
 
     folder = checkpoints["kernel3_state8"]
-    ref = fastmamba.load(folder, device=DEVICE, dtype="fp8").model
-    f32 = fastmamba.load(folder, device=DEVICE).model
+    ref = fastmamba.load(folder, device=DEVICE, dtype="fp8", engine="reference").model
+    f32 = fastmamba.load(folder, device=DEVICE, engine="reference").model
     ours = Mamba(ref.config, ref.weights, triton_ops(KERNEL_TILES))
     ids = torch.randint(0, ref.config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(7)).to(DEVICE)
     want = f32.forward(ids)

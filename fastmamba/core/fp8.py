@@ -26,9 +26,12 @@ _VALUES = torch.arange(256, dtype=torch.uint8).view(FP8).float()
 
 
 def values(data: torch.Tensor) -> torch.Tensor:
-    """e4m3 values (any shape) as float32, exactly."""
-    table = _VALUES.to(data.device)
-    return table.index_select(0, data.view(torch.uint8).flatten().int()).view(data.shape)
+    """e4m3 values (any shape) as float32, exactly: on the CPU through the table, on a GPU
+    through torch's own conversion (no copy of the table from the host, which a CUDA graph
+    being captured could not take)."""
+    if data.device.type != "cpu":
+        return data.float()
+    return _VALUES.index_select(0, data.view(torch.uint8).flatten().int()).view(data.shape)
 
 
 @dataclass(frozen=True, eq=False)

@@ -114,8 +114,9 @@ def triton_ops(tiles: KernelTiles) -> Ops:
 
     fp8_safe = _fp8_as_bfloat16
     return Ops(gpu_linear, fp8_safe(partial(causal_conv1d, tiles=tiles.conv)),
-               fp8_safe(partial(step_and_scan, tiles=tiles.scan)), add_norm, fp8_safe(partial(ssd_scan, tiles=tiles.ssd)),
-               fp8_safe(gated_rmsnorm), partial(paged_decode, tiles=tiles.paged), fp8=True)
+               fp8_safe(partial(step_and_scan, tiles=tiles.scan)), add_norm,
+               fp8_safe(partial(ssd_scan, tiles=tiles.ssd)), fp8_safe(gated_rmsnorm),
+               partial(paged_decode, tiles=tiles.paged), fp8=True)
 
 
 def training_ops(tiles: KernelTiles) -> Ops:

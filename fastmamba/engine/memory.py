@@ -83,6 +83,8 @@ def check_weights_fit(folder: Path, dtype: torch.dtype, device: torch.device, fr
     GPU's free memory in storage `dtype` (free: torch.cuda.mem_get_info's, where not given),
     naming the bytes needed and free, and --dtype fp8 where that would fit: never a CUDA
     out-of-memory error halfway through the load."""
+    if not (folder / "config.json").is_file():  # (the loader names what is missing)
+        return
     config = MambaConfig.from_file(inside(folder, "config.json"))
     need, moment = weights_bytes(config, dtype)
     if free is None:
