@@ -1,6 +1,6 @@
-"""The Mamba-1 layer (state-spaces Mamba, HF `MambaForCausalLM`, Falcon-Mamba) over `Ops`: its
-weights, its tensors and their shapes, and its mixer, the one recurrent core of the language
-model and of fastmamba.Backbone.
+"""The Mamba-1 layer (state-spaces Mamba, HF `MambaForCausalLM`, Falcon-Mamba, Jamba's Mamba
+layers) over `Ops`: its weights, its tensors and their shapes, and its mixer, the one recurrent
+core of the language model and of fastmamba.Backbone.
 
 Per layer, per token, with h the residual stream (d = d_model, E = d_inner, N = d_state,
 R = dt_rank, K = d_conv):
