@@ -311,6 +311,25 @@ def test_the_cpu_step_follows_an_optimizers_updates():
         assert rel_err(steps(bb, x, state), bb(x)[0]) < TOL
 
 
+def test_a_bfloat16_state_and_numpy_steps():
+    """state_dtype bfloat16: the state stored in bf16, updated in float32 (rounded once on
+    store), close to the float32 state's; numpy in gives numpy out."""
+    import numpy as np
+
+    bb = make()
+    b16 = Backbone(bb.config, state_dtype="bfloat16")
+    b16.load_state_dict(bb.state_dict())
+    x = xs(3, 6)
+    s32, s16 = bb.new_state(3), b16.new_state(3)
+    assert s16.conv.dtype == s16.ssm.dtype == torch.bfloat16
+    with torch.no_grad():
+        ys32, ys16 = steps(bb, x, s32), steps(b16, x, s16)
+        y16, new16 = b16(x)
+    assert rel_err(ys16, ys32) < 2e-2 and rel_err(y16, ys32) < 2e-2 and new16.ssm.dtype == torch.bfloat16
+    y = bb.step(x[:, 0].numpy(), bb.new_state(3))
+    assert isinstance(y, np.ndarray) and y.shape == (3, 16) and y.dtype == np.float32
+
+
 # -- the GPU ops (Triton's interpreter without CUDA) -------------------------------------------
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -418,17 +437,17 @@ print("compiled")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype,state_dtype", [("float32", "float32"), ("bfloat16", "float32"), ("float32", "bfloat16")])
 @pytest.mark.parametrize("B", [1, 37, 300])
-def test_gpu_graph_step_equals_eager_and_the_cpu(dtype, B):
+def test_gpu_graph_step_equals_eager_and_the_cpu(dtype, state_dtype, B):
     cpu = make(d_model=128, n_layer=3, input_dim=64, head_dim=64, d_state=64, n_groups=1, chunk_size=256)
-    gpu = Backbone(cpu.config, device="cuda", dtype=dtype)
+    gpu = Backbone(cpu.config, device="cuda", dtype=dtype, state_dtype=state_dtype)
     gpu.load_state_dict(cpu.state_dict())
-    cpu16 = Backbone(cpu.config, dtype=dtype)
+    cpu16 = Backbone(cpu.config, dtype=dtype, state_dtype=state_dtype)
     cpu16.load_state_dict(cpu.state_dict())
     x = torch.randn(6, B, 64, generator=torch.Generator().manual_seed(1))
     s_graph, s_eager, s_cpu = gpu.new_state(B), gpu.new_state(B), cpu16.new_state(B)
-    tol = 1e-4 if dtype == "float32" else 2e-2
+    tol = 1e-4 if dtype == state_dtype == "float32" else 2e-2
     for t in range(6):
         if t == 3:
             done = torch.zeros(B, dtype=torch.bool)

@@ -511,7 +511,8 @@ class Backbone(nn.Module):
         A_log is derived once from the model's A."""
         c, w = model.config, model.weights
         if c.layer != "mamba1":
-            raise ValueError(f"a {c.layer} model's layers are not a fastmamba.Backbone (its layers are Mamba-1's)")
+            raise ValueError(f"a {c.layer} model's layers are not shared as a fastmamba.Backbone: of_language_model takes "
+                             "Mamba-1 models (BackboneConfig(layer='mamba2') makes a fresh Mamba-2 Backbone)")
         if c.dbc_norm_eps is not None:
             raise ValueError("a Falcon-Mamba model's layers are not a fastmamba.Backbone (their norm of dt, B, C)")
         if w.dtype == torch.float8_e4m3fn:
