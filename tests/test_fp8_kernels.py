@@ -175,11 +175,26 @@ def test_products_step_reads_fp8(fp8_models, name, batch):
     assert rel_err(state.ssm, ref_state.ssm) < BF16_OPERAND_TOL
 
 
-def test_products_step_refuses_cublas_products_for_fp8(fp8_models):
-    from fastmamba.engine.plan import IN_PROJ
+def test_products_step_with_cublas_products_in_fp8(checkpoints):
+    """A products plan naming cuBLAS products takes FP8 weights through fp8_linear (the
+    activations quantized a row, cuBLASLt's FP8 GEMM on a GPU): logits against float32
+    within ACTIVATIONS_OVER_WEIGHTS of the reference FP8 engine's error, over whole steps."""
+    from fastmamba.engine.plan import ALL, IN_PROJ
 
-    with pytest.raises(ValueError, match="FP8 weights through its Triton products"):
-        make_decode_step(fp8_models["kernel3_state8"], 8, plan=DecodePlan("products", IN_PROJ))
+    folder = checkpoints["untied_bias_rank"]
+    ref = fastmamba.load(folder, device=DEVICE, dtype="fp8", engine="reference").model
+    f32 = fastmamba.load(folder, device=DEVICE, engine="reference").model
+    B = 4
+    ids = torch.randint(0, ref.config.vocab_size, (B, 5), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    for cublas in (IN_PROJ, ALL):
+        step = make_decode_step(ref, B, plan=DecodePlan("products", cublas))
+        assert step.cublas_products == set(cublas)
+        states = {k: m.new_state(B) for k, m in (("ours", ref), ("ref", ref), ("f32", f32))}
+        for t in range(5):
+            want = f32.step(ids[:, t], states["f32"])
+            err = rel_err(step(ids[:, t], states["ours"]), want)
+            ref_err = rel_err(ref.step(ids[:, t], states["ref"]), want)
+            assert err <= ACTIVATIONS_OVER_WEIGHTS * ref_err, (sorted(cublas), t, err, ref_err)
 
 
 # -- the plan (engine/plan.py) ------------------------------------------------------------------

@@ -265,10 +265,6 @@ MAMBA2_ROUTES = (
     Route("16-bit", (1025, MANY), (1, 1), "one-row", NONE,
           "Mamba-2 (2.7b batch 1: 1.967 against 2.815, Codestral 4.059 / 5.211; batch 2: 2.880 / 2.963, "
           "Codestral loses, 6.278 / 5.393)"),
-    # FP8 weights: UNTUNED, 16-bit's crossovers; past them the layer over the GPU ops (its
-    # products kernels/fp8_gemm.fp8_linear: cuBLASLt's FP8 GEMM, the activations quantized a token)
-    Route("fp8", (1, 1024), (1, 4), "one-row", NONE, "untuned: 16-bit's Mamba-2 crossover"),
-    Route("fp8", (1025, MANY), (1, 1), "one-row", NONE, "untuned: 16-bit's Mamba-2 crossover"),
 )
 LAYER_OPS = DecodePlan("layer-ops", cublas=ALL, pdl=False,
                        reason="Mamba-2: the layer over the GPU ops, cuBLAS products "
@@ -284,9 +280,14 @@ def plan_for(config, dtype: torch.dtype, batch: int, deterministic: bool = False
     if config.layer == "mamba2":
         if deterministic:
             return LAYER_OPS_DETERMINISTIC
-        r = _entry(MAMBA2_ROUTES, config.d_model, dtype, batch)
+        # FP8 weights (UNTUNED): 16-bit's rows, past them the layer over the GPU ops, whose
+        # products are kernels/fp8_gemm.fp8_linear (cuBLASLt's FP8 GEMM)
+        fp8 = dtype == torch.float8_e4m3fn
+        r = _entry(MAMBA2_ROUTES, config.d_model, torch.bfloat16 if fp8 else dtype, batch)
         if r is None:
             return LAYER_OPS
+        if fp8:
+            r = Route("fp8", r.widths, r.batches, r.step, r.cublas, f"untuned: 16-bit's row, {r.reason}")
     else:
         r = route_for(config.d_model, dtype, batch, deterministic)
     blocks = (one_row_blocks(config.d_model, config.d_inner, config.vocab_size, dtype, config.layer)

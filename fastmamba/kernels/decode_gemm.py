@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from ._triton import jit, tl, triton
 from .activations import silu, softplus
 from .causal_conv1d import causal_conv1d_ref
-from .fp8_gemm import operand_dtype, weight_parts
+from .fp8_gemm import fp8_linear, operand_dtype, weight_parts
 from .pdl import NO_PDL, pdl_launch, wait_for_prior_kernel
 from .products import cublas_gemm, invariant_gemm, split_count
 from .rmsnorm import residual_rmsnorm
@@ -200,16 +200,15 @@ class GemmDecodeStep:
         self.cublas_products = set(plan.cublas)  # the rest through invariant_gemm
         self.splits = dict(plan.splits)
         # FP8 projections (fp8_gemm.py): their operands in bfloat16, the e4m3 values widened
-        # exactly in invariant_gemm's programs; a head left in float32 (tied to the
-        # embedding) keeps a float32 operand
+        # exactly in invariant_gemm's programs (or, for a product the plan puts on cuBLAS,
+        # quantized a row to e4m3 for cuBLASLt's FP8 GEMM: fp8_linear); a head left in
+        # float32 (tied to the embedding) keeps a float32 operand
         fp8 = weight_parts(w.layers[0].in_proj_w)[1] is not None if w.layers else False
         if fp8:
             names = [n for n in ("in_proj_w", "x_proj_w", "dt_proj_w", "out_proj_w")
                      if any(weight_parts(getattr(lw, n))[1] is None for lw in w.layers)]
-            if names or self.cublas_products:
-                raise ValueError("the products step runs FP8 weights through its Triton products, every projection "
-                                 f"in FP8 (cuBLAS products asked for: {sorted(self.cublas_products)}; "
-                                 f"projections not in FP8: {names})")
+            if names:
+                raise ValueError(f"the products step takes FP8 weights with every projection in FP8; not: {names}")
             sdt = torch.bfloat16
         head_dtype = operand_dtype(w.lm_head) if fp8 else sdt
         # the products whose 16-bit operand comes in two halves, B rows each (split16.py)
@@ -241,9 +240,11 @@ class GemmDecodeStep:
         self.pdl = pdl_launch(dev) if plan.pdl else NO_PDL
 
     def product(self, name: str, a: torch.Tensor, weight, out: torch.Tensor) -> None:
+        values, scale = weight_parts(weight)
         if name not in self.cublas_products:
-            values, scale = weight_parts(weight)
             invariant_gemm(a, values, out, self.splits[name], self.pdl, scale=scale)
+        elif scale is not None:  # (a bfloat16 result, widened: cuBLASLt's row-wise FP8 GEMM writes no float32)
+            out.copy_(fp8_linear(a, values, scale))
         else:
             cublas_gemm(a, weight, out)
 
