@@ -4,6 +4,7 @@ activations), and a hybrid's KV cache, sized from the free memory where not give
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -64,18 +65,22 @@ def weights_bytes(config: MambaConfig, dtype: torch.dtype) -> tuple[int, int]:
     The projections in `dtype` (FP8: a byte a weight and a float32 scale a row), the
     embedding in dtypes.embedding_dtype, the rest float32. The moment: one matrix in float32
     (a conversion's copy), three of it under FP8 (quantizing: its float32 copy, scaled and
-    clamped)."""
-    total, largest = 0, 0
+    clamped), and a sublayer's experts again where the checkpoint stores them one by one
+    (stacked at load, both copies held until the stack is made)."""
+    total, largest, experts = 0, 0, {}
     for name, shape in expected_shapes(config).items():
         n = math.prod(shape)
         if name == family(config).embedding:
             total += n * embedding_dtype(dtype).itemsize
         elif _is_matrix(name, shape):
-            total += n * dtype.itemsize + (4 * math.prod(shape[:-1]) if dtype == FP8 else 0)
+            size = n * dtype.itemsize + (4 * math.prod(shape[:-1]) if dtype == FP8 else 0)
+            total += size
             largest = max(largest, n)
+            if one_expert := re.match(r"(.*\.)experts\.\d+\.", name):
+                experts[one_expert.group(1)] = experts.get(one_expert.group(1), 0) + size
         else:
             total += 4 * n
-    return total, 4 * largest * (3 if dtype == FP8 else 1)
+    return total, 4 * largest * (3 if dtype == FP8 else 1) + max(experts.values(), default=0)
 
 
 def check_weights_fit(folder: Path, dtype: torch.dtype, device: torch.device, free: int | None = None) -> None:
