@@ -13,7 +13,7 @@ from fastmamba.core.config import MambaConfig
 from fastmamba.core.dtypes import embedding_dtype
 from fastmamba.core.errors import CheckpointError
 from fastmamba.core.families import family
-from fastmamba.core.fp8 import FP8
+from fastmamba.core.fp8 import FP8, QUANTIZE_BLOCK
 from fastmamba.core.kv_cache import bytes_per_token
 from fastmamba.core.layers import state_bytes
 from fastmamba.io.checkpoint import expected_shapes
@@ -64,8 +64,8 @@ def weights_bytes(config: MambaConfig, dtype: torch.dtype) -> tuple[int, int]:
     (io/checkpoint.expected_shapes, which the loader checks the files' headers against).
     The projections in `dtype` (FP8: a byte a weight and a float32 scale a row), the
     embedding in dtypes.embedding_dtype, the rest float32. The moment: one matrix in float32
-    (a conversion's copy), three of it under FP8 (quantizing: its float32 copy, scaled and
-    clamped), and a sublayer's experts again where the checkpoint stores them one by one
+    (a conversion's copy; under FP8 the matrix as read, quantized a block of rows at a time
+    beside it: core/fp8.quantize), and a sublayer's experts again where the checkpoint stores them one by one
     (stacked at load, both copies held until the stack is made)."""
     total, largest, experts = 0, 0, {}
     for name, shape in expected_shapes(config).items():
@@ -80,7 +80,8 @@ def weights_bytes(config: MambaConfig, dtype: torch.dtype) -> tuple[int, int]:
                 experts[one_expert.group(1)] = experts.get(one_expert.group(1), 0) + size
         else:
             total += 4 * n
-    return total, 4 * largest * (3 if dtype == FP8 else 1) + max(experts.values(), default=0)
+    blocks = 3 * 4 * QUANTIZE_BLOCK if dtype == FP8 else 0  # (quantize's float32 temporaries)
+    return total, 4 * largest + blocks + max(experts.values(), default=0)
 
 
 def check_weights_fit(folder: Path, dtype: torch.dtype, device: torch.device, free: int | None = None) -> None:
