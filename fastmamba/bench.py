@@ -365,7 +365,8 @@ def run(sizes, dtypes, batches, hf: bool, out: str | None, deterministic: bool =
                 # (transformers has no FP8 model to run beside fp8)
                 hf_ms = time_hf(size, dtype, batch) if hf and batch == 1 and dtype != torch.float8_e4m3fn else None
                 row = dict(
-                    model=size, dtype=str(dtype).replace("torch.", ""), state_dtype=str(state_dtype).replace("torch.", ""),
+                    model=size, dtype="fp8" if dtype == torch.float8_e4m3fn else str(dtype).replace("torch.", ""),
+                    state_dtype=str(state_dtype).replace("torch.", ""),
                     batch=batch, ms_per_step=round(ms, 4),
                     tokens_per_s=round(batch * 1e3 / ms, 1), floor_ms=round(floor, 4),
                     fraction_of_floor=round(floor / ms, 3), peak_gib=round(peak / 2**30, 2),
