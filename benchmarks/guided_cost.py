@@ -9,11 +9,11 @@ before's token), the mask goes to the GPU and is applied before sampling, and wh
 request is guided the engine takes no step ahead (each step's tokens are read before the
 next step starts).
 
-The guide is a regular expression (`--regex`, lowercase words). A request's stop token is
-one past the tokenizer's vocabulary (the bundled model's tokenizer over the shape's logits:
-the ids past it are empty tokens), allowed only where the grammar may end; a request that
-draws it ends and another like it takes its place, so the batch stays whole (the count of
-replacements is reported).
+The guide is a regular expression (`--regex`, lowercase words) over the bundled model's
+tokenizer (the shape's logits past its vocabulary are empty tokens). A request's stop token
+is one of those, with a logit bias of -100 on every request (guided or not: one sampler for
+all), so none ends inside the window; should one end all the same, another like it takes
+its place (a prefill inside the window: the count is reported).
 
     python -m benchmarks.guided_cost --models 130m,2.8b --batch 64 --json guided.json
 """
@@ -43,7 +43,7 @@ def step_ms(lm, batch: int, guided: int, regex: str, steps: int) -> float:
         nonlocal made
         ids = torch.randint(1, V, (32,), generator=g).tolist()
         core.add(Request(made, ids, SamplingParams(max_tokens=100_000, temperature=0.8, seed=made,
-                                                   stop_token_ids=[stop],
+                                                   stop_token_ids=[stop], logit_bias={stop: -100.0},
                                                    guide=("regex", regex) if is_guided else None)))
         made += 1
 
