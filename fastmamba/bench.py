@@ -79,6 +79,33 @@ HYBRID_SHAPES = {
         "num_experts_per_tok": 6, "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712,
         "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
         "layer_norm_epsilon": 1e-5, "eos_token_id": 2},
+    # ibm-granite/granite-4.0-h-micro (3B, dense): a public copy of its config.json (the hub
+    # user anuj6316's "granite", of the same geometry) and a test that quotes the hub's file
+    # agree on every size here; IBM's model card: 4 attention and 36 Mamba-2 layers, NoPE.
+    # vocab_size 100352 and a tied head are the family's (granite-4.0-h-350m's config.json,
+    # granite-4.0-h-small's GGUF metadata): h-micro's own were not found. Its multipliers fold
+    # into the weights at load (no bytes, no time).
+    "granite-4.0-h-micro": {
+        "model_type": "granitemoehybrid", "hidden_size": 2048, "num_hidden_layers": 40, "vocab_size": 100352,
+        "tie_word_embeddings": True, "layer_types": (["mamba"] * 5 + ["attention"] + ["mamba"] * 4) * 4,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 8192, "shared_intermediate_size": 8192,
+        "num_local_experts": 0, "num_experts_per_tok": 0, "mamba_n_heads": 64, "mamba_d_head": 64, "mamba_expand": 2,
+        "mamba_n_groups": 1, "mamba_d_state": 128, "mamba_d_conv": 4, "mamba_chunk_size": 256,
+        "mamba_conv_bias": True, "mamba_proj_bias": False, "embedding_multiplier": 12.0,
+        "attention_multiplier": 0.015625, "logits_scaling": 8.0, "position_embedding_type": "nope"},
+    # tiiuae/Falcon-H1-7B-Instruct: the sizes as several public copies of its config.json give
+    # them (an adapter test's FALCON_H1_7B, NVIDIA-NeMo/Megatron-Bridge's FalconH1ModelProvider7B
+    # "based on tiiuae/Falcon-H1-7B-Instruct"); mamba_chunk_size 256 and vocab_size 130049 where
+    # copies disagree (128, 130048), with the provider. Its muP multipliers were not found (they
+    # depend on the size): left at 1, folded into the weights at load all the same (no bytes,
+    # no time).
+    "falcon-h1-7b": {
+        "model_type": "falcon_h1", "hidden_size": 3072, "num_hidden_layers": 44, "vocab_size": 130049,
+        "tie_word_embeddings": False, "num_attention_heads": 12, "num_key_value_heads": 2, "head_dim": 128,
+        "intermediate_size": 12288, "mamba_d_ssm": 3072, "mamba_n_heads": 24, "mamba_d_head": 128, "mamba_n_groups": 1,
+        "mamba_d_state": 256, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256, "mamba_rms_norm": True,
+        "mamba_conv_bias": True, "mamba_proj_bias": False, "mamba_norm_before_gate": False, "rope_theta": 1e11,
+        "projectors_bias": False, "attention_bias": False, "mlp_bias": False, "eos_token_id": 11},
     "nemotron-h-tiny": {  # (a smoke run's; the bundled tokenizer's vocabulary, for a served one)
         "model_type": "nemotron_h", "hidden_size": 256, "vocab_size": 4096, "hybrid_override_pattern": "M-M*-M-",
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512, "mamba_num_heads": 8,
