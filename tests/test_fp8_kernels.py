@@ -77,7 +77,7 @@ def test_fp8_linear_reference_against_the_dequantized_product():
     Exactly core/fp8.linear of the quantized activations; within e4m3's rounding of the
     activations of the dequantized product; a zero row stays zero."""
     from fastmamba.core.fp8 import E4M3_MAX
-    from fastmamba.kernels.fp8_gemm import fp8_linear, fp8_linear_ref, quantize_rows
+    from fastmamba.kernels.fp8_gemm import fp8_linear, fp8_linear_ref, fp8_linear_triton, quantize_rows
 
     x = rand(3, 5, 64, seed=3) * torch.logspace(-3, 2, 5, device=DEVICE)[:, None]  # rows of many magnitudes
     x[1, 2] = 0
@@ -92,6 +92,9 @@ def test_fp8_linear_reference_against_the_dequantized_product():
     assert torch.equal(y[1, 2], bias)
     if DEVICE == "cpu":  # (on the GPU: test_fp8_linear_on_the_gpu)
         assert torch.equal(fp8_linear(x, w.data, w.scale, bias), y)
+    # the path for shapes cuBLASLt does not take: products.py's GEMM, the same arithmetic
+    got = fp8_linear_triton(xq, sx, w.data, w.scale) + bias
+    assert rel_err(got, y.view(-1, 48)) < 1e-5
 
 
 # -- the one-row step (kernels/decode_step.py) --------------------------------------------------
@@ -388,9 +391,9 @@ def test_fp8_decode_steps_in_cuda_graphs_match_the_reference(wide_ckpt, B, deter
 
 @pytest.mark.gpu
 def test_fp8_linear_on_the_gpu():
-    """fp8_linear on CUDA: torch._scaled_mm (shapes of multiples of 16) and the Triton path
-    (an odd side) against its reference arithmetic, within the bfloat16 rounding of the
-    output; and it captures in a CUDA graph."""
+    """fp8_linear on CUDA: torch._scaled_mm (shapes of multiples of 16; its output rounded
+    to bfloat16) and the Triton path (an odd side) against its reference arithmetic; and it
+    captures in a CUDA graph."""
     from fastmamba.kernels.fp8_gemm import fp8_linear, fp8_linear_ref
 
     for N, K in ((256, 128), (50277, 64), (48, 40)):

@@ -5,9 +5,9 @@ activations quantized a token (row) at a time to e4m3 (the row's largest magnitu
 as the weights' rows are), the two row-wise scales applied to the float32 sums in the GEMM's
 epilogue. Its output is bfloat16 (cuBLASLt's row-wise kernels write no float32), added to a
 bias and widened in float32. Shapes cuBLASLt cannot take (a side of the weight not a
-multiple of 16: an odd vocabulary's head) go through products.invariant_gemm instead, whose
-programs read the e4m3 values, widen them exactly to bfloat16 beside bfloat16 activations and
-scale each sum once at the end, as the decode step's products do.
+multiple of 16: an odd vocabulary's head) go through products.invariant_gemm instead, the
+same arithmetic (`fp8_linear_triton`): both operands' e4m3 values widened exactly to
+bfloat16, float32 sums, both scales on each sum.
 
 The decode step's products (products.py's GEMM, the one-row kernels of decode_step.py and
 decode_step_mamba2.py) read the e4m3 bytes themselves: the weight dtype is the pointer's,
@@ -81,6 +81,18 @@ def scaled_mm_fits(values: torch.Tensor) -> bool:
     return n % 16 == 0 and k % 16 == 0
 
 
+def fp8_linear_triton(xq: torch.Tensor, sx: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8_linear's product of quantized rows (quantize_rows' xq (M, K), sx (M, 1)) through
+    products.invariant_gemm, for shapes cuBLASLt's FP8 GEMM does not take: the e4m3 values of
+    both widened exactly to bfloat16, float32 sums, the weight's and the row's scales on
+    each sum. (M, N) float32."""
+    from .products import invariant_gemm
+
+    y = torch.empty(xq.shape[0], values.shape[0], device=xq.device, dtype=torch.float32)
+    invariant_gemm(xq.to(torch.bfloat16), values, y, scale=scale)
+    return y * sx
+
+
 def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x (..., K) @ (values * scale).T + bias for e4m3 values (N, K) row-major and their
@@ -92,15 +104,12 @@ def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias:
         return fp8_linear_ref(x, values, scale, bias, out_dtype)
     x2 = x.reshape(-1, x.shape[-1])
     N = values.shape[0]
+    xq, sx = quantize_rows(x2)
     if scaled_mm_fits(values):
-        xq, sx = quantize_rows(x2)
         y = torch._scaled_mm(xq, values.t(), scale_a=sx, scale_b=scale.view(1, N), out_dtype=torch.bfloat16,
                              use_fast_accum=False)
     else:
-        from .products import invariant_gemm
-
-        y = torch.empty(x2.shape[0], N, device=x.device, dtype=torch.float32)
-        invariant_gemm(x2.to(torch.bfloat16).contiguous(), values, y, scale=scale)
+        y = fp8_linear_triton(xq, sx, values, scale)
     y = y.view(*x.shape[:-1], N)
     if bias is not None:
         y = y.float() + bias
