@@ -437,6 +437,35 @@ print("compiled")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("with_resets", [False, True])
+def test_gpu_triton_ssd_at_mamba_ssm_sizes(with_resets):
+    """The training SSD's Triton forward and backward at mamba_ssm's head sizes (P 64, N 128),
+    over many chunks and a part, against autograd through the torch chunked SSD on the GPU."""
+    from fastmamba.engine.plan import SSD_TILES
+    from fastmamba.kernels.ssd_grad import ssd_scan_train, ssd_scan_train_triton
+
+    B, T, H, P, G, N = 3, 700, 8, 64, 2, 128
+    g = torch.Generator().manual_seed(0)
+    inp = [torch.randn(*shape, generator=g) for shape in ((B, T, H, P), (B, T, H), (H,))]
+    inp += [-4 * torch.rand(H, generator=g)] + [torch.randn(*shape, generator=g) / math.sqrt(N)
+                                                for shape in ((B, T, G, N), (B, T, G, N))]
+    inp += [torch.randn(H, generator=g), torch.randn(B, H, P, N, generator=g)]
+    inp[1] -= 2  # step sizes about 0.1, as trained models' are
+    resets = (torch.rand(B, T, generator=g) < 0.01).cuda() if with_resets else None
+    wy, ws = torch.randn(B, T, H, P, generator=g).cuda(), torch.randn(B, H, P, N, generator=g).cuda()
+    found = []
+    for scan, kw in ((ssd_scan_train, {}), (ssd_scan_train_triton, dict(tiles=SSD_TILES))):
+        leaves = [v.clone().cuda().requires_grad_(True) for v in inp]
+        x, dt, dt_bias, A, Bm, Cm, D, s0 = leaves
+        state = s0.clone()
+        y = scan(x, dt, dt_bias, (0.0, math.inf), A, Bm, Cm, D, state, 64, None, resets, **kw)
+        ((y * wy).sum() + (state * ws).sum()).backward()
+        found.append([y.detach().cpu(), state.detach().cpu()] + [v.grad.cpu() for v in leaves])
+    for name, ours, theirs in zip("y state x dt dt_bias A B C D state0".split(), found[1], found[0]):
+        assert rel_err(ours, theirs) < 1e-4, name
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype,state_dtype", [("float32", "float32"), ("bfloat16", "float32"), ("float32", "bfloat16")])
 @pytest.mark.parametrize("B", [1, 37, 300])
 def test_gpu_graph_step_equals_eager_and_the_cpu(dtype, state_dtype, B):
