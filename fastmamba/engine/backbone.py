@@ -200,7 +200,8 @@ class Backbone(nn.Module):
     stay float32). state_dtype: the dtype of the states `new_state` makes (float32 default, or
     bfloat16: core/dtypes.parse_state_dtype).
     Fresh parameters take mamba_ssm's initialisation from torch's RNG. state_dict names are
-    transformers' MambaModel's without the embedding, plus `input_proj.*`.
+    transformers' MambaModel's (Mamba2Model's for config.layer "mamba2") without the
+    embedding, plus `input_proj.*`.
     `.half()`, `.bfloat16()`, `.to(dtype)` change the large matrices' storage dtype alone (the
     rest stays float32); a dtype other than float32, bfloat16 and float16 is a ValueError.
 
@@ -302,8 +303,8 @@ class Backbone(nn.Module):
 
     def _layers(self, x: torch.Tensor, convs, ssms, resets=None, ops=None, weights=None) -> torch.Tensor:
         """x (B, T, input_dim) -> (B, T, d_model) f32, updating each layer's conv and ssm
-        state; through `ops` (None: the reference ops). weights: each layer's LayerWeights
-        (None: read from the modules now, as autograd needs)."""
+        state; through `ops` (None: the CPU's ops). weights: each layer's LayerWeights or
+        Mamba2LayerWeights (None: read from the modules now, as autograd needs)."""
         c = self.config
         ops = ops or (backbone_mamba2.CPU_OPS if c.layer == "mamba2" else REFERENCE_OPS)
         layer = backbone_mamba2.run if c.layer == "mamba2" else mixer
@@ -390,7 +391,7 @@ class Backbone(nn.Module):
         return large
 
     def _layer_weights(self) -> list:
-        """Each layer as mamba1.mixer reads it (LayerWeights: views of the parameters, A from A_log)."""
+        """Each layer as mamba1.mixer (or mamba2.mixer2) reads it: views of the parameters, A from A_log."""
         return [layer.mixer.weights(layer.norm.weight) for layer in self.layers]
 
     def _eager_weights(self) -> list:

@@ -111,8 +111,9 @@ def state_address(state: MambaState) -> tuple:
 
 class StepGraphs:
     """The step at one batch size on CUDA: the decode kernels and their scratch (KernelStep)
-    where Triton is there, else (and for Mamba-2 layers) the module's own step; the input and output buffers; one
-    memory pool; and the graphs over the last STATES_PER_BATCH state addresses. The kernels
+    where Triton is there, else (and for Mamba-2 layers) the module's own step; the input and
+    output buffers; one memory pool; and the graphs over the last STATES_PER_BATCH state
+    addresses. The kernels
     and buffers are made at the first capture. Holds the backbone weakly (the backbone holds
     this)."""
 
