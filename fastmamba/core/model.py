@@ -26,7 +26,7 @@ from fastmamba.core.transfer import to_device
 
 @dataclass
 class MambaWeights:
-    embedding: torch.Tensor  # (V, d) storage dtype (float32 under fp8: dtypes.embedding_dtype)
+    embedding: torch.Tensor  # (V, d) storage dtype (under fp8: dtypes.embedding_dtype's)
     layers: list  # each sublayer's weights (its kind's: mamba1.LayerWeights, mamba2.Mamba2LayerWeights, ...)
     norm_f: torch.Tensor  # (d,) f32
     lm_head: torch.Tensor | Fp8Weight  # (V, d) storage dtype; the embedding itself when tied

@@ -58,12 +58,12 @@ def _is_matrix(name: str, shape: tuple[int, ...]) -> bool:
     return name.endswith(".weight") and len(shape) >= 2 and not (len(shape) == 3 and shape[1] == 1)
 
 
-def weights_bytes(config: MambaConfig, dtype: torch.dtype) -> tuple[int, int]:
+def weights_bytes(config: MambaConfig, dtype: torch.dtype, device="cuda") -> tuple[int, int]:
     """(the bytes a model's weights take on the device in storage `dtype`, the most that
     loading holds besides for a moment): from the shapes its checkpoint must have
     (io/checkpoint.expected_shapes, which the loader checks the files' headers against).
     The projections in `dtype` (FP8: a byte a weight and a float32 scale a row), the
-    embedding in dtypes.embedding_dtype, the rest float32. The moment: one matrix in float32
+    embedding in dtypes.embedding_dtype (on `device`), the rest float32. The moment: one matrix in float32
     (a conversion's copy; under FP8 the matrix as read, quantized a block of rows at a time
     beside it: core/fp8.quantize), and a sublayer's experts again where the checkpoint stores them one by one
     (stacked at load, both copies held until the stack is made)."""
@@ -71,7 +71,7 @@ def weights_bytes(config: MambaConfig, dtype: torch.dtype) -> tuple[int, int]:
     for name, shape in expected_shapes(config).items():
         n = math.prod(shape)
         if name == family(config).embedding:
-            total += n * embedding_dtype(dtype).itemsize
+            total += n * embedding_dtype(dtype, device).itemsize
         elif _is_matrix(name, shape):
             size = n * dtype.itemsize + (4 * math.prod(shape[:-1]) if dtype == FP8 else 0)
             total += size

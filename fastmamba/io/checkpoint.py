@@ -302,7 +302,7 @@ def build_weights(
         if fp8 and isinstance(t, Fp8Weight):  # as the FP8 checkpoint stores it
             return t.to(device)
         if fp8 and config.fp8 is not None:  # a matrix the FP8 checkpoint left unquantized (its `ignore`: often the head)
-            return cast(name, embedding_dtype(dtype))
+            return cast(name, embedding_dtype(dtype, device))
         if fp8:
             return quantize(t.to(device))
         return cast(name, dtype)
@@ -319,7 +319,7 @@ def build_weights(
             raise
         except ValueError as e:  # (an FP8 checkpoint's block scales that its gate and up cannot share)
             raise CheckpointError(f"{origin[sub.norm]}: the sublayer of '{sub.norm}': {e}") from None
-    embedding = cast(fam.embedding, embedding_dtype(dtype))
+    embedding = cast(fam.embedding, embedding_dtype(dtype, device))
     lm_head = embedding if config.tie_embeddings else big(fam.lm_head)
     return MambaWeights(embedding=embedding, layers=layers, norm_f=small(fam.norm_f), lm_head=lm_head, fp8=fp8)
 
