@@ -175,36 +175,41 @@ def ptrs(*names, **others):
 
 def main() -> None:
     res = []
-    for wdt in ("*bf16", "*fp16", "*fp32"):  # the one-row step (decode_step.py)
-        f32 = wdt == "*fp32"
+    # the one-row step (decode_step.py); FP8 weights (*fp8e4nv) with a float32 scale a row,
+    # their embedding bfloat16 (dtypes.embedding_dtype)
+    for wdt in ("*bf16", "*fp16", "*fp32", "*fp8e4nv"):
+        f32, fp8 = wdt == "*fp32", wdt == "*fp8e4nv"
+        edt = "*bf16" if fp8 else wdt
         narrow = one_row_blocks(768, 1536, 50280, torch.float32 if f32 else torch.bfloat16)  # 130m's
         wide = one_row_blocks(2560, 5120, 50280, torch.float32 if f32 else torch.bfloat16)  # 2.8b's
-        t = ptrs("h_ptr", "nw_ptr", "b_ptr", "out_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", w_ptr=wdt, wx_ptr=wdt,
-                 dh_ptr="*i64", dbc_ptr="*i64", best_ptr="*i64", eps="fp32")
-        for conv in (True, False):  # in_proj with the conv step and x_proj; lm_head with the argmax
-            compile_kernel(ds._rmsnorm_linear_kernel, t, dict(
-                HAS_BIAS=True, CONV=conv, ARGMAX=not conv, K=4, KP=4, HAS_CB=True, BN=16,
+        t = ptrs("h_ptr", "nw_ptr", "b_ptr", "out_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", "ws_ptr", "wxs_ptr",
+                 w_ptr=wdt, wx_ptr=wdt, dh_ptr="*i64", dbc_ptr="*i64", best_ptr="*i64", eps="fp32")
+        for conv in (True, False):  # in_proj with the conv step and x_proj; lm_head (a tied one bf16) with the argmax
+            compile_kernel(ds._rmsnorm_linear_kernel, {**t, "w_ptr": wdt if conv else edt}, dict(
+                W_SCALED=fp8 and conv, WX_SCALED=fp8, HAS_BIAS=True, CONV=conv, ARGMAX=not conv, K=4, KP=4, HAS_CB=True, BN=16,
                 BK=512, BJ=128, STAGES=narrow.in_proj[3], SUM_LAST=not f32,
                 UNROLL=narrow.in_proj_unroll if conv and not f32 else 1, PDL=True))
-        t = ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", wx_ptr=wdt, dbc_ptr="*i64")
+        t = ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", "wxs_ptr", wx_ptr=wdt, dbc_ptr="*i64")
         BN = wide.conv_block
-        compile_kernel(ds._conv_x_proj_kernel, t, dict(K=4, KP=4, HAS_CB=True, BN=BN, BJ=256, PDL=True), num_warps=max(4, BN // 16))
-        t = ptrs("xc_ptr", "xz_ptr", "ss_ptr", "dtb_ptr", "A_ptr", "D_ptr", "y_ptr", "h_ptr", dtw_ptr=wdt, dbc_ptr="*i64", dh_ptr="*i64",
-                 eps="fp32")
+        compile_kernel(ds._conv_x_proj_kernel, t, dict(K=4, KP=4, HAS_CB=True, BN=BN, BJ=256, WX_SCALED=fp8, PDL=True),
+                       num_warps=max(4, BN // 16))
+        t = ptrs("xc_ptr", "xz_ptr", "ss_ptr", "dtb_ptr", "A_ptr", "D_ptr", "y_ptr", "h_ptr", "dts_ptr", dtw_ptr=wdt,
+                 dbc_ptr="*i64", dh_ptr="*i64", eps="fp32")
         BE, warps = wide.ssm_block
         for norm in (False, True):  # plain Mamba, Falcon-Mamba
-            compile_kernel(ds._ssm_step_kernel, t, dict(N=16, NP=16, BJ=256, BR=256, BE=BE, BD=4, DBC_NORM=norm, PDL=True), num_warps=warps)
+            compile_kernel(ds._ssm_step_kernel, t, dict(N=16, NP=16, BJ=256, BR=256, BE=BE, BD=4, DBC_NORM=norm,
+                                                        DT_SCALED=fp8, PDL=True), num_warps=warps)
         t = {"best_ptr": "*i64", "tok_ptr": "*i64", "hist_ptr": "*i64", "step_ptr": "*i64", "seen_ptr": "*i1"}
         compile_kernel(ds._take_argmax_kernel, t, dict(BR=8, PDL=True))
-        t = ptrs("y_ptr", "b_ptr", w_ptr=wdt, dh_ptr="*i64", dbc_ptr="*i64")
-        compile_kernel(ds._out_proj_residual_kernel, t, dict(HAS_BIAS=True, BN=32, BK=256, BJ=128, PDL=True))
-        t = {"tok_ptr": "*i64", "emb_ptr": wdt, "h_ptr": "*fp32", "dh_ptr": "*i64"}
+        t = ptrs("y_ptr", "b_ptr", "ws_ptr", w_ptr=wdt, dh_ptr="*i64", dbc_ptr="*i64")
+        compile_kernel(ds._out_proj_residual_kernel, t, dict(W_SCALED=fp8, HAS_BIAS=True, BN=32, BK=256, BJ=128, PDL=True))
+        t = {"tok_ptr": "*i64", "emb_ptr": edt, "h_ptr": "*fp32", "dh_ptr": "*i64"}
         compile_kernel(ds._embed_kernel, t, dict(BN=32, PDL=True))
         # the deterministic step's products (products.py), in the tiles of 1 and of 128 rows
         for M in (2, 256):
             t = gm._tiles(M, 5120, 2560, 1, f32, sms=132)
-            compile_kernel(gm._gemm_kernel, ptrs("out_ptr", a_ptr=wdt, w_ptr=wdt), dict(
-                F32=f32, BM=t.BM, BN=t.BN, BK=t.BK, STAGES=t.stages, PDL=True), num_warps=t.warps)
+            compile_kernel(gm._gemm_kernel, ptrs("out_ptr", "s_ptr", a_ptr=edt, w_ptr=wdt), dict(
+                F32=f32, SCALED=fp8, BM=t.BM, BN=t.BN, BK=t.BK, STAGES=t.stages, PDL=True), num_warps=t.warps)
         res.append(f"decode {wdt}: ok")
     for wdt in ("*bf16", "*fp32"):  # the cuBLAS-product step's element-wise kernels
         compile_kernel(rn._residual_rmsnorm_kernel, ptrs("h_ptr", "o_ptr", "b_ptr", "nw_ptr", "h_out_ptr", u_ptr=wdt, eps="fp32"), dict(ADD=True, HAS_BIAS=True, O_PARTS=1, U_HALVES=wdt != "*fp32", BD=4096, PDL=True), num_warps=8)
@@ -300,21 +305,22 @@ def main() -> None:
         compile_kernel(sd._ssd_step_sizes_kernel, ptrs("dt_ptr", "dtb_ptr", "A_ptr", "out_ptr", "cum_ptr",
                                                        start_ptr="*i32", dt_min="fp32", dt_max="fp32"),
                        dict(H=80, Q=SSD_TILES.chunk, BH=SSD_TILES.sizes_bh, START=start))
-    # Mamba-2's one-row step (decode_step_mamba2.py) at 2.7b's and Codestral's shapes, bf16 out_proj
-    for E, G, H, d in ((5120, 1, 80, 2560), (8192, 8, 128, 4096)):
+    # Mamba-2's one-row step (decode_step_mamba2.py) at 2.7b's and Codestral's shapes, bf16 or
+    # FP8 out_proj
+    for (E, G, H, d), wdt in itertools.product(((5120, 1, 80, 2560), (8192, 8, 128, 4096)), ("*bf16", "*fp8e4nv")):
         wide2 = one_row_blocks(d, E, 50280, torch.bfloat16, "mamba2")
         t = ptrs("zx_ptr", "cw_ptr", "cb_ptr", "dtb_ptr", "A_ptr", "D_ptr", "v_ptr", "part_ptr", "h_ptr",
                  cs_ptr="*bf16", ss_ptr="*fp32", dh_ptr="*i64", dt_min="fp32", dt_max="fp32")
         compile_kernel(s2._ssd_conv_step_kernel, t, dict(E=E, G=G, N=128, H=H, P=64, K=4, KP=4, HAS_CB=True,
                                                          BP=wide2.ssd_block, NP=128, BD=8, NORM_BEFORE_GATE=False, PDL=True))
         parts = H * 64 // wide2.ssd_block
-        t = ptrs("v_ptr", "zx_ptr", "part_ptr", "gw_ptr", "b_ptr", w_ptr="*bf16", dh_ptr="*i64", cs_ptr="*bf16",
+        t = ptrs("v_ptr", "zx_ptr", "part_ptr", "gw_ptr", "b_ptr", "ws_ptr", w_ptr=wdt, dh_ptr="*i64", cs_ptr="*bf16",
                  eps="fp32")
         compile_kernel(s2._gated_out_proj_kernel, t, dict(E=E, G=G, N=128, H=H, K=4, KP=4, PARTS=parts, PPG=parts // G,
                                                           GP=triton.next_power_of_2(G),
                                                           PPGP=triton.next_power_of_2(parts // G), HAS_BIAS=False,
                                                           NORM_BEFORE_GATE=False, BN=64, BK=128, BC=4, TILE_IN_GROUP=True,
-                                                          PDL=True))
+                                                          W_SCALED=wdt == "*fp8e4nv", PDL=True))
     res.append("mamba2 step + gated norm + chunked scan + one-row step: ok")
     t = ptrs("logits_ptr", "pen_ptr", "temp_ptr", "s_ptr", "smax_ptr", "bias_ptr", "presence_ptr", "frequency_ptr",
              seen_ptr="*i1", best_ptr="*i64", count_ptr="*i32")
