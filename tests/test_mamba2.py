@@ -550,3 +550,19 @@ def test_16bit_storage_on_the_gpu_engine_within_transformers_own_error(tmp_path)
     gpu = fastmamba.load(folder, device="cuda", dtype="bfloat16")
     assert gpu.engine == "triton"
     assert_within_transformers_16bit_error(gpu.forward(x).cpu(), folder, x, "bfloat16")
+
+
+def test_a_masked_reset_zeroes_its_slots_of_a_five_dimensional_state(tmp_path):
+    """MambaState.reset(mask) on Mamba-2's ssm state (L, B, H, P, N): the masked slots zeroed,
+    the others untouched (with 2 slots and 2 heads a mask viewed for 4 dims would broadcast
+    over the heads)."""
+    folder, _ = save_mamba2(tmp_path / "m", hidden_size=64, head_dim=16, num_heads=8)
+    model = fastmamba.load(folder).model
+    state = model.new_state(3)
+    state.conv.normal_()
+    state.ssm.normal_()
+    assert state.ssm.dim() == 5
+    before = (state.conv.clone(), state.ssm.clone())
+    state.reset(torch.tensor([False, True, False]))
+    assert not state.conv[:, 1].any() and not state.ssm[:, 1].any()
+    assert torch.equal(state.conv[:, [0, 2]], before[0][:, [0, 2]]) and torch.equal(state.ssm[:, [0, 2]], before[1][:, [0, 2]])

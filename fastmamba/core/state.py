@@ -63,9 +63,9 @@ class MambaState:
         if isinstance(mask, torch.Tensor):
             if mask.shape != (self.batch,) or mask.dtype != torch.bool:
                 raise ValueError(f"mask must be a bool tensor of shape ({self.batch},), got {mask.dtype} {tuple(mask.shape)}")
-            keep = (~mask.to(self.conv.device)).to(self.conv.dtype).view(1, -1, 1, 1)
-            self.conv.mul_(keep)
-            self.ssm.mul_(keep.to(self.ssm.dtype))
+            keep = ~mask.to(self.conv.device)  # (slots are dim 1 of each; Mamba-2's ssm has 5 dims)
+            self.conv.mul_(keep.to(self.conv.dtype).view(1, -1, *[1] * (self.conv.dim() - 2)))
+            self.ssm.mul_(keep.to(self.ssm.dtype).view(1, -1, *[1] * (self.ssm.dim() - 2)))
             return
         if mask is not None and (not isinstance(mask, (int, np.integer)) or isinstance(mask, (bool, np.bool_))
                                  or not 0 <= mask < self.batch):
