@@ -32,9 +32,9 @@ ONE_ROW_TOL = 1e-4
 # 16-bit engine does.
 BF16_OPERAND_TOL = 2e-2
 # The one-row step on a GPU against the CPU reference's: the embedding's rows (and a tied
-# head) in bfloat16 there (dtypes.embedding_dtype), float32 here; measured 2.7e-3 to 3.4e-3
-# with a float32 embedding on an H100 (the GPU's transcendentals and sum order).
-GPU_ONE_ROW_TOL = 1e-2
+# head) in bfloat16 there (dtypes.embedding_dtype), float32 here. Measured on an H100: 2.7e-3
+# to 3.4e-3 with a float32 embedding, 1.0e-2 to 1.7e-2 with the bfloat16 one.
+GPU_ONE_ROW_TOL = 3e-2
 # Prefill quantizes each token's activations to e4m3 too (fp8_linear): a second e4m3 rounding
 # beside the weights', so its error against float32 may be up to this many times the
 # reference FP8 engine's (float32 activations); measured 1.1x to 1.6x on the tiny models.

@@ -102,6 +102,20 @@ def test_greedy_equals_transformers_greedy_and_a_batch_equals_each_alone(case):
     assert [g.token_ids for g in together] == [lm.generate(p, q).token_ids for p, q in zip(prompts, params)]
 
 
+def test_deterministic_mode_prefills_each_prompt_with_its_keys_and_values(case):
+    """deterministic=True prefills each prompt of a batch alone (prefill.Prefill): each one's
+    keys and values must come along into its slot, or its attention sees no prompt at all;
+    a batch gives each prompt the tokens it gets alone, and the default mode's."""
+    folder, _ = case
+    lm, det = fastmamba.load(folder), fastmamba.load(folder, deterministic=True)
+    prompts = [ids(1, n, seed=n)[0].tolist() for n in (5, 23, 9)]
+    params = SamplingParams(max_tokens=10, stop_token_ids=[])
+    want = [lm.generate(p, params).token_ids for p in prompts]
+    assert [g.token_ids for g in det.generate_batch(prompts, params)] == want
+    logits, state = det.prefill(prompts)
+    assert [state.kv.held[k] for k in range(3)] == [5, 23, 9]
+
+
 def assert_steps_continue_the_prefill(folder, length: int, prefix: int) -> None:
     """Teacher forcing: a prefill of `prefix` tokens then a step a token gives the logits of
     one pass over `length` tokens."""

@@ -34,13 +34,19 @@ class Prefill:
 
     def __call__(self, all_ids: list[list[int]]) -> tuple[torch.Tensor, MambaState]:
         if self.deterministic and len(all_ids) > 1:
-            logits, conv, ssm = [], [], []
+            logits, conv, ssm, kvs = [], [], [], []
             for ids in all_ids:  # (copies: a prefill graph's outputs are its own, rewritten next call)
                 one, state = self([ids])
                 logits.append(one.clone())
                 conv.append(state.conv.clone())
                 ssm.append(state.ssm.clone())
-            return torch.cat(logits), MambaState(torch.cat(conv, 1), torch.cat(ssm, 1))
+                kvs.append(state.kv)
+            kv = None
+            if kvs[0] is not None:  # a hybrid's keys and values: each prompt's into its row of one cache
+                kv = self.model.new_state(len(all_ids), max(len(ids) for ids in all_ids)).kv
+                for k, one_kv in enumerate(kvs):
+                    kv.copy_slot(k, one_kv, 0)
+            return torch.cat(logits), MambaState(torch.cat(conv, 1), torch.cat(ssm, 1), kv)
         longest = max(len(ids) for ids in all_ids)
         padded = np.zeros((len(all_ids), longest), dtype=np.int64)  # (numpy fills rows from lists at C speed)
         for row, ids in zip(padded, all_ids):
