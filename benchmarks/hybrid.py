@@ -35,7 +35,7 @@ from fastmamba.core.sampling_params import SamplingParams
 from fastmamba.engine.engine_core import EngineCore
 from fastmamba.engine.language_model import LanguageModel
 from fastmamba.engine.plan import KERNEL_TILES
-from fastmamba.engine.protocol import Request, Token
+from fastmamba.engine.protocol import Failed, Request, Token
 from fastmamba.io.checkpoint import build_weights
 
 
@@ -138,8 +138,12 @@ def long_prompt(model: Mamba, tokens: int, out: int = 16) -> dict:
     core.add(Request(0, ids, SamplingParams(max_tokens=out, stop_token_ids=[])))
     t0, times = time.perf_counter(), []
     while core.has_work:
-        if any(isinstance(o, Token) for o in core.step()):
+        outs = core.step()
+        if any(isinstance(o, Token) for o in outs):
             times.append(time.perf_counter())
+        for o in outs:
+            if isinstance(o, Failed):  # (the engine's reason, not an empty list of times)
+                raise RuntimeError(f"the {tokens}-token prompt failed: {o.error.kind}: {o.error.message}")
     peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if gpu else float("nan")
     gaps = [b - a for a, b in zip(times, times[1:])]
     return dict(tokens=tokens, ttft_ms=round((times[0] - t0) * 1e3, 1),
@@ -197,7 +201,10 @@ def main() -> None:
         m = None
     long = args.long if args.long is not None else (32768 if cuda(args.device) else 0)
     if long:
-        emit(what="long prompt", **long_prompt(model, long))
+        try:
+            emit(what="long prompt", **long_prompt(model, long))
+        except RuntimeError as e:  # (the rest still measured)
+            emit(what="long prompt", tokens=long, error=str(e)[:500])
     tokens = 8192 if cuda(args.device) else 256
     ids = torch.randint(3, model.config.vocab_size, (1, tokens), device=args.device)
     with torch.inference_mode():
