@@ -1,10 +1,10 @@
 """Where prefill time goes: torch.profiler's per-kernel GPU totals for one prefill at a
-public shape (random weights, bf16). Prints the top kernels by total GPU time. With
+public shape (random weights, bf16 or --dtype). Prints the top kernels by total GPU time. With
 --generate: the first token through the public path (`generate_batch`, max_tokens 1:
 graph-captured prefill where it applies, the first sample, the read-back), the host's
 functions by their own time (cProfile) beside the GPU's kernels.
 
-    python -m benchmarks.profile_prefill --model 2.8b --batch 1 --tokens 8192 [--generate]
+    python -m benchmarks.profile_prefill --model 2.8b --batch 1 --tokens 8192 [--dtype fp8] [--generate]
 """
 
 import argparse
@@ -21,15 +21,18 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--dtype", default="bfloat16", help="the weights' storage dtype (bfloat16, fp8, ...)")
     ap.add_argument("--generate", action="store_true", help="through generate_batch, the host's time too")
     args = ap.parse_args()
-    model = random_model(args.model, torch.bfloat16)
+    from fastmamba.core.dtypes import parse_dtype
+
+    model = random_model(args.model, parse_dtype(args.dtype))
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.tokens), device="cuda")
     if args.generate:
         profile_generate(model, ids.tolist(), args.top)
         return
     print_kernel_times(lambda: model.prefill(ids, model.new_state(args.batch), last_only=True),
-                       f"{args.model} {args.batch}x{args.tokens} bf16 prefill", warm=1, calls=1, rows=args.top, host=True,
+                       f"{args.model} {args.batch}x{args.tokens} {args.dtype} prefill", warm=1, calls=1, rows=args.top, host=True,
                        width=60)
 
 
