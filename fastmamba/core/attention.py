@@ -99,11 +99,15 @@ def attention(c, lw: AttentionWeights, u: torch.Tensor, kv: KVCache, layer: int,
     values = kv.v[layer][table].flatten(1, 2).float()
     seen = torch.arange(keys.shape[1], device=u.device)[None, None, :] <= pos[:, :, None]  # (B, T, S)
     seen = seen | ~valid[:, :, None]  # (padding's rows attend anywhere: finite, then zeroed)
-    # torch's fused attention (query head h reads key-value head h // (H / KVH)): the scores
-    # are never held whole, so a long prompt's chunk of T tokens over S of context costs
-    # O(T + S) memory, not the (B, H, T, S) float32 scores of a plain softmax
+    # torch's fused attention: the scores are never held whole, so a long prompt's chunk of T
+    # tokens over S of context costs O(T + S) memory, not the (B, H, T, S) float32 scores of a
+    # plain softmax. Query head h reads key-value head h // (H / KVH), repeated here rather
+    # than through enable_gqa: with float32 inputs and a mask, only torch's math backend takes
+    # enable_gqa, and it holds those scores (32 GiB for an 8192-token chunk over 32768 tokens
+    # at Nemotron-H-8B's 32 heads, on an H100), while the memory-efficient one takes these.
+    if H != KVH:
+        keys, values = keys.repeat_interleave(H // KVH, dim=2), values.repeat_interleave(H // KVH, dim=2)
     y = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=seen[:, None], scale=scale,
-        enable_gqa=H != KVH)
+        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=seen[:, None], scale=scale)
     y = torch.where(valid[:, :, None], y.transpose(1, 2).reshape(B, T, H * hd), 0.0)
     return ops.linear(y, lw.o_w, lw.o_b)
