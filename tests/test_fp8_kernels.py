@@ -400,6 +400,26 @@ def test_fp8_decode_steps_in_cuda_graphs_match_the_reference(wide_ckpt, B, deter
         assert rel_err(got, want) < GPU_ONE_ROW_TOL, rel_err(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K,block", [(64, 1024), (100, 32)])
+def test_the_quantize_kernel_is_bitwise_the_reference(dtype, K, block):
+    """quantize_rows_triton (one kernel: a row's amax, then its scaled e4m3 values) gives the
+    torch reference's bits: rows of many magnitudes, a zero row, values at the rounding
+    ties of e4m3 and past 448 times the scale, a row longer than a block (K 100, block 32),
+    a transposed (strided) input."""
+    from fastmamba.kernels.fp8_gemm import quantize_rows_ref, quantize_rows_triton
+
+    x = rand(7, K, seed=11) * torch.logspace(-4, 3, 7, device=DEVICE)[:, None]
+    x[2] = 0
+    x[3, :8] = torch.tensor([448.0, -448.0, 1.0625, 1.1875, -2.125, 0.0, 3.75, 1e-9]) * 3  # (ties: e4m3 keeps 3 bits)
+    x = x.to(dtype)
+    for given in (x, x.t().contiguous().t()):
+        q, s = quantize_rows_triton(given, block=block)
+        want_q, want_s = quantize_rows_ref(given)
+        assert torch.equal(s, want_s)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
 @pytest.mark.gpu
 def test_fp8_linear_on_the_gpu():
     """fp8_linear on CUDA: torch._scaled_mm (shapes of multiples of 16; its output rounded

@@ -52,6 +52,7 @@ from fastmamba.kernels import conv_grad as cg  # noqa: E402
 from fastmamba.kernels import decode_gemm as dg  # noqa: E402
 from fastmamba.kernels import decode_step as ds  # noqa: E402
 from fastmamba.kernels import decode_step_mamba2 as s2  # noqa: E402
+from fastmamba.kernels import fp8_gemm as f8  # noqa: E402
 from fastmamba.kernels import gated_norm as gn  # noqa: E402
 from fastmamba.kernels import products as gm  # noqa: E402
 from fastmamba.kernels import rmsnorm as rn  # noqa: E402
@@ -259,7 +260,9 @@ def main() -> None:
     for wdt in ("*bf16", "*fp16", "*fp32"):
         compile_kernel(st._step_size_kernel, ptrs("r_ptr", "b_ptr", "out_ptr", w_ptr=wdt), dict(
             IEEE=wdt == "*fp32", BM=STEP_SIZE_TILES.bm, BN=STEP_SIZE_TILES.bn, BK=STEP_SIZE_TILES.bk), num_warps=STEP_SIZE_TILES.warps)
-    res.append("prefill conv + step sizes + scan: ok")
+    for xdt in ("*bf16", "*fp32"):  # FP8 prefill: a token's activations quantized for cuBLASLt (fp8_gemm.py)
+        compile_kernel(f8._quantize_rows_kernel, {"x_ptr": xdt, "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, dict(BK=1024))
+    res.append("prefill conv + step sizes + scan + FP8 quantize: ok")
     # training (fastmamba.Backbone under autograd, float32): the forward scan saving its
     # chunks' states, the scan's and the conv's backward
     t = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A_ptr", "D_ptr", "st_ptr", "y_ptr", "dtb_ptr", "saved_ptr",

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ._triton import INTERPRET, jit, tl, triton
+
 _E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _FP8 = torch.float8_e4m3fn
 
@@ -53,10 +55,9 @@ def linear_ref(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> tor
     return y if bias is None else y + bias
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) -> (e4m3 values (M, K), float32 scales (M, 1)): each row over its largest
-    magnitude / 448 (a zero row's scale 1), rounded to nearest, saturating. Torch ops
-    only: no host sync, so it runs inside a CUDA graph."""
+    magnitude / 448 (a zero row's scale 1), rounded to nearest, saturating."""
     x = x.float()
     amax = x.abs().amax(dim=-1, keepdim=True)  # (M, 1)
     scale = torch.where(amax > 0, amax / _E4M3_MAX, torch.ones_like(amax))
@@ -64,12 +65,66 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale).clamp(-_E4M3_MAX, _E4M3_MAX).to(_FP8).contiguous(), scale
 
 
+@jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride, BK: tl.constexpr):
+    # one program a row: its largest magnitude in one pass, then the scaled values in a
+    # second (the row again, from L2), with IEEE division and round-to-nearest-even as the
+    # reference's torch ops, so the bits are the same
+    row = tl.program_id(0).to(tl.int64)
+    most = tl.zeros([BK], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        v = tl.load(x_ptr + row * stride + k, mask=k < K, other=0.0).to(tl.float32)
+        most = tl.maximum(most, tl.abs(v))
+    amax = tl.max(most, axis=0)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        v = tl.load(x_ptr + row * stride + k, mask=k < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
+        if INTERPRET:  # (the interpreter's e4m3 cast drops a rounding's carry into the exponent)
+            q = _round_to_e4m3(q)
+        tl.store(q_ptr + row * K + k, q.to(tl.float8e4nv), mask=k < K)
+
+
+@jit
+def _round_to_e4m3(v):
+    # v (|v| <= 448) rounded to nearest even on e4m3's grid, exactly in float32: 3 mantissa
+    # bits from 2^-6 up (the float32 pattern's low 20 bits rounded off, a carry reaching the
+    # exponent), steps of 2^-9 below (e4m3's subnormals: the 1.5 * 2^23 addition rounds)
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    small = ((v * 512.0 + 12582912.0) - 12582912.0) / 512.0
+    return tl.where(tl.abs(v) >= 0.015625, normal, small)
+
+
+def quantize_rows_triton(x: torch.Tensor, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows_ref in one kernel: the activations read twice and written once as
+    e4m3, where the torch ops take seven passes (the float32 copy, abs, amax, the division,
+    the clamp, the cast, the copy to rows). Bitwise the reference's."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    M, K = x.shape
+    q = torch.empty(M, K, device=x.device, dtype=_FP8)
+    scale = torch.empty(M, 1, device=x.device, dtype=torch.float32)
+    if M:
+        _quantize_rows_kernel[(M,)](x, q, scale, K, x.stride(0), BK=min(block, triton.next_power_of_2(K)))
+    return q, scale
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows_ref's values: its Triton kernel on CUDA (no host sync: it runs inside a
+    CUDA graph), the torch ops elsewhere."""
+    return quantize_rows_triton(x) if x.is_cuda else quantize_rows_ref(x)
+
+
 def fp8_linear_ref(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """What fp8_linear computes, in float32: x (..., K) quantized a row, times the e4m3
     values (N, K).T, each sum scaled by its row's and its column's scale, plus bias."""
     x2 = x.reshape(-1, x.shape[-1])
-    xq, sx = quantize_rows(x2)
+    xq, sx = quantize_rows_ref(x2)
     y = (xq.float() @ values.float().t()) * sx * scale[None, :]  # (M, N)
     y = y.view(*x.shape[:-1], values.shape[0])
     return (y if bias is None else y + bias).to(out_dtype)
