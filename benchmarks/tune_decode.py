@@ -4,11 +4,11 @@ Times each kernel alone (triton.testing.do_bench, median) for a grid of configur
 prints the best few per shape with the achieved weight bandwidth, to choose the one-row
 step's settings (plan.one_row_blocks).  python -m benchmarks.tune_decode
 
-With --in-graph it times whole graph-replayed batch-1 steps instead, changing the block
+With --fp8 (or --f32) the weights are FP8 (float32). With --in-graph it times whole graph-replayed batch-1 steps instead, changing the block
 sizes of one kernel at a time (each variant a DecodePlan passed to the step): alone, a kernel sees its weights partly in L2 and no
 neighbours, so its best blocks need not be the step's (--states: where the conv step and
 x_proj run, and ssm_step's blocks; --out-proj, --in-proj: only those; --wide: 1.4b and
-2.8b only). With --lm-head it sweeps lm_head's blocks (and 130m's in_proj) in whole
+2.8b only; --only-2.8b). With --lm-head it sweeps lm_head's blocks (and 130m's in_proj) in whole
 steps; with --early, which kernels let the next one launch before their own wait; with
 --sum-last, where one-row in_proj sums over K (--f32: float32 weights); with --preload,
 out_proj blocks of one tile a K split and in_proj's loop in shared-memory stages; with
@@ -27,7 +27,9 @@ from triton.testing import do_bench
 from fastmamba.engine.plan import DecodePlan, one_row_blocks
 from fastmamba.kernels import decode_step as ds
 
-DT = torch.float32 if "--f32" in sys.argv else torch.bfloat16
+# the weights' dtype: bf16, or float32 (--f32), or FP8 (--fp8: e4m3 with a scale a row, a
+# byte a weight, so a tile of K streams half the bytes of bf16's)
+DT = torch.float32 if "--f32" in sys.argv else torch.float8_e4m3fn if "--fp8" in sys.argv else torch.bfloat16
 
 
 def defaults(model, dtype=None):
@@ -97,9 +99,11 @@ def tune_in_graph(size, parts=("in_proj", "out_proj", "states")):
 
     model = random_model(size, DT)
     print(f"{size} batch 1, default blocks: {step_ms(model):.4f} ms/step", flush=True)
-    for blocks in [] if "in_proj" not in parts else [(8, 512, 4, 1), (8, 256, 4, 1), (8, 1024, 8, 1), (16, 256, 4, 1), (16, 1024, 8, 1), (4, 1024, 4, 1), (16, 512, 4, 2)]:
+    for blocks in [] if "in_proj" not in parts else [(8, 512, 4, 1), (8, 256, 4, 1), (8, 1024, 8, 1), (16, 256, 4, 1), (16, 1024, 8, 1), (4, 1024, 4, 1), (16, 512, 4, 2),
+                                                     (16, 512, 4, 1), (16, 1024, 4, 1), (32, 512, 8, 1), (16, 2048, 8, 1)]:
         print(f"   in_proj BN, BK, warps, stages = {blocks}: {step_ms(model, in_proj=blocks):.4f} ms/step", flush=True)
-    for blocks, programs in [] if "out_proj" not in parts else [((8, 512, 4), 1280), ((8, 512, 4), 960), ((8, 256, 4), 1280), ((16, 512, 8), 640), ((4, 1024, 4), 1280), ((8, 1024, 8), 640)]:
+    for blocks, programs in [] if "out_proj" not in parts else [((8, 512, 4), 1280), ((8, 512, 4), 960), ((8, 256, 4), 1280), ((16, 512, 8), 640), ((4, 1024, 4), 1280), ((8, 1024, 8), 640),
+                                                                ((8, 1024, 4), 1280), ((16, 1024, 8), 1280), ((8, 2048, 8), 640)]:
         print(f"   out_proj BN, BK, warps = {blocks}, ~{programs} programs: {step_ms(model, out_proj=(*blocks, programs)):.4f} ms/step", flush=True)
     for in_in_proj, block in [] if "states" not in parts else [(True, 128), (False, 16), (False, 32), (False, 64), (False, 128)]:
         how = "in in_proj" if in_in_proj else f"own kernel, {block} channels a program"
@@ -233,7 +237,8 @@ if __name__ == "__main__":
             sys.exit()
     if "--in-graph" in sys.argv:  # --in-proj / --out-proj / --states: those kernels' blocks only
         parts = [p for p in ("in_proj", "states", "out_proj") if f"--{p.replace('_', '-')}" in sys.argv] or ["in_proj", "out_proj", "states"]
-        for size in ("1.4b", "2.8b") if "--wide" in sys.argv else ("130m", "1.4b", "2.8b"):
+        sizes = ("1.4b", "2.8b") if "--wide" in sys.argv else ("130m", "1.4b", "2.8b")
+        for size in ("2.8b",) if "--only-2.8b" in sys.argv else sizes:
             tune_in_graph(size, parts)
         sys.exit()
     tune_rmsnorm_linear(10240, 2560)  # 2.8b in_proj
