@@ -383,8 +383,8 @@ def test_the_triton_ssd_matches_autograd_of_the_chunked_ssd(T, Q, with_resets):
     pytest.importorskip("triton")
     from dataclasses import replace
 
-    from fastmamba.engine.plan import SSD_TILES
-    from fastmamba.kernels.ssd_grad import SSD_GRAD_TILES, ssd_scan_train, ssd_scan_train_triton
+    from fastmamba.engine.plan import SSD_GRAD_TILES, SSD_TILES
+    from fastmamba.kernels.ssd_grad import ssd_scan_train, ssd_scan_train_triton
 
     B, H, P, G, N = 2, 4, 3, 2, 5
     g = torch.Generator().manual_seed(T)
@@ -421,13 +421,14 @@ def test_the_ssd_backward_kernels_compile_for_hopper():
 import sys
 sys.path.insert(0, sys.argv[1])
 import compile_kernels as ck
+from fastmamba.engine.plan import SSD_GRAD_TILES
 from fastmamba.kernels import ssd_grad as sg
-dims = dict(H=8, P=64, N=128, G=1, Q=sg.SSD_GRAD_TILES.chunk, PP=64, NP=128, RESETS=True)
+dims = dict(H=8, P=64, N=128, G=1, Q=SSD_GRAD_TILES.chunk, PP=64, NP=128, RESETS=True)
 ck.compile_kernel(sg._ssd_bwd_chunk_kernel, ck.ptrs("x_ptr", "dy_ptr", "B_ptr", "C_ptr", "dt_ptr", "cum_ptr",
     "starts_ptr", "gend_ptr", "A_ptr", "D_ptr", "dx_ptr", "dB_ptr", "dC_ptr", "ddt_ptr", "dA_ptr", "dD_ptr",
-    first_ptr="*i32"), dims, num_warps=sg.SSD_GRAD_TILES.warps)
+    first_ptr="*i32"), dims, num_warps=SSD_GRAD_TILES.warps)
 ck.compile_kernel(sg._ssd_bwd_dstart_kernel, ck.ptrs("dy_ptr", "C_ptr", "cum_ptr", "out_ptr", first_ptr="*i32"), dims,
-                  num_warps=sg.SSD_GRAD_TILES.warps)
+                  num_warps=SSD_GRAD_TILES.warps)
 print("compiled")
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

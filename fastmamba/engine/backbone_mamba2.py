@@ -102,12 +102,13 @@ def gpu_ops(training: bool) -> Ops:
     """The ops of the sequence pass on CUDA (see the module's doc): the prefill kernels, or
     under autograd the training kernels (the conv's and the SSD's)."""
     from fastmamba.core.ops import training_ops, triton_ops
-    from fastmamba.engine.plan import KERNEL_TILES
+    from fastmamba.engine.plan import KERNEL_TILES, SSD_GRAD_TILES
     from fastmamba.kernels.ssd_grad import ssd_scan_train_triton
 
     if not training:
         return triton_ops(KERNEL_TILES)
-    return replace(training_ops(KERNEL_TILES), ssd=partial(ssd_scan_train_triton, tiles=KERNEL_TILES.ssd),
+    return replace(training_ops(KERNEL_TILES), ssd=partial(ssd_scan_train_triton, tiles=KERNEL_TILES.ssd,
+                                                           grad_tiles=SSD_GRAD_TILES),
                    gated_norm=CPU_OPS.gated_norm)
 
 

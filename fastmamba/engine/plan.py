@@ -46,6 +46,7 @@ from fastmamba.kernels.sampler import SamplerTiles
 from fastmamba.kernels.scan_grad import TrainScanTiles
 from fastmamba.kernels.selective_scan import ScanTiles
 from fastmamba.kernels.ssd import SSDTiles
+from fastmamba.kernels.ssd_grad import SSDGradTiles
 from fastmamba.kernels.step_size import StepSizeTiles
 
 NONE, IN_PROJ, ALL = frozenset(), frozenset({"in_proj"}), frozenset(PRODUCTS)
@@ -406,6 +407,10 @@ TRAIN_SCAN_TILES = TrainScanTiles(bt=16, be=8, warps=2)
 # The conv's backward (not swept; at 128 x 3's layer, 16 x 1024, the conv's forward and
 # backward take 0.78 ms); its forward is the prefill conv's kernel.
 CONV_GRAD_TILES = ConvGradTiles(forward=CONV_TILES, be=64, bt=32, warps=4)
+# The Mamba-2 Backbone's training SSD (kernels/ssd_grad.py): 64-step chunks, the backward's
+# (Q, Q) and (Q, N) tiles in one program's registers at N = 128 (chunks of 64, 32 and 16 and
+# 4 and 8 warps tried on an H100: 64 and 4 kept; it still spills at P 64, N 128)
+SSD_GRAD_TILES = SSDGradTiles(chunk=64, warps=4)
 
 # -- a hybrid's decode attention (kernels/paged_attention.py) ---------------------------------
 # Each row and key/value head's program walks its share of the table's columns: 8 shares keep

@@ -144,10 +144,6 @@ class SSDGradTiles:
     warps: int  # the backward kernels' warps
 
 
-# 64-step chunks: the backward's (Q, Q) and (Q, N) tiles in one program's registers at
-# N = 128 (not swept)
-SSD_GRAD_TILES = SSDGradTiles(chunk=64, warps=4)
-
 
 @jit
 def _ssd_bwd_dstart_kernel(
@@ -364,11 +360,12 @@ class _SSDTrain(torch.autograd.Function):
 
 
 def ssd_scan_train_triton(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, chunk: int, start=None, resets=None, *,
-                          tiles: SSDTiles, grad_tiles: SSDGradTiles = SSD_GRAD_TILES) -> torch.Tensor:
+                          tiles: SSDTiles, grad_tiles: SSDGradTiles) -> torch.Tensor:
     """Triton twin of `ssd_scan_train` (the same arguments; `chunk` is grad_tiles.chunk's
     choice, the same sums): the chunked forward kernels of kernels/ssd.py and the backward
     above, an autograd Function. No left padding (a training pass has none). tiles: the
-    forward kernels' launch settings."""
+    forward kernels' launch settings; grad_tiles: the chunk and the backward's warps (the
+    plan's, engine/plan.SSD_GRAD_TILES)."""
     if start is not None:
         raise ValueError("ssd_scan_train_triton takes no left padding (start)")
     y, new = _SSDTrain.apply(x, dt, dt_bias, A, Bm, Cm, D, state, resets, tuple(dt_limit), tiles, grad_tiles)
