@@ -38,7 +38,9 @@ SEEN = [0, 2]  # CartPole's observation: cart position, cart velocity, pole angl
 class Core(nn.Module):
     """The recurrent core, behind one interface: `step` (one observation a row, the state
     updated in place after zeroing the rows that start an episode) and `sequence` (a
-    rollout's observations from its starting state, with the same starts)."""
+    rollout's observations from its starting state, with the same starts). Kinds: mamba,
+    mamba2 (fastmamba.Backbone), lstm, gru (torch's, unrolled; examples/popgym_ppo.py takes
+    all four)."""
 
     def __init__(self, kind: str, obs_dim: int, width: int, layers: int):
         super().__init__()
@@ -49,51 +51,56 @@ class Core(nn.Module):
             self.net = fastmamba.Backbone(fastmamba.BackboneConfig(
                 input_dim=obs_dim, d_model=width, n_layer=layers, layer="mamba2", head_dim=math.gcd(32, 2 * width),
                 d_state=64, chunk_size=64))
-        else:
-            self.net = nn.LSTM(obs_dim, width, num_layers=layers, batch_first=True)
+        elif kind in ("lstm", "gru"):
+            self.net = (nn.LSTM if kind == "lstm" else nn.GRU)(obs_dim, width, num_layers=layers, batch_first=True)
             # the Backbone's features come out of its final RMSNorm, at unit scale; the LSTM's
             # come out tiny at its initialisation (~0.03), and without a norm of its own the
             # critic fits so slowly that PPO learned nothing in 100k steps (RESULTS.md)
             self.out_norm = nn.LayerNorm(width)
+        else:
+            raise ValueError(f"core: mamba, mamba2, lstm or gru, got {kind!r}")
         self.width, self.layers = width, layers
+        self.mamba = kind in ("mamba", "mamba2")
 
     def new_state(self, batch: int, device):
-        if self.kind != "lstm":
+        if self.mamba:
             return self.net.new_state(batch)
-        zeros = torch.zeros(self.layers, batch, self.width, device=device)
-        return (zeros, zeros.clone())
+        # the torch RNN's state as a tuple: (h, c) for the LSTM, (h,) for the GRU
+        return tuple(torch.zeros(self.layers, batch, self.width, device=device) for _ in range(1 + (self.kind == "lstm")))
 
     def copy(self, state):
-        if self.kind != "lstm":
+        if self.mamba:
             return fastmamba.MambaState(state.conv.clone(), state.ssm.clone())
         return tuple(t.clone() for t in state)
 
     def rows(self, state, idx):
-        if self.kind != "lstm":
+        if self.mamba:
             return fastmamba.MambaState(state.conv[:, idx], state.ssm[:, idx])
         return tuple(t[:, idx] for t in state)
 
+    def _rnn(self, obs: torch.Tensor, state: tuple, keep: torch.Tensor):
+        """The torch RNN over obs (B, t, obs_dim) from `state` with its rows scaled by keep (1, B, 1)."""
+        state = tuple(t * keep for t in state)
+        out, state = self.net(obs, state if self.kind == "lstm" else state[0])
+        return out, (state if self.kind == "lstm" else (state,))
+
     def step(self, obs: torch.Tensor, state, starts: torch.Tensor):
         """obs (B, obs_dim), starts (B,) bool -> features (B, width); the state in place."""
-        if self.kind != "lstm":
+        if self.mamba:
             state.reset(starts)
             return self.net.step(obs, state)
-        keep = (~starts).float()[None, :, None]
-        h, c = state[0] * keep, state[1] * keep
-        out, (h, c) = self.net(obs[:, None], (h, c))
-        state[0].copy_(h)
-        state[1].copy_(c)
+        out, new = self._rnn(obs[:, None], state, (~starts).float()[None, :, None])
+        for t, n in zip(state, new):
+            t.copy_(n)
         return self.out_norm(out[:, 0])
 
     def sequence(self, obs: torch.Tensor, state, starts: torch.Tensor) -> torch.Tensor:
         """obs (B, T, obs_dim) from `state`, starts (B, T) bool -> features (B, T, width)."""
-        if self.kind != "lstm":
+        if self.mamba:
             return self.net(obs, state, resets=starts)[0]
-        h, c = state
         outs = []
         for t in range(obs.shape[1]):
-            keep = (~starts[:, t]).float()[None, :, None]
-            out, (h, c) = self.net(obs[:, t : t + 1], (h * keep, c * keep))
+            out, state = self._rnn(obs[:, t : t + 1], state, (~starts[:, t]).float()[None, :, None])
             outs.append(out)
         return self.out_norm(torch.cat(outs, 1))
 
@@ -124,27 +131,25 @@ def make_envs(n: int, seed: int):
     return gym.wrappers.vector.RecordEpisodeStatistics(envs)
 
 
-def train(core_kind: str, seed: int, args) -> list[list[float]]:
-    """One run: [[env steps, mean return of the episodes ended since the last point], ...]."""
-    torch.manual_seed(seed)
-    np.random.seed(seed)
+def ppo(agent: Agent, envs, updates: int, seed: int, args):
+    """PPO on `envs` (a gymnasium vector env with same-step autoreset and episode statistics,
+    float observations (E, obs_dim)) for `updates` updates of `args.rollout` steps an env;
+    yields after each update (environment steps so far, the returns of the episodes ended
+    during it, its wall time in seconds)."""
     device = torch.device(args.device)
-    envs = make_envs(args.envs, seed)
-    obs_dim, actions = len(SEEN), envs.single_action_space.n
-    agent = Agent(Core(core_kind, obs_dim, args.width, args.layers), actions).to(device)
     opt = torch.optim.Adam(agent.parameters(), lr=args.lr, eps=1e-5)
     E, T = args.envs, args.rollout
     obs = torch.as_tensor(envs.reset(seed=seed)[0], device=device)
     starts = torch.ones(E, dtype=torch.bool, device=device)  # the first step of every env starts an episode
     state = agent.core.new_state(E, device)
-    curve, finished, steps = [], [], 0
-    updates = max(1, args.total_steps // (E * T))
+    steps = 0
     for update in range(updates):
         t0 = time.perf_counter()
         for group in opt.param_groups:  # linear annealing of the learning rate
             group["lr"] = args.lr * (1 - update / updates)
         state0 = agent.core.copy(state)  # the rollout's starting state, which training starts from
         buf = {k: [] for k in ("obs", "starts", "actions", "logprobs", "values", "rewards", "dones")}
+        finished = []
         with torch.no_grad():
             for _ in range(T):
                 features = agent.core.step(obs, state, starts)
@@ -163,7 +168,7 @@ def train(core_kind: str, seed: int, args) -> list[list[float]]:
                 starts = torch.as_tensor(done, device=device)
                 steps += E
             last_value = agent.heads(agent.core.step(obs, agent.core.copy(state), starts))[1]
-        b = {k: torch.stack(v, 1) for k, v in buf.items()}  # (E, T)
+        b = {k: torch.stack(v, 1) for k, v in buf.items()}  # (E, T), actions (E, T, k) for k categorical heads
         # generalised advantage estimates, backwards in time; an episode's end (termination
         # or truncation alike, as CleanRL does) cuts them
         adv = torch.zeros(E, T, device=device)
@@ -190,13 +195,25 @@ def train(core_kind: str, seed: int, args) -> list[list[float]]:
                 loss.backward()
                 nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
                 opt.step()
+        yield steps, finished, time.perf_counter() - t0
+
+
+def train(core_kind: str, seed: int, args) -> list[list[float]]:
+    """One run: [[env steps, mean return of the episodes ended since the last point], ...]."""
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    envs = make_envs(args.envs, seed)
+    agent = Agent(Core(core_kind, len(SEEN), args.width, args.layers), envs.single_action_space.n).to(args.device)
+    updates = max(1, args.total_steps // (args.envs * args.rollout))
+    curve, finished = [], []
+    for update, (steps, ended, seconds) in enumerate(ppo(agent, envs, updates, seed, args)):
+        finished += ended
         if finished:
             curve.append([steps, float(np.mean(finished))])
             finished = []
-        ms = (time.perf_counter() - t0) * 1e3
         last = curve[-1][1] if curve else float("nan")
         print(f"{core_kind} seed {seed} update {update + 1}/{updates}: {steps} steps, return {last:.1f}, "
-              f"{ms:.0f} ms an update", flush=True)
+              f"{seconds * 1e3:.0f} ms an update", flush=True)
     envs.close()
     return curve
 
@@ -250,14 +267,10 @@ def fraction(text: str) -> float:
     return value
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--core", default="mamba,lstm", help="mamba, mamba2, lstm, or several comma-separated")
-    ap.add_argument("--total-steps", type=positive(int), default=50_000, help="environment steps a run")
-    ap.add_argument("--seeds", type=positive(int), default=3, help="runs a core, seeds 0 .. K-1")
-    ap.add_argument("--out", default="ppo", help="folder for returns.json and curve.png")
+def add_ppo_arguments(ap: argparse.ArgumentParser, envs: int) -> None:
+    """The flags of the agent and of PPO, shared with the other examples that train with `ppo`."""
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--envs", type=positive(int), default=8)
+    ap.add_argument("--envs", type=positive(int), default=envs)
     ap.add_argument("--rollout", type=positive(int), default=128, help="steps a rollout (the training sequences' length)")
     ap.add_argument("--width", type=positive(int), default=64, help="the core's width (d_model, or the LSTM's hidden size)")
     ap.add_argument("--layers", type=positive(int), default=1)
@@ -270,10 +283,10 @@ def main() -> None:
     ap.add_argument("--ent-coef", type=positive(float, zero=True), default=0.01)
     ap.add_argument("--vf-coef", type=positive(float, zero=True), default=0.5)
     ap.add_argument("--max-grad-norm", type=positive(float), default=0.5)
-    args = ap.parse_args()
-    cores = [c.strip() for c in args.core.split(",") if c.strip()]
-    if not cores or any(c not in ("mamba", "mamba2", "lstm") for c in cores):
-        ap.error(f"--core takes mamba, mamba2, lstm or several of them, got {args.core!r}")
+
+
+def check_ppo_arguments(ap: argparse.ArgumentParser, args) -> None:
+    """What argparse's types can't check alone, each an argparse error before anything runs."""
     if args.envs % args.minibatches:
         ap.error(f"--minibatches ({args.minibatches}) must divide --envs ({args.envs})")
     try:
@@ -282,6 +295,20 @@ def main() -> None:
         ap.error(f"--device takes cpu, cuda or cuda:N, got {args.device!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: PyTorch sees no CUDA GPU here")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--core", default="mamba,lstm", help="mamba, mamba2, lstm, or several comma-separated")
+    ap.add_argument("--total-steps", type=positive(int), default=50_000, help="environment steps a run")
+    ap.add_argument("--seeds", type=positive(int), default=3, help="runs a core, seeds 0 .. K-1")
+    ap.add_argument("--out", default="ppo", help="folder for returns.json and curve.png")
+    add_ppo_arguments(ap, envs=8)
+    args = ap.parse_args()
+    cores = [c.strip() for c in args.core.split(",") if c.strip()]
+    if not cores or any(c not in ("mamba", "mamba2", "lstm") for c in cores):
+        ap.error(f"--core takes mamba, mamba2, lstm or several of them, got {args.core!r}")
+    check_ppo_arguments(ap, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "returns.json"
