@@ -11,10 +11,12 @@ renormalized, a token's weights sum to less than 1); Nemotron-H's sigmoid scores
 bias added for the choice alone, the choice limited to the best groups of experts, the picked
 scores renormalized and scaled. The experts are kept stacked, (E, 2 I, d) (gate's rows before
 up's) or (E, I, d), and (E, d, I); a checkpoint that stores them one by one (Jamba's gate and
-up apart) is stacked at load. A pass gathers each expert's
-tokens and runs one product an active expert; each (token, pick) pair's output lands in its
-own row, and a token's picks are summed in pick order, so a token's output does not depend
-on which other tokens share its experts (no atomics, no order that a batch changes)."""
+up apart) is stacked at load. The routed MLPs are the ops' (`Ops.moe`, kernels/moe.py): the
+reference gathers each expert's tokens and runs one product an active expert (the host reads
+the counts), the GPU ops' grouped Triton kernel runs every active expert in one launch a
+matrix (no host sync); either way each (token, pick) pair's output lands in its own row, and
+a token's picks are summed in pick order, so a token's output does not depend on which other
+tokens share its experts (no atomics, no order that a batch changes)."""
 
 from __future__ import annotations
 
@@ -118,25 +120,7 @@ def moe(c, lw: MoEWeights, u: torch.Tensor, ops) -> torch.Tensor:
     B, T, d = u.shape
     x = u.reshape(B * T, d)  # (N, d)
     experts, weights = route(c, lw, x, ops)  # (N, k), (N, k)
-    k, I = c.experts_per_token, c.expert_size
-    act = mlp_.ACTIVATIONS[c.mlp_act]
-    pairs = experts.flatten()  # (N k,) pair n * k + j: token n's j-th pick
-    order = torch.argsort(pairs, stable=True)  # the pairs grouped by expert, each group in token order
-    counts = torch.bincount(pairs, minlength=c.n_experts).tolist()  # (the host learns each expert's rows)
-    y = torch.zeros(pairs.shape[0], d, dtype=torch.float32, device=u.device)  # (N k, d) a row a pair
-    at = 0
-    for e, n in enumerate(counts):
-        if n == 0:  # (an expert no token picked: no product)
-            continue
-        rows = order[at : at + n]  # (n,)
-        at += n
-        a = ops.linear(x[rows // k], lw.in_w[e])  # (n, 2 I) gated, (n, I) not
-        h = act(a[:, :I]) * a[:, I:] if c.mlp_gated else act(a)
-        y[rows] = ops.linear(h, lw.out_w[e]).float()
-    y = y.view(-1, k, d)
-    routed = y[:, 0] * weights[:, :1]
-    for j in range(1, k):  # (in pick order: the same sum whatever the batch)
-        routed = routed + y[:, j] * weights[:, j : j + 1]
+    routed = ops.moe(x, experts, weights, lw.in_w, lw.out_w, c.mlp_act, c.mlp_gated)  # (N, d) f32
     out = routed.view(B, T, d)
     if lw.shared_in is not None:
         out = out + mlp_.mlp(c, mlp_.MLPWeights(lw.norm_w, lw.shared_in, lw.shared_out), u, ops)

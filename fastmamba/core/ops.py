@@ -19,6 +19,7 @@ from fastmamba.kernels.causal_conv1d import ConvTiles, causal_conv1d_ref
 from fastmamba.kernels.conv_grad import ConvGradTiles
 from fastmamba.kernels.fp8_gemm import fp8_linear
 from fastmamba.kernels.gated_norm import gated_rmsnorm_ref
+from fastmamba.kernels.moe import MoETiles, moe_ffn_ref
 from fastmamba.kernels.paged_attention import PagedTiles
 from fastmamba.kernels.products import linear_invariant, linear_storage
 from fastmamba.kernels.rmsnorm import add_norm_ref
@@ -51,6 +52,10 @@ class Ops:
     # a decode step's attention over the paged KV cache (kernels/paged_attention.py); None:
     # the attention sublayer's own torch ops, as for prefill
     paged_decode: Callable | None = None
+    # a mixture of experts' routed MLPs (kernels/moe.py, moe_ffn_ref's signature): by default
+    # the twin over the reference products (one product an expert with tokens, the host
+    # reading the counts)
+    moe: Callable = partial(moe_ffn_ref, linear=linear)
     fp8: bool = False  # whether `linear` takes Fp8Weights (and the rest an activation dtype of FP8)
 
 
@@ -101,12 +106,14 @@ class KernelTiles:
     conv_grad: ConvGradTiles  # the training conv (kernels/conv_grad.py)
     train_scan: TrainScanTiles  # the training scan (kernels/scan_grad.py)
     paged: PagedTiles  # decode attention over the paged KV cache (kernels/paged_attention.py)
+    moe: MoETiles  # a mixture of experts' grouped products (kernels/moe.py)
 
 
 def triton_ops(tiles: KernelTiles) -> Ops:
     """cuBLAS products and the Triton kernels (the GPU engine), launched with `tiles`."""
     from fastmamba.kernels.causal_conv1d import causal_conv1d
     from fastmamba.kernels.gated_norm import gated_rmsnorm
+    from fastmamba.kernels.moe import moe_ffn_triton
     from fastmamba.kernels.paged_attention import paged_decode
     from fastmamba.kernels.rmsnorm import add_norm
     from fastmamba.kernels.selective_scan import step_and_scan
@@ -116,7 +123,7 @@ def triton_ops(tiles: KernelTiles) -> Ops:
     return Ops(gpu_linear, fp8_safe(partial(causal_conv1d, tiles=tiles.conv)),
                fp8_safe(partial(step_and_scan, tiles=tiles.scan)), add_norm,
                fp8_safe(partial(ssd_scan, tiles=tiles.ssd)), fp8_safe(gated_rmsnorm),
-               partial(paged_decode, tiles=tiles.paged), fp8=True)
+               partial(paged_decode, tiles=tiles.paged), partial(moe_ffn_triton, tiles=tiles.moe), fp8=True)
 
 
 def training_ops(tiles: KernelTiles) -> Ops:

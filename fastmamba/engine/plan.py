@@ -41,6 +41,7 @@ from fastmamba.core.ops import KernelTiles
 from fastmamba.kernels.causal_conv1d import ConvTiles
 from fastmamba.kernels.conv_grad import ConvGradTiles
 from fastmamba.kernels.decode_gemm import PRODUCTS
+from fastmamba.kernels.moe import MoETiles
 from fastmamba.kernels.paged_attention import PagedTiles
 from fastmamba.kernels.sampler import SamplerTiles
 from fastmamba.kernels.scan_grad import TrainScanTiles
@@ -417,8 +418,13 @@ SSD_GRAD_TILES = SSDGradTiles(chunk=64, warps=4)
 # a 16k-token context's keys spread over 8 programs a head at batch 1 (not swept).
 PAGED_TILES = PagedTiles(splits=8, warps=4)
 
+# -- a mixture of experts' grouped products (kernels/moe.py) -----------------------------------
+# Untuned: the 16-bit GEMM's 64-row, 64-column tiles, taken until a sweep at the public
+# experts' shapes (Granite-4.0-H-Tiny's, Nemotron-3's) can choose them on a GPU.
+MOE_TILES = MoETiles(bm=64, bn=64, bk=64, warps=4, stages=3)
+
 KERNEL_TILES = KernelTiles(conv=CONV_TILES, scan=SCAN_TILES, ssd=SSD_TILES, conv_grad=CONV_GRAD_TILES,
-                           train_scan=TRAIN_SCAN_TILES, paged=PAGED_TILES)
+                           train_scan=TRAIN_SCAN_TILES, paged=PAGED_TILES, moe=MOE_TILES)
 
 # -- the samplers (kernels/sampler.py) ---------------------------------------------------------
 # The filters' search: counting passes spread over the row's programs narrow a band of keys to

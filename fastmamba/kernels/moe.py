@@ -1,0 +1,213 @@
+"""A mixture of experts' routed MLPs in two grouped products (`moe_ffn_triton`), and their
+pure-PyTorch twin (`moe_ffn_ref`: the CPU path and the oracle).
+
+Each token picks k experts (N tokens: P = N k (token, pick) pairs; pair n k + j is token n's
+j-th pick). `moe_align` sorts the pairs by expert (stable: each expert's in token order) and
+pads each expert's run to whole blocks of `bm` rows, on the device, without the host learning
+any count: its buffers are sized by N, k, E and bm alone (at most P + min(E, P) (bm - 1) rows),
+and the number of blocks in use stays a device tensor that the kernel's programs read, so the
+launch could sit in a CUDA graph. `_moe_gemm_kernel` runs one block of pairs (all of one
+expert) against a tile of that expert's output columns: it gathers the pairs' rows of x,
+multiplies by the expert's matrix (16-bit or float32 weights, or e4m3 with a scale a row,
+SCALED), sums in float32 and writes each pair's own row of the output, so no two programs
+touch one element (no atomics). It runs twice: gate and up in one pass over the (E, 2 I, d)
+matrix with the family's activation in its epilogue (ACT: gated SiLU `silu(gate) * up`,
+Granite's and Jamba's; squared ReLU, Nemotron-H's ungated experts), then down over (E, d, I)
+with each pair's router weight multiplied in (MUL_WEIGHT). A token's k rows are then added
+in pick order, as the twin adds them.
+
+Batch invariance: a pair's row is one fixed sum, its K walked in `bk` steps from 0 in the
+same tiles whatever else is in its block (the tensor cores treat each row alone, as
+products.py's GEMM relies on; the padding rows are zeros), and a token's picks add in a fixed
+order; so given its routing and the same MoETiles, a token's output is bitwise the same alone
+or in any batch. The tiles come from the caller (engine/plan.py's MOE_TILES), never from the
+batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ._triton import jit, tl, triton
+from .fp8_gemm import linear_ref
+from .products import tensor_dot
+
+# the experts' activations, as the reference MLP's (core/mlp.ACTIVATIONS): the same torch ops
+ACTIVATIONS = {"silu": F.silu, "relu2": lambda x: F.relu(x).square()}
+
+
+@dataclass(frozen=True)
+class MoETiles:
+    """The grouped products' launch settings (engine/plan.py's MOE_TILES). Never chosen by
+    the batch: a token's bits depend on them."""
+
+    bm: int  # pairs a block (moe_align pads each expert's pairs to whole blocks): a program's rows
+    bn: int  # output columns a program
+    bk: int  # steps of K a loop iteration
+    warps: int
+    stages: int  # loads in flight (tl.range num_stages)
+
+
+def moe_align(experts: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """experts (N, k) int -> (ids (R,) int64, block_expert (R / block_m,) int64, blocks (1,) int64).
+
+    ids: the pairs (n k + j) grouped by expert (in expert order, each expert's in pair order),
+    each expert's run padded with P = N k to a whole number of blocks of block_m rows;
+    block_expert[b]: block b's expert (n_experts past the blocks in use); blocks: how many
+    are in use. R = block_m * floor((P + min(E, P) (block_m - 1)) / block_m), the most a routing
+    can need. Device ops alone (no count reaches the host); no atomics."""
+    pairs = experts.flatten()  # (P,)
+    P, dev = pairs.numel(), pairs.device
+    order = torch.argsort(pairs, stable=True)  # (P,) the pairs by expert, each expert's in pair order
+    by_expert = pairs[order]  # (P,) sorted
+    # each expert's first position in the sorted pairs (and the end): counts without a histogram
+    starts = torch.searchsorted(by_expert, torch.arange(n_experts + 1, device=dev, dtype=by_expert.dtype))  # (E + 1,)
+    counts = starts[1:] - starts[:-1]  # (E,)
+    blocks = (counts + block_m - 1) // block_m  # (E,)
+    block_end = torch.cumsum(blocks, 0)  # (E,)
+    n_blocks = (P + min(n_experts, P) * (block_m - 1)) // block_m
+    rank = torch.arange(P, device=dev) - starts[:-1][by_expert]  # (P,) each pair's place among its expert's
+    ids = torch.full((n_blocks * block_m,), P, dtype=torch.int64, device=dev)
+    ids[(block_end - blocks)[by_expert] * block_m + rank] = order
+    block_expert = torch.bucketize(torch.arange(n_blocks, device=dev), block_end, right=True)  # (n_blocks,)
+    return ids, block_expert, block_end[-1:]
+
+
+def moe_ffn_ref(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, in_w, out_w, act: str, gated: bool,
+                linear: Callable = linear_ref) -> torch.Tensor:
+    """x (N, d), experts (N, k) int, weights (N, k) f32, in_w (E, 2 I, d) gated (gate's rows,
+    then up's) or (E, I, d), out_w (E, d, I) (tensors, or FP8 weights: `w[e]` one expert's)
+    -> (N, d) f32: each token's experts' MLPs weighted by the router, summed in pick order.
+    One product an expert with tokens (the host reads the counts); linear(x, w): the product
+    (the reference ops' own)."""
+    N, d = x.shape
+    k = experts.shape[1]
+    I = in_w.shape[1] // 2 if gated else in_w.shape[1]
+    f = ACTIVATIONS[act]
+    pairs = experts.flatten()  # (N k,) pair n * k + j: token n's j-th pick
+    order = torch.argsort(pairs, stable=True)  # the pairs grouped by expert, each group in token order
+    counts = torch.bincount(pairs, minlength=in_w.shape[0]).tolist()  # (the host learns each expert's rows)
+    y = torch.zeros(pairs.shape[0], d, dtype=torch.float32, device=x.device)  # (N k, d) a row a pair
+    at = 0
+    for e, n in enumerate(counts):
+        if n == 0:  # (an expert no token picked: no product)
+            continue
+        rows = order[at : at + n]  # (n,)
+        at += n
+        a = linear(x[rows // k], in_w[e])  # (n, 2 I) gated, (n, I) not
+        h = f(a[:, :I]) * a[:, I:] if gated else f(a)
+        y[rows] = linear(h, out_w[e]).float()
+    y = y.view(-1, k, d)
+    routed = y[:, 0] * weights[:, :1]
+    for j in range(1, k):  # (in pick order: the same sum whatever the batch)
+        routed = routed + y[:, j] * weights[:, j : j + 1]
+    return routed
+
+
+@jit(do_not_specialize=["P"])
+def _moe_gemm_kernel(
+    x_ptr, w_ptr, s_ptr, rw_ptr, ids_ptr, bexp_ptr, nblocks_ptr, out_ptr, P, N, K, ROW_DIV,
+    ACT: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, F32: tl.constexpr, SCALED: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+):
+    # out[pair, n] = act(x[pair // ROW_DIV] @ w[e, n]) (gated: act(gate) * up, up's row n + N)
+    # (* weight[pair]) for each pair of block pid_b, all of expert e. (P is not specialised on
+    # its value: the code must not change with the batch.)
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_b >= tl.load(nblocks_ptr):  # (a block past the routing's: the grid is sized for the most)
+        return
+    e = tl.load(bexp_ptr + pid_b).to(tl.int64)
+    pairs = tl.load(ids_ptr + pid_b * BM + tl.arange(0, BM))  # (BM,) P: padding
+    rmask = pairs < P
+    rows = (pairs // ROW_DIV).to(tl.int64)
+    n = pid_n * BN + tl.arange(0, BN)
+    nmask = n < N
+    W: tl.constexpr = 2 if GATED else 1  # the matrix's rows, in N's
+    w_at = w_ptr + e * W * N * K
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    up = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        k = k0 + tl.arange(0, BK)
+        kmask = k < K
+        a = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        wmask = nmask[:, None] & kmask[None, :]
+        w = tl.load(w_at + n[:, None] * K + k[None, :], mask=wmask, other=0.0)
+        if SCALED:  # e4m3 values, widened exactly to the operand's dtype
+            w = w.to(x_ptr.dtype.element_ty)
+        acc = tensor_dot(a, tl.trans(w), acc, F32)
+        if GATED:
+            wu = tl.load(w_at + (N + n)[:, None] * K + k[None, :], mask=wmask, other=0.0)
+            if SCALED:
+                wu = wu.to(x_ptr.dtype.element_ty)
+            up = tensor_dot(a, tl.trans(wu), up, F32)
+    if SCALED:  # an FP8 weight's row scales, once on each sum
+        acc *= tl.load(s_ptr + e * W * N + n, mask=nmask, other=0.0)[None, :]
+        if GATED:
+            up *= tl.load(s_ptr + e * W * N + N + n, mask=nmask, other=0.0)[None, :]
+    if ACT == "silu":
+        acc = acc * tl.sigmoid(acc)
+    elif ACT == "relu2":
+        acc = tl.maximum(acc, 0.0)
+        acc = acc * acc
+    if GATED:
+        acc = acc * up
+    if MUL_WEIGHT:  # the router's weight of each pair
+        acc *= tl.load(rw_ptr + pairs, mask=rmask, other=0.0)[:, None]
+    out = out_ptr + pairs.to(tl.int64)[:, None] * N + n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+def _parts(weight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stacked experts (E, out, in) as (values, row scales (E, out) or None); an FP8 weight is
+    anything with e4m3 `data` and float32 `scale` a row (core/fp8.Fp8Weight)."""
+    if isinstance(weight, torch.Tensor):
+        return weight.contiguous(), None
+    if getattr(weight, "block", None) is not None:
+        raise ValueError(f"the fused MoE kernel takes FP8 experts with a scale a row; these have {weight.block} "
+                         "block scales: use engine='reference'")
+    return weight.data.contiguous(), weight.scale.contiguous()
+
+
+def _grouped_product(x, w, scale, weights, ids, block_expert, blocks, out, N, row_div, act, gated, mul_weight, tiles):
+    P = weights.numel()
+    grid = (block_expert.shape[0], triton.cdiv(N, tiles.bn))
+    _moe_gemm_kernel[grid](x, w, scale if scale is not None else w, weights, ids, block_expert, blocks, out, P, N,
+                           x.shape[1], row_div, ACT=act, GATED=gated, MUL_WEIGHT=mul_weight,
+                           F32=x.dtype == torch.float32, SCALED=scale is not None, BM=tiles.bm, BN=tiles.bn,
+                           BK=tiles.bk, STAGES=tiles.stages, num_warps=tiles.warps)
+
+
+def moe_ffn_triton(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, in_w, out_w, act: str, gated: bool,
+                   *, tiles: MoETiles) -> torch.Tensor:
+    """moe_ffn_ref through the grouped kernel: x rounded once to the weights' operand dtype
+    (their own for 16-bit and float32 weights (float32 in three TF32 passes), bfloat16 for
+    e4m3 ones, whose values widen to it exactly), float32 sums, the hidden activations
+    stored in the down matrix's operand dtype, the output (N, d) f32. No host sync."""
+    N, d = x.shape
+    k = experts.shape[1]
+    w1, s1 = _parts(in_w)
+    w2, s2 = _parts(out_w)
+    E, I = w1.shape[0], w1.shape[1] // 2 if gated else w1.shape[1]
+    if act not in ACTIVATIONS:
+        raise ValueError(f"the fused MoE kernel has no activation {act!r} (it has {', '.join(ACTIVATIONS)})")
+    if N * k == 0:
+        return torch.zeros(N, d, dtype=torch.float32, device=x.device)
+    operand1 = torch.bfloat16 if s1 is not None else w1.dtype
+    operand2 = torch.bfloat16 if s2 is not None else w2.dtype
+    ids, block_expert, blocks = moe_align(experts, E, tiles.bm)
+    rw = weights.float().contiguous().view(-1)  # (P,)
+    h = torch.empty(N * k, I, dtype=operand2, device=x.device)  # (P, I) a row a pair
+    _grouped_product(x.to(operand1).contiguous(), w1, s1, rw, ids, block_expert, blocks, h, I, k, act, gated, False,
+                     tiles)
+    y = torch.empty(N * k, d, dtype=torch.float32, device=x.device)  # (P, d) a row a pair, router-weighted
+    _grouped_product(h, w2, s2, rw, ids, block_expert, blocks, y, d, 1, "none", False, True, tiles)
+    y = y.view(N, k, d)
+    routed = y[:, 0]
+    for j in range(1, k):  # (in pick order, as the twin)
+        routed = routed + y[:, j]
+    return routed.contiguous()
