@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastmamba.core.sampling import SlotParams, hash32, sample, uniforms
+from fastmamba.core.sampling import SlotParams, hash32, sample, uniforms, unit_floats
 from fastmamba.core.sampling_params import SamplingParams
 
 
@@ -154,3 +154,16 @@ def test_pick_sampler_chooses_by_the_requests_and_engine():
     assert picked([hot, top_k, top_p]) is sampler.sample_filtered_apart
     assert picked([SamplingParams(temperature=0.8, min_p=0.1)]) is sampler.sample_filtered_apart
     assert picked([top_p, both]) is sampler.sample_filtered
+
+
+def test_unit_floats_stay_below_one_and_a_masked_token_is_never_drawn():
+    """The largest hashes (top 24 bits all ones) once rounded to a uniform of exactly 1: a
+    Gumbel key of +inf, NaN beside a masked logit, which argmax picked."""
+    h = torch.tensor([0xFFFFFFFF, 0xFFFFFF00, 0xFFFFFE00, 0, 0xFF], dtype=torch.int64)
+    u = unit_floats(h)
+    assert (u < 1).all() and (u > 0).all() and u[0] == u[1] == 1 - 2.0**-24
+    assert u[2] < u[0] and u[3] == u[4] == 0.5 / (1 << 24)
+    keys = -torch.log(-torch.log(u))
+    assert torch.isfinite(keys).all()
+    masked = torch.tensor([float("-inf"), 0.0, float("-inf"), float("-inf"), 1.0])
+    assert (masked + keys).argmax() in (1, 4)

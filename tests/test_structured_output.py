@@ -195,6 +195,16 @@ def test_a_guided_requests_state_is_cached_at_prompt_plus_output(lm, run_ahead):
     assert got == lm.generate(follow, max_tokens=6).token_ids
 
 
+@pytest.mark.parametrize("seed", [25, 56, 183])
+def test_a_guided_request_never_draws_a_token_its_grammar_forbids(lm, seed):
+    """Seeds whose draws once hit a uniform of exactly 1 (sampling.unit_floats): its Gumbel key
+    +inf, NaN beside a masked logit, and argmax took the masked token ("the grammar refused
+    token ...")."""
+    g = lm.generate("Describe a person.", SamplingParams(max_tokens=60, temperature=1.0, seed=seed,
+                                                        guide=("json_schema", SCHEMA)))
+    assert valid(g.text) and g.finish_reason == "stop"
+
+
 def test_python_api(lm):
     g = lm.generate("ROMEO.", max_tokens=60, temperature=1.0, seed=5, guide=("json_schema", SCHEMA))
     assert valid(g.text) and g.finish_reason == "stop"

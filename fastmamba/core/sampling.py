@@ -39,12 +39,23 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+UNIFORM_MAX = 1.0 - 2.0**-24  # the largest float32 below 1
+
+
 def uniforms(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
     """(B, V) uniforms in (0, 1), a pure function of each slot's (seed, step) and the token id."""
     key = hash32(seed * 0x9E37 + hash32(step))  # (B,)
     ids = torch.arange(vocab, device=seed.device, dtype=torch.int64)
-    h = hash32(key[:, None] ^ hash32(ids + 0x632BE5AB)[None, :])  # (B, V)
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return unit_floats(hash32(key[:, None] ^ hash32(ids + 0x632BE5AB)[None, :]))  # (B, V)
+
+
+def unit_floats(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes as float32 uniforms in (0, 1): their top 24 bits, centred. (h >> 8) + 0.5
+    needs 25 bits: at 2^24 - 1 float32 rounds it up to 2^24, a uniform of exactly 1, whose
+    Gumbel key is +inf, and NaN beside a masked -inf logit, which argmax then picks: a
+    guided request drew a token its grammar forbids, about once in 4000 steps of a
+    4096-token vocabulary. Held below 1."""
+    return (((h >> 8).float() + 0.5) * (1.0 / (1 << 24))).clamp_max(UNIFORM_MAX)
 
 
 @dataclass

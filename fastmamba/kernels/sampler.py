@@ -77,7 +77,7 @@ def _gumbel(seed, step, ids):
     """-log(-log(u)) for sampling.uniforms(seed, step)[ids]: the same hash, the same floats."""
     key = _hash32(seed * 0x9E37 + _hash32(step))
     h = _hash32(key ^ _hash32(ids + 0x632BE5AB))
-    u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / (1 << 24))
+    u = tl.minimum(((h >> 8).to(tl.float32) + 0.5) * (1.0 / (1 << 24)), 0.99999994039535522)  # (below 1, as uniforms)
     return -_log(-_log(u))
 
 
