@@ -195,6 +195,18 @@ def test_a_guided_requests_state_is_cached_at_prompt_plus_output(lm, run_ahead):
     assert got == lm.generate(follow, max_tokens=6).token_ids
 
 
+def test_two_hundred_sampled_json_schema_replies_all_validate(lm):
+    """The target: 200 replies at temperature 1 on the bundled model, each its own seed, all
+    valid under the schema (and none of 40 unconstrained ones: the constraint, not luck)."""
+    prompts = ["Describe a person."] * 200
+    guided = lm.generate_batch(prompts, [SamplingParams(max_tokens=60, temperature=1.0, seed=s,
+                                                        guide=("json_schema", SCHEMA)) for s in range(200)])
+    assert all(valid(g.text) and g.finish_reason == "stop" for g in guided)
+    assert len({g.text for g in guided}) > 100
+    free = lm.generate_batch(prompts[:40], [SamplingParams(max_tokens=60, temperature=1.0, seed=s) for s in range(40)])
+    assert not any(valid(g.text) for g in free)
+
+
 @pytest.mark.parametrize("seed", [25, 56, 183])
 def test_a_guided_request_never_draws_a_token_its_grammar_forbids(lm, seed):
     """Seeds whose draws once hit a uniform of exactly 1 (sampling.unit_floats): its Gumbel key
