@@ -39,6 +39,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from fastmamba.engine.plan import (  # noqa: E402
     CONV_GRAD_TILES,
     CONV_TILES,
+    MOE_TILES,
     PRODUCTS_BLOCKS,
     SAMPLER_TILES,
     SCAN_TILES,
@@ -54,6 +55,7 @@ from fastmamba.kernels import decode_step as ds  # noqa: E402
 from fastmamba.kernels import decode_step_mamba2 as s2  # noqa: E402
 from fastmamba.kernels import fp8_gemm as f8  # noqa: E402
 from fastmamba.kernels import gated_norm as gn  # noqa: E402
+from fastmamba.kernels import moe as mo  # noqa: E402
 from fastmamba.kernels import products as gm  # noqa: E402
 from fastmamba.kernels import rmsnorm as rn  # noqa: E402
 from fastmamba.kernels import sampler as sp  # noqa: E402
@@ -262,7 +264,18 @@ def main() -> None:
             IEEE=wdt == "*fp32", BM=STEP_SIZE_TILES.bm, BN=STEP_SIZE_TILES.bn, BK=STEP_SIZE_TILES.bk), num_warps=STEP_SIZE_TILES.warps)
     for xdt in ("*bf16", "*fp32"):  # FP8 prefill: a token's activations quantized for cuBLASLt (fp8_gemm.py)
         compile_kernel(f8._quantize_rows_kernel, {"x_ptr": xdt, "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, dict(BK=1024))
-    res.append("prefill conv + step sizes + scan + FP8 quantize: ok")
+    # a mixture of experts' grouped products (moe.py), bf16 and FP8 experts (bf16 operands):
+    # gate and up with the gated SiLU, up with the squared ReLU, then down with the router's weights
+    for wdt in ("*bf16", "*fp8e4nv"):
+        t = ptrs("s_ptr", "rw_ptr", x_ptr="*bf16", w_ptr=wdt, ids_ptr="*i64", bexp_ptr="*i64", nblocks_ptr="*i64")
+        tiles = dict(F32=False, SCALED=wdt == "*fp8e4nv", BM=MOE_TILES.bm, BN=MOE_TILES.bn, BK=MOE_TILES.bk,
+                     STAGES=MOE_TILES.stages)
+        for act, gated in (("silu", True), ("relu2", False)):
+            compile_kernel(mo._moe_gemm_kernel, {**t, "out_ptr": "*bf16"},
+                           dict(ACT=act, GATED=gated, MUL_WEIGHT=False, **tiles), num_warps=MOE_TILES.warps)
+        compile_kernel(mo._moe_gemm_kernel, {**t, "out_ptr": "*fp32"},
+                       dict(ROW_DIV=1, ACT="none", GATED=False, MUL_WEIGHT=True, **tiles), num_warps=MOE_TILES.warps)
+    res.append("prefill conv + step sizes + scan + FP8 quantize + MoE: ok")
     # training (fastmamba.Backbone under autograd, float32): the forward scan saving its
     # chunks' states, the scan's and the conv's backward
     t = ptrs("x_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "A_ptr", "D_ptr", "st_ptr", "y_ptr", "dtb_ptr", "saved_ptr",
