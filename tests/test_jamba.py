@@ -22,6 +22,7 @@ from test_hybrids import (  # noqa: F401
     test_the_prefix_cache_and_chunks_change_no_token,
 )
 from test_moe import every_expert
+from test_moe import save as moe_save
 
 import fastmamba
 from fastmamba.core import moe
@@ -52,21 +53,8 @@ CASES = {
 
 
 def save(config, folder, router=None):
-    """A random model of `config` saved to `folder` (norms spread, the dt, B and C norms' among
-    them, so that a weight read from the wrong place shows); `router(weight)` edits each
-    layer's router weight in place."""
-    torch.manual_seed(0)
-    model = transformers.JambaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn_like(p))
-            if name.endswith("router.weight"):
-                p.normal_(0.0, 0.3)
-                if router is not None:
-                    router(p)
-    model.save_pretrained(folder)
-    return model
+    """test_moe's random model, the dt, B and C norms among the norms spread (wider)."""
+    return moe_save(config, folder, router, spread=0.2)
 
 
 @pytest.fixture(scope="module", params=list(CASES))

@@ -59,21 +59,25 @@ CASES = {
 }
 
 
-def save(config, folder, router=None):
-    """A random model of `config` saved to `folder` (norms spread, so the multipliers show;
-    Nemotron-H's router (zeros at init) and correction bias random; `router(weight)` edits
-    each layer's router weight (and bias) in place)."""
+# the routers' tensors: Nemotron-H's (zeros at init) and its correction bias, Jamba's
+ROUTERS = ("gate.weight", "e_score_correction_bias", "router.weight")
+
+
+def save(config, folder, router=None, spread: float = 0.1):
+    """A random model of `config` (transformers' class for it) saved to `folder`: norms spread
+    by `spread`, so the multipliers and a norm read from the wrong place show; the routers'
+    tensors (ROUTERS) random; `router(weight)` edits each layer's router weight (and bias)
+    in place."""
     torch.manual_seed(0)
-    nemotron = isinstance(config, transformers.NemotronHConfig)
-    model = (transformers.NemotronHForCausalLM if nemotron else transformers.GraniteMoeHybridForCausalLM)(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, p in [*model.named_parameters(), *model.named_buffers()]:
             if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-            if name.endswith(("gate.weight", "e_score_correction_bias")):
+                p.add_(spread * torch.randn_like(p))
+            if name.endswith(ROUTERS):
                 p.normal_(0.0, 0.3)
-            if router is not None and name.endswith(("router.weight", "gate.weight", "e_score_correction_bias")):
-                router(p)
+                if router is not None:
+                    router(p)
     model.save_pretrained(folder)
     return model
 
