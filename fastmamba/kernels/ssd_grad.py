@@ -144,7 +144,6 @@ class SSDGradTiles:
     warps: int  # the backward kernels' warps
 
 
-
 @jit
 def _ssd_bwd_dstart_kernel(
     dy_ptr, C_ptr, cum_ptr, first_ptr, out_ptr, T, n_chunks, heads_per_group,
@@ -299,7 +298,12 @@ def _ssd_forward(x, dt, dt_bias, dt_limit, A, Bm, Cm, D, state, first, Q: int, t
 
 
 class _SSDTrain(torch.autograd.Function):
+    """Under autocast its inputs come in float32 (the kernels' dtype; custom_fwd). Its sums
+    need no atomics: each program writes its own gradients and its parts of A's and D's,
+    which torch adds up, so the backward is the same bits run to run."""
+
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)
     def forward(ctx, x, dt, dt_bias, A, Bm, Cm, D, state, resets, dt_limit, tiles, grad_tiles):
         Bsz, T, H, P = x.shape
         Q = _chunk_of(T, grad_tiles)
@@ -313,6 +317,7 @@ class _SSDTrain(torch.autograd.Function):
         return y, new
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dy, dnew):
         x, dt_raw, dt_bias, A, Bm, Cm, D, steps, cum, starts, first = ctx.saved_tensors
         Q, tiles = ctx.Q, ctx.grad_tiles
