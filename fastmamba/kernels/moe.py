@@ -37,7 +37,7 @@ from .fp8_gemm import linear_ref
 from .products import tensor_dot
 
 # the experts' activations, as the reference MLP's (core/mlp.ACTIVATIONS): the same torch ops
-ACTIVATIONS = {"silu": F.silu, "relu2": lambda x: F.relu(x).square()}
+_ACTIVATIONS = {"silu": F.silu, "relu2": lambda x: F.relu(x).square()}
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def moe_ffn_ref(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, i
     N, d = x.shape
     k = experts.shape[1]
     I = in_w.shape[1] // 2 if gated else in_w.shape[1]
-    f = ACTIVATIONS[act]
+    f = _ACTIVATIONS[act]
     pairs = experts.flatten()  # (N k,) pair n * k + j: token n's j-th pick
     order = torch.argsort(pairs, stable=True)  # the pairs grouped by expert, each group in token order
     counts = torch.bincount(pairs, minlength=in_w.shape[0]).tolist()  # (the host learns each expert's rows)
@@ -193,8 +193,8 @@ def moe_ffn_triton(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     w1, s1 = _parts(in_w)
     w2, s2 = _parts(out_w)
     E, I = w1.shape[0], w1.shape[1] // 2 if gated else w1.shape[1]
-    if act not in ACTIVATIONS:
-        raise ValueError(f"the fused MoE kernel has no activation {act!r} (it has {', '.join(ACTIVATIONS)})")
+    if act not in _ACTIVATIONS:
+        raise ValueError(f"the fused MoE kernel has no activation {act!r} (it has {', '.join(_ACTIVATIONS)})")
     if N * k == 0:
         return torch.zeros(N, d, dtype=torch.float32, device=x.device)
     operand1 = torch.bfloat16 if s1 is not None else w1.dtype
