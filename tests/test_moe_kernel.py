@@ -137,19 +137,30 @@ def test_block_scaled_fp8_experts_are_refused_by_name():
         moe_ffn_triton(x, experts, weights, blocked, out_w, "silu", True, tiles=TILES)
 
 
-@pytest.fixture(scope="module", params=["granite", "nemotron"])
-def tiny(request, tmp_path_factory):
-    """A tiny Granite-4.0-H or Nemotron-H model with experts (tests/test_moe.py's)."""
+def tiny_checkpoint(name: str, tmp_path_factory):
+    """A tiny Granite-4.0-H, Nemotron-H or Jamba model with experts (tests/test_moe.py's,
+    tests/test_jamba.py's)."""
     pytest.importorskip("transformers")
     from test_moe import granite_moe, nemotron_moe, save
 
-    folder = tmp_path_factory.mktemp(request.param)
-    save(granite_moe("nope", k=2) if request.param == "granite" else nemotron_moe(k=2, n_group=4, topk_group=2),
-         folder)
+    folder = tmp_path_factory.mktemp(name)
+    if name == "jamba":
+        from test_jamba import jamba
+        from test_jamba import save as jamba_save
+
+        jamba_save(jamba(), folder)
+    else:
+        save(granite_moe("nope", k=2) if name == "granite" else nemotron_moe(k=2, n_group=4, topk_group=2), folder)
     return folder
 
 
-def test_the_sublayer_over_the_gpu_ops_is_the_reference(tiny):
+@pytest.fixture(scope="module", params=["granite", "nemotron"])
+def tiny(request, tmp_path_factory):
+    return tiny_checkpoint(request.param, tmp_path_factory)
+
+
+@pytest.mark.parametrize("name", ["granite", "nemotron", "jamba"])
+def test_the_sublayer_over_the_gpu_ops_is_the_reference(name, tmp_path_factory):
     """moe.moe over core/ops.triton_ops (the grouped kernel at the plan's MOE_TILES, in the
     interpreter) against the reference ops, routed and shared parts together."""
     pytest.importorskip("triton")
@@ -157,8 +168,9 @@ def test_the_sublayer_over_the_gpu_ops_is_the_reference(tiny):
     from fastmamba.core.ops import triton_ops
     from fastmamba.engine.plan import KERNEL_TILES
 
-    model = fastmamba.load(tiny).model
-    c, lw = model.config, model.weights.layers[1]
+    model = fastmamba.load(tiny_checkpoint(name, tmp_path_factory)).model
+    c = model.config
+    lw = model.weights.layers[c.kinds.index("moe")]
     u = torch.randn(2, 11, c.d_model, generator=torch.Generator().manual_seed(3))
     got = moe.moe(c, lw, u, triton_ops(KERNEL_TILES))
     assert relative_error(got, moe.moe(c, lw, u, REFERENCE_OPS)) < 1e-5
