@@ -14,7 +14,8 @@ backward in Triton.
 The step runs the same layer; on CUDA through the language model's decode kernels
 (backbone_step.KernelStep) in a CUDA graph.
 BackboneConfig(layer="mamba2") makes the layers Mamba-2's (core/mamba2.mixer2), with the same
-API and state type; its parameters and ops are backbone_mamba2.py's.
+API and state type; its parameters and ops are backbone_mamba2.py's. Which ops run where, the
+deterministic mode and autocast: backbone_ops.py.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from fastmamba.core.errors import CheckpointError
 from fastmamba.core.mamba1 import LayerWeights, mixer
 from fastmamba.core.ops import REFERENCE_OPS
 from fastmamba.core.state import MambaState
-from fastmamba.engine import backbone_mamba2
+from fastmamba.engine import backbone_mamba2, backbone_ops
 from fastmamba.engine.backbone_step import LRU, STEP_BATCHES, StateGraph, StepGraphs
 
 FORMAT = "fastmamba.Backbone"
@@ -204,6 +205,12 @@ class Backbone(nn.Module):
     embedding, plus `input_proj.*`.
     `.half()`, `.bfloat16()`, `.to(dtype)` change the large matrices' storage dtype alone (the
     rest stays float32); a dtype other than float32, bfloat16 and float16 is a ValueError.
+    deterministic (also settable later): a row's outputs of `step` and of the sequence pass
+    are the same bits whatever the batch it sits in, and the backward is the same bits run to
+    run (backbone_ops.py: batch-invariant products and norms, no atomics); it costs speed.
+    Under torch.autocast, a pass that autograd differentiates runs its products in
+    autocast's dtype (parameters, gradients and the rest float32); the step and a pass
+    without autograd keep the Backbone's own dtypes.
 
     On CUDA, `step` replays a CUDA graph of the step. The graphs are kept by batch size and
     state dtype (the decode kernels, their buffers and one memory pool each; the 8 sizes used
@@ -215,7 +222,8 @@ class Backbone(nn.Module):
     graphs, and no graph keeps a state alive.
     """
 
-    def __init__(self, config: BackboneConfig, *, device=None, dtype=None, state_dtype=None):
+    def __init__(self, config: BackboneConfig, *, device=None, dtype=None, state_dtype=None,
+                 deterministic: bool = False):
         super().__init__()
         if not isinstance(config, BackboneConfig):
             raise ValueError(f"config must be a BackboneConfig, got {type(config).__name__}")
@@ -235,6 +243,19 @@ class Backbone(nn.Module):
         self._graphs = LRU(STEP_BATCHES)  # (batch, state dtypes) -> StepGraphs
         self._last = None  # (graph, x's shape, the state's tensors weakly): the last device-tensor call's
         self._step_weights, self._step_versions = None, None  # the eager step's (see _eager_weights)
+        self.deterministic = deterministic
+
+    @property
+    def deterministic(self) -> bool:
+        return self._deterministic
+
+    @deterministic.setter
+    def deterministic(self, value: bool) -> None:
+        if not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"deterministic must be true or false, got {value!r}")
+        self._deterministic = bool(value)
+        self._graphs.clear()  # (the step's kernels follow the mode)
+        self._last = None
 
     @property
     def device(self) -> torch.device:
@@ -277,29 +298,26 @@ class Backbone(nn.Module):
                 raise ValueError(f"resets must be a bool tensor of shape {(B, T)} like x's (batch, time), "
                                  f"got {resets.dtype} {tuple(resets.shape)}")
         # float32 working copies, one a layer: autograd sees the state's tensors through them
-        convs = [state.conv[i].float().clone() for i in range(self.config.n_layer)]
-        ssms = [state.ssm[i].float().clone() for i in range(self.config.n_layer)]
-        y = self._layers(x, convs, ssms, resets, self._kernel_ops(x, state))
+        autocast = torch.is_autocast_enabled(x.device.type) and self._training(x, state)  # (the class's doc)
+        with torch.autocast(x.device.type, enabled=autocast):
+            convs = [state.conv[i].float().clone() for i in range(self.config.n_layer)]
+            ssms = [state.ssm[i].float().clone() for i in range(self.config.n_layer)]
+            y = self._layers(x, convs, ssms, resets, self._kernel_ops(x, state))
         new = MambaState(torch.stack(convs).to(state.conv.dtype), torch.stack(ssms).to(state.ssm.dtype))
         return y, new
+
+    def _training(self, x: torch.Tensor, state: MambaState) -> bool:
+        """Whether autograd will need this pass."""
+        inputs = (x, state.conv, state.ssm, *self.parameters())
+        return torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
 
     def _kernel_ops(self, x: torch.Tensor, state: MambaState):
         """On CUDA: the prefill kernels' ops (Triton: the conv and the scan take the resets)
         where autograd will not need the pass, else the training ops (the conv and the scan
         as autograd Functions whose backward runs in Triton; a Mamba-2 layer's: backbone_mamba2.gpu_ops).
-        Elsewhere None: the reference ops, whose every operation autograd differentiates."""
-        from fastmamba.kernels._triton import HAVE_TRITON
-
-        if self.device.type != "cuda" or not HAVE_TRITON:
-            return None
-        from fastmamba.core.ops import training_ops, triton_ops
-        from fastmamba.engine.plan import KERNEL_TILES
-
-        inputs = [x, state.conv, state.ssm, *self.parameters()]
-        training = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-        if self.config.layer == "mamba2":
-            return backbone_mamba2.gpu_ops(training)
-        return training_ops(KERNEL_TILES) if training else triton_ops(KERNEL_TILES)
+        Elsewhere the reference ops, whose every operation autograd differentiates.
+        Deterministic: backbone_ops.py's."""
+        return backbone_ops.sequence_ops(self.config.layer, self.device, self._training(x, state), self.deterministic)
 
     def _layers(self, x: torch.Tensor, convs, ssms, resets=None, ops=None, weights=None) -> torch.Tensor:
         """x (B, T, input_dim) -> (B, T, d_model) f32, updating each layer's conv and ssm
@@ -324,6 +342,10 @@ class Backbone(nn.Module):
         `state` in place. x a device tensor gives one; a CPU tensor or a numpy array on a
         CUDA module goes through pinned buffers and gives the same type back. On CUDA the
         step is one CUDA-graph replay (see the class's doc for which graphs are kept)."""
+        with torch.autocast(self.device.type, enabled=False):  # (the Backbone's own dtypes)
+            return self._step(x, state)
+
+    def _step(self, x, state: MambaState):
         last = self._last
         if (last is not None and type(x) is torch.Tensor and state.conv is last[2]() and state.ssm is last[3]()
                 and x.shape == last[1] and x.get_device() == last[0].device_index and x.is_floating_point()):
@@ -408,7 +430,7 @@ class Backbone(nn.Module):
     def _step_eager(self, x: torch.Tensor, state: MambaState) -> torch.Tensor:
         # (on CUDA this runs inside a CUDA graph, whose replays must make A from A_log themselves)
         weights = self._eager_weights() if self.device.type == "cpu" else None
-        ops = backbone_mamba2.step_ops(self.device) if self.config.layer == "mamba2" else None
+        ops = backbone_ops.step_ops(self.config.layer, self.device, self.deterministic)
         if state.conv.dtype == torch.float32 and state.ssm.dtype == torch.float32:
             return self._layers(x[:, None], list(state.conv), list(state.ssm), ops=ops, weights=weights)[:, 0]
         convs, ssms = list(state.conv.float()), list(state.ssm.float())  # 16-bit state: update in f32
@@ -455,10 +477,10 @@ class Backbone(nn.Module):
         save_file({k: v.detach().contiguous() for k, v in self.state_dict().items()}, str(folder / "model.safetensors"))
 
     @classmethod
-    def load(cls, folder, *, device=None, dtype=None, state_dtype=None) -> "Backbone":
+    def load(cls, folder, *, device=None, dtype=None, state_dtype=None, deterministic: bool = False) -> "Backbone":
         """A Backbone saved by `save`, strictly: a missing, unexpected or misshapen tensor or a
         bad config raises CheckpointError naming the file and the tensor or key. dtype: the
-        large matrices' storage (default: as saved)."""
+        large matrices' storage (default: as saved); state_dtype, deterministic: as Backbone's."""
         from safetensors import safe_open
 
         from fastmamba.io.checkpoint import one_line
@@ -500,7 +522,7 @@ class Backbone(nn.Module):
             names = {name for name, _ in tensor_shapes(config)}
             raise CheckpointError(f"{weights_path}: unexpected tensor '{min(set(tensors) - names)}'")
         bb = cls(config, device=device, dtype=dtype or tensors["layers.0.mixer.in_proj.weight"].dtype,
-                 state_dtype=state_dtype)
+                 state_dtype=state_dtype, deterministic=deterministic)
         dtypes = {name: p.dtype for name, p in bb.state_dict().items()}
         bb.load_state_dict({k: v.to(dtypes[k]) for k, v in tensors.items()})
         return bb

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fastmamba.core.state import MambaState
-from fastmamba.kernels.products import linear_storage
+from fastmamba.kernels.products import linear_invariant, linear_storage
 
 
 def decode_model(bb: nn.Module):
@@ -42,7 +42,9 @@ class KernelStep:
     row a program at small batches; decode_gemm.py's step above), with vectors in place of
     the embedding lookup and an identity matrix as lm_head, so that what they return is the
     final-normed hidden state. Needs Triton; the state in any float dtype (the kernels update
-    it in float32 and round once on store)."""
+    it in float32 and round once on store). The backbone's deterministic mode takes the
+    decode plan's deterministic step and input_proj through invariant_gemm: a row's bits the
+    same at any batch size."""
 
     def __init__(self, bb: nn.Module, batch: int):
         from fastmamba.engine.decode_step import make_decode_step
@@ -52,7 +54,8 @@ class KernelStep:
         self.layers = model.weights.layers
         self.A_logs = [layer.mixer.A_log for layer in bb.layers]  # (read every step: no module lookups)
         self.versions = tuple(a._version for a in self.A_logs)
-        self.step = make_decode_step(model, batch)
+        self.step = make_decode_step(model, batch, bb.deterministic)
+        self.input_linear = linear_invariant if bb.deterministic else linear_storage
 
     def sync(self) -> None:
         """A = -exp(A_log) anew where A_log has changed since (an optimizer step bumps its
@@ -66,7 +69,7 @@ class KernelStep:
 
     def __call__(self, x: torch.Tensor, state: MambaState) -> torch.Tensor:
         p = self.input_proj
-        h = linear_storage(x, p.weight, p.bias) if p is not None else x.float()
+        h = self.input_linear(x, p.weight, p.bias) if p is not None else x.float()
         return self.step(None, state, h=h)
 
 

@@ -26,6 +26,11 @@ registers. With both in registers every gradient of the step is elementwise work
 
 A reset at step t decays by zero: nothing flows through it to the steps before, and its
 decay has no gradient.
+
+`deterministic=True` (fastmamba.Backbone(deterministic=True)): each program writes its
+channels' shares of dB and dC to a slice of its own, which torch sums in a fixed order
+instead of the atomics (whose order changes run to run), and dt_proj's product goes through
+products.linear_invariant (a row's step sizes the same bits at any batch size).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch.nn.functional as F
 
 from ._triton import jit, tl, triton
 from .activations import softplus
+from .products import linear_invariant
 from .selective_scan import _combine, _selective_scan_kernel
 
 
@@ -67,6 +73,7 @@ def _scan_backward_kernel(
     saved_ptr, resets_ptr, dfinal_ptr,
     dx_ptr, ddt_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, dinit_ptr, T, E,
     N: tl.constexpr, NP: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, RESETS: tl.constexpr,
+    PARTIALS: tl.constexpr = False,
 ):
     # One program: one row b, BE channels, the chunks from last to first (see the module's
     # docstring). x, dt (raw), z and dy come as (B, E, T) with their strides, B and C as
@@ -130,8 +137,13 @@ def _scan_backward_kernel(
         tl.store(ddt_ptr + out, ddelta * tl.sigmoid(raw), mask=m)
         tl.store(dz_ptr + out, dz, mask=m)
         over = (b64 * N + n[None, :]) * T + t[:, None]  # (BT, NP) into (B, N, T)
-        tl.atomic_add(dB_ptr + over, tl.sum(g * (dt * x)[:, :, None], 1), mask=bn)
-        tl.atomic_add(dC_ptr + over, tl.sum(s * dyg[:, :, None], 1), mask=bn)
+        if PARTIALS:  # this program's slice: written once, summed later in a fixed order
+            part = tl.program_id(1).to(tl.int64) * tl.num_programs(0) * N * T
+            tl.store(dB_ptr + part + over, tl.sum(g * (dt * x)[:, :, None], 1), mask=bn)
+            tl.store(dC_ptr + part + over, tl.sum(s * dyg[:, :, None], 1), mask=bn)
+        else:
+            tl.atomic_add(dB_ptr + over, tl.sum(g * (dt * x)[:, :, None], 1), mask=bn)
+            tl.atomic_add(dC_ptr + over, tl.sum(s * dyg[:, :, None], 1), mask=bn)
         g_next = tl.sum(tl.where((t == c * BT)[:, None, None], g, 0.0), 0)  # the chunk's first step's
     # the state before step 0 reaches it through step 0's decay
     dt0 = tl.load(dt_ptr + b64 * sdb + e * sde, mask=emask, other=0.0).to(tl.float32)
@@ -161,62 +173,77 @@ def _forward(x, dt, dt_bias, A, Bm, Cm, D, z, state, resets, tiles):
     return y.transpose(1, 2), saved
 
 
+def _dt_product(dt_r, dt_w, deterministic: bool) -> torch.Tensor:
+    """dt_proj's product (B, T, E) float32, before the bias and softplus the kernels take."""
+    return linear_invariant(dt_r, dt_w) if deterministic else F.linear(dt_r, dt_w)
+
+
 class _Scan(torch.autograd.Function):
     """The scan with dt_proj inside: only dt_proj's input (B, T, R) is saved, and the step
     sizes' product (B, T, E) is made again in the backward, one (B, T, E) float32 tensor a
-    layer less in memory between the passes."""
+    layer less in memory between the passes. Under autocast its inputs come in float32 and
+    its products run in float32 (the kernels' dtype; custom_fwd)."""
 
     @staticmethod
-    def forward(ctx, x, dt_r, dt_w, dt_bias, A, Bm, Cm, D, z, state, resets, tiles):
+    @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)
+    def forward(ctx, x, dt_r, dt_w, dt_bias, A, Bm, Cm, D, z, state, resets, tiles, deterministic=False):
         s0 = state.detach().float().clone()  # the kernel runs on a float32 state
-        dt = F.linear(dt_r, dt_w)  # (B, T, E), before the bias and softplus the kernel takes
+        dt = _dt_product(dt_r, dt_w, deterministic)  # (B, T, E)
         y, saved = _forward(x, dt.transpose(1, 2), dt_bias, A, Bm, Cm, D, z, s0, resets, tiles)
         ctx.save_for_backward(x, dt_r, dt_w, dt_bias, A, Bm, Cm, D, z, saved, resets)
-        ctx.state_dtype, ctx.tiles = state.dtype, tiles
+        ctx.state_dtype, ctx.tiles, ctx.deterministic = state.dtype, tiles, deterministic
         with torch.no_grad():
             state.copy_(s0)
         ctx.mark_dirty(state)
         return y, state
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dy, dstate):
         x, dt_r, dt_w, dt_bias, A, Bm, Cm, D, z, saved, resets = ctx.saved_tensors
         Bsz, E, T = x.shape
         N = A.shape[1]
         dev = x.device
-        dt = F.linear(dt_r, dt_w).transpose(1, 2)
+        dt = _dt_product(dt_r, dt_w, ctx.deterministic).transpose(1, 2)
         dy = dy.float()
         dfinal = dstate.float().contiguous() if dstate is not None else torch.zeros(Bsz, E, N, device=dev)
         dx, ddt, dz = (torch.empty(Bsz, T, E, device=dev) for _ in range(3))  # the layout the products want
-        dB, dC = torch.zeros(Bsz, N, T, device=dev), torch.zeros(Bsz, N, T, device=dev)
+        tiles = ctx.tiles
+        parts = triton.cdiv(E, tiles.be) if ctx.deterministic else None  # (E / BE, B, N, T): a slice a program
+        if parts:
+            dB, dC = torch.empty(parts, Bsz, N, T, device=dev), torch.empty(parts, Bsz, N, T, device=dev)
+        else:
+            dB, dC = torch.zeros(Bsz, N, T, device=dev), torch.zeros(Bsz, N, T, device=dev)
         dA, dinit = torch.empty(Bsz, E, N, device=dev), torch.empty(Bsz, E, N, device=dev)
         dD = torch.empty(Bsz, E, device=dev)
         flags = resets.to(torch.uint8).contiguous() if resets is not None else dx
-        tiles = ctx.tiles
         _scan_backward_kernel[(Bsz, triton.cdiv(E, tiles.be))](
             x, *x.stride(), dt, *dt.stride(), z, *z.stride(), dy, *dy.stride(), Bm, *Bm.stride(), Cm, *Cm.stride(),
             dt_bias, A, D, saved, flags, dfinal,
             dx, ddt, dz, dB, dC, dA, dD, dinit, T, E,
             N=N, NP=triton.next_power_of_2(N), BE=tiles.be, BT=tiles.bt, RESETS=resets is not None,
-            num_warps=tiles.warps,
+            PARTIALS=bool(parts), num_warps=tiles.warps,
         )
+        if parts:  # the programs' shares in order of their channels
+            dB, dC = dB.sum(0), dC.sum(0)
         ddt_flat = ddt.view(-1, E)
         d_dt_r = (ddt_flat @ dt_w).view(dt_r.shape)
         d_dt_w = ddt_flat.t() @ dt_r.reshape(-1, dt_r.shape[-1])
         return (dx.transpose(1, 2), d_dt_r, d_dt_w, ddt_flat.sum(0), dA.sum(0), dB, dC, dD.sum(0), dz.transpose(1, 2),
-                dinit.to(ctx.state_dtype), None, None)
+                dinit.to(ctx.state_dtype), None, None, None)
 
 
 def step_and_scan_train(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, state, start=None, out_dtype=None, resets=None, *,
-                        tiles: TrainScanTiles):
+                        tiles: TrainScanTiles, deterministic: bool = False):
     """The scan with gradients (Ops.scan of core/ops.training_ops, step_and_scan_ref's
     signature): x (B, E, T); dt_r (B, T, R) x_proj's step-size part, dt_w (E, R) and dt_b
     (E,) dt_proj's; A (E, N); Bm, Cm (B, N, T); D (E,); z (B, E, T); state (B, E, N),
     updated in place (autograd follows it); resets (B, T) bool or None. Returns y (B, E, T)
     float32, as step_and_scan_ref (whose out_dtype it ignores too). No left padding: a
-    training pass has none. tiles: the kernels' launch settings."""
+    training pass has none. tiles: the kernels' launch settings. deterministic: no atomics,
+    dt_proj's product batch-invariant (see the module's doc)."""
     if start is not None:
         raise ValueError("step_and_scan_train takes no left padding (start)")
     f = lambda t: t.float()  # noqa: E731  (the kernels' and the Function's float32)
     return _Scan.apply(f(x), f(dt_r), f(dt_w), f(dt_b), f(A).contiguous(), f(Bm), f(Cm), f(D), f(z), state, resets,
-                       tiles)[0]
+                       tiles, deterministic)[0]
