@@ -5,11 +5,14 @@ and written once a step, at the copy rate. With --cpu: the batch-1 step on the C
 
     python -m benchmarks.backbone --json backbone.json
     python -m benchmarks.backbone --training --json training.json   # forward + backward only
+    python -m benchmarks.backbone --training --autocast --deterministic   # the modes' costs
 
 --training: forward + backward (the training kernels) and its peak memory beside cuDNN
 LSTMs of the issue's sizes, in float32 with PyTorch's defaults (cuDNN may use TF32, cuBLAS
 float32 products do not), then again with TF32 products allowed; and the scan's and the
-conv's kernels alone, forward + backward, at the first shape.
+conv's kernels alone, forward + backward, at the first shape. --autocast runs the backbone's
+passes under torch.autocast("cuda", bfloat16) (float32 parameters; the LSTM peers too),
+--deterministic makes the backbone Backbone(deterministic=True): each row says which.
 """
 
 import argparse
@@ -54,23 +57,29 @@ def timed_peak(fn, reps: int):
     return host_us(fn, reps) / 1e3, peak
 
 
-def training_rows(emit) -> None:
+def training_rows(emit, autocast: bool = False, deterministic: bool = False) -> None:
+    from contextlib import nullcontext
+
     from fastmamba.kernels.conv_grad import causal_conv1d_train
+
+    amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if autocast else nullcontext
 
     for tf32 in (False, True):
         torch.backends.cuda.matmul.allow_tf32 = tf32
         for name, B, T, (inp, hidden, layers) in TRAINING:
             torch.manual_seed(0)
-            bb = Backbone(BackboneConfig(**SHAPES[name]), device="cuda")
+            bb = Backbone(BackboneConfig(**SHAPES[name]), device="cuda", deterministic=deterministic)
             x = torch.randn(B, T, 64, device="cuda")
             resets = torch.rand(B, T, device="cuda") < 1 / 64  # episodes of ~64 steps
 
             def fwd_bwd():
-                y, _ = bb(x, resets=resets)
+                with amp():
+                    y, _ = bb(x, resets=resets)
                 y.sum().backward()
 
             def fwd():
-                bb(x, resets=resets)
+                with amp():
+                    bb(x, resets=resets)
 
             ms, peak = timed_peak(fwd_bwd, 10)
             fwd_ms = host_us(fwd, 10) / 1e3
@@ -79,11 +88,13 @@ def training_rows(emit) -> None:
             xl = torch.randn(B, T, inp, device="cuda")
 
             def lstm_fwd_bwd():
-                y, _ = lstm(xl)
+                with amp():
+                    y, _ = lstm(xl)
                 y.sum().backward()
 
             lstm_ms, lstm_peak = timed_peak(lstm_fwd_bwd, 10)
-            emit(shape=name, sequence=f"{B}x{T}", tf32_products=tf32, forward_ms=round(fwd_ms, 2),
+            emit(shape=name, sequence=f"{B}x{T}", tf32_products=tf32, autocast=autocast, deterministic=deterministic,
+                 forward_ms=round(fwd_ms, 2),
                  forward_backward_ms=round(ms, 2), peak_mb=round(peak), peer=f"cuDNN LSTM({inp}, {hidden}) x {layers}",
                  peer_forward_backward_ms=round(lstm_ms, 2), peer_peak_mb=round(lstm_peak),
                  time_ratio=round(ms / lstm_ms, 2), memory_ratio=round(peak / lstm_peak, 2))
@@ -122,6 +133,8 @@ def main() -> None:
     ap.add_argument("--sequence-only", action="store_true", help="the sequence pass only (no step, no peers)")
     ap.add_argument("--step-only", action="store_true", help="the step only (no sequence pass)")
     ap.add_argument("--training", action="store_true", help="forward + backward beside cuDNN LSTMs, and peak memory")
+    ap.add_argument("--autocast", action="store_true", help="--training under torch.autocast('cuda', bfloat16)")
+    ap.add_argument("--deterministic", action="store_true", help="--training with Backbone(deterministic=True)")
     args = ap.parse_args()
     rows = []
 
@@ -138,7 +151,7 @@ def main() -> None:
             emit(device="cpu", shape=name, batch=1, step_us=round(host_us(lambda: bb.step(x, s), 300, sync=False), 1))
         return
     if args.training:
-        training_rows(emit)
+        training_rows(emit, args.autocast, args.deterministic)
         if args.json:
             Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=2))
         return

@@ -285,13 +285,17 @@ def main() -> None:
                                                       SAVE=True), num_warps=train.warps)
     t = ptrs("x_ptr", "dt_ptr", "z_ptr", "dy_ptr", "B_ptr", "C_ptr", "dtb_ptr", "A_ptr", "D_ptr", "saved_ptr", "dfinal_ptr",
              "dx_ptr", "ddt_ptr", "dz_ptr", "dB_ptr", "dC_ptr", "dA_ptr", "dD_ptr", "dinit_ptr", resets_ptr="*u8")
-    compile_kernel(sg._scan_backward_kernel, t, dict(N=16, NP=16, BE=train.be, BT=train.bt, RESETS=True),
-                   num_warps=train.warps)
+    # (PARTIALS: the deterministic mode's per-program sums in place of the atomics)
+    for partials in (False, True):
+        compile_kernel(sg._scan_backward_kernel, t, dict(N=16, NP=16, BE=train.be, BT=train.bt, RESETS=True,
+                                                         PARTIALS=partials), num_warps=train.warps)
     t = ptrs("x_ptr", "st_ptr", "w_ptr", "b_ptr", "dy_ptr", "dpre_ptr", "dw_ptr", "db_ptr", "dx_ptr", first_ptr="*i32")
     tiles = dict(BE=CONV_GRAD_TILES.be, BT=CONV_GRAD_TILES.bt)
-    compile_kernel(cg._conv_grad_pre_kernel, t, dict(K=4, HAS_BIAS=True, RESETS=True, **tiles), num_warps=CONV_GRAD_TILES.warps)
+    for partials in (False, True):
+        compile_kernel(cg._conv_grad_pre_kernel, t, dict(K=4, HAS_BIAS=True, RESETS=True, PARTIALS=partials, **tiles),
+                       num_warps=CONV_GRAD_TILES.warps)
     compile_kernel(cg._conv_grad_input_kernel, t, dict(K=4, RESETS=True, **tiles), num_warps=CONV_GRAD_TILES.warps)
-    res.append("training scan + conv: ok")
+    res.append("training scan + conv (atomics, and the deterministic partial sums): ok")
     # Mamba-2 at mamba2-2.7b's shapes: the decode step's scan, the gated norm
     t = ptrs("x_ptr", "B_ptr", "C_ptr", "dt_ptr", "dtb_ptr", "A_ptr", "D_ptr", "st_ptr", "y_ptr", dt_min="fp32", dt_max="fp32")
     for state in ("*fp32", "*bf16"):
