@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,4 +55,87 @@ def test_recurrent_ppo_refuses_nonsensical_sizes_in_one_line(tmp_path, args, mes
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith(f"recurrent_ppo.py: error: {message}")
+    assert not (tmp_path / "o").exists()
+
+
+POPGYM = EXAMPLES / "popgym_ppo.py"
+
+
+def test_popgym_ppo_runs_a_task_for_two_cores_and_writes_its_curves(tmp_path):
+    pytest.importorskip("popgym")
+    out = tmp_path / "popgym"
+    cmd = [sys.executable, str(POPGYM), "--task", "RepeatPreviousEasy", "--updates", "2", "--seeds", "1",
+           "--envs", "8", "--rollout", "64", "--minibatches", "2", "--out", str(out)]
+    r = subprocess.run(cmd + ["--core", "mamba"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if line.endswith("s/update")]
+    assert [line.split(":")[0] for line in lines] == [f"RepeatPreviousEasy mamba seed 0 update {u}/2" for u in (1, 2)]
+    # a second run, quiet, for another core merges into the file
+    r = subprocess.run(cmd + ["--core", "lstm", "--quiet"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "s/update" not in r.stdout and r.stdout.startswith("wrote ")
+    results = json.loads((out / "returns.json").read_text())
+    assert list(results) == ["RepeatPreviousEasy"] and set(results["RepeatPreviousEasy"]) == {"mamba", "lstm"}
+    for seeds in results["RepeatPreviousEasy"].values():
+        assert list(seeds) == ["0"] and set(seeds["0"]) == {"steps", "returns", "seconds"}
+        run = seeds["0"]
+        assert run["steps"] == [8 * 64, 2 * 8 * 64]
+        # every env ends an episode (51 steps) in each 64-step rollout; POPGym's returns lie in [-1, 1]
+        assert len(run["returns"]) == 2 and all(isinstance(x, float) and -1 <= x <= 1 for x in run["returns"])
+        assert len(run["seconds"]) == 2 and all(0 < s < 300 for s in run["seconds"])
+    assert (out / "RepeatPreviousEasy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_popgym_ppo_encodes_observations_and_samples_multidiscrete_actions():
+    gym = pytest.importorskip("gymnasium")
+    import torch
+
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import popgym_ppo
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    width, encode = popgym_ppo.encoder(gym.spaces.Tuple((gym.spaces.Discrete(2), gym.spaces.Discrete(4))))
+    assert width == 6 and encode((1, 2)).tolist() == [0, 1, 0, 0, 1, 0]
+    width, encode = popgym_ppo.encoder(gym.spaces.MultiDiscrete([2, 3]))
+    assert width == 5 and encode([1, 0]).tolist() == [0, 1, 1, 0, 0]
+    width, encode = popgym_ppo.encoder(gym.spaces.Box(-1, 1, (2, 3)))
+    assert width == 6 and encode(torch.arange(6.0).reshape(2, 3).numpy()).tolist() == [0, 1, 2, 3, 4, 5]
+    assert popgym_ppo.action_sizes(gym.spaces.Discrete(27)) == [27]
+    assert popgym_ppo.action_sizes(gym.spaces.MultiDiscrete([8, 8])) == [8, 8]
+    with pytest.raises(ValueError, match="no categorical heads"):
+        popgym_ppo.action_sizes(gym.spaces.Box(-2, 2, (1,)))
+    logits = torch.randn(5, 3 + 4)
+    dist = popgym_ppo.Categoricals(logits, [3, 4])
+    action = dist.sample()
+    assert action.shape == (5, 2) and (action[:, 0] < 3).all() and (action[:, 1] < 4).all()
+    first, second = logits[:, :3].log_softmax(-1), logits[:, 3:].log_softmax(-1)
+    expected = first.gather(1, action[:, :1])[:, 0] + second.gather(1, action[:, 1:])[:, 0]
+    torch.testing.assert_close(dist.log_prob(action), expected)
+    entropy = -(first.exp() * first).sum(-1) - (second.exp() * second).sum(-1)
+    torch.testing.assert_close(dist.entropy(), entropy)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--task", "RepeatPreviousEasy,Pong"], "--task: unknown 'Pong'; one of RepeatPrevious, "),
+    (["--task", "PositionOnlyPendulumEasy"], "--task: unknown 'PositionOnlyPendulumEasy'"),
+    (["--core", "mamba,transformer"], "--core takes mamba, mamba2, lstm, gru or several of them"),
+    (["--updates", "2", "--steps", "100"], "argument --steps: not allowed with argument --updates"),
+    (["--envs", "64", "--minibatches", "5"], "--minibatches (5) must divide --envs (64)"),
+])
+def test_popgym_ppo_refuses_an_unknown_task_or_core_in_one_line(tmp_path, args, message):
+    r = subprocess.run([sys.executable, str(POPGYM), *args, "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"popgym_ppo.py: error: {message}")
+    assert not (tmp_path / "o").exists()
+
+
+def test_popgym_ppo_without_popgym_says_what_to_install(tmp_path):
+    (tmp_path / "popgym.py").write_text("raise ModuleNotFoundError(\"No module named 'popgym'\", name='popgym')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, str(POPGYM), "--task", "RepeatPreviousEasy", "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "popgym_ppo.py: error: popgym is not installed: pip install 'fastmamba[examples]'"
     assert not (tmp_path / "o").exists()
