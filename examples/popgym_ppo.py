@@ -171,7 +171,9 @@ def plot(task: str, cores: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colors = {"mamba": "tab:blue", "mamba2": "tab:green", "lstm": "tab:orange", "gru": "tab:red"}
+    per_update = set()
     for core, seeds in cores.items():
+        per_update |= {run["steps"][0] for run in seeds.values() if run["steps"]}
         curves = [[np.nan if r is None else r for r in run["returns"]] for run in seeds.values()]
         n = min(len(c) for c in curves)
         if n == 0:
@@ -183,7 +185,8 @@ def plot(task: str, cores: dict, path: Path) -> None:
             mean, low, high = np.nanmean(y, 0), np.nanmin(y, 0), np.nanmax(y, 0)
         ax.plot(x, mean, color=colors.get(core), label=f"{core} ({len(curves)} seed{'s' * (len(curves) > 1)})")
         ax.fill_between(x, low, high, color=colors.get(core), alpha=0.2)
-    ax.set_xlabel("PPO update")
+    ax.set_xlabel("PPO update" + (f" ({per_update.pop()} environment steps each)" if len(per_update) == 1 else ""))
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel("mean episode return")
     ax.set_title(f"Recurrent PPO, POPGym {task}")
     ax.legend()
