@@ -342,8 +342,10 @@ class Backbone(nn.Module):
         `state` in place. x a device tensor gives one; a CPU tensor or a numpy array on a
         CUDA module goes through pinned buffers and gives the same type back. On CUDA the
         step is one CUDA-graph replay (see the class's doc for which graphs are kept)."""
-        with torch.autocast(self.device.type, enabled=False):  # (the Backbone's own dtypes)
-            return self._step(x, state)
+        if torch.is_autocast_enabled(self.device.type):  # the step keeps the Backbone's own dtypes
+            with torch.autocast(self.device.type, enabled=False):
+                return self._step(x, state)
+        return self._step(x, state)
 
     def _step(self, x, state: MambaState):
         last = self._last
