@@ -29,8 +29,9 @@ decay has no gradient.
 
 `deterministic=True` (fastmamba.Backbone(deterministic=True)): each program writes its
 channels' shares of dB and dC to a slice of its own, which torch sums in a fixed order
-instead of the atomics (whose order changes run to run), and dt_proj's product goes through
-products.linear_invariant (a row's step sizes the same bits at any batch size).
+instead of the atomics (whose order changes run to run): E / BE times dB's and dC's memory
+for the backward's while. dt_proj's product goes through products.linear_invariant (a row's
+step sizes the same bits at any batch size).
 """
 
 from __future__ import annotations
