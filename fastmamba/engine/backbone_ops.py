@@ -17,10 +17,14 @@ that on the GPU path, and what runs instead:
   sequence pass runs the training kernels with or without autograd; the step runs the
   decode plan's deterministic step (invariant_gemm's products).
 The Mamba-2 SSD's training kernels need nothing: no atomics, launches chosen by the length.
-On the CPU the mode changes nothing: a run is the same bits run to run already, but a row's
-last bits may depend on the batch (MKL picks its product kernels by the row count, and
-torch's vectorized element-wise functions, silu and softplus among them, compute a tensor's
-tail in scalar code: which elements fall there depends on the batch).
+The cost (not yet measured on a GPU: benchmarks/backbone.py --training --deterministic):
+Triton products in place of cuBLAS's (float32 ones in three passes), the partial sums'
+memory, and without autograd the training kernels in float32 in place of the prefill ones.
+On the CPU the mode changes nothing: repeated runs give the same bits (tested; MKL's own
+settings, MKL_CBWR, govern its products' reproducibility), but a row's last bits may depend
+on the batch (MKL picks its product kernels by the row count, and torch's vectorized
+element-wise functions, silu and softplus among them, compute a tensor's tail in scalar
+code: which elements fall there depends on the batch).
 
 Autocast: where autograd needs the pass (training), the products follow an enclosing
 torch.autocast (they run in its dtype) and the training kernels' Functions take float32
