@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_within_transformers_16bit_error, relative_error
+from conftest import relative_error
 
 # (the dense hybrids' own: their float32, greedy and serving engine tests run here again over
 # this module's `case`)
 from test_hybrids import (  # noqa: F401
-    assert_steps_continue_the_prefill,
     edited,
     ids,
     refused,
@@ -21,7 +20,13 @@ from test_hybrids import (  # noqa: F401
     test_greedy_equals_transformers_greedy_and_a_batch_equals_each_alone,
     test_the_prefix_cache_and_chunks_change_no_token,
 )
-from test_moe import every_expert
+
+# (and the MoE hybrids': decode steps after a prefill, bf16 storage, over this module's `case`)
+from test_moe import (  # noqa: F401
+    every_expert,
+    test_bfloat16_storage_within_transformers_own_error,
+    test_decode_steps_continue_the_prefill,
+)
 from test_moe import save as moe_save
 
 import fastmamba
@@ -83,16 +88,6 @@ def test_the_config_and_the_weights(case):
         assert torch.equal(lw.in_w, experts.gate_up_proj) and torch.equal(lw.out_w, experts.down_proj)
     else:
         assert c.n_experts == 0 and "mlp" in c.kinds
-
-
-def test_decode_steps_continue_the_prefill(case):
-    assert_steps_continue_the_prefill(case[0], 30, 22)
-
-
-def test_bfloat16_storage_within_transformers_own_error(case):
-    folder, _ = case
-    x = ids(2, 33, seed=5)
-    assert_within_transformers_16bit_error(fastmamba.load(folder, dtype="bfloat16").forward(x), folder, x, "bfloat16")
 
 
 def test_the_router_picks_and_weighs_as_transformers(case):
