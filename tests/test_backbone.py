@@ -178,27 +178,39 @@ def reference64(bb: Backbone, x, conv0, ssm0, resets):
 @pytest.mark.parametrize("T", [9, 1])  # (one step: the CPU's one-token path must leave autograd's saved tensors alone)
 def test_gradients_match_a_float64_oracle(T):
     bb = make(n_layer=2, d_conv=3)
-    x = xs(2, T).requires_grad_(True)
     state = bb.new_state(2)
-    state.conv.normal_(generator=torch.Generator().manual_seed(2)).requires_grad_(True)
-    state.ssm.normal_(generator=torch.Generator().manual_seed(3)).requires_grad_(True)
-    resets = torch.zeros(2, T, dtype=torch.bool)
+    state.conv.normal_(generator=torch.Generator().manual_seed(2))
+    state.ssm.normal_(generator=torch.Generator().manual_seed(3))
+    assert_gradients_match_a_float64_oracle(bb, lambda: make(n_layer=2, d_conv=3), reference64, xs(2, T), state)
+
+
+def assert_gradients_match_a_float64_oracle(bb: Backbone, again, reference, x, state) -> None:
+    """The Backbone's outputs (within 1e-5) and the gradients of a weighted sum of them to x,
+    the state and every parameter (within 1e-4) against `reference` (the math written out
+    step by step) in float64 autograd, over a second Backbone of the same parameters
+    (`again()`); a reset in row 0 halfway where x has more than one step."""
+    B, T = x.shape[:2]
+    x = x.requires_grad_(True)
+    state.conv.requires_grad_(True)
+    state.ssm.requires_grad_(True)
+    resets = torch.zeros(B, T, dtype=torch.bool)
     resets[0, T // 2] = True
     resets = resets if T > 1 else None
-    weight = torch.randn(2, T, 16, generator=torch.Generator().manual_seed(4))
+    weight = torch.randn(B, T, 16, generator=torch.Generator().manual_seed(4))
     y, _ = bb(x, state, resets)
     (y * weight).sum().backward()
     ours = {"x": x.grad, "conv": state.conv.grad, "ssm": state.ssm.grad, **{k: p.grad for k, p in bb.named_parameters()}}
     x64, conv64, ssm64 = (t.detach().double().requires_grad_(True) for t in (x, state.conv, state.ssm))
-    bb64 = make(n_layer=2, d_conv=3)  # the same parameters (same seed), as float64 leaves
+    bb64 = again()  # the same parameters, as float64 leaves
     bb64.load_state_dict(bb.state_dict())
     params64 = dict(bb64.named_parameters())
     for p in params64.values():
         p.data = p.data.double()
-    ref = reference64(bb64, x64, conv64, ssm64, resets)
+    ref = reference(bb64, x64, conv64, ssm64, resets)
     assert rel_err(y.detach().double(), ref.detach()) < 1e-5
     (ref * weight.double()).sum().backward()
     theirs = {"x": x64.grad, "conv": conv64.grad, "ssm": ssm64.grad, **{k: p.grad for k, p in params64.items()}}
+    assert set(theirs) == set(ours)
     for name, g in theirs.items():
         assert rel_err(ours[name].double(), g) < 1e-4, name
 

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_backbone import assert_gradients_match_a_float64_oracle
 
 import fastmamba
 from fastmamba import Backbone, BackboneConfig
@@ -202,30 +203,7 @@ def reference64(bb: Backbone, x, conv0, ssm0, resets):
 @pytest.mark.parametrize("T", [9, 1])
 def test_gradients_match_a_float64_oracle(T):
     bb = make(d_conv=3)
-    x = xs(2, T).requires_grad_(True)
-    state = warm_state(bb, 2)
-    state.conv.requires_grad_(True)
-    state.ssm.requires_grad_(True)
-    resets = torch.zeros(2, T, dtype=torch.bool)
-    resets[0, T // 2] = True
-    resets = resets if T > 1 else None
-    weight = torch.randn(2, T, 16, generator=torch.Generator().manual_seed(4))
-    y, _ = bb(x, state, resets)
-    (y * weight).sum().backward()
-    ours = {"x": x.grad, "conv": state.conv.grad, "ssm": state.ssm.grad, **{k: p.grad for k, p in bb.named_parameters()}}
-    x64, conv64, ssm64 = (t.detach().double().requires_grad_(True) for t in (x, state.conv, state.ssm))
-    bb64 = make(d_conv=3)
-    bb64.load_state_dict(bb.state_dict())
-    params64 = dict(bb64.named_parameters())
-    for p in params64.values():
-        p.data = p.data.double()
-    ref = reference64(bb64, x64, conv64, ssm64, resets)
-    assert rel_err(y.detach(), ref.detach()) < 1e-5
-    (ref * weight.double()).sum().backward()
-    theirs = {"x": x64.grad, "conv": conv64.grad, "ssm": ssm64.grad, **{k: p.grad for k, p in params64.items()}}
-    assert set(theirs) == set(ours)
-    for name, g in theirs.items():
-        assert rel_err(ours[name], g) < 1e-4, name
+    assert_gradients_match_a_float64_oracle(bb, lambda: make(d_conv=3), reference64, xs(2, T), warm_state(bb, 2))
 
 
 @pytest.mark.parametrize("kw,field", [
