@@ -317,6 +317,34 @@ def test_the_language_models_backbone_shares_its_weights():
     assert rel_err(y, lm.model.backbone(h, lm.model.new_state(2))) < TOL
 
 
+def graph_eager_and_cpu_steps(gpu: Backbone, cpu16: Backbone, eager, B: int, sync=None):
+    """Six steps of random (B, 64) inputs through the GPU Backbone's graph step, `eager` (the
+    same step without a graph) and the CPU's of the same weights, from zero states: rows 0,
+    5, 10 ... reset before step 3, and after step 4 an optimizer's in-place update of layer
+    2's A_log, which must reach the graph (then `sync()`, where the eager step needs it).
+    Returns each step's (graph, eager, cpu) outputs, the three states and the inputs."""
+    x = torch.randn(6, B, 64, generator=torch.Generator().manual_seed(1))
+    states = gpu.new_state(B), gpu.new_state(B), cpu16.new_state(B)
+    outs = []
+    for t in range(6):
+        if t == 3:
+            done = torch.zeros(B, dtype=torch.bool)
+            done[::5] = True
+            for s in states:
+                s.reset(done.to(s.conv.device))
+        y_graph = gpu.step(x[t].cuda(), states[0])
+        with torch.no_grad():
+            y_eager = eager(x[t].cuda(), states[1]).clone()  # (an eager step may reuse its output)
+        outs.append((y_graph, y_eager, cpu16.step(x[t], states[2])))
+        if t == 4:
+            for bb in (gpu, cpu16):
+                with torch.no_grad():
+                    bb.layers[2].mixer.A_log.add_(0.25)
+            if sync is not None:
+                sync()
+    return outs, states, x
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("B", [1, 37, 300])  # one-row kernels; decode_gemm.py's step, in its smaller and larger routes
@@ -329,26 +357,11 @@ def test_gpu_graph_step_equals_eager_and_the_cpu(dtype, B):
     cpu16 = Backbone(cpu.config, dtype=dtype)
     cpu16.load_state_dict(cpu.state_dict())
     eager = KernelStep(gpu, B)
-    x = torch.randn(6, B, 64, generator=torch.Generator().manual_seed(1))
-    s_graph, s_eager, s_cpu = gpu.new_state(B), gpu.new_state(B), cpu16.new_state(B)
     tol = 1e-4 if dtype == "float32" else 2e-2
-    for t in range(6):
-        if t == 3:
-            done = torch.zeros(B, dtype=torch.bool)
-            done[::5] = True
-            for s in (s_graph, s_eager, s_cpu):
-                s.reset(done.to(s.conv.device))
-        y_graph = gpu.step(x[t].cuda(), s_graph)
-        with torch.no_grad():
-            y_eager = eager(x[t].cuda(), s_eager)
-        y_cpu = cpu16.step(x[t], s_cpu)
+    outs, (s_graph, _, s_cpu), x = graph_eager_and_cpu_steps(gpu, cpu16, eager, B, eager.sync)
+    for t, (y_graph, y_eager, y_cpu) in enumerate(outs):
         assert torch.equal(y_graph, y_eager), t
         assert rel_err(y_graph.cpu(), y_cpu) < tol, t
-        if t == 4:  # an optimizer's in-place update of A_log reaches the graph (KernelStep.sync)
-            for bb in (gpu, cpu16):
-                with torch.no_grad():
-                    bb.layers[2].mixer.A_log.add_(0.25)
-            eager.sync()
     assert rel_err(s_graph.ssm.cpu(), s_cpu.ssm) < tol
     y_np = gpu.step(x[0].numpy(), s_graph)  # numpy in, numpy out, through the host graph
     assert isinstance(y_np, np.ndarray) and y_np.shape == (B, 128)

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from test_backbone import assert_gradients_match_a_float64_oracle
+from test_backbone import assert_gradients_match_a_float64_oracle, graph_eager_and_cpu_steps
 
 import fastmamba
 from fastmamba import Backbone, BackboneConfig
@@ -453,25 +453,12 @@ def test_gpu_graph_step_equals_eager_and_the_cpu(dtype, state_dtype, B):
     gpu.load_state_dict(cpu.state_dict())
     cpu16 = Backbone(cpu.config, dtype=dtype, state_dtype=state_dtype)
     cpu16.load_state_dict(cpu.state_dict())
-    x = torch.randn(6, B, 64, generator=torch.Generator().manual_seed(1))
-    s_graph, s_eager, s_cpu = gpu.new_state(B), gpu.new_state(B), cpu16.new_state(B)
     tol = 1e-4 if dtype == state_dtype == "float32" else 2e-2
-    for t in range(6):
-        if t == 3:
-            done = torch.zeros(B, dtype=torch.bool)
-            done[::5] = True
-            for s in (s_graph, s_eager, s_cpu):
-                s.reset(done.to(s.conv.device))
-        y_graph = gpu.step(x[t].cuda(), s_graph)
-        with torch.no_grad():
-            y_eager = gpu._step_eager(x[t].cuda(), s_eager)
-        y_cpu = cpu16.step(x[t], s_cpu)
+    # (A_log's update reaches the graph: A is made inside it)
+    outs, (s_graph, _, s_cpu), x = graph_eager_and_cpu_steps(gpu, cpu16, gpu._step_eager, B)
+    for t, (y_graph, y_eager, y_cpu) in enumerate(outs):
         assert rel_err(y_graph, y_eager) < 1e-6, t
         assert rel_err(y_graph.cpu(), y_cpu) < tol, t
-        if t == 4:  # an optimizer's in-place update of A_log reaches the graph (A is made inside it)
-            for bb in (gpu, cpu16):
-                with torch.no_grad():
-                    bb.layers[2].mixer.A_log.add_(0.25)
     assert rel_err(s_graph.ssm.cpu(), s_cpu.ssm) < tol
     y_host = gpu.step(x[1], s_graph)  # a CPU tensor in, one out, through the host graph
     assert y_host.device.type == "cpu" and rel_err(y_host, cpu16.step(x[1], s_cpu)) < tol
