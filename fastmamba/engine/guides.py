@@ -123,9 +123,12 @@ def mask(matchers: list, logits: torch.Tensor) -> torch.Tensor:
         return logits
     import xgrammar
 
-    bitmask = xgrammar.allocate_token_bitmask(len(matchers), logits.shape[-1])
+    bitmask = xgrammar.allocate_token_bitmask(len(matchers), logits.shape[-1])  # (every token allowed)
     for k in rows:
         matchers[k].fill_next_token_bitmask(bitmask, k)
     out = logits.clone() if logits.is_cuda or logits.dtype == torch.float32 else logits.float()  # (xgrammar's CPU kernel: float32)
-    xgrammar.apply_token_bitmask_inplace(out, to_device(bitmask, out.device), indices=rows)
+    # every row (an unguided row's mask allows all): xgrammar's `indices` go to the GPU from
+    # pageable memory, a copy that waits for the stream's queued work, i.e. for this step's
+    # pass, so the host could not fill the masks and launch the sampling while it ran
+    xgrammar.apply_token_bitmask_inplace(out, to_device(bitmask, out.device))
     return out
