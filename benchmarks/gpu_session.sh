@@ -33,7 +33,9 @@ if [ -n "${SOAK20:-}" ]; then
     # checkpoint written, the server's graphs captured: ~1.5 minutes) and warm-up, and must
     # end inside them, so that the memory the soak judges is the server's alone; on an idle
     # H100 the suite took 250 s at eb7b86d, more now)
-    (cd "$soak" && setsid python3 -m benchmarks.soak --model 2.8b --minutes 20 --warmup 6 \
+    # (SOAK20_ARGS: other soak arguments, e.g. "--cpu --model 130m --minutes 0.5 --warmup 0.1"
+    # for a smoke run of this script without a GPU)
+    (cd "$soak" && setsid python3 -m benchmarks.soak ${SOAK20_ARGS:---model 2.8b --minutes 20 --warmup 6} \
       --json "$soak/out/soak.json" > "$soak/out/soak.out" 2>&1 < /dev/null &)
     PYTHONPATH=.:${PYTHONPATH:-} timeout 420 python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$out/gpu_tests.log" \
       | grep -E "^FAILED|passed|failed"
