@@ -170,8 +170,8 @@ def test_the_prefix_cache_and_chunks_change_no_token(case, kv_tokens):
 # -- configs refused by name ------------------------------------------------------------------
 
 
-def edited(case, tmp_path, change) -> str:
-    folder, _ = case
+def edited(folder, tmp_path, change) -> str:
+    """A copy of the checkpoint `folder` whose config.json `change(config)` edited."""
     out = tmp_path / "edited"
     out.mkdir(parents=True)
     for f in folder.iterdir():
@@ -199,7 +199,7 @@ def test_bamba_configs_that_change_the_math_are_refused_by_name(tmp_path, change
     config, model_class = bamba()
     folder = tmp_path / "m"
     model_class(config).save_pretrained(folder)
-    refused(edited((folder, None), tmp_path, change), *words)
+    refused(edited(folder, tmp_path, change), *words)
 
 
 def test_nemotron_h_reads_the_hub_pattern(tmp_path):
@@ -213,12 +213,12 @@ def test_nemotron_h_reads_the_hub_pattern(tmp_path):
         del c["layers_block_type"]
         c["hybrid_override_pattern"] = "M*-M-"
         c["mamba_n_groups"] = c.pop("n_groups")
-    assert fastmamba.load(edited((folder, None), tmp_path / "a", hub_form)).config.kinds == (
+    assert fastmamba.load(edited(folder, tmp_path / "a", hub_form)).config.kinds == (
         "mamba2", "attention", "mlp", "mamba2", "mlp")
-    refused(edited((folder, None), tmp_path / "b", lambda c: c.update(layers_block_type=["mamba", "moe", "attention",
+    refused(edited(folder, tmp_path / "b", lambda c: c.update(layers_block_type=["mamba", "moe", "attention",
                                                                                            "mlp", "mamba"])),
             "missing tensor", "mixer.gate.weight")
-    refused(edited((folder, None), tmp_path / "c", lambda c: c.update(mamba_n_groups=4)), "'n_groups'",
+    refused(edited(folder, tmp_path / "c", lambda c: c.update(mamba_n_groups=4)), "'n_groups'",
             "'mamba_n_groups'", "disagree")
 
 
@@ -227,7 +227,7 @@ def test_granite_with_experts_over_dense_weights_names_the_missing_expert_tensor
     config, model_class = granite()
     folder = tmp_path / "m"
     model_class(config).save_pretrained(folder)
-    refused(edited((folder, None), tmp_path, lambda c: c.update(num_local_experts=4, intermediate_size=48)),
+    refused(edited(folder, tmp_path, lambda c: c.update(num_local_experts=4, intermediate_size=48)),
             "missing tensor", "block_sparse_moe.")
 
 

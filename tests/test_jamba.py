@@ -179,11 +179,11 @@ def small(tmp_path_factory):
     (lambda c: c.update(attn_layer_offset=0), ("missing tensor",)),
 ])
 def test_configs_that_change_the_math_are_refused_by_name(small, tmp_path, change, words):
-    refused(edited((small, None), tmp_path, change), *words)
+    refused(edited(small, tmp_path, change), *words)
 
 
 def test_the_kernel_and_training_keys_are_accepted(small, tmp_path):
-    path = edited((small, None), tmp_path, lambda c: c.update(
+    path = edited(small, tmp_path, lambda c: c.update(
         use_mamba_kernels=False, use_mambapy=True, use_associative_scan=False, num_logits_to_keep=1,
         output_router_logits=True, router_aux_loss_coef=0.02, norm_topk_prob=False, sliding_window=None))
     assert fastmamba.load(path).config.n_experts == 4

@@ -6,8 +6,6 @@ routing ties and experts no token picks, and the configs and tensors refused by 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from conftest import assert_within_transformers_16bit_error, relative_error, transformers_logits
@@ -15,6 +13,7 @@ from conftest import assert_within_transformers_16bit_error, relative_error, tra
 # (the dense hybrids' own: their float32 and greedy tests run here again over this module's `case`)
 from test_hybrids import (  # noqa: F401
     assert_steps_continue_the_prefill,
+    edited,
     ids,
     refused,
     test_float32_logits_equal_transformers,
@@ -232,19 +231,6 @@ def test_experts_that_no_token_picks_are_skipped(case):
 
 
 # -- refused by name ---------------------------------------------------------------------------
-
-
-def edited(folder, tmp_path, change) -> str:
-    out = tmp_path / "edited"
-    out.mkdir(parents=True)
-    for f in folder.iterdir():
-        (out / f.name).write_bytes(f.read_bytes())
-    config = json.loads((out / "config.json").read_text())
-    change(config)
-    (out / "config.json").write_text(json.dumps(config))
-    return str(out)
-
-
 
 
 @pytest.fixture(scope="module")
