@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import jit, tl, triton
-from .fp8_gemm import linear_ref
+from .fp8_gemm import linear_ref, weight_parts
 from .products import tensor_dot
 
 # the experts' activations, as the reference MLP's (core/mlp.ACTIVATIONS): the same torch ops
@@ -163,14 +163,13 @@ def _moe_gemm_kernel(
 
 
 def _parts(weight) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Stacked experts (E, out, in) as (values, row scales (E, out) or None); an FP8 weight is
-    anything with e4m3 `data` and float32 `scale` a row (core/fp8.Fp8Weight)."""
-    if isinstance(weight, torch.Tensor):
-        return weight.contiguous(), None
+    """Stacked experts (E, out, in) as contiguous (values, row scales (E, out) or None)
+    (fp8_gemm.weight_parts), block-scaled FP8 refused by name."""
     if getattr(weight, "block", None) is not None:
         raise ValueError(f"the fused MoE kernel takes FP8 experts with a scale a row; these have {weight.block} "
                          "block scales: use engine='reference'")
-    return weight.data.contiguous(), weight.scale.contiguous()
+    values, scale = weight_parts(weight)
+    return values.contiguous(), None if scale is None else scale.contiguous()
 
 
 def _grouped_product(x, w, scale, weights, ids, block_expert, blocks, out, N, row_div, act, gated, mul_weight, tiles):
