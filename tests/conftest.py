@@ -162,6 +162,15 @@ def relative_error(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.float().cpu() - ref).abs().max() / ref.abs().max()).item()
 
 
+def outputs_and_grads(fn, inputs, weights):
+    """fn's outputs (detached) and the gradients of sum(out * weight) over them, for each
+    input (None where one takes none): ([outputs], [gradients])."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    outs = fn(*leaves)
+    sum(((o * w.to(o)).sum() for o, w in zip(outs, weights))).backward()
+    return [o.detach() for o in outs], [t.grad for t in leaves]
+
+
 def transformers_logits(path: Path, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """transformers' own model of the checkpoint at `path`, in `dtype` on the CPU: the
     logits of ids (B, T), float32."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import outputs_and_grads
 
 from fastmamba import Backbone, BackboneConfig
 
@@ -29,11 +30,9 @@ def config(layer: str, **kw) -> BackboneConfig:
 
 
 def _grads(fn, inputs, weights):
-    """fn's outputs and the gradients of sum(out * weight) over them, for each input."""
-    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
-    outs = fn(*leaves)
-    sum(((o * w.to(o)).sum() for o, w in zip(outs, weights))).backward()
-    return [o.detach() for o in outs] + [t.grad for t in leaves]
+    """fn's outputs, then each input's gradient (conftest.outputs_and_grads), in one list."""
+    outs, grads = outputs_and_grads(fn, inputs, weights)
+    return outs + grads
 
 
 # -- the training kernels' partial sums (no atomics), in the interpreter or on a GPU ---------

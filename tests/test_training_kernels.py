@@ -11,6 +11,7 @@ from functools import partial
 
 import pytest
 import torch
+from conftest import outputs_and_grads
 
 from fastmamba import Backbone, BackboneConfig
 from fastmamba.kernels.causal_conv1d import causal_conv1d_ref
@@ -46,14 +47,6 @@ def reset_flags(B: int, T: int, where: str) -> torch.Tensor | None:
     return r.to(DEVICE)
 
 
-def _grads(fn, inputs, weights):
-    """fn's outputs and the gradients of sum(out * weight) over them, for each input."""
-    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
-    outs = fn(*leaves)
-    sum(((o * w.to(o)).sum() for o, w in zip(outs, weights))).backward()
-    return [o.detach() for o in outs], [t.grad for t in leaves]
-
-
 # (B, E, N, T): one chunk; several, T not a multiple of the chunk; E past one program's
 # channels, N not a power of two
 SCAN_SHAPES = [(2, 4, 4, 9), (3, 10, 5, 2 * TRAIN_BT + 7), (1, 3, 2, TRAIN_BT)]
@@ -79,8 +72,8 @@ def test_scan_forward_and_backward_match_the_float64_oracle(B, E, N, T, resets):
 
     ours, oracle = scan(partial(step_and_scan_train, tiles=TRAIN_SCAN_TILES)), scan(step_and_scan_ref)
 
-    (y, s), grads = _grads(ours, [t.to(DEVICE) for t in inputs], weights)
-    (y64, s64), grads64 = _grads(oracle, [t.double().to(DEVICE) for t in inputs], weights)
+    (y, s), grads = outputs_and_grads(ours, [t.to(DEVICE) for t in inputs], weights)
+    (y64, s64), grads64 = outputs_and_grads(oracle, [t.double().to(DEVICE) for t in inputs], weights)
     assert rel_err(y, y64) < TOL and rel_err(s, s64) < TOL
     for name, a, b in zip("x dt_r dt_w dt_b A B C D z state".split(), grads, grads64):
         assert a.shape == b.shape and rel_err(a, b) < TOL, (name, rel_err(a, b))
@@ -104,8 +97,8 @@ def test_conv_forward_and_backward_match_the_float64_oracle(K, T, bias, resets):
             return fn(x, w, b if bias else None, s, resets=flags), s
         return call
 
-    (y, s), grads = _grads(run(partial(causal_conv1d_train, tiles=CONV_GRAD_TILES)), [t.to(DEVICE) for t in inputs], weights)
-    (y64, s64), grads64 = _grads(run(causal_conv1d_ref), [t.double().to(DEVICE) for t in inputs], weights)
+    (y, s), grads = outputs_and_grads(run(partial(causal_conv1d_train, tiles=CONV_GRAD_TILES)), [t.to(DEVICE) for t in inputs], weights)
+    (y64, s64), grads64 = outputs_and_grads(run(causal_conv1d_ref), [t.double().to(DEVICE) for t in inputs], weights)
     assert rel_err(y, y64) < TOL and rel_err(s, s64) < TOL
     for name, a, b in zip(["x", "weight", "bias", "state"], grads, grads64):
         if name == "bias" and not bias:
