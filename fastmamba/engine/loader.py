@@ -41,7 +41,7 @@ def load(
     dtype: storage of the large matrices, "float32", "bfloat16", "float16" or "fp8" (or a torch
     dtype); accumulation, states, norms and logits are float32 whatever it is. "fp8": the
     projections and an untied head in float8 e4m3 with a float32 scale a row (core/fp8.py),
-    the embedding in float32; an FP8 checkpoint (compressed-tensors) keeps its own values
+    the embedding (and a tied head) in float32 on the CPU, bfloat16 on a GPU; an FP8 checkpoint (compressed-tensors) keeps its own values
     and scales, and under any other dtype is dequantized. On the GPU the decode step's
     kernels read the e4m3 bytes and prefill runs cuBLASLt's FP8 GEMM (kernels/fp8_gemm.py);
     block-scaled FP8 checkpoints run on the reference engine. On CUDA a model whose weights
@@ -80,9 +80,10 @@ def load(
     if dev.type == "cuda":  # (refused before any weight is allocated, not halfway)
         check_weights_fit(folder, storage, dev)
     config, weights = load_checkpoint(folder, dev, storage)
-    if weights.fp8 and engine == "triton" and block_scaled(weights):
+    blocks = block_scaled(weights) if weights.fp8 else []  # (the FP8 matrices of block scales, by name)
+    if engine == "triton" and blocks:
         raise ValueError(f"engine 'triton' takes FP8 weights with a scale a row; this checkpoint's are block-scaled "
-                         f"({block_scaled(weights)[0]}): use engine='reference'")
+                         f"({blocks[0]}): use engine='reference'")
     gpu_kernels = layer_kind(config).gpu_kernels
     if engine == "triton" and not gpu_kernels:
         raise ValueError(f"engine 'triton' has no kernels for {config.layer} layers yet: use engine='reference' "
@@ -93,7 +94,7 @@ def load(
                          "CUDA graphs for them are not built): use engine='reference' (pure PyTorch, on any device)")
     if engine is None:
         engine = ("triton" if dev.type == "cuda" and HAVE_TRITON and gpu_kernels and not off_gpu
-                  and not (weights.fp8 and block_scaled(weights)) else "reference")
+                  and not blocks else "reference")
     tokenizer = None
     if (folder / "tokenizer.json").exists():
         tokenizer = Tokenizer(inside(folder, "tokenizer.json"))
