@@ -152,6 +152,12 @@ def kinds(config) -> list[LayerKind]:
     return [LAYER_KINDS[k] for k in getattr(config, "kinds", None) or (getattr(config, "layer", "mamba1"),) * config.n_layer]
 
 
+def off_gpu_engine(config) -> list[str]:
+    """The names of the model's sublayer kinds the GPU engine cannot run (their kernels and
+    CUDA graphs are not built), sorted; empty where it runs them all."""
+    return sorted({k for k in config.kinds if not LAYER_KINDS[k].gpu_engine})
+
+
 def state_bytes(config, dtype_bytes: int) -> int:
     """The bytes one slot's recurrent state takes (every Mamba sublayer's conv and ssm state)
     when stored in a dtype of `dtype_bytes` bytes an element: the one formula for every model,

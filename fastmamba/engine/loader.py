@@ -9,7 +9,7 @@ import torch
 from fastmamba.core.dtypes import parse_dtype, parse_state_dtype
 from fastmamba.core.errors import CheckpointError
 from fastmamba.core.fp8 import block_scaled
-from fastmamba.core.layers import LAYER_KINDS, layer_kind
+from fastmamba.core.layers import layer_kind, off_gpu_engine
 from fastmamba.core.model import Mamba
 from fastmamba.core.ops import REFERENCE_OPS, triton_ops
 from fastmamba.engine.language_model import LanguageModel
@@ -88,7 +88,7 @@ def load(
     if engine == "triton" and not gpu_kernels:
         raise ValueError(f"engine 'triton' has no kernels for {config.layer} layers yet: use engine='reference' "
                          "(pure PyTorch, on any device)")
-    off_gpu = sorted({name for name in config.kinds if not LAYER_KINDS[name].gpu_engine})
+    off_gpu = off_gpu_engine(config)
     if engine == "triton" and off_gpu:
         raise ValueError(f"engine 'triton' cannot run {', '.join(off_gpu)} sublayers yet (the GPU's kernels and "
                          "CUDA graphs for them are not built): use engine='reference' (pure PyTorch, on any device)")
