@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from recurrent_ppo import Agent, Core, add_ppo_arguments, check_ppo_arguments, positive, ppo
+from recurrent_ppo import Agent, Core, add_ppo_arguments, check_ppo_arguments, names, positive, ppo
 
 # The tasks taken, by their spaces (popgym 1.0.7; each at Easy, Medium and Hard, which
 # change the sizes and episode lengths, not the kinds of space):
@@ -193,10 +193,6 @@ def plot(task: str, cores: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def names(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def main() -> None:

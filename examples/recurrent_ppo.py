@@ -267,6 +267,11 @@ def fraction(text: str) -> float:
     return value
 
 
+def names(text: str) -> list[str]:
+    """A comma-separated flag's names (--core, --task), blanks dropped."""
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def add_ppo_arguments(ap: argparse.ArgumentParser, envs: int) -> None:
     """The flags of the agent and of PPO, shared with the other examples that train with `ppo`."""
     ap.add_argument("--device", default="cpu")
@@ -305,7 +310,7 @@ def main() -> None:
     ap.add_argument("--out", default="ppo", help="folder for returns.json and curve.png")
     add_ppo_arguments(ap, envs=8)
     args = ap.parse_args()
-    cores = [c.strip() for c in args.core.split(",") if c.strip()]
+    cores = names(args.core)
     if not cores or any(c not in ("mamba", "mamba2", "lstm") for c in cores):
         ap.error(f"--core takes mamba, mamba2, lstm or several of them, got {args.core!r}")
     check_ppo_arguments(ap, args)
