@@ -131,6 +131,49 @@ def test_a_bad_guide_is_a_400_naming_the_field(server, body, param, words):
         server.client().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, extra_body=body)
 
 
+BAD_SCHEMA = {"type": "json_schema",
+              "json_schema": {"name": "x", "schema": {"properties": {"a": {"type": "nonsense"}}}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_that_does_not_compile_is_a_400_naming_response_format(server, stream):
+    """The engine's error names the field (its message's text is not read for it), streamed
+    (an error event) or not."""
+    if stream:
+        events = server.client().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, stream=True,
+                                                         response_format=BAD_SCHEMA)
+        with pytest.raises(openai.APIError) as e:
+            list(events)
+        error = e.value.body
+    else:
+        status, got = server.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4,
+                                                           "response_format": BAD_SCHEMA})
+        assert status == 400, got
+        error = got["error"]
+    assert error["param"] == "response_format" and error["type"] == "invalid_request_error", error
+    assert error["message"].startswith("'response_format': cannot compile the JSON schema"), error
+    assert "nonsense" in error["message"], error
+
+
+def test_an_engine_error_carries_its_field_to_the_api():
+    """A guide's error crosses from the engine process with its field, which the API names (or
+    the field it gives instead: a tool_choice's guide is made of `tools`)."""
+    from fastmamba.engine import protocol
+    from fastmamba.serve.errors import from_engine
+
+    sent = protocol.Failed(7, protocol.EngineError(protocol.BAD_REQUEST, "cannot compile the regex: x", "guided_regex"))
+    got = protocol.decoder(list[protocol.Output]).decode(protocol.encoder().encode([sent]))[0]
+    assert got == sent
+    error = from_engine(got.error)
+    assert (error.status, error.param) == (400, "guided_regex")
+    assert error.message == "'guided_regex': cannot compile the regex: x"
+    error = from_engine(got.error, "tools[1].function.parameters")
+    assert error.param == "tools[1].function.parameters"
+    assert error.message == "'tools[1].function.parameters': cannot compile the regex: x"
+    error = from_engine(protocol.EngineError(protocol.BAD_REQUEST, "no field"))
+    assert (error.status, error.param, error.message) == (400, None, "no field")
+
+
 @pytest.mark.parametrize("run_ahead", [False, True])
 def test_guided_requests_beside_free_ones_in_one_batch(lm, run_ahead):
     """In the engine (run_ahead: the GPU's step ahead, kept while guided requests run: their
@@ -227,7 +270,7 @@ def test_python_api(lm):
                                                    SamplingParams(max_tokens=20, temperature=1.0, seed=5,
                                                                   guide=("regex", REGEX))])
     assert batch[0].token_ids == free.token_ids and re.fullmatch(REGEX, batch[1].text)
-    with pytest.raises(ValueError, match="guided_regex"):
+    with pytest.raises(ValueError, match="cannot compile the regex: .*Lookbehind"):
         lm.generate("ROMEO.", max_tokens=4, guide=("regex", "(?<=a)b"))
     with pytest.raises(ValueError, match="guide"):
         SamplingParams(guide=("yaml", "x"))

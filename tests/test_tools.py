@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import urllib.request
 
 import pytest
 from test_chat_templates import app_client, model_folder
@@ -314,11 +315,54 @@ def test_bad_tool_fields_are_a_400_naming_the_field(server, body, param, words):
     assert param.split(".")[0].split("[")[0] in got["error"]["message"]
 
 
+def stream_errors(server, body: dict) -> list[dict]:
+    """The error events of a streamed chat request (its status: 200, the stream begun)."""
+    req = urllib.request.Request(server.url + "/v1/chat/completions",
+                                 data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.status == 200
+        lines = r.read().decode().splitlines()
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+    return [e["error"] for e in events if "error" in e]
+
+
 @needs_xgrammar
-@pytest.mark.parametrize("choice,param", [(NAMED | {"function": {"name": "f"}}, "tools[0].function.parameters"),
-                                          ("required", "tools")])
-def test_parameters_that_do_not_compile_are_a_400_naming_the_tools(server, choice, param):
-    status, got = server.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "tools": [BAD_TOOL],
-                                                       "tool_choice": choice})
-    assert status == 400 and got["error"]["param"] == param, got
-    assert got["error"]["message"].startswith(f"'{param}'") and "nonsense" in got["error"]["message"], got
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tools,choice,param", [
+    ([BAD_TOOL], NAMED | {"function": {"name": "f"}}, "tools[0].function.parameters"),
+    ([*TOOLS, BAD_TOOL], NAMED | {"function": {"name": "f"}}, "tools[2].function.parameters"),
+    ([BAD_TOOL], "required", "tools"),
+    ([TOOLS[0], BAD_TOOL], "required", "tools"),
+])
+def test_parameters_that_do_not_compile_are_a_400_naming_the_tools(server, tools, choice, param, stream):
+    body = {"messages": MESSAGES, "max_tokens": 2, "tools": tools, "tool_choice": choice}
+    if stream:
+        errors = stream_errors(server, body)
+        assert len(errors) == 1, errors
+        error = errors[0]
+    else:
+        status, got = server.post("/v1/chat/completions", body)
+        assert status == 400, got
+        error = got["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert error["message"].startswith(f"'{param}': cannot compile the JSON schema") and "nonsense" in error["message"]
+
+
+@needs_xgrammar
+def test_a_bad_response_format_beside_tools_without_a_guide_is_its_own_400(server):
+    """tool_choice "auto" makes no guide: the response_format's schema is the culprit."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": BAD_TOOL["function"]["parameters"]}}
+    status, got = server.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "tools": TOOLS,
+                                                       "response_format": fmt})
+    assert status == 400 and got["error"]["param"] == "response_format", got
+    assert got["error"]["message"].startswith("'response_format': cannot compile the JSON schema"), got
+
+
+@needs_xgrammar
+def test_a_named_function_compiles_beside_one_that_does_not(server):
+    """Only the named function's parameters make the guide: another's bad schema is no error."""
+    choice = NAMED | {"function": {"name": "get_time"}}
+    status, got = server.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2,
+                                                       "tools": [BAD_TOOL, TOOLS[1]], "tool_choice": choice})
+    assert status == 200 and got["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_time", got

@@ -514,7 +514,7 @@ def _error_of(e: Exception) -> EngineError:
     if isinstance(e, NonFiniteError):  # the model's output overflowed for this input
         return EngineError(protocol.NON_FINITE, str(e))
     if isinstance(e, GuideError):  # a guide that cannot be served: the request's fault
-        return EngineError(protocol.BAD_REQUEST, str(e))
+        return EngineError(protocol.BAD_REQUEST, str(e), e.field)
     return EngineError(protocol.INTERNAL, f"{type(e).__name__}: {e}")
 
 

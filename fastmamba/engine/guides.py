@@ -31,7 +31,12 @@ _SOURCE = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 class GuideError(ValueError):
     """A guide that cannot be served (a bad schema or regex, no xgrammar, no tokenizer): the
-    request's fault, a 400 naming its field."""
+    request's fault, a 400 naming `field` (FIELD's of the guide's kind), which its message
+    leaves out."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 def tokenizer_info(tokenizer_json: Path, vocab_size: int, eos: int):
@@ -66,14 +71,16 @@ class Guides:
         self._compiler = None
         self._grammars: OrderedDict = OrderedDict()
 
-    def compiler(self):
+    def compiler(self, field: str):
+        """The grammar compiler, made on first use; `field`: the one its errors name."""
         if self._compiler is None:
             try:
                 import xgrammar
             except ImportError:
-                raise GuideError(f"structured output needs xgrammar: {STRUCTURED_EXTRA}") from None
+                raise GuideError(f"structured output needs xgrammar: {STRUCTURED_EXTRA}", field) from None
             if self.tokenizer_json is None:
-                raise GuideError("structured output needs the checkpoint's tokenizer.json, and this one has none")
+                raise GuideError("structured output needs the checkpoint's tokenizer.json, and this one has none",
+                                 field)
             self._compiler = xgrammar.GrammarCompiler(tokenizer_info(self.tokenizer_json, self.vocab_size, self.eos))
         return self._compiler
 
@@ -82,8 +89,8 @@ class Guides:
         if grammar is not None:
             self._grammars.move_to_end(guide)
             return grammar
-        compiler = self.compiler()
         kind, spec = guide
+        compiler = self.compiler(FIELD[kind])
         try:
             # JSON without free whitespace between its tokens (a model that may put any there
             # can run to max_tokens in it); json_object: any JSON object
@@ -99,7 +106,7 @@ class Guides:
         except Exception as e:  # xgrammar's errors are RuntimeErrors and ValueErrors naming the culprit
             what = {"json_object": "JSON", "json_schema": "JSON schema", "regex": "regex", "choice": "choices"}[kind]
             why = _SOURCE.sub("", str(e).strip())  # (without its "[time] file.cc:line: ")
-            raise GuideError(f"'{FIELD[kind]}': cannot compile the {what}: {why[:300]}") from None
+            raise GuideError(f"cannot compile the {what}: {why[:300]}", FIELD[kind]) from None
         self._grammars[guide] = grammar
         if len(self._grammars) > CACHED_GRAMMARS:
             self._grammars.popitem(last=False)

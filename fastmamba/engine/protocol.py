@@ -90,7 +90,7 @@ SHUTTING_DOWN = "shutting_down"  # the server is shutting down
 ENGINE_DOWN = "engine_down"  # the engine process or replica died, or was never reached
 BUSY = "busy"  # the queue is full
 CONTEXT_TOO_LONG = "context_too_long"  # a request that can never fit the engine's KV cache
-BAD_REQUEST = "bad_request"  # a request the engine cannot serve (a guide that does not compile); the message names its field
+BAD_REQUEST = "bad_request"  # a request the engine cannot serve (a guide that does not compile): see `field`
 STATUS = {NON_FINITE: 500, INTERNAL: 500, SHUTTING_DOWN: 503, ENGINE_DOWN: 503, BUSY: 429, CONTEXT_TOO_LONG: 400,
           BAD_REQUEST: 400}
 
@@ -98,6 +98,7 @@ STATUS = {NON_FINITE: 500, INTERNAL: 500, SHUTTING_DOWN: 503, ENGINE_DOWN: 503, 
 class EngineError(msgspec.Struct, array_like=True, frozen=True):
     kind: str  # one of STATUS's keys
     message: str
+    field: str | None = None  # a BAD_REQUEST's culprit, the HTTP API's request field (the message leaves it out)
 
     @property
     def status(self) -> int:

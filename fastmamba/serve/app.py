@@ -205,7 +205,7 @@ class OpenAIServer:
                 except asyncio.TimeoutError:
                     continue
                 if kind == "error":
-                    raise tools.rename_error(from_engine(data), response.tools)
+                    raise from_engine(data, response.tools and response.tools.field)
                 response.add(index, kind, data)
                 done += kind == "done"
         finally:
@@ -229,7 +229,7 @@ class OpenAIServer:
                 out = []
                 for index, kind, data in batch:
                     if kind == "error":
-                        out.append(sse(tools.rename_error(from_engine(data), response.tools).body()))
+                        out.append(sse(from_engine(data, response.tools and response.tools.field).body()))
                         failed = True
                         break
                     piece, finish, logprob = response.add(index, kind, data)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 from fastmamba.engine.protocol import BAD_REQUEST, BUSY, CONTEXT_TOO_LONG, SHUTTING_DOWN, EngineError
 
 
@@ -27,18 +25,20 @@ def engine_down() -> APIError:
                     kind="server_error")
 
 
-def from_engine(error: EngineError) -> APIError:
+def from_engine(error: EngineError, field: str | None = None) -> APIError:
     """An engine's error as the API's: 429 when its queue is full, 503 when it is shutting
-    down or gone, 500 when the model failed (its weights overflow, say)."""
+    down or gone, 500 when the model failed (its weights overflow, say); a request the
+    engine cannot serve is a 400 naming its field: `field` where the API knows it better
+    (a tool_choice's guide, made of `tools`: tools.ToolRequest.field), else the engine's."""
     if error.kind == BUSY:
         return APIError(429, f"the server is busy: {error.message}; try again later", code="rate_limit_exceeded",
                         kind="rate_limit_error")
     if error.status == 503:
         code = "server_shutting_down" if error.kind == SHUTTING_DOWN else "engine_unavailable"
         return APIError(503, error.message, code=code, kind="server_error")
-    if error.kind == BAD_REQUEST:  # (its message begins with the field's name in quotes)
-        field = re.match(r"'(\w+)'", error.message)
-        return APIError(400, error.message, param=field.group(1) if field else None)
+    if error.kind == BAD_REQUEST:
+        field = field or error.field
+        return APIError(400, f"'{field}': {error.message}" if field else error.message, param=field)
     if error.kind == CONTEXT_TOO_LONG:
         return APIError(400, error.message, param="max_tokens", code="context_length_exceeded")
     return APIError(error.status, f"generation failed: {error.message}", kind="server_error")

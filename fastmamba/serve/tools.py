@@ -35,13 +35,16 @@ class ToolRequest:
     """A chat request's tools, checked: `tools` (for the template, as given), `choice`
     ("auto", "none", "required" or "named"), `name` (the named function), `parallel`
     (parallel_tool_calls: false keeps the first call), `guide` (SamplingParams.guide of
-    "required" and "named", else None)."""
+    "required" and "named", else None), `field` (the request field the guide is made of,
+    which a guide that does not compile is a 400 naming: the named function's
+    parameters, or all of `tools` for "required")."""
 
     tools: list
     choice: str
     name: str | None
     parallel: bool
     guide: tuple[str, str] | None
+    field: str | None
 
     def reply(self) -> ToolReply | None:
         """A choice's reader of its output (None under "none": the text is the reply)."""
@@ -65,12 +68,14 @@ def read(body: dict, template_uses_tools: bool, template_origin: str) -> ToolReq
     choice, name = check_choice(choice, names)
     parallel = parallel is not False
     functions = [t["function"] for t in tools]
-    guide = None
+    guide = field = None
     if choice == "named":
         guide = ("json_schema", json.dumps(parameters(functions[names.index(name)]), ensure_ascii=False))
+        field = f"tools[{names.index(name)}].function.parameters"
     elif choice == "required":
         guide = ("json_schema", json.dumps(calls_schema(functions, parallel), ensure_ascii=False))
-    return ToolRequest(tools, choice, name, parallel, guide)
+        field = "tools"
+    return ToolRequest(tools, choice, name, parallel, guide, field)
 
 
 def check_tools(tools) -> list[str]:
@@ -134,21 +139,6 @@ def calls_schema(functions: list[dict], parallel: bool) -> dict:
     if not parallel:
         schema["maxItems"] = 1
     return schema
-
-
-def rename_error(error: APIError, tools: ToolRequest | None) -> APIError:
-    """The engine's error of a tool guide names response_format (the guide's kind): name
-    the tools' field instead."""
-    prefix = "'response_format': "
-    if tools is None or tools.guide is None or not error.message.startswith(prefix):
-        return error
-    if tools.choice == "named":
-        field = f"tools[{[t['function']['name'] for t in tools.tools].index(tools.name)}].function.parameters"
-        what = f"'{field}' (of the function tool_choice names)"
-    else:
-        field, what = "tools", "'tools' (their parameters, for tool_choice 'required')"
-    return APIError(error.status, f"{what}: {error.message.removeprefix(prefix)}", param=field, code=error.code,
-                    kind=error.kind)
 
 
 def call(name: str, arguments: str) -> dict:
