@@ -37,8 +37,15 @@ if [ -n "${SOAK20:-}" ]; then
     # for a smoke run of this script without a GPU)
     (cd "$soak" && setsid python3 -m benchmarks.soak ${SOAK20_ARGS:---model 2.8b --minutes 20 --warmup 6} \
       --json "$soak/out/soak.json" > "$soak/out/soak.out" 2>&1 < /dev/null &)
-    PYTHONPATH=.:${PYTHONPATH:-} timeout 420 python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$out/gpu_tests.log" \
-      | grep -E "^FAILED|passed|failed"
+    # (SOAK20_FIRST: test files not yet run on a GPU, run before the rest; -v logs each test as
+    # it ends, so that a suite cut by its timeout still says which passed)
+    first=${SOAK20_FIRST:-}
+    rest=$(for f in $first; do echo "--ignore=$f"; done)
+    for files in "$first" "tests/ $rest"; do
+      [ "$files" = "" ] && continue
+      PYTHONPATH=.:${PYTHONPATH:-} timeout $((420 - (SECONDS - started))) python3 -m pytest -v -rf -m gpu $files 2>&1 \
+        | tee -a "$out/gpu_tests.log" | grep -E "^FAILED|passed|failed"
+    done
   fi
   # (the call ends by 580 s; the soak's samples so far come back each time)
   while pgrep -f benchmarks.soak > /dev/null && [ $((SECONDS - started)) -lt 570 ]; do sleep 5; done
