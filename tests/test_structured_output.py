@@ -274,3 +274,27 @@ def test_python_api(lm):
         lm.generate("ROMEO.", max_tokens=4, guide=("regex", "(?<=a)b"))
     with pytest.raises(ValueError, match="guide"):
         SamplingParams(guide=("yaml", "x"))
+
+
+def test_a_guided_requests_logprobs_are_of_the_tokens_its_grammar_allows(lm):
+    """The logprobs of a guided request are those of its masked distribution (the sampler
+    reads the mask; the logprobs mask a copy), beside a free request's, unmasked."""
+    core = engine(lm, max_batch=2, tokenizer=lm.tokenizer.path)
+    guided = request(lm.encode("ROMEO."), SamplingParams(max_tokens=20, temperature=1.0, seed=5, guide=("choice", CHOICES)),
+                     top_logprobs=5)
+    free = request(lm.encode("ROMEO."), SamplingParams(max_tokens=4, temperature=1.0, seed=5), top_logprobs=5)
+    entries = {guided.rid: [], free.rid: []}
+    for r in (guided, free):
+        core.add(r)
+    while core.has_work:
+        for o in core.step():
+            if isinstance(o, Token):
+                entries[o.rid].append((o.token, o.logprob))
+    text = ""
+    for token, lp in entries[guided.rid]:
+        allowed = [t for t, v in lp.top if v > float("-inf")]
+        assert token in allowed and lp.chosen > float("-inf")
+        assert all(any(c.startswith(text + lm.tokenizer.decode([t])) for c in CHOICES) or t == lm.config.eos_token_id for t in allowed)
+        text += lm.tokenizer.decode([token]) if token != lm.config.eos_token_id else ""
+    assert text in CHOICES
+    assert all(all(v > float("-inf") for _, v in lp.top) for _, lp in entries[free.rid])

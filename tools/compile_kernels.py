@@ -343,10 +343,14 @@ def main() -> None:
                                                           W_SCALED=wdt == "*fp8e4nv", PDL=True))
     res.append("mamba2 step + gated norm + chunked scan + one-row step: ok")
     t = ptrs("logits_ptr", "pen_ptr", "temp_ptr", "s_ptr", "smax_ptr", "bias_ptr", "presence_ptr", "frequency_ptr",
-             seen_ptr="*i1", best_ptr="*i64", count_ptr="*i32")
+             seen_ptr="*i1", best_ptr="*i64", count_ptr="*i32", mask_ptr="*i32")
     BV, NB, CAP = SAMPLER_TILES.bv, SAMPLER_TILES.nb, SAMPLER_TILES.cap
-    for penalties in (False, True):  # (as _sample launches it: with penalties, no fused multiply-adds)
-        compile_kernel(sp._scale_kernel, t, dict(PENALTIES=penalties, BV=BV), enable_fp_fusion=not penalties)
+    # (as _sample launches it: with penalties, no fused multiply-adds; masked: with a bitmask)
+    for penalties, masked in itertools.product((False, True), (False, True)):
+        compile_kernel(sp._scale_kernel, t, dict(PENALTIES=penalties, MASKED=masked, BV=BV), enable_fp_fusion=not penalties)
+    for ldt in ("*fp32", "*bf16"):  # the argmax of a greedy batch with a guided row, of float32 or 16-bit logits
+        compile_kernel(sp._greedy_kernel, {"logits_ptr": ldt, "mask_ptr": "*i32", "best_ptr": "*i64"},
+                       dict(MASKED=True, BV=BV))
     rows = ptrs("s_ptr", "smax_ptr", "temp_ptr", "topp_ptr", "minp_ptr", topk_ptr="*i64", st_ptr="*i64", T_ptr="*i64", cnt_ptr="*i64",
                 mass_ptr="*i64", nmin_ptr="*i64", zq_ptr="*i64", lim_ptr="*fp64", ctr_ptr="*i64", scratch_ptr="*i64", kstar_ptr="*i64")
     for stage in (0, 1):

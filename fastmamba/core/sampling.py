@@ -5,6 +5,11 @@ samples the same tokens whether it runs alone or beside others, and the sampler 
 shapes (it can sit inside a CUDA graph). The random numbers come from a counter-based hash
 of (seed, step, token id), not from a torch.Generator: no generator state to capture, and
 the same uniforms on every device.
+
+Structured output holds a row to the tokens its grammar allows: every sampler takes an
+optional bitmask, xgrammar's int32 (B, ceil(V/32)) with bit j % 32 of word j // 32 set where
+token j is allowed, and reads a forbidden token's logit as -inf (`allowed`, `masked`). A row
+allows at least one token.
 """
 
 from __future__ import annotations
@@ -133,6 +138,20 @@ class SlotParams:
             self.logit_bias[slot, ids] = bias
 
 
+def allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A bitmask (B, ceil(V/32)) int32 unpacked: (B, V) bool, True where the token is allowed."""
+    ids = torch.arange(vocab, device=bitmask.device)
+    return ((bitmask[:, ids >> 5] >> (ids & 31).to(torch.int32)) & 1) != 0
+
+
+def masked(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
+    """logits (B, V) with the tokens `bitmask` forbids at -inf (a copy); logits itself
+    without a bitmask."""
+    if bitmask is None:
+        return logits
+    return logits.masked_fill(~allowed(bitmask, logits.shape[-1]), float("-inf"))
+
+
 def penalize(logits: torch.Tensor, p: SlotParams) -> torch.Tensor:
     """OpenAI's logit bias, presence and frequency penalties on raw logits (B, V):
     logits + bias - presence * (count > 0) - frequency * count, in float32, in that order
@@ -147,14 +166,15 @@ def count_tokens(token: torch.Tensor, p: SlotParams) -> None:
     p.counts.scatter_add_(1, token[:, None], torch.ones_like(token[:, None], dtype=torch.int32))
 
 
-def sample(logits: torch.Tensor, p: SlotParams) -> torch.Tensor:
+def sample(logits: torch.Tensor, p: SlotParams, bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """Next token of every slot from its logits (B, V); advances each slot's step and history.
 
     Order as in HF: repetition penalty, temperature, top-k, top-p, min-p; then a Gumbel-max
     draw, which picks token i with probability softmax(kept logits / temperature)_i.
-    A temperature of 0 is greedy (argmax after the repetition penalty).
+    A temperature of 0 is greedy (argmax after the repetition penalty). bitmask: the
+    tokens each row may draw (module docstring), None for all.
     """
-    x = logits.float()  # (B, V)
+    x = masked(logits.float(), bitmask)  # (B, V)
     V = x.shape[-1]
     pen = p.repetition_penalty[:, None]
     x = torch.where(p.seen, torch.where(x > 0, x / pen, x * pen), x)
@@ -185,17 +205,20 @@ def sample(logits: torch.Tensor, p: SlotParams) -> torch.Tensor:
     return token
 
 
-def sample_penalized(logits: torch.Tensor, p: SlotParams) -> torch.Tensor:
+def sample_penalized(logits: torch.Tensor, p: SlotParams, bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """`sample` after OpenAI's logit bias and presence and frequency penalties (`penalize`,
-    on the raw logits, as vLLM orders them); counts each slot's token."""
-    token = sample(penalize(logits, p), p)
+    on the raw logits, as vLLM orders them); counts each slot's token. (A forbidden token's
+    -inf stays -inf through them: masking before or after is one.)"""
+    token = sample(penalize(logits, p), p, bitmask)
     count_tokens(token, p)
     return token
 
 
 def pick_sampler(params: list[SamplingParams], gpu_kernels: bool, tiles: SamplerTiles):
-    """The sampler for a batch of requests: the argmax alone where every request is greedy
-    without a repetition penalty; for the GPU engine (gpu_kernels), the Triton samplers
+    """The sampler for a batch of requests, called as sampler(logits, p[, bitmask=...]):
+    the argmax alone where every request is greedy without a repetition penalty (for the
+    GPU engine, where a request is guided, the Triton one that reads the bitmask beside the
+    logits); for the GPU engine (gpu_kernels), the Triton samplers
     (kernels/sampler.py: the same tokens as `sample`; the filters' search only where a
     request uses top-k, top-p or min-p, twice where one uses top-k with top-p), launched
     with `tiles`; otherwise `sample`, pure PyTorch. Where a request uses OpenAI's logit
@@ -205,10 +228,17 @@ def pick_sampler(params: list[SamplingParams], gpu_kernels: bool, tiles: Sampler
     so its counts are whole; other batches pay nothing for them. The same sampler and tiles
     give the same object each call (the CUDA graphs are captured once per sampler)."""
     penalized = any(p.penalized for p in params)
-    if not penalized and all(p.temperature == 0 and p.repetition_penalty == 1 for p in params):
+    greedy = not penalized and all(p.temperature == 0 and p.repetition_penalty == 1 for p in params)
+    if greedy and not (gpu_kernels and any(p.guide is not None for p in params)):
         return sample_greedy
     from fastmamba.kernels._triton import HAVE_TRITON
 
+    if greedy:
+        if not HAVE_TRITON:
+            return sample_greedy
+        from fastmamba.kernels import sampler
+
+        return _with_tiles(sampler.sample_greedy, tiles)
     if gpu_kernels and HAVE_TRITON:
         from fastmamba.kernels import sampler
 
@@ -227,9 +257,10 @@ def _with_tiles(sampler, tiles: SamplerTiles, penalties: bool = False):
     return update_wrapper(partial(sampler, tiles=tiles, **({"penalties": True} if penalties else {})), sampler)
 
 
-def sample_greedy(logits: torch.Tensor, p: SlotParams) -> torch.Tensor:
-    """`sample` for slots that are all greedy with no repetition penalty: argmax alone."""
-    token = logits.argmax(-1)
+def sample_greedy(logits: torch.Tensor, p: SlotParams, bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    """`sample` for slots that are all greedy with no repetition penalty: argmax alone (of
+    the allowed tokens, with a bitmask)."""
+    token = masked(logits, bitmask).argmax(-1)
     p.step += 1
     p.seen.scatter_(1, token[:, None], True)
     return token

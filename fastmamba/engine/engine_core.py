@@ -20,8 +20,9 @@ A step:
    them (stops, outputs). A row whose request turns out to have finished at step t has
    run one step too many, which is discarded. On the CPU a step queued ahead is a step
    computed, so there each step's tokens are read at once.
-A guided request's rows of logits are masked before they are sampled (its matcher fills a
-bitmask on the host; the other rows untouched), and each token it reads goes through its
+A guided request's rows are sampled from the tokens its grammar allows (its matcher fills a
+bitmask on the host, which the sampler reads beside the logits; the other rows untouched,
+the logits themselves unmasked), and each token it reads goes through its
 matcher; the grammar complete, the request ends ("stop"). A guided row's mask needs the
 token before, so where a step decodes one, the step before's tokens are read between its
 decode pass's launch and its sampling: the host reads them and fills the masks while the
@@ -46,7 +47,7 @@ from fastmamba.core.errors import NonFiniteError
 from fastmamba.core.kv_cache import KVCache
 from fastmamba.core.model import Mamba
 from fastmamba.core.ops import REFERENCE_OPS
-from fastmamba.core.sampling import SlotParams, pick_sampler
+from fastmamba.core.sampling import SlotParams, masked, pick_sampler
 from fastmamba.core.sampling_params import resolve_seed
 from fastmamba.core.state import MambaState
 from fastmamba.core.transfer import to_device
@@ -58,7 +59,7 @@ from fastmamba.engine.cuda_graphs import (
     ChunkPrefillGraphs,
     PoolDecodeGraphs,
 )
-from fastmamba.engine.guides import GuideError, Guides, mask
+from fastmamba.engine.guides import GuideError, Guides, token_bitmask
 from fastmamba.engine.plan import SAMPLER_TILES
 from fastmamba.engine.prefill import Prefill
 from fastmamba.engine.prefix_cache import PrefixCache
@@ -383,14 +384,14 @@ class EngineCore:
         sampler = pick_sampler([r.params for r in reqs], self.gpu, SAMPLER_TILES)
         slots = to_device([r.slot for r in reqs], self.device)
         params = SlotParams(**{f.name: getattr(self.slot_params, f.name)[slots] for f in fields(self.slot_params)})
-        guided = mask([r.matcher for r in reqs], logits)
-        tok = sampler(guided, params)
+        bitmask = token_bitmask([r.matcher for r in reqs], logits)
+        tok = sampler(logits, params, bitmask=bitmask)
         for f in fields(self.slot_params):
             getattr(self.slot_params, f.name)[slots] = getattr(params, f.name)
         self.tokens[slots] = tok
         finite = torch.isfinite(logits).all(-1) if checked else None
         k = max((r.top_logprobs or 0 for r in reqs), default=0)
-        lp = logprobs_of(guided, tok, k) if any(r.top_logprobs is not None for r in reqs) else None
+        lp = logprobs_of(masked(logits, bitmask), tok, k) if any(r.top_logprobs is not None for r in reqs) else None
         launch.add(reqs, tok, finite, lp)
         kept = logits.clone() if self.gpu else logits  # (a prefill graph's logits are rewritten by its next replay)
         for n, r in enumerate(reqs):
@@ -459,12 +460,12 @@ class EngineCore:
             launch_before, self.inflight = self.inflight, None
             self._read(launch_before, outs)
         sampler = pick_sampler([r.params for r in rows], self.gpu, SAMPLER_TILES)
-        guided = mask([r.matcher for r in rows], logits[:d])  # (the logits kept for the cache: unmasked)
-        tok = sampler(guided, self.slot_params.rows(0, d))
+        bitmask = token_bitmask([r.matcher for r in rows], logits[:d])  # (the logits stay unmasked: the cache keeps them)
+        tok = sampler(logits[:d], self.slot_params.rows(0, d), bitmask=bitmask)
         self.tokens[:d].copy_(tok)
         lp = None
         if any(r.top_logprobs is not None for r in rows):
-            lp = logprobs_of(guided, tok, max(r.top_logprobs or 0 for r in rows))
+            lp = logprobs_of(masked(logits[:d], bitmask), tok, max(r.top_logprobs or 0 for r in rows))
         launch.add(rows, tok, None, lp)
 
     # -- reading a step's tokens ------------------------------------------------------------

@@ -121,21 +121,20 @@ class Guides:
                                        terminate_without_stop_token=not stops)
 
 
-def mask(matchers: list, logits: torch.Tensor) -> torch.Tensor:
-    """`logits` (n, V), with each row whose matcher (a matcher or None per row) is given held
-    to the tokens its grammar allows next (the rest -inf): a copy where any row is guided,
-    the rows without a matcher untouched; else `logits` itself."""
+def token_bitmask(matchers: list, logits: torch.Tensor) -> torch.Tensor | None:
+    """The tokens each row of `logits` (n, V) may draw next, as the samplers take them
+    (core/sampling.py: xgrammar's int32 (n, ceil(V/32)) bitmask, on the logits' device): a
+    row whose matcher (a matcher or None per row) is given held to what its grammar allows,
+    the rows without one allowing every token; None where no row is guided."""
     rows = [k for k, m in enumerate(matchers) if m is not None]
     if not rows:
-        return logits
+        return None
     import xgrammar
 
     bitmask = xgrammar.allocate_token_bitmask(len(matchers), logits.shape[-1])  # (every token allowed)
     for k in rows:
         matchers[k].fill_next_token_bitmask(bitmask, k)
-    out = logits.clone() if logits.is_cuda or logits.dtype == torch.float32 else logits.float()  # (xgrammar's CPU kernel: float32)
-    # every row (an unguided row's mask allows all): xgrammar's `indices` go to the GPU from
-    # pageable memory, a copy that waits for the stream's queued work, i.e. for this step's
-    # pass, so the host could not fill the masks and launch the sampling while it ran
-    xgrammar.apply_token_bitmask_inplace(out, to_device(bitmask, out.device))
-    return out
+    # from pinned memory: a copy from pageable memory waits for the stream's queued work,
+    # i.e. for this step's pass, so the host could not fill the masks and launch the
+    # sampling while it ran (why no row `indices` go with it either: xgrammar copies them so)
+    return to_device(bitmask, logits.device)

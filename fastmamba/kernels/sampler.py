@@ -4,7 +4,8 @@ sampling.sample (the oracle, and the CPU path) is ~85 small torch kernels a step
 sort of the vocabulary: 270 µs at batch 1 and 2 ms at batch 128 on an H200
 (benchmarks/sampling_speed.py), more than the whole 130m decode step. Here:
 
-    _scale_kernel   (penalties only) OpenAI's logit bias, presence and frequency
+    _scale_kernel   (structured output only) a token its row's bitmask forbids read as
+                    -inf; (penalties only) OpenAI's logit bias, presence and frequency
                     penalties; repetition penalty, each row's greedy argmax, logits /
                     temperature (s), each row's largest s
     (filters only)  the key of the last token top-k / top-p / min-p keep (_filter_keys:
@@ -13,6 +14,11 @@ sort of the vocabulary: 270 µs at batch 1 and 2 ms at batch 128 on an H200
                     the kept tokens' s + noise
     _finish_kernel  greedy or sampled token per row; step + 1; the token marked seen (and
                     with penalties, counted)
+
+`sample_greedy` is the argmax alone, for greedy batches with a bitmask (`_greedy_kernel`).
+A bitmask (structured output) is xgrammar's: int32 (B, ceil(V/32)), bit j % 32 of word
+j // 32 set where token j is allowed; the first pass reads it beside the logits, so that a
+guided row costs the others nothing (no masked copy of the logits, no pass of its own).
 
 The argmaxes are atomic maxima over int64 keys that order as (value, lower index) do
 (decode_step.argmax_keys), so the order of programs cannot change a token.
@@ -82,17 +88,29 @@ def _gumbel(seed, step, ids):
 
 
 @jit
+def _allowed_logits(logits_ptr, mask_ptr, row, i, m, V, MASKED: tl.constexpr):
+    """A row's logits at tokens i (m: which are tokens), float32; with MASKED, -inf where the
+    row's bitmask (sampling.allowed's layout) forbids the token."""
+    x = tl.load(logits_ptr + row * V + i, mask=m, other=0.0).to(tl.float32)
+    if MASKED:
+        word = tl.load(mask_ptr + row * tl.cdiv(V, 32) + (i >> 5), mask=m, other=0)
+        x = tl.where(((word >> (i & 31)) & 1) != 0, x, -float("inf"))
+    return x
+
+
+@jit
 def _scale_kernel(
     logits_ptr, seen_ptr, pen_ptr, temp_ptr, s_ptr, best_ptr, smax_ptr, bias_ptr, count_ptr, presence_ptr,
-    frequency_ptr, V, PENALTIES: tl.constexpr, BV: tl.constexpr,
+    frequency_ptr, mask_ptr, V, PENALTIES: tl.constexpr, MASKED: tl.constexpr, BV: tl.constexpr,
 ):
     # s = penalised logits / temperature; each row's greedy key into best[row], its
-    # largest s into smax[row]. PENALTIES: OpenAI's first, rounded step by step as
-    # sampling.penalize (launched without fused multiply-adds)
+    # largest s into smax[row]. MASKED: a token the row's bitmask forbids is -inf (and
+    # stays so through every step below). PENALTIES: OpenAI's first, rounded step by step
+    # as sampling.penalize (launched without fused multiply-adds)
     row = tl.program_id(1).to(tl.int64)
     i = tl.program_id(0) * BV + tl.arange(0, BV)
     m = i < V
-    x = tl.load(logits_ptr + row * V + i, mask=m, other=0.0)
+    x = _allowed_logits(logits_ptr, mask_ptr, row, i, m, V, MASKED)
     if PENALTIES:
         count = tl.load(count_ptr + row * V + i, mask=m, other=0)
         x = x + tl.load(bias_ptr + row * V + i, mask=m, other=0.0)
@@ -105,6 +123,16 @@ def _scale_kernel(
     t = tl.maximum(tl.load(temp_ptr + row), 1e-6)
     tl.store(s_ptr + row * V + i, x / t, mask=m)
     tl.atomic_max(smax_ptr + row, tl.max(tl.where(m, x / t, -float("inf")), 0), sem="relaxed")
+
+
+@jit
+def _greedy_kernel(logits_ptr, mask_ptr, best_ptr, V, MASKED: tl.constexpr, BV: tl.constexpr):
+    # Each row's argmax key (of the allowed tokens, with MASKED) into best[row]
+    row = tl.program_id(1).to(tl.int64)
+    i = tl.program_id(0) * BV + tl.arange(0, BV)
+    m = i < V
+    x = _allowed_logits(logits_ptr, mask_ptr, row, i, m, V, MASKED)
+    tl.atomic_max(best_ptr + row, tl.max(argmax_keys(x[None, :], i, m), axis=None), sem="relaxed")
 
 
 @jit
@@ -132,7 +160,9 @@ def _pick_kernel(s_ptr, seed_ptr, step_ptr, kstar_ptr, best_ptr, V, FILTERED: tl
 # sorted and walked (NB, CAP and the passes: SamplerTiles). Weights add up in fixed point
 # (2^-40), so that the sums, and the tokens, cannot depend on the order of the atomic adds.
 # A band still over CAP tokens after the passes (rare: very flat or tie-heavy rows) is
-# narrowed further by one program (_select_alone, slow).
+# narrowed further by one program (_select_alone, slow). Tokens of s = -inf (those a bitmask
+# forbids) are in no band: no threshold of a value ever splits their tie, so a top-k reaching
+# past a row's finite tokens would narrow forever; kept or not, their noisy s stays -inf.
 KEY_MIN = tl.constexpr(ARGMAX_EMPTY + 1)  # below every token's key (masked lanes aside)
 _WEIGHT_ONE = tl.constexpr(2.0**40)
 # st, a selection's state per row: the band lo <= key <= hi, the tokens above it (count,
@@ -175,11 +205,12 @@ def _first_band(s0, j, like, NB: tl.constexpr):
 
 @jit
 def _band_chunk(s_ptr, row, V, i, lo, hi, BV: tl.constexpr):
-    """Tokens i of a row: s, which are tokens (i < V), their keys, which are in the band lo..hi."""
+    """Tokens i of a row: s, which are tokens (i < V), their keys, which are in the band lo..hi
+    (never one of s = -inf)."""
     m = i < V
     s = tl.load(s_ptr + row * V + i, mask=m, other=0.0)
     key = _keys(s, i, m, BV)
-    return s, m, key, m & (key >= lo) & (key <= hi)
+    return s, m, key, m & (key >= lo) & (key <= hi) & (s > -float("inf"))
 
 
 @jit
@@ -461,8 +492,10 @@ def _filter_keys(s: torch.Tensor, smax: torch.Tensor, p, stages, tiles: SamplerT
     return kstar
 
 
-def _sample(logits: torch.Tensor, p, stages: tuple, tiles: SamplerTiles, penalties: bool) -> torch.Tensor:
-    """stages: the filters' searches (see _needs); () for none. penalties: OpenAI's too."""
+def _sample(logits: torch.Tensor, p, stages: tuple, tiles: SamplerTiles, penalties: bool,
+            bitmask: torch.Tensor | None) -> torch.Tensor:
+    """stages: the filters' searches (see _needs); () for none. penalties: OpenAI's too.
+    bitmask: the allowed tokens (module docstring), or None for all."""
     B, V = logits.shape
     x = logits.float().contiguous()
     best = torch.full((2, B), ARGMAX_EMPTY, device=x.device, dtype=torch.int64)  # greedy, sampled
@@ -472,7 +505,8 @@ def _sample(logits: torch.Tensor, p, stages: tuple, tiles: SamplerTiles, penalti
     # (without fused multiply-adds: the penalties round as sampling.penalize's separate steps)
     fusion = {"enable_fp_fusion": False} if penalties else {}
     _scale_kernel[grid](x, p.seen, p.repetition_penalty, p.temperature, s, best, smax, p.logit_bias, p.counts,
-                        p.presence_penalty, p.frequency_penalty, V, PENALTIES=penalties, BV=tiles.bv, **fusion)
+                        p.presence_penalty, p.frequency_penalty, _words(bitmask, B, V, x), V, PENALTIES=penalties,
+                        MASKED=bitmask is not None, BV=tiles.bv, **fusion)
     kstar = _filter_keys(s, smax, p, stages, tiles) if stages else s  # s: unused
     _pick_kernel[grid](s, p.seed, p.step, kstar, best[1], V, FILTERED=bool(stages), BV=tiles.bv)
     tokens = torch.empty(B, device=x.device, dtype=torch.int64)
@@ -481,21 +515,49 @@ def _sample(logits: torch.Tensor, p, stages: tuple, tiles: SamplerTiles, penalti
     return tokens
 
 
-def sample_filtered(logits: torch.Tensor, p, tiles: SamplerTiles, penalties: bool = False) -> torch.Tensor:
+def _words(bitmask: torch.Tensor | None, B: int, V: int, dummy: torch.Tensor) -> torch.Tensor:
+    """A launch's bitmask argument: the bitmask, checked; `dummy` (never read) without one."""
+    if bitmask is None:
+        return dummy
+    if bitmask.shape != (B, triton.cdiv(V, 32)) or bitmask.dtype != torch.int32 or bitmask.device != dummy.device:
+        raise ValueError(f"a bitmask of {V} tokens' {B} rows is int32 ({B}, {triton.cdiv(V, 32)}) on "
+                         f"{dummy.device}, not {bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}")
+    return bitmask.contiguous()
+
+
+def sample_filtered(logits: torch.Tensor, p, tiles: SamplerTiles, penalties: bool = False,
+                    bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """sampling.sample for any slots (penalties: sampling.sample_penalized): the same
-    tokens, steps, seen marks (and counts). tiles: the kernels' launch settings (as in the
-    two below)."""
-    return _sample(logits, p, (0, 1), tiles, penalties)
+    tokens, steps, seen marks (and counts). tiles: the kernels' launch settings; bitmask:
+    each row's allowed tokens, None for all (as in the samplers below)."""
+    return _sample(logits, p, (0, 1), tiles, penalties, bitmask)
 
 
-def sample_filtered_apart(logits: torch.Tensor, p, tiles: SamplerTiles, penalties: bool = False) -> torch.Tensor:
+def sample_filtered_apart(logits: torch.Tensor, p, tiles: SamplerTiles, penalties: bool = False,
+                          bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """sample_filtered for slots none of which uses top-k and top-p together (one search
     for the kept tokens, not two)."""
-    return _sample(logits, p, (1,), tiles, penalties)
+    return _sample(logits, p, (1,), tiles, penalties, bitmask)
 
 
-def sample_temperature(logits: torch.Tensor, p, tiles: SamplerTiles, penalties: bool = False) -> torch.Tensor:
+def sample_temperature(logits: torch.Tensor, p, tiles: SamplerTiles, penalties: bool = False,
+                       bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """sampling.sample (penalties: sample_penalized) for slots that use no top-k, top-p or
     min-p (repetition penalty and temperature, greedy where the temperature is 0): no
     search for the kept tokens."""
-    return _sample(logits, p, (), tiles, penalties)
+    return _sample(logits, p, (), tiles, penalties, bitmask)
+
+
+def sample_greedy(logits: torch.Tensor, p, tiles: SamplerTiles, bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    """sampling.sample_greedy (every slot greedy, no repetition penalty) in one pass over
+    the logits and the bitmask: for greedy batches with a guided row, whose argmax of a
+    masked copy would read the logits twice more."""
+    B, V = logits.shape
+    x = logits.contiguous()
+    best = torch.full((2, B), ARGMAX_EMPTY, device=x.device, dtype=torch.int64)  # (greedy: best[0] alone)
+    _greedy_kernel[(triton.cdiv(V, tiles.bv), B)](x, _words(bitmask, B, V, x), best, V, MASKED=bitmask is not None,
+                                                  BV=tiles.bv)
+    tokens = torch.empty(B, device=x.device, dtype=torch.int64)
+    _finish_kernel[(1,)](best, p.temperature, tokens, p.step, p.seen, p.counts, B, V, PENALTIES=False,
+                         BR=triton.next_power_of_2(B))
+    return tokens
