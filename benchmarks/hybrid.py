@@ -27,7 +27,7 @@ from fastmamba.bench import HYBRID_SHAPES, _random_tensors, copy_bandwidth
 from fastmamba.core.config import MambaConfig
 from fastmamba.core.dtypes import parse_state_dtype
 from fastmamba.core.kv_cache import bytes_per_token
-from fastmamba.core.layers import layer_kind, off_gpu_engine
+from fastmamba.core.layers import off_gpu_engine
 from fastmamba.core.model import Mamba
 from fastmamba.core.moe import MoEWeights
 from fastmamba.core.ops import REFERENCE_OPS, triton_ops
@@ -46,7 +46,7 @@ def cuda(device: str) -> bool:
 def gpu_engine(c: MambaConfig) -> bool:
     """Whether the GPU engine runs every sublayer kind of the model (the layer table's say, as
     fastmamba.load reads it); else it runs on the reference engine on the GPU too."""
-    return layer_kind(c).gpu_kernels and not off_gpu_engine(c)
+    return not off_gpu_engine(c)
 
 
 def engine(model: Mamba) -> str:

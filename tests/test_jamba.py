@@ -1,8 +1,8 @@
-"""Jamba on the reference engine, against transformers' own JambaForCausalLM: tiny checkpoints
-written by `save_pretrained` (Mamba-1 mixers with their dt, B and C norms, attention without
-positions, GQA, experts one and two a token and a dense model of one expert, tied and untied
-heads), routing ties and experts no token picks, and the configs and tensors refused by
-name."""
+"""Jamba against transformers' own JambaForCausalLM, on the reference engine and on the GPU
+one: tiny checkpoints written by `save_pretrained` (Mamba-1 mixers with their dt, B and C
+norms, attention without positions, GQA, experts one and two a token and a dense model of one
+expert, tied and untied heads), routing ties and experts no token picks, and the configs and
+tensors refused by name."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from conftest import relative_error
 # (the dense hybrids' own: their float32, greedy and serving engine tests run here again over
 # this module's `case`)
 from test_hybrids import (  # noqa: F401
+    assert_the_gpu_engine_runs_it_as_the_cpu_does,
     edited,
     ids,
     refused,
@@ -31,7 +32,7 @@ from test_moe import save as moe_save
 
 import fastmamba
 from fastmamba.core import moe
-from fastmamba.core.layers import LAYER_KINDS
+from fastmamba.core.layers import off_gpu_engine
 from fastmamba.core.ops import REFERENCE_OPS
 
 transformers = pytest.importorskip("transformers")
@@ -143,12 +144,10 @@ def test_ties_pick_as_transformers_and_unpicked_experts_get_no_token(tmp_path, k
     assert relative_error(lm.forward(x), want) < 2e-3
 
 
-def test_jamba_is_refused_by_the_gpu_engine_by_name(case):
-    """Every Jamba model holds a kind the GPU engine does not run (its Mamba layers' dt, B and C
-    norms; its experts), which fastmamba.load names when engine='triton' is asked for
-    (tests/test_moe.py's GPU test runs that refusal on a GPU)."""
-    c = fastmamba.load(case[0]).config
-    assert {k for k in c.kinds if not LAYER_KINDS[k].gpu_engine} >= {"mamba1_normed"}
+def test_the_gpu_engine_takes_jamba(case):
+    """Jamba's kinds (Mamba-1 mixers with dt, B and C norms, attention, experts) all run on
+    the GPU engine, through its layer-ops decode step: fastmamba.load picks it on CUDA."""
+    assert off_gpu_engine(fastmamba.load(case[0]).config) == []
 
 
 # -- refused by name ---------------------------------------------------------------------------
@@ -212,17 +211,9 @@ def test_a_tensor_of_the_wrong_shape_is_named(small, tmp_path, name, shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["two_a_token_untied", "dense"])
-def test_on_the_gpu_the_reference_engine_runs_it_as_the_cpu_does(tmp_path, name):
-    """engine='triton' is refused by name (the dense model too: its Mamba layers' norms), and
-    the default engine on CUDA is the reference one, which gives the CPU's tokens."""
+def test_the_gpu_engine_runs_it_as_the_cpu_does(tmp_path, name):
+    """On CUDA the default engine, the GPU one (the mixers over the GPU ops, the experts through
+    the fused kernel, decode steps in CUDA graphs): tests/test_hybrids.py's check against the
+    CPU (the dense model too)."""
     save(CASES[name](), tmp_path)
-    with pytest.raises(ValueError, match="mamba1_normed"):
-        fastmamba.load(tmp_path, device="cuda", engine="triton")
-    cpu, gpu = fastmamba.load(tmp_path), fastmamba.load(tmp_path, device="cuda")
-    assert gpu.engine == "reference"
-    x = ids(2, 25)
-    assert relative_error(gpu.forward(x.cuda()), cpu.forward(x)) < 1e-4
-    prompts = [ids(1, n, seed=n)[0].tolist() for n in (5, 23, 9)]
-    want = [cpu.generate(p, max_tokens=8, stop_token_ids=[]).token_ids for p in prompts]
-    got = gpu.generate_batch(prompts, fastmamba.SamplingParams(max_tokens=8, stop_token_ids=[]))
-    assert [g.token_ids for g in got] == want
+    assert_the_gpu_engine_runs_it_as_the_cpu_does(tmp_path)

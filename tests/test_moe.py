@@ -24,7 +24,6 @@ import fastmamba
 from fastmamba.core import moe
 from fastmamba.core.fp8 import Fp8Weight
 from fastmamba.core.ops import REFERENCE_OPS
-from fastmamba.core.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
@@ -307,18 +306,3 @@ def test_an_expert_tensor_of_the_wrong_shape_is_named(small, small_nemotron, tmp
     tensors[name] = torch.zeros(shape)
     save_file(tensors, str(out / "model.safetensors"))
     refused(str(out), f"'{name}' has shape {shape}")
-
-
-@pytest.mark.gpu
-def test_on_the_gpu_the_reference_engine_runs_it_as_the_cpu_does(small):
-    """Until the GPU engine's MoE kernel exists, a model with experts runs on the reference
-    engine on the GPU too (pure PyTorch, no CUDA graphs), and engine='triton' is refused by name."""
-    with pytest.raises(ValueError, match="moe sublayers"):
-        fastmamba.load(small, device="cuda", engine="triton")
-    cpu, gpu = fastmamba.load(small), fastmamba.load(small, device="cuda")
-    assert gpu.engine == "reference"
-    x = ids(2, 25)
-    assert relative_error(gpu.forward(x.cuda()), cpu.forward(x)) < 1e-4
-    prompts = [ids(1, n, seed=n)[0].tolist() for n in (5, 23, 9)]
-    want = [cpu.generate(p, max_tokens=8, stop_token_ids=[]).token_ids for p in prompts]
-    assert [g.token_ids for g in gpu.generate_batch(prompts, SamplingParams(max_tokens=8, stop_token_ids=[]))] == want

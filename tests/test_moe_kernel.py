@@ -176,19 +176,37 @@ def test_the_sublayer_over_the_gpu_ops_is_the_reference(name, tmp_path_factory):
     assert relative_error(got, moe.moe(c, lw, u, REFERENCE_OPS)) < 1e-5
 
 
+@pytest.mark.parametrize("name", ["granite", "nemotron", "jamba"])
+def test_the_gpu_ops_decode_the_model_as_the_reference_does(name, tmp_path_factory):
+    """The whole model over the GPU ops (Triton's interpreter): a prefill and decode steps, as
+    the GPU engine's layer-ops step runs them, give the reference's logits."""
+    pytest.importorskip("triton")
+    from test_hybrids import assert_the_gpu_ops_decode_it_as_the_reference_does
+
+    assert_the_gpu_ops_decode_it_as_the_reference_does(tiny_checkpoint(name, tmp_path_factory))
+
+
 # -- on the GPU ----------------------------------------------------------------------------------
 
 
-def gpu_model(folder, dtype="float32"):
-    """The checkpoint's model on CUDA over the GPU ops (its MoE sublayers through the fused
-    kernel; the loader keeps such a model on the reference engine)."""
-    import fastmamba
-    from fastmamba.core.model import Mamba
-    from fastmamba.core.ops import triton_ops
-    from fastmamba.engine.plan import KERNEL_TILES
+@pytest.mark.gpu
+def test_the_gpu_engine_runs_the_model_as_the_cpu_does(tiny):
+    """Loaded on CUDA, a model with experts runs on the GPU engine (its decode steps in CUDA
+    graphs, the experts through the fused kernel): the CPU's logits, greedy tokens, a batch's
+    tokens; bf16 within 1.5x transformers' own error (tests/test_hybrids.py's check)."""
+    from test_hybrids import assert_the_gpu_engine_runs_it_as_the_cpu_does
 
-    loaded = fastmamba.load(folder, device="cuda", dtype=dtype).model
-    return Mamba(loaded.config, loaded.weights, triton_ops(KERNEL_TILES))
+    assert_the_gpu_engine_runs_it_as_the_cpu_does(tiny)
+
+
+def gpu_model(folder, dtype="float32"):
+    """The checkpoint's model on CUDA's default engine, the GPU one: its MoE sublayers through
+    the fused kernel."""
+    import fastmamba
+
+    lm = fastmamba.load(folder, device="cuda", dtype=dtype)
+    assert lm.engine == "triton"
+    return lm.model
 
 
 @pytest.mark.gpu

@@ -111,12 +111,12 @@ LAYER_KINDS = {
         weights=lambda c, s, f, big, small: mamba1_weights(s.norm, s.prefixes[0], big, small),
         state=_mamba1_state, kv=False, gpu_kernels=True),
     # the same mixer with weighted RMSNorms on dt, B and C (Jamba's; the family names them,
-    # families.Family.dbc_norms): the fused decode kernels have no such weights, and the GPU
-    # engine has not been checked against it, so it runs on the reference engine
+    # families.Family.dbc_norms): the fused decode kernels have no such weights; a Jamba model
+    # (always a hybrid) decodes through its layers over the GPU ops
     "mamba1_normed": LayerKind(
         run=_mamba1_run, shapes=lambda c, s, f: mamba1_shapes(c, s.norm, s.prefixes[0], f.dbc_norms),
         weights=lambda c, s, f, big, small: mamba1_weights(s.norm, s.prefixes[0], big, small, f.dbc_norms),
-        state=_mamba1_state, kv=False, gpu_kernels=False, gpu_engine=False),
+        state=_mamba1_state, kv=False, gpu_kernels=False),
     "mamba2": LayerKind(
         run=lambda c, lw, u, m, ops, start=None, resets=None: mamba2.mixer2(c, lw, u, m.conv, m.ssm, ops, start,
                                                                            resets),
@@ -131,10 +131,9 @@ LAYER_KINDS = {
         run=_mlp_run, shapes=lambda c, s, f: mlp_.shapes(c, s.norm, s.prefixes[0], f.mlp),
         weights=lambda c, s, f, big, small: mlp_.layer_weights(s.norm, s.prefixes[0], f.mlp, big, small),
         state=None, kv=False, gpu_kernels=False),
-    # routed experts and a shared MLP (core/moe.py); the host reads each expert's token count,
-    # so no CUDA graph holds it until the GPU's grouped MoE kernel exists
-    "moe": LayerKind(run=_moe_run, shapes=_moe_shapes, weights=_moe_weights, state=None, kv=False, gpu_kernels=False,
-                     gpu_engine=False),
+    # routed experts and a shared MLP (core/moe.py); on the GPU engine the grouped MoE kernel
+    # (kernels/moe.py: its grouping on the device, no count on the host) in the CUDA graphs
+    "moe": LayerKind(run=_moe_run, shapes=_moe_shapes, weights=_moe_weights, state=None, kv=False, gpu_kernels=False),
     "mamba2+attention": LayerKind(
         run=_parallel_run, shapes=_parallel_shapes, weights=_parallel_weights, state=mamba2.state_shapes, kv=True,
         gpu_kernels=False),
@@ -154,8 +153,13 @@ def kinds(config) -> list[LayerKind]:
 
 def off_gpu_engine(config) -> list[str]:
     """The names of the model's sublayer kinds the GPU engine cannot run (their kernels and
-    CUDA graphs are not built), sorted; empty where it runs them all."""
-    return sorted({k for k in config.kinds if not LAYER_KINDS[k].gpu_engine})
+    CUDA graphs are not built), sorted; empty where it runs them all. A hybrid decodes through
+    its layers over the GPU ops (plan.LAYER_OPS), a pure Mamba model through the fused decode
+    kernels, which its layer kind must have."""
+    off = {k for k in config.kinds if not LAYER_KINDS[k].gpu_engine}
+    if not config.hybrid and not layer_kind(config).gpu_kernels:
+        off.add(config.layer)
+    return sorted(off)
 
 
 def state_bytes(config, dtype_bytes: int) -> int:

@@ -9,7 +9,7 @@ import torch
 from fastmamba.core.dtypes import parse_dtype, parse_state_dtype
 from fastmamba.core.errors import CheckpointError
 from fastmamba.core.fp8 import block_scaled
-from fastmamba.core.layers import layer_kind, off_gpu_engine
+from fastmamba.core.layers import off_gpu_engine
 from fastmamba.core.model import Mamba
 from fastmamba.core.ops import REFERENCE_OPS, triton_ops
 from fastmamba.engine.language_model import LanguageModel
@@ -84,17 +84,12 @@ def load(
     if engine == "triton" and blocks:
         raise ValueError(f"engine 'triton' takes FP8 weights with a scale a row; this checkpoint's are block-scaled "
                          f"({blocks[0]}): use engine='reference'")
-    gpu_kernels = layer_kind(config).gpu_kernels
-    if engine == "triton" and not gpu_kernels:
-        raise ValueError(f"engine 'triton' has no kernels for {config.layer} layers yet: use engine='reference' "
-                         "(pure PyTorch, on any device)")
     off_gpu = off_gpu_engine(config)
     if engine == "triton" and off_gpu:
         raise ValueError(f"engine 'triton' cannot run {', '.join(off_gpu)} sublayers yet (the GPU's kernels and "
                          "CUDA graphs for them are not built): use engine='reference' (pure PyTorch, on any device)")
     if engine is None:
-        engine = ("triton" if dev.type == "cuda" and HAVE_TRITON and gpu_kernels and not off_gpu
-                  and not blocks else "reference")
+        engine = "triton" if dev.type == "cuda" and HAVE_TRITON and not off_gpu and not blocks else "reference"
     tokenizer = None
     if (folder / "tokenizer.json").exists():
         tokenizer = Tokenizer(inside(folder, "tokenizer.json"))
