@@ -1,6 +1,6 @@
 """Hybrid models (Mamba-2 + attention + MLP or experts) at a public shape with random weights,
 bf16, on the engine fastmamba.load gives them on the GPU (the GPU engine; the reference engine,
-pure PyTorch, where the layer table says the GPU engine does not run a kind: the experts):
+pure PyTorch, where the layer table says the GPU engine does not run a kind):
 the engine's decode step at batch 1 / 32 / 128 over contexts of --context tokens (wall ms a
 step, sampling and the host's bookkeeping included, against the floor: weights (of experts,
 those the rows pick), recurrent states and the contexts' keys and values read once) with the
@@ -9,7 +9,7 @@ token, its step, the memory it held at the peak), prefill 1 x 8192, and transfor
 `generate` at batch 1 over the same random model in the same run.
 
     python -m benchmarks.hybrid --shape nemotron-h-8b --state-dtypes float32,bfloat16 --json hybrid.json
-    python -m benchmarks.hybrid --shape granite-4.0-h-tiny --json granite.json   # experts: the reference engine
+    python -m benchmarks.hybrid --shape granite-4.0-h-tiny --batches 1,64 --json granite.json   # experts
     python -m benchmarks.hybrid --shape nemotron-h-tiny --device cpu --no-hf   # a smoke run
 
 (nemotron-3-nano-30b-a3b: 63 GB of bf16 weights, and its experts, stored one by one, are
