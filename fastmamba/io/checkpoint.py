@@ -284,7 +284,8 @@ def build_weights(
     """Moves checked tensors to the device: the large matrices in `dtype`, the embedding in
     dtypes.embedding_dtype(dtype), the rest in float32. dtype fp8: the projections (and an
     untied head) as Fp8Weights, quantized here from 16/32-bit values, or as an FP8 checkpoint
-    stores them; an FP8 checkpoint's matrices under another dtype are dequantized."""
+    stores them; an FP8 checkpoint's matrices under another dtype are dequantized. Consumes
+    `tensors`: each sublayer's are dropped from it once its weights are built."""
     fp16_max = torch.finfo(torch.float16).max
     fp8 = dtype == FP8
 
@@ -313,12 +314,18 @@ def build_weights(
     fam = family(config)
     layers = []
     for sub in sublayers(config):
+        kind = LAYER_KINDS[sub.kind]
         try:
-            layers.append(LAYER_KINDS[sub.kind].weights(config, sub, fam, big, small))
+            layers.append(kind.weights(config, sub, fam, big, small))
         except CheckpointError:
             raise
         except ValueError as e:  # (an FP8 checkpoint's block scales that its gate and up cannot share)
             raise CheckpointError(f"{origin[sub.norm]}: the sublayer of '{sub.norm}': {e}") from None
+        # its sources dropped once built: experts stored one by one are copied into a stacked
+        # tensor, and a model whose tensors are already on the device (the benchmarks' random
+        # ones) would otherwise hold every expert twice until the end (Nemotron 3 Nano: 120 GB)
+        for name in kind.shapes(config, sub, fam):
+            tensors.pop(name, None)
     embedding = cast(fam.embedding, embedding_dtype(dtype, device))
     lm_head = embedding if config.tie_embeddings else big(fam.lm_head)
     return MambaWeights(embedding=embedding, layers=layers, norm_f=small(fam.norm_f), lm_head=lm_head, fp8=fp8)
