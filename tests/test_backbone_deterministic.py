@@ -330,18 +330,25 @@ def test_gpu_backward_is_the_same_bits_run_to_run(layer, dtype):
 @pytest.mark.parametrize("layer", ["mamba1", "mamba2"])
 def test_gpu_deterministic_mode_trains_as_the_default(layer):
     """The deterministic path's outputs and gradients within float32 tolerance of the default
-    path's (TF32x3 products against cuBLAS's float32 ones, other sums' orders)."""
+    path's (TF32x3 products against cuBLAS's float32 ones, other sums' orders): within 1e-3,
+    or within twice the default path's own distance from the CPU's (the same parameters) where
+    that is larger. (A gradient that sums many terms to near zero, as Mamba-2's per-head A, D
+    and dt bias at 4 heads, carries either path's rounding as a large relative error: 1.2e-3
+    between the two on an H100.)"""
+    default, det = _gpu_backbone(layer, torch.float32, False), _gpu_backbone(layer, torch.float32, True)
+    cpu = Backbone(default.config)
+    cpu.load_state_dict({k: v.cpu() for k, v in default.state_dict().items()})
     found = []
-    for det in (False, True):
-        bb = _gpu_backbone(layer, torch.float32, det)
+    for bb in (default, det, cpu):
+        device = next(bb.parameters()).device
         g = torch.Generator().manual_seed(5)
-        x = torch.randn(8, 70, 24, generator=g).cuda()
-        resets = (torch.rand(8, 70, generator=g) < 0.05).cuda()
+        x = torch.randn(8, 70, 24, generator=g).to(device)
+        resets = (torch.rand(8, 70, generator=g) < 0.05).to(device)
         y, new = bb(x, None, resets)
         (y.square().mean() + new.ssm.sum()).backward()
-        found.append([y.detach(), *(p.grad for p in bb.parameters())])
-    for a, b in zip(*found):
-        assert rel_err(a, b) < 1e-3
+        found.append([y.detach().cpu(), *(p.grad.cpu() for p in bb.parameters())])
+    for on_default, on_det, on_cpu in zip(*found):
+        assert rel_err(on_det, on_default) < max(1e-3, 2 * rel_err(on_default, on_cpu))
 
 
 @pytest.mark.gpu
