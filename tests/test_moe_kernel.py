@@ -7,6 +7,8 @@ over the GPU ops against the CPU reference engine, and batch invariance there.""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -45,10 +47,16 @@ ROUTINGS = {
 
 @pytest.mark.parametrize("name", list(ROUTINGS))
 @pytest.mark.parametrize("bm", [1, 4, 16])
-def test_moe_align_groups_the_pairs_as_python_does(name, bm):
+@pytest.mark.parametrize("one_program", [False, True], ids=["sorted", "one_program"])
+def test_moe_align_groups_the_pairs_as_python_does(name, bm, one_program):
+    """moe_align (torch's sort) and moe_align_triton (one program, Triton's interpreter here)."""
     make, E = ROUTINGS[name]
     experts = make(torch.Generator().manual_seed(bm))
-    ids, block_expert, blocks = moe_align(experts, E, bm)
+    align = moe_align
+    if one_program:
+        pytest.importorskip("triton")
+        from fastmamba.kernels.moe import moe_align_triton as align
+    ids, block_expert, blocks = align(experts, E, bm)
     want_ids, want_experts, want_blocks = python_grouping(experts, E, bm)
     P = experts.numel()
     assert blocks.tolist() == [want_blocks] and ids.dtype == torch.int64
@@ -124,6 +132,9 @@ def test_a_token_is_the_same_bits_alone_and_in_a_batch(act, gated, dtype):
         alone = moe_ffn_triton(x[t : t + 1], experts[t : t + 1], weights[t : t + 1], in_w, out_w, act, gated, tiles=TILES)
         assert torch.equal(alone[0], together[t]), t
     assert torch.equal(together, moe_ffn_triton(x, experts, weights, in_w, out_w, act, gated, tiles=TILES))
+    # the grouping by torch's sort (past TILES.align_pairs) and by one program: the same bits
+    sorted_ = moe_ffn_triton(x, experts, weights, in_w, out_w, act, gated, tiles=replace(TILES, align_pairs=0))
+    assert torch.equal(together, sorted_)
 
 
 def test_block_scaled_fp8_experts_are_refused_by_name():

@@ -275,6 +275,10 @@ def main() -> None:
                            dict(ACT=act, GATED=gated, MUL_WEIGHT=False, **tiles), num_warps=MOE_TILES.warps)
         compile_kernel(mo._moe_gemm_kernel, {**t, "out_ptr": "*fp32"},
                        dict(ROW_DIV=1, ACT="none", GATED=False, MUL_WEIGHT=True, **tiles), num_warps=MOE_TILES.warps)
+    # the grouping in one program (64 experts, Granite-4.0-H-Tiny's) and the picks' sum
+    compile_kernel(mo._align_kernel, ptrs(experts_ptr="*i64", ids_ptr="*i64", bexp_ptr="*i64", nblocks_ptr="*i64"),
+                   dict(BM=MOE_TILES.bm, BE=128, BC=32))
+    compile_kernel(mo._sum_picks_kernel, ptrs(y_ptr="*fp32", out_ptr="*fp32"), dict(K=6, BD=1024))
     res.append("prefill conv + step sizes + scan + FP8 quantize + MoE: ok")
     # training (fastmamba.Backbone under autograd, float32): the forward scan saving its
     # chunks' states, the scan's and the conv's backward

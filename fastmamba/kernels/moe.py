@@ -50,6 +50,9 @@ class MoETiles:
     bk: int  # steps of K a loop iteration
     warps: int
     stages: int  # loads in flight (tl.range num_stages)
+    # the most pairs grouped by one program (`moe_align_triton`: one launch, its compares grow
+    # as P^2); past it, `moe_align`'s sort (a dozen small launches). Both give the same ids.
+    align_pairs: int = 256
 
 
 def moe_align(experts: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -75,6 +78,70 @@ def moe_align(experts: torch.Tensor, n_experts: int, block_m: int) -> tuple[torc
     ids[(block_end - blocks)[by_expert] * block_m + rank] = order
     block_expert = torch.bucketize(torch.arange(n_blocks, device=dev), block_end, right=True)  # (n_blocks,)
     return ids, block_expert, block_end[-1:]
+
+
+@jit(do_not_specialize=["P", "E", "R"])
+def _align_kernel(experts_ptr, ids_ptr, bexp_ptr, nblocks_ptr, P, E, R, BM: tl.constexpr, BE: tl.constexpr,
+                  BC: tl.constexpr):
+    # moe_align in one program: each expert's count, its first block (a cumsum over experts),
+    # each pair's place among its expert's (the earlier pairs of its expert, counted BC pairs
+    # at a time), then ids[first block's row + place] = pair, over a fill of P (padding)
+    e_all = tl.arange(0, BE)
+    counts = tl.zeros([BE], dtype=tl.int32)
+    for q0 in range(0, P, BC):
+        q = q0 + tl.arange(0, BC)
+        eq = tl.load(experts_ptr + q, mask=q < P, other=E).to(tl.int32)
+        counts += tl.sum((eq[None, :] == e_all[:, None]).to(tl.int32), axis=1)
+    blocks = (counts + BM - 1) // BM  # (BE,) none for e >= E
+    end = tl.cumsum(blocks, axis=0)
+    first = end - blocks
+    for r0 in range(0, R, BC):
+        r = r0 + tl.arange(0, BC)
+        tl.store(ids_ptr + r, tl.full([BC], 0, tl.int64) + P, mask=r < R)
+    tl.debug_barrier()  # (the fill lands before the pairs' own rows)
+    for p0 in range(0, P, BC):
+        p = p0 + tl.arange(0, BC)
+        pmask = p < P
+        ep = tl.load(experts_ptr + p, mask=pmask, other=E).to(tl.int32)
+        place = tl.zeros([BC], dtype=tl.int32)
+        for q0 in range(0, p0 + BC, BC):
+            q = q0 + tl.arange(0, BC)
+            eq = tl.load(experts_ptr + q, mask=q < P, other=E).to(tl.int32)
+            earlier = (eq[None, :] == ep[:, None]) & (q[None, :] < p[:, None])
+            place += tl.sum(earlier.to(tl.int32), axis=1)
+        at = tl.sum(tl.where(e_all[None, :] == ep[:, None], first[None, :], 0), axis=1)  # (BC,) its expert's first block
+        tl.store(ids_ptr + at.to(tl.int64) * BM + place, p.to(tl.int64), mask=pmask)
+    # block b's expert: the experts whose blocks end at or before b (E past the blocks in use)
+    for b0 in range(0, R // BM, BC):
+        b = b0 + tl.arange(0, BC)
+        done = (end[None, :] <= b[:, None]) & (e_all[None, :] < E)
+        tl.store(bexp_ptr + b, tl.sum(done.to(tl.int32), axis=1).to(tl.int64), mask=b < R // BM)
+    tl.store(nblocks_ptr, tl.sum(tl.where(e_all < E, blocks, 0), axis=0).to(tl.int64))
+
+
+def moe_align_triton(experts: torch.Tensor, n_experts: int, block_m: int):
+    """moe_align in one launch of one program (Triton), the same three tensors, bit for bit."""
+    pairs = experts.flatten().contiguous()  # (P,)
+    P, dev = pairs.numel(), pairs.device
+    n_blocks = (P + min(n_experts, P) * (block_m - 1)) // block_m
+    ids = torch.empty(n_blocks * block_m, dtype=torch.int64, device=dev)
+    block_expert = torch.empty(n_blocks, dtype=torch.int64, device=dev)
+    blocks = torch.empty(1, dtype=torch.int64, device=dev)
+    _align_kernel[(1,)](pairs, ids, block_expert, blocks, P, n_experts, n_blocks * block_m, BM=block_m,
+                        BE=triton.next_power_of_2(n_experts + 1), BC=32, num_warps=4)
+    return ids, block_expert, blocks
+
+
+@jit
+def _sum_picks_kernel(y_ptr, out_ptr, D, K: tl.constexpr, BD: tl.constexpr):
+    # out[n] = y[n, 0] + y[n, 1] + ... in pick order (the twin's order: the same bits)
+    n = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    dmask = d < D
+    acc = tl.load(y_ptr + n * K * D + d, mask=dmask)
+    for j in tl.static_range(1, K):
+        acc = acc + tl.load(y_ptr + (n * K + j) * D + d, mask=dmask)
+    tl.store(out_ptr + n * D + d, acc, mask=dmask)
 
 
 def moe_ffn_ref(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, in_w, out_w, act: str, gated: bool,
@@ -198,15 +265,16 @@ def moe_ffn_triton(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
         return torch.zeros(N, d, dtype=torch.float32, device=x.device)
     operand1 = torch.bfloat16 if s1 is not None else w1.dtype
     operand2 = torch.bfloat16 if s2 is not None else w2.dtype
-    ids, block_expert, blocks = moe_align(experts, E, tiles.bm)
+    align = moe_align_triton if N * k <= tiles.align_pairs else moe_align
+    ids, block_expert, blocks = align(experts, E, tiles.bm)
     rw = weights.float().contiguous().view(-1)  # (P,)
     h = torch.empty(N * k, I, dtype=operand2, device=x.device)  # (P, I) a row a pair
     _grouped_product(x.to(operand1).contiguous(), w1, s1, rw, ids, block_expert, blocks, h, I, k, act, gated, False,
                      tiles)
     y = torch.empty(N * k, d, dtype=torch.float32, device=x.device)  # (P, d) a row a pair, router-weighted
     _grouped_product(h, w2, s2, rw, ids, block_expert, blocks, y, d, 1, "none", False, True, tiles)
-    y = y.view(N, k, d)
-    routed = y[:, 0]
-    for j in range(1, k):  # (in pick order, as the twin)
-        routed = routed + y[:, j]
-    return routed.contiguous()
+    if k == 1:
+        return y
+    routed = torch.empty(N, d, dtype=torch.float32, device=x.device)
+    _sum_picks_kernel[(N, triton.cdiv(d, 1024))](y, routed, d, K=k, BD=1024, num_warps=4)
+    return routed
