@@ -6,13 +6,15 @@ and the host's share of a call (the copy in, the replay, the clone out), timed b
     python -m benchmarks.profile_step --model 2.8b --batch 1
     python -m benchmarks.profile_step --model mamba2-2.7b --batch 1 --step one-row
     python -m benchmarks.profile_step --backbone 128x3 --dtype float32 --batches 1,1024,4096
+    python -m benchmarks.profile_step --model granite-4.0-h-tiny --batch 1   # a hybrid (HYBRID_SHAPES):
+        # its layer-ops step after a --context-token prompt, eagerly (the kernels the graph replays)
 """
 
 import argparse
 
 import torch
 
-from fastmamba.bench import host_us, random_model
+from fastmamba.bench import HYBRID_SHAPES, host_us, random_model
 from fastmamba.core.dtypes import parse_dtype
 from fastmamba.engine.decode_step import make_decode_step
 from fastmamba.engine.plan import DecodePlan
@@ -30,7 +32,8 @@ def print_kernel_times(fn, title: str, warm: int = 3, calls: int = 5, rows: int 
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    print(f"{title}: GPU time of {calls} calls' kernels")
+    launches = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+    print(f"{title}: GPU time of {calls} calls' kernels ({launches / calls:.0f} launches a call)")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=width))
 
 
@@ -75,16 +78,25 @@ def main() -> None:
                     help="this step (decode_plan.DecodePlan's default settings) in place of the plan table's")
     ap.add_argument("--backbone", metavar="DxL", help="a Backbone's step instead of a language model's")
     ap.add_argument("--batches", default="1,1024,4096", help="with --backbone")
+    ap.add_argument("--context", type=int, default=1024, help="a hybrid's prompt tokens a row before the step")
     args = ap.parse_args()
     if args.backbone:
         profile_backbone(args.backbone, parse_dtype(args.dtype), [int(b) for b in args.batches.split(",")])
         return
-    model = random_model(args.model, parse_dtype(args.dtype))
+    tokens = torch.zeros(args.batch, dtype=torch.int64, device="cuda")
+    if args.model in HYBRID_SHAPES:  # (bf16 weights, its own state and KV cache, the prompt first)
+        from benchmarks.hybrid import model_of
+
+        model = model_of(args.model, "cuda")[0]
+        state = model.new_state(args.batch, args.context + 64)
+        with torch.no_grad():
+            model.prefill(torch.zeros(args.batch, args.context, dtype=torch.int64, device="cuda"), state, last_only=True)
+    else:
+        model = random_model(args.model, parse_dtype(args.dtype))
+        state = model.new_state(args.batch)
     plan = DecodePlan(args.step) if args.step else None  # (None: the step the engine would run)
     step = make_decode_step(model, args.batch, args.deterministic, plan)
-    state = model.new_state(args.batch)
-    tokens = torch.zeros(args.batch, dtype=torch.int64, device="cuda")
-    print_kernel_times(lambda: step(tokens, state), f"{args.model} {args.dtype} batch {args.batch}")
+    print_kernel_times(lambda: step(tokens, state), f"{args.model} {args.dtype} batch {args.batch}", rows=24)
 
 
 if __name__ == "__main__":
