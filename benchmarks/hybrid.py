@@ -5,7 +5,7 @@ the engine's decode step at batch 1 / 32 / 128 over contexts of --context tokens
 step, sampling and the host's bookkeeping included, against the floor: weights (of experts,
 those the rows pick), recurrent states and the contexts' keys and values read once) with the
 state in each of --state-dtypes, a --long prompt (32768 tokens) through the engine (its first
-token, its step, the memory it held at the peak), prefill 1 x 8192, and transformers'
+token, its step, the memory it held at the peak), prefill 1 x 8192 and 8 x 2048, and transformers'
 `generate` at batch 1 over the same random model in the same run.
 
     python -m benchmarks.hybrid --shape nemotron-h-8b --state-dtypes float32,bfloat16 --json hybrid.json
@@ -205,12 +205,12 @@ def main() -> None:
             emit(what="long prompt", **long_prompt(model, long))
         except RuntimeError as e:  # (the rest still measured)
             emit(what="long prompt", tokens=long, error=str(e)[:500])
-    tokens = 8192 if cuda(args.device) else 256
-    ids = torch.randint(3, model.config.vocab_size, (1, tokens), device=args.device)
-    with torch.inference_mode():
-        model.prefill(ids[:, :128], model.new_state(1, 128), last_only=True)
-        ms = min(synced(lambda: model.prefill(ids, model.new_state(1, tokens), last_only=True)) for _ in range(3))
-    emit(what="prefill", batch=1, tokens=tokens, ms=round(ms, 1))
+    for batch, n in ((1, 8192), (8, 2048)) if cuda(args.device) else ((1, 256), (2, 128)):
+        ids = torch.randint(3, model.config.vocab_size, (batch, n), device=args.device)
+        with torch.inference_mode():
+            model.prefill(ids[:, :128], model.new_state(batch, 128), last_only=True)
+            ms = min(synced(lambda: model.prefill(ids, model.new_state(batch, n), last_only=True)) for _ in range(3))
+        emit(what="prefill", batch=batch, tokens=n, ms=round(ms, 1))
     if not args.no_hf and cuda(args.device):
         model = None  # (the engine's model freed before transformers' is built)
         empty_cache()
