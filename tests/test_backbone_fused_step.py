@@ -40,6 +40,7 @@ def make(d_model=32, n_layer=2, input_dim=6, seed=0, device="cpu", **kw) -> Back
 def copy_of(bb: Backbone, device=DEVICE, dtype="float32", state_dtype="float32") -> Backbone:
     out = Backbone(bb.config, device=device, dtype=dtype, state_dtype=state_dtype)
     out.load_state_dict(bb.state_dict())
+    out._step_plan = BACKBONE_STEP  # (the fused step's range, which the Backbone does not step by yet)
     return out
 
 
@@ -164,7 +165,9 @@ def test_the_plan_chooses_the_fused_step_at_small_widths_only():
     assert backbone_step_tiles(cfg(128), torch.float32, 16, plan=narrow) is not None
     assert backbone_step_tiles(cfg(128), torch.float32, 17, plan=narrow) is None
     assert BACKBONE_STEP.reason
-    # and make_step builds what the plan says, on the module's own settings
+    # and make_step builds what the plan says, on the module's own settings: the decode kernels
+    # by default (plan.BACKBONE_STEP_IN_USE), the fused step in BACKBONE_STEP's range
+    assert isinstance(make_step(Backbone(make(32, 2).config, device=DEVICE), 3), KernelStep)
     bb = copy_of(make(32, 2))
     assert isinstance(make_step(bb, 3), FusedStep)
     bb._step_plan = None

@@ -335,6 +335,12 @@ BACKBONE_STEP = BackboneStepPlan(
 )
 
 
+# The plan the Backbone steps by: None (the decode kernels, KernelStep) until the fused step's
+# GPU tests (tests/test_backbone_fused_step.py -m gpu) have passed on a GPU and
+# `benchmarks/backbone.py --step-only` (which times both) has measured it; then BACKBONE_STEP.
+BACKBONE_STEP_IN_USE: BackboneStepPlan | None = None
+
+
 def backbone_step_tiles(config, dtype: torch.dtype, batch: int, deterministic: bool = False,
                         plan: BackboneStepPlan | None = BACKBONE_STEP) -> FusedStepTiles | None:
     """The fused step's tiles for a Backbone of this config (a BackboneConfig), large matrices
