@@ -106,7 +106,7 @@ def test_float32_fused_step_equals_the_cpu_step(d_model, n_layer, proj_bias, inp
 
 @pytest.mark.parametrize("dtype,state_dtype", [("bfloat16", "float32"), ("float32", "bfloat16"),
                                                ("bfloat16", "bfloat16"), ("float16", "float32")])
-@pytest.mark.parametrize("batch", [1, 37])
+@pytest.mark.parametrize("batch", [17])  # (a whole tile of 16 rows and one row alone in the next)
 def test_16bit_fused_step_within_the_decode_kernels_error(dtype, state_dtype, batch):
     """16-bit weights or a bf16 state: against a float32 oracle holding the same weights'
     values, the fused step's error is within 1.5x the decode kernels' (KernelStep's)."""
