@@ -5,11 +5,11 @@ the engine's decode step at batch 1 / 32 / 128 over contexts of --context tokens
 step, sampling and the host's bookkeeping included, against the floor: weights (of experts,
 those the rows pick), recurrent states and the contexts' keys and values read once) with the
 state in each of --state-dtypes, a --long prompt (32768 tokens) through the engine (its first
-token, its step, the memory it held at the peak), prefill 1 x 8192 and 8 x 2048, and transformers'
+token, its step, the memory it held at the peak), prefill (--prefills: 1 x 8192 and 8 x 2048), and transformers'
 `generate` at batch 1 over the same random model in the same run.
 
     python -m benchmarks.hybrid --shape nemotron-h-8b --state-dtypes float32,bfloat16 --json hybrid.json
-    python -m benchmarks.hybrid --shape granite-4.0-h-tiny --batches 1,64 --json granite.json   # experts
+    python -m benchmarks.hybrid --shape granite-4.0-h-tiny --batches 1,8,64 --prefills 1x4096 --json granite.json
     python -m benchmarks.hybrid --shape nemotron-h-tiny --device cpu --no-hf   # a smoke run
 
 (nemotron-3-nano-30b-a3b: 63 GB of bf16 weights, and its experts, stored one by one, are
@@ -176,10 +176,13 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=None,
                     help="a prompt of this many tokens through the engine: its first token, step and peak memory "
                          "(default: 32768 on the GPU, none on the CPU; 0: none)")
+    ap.add_argument("--prefills", default=None, help="prefill shapes, rows x tokens (default 1x8192,8x2048; "
+                    "on the CPU 1x256,2x128)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--device", default="cuda", help="cuda (bf16 weights, the GPU engine), or cpu for a smoke run (float32)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    args.prefills = args.prefills or ("1x8192,8x2048" if cuda(args.device) else "1x256,2x128")
     rows = []
 
     def emit(**row):
@@ -205,7 +208,7 @@ def main() -> None:
             emit(what="long prompt", **long_prompt(model, long))
         except RuntimeError as e:  # (the rest still measured)
             emit(what="long prompt", tokens=long, error=str(e)[:500])
-    for batch, n in ((1, 8192), (8, 2048)) if cuda(args.device) else ((1, 256), (2, 128)):
+    for batch, n in (tuple(map(int, p.split("x"))) for p in args.prefills.split(",")):
         ids = torch.randint(3, model.config.vocab_size, (batch, n), device=args.device)
         with torch.inference_mode():
             model.prefill(ids[:, :128], model.new_state(batch, 128), last_only=True)
