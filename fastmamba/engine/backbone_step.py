@@ -1,6 +1,7 @@
-"""The Backbone's step on CUDA: at small widths one kernel a layer (FusedStep,
-kernels/backbone_step.py), otherwise the language model's decode kernels over the backbone's
-own parameters (KernelStep), as the plan says (plan.backbone_step_tiles: make_step); replayed
+"""The Backbone's step on CUDA: the language model's decode kernels over the backbone's own
+parameters (KernelStep), or at small widths one kernel a layer (FusedStep,
+kernels/backbone_step.py), as the plan says (plan.backbone_step_tiles: make_step; by default
+plan.BACKBONE_STEP_IN_USE, the decode kernels until the fused step is measured); replayed
 as CUDA graphs kept by batch size and state dtypes, and within those by the state's memory,
 both bounded (StepGraphs, StateGraph). `bb` is always a fastmamba.Backbone (backbone.py, which
 imports this module)."""
