@@ -306,3 +306,21 @@ def test_an_expert_tensor_of_the_wrong_shape_is_named(small, small_nemotron, tmp
     tensors[name] = torch.zeros(shape)
     save_file(tensors, str(out / "model.safetensors"))
     refused(str(out), f"'{name}' has shape {shape}")
+
+
+def test_building_the_weights_drops_each_sublayers_sources(small_nemotron):
+    """build_weights consumes its tensors a sublayer at a time (experts stored one by one are
+    stacked into new tensors: with both alive, a model whose tensors are already on the GPU
+    held its experts twice); what is left is the embedding, head and final norm, and the
+    weights are those fastmamba.load builds."""
+    from fastmamba.core.config import MambaConfig
+    from fastmamba.io.checkpoint import build_weights, read_tensors
+
+    config = MambaConfig.from_file(small_nemotron / "config.json")
+    tensors, origin = read_tensors(small_nemotron, config)
+    assert any(".experts.5." in name for name in tensors)
+    weights = build_weights(config, tensors, origin, "cpu", torch.float32)
+    assert all(not name.startswith("backbone.layers.") for name in tensors), sorted(tensors)[:5]
+    loaded = fastmamba.load(small_nemotron).model.weights
+    moe_at = config.kinds.index("moe")
+    assert torch.equal(weights.layers[moe_at].in_w, loaded.layers[moe_at].in_w)
