@@ -19,7 +19,7 @@ from fastmamba.core.fp8 import Fp8Weight, quantize
 from fastmamba.core.ops import REFERENCE_OPS
 from fastmamba.kernels.moe import MoETiles, moe_align, moe_ffn_ref
 
-TILES = MoETiles(bm=16, bn=32, bk=32, warps=4, stages=2)  # (the interpreter's: small, tl.dot's least)
+TILES = MoETiles(bm=16, bn=32, bk=32, warps=4, stages=2, align_pairs=256)  # (the interpreter's: small, tl.dot's least)
 
 
 def python_grouping(experts: torch.Tensor, n_experts: int, bm: int) -> tuple[list[int], list[int], int]:

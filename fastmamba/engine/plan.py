@@ -467,7 +467,10 @@ PAGED_TILES = PagedTiles(splits=8, warps=4)
 # -- a mixture of experts' grouped products (kernels/moe.py) -----------------------------------
 # Untuned: the 16-bit GEMM's 64-row, 64-column tiles, taken until a sweep at the public
 # experts' shapes (Granite-4.0-H-Tiny's, Nemotron-3's) can choose them on a GPU.
-MOE_TILES = MoETiles(bm=64, bn=64, bk=64, warps=4, stages=3)
+MOE_TILES = MoETiles(bm=64, bn=64, bk=64, warps=4, stages=3,
+                     # UNTUNED: one program groups a decode step's pairs (6 experts a token: up to
+                     # 42 tokens) in one launch; its P^2 compares stay small to here
+                     align_pairs=256)
 
 KERNEL_TILES = KernelTiles(conv=CONV_TILES, scan=SCAN_TILES, ssd=SSD_TILES, conv_grad=CONV_GRAD_TILES,
                            train_scan=TRAIN_SCAN_TILES, paged=PAGED_TILES, moe=MOE_TILES)

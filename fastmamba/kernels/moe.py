@@ -51,8 +51,8 @@ class MoETiles:
     warps: int
     stages: int  # loads in flight (tl.range num_stages)
     # the most pairs grouped by one program (`moe_align_triton`: one launch, its compares grow
-    # as P^2); past it, `moe_align`'s sort (a dozen small launches). Both give the same ids.
-    align_pairs: int = 256
+    # as P^2); past it, `moe_align`'s sort (about twenty small launches). Both give the same ids.
+    align_pairs: int
 
 
 def moe_align(experts: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
