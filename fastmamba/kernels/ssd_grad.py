@@ -145,6 +145,19 @@ class SSDGradTiles:
 
 
 @jit
+def _chunk_program(T, n_chunks, heads_per_group, Q: tl.constexpr, PP: tl.constexpr, NP: tl.constexpr):
+    """The backward kernels' program: row b (int64), chunk c, head h and its group g; the
+    chunk's steps q, their times t and which are steps (tm); a head's channels p and the
+    states n (padded to PP, NP)."""
+    b64 = (tl.program_id(0) // n_chunks).to(tl.int64)
+    c = tl.program_id(0) % n_chunks
+    h = tl.program_id(1)
+    q = tl.arange(0, Q)
+    t = c * Q + q
+    return b64, c, h, h // heads_per_group, q, t, t < T, tl.arange(0, PP), tl.arange(0, NP)
+
+
+@jit
 def _ssd_bwd_dstart_kernel(
     dy_ptr, C_ptr, cum_ptr, first_ptr, out_ptr, T, n_chunks, heads_per_group,
     H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr, Q: tl.constexpr, PP: tl.constexpr,
@@ -152,15 +165,7 @@ def _ssd_bwd_dstart_kernel(
 ):
     # One program: row b, chunk c, head h: Y = sum_t exp(cum_t) dy_t (outer) C_t over the
     # chunk's steps (with RESETS, those before the chunk's first reset), into (B, chunks, H, P, N).
-    b64 = (tl.program_id(0) // n_chunks).to(tl.int64)
-    c = tl.program_id(0) % n_chunks
-    h = tl.program_id(1)
-    g = h // heads_per_group
-    q = tl.arange(0, Q)
-    t = c * Q + q
-    tm = t < T
-    p = tl.arange(0, PP)
-    n = tl.arange(0, NP)
+    b64, c, h, g, q, t, tm, p, n = _chunk_program(T, n_chunks, heads_per_group, Q, PP, NP)
     w = tl.exp(tl.load(cum_ptr + ((b64 * n_chunks + c) * Q + q) * H + h))
     if RESETS:
         w = tl.where(tl.load(first_ptr + b64 * T + t, mask=tm, other=0) < c * Q, w, 0.0)
@@ -186,15 +191,7 @@ def _ssd_bwd_chunk_kernel(
     #   s_out = exp(S_last) s_in + sum_s exp(S_last - S_s) dt_s x_s (outer) B_s
     # Given dy and g = d s_out, the gradients of x, B, C (this head's share), dt (directly and
     # through S), and this chunk's parts of dA and dD.
-    b64 = (tl.program_id(0) // n_chunks).to(tl.int64)
-    c = tl.program_id(0) % n_chunks
-    h = tl.program_id(1)
-    g = h // heads_per_group
-    q = tl.arange(0, Q)
-    t = c * Q + q
-    tm = t < T
-    p = tl.arange(0, PP)
-    n = tl.arange(0, NP)
+    b64, c, h, g, q, t, tm, p, n = _chunk_program(T, n_chunks, heads_per_group, Q, PP, NP)
     qp = tm[:, None] & (p < P)[None, :]
     qn = tm[:, None] & (n < N)[None, :]
     pn = (p < P)[:, None] & (n < N)[None, :]
