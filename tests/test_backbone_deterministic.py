@@ -38,6 +38,29 @@ def _grads(fn, inputs, weights):
 # -- the training kernels' partial sums (no atomics), in the interpreter or on a GPU ---------
 
 
+def some_resets(B: int, T: int, middle: int) -> torch.Tensor:
+    """Resets on DEVICE: row 0 at its first step, row 1 at `middle`, row 2 at its last."""
+    flags = torch.zeros(B, T, dtype=torch.bool)
+    flags[0, 0] = flags[1, middle] = flags[2, T - 1] = True
+    return flags.to(DEVICE)
+
+
+def assert_partial_sums_match_the_atomics(call, inputs, weights, names, none=()):
+    """call(deterministic) -> the kernel's function of `inputs`: its outputs and gradients (to
+    `weights`' weighted sum) with the partial sums within TOL of the atomics', and the same
+    bits over three runs; the gradients named in `none` are None on both paths."""
+    on = [t.to(DEVICE) for t in inputs]
+    atomics = _grads(call(False), on, weights)
+    runs = [_grads(call(True), on, weights) for _ in range(3)]
+    for name, a, b in zip(names, runs[0], atomics):
+        if name in none:
+            assert a is None and b is None, name
+            continue
+        assert rel_err(a, b) < TOL, (name, rel_err(a, b))
+    for run in runs[1:]:
+        assert all(a is b is None or torch.equal(a, b) for a, b in zip(run, runs[0]))
+
+
 @pytest.mark.parametrize("resets", [False, True])
 def test_scan_partial_sums_match_the_atomics_and_repeat_bitwise(resets):
     pytest.importorskip("triton")
@@ -50,11 +73,7 @@ def test_scan_partial_sums_match_the_atomics_and_repeat_bitwise(resets):
     inputs = [r(B, E, T), r(B, T, R), r(E, R), 0.5 * r(E) - 1, -torch.rand(E, N, generator=g) - 0.2, r(B, N, T),
               r(B, N, T), r(E), r(B, E, T), r(B, E, N)]
     weights = [r(B, E, T), r(B, E, N)]
-    flags = None
-    if resets:
-        flags = torch.zeros(B, T, dtype=torch.bool)
-        flags[0, 0] = flags[1, 7] = flags[2, T - 1] = True
-        flags = flags.to(DEVICE)
+    flags = some_resets(B, T, 7) if resets else None
 
     def scan(deterministic):
         def call(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, s):
@@ -64,14 +83,7 @@ def test_scan_partial_sums_match_the_atomics_and_repeat_bitwise(resets):
             return y, s
         return call
 
-    on = [t.to(DEVICE) for t in inputs]
-    atomics = _grads(scan(False), on, weights)
-    runs = [_grads(scan(True), on, weights) for _ in range(3)]
-    names = "y state x dt_r dt_w dt_b A B C D z state0".split()
-    for name, a, b in zip(names, runs[0], atomics):
-        assert rel_err(a, b) < TOL, (name, rel_err(a, b))
-    for run in runs[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(run, runs[0]))
+    assert_partial_sums_match_the_atomics(scan, inputs, weights, "y state x dt_r dt_w dt_b A B C D z state0".split())
 
 
 @pytest.mark.parametrize("bias,resets", [(True, False), (True, True), (False, True)])
@@ -85,11 +97,7 @@ def test_conv_partial_sums_match_the_atomics_and_repeat_bitwise(bias, resets):
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     inputs = [r(B, E, T), r(E, K), r(E), r(B, E, K)]
     weights = [r(B, E, T), r(B, E, K)]
-    flags = None
-    if resets:
-        flags = torch.zeros(B, T, dtype=torch.bool)
-        flags[0, 0] = flags[1, 2] = flags[2, T - 1] = True
-        flags = flags.to(DEVICE)
+    flags = some_resets(B, T, 2) if resets else None
 
     def conv(deterministic):
         def call(x, w, b, s):
@@ -99,16 +107,8 @@ def test_conv_partial_sums_match_the_atomics_and_repeat_bitwise(bias, resets):
             return y, s
         return call
 
-    on = [t.to(DEVICE) for t in inputs]
-    atomics = _grads(conv(False), on, weights)
-    runs = [_grads(conv(True), on, weights) for _ in range(3)]
-    for name, a, b in zip("y state x weight bias state0".split(), runs[0], atomics):
-        if name == "bias" and not bias:
-            assert a is None and b is None
-            continue
-        assert rel_err(a, b) < TOL, (name, rel_err(a, b))
-    for run in runs[1:]:
-        assert all(a is b is None or torch.equal(a, b) for a, b in zip(run, runs[0]))
+    assert_partial_sums_match_the_atomics(conv, inputs, weights, "y state x weight bias state0".split(),
+                                          none=() if bias else ("bias",))
 
 
 # -- the deterministic ops under a whole Backbone (as on CUDA), in the interpreter -----------
