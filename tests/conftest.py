@@ -162,6 +162,16 @@ def relative_error(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.float().cpu() - ref).abs().max() / ref.abs().max()).item()
 
 
+def backbone_sequence(B: int, T: int, input_dim: int = 6, width: int = 16):
+    """A Backbone sequence pass's seeded inputs on the CPU: x (B, T, input_dim), resets (B, T)
+    (about one step in ten, and row 0's first), and weights of its (B, T, width) outputs."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, T, input_dim, generator=g)
+    resets = torch.rand(B, T, generator=g) < 0.1
+    resets[0, 0] = True
+    return x, resets, torch.randn(B, T, width, generator=g)
+
+
 def outputs_and_grads(fn, inputs, weights):
     """fn's outputs (detached) and the gradients of sum(out * weight) over them, for each
     input (None where one takes none): ([outputs], [gradients])."""

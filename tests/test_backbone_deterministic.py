@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import outputs_and_grads
+from conftest import backbone_sequence, outputs_and_grads
 
 from fastmamba import Backbone, BackboneConfig
 
@@ -130,12 +130,8 @@ def test_deterministic_ops_train_as_the_reference_and_repeat_bitwise(layer):
     ops = deterministic_ops(layer)
     if DEVICE == "cpu":  # (on CUDA the backbone picks them itself)
         ours._kernel_ops = lambda x, state: ops
-    g = torch.Generator().manual_seed(1)
     B, T = 3, 20
-    x = torch.randn(B, T, 6, generator=g)
-    resets = torch.rand(B, T, generator=g) < 0.1
-    resets[0, 0] = True
-    w = torch.randn(B, T, 16, generator=g)
+    x, resets, w = backbone_sequence(B, T)
 
     def run(bb, rows=B):
         dev = bb.device

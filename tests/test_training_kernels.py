@@ -11,7 +11,7 @@ from functools import partial
 
 import pytest
 import torch
-from conftest import outputs_and_grads
+from conftest import backbone_sequence, outputs_and_grads
 
 from fastmamba import Backbone, BackboneConfig
 from fastmamba.kernels.causal_conv1d import causal_conv1d_ref
@@ -145,12 +145,8 @@ def test_the_backbone_trains_through_the_kernels_as_through_the_reference():
     ours.load_state_dict(ref.state_dict())
     if DEVICE == "cpu":  # (on CUDA the backbone picks them itself: checked here)
         ours._kernel_ops = lambda x, state: training_ops(KERNEL_TILES)
-    g = torch.Generator().manual_seed(1)
     B, T = 3, 40
-    x = torch.randn(B, T, 6, generator=g)
-    resets = torch.rand(B, T, generator=g) < 0.1
-    resets[0, 0] = True
-    w = torch.randn(B, T, 16, generator=g)
+    x, resets, w = backbone_sequence(B, T)
     found = []
     for bb in (ref, ours):
         dev = bb.device
