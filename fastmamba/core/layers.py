@@ -50,9 +50,6 @@ class LayerKind:
     state: Callable | None  # config -> one slot's (conv, ssm) state shapes; None: no recurrent state
     kv: bool  # whether a slot keeps its keys and values
     gpu_kernels: bool  # whether the Triton engine's fused decode step runs it
-    # whether the GPU engine (its CUDA graphs: no host syncs) runs it; else the model runs on the
-    # reference engine (pure PyTorch) on any device
-    gpu_engine: bool = True
 
 
 def _no_resets(resets, kind: str) -> None:
@@ -152,14 +149,11 @@ def kinds(config) -> list[LayerKind]:
 
 
 def off_gpu_engine(config) -> list[str]:
-    """The names of the model's sublayer kinds the GPU engine cannot run (their kernels and
-    CUDA graphs are not built), sorted; empty where it runs them all. A hybrid decodes through
-    its layers over the GPU ops (plan.LAYER_OPS), a pure Mamba model through the fused decode
-    kernels, which its layer kind must have."""
-    off = {k for k in config.kinds if not LAYER_KINDS[k].gpu_engine}
-    if not config.hybrid and not layer_kind(config).gpu_kernels:
-        off.add(config.layer)
-    return sorted(off)
+    """The names of the model's sublayer kinds the GPU engine cannot run; empty where it runs
+    them all. Every kind runs over the GPU ops, so a hybrid's decode (its layers over them:
+    plan.LAYER_OPS) takes any; a pure Mamba model decodes through the fused decode kernels,
+    which its layer kind must have."""
+    return [] if config.hybrid or layer_kind(config).gpu_kernels else [config.layer]
 
 
 def state_bytes(config, dtype_bytes: int) -> int:
