@@ -315,6 +315,49 @@ def test_the_paged_decode_kernel_equals_its_twin(splits):
     assert (got - broken)[[0, 2]].abs().max() > 1e-3  # (row 1's slot would hold no token)
 
 
+@pytest.mark.parametrize("theta, rotary_dim", [(0.0, 0), (500.0, 6), (10000.0, 12)])
+def test_the_decode_attention_kernels_equal_their_twin(theta, rotary_dim):
+    """kernels/paged_attention.decode_attention (Triton's interpreter here): a row's new query
+    and key rotated at its slot's length (none, part of a head, all of it), the key and value
+    stored in that slot's block (16-bit there), the attention over the slot's tokens and the
+    new one; rows that index other slots, a position at a block's start and mid-block."""
+    pytest.importorskip("triton")
+    from fastmamba.kernels.paged_attention import PagedTiles, decode_attention, decode_attention_ref
+
+    g = torch.Generator().manual_seed(rotary_dim)
+    B, H, KVH, hd, BS, NB, W = 3, 6, 2, 12, 4, 20, 7
+    k, v = (torch.randn(NB, BS, KVH, hd, generator=g).bfloat16() for _ in range(2))
+    table = torch.stack([torch.randperm(NB - 1, generator=g)[:W] + 1 for _ in range(5)])
+    lengths, rows = torch.tensor([0, 9, 27, 3, 4]), torch.tensor([4, 0, 2])
+    qkv = 3 * torch.randn(B, (H + 2 * KVH) * hd, generator=g)
+    caches = (k.clone(), v.clone()), (k.clone(), v.clone())
+    got = decode_attention(qkv, *caches[0], table, lengths, rows, H, 0.3, theta, rotary_dim, tiles=PagedTiles(3, 1))
+    want = decode_attention_ref(qkv, *caches[1], table, lengths, rows, H, 0.3, theta, rotary_dim)
+    assert (got - want).abs().max() < 1e-5
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert not torch.equal(caches[0][0], k)  # (the keys were stored: the test can fail)
+    if theta:  # the rotation is there to be checked: without it the outputs move
+        plain = decode_attention_ref(qkv, k.clone(), v.clone(), table, lengths, rows, H, 0.3)
+        assert (got - plain)[[0, 2]].abs().max() > 1e-3  # (row 1's slot is at position 0: no turn)
+
+
+@pytest.mark.parametrize("act, gated", [("silu", True), ("relu2", False), ("relu2", True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_mlp_activation_kernel_equals_its_twin(act, gated, dtype):
+    """kernels/mlp_activation.py (Triton's interpreter here): the activation (of the gate,
+    times up), over rows of a width that is not a power of two, rounded once to `dtype`."""
+    pytest.importorskip("triton")
+    from fastmamba.kernels.mlp_activation import mlp_activation, mlp_activation_ref
+
+    a = 3 * torch.randn(2, 3, 2 * 1100 if gated else 1100, generator=torch.Generator().manual_seed(1))
+    got = mlp_activation(a, act, gated, dtype)
+    want = mlp_activation_ref(a, act, gated)
+    assert got.shape == want.shape == (2, 3, 1100) and got.dtype == dtype
+    assert torch.allclose(got.float(), want.to(dtype).float(), rtol=2e-6 if dtype == torch.float32 else 8e-3, atol=1e-6)
+    other = mlp_activation_ref(a, "silu" if act == "relu2" else "relu2", gated)  # (the test can fail)
+    assert not torch.allclose(got.float(), other, rtol=1e-2, atol=1e-2)
+
+
 def test_the_gpu_ops_decode_a_hybrid_as_the_reference_does(tmp_path):
     """The GPU engine's ops (Triton's interpreter here: the Mamba kernels, the paged decode
     attention) over a prefill and steps: the reference's logits."""

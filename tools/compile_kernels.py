@@ -41,6 +41,7 @@ from fastmamba.engine.plan import (  # noqa: E402
     CONV_GRAD_TILES,
     CONV_TILES,
     MOE_TILES,
+    PAGED_TILES,
     PRODUCTS_BLOCKS,
     SAMPLER_TILES,
     SCAN_TILES,
@@ -59,6 +60,7 @@ from fastmamba.kernels import decode_step_mamba2 as s2  # noqa: E402
 from fastmamba.kernels import fp8_gemm as f8  # noqa: E402
 from fastmamba.kernels import gated_norm as gn  # noqa: E402
 from fastmamba.kernels import moe as mo  # noqa: E402
+from fastmamba.kernels import paged_attention as pa  # noqa: E402
 from fastmamba.kernels import products as gm  # noqa: E402
 from fastmamba.kernels import rmsnorm as rn  # noqa: E402
 from fastmamba.kernels import sampler as sp  # noqa: E402
@@ -234,7 +236,8 @@ def main() -> None:
     t = ptrs("w_ptr", "b_ptr", "st_ptr", x_ptr="*bf16", y_ptr="*bf16", start_ptr="*i32", first_ptr="*i32")
     for resets in (False, True):
         compile_kernel(cc._causal_conv1d_kernel, t, dict(K=4, KP=4, HAS_BIAS=True, BE=CONV_TILES.be, BT=CONV_TILES.bt,
-                                                         STAGES=CONV_TILES.stages, UNROLL=CONV_TILES.unroll, RESETS=resets),
+                                                         STAGES=CONV_TILES.stages, UNROLL=CONV_TILES.unroll, RESETS=resets,
+                                                         HAS_START=True),
                        num_warps=CONV_TILES.warps)
     t = ptrs("dt_ptr", "B_ptr", "C_ptr", "A_ptr", "D_ptr", "st_ptr", x_ptr="*bf16", z_ptr="*bf16", y_ptr="*bf16", start_ptr="*i32",
              resets_ptr="*u8")
@@ -387,6 +390,27 @@ def main() -> None:
                 FIRST=True, LAST=True, HAS_IN=True, PROJ_BIAS=True, CONV_BIAS=True, F32=wdt == "*fp32", KC=4, KP=4,
                 N=16, NP=16, RP=16, IP=64, DP=d, BM=tiles.bm, BE=tiles.be, PDL=tiles.pdl), num_warps=tiles.warps)
     res.append("backbone fused step: ok")
+    # a hybrid's decode attention (paged_attention.py) at Nemotron-H-8B's heads (32 query, 8
+    # key-value, 128 wide), bf16 keys and values: the rotation (half the dims, as Bamba's, and
+    # none) and store, the splits, their sum; the decode conv without a start tensor
+    H, KVH, hd = 32, 8, 128
+    for rot in (64, 0):
+        compile_kernel(pa._rope_store_kernel, ptrs("qkv_ptr", "q_ptr", k_ptr="*bf16", v_ptr="*bf16",
+                                                   table_ptr="*i64", len_ptr="*i64", rows_ptr="*i64",
+                                                   log2_theta="fp32"),
+                       dict(H=H, KVH=KVH, HD=hd, HP=hd, BS=16, ROT=rot), num_warps=1)
+    compile_kernel(pa._paged_decode_kernel, ptrs("q_ptr", "m_ptr", "l_ptr", "acc_ptr", k_ptr="*bf16", v_ptr="*bf16",
+                                                 table_ptr="*i64", len_ptr="*i64", rows_ptr="*i64", scale="fp32"),
+                   dict(KVH=KVH, REP=H // KVH, RP=H // KVH, HD=hd, HP=hd, BS=16, SPLITS=PAGED_TILES.splits),
+                   num_warps=PAGED_TILES.warps)
+    compile_kernel(pa._paged_combine_kernel, ptrs("m_ptr", "l_ptr", "acc_ptr", "out_ptr"),
+                   dict(KVH=KVH, REP=H // KVH, RP=H // KVH, HD=hd, HP=hd, SPLITS=PAGED_TILES.splits,
+                        SP=PAGED_TILES.splits), num_warps=1)
+    t = ptrs("w_ptr", "b_ptr", "st_ptr", x_ptr="*fp32", y_ptr="*bf16", start_ptr="*bf16", first_ptr="*bf16")
+    compile_kernel(cc._causal_conv1d_kernel, t, dict(K=4, KP=4, HAS_BIAS=True, BE=CONV_TILES.be, BT=CONV_TILES.bt,
+                                                     STAGES=CONV_TILES.stages, UNROLL=CONV_TILES.unroll, RESETS=False,
+                                                     HAS_START=False), num_warps=CONV_TILES.warps)
+    res.append("hybrid decode attention + conv: ok")
     print("\n".join(res))
 
 

@@ -3,13 +3,16 @@
 
 Per sublayer, for a slot's new tokens at positions p (its context so far, then on):
 ```
-q, k, v = q_proj(u), k_proj(u), v_proj(u)              # H query heads, KVH key/value heads (GQA)
+q, k, v = qkv_proj(u)                                  # H query heads, KVH key/value heads (GQA): one product
 q, k    = rope(q, p), rope(k, p)                       # the leading rotary_dim dims of a head; none for NoPE
 cache[p] = k, v                                        # in the storage dtype
 y       = softmax(q k^T * scale, over positions <= p) v # float32: scores, max, sum
 out     = o_proj(y)
 ```
-Left padding (`start`) is no token: it is not stored, and its outputs are zero.
+Left padding (`start`) is no token: it is not stored, and its outputs are zero. The model's
+q_proj, k_proj and v_proj are one matrix here (their rows in that order), one product.
+A decode step on the GPU runs the rotation, the store and the attention in the three launches
+of kernels/paged_attention.decode_attention (`Ops.decode_attention`).
 """
 
 from __future__ import annotations
@@ -18,19 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
+from fastmamba.core import fp8
 from fastmamba.core.kv_cache import KVCache
+from fastmamba.kernels.paged_attention import rope_ref
 
 
 @dataclass
 class AttentionWeights:
     norm_w: torch.Tensor  # (d,) f32
-    q_w: torch.Tensor  # (H hd, d) storage dtype
-    k_w: torch.Tensor  # (KVH hd, d)
-    v_w: torch.Tensor  # (KVH hd, d)
+    qkv_w: torch.Tensor  # ((H + 2 KVH) hd, d) storage dtype: q_proj's rows, k_proj's, v_proj's
     o_w: torch.Tensor  # (d, H hd)
-    q_b: torch.Tensor | None = None  # f32
-    k_b: torch.Tensor | None = None
-    v_b: torch.Tensor | None = None
+    qkv_b: torch.Tensor | None = None  # f32
     o_b: torch.Tensor | None = None
 
 
@@ -46,25 +47,14 @@ def shapes(c, norm: str, p: str) -> dict[str, tuple[int, ...]]:
 
 
 def layer_weights(norm: str, p: str, big, small) -> AttentionWeights:
-    """The sublayer's weights: `big(name)` in the storage dtype, `small(name)` in float32 (None where absent)."""
+    """The sublayer's weights: `big(name)` in the storage dtype, `small(name)` in float32 (None
+    where absent); q_proj, k_proj and v_proj stacked by rows (their biases too)."""
+    names = [p + n for n in ("q_proj", "k_proj", "v_proj")]
+    biases = [small(n + ".bias") for n in names]
     return AttentionWeights(
-        norm_w=small(norm), q_w=big(p + "q_proj.weight"), k_w=big(p + "k_proj.weight"), v_w=big(p + "v_proj.weight"),
-        o_w=big(p + "o_proj.weight"), q_b=small(p + "q_proj.bias"), k_b=small(p + "k_proj.bias"),
-        v_b=small(p + "v_proj.bias"), o_b=small(p + "o_proj.bias"),
+        norm_w=small(norm), qkv_w=fp8.cat_rows([big(n + ".weight") for n in names]), o_w=big(p + "o_proj.weight"),
+        qkv_b=None if biases[0] is None else torch.cat(biases), o_b=small(p + "o_proj.bias"),
     )
-
-
-def rope(x: torch.Tensor, pos: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
-    """x (B, T, heads, hd) f32 rotated at positions pos (B, T): each pair (i, i + rd/2) of the
-    first rd dims by pos * theta^(-2i / rd) (transformers' rotate_half layout)."""
-    rd = rotary_dim
-    inv = 1.0 / theta ** (torch.arange(0, rd, 2, dtype=torch.float32, device=x.device) / rd)
-    freqs = pos[..., None].float() * inv  # (B, T, rd / 2)
-    emb = torch.cat([freqs, freqs], -1)[:, :, None]  # (B, T, 1, rd)
-    xr, rest = x[..., :rd], x[..., rd:]
-    half = rd // 2
-    rotated = torch.cat([-xr[..., half:], xr[..., :half]], -1)
-    return torch.cat([xr * emb.cos() + rotated * emb.sin(), rest], -1)
 
 
 def attention(c, lw: AttentionWeights, u: torch.Tensor, kv: KVCache, layer: int, rows: torch.Tensor, ops,
@@ -76,24 +66,24 @@ def attention(c, lw: AttentionWeights, u: torch.Tensor, kv: KVCache, layer: int,
     the keys read, whatever a row reserved beyond."""
     B, T, _ = u.shape
     H, KVH, hd = c.attn_heads, c.kv_heads, c.attn_head_dim
-    q = ops.linear(u, lw.q_w, lw.q_b).view(B, T, H, hd)
-    k = ops.linear(u, lw.k_w, lw.k_b).view(B, T, KVH, hd)
-    v = ops.linear(u, lw.v_w, lw.v_b).view(B, T, KVH, hd)
+    qkv = ops.linear(u, lw.qkv_w, lw.qkv_b)  # (B, T, (H + 2 KVH) hd) f32
+    scale = c.attn_scale or hd**-0.5
+    if T == 1 and start is None and ops.decode_attention is not None:  # a decode step: three kernels
+        y = ops.decode_attention(qkv.view(B, -1), kv.k[layer], kv.v[layer], kv.table, kv.lengths, rows, H, scale,
+                                 c.rope_theta, c.rotary_dim)
+        return ops.linear(y.view(B, 1, H * hd), lw.o_w, lw.o_b)
+    q, k, v = (t.view(B, T, n, hd) for t, n in zip(qkv.split([H * hd, KVH * hd, KVH * hd], dim=-1), (H, KVH, KVH)))
     steps = torch.arange(T, device=u.device)
     rel = steps[None, :] - (start.to(u.device, torch.int64)[:, None] if start is not None else 0)
     valid = rel >= 0  # (B, T): not left padding
     pos = kv.lengths[rows][:, None] + rel.clamp(min=0)  # (B, T)
     if c.rope_theta:
-        q, k = rope(q, pos, c.rope_theta, c.rotary_dim), rope(k, pos, c.rope_theta, c.rotary_dim)
+        q, k = rope_ref(q, pos, c.rope_theta, c.rotary_dim), rope_ref(k, pos, c.rope_theta, c.rotary_dim)
     bs, width = kv.block_size, blocks or kv.table.shape[1]
     block = kv.table[rows[:, None], (pos // bs).clamp(max=width - 1)]  # (B, T)
     where = torch.where(valid, block * bs + pos % bs, 0).flatten()  # padding to block 0, never read
     kv.k[layer].view(-1, KVH, hd).index_copy_(0, where, k.reshape(B * T, KVH, hd).to(kv.k.dtype))
     kv.v[layer].view(-1, KVH, hd).index_copy_(0, where, v.reshape(B * T, KVH, hd).to(kv.v.dtype))
-    scale = c.attn_scale or hd**-0.5
-    if T == 1 and start is None and ops.paged_decode is not None:  # a decode step: the paged kernel
-        y = ops.paged_decode(q[:, 0], kv.k[layer], kv.v[layer], kv.table, kv.lengths, scale, rows, 1)
-        return ops.linear(y.reshape(B, 1, H * hd), lw.o_w, lw.o_b)
     table = kv.table[rows, :width]  # (B, W)
     keys = kv.k[layer][table].flatten(1, 2).float()  # (B, S, KVH, hd)
     values = kv.v[layer][table].flatten(1, 2).float()

@@ -107,6 +107,14 @@ def cat(weights: list[Fp8Weight]) -> Fp8Weight:
     return Fp8Weight(torch.cat([w.data for w in weights]), torch.cat([w.scale for w in weights]), block)
 
 
+def cat_rows(matrices: list):
+    """Matrices one product reads as one, stacked by rows (an MLP's gate and up; attention's
+    q, k and v): tensors, or Fp8Weights with their scales (`cat`); one matrix as it is."""
+    if len(matrices) == 1:
+        return matrices[0]
+    return cat(matrices) if isinstance(matrices[0], Fp8Weight) else torch.cat(matrices)
+
+
 def quantize(w: torch.Tensor, scale: torch.Tensor | None = None) -> Fp8Weight:
     """w (out, in) (or stacked experts' (E, out, in)) as e4m3 with a float32 scale a row: by
     default the row's largest magnitude over 448 (1 for a row of zeros); values w / scale

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from fastmamba.core import fp8
 
@@ -43,30 +42,15 @@ def layer_weights(norm: str, p: str, names: tuple[str, ...], big, small) -> MLPW
     biases = [small(p + n + ".bias") for n in ins]
     return MLPWeights(
         norm_w=small(norm),
-        in_w=_cat([big(p + n + ".weight") for n in ins]),
+        in_w=fp8.cat_rows([big(p + n + ".weight") for n in ins]),
         in_b=None if biases[0] is None else torch.cat(biases),
         out_w=big(p + names[-1] + ".weight"),
         out_b=small(p + names[-1] + ".bias"),
     )
 
 
-def _cat(matrices: list):
-    """Gate's and up's matrices as one (FP8 ones with their scales)."""
-    if len(matrices) == 1:
-        return matrices[0]
-    return fp8.cat(matrices) if isinstance(matrices[0], fp8.Fp8Weight) else torch.cat(matrices)
-
-
-ACTIVATIONS = {"silu": F.silu, "relu2": lambda x: F.relu(x).square()}
-
-
 def mlp(c, lw: MLPWeights, u: torch.Tensor, ops) -> torch.Tensor:
     """u (B, T, d) -> (B, T, d) f32."""
     a = ops.linear(u, lw.in_w, lw.in_b)
-    act = ACTIVATIONS[c.mlp_act]
-    if c.mlp_gated:
-        gate, up = a.chunk(2, dim=-1)
-        h = act(gate) * up
-    else:
-        h = act(a)
+    h = ops.mlp_act(a, c.mlp_act, c.mlp_gated, fp8.operand_dtype(lw.out_w))
     return ops.linear(h, lw.out_w, lw.out_b)

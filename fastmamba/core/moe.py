@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastmamba.core import fp8
 from fastmamba.core import mlp as mlp_
 from fastmamba.core.fp8 import Fp8Weight
 
@@ -70,7 +71,7 @@ def layer_weights(c, norm: str, p: str, shared: str | None, names: tuple[str, ..
     def experts(*names):
         if "{e}" not in names[0]:  # (stacked in the checkpoint: one matrix, gate's and up's rows in it)
             return big(p + names[0] + ".weight")
-        return _stack([mlp_._cat([big(p + n.format(e=e) + ".weight") for n in names]) for e in range(c.n_experts)])
+        return _stack([fp8.cat_rows([big(p + n.format(e=e) + ".weight") for n in names]) for e in range(c.n_experts)])
 
     lw = MoEWeights(norm_w=small(norm), router_w=small(p + router + ".weight"), in_w=experts(*ins),
                     out_w=experts(down), router_b=small(p + router + ".e_score_correction_bias"))

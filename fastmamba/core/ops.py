@@ -19,6 +19,7 @@ from fastmamba.kernels.causal_conv1d import ConvTiles, causal_conv1d_ref
 from fastmamba.kernels.conv_grad import ConvGradTiles
 from fastmamba.kernels.fp8_gemm import fp8_linear
 from fastmamba.kernels.gated_norm import gated_rmsnorm_ref
+from fastmamba.kernels.mlp_activation import mlp_activation_ref
 from fastmamba.kernels.moe import MoETiles, moe_ffn_ref
 from fastmamba.kernels.paged_attention import PagedTiles
 from fastmamba.kernels.products import linear_invariant, linear_storage
@@ -49,13 +50,17 @@ class Ops:
     add_norm: Callable  # add_norm_ref signature: (h + o, rmsnorm(h + o)), the norm in a given dtype
     ssd: Callable = ssd_scan_ref  # Mamba-2's scan (kernels/ssd.py)
     gated_norm: Callable = gated_rmsnorm_ref  # Mamba-2's gated norm (kernels/gated_norm.py)
-    # a decode step's attention over the paged KV cache (kernels/paged_attention.py); None:
-    # the attention sublayer's own torch ops, as for prefill
-    paged_decode: Callable | None = None
+    # a decode step's attention over the paged KV cache, its rotation and store included
+    # (kernels/paged_attention.decode_attention); None: the attention sublayer's own torch
+    # ops, as for prefill
+    decode_attention: Callable | None = None
     # a mixture of experts' routed MLPs (kernels/moe.py, moe_ffn_ref's signature): by default
     # the twin over the reference products (one product an expert with tokens, the host
     # reading the counts)
     moe: Callable = partial(moe_ffn_ref, linear=linear)
+    # an MLP's activation between its products (kernels/mlp_activation.py's signature): the
+    # reference keeps float32, the kernel rounds once to the down product's operand dtype
+    mlp_act: Callable = mlp_activation_ref
     fp8: bool = False  # whether `linear` takes Fp8Weights (and the rest an activation dtype of FP8)
 
 
@@ -113,8 +118,9 @@ def triton_ops(tiles: KernelTiles) -> Ops:
     """cuBLAS products and the Triton kernels (the GPU engine), launched with `tiles`."""
     from fastmamba.kernels.causal_conv1d import causal_conv1d
     from fastmamba.kernels.gated_norm import gated_rmsnorm
+    from fastmamba.kernels.mlp_activation import mlp_activation
     from fastmamba.kernels.moe import moe_ffn_triton
-    from fastmamba.kernels.paged_attention import paged_decode
+    from fastmamba.kernels.paged_attention import decode_attention
     from fastmamba.kernels.rmsnorm import add_norm
     from fastmamba.kernels.selective_scan import step_and_scan
     from fastmamba.kernels.ssd import ssd_scan
@@ -123,7 +129,8 @@ def triton_ops(tiles: KernelTiles) -> Ops:
     return Ops(gpu_linear, fp8_safe(partial(causal_conv1d, tiles=tiles.conv)),
                fp8_safe(partial(step_and_scan, tiles=tiles.scan)), add_norm,
                fp8_safe(partial(ssd_scan, tiles=tiles.ssd)), fp8_safe(gated_rmsnorm),
-               partial(paged_decode, tiles=tiles.paged), partial(moe_ffn_triton, tiles=tiles.moe), fp8=True)
+               partial(decode_attention, tiles=tiles.paged), partial(moe_ffn_triton, tiles=tiles.moe),
+               fp8_safe(mlp_activation), fp8=True)
 
 
 def training_ops(tiles: KernelTiles) -> Ops:

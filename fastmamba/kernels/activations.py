@@ -49,3 +49,14 @@ def softplus(v):
     series = u * (1.0 - u * (0.5 - u * (0.3333333333333333 - u * 0.25)))
     log1p = tl.where(u >= 0.03125, _log2_approx(1.0 + u) * LN2, series)
     return tl.where(v > 20.0, v, log1p)
+
+
+@jit
+def activate(x, ACT: tl.constexpr):
+    """An MLP's activation by name (constexpr): "silu", or "relu2", the squared ReLU
+    (Nemotron-H's): the dense MLP's and the experts' kernels'."""
+    if ACT == "silu":
+        return silu(x)
+    else:
+        y = tl.maximum(x, 0.0)
+        return y * y

@@ -100,7 +100,7 @@ def _tap_weight(w_ptr, e, emask, j: tl.constexpr, K: tl.constexpr):
 def _causal_conv1d_kernel(
     x_ptr, sxb, sxe, sxt, w_ptr, b_ptr, st_ptr, y_ptr, start_ptr, first_ptr, T, E,
     K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
-    STAGES: tl.constexpr, UNROLL: tl.constexpr, RESETS: tl.constexpr,
+    STAGES: tl.constexpr, UNROLL: tl.constexpr, RESETS: tl.constexpr, HAS_START: tl.constexpr,
 ):
     # One program: BE channels of one row, BT time steps walked one after another with the
     # last inputs in registers (a window of MAX_K = 4: narrower kernels weigh the oldest
@@ -116,7 +116,10 @@ def _causal_conv1d_kernel(
     t0 = tl.program_id(1) * BT
     b64 = tl.program_id(2).to(tl.int64)
     emask = e < E
-    start = tl.load(start_ptr + b64)
+    if HAS_START:
+        start = tl.load(start_ptr + b64)
+    else:  # (no padding: no zeros to fill a start tensor, a launch fewer a decode step)
+        start = tl.full([], 0, tl.int32)
     x_row = x_ptr + b64 * sxb
     st_row = st_ptr + b64 * E * K
     y_row = y_ptr + b64 * T * E
@@ -178,14 +181,13 @@ def causal_conv1d(x, weight, bias, state, start=None, dtype=torch.float32, reset
         y = causal_conv1d_ref(x, weight, bias, state, start, resets=resets)
         return y.transpose(1, 2).to(dtype).contiguous().transpose(1, 2)
     y = torch.empty(B, T, E, device=x.device, dtype=dtype)
-    if start is None:
-        start = torch.zeros(B, device=x.device, dtype=torch.int32)
     # (B, T) each step's latest reset (a placeholder the kernel never reads without resets)
-    first = segment_starts(resets, K).to(torch.int32).contiguous() if resets is not None else start
+    first = segment_starts(resets, K).to(torch.int32).contiguous() if resets is not None else y
     BT = max(tiles.bt, MAX_K - 1)  # so that only the first block's window reaches before the chunk
     _causal_conv1d_kernel[(triton.cdiv(E, tiles.be), triton.cdiv(T, BT), B)](
         x, x.stride(0), x.stride(1), x.stride(2), weight, bias if bias is not None else weight, state, y,
-        start, first, T, E, K=K, KP=triton.next_power_of_2(K), HAS_BIAS=bias is not None, BE=tiles.be, BT=BT,
-        STAGES=tiles.stages, UNROLL=tiles.unroll, RESETS=resets is not None, num_warps=tiles.warps,
+        start if start is not None else y, first, T, E, K=K, KP=triton.next_power_of_2(K), HAS_BIAS=bias is not None,
+        BE=tiles.be, BT=BT, STAGES=tiles.stages, UNROLL=tiles.unroll, RESETS=resets is not None,
+        HAS_START=start is not None, num_warps=tiles.warps,
     )
     return y.transpose(1, 2)

@@ -30,14 +30,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from ._triton import jit, tl, triton
+from .activations import activate
 from .fp8_gemm import linear_ref, weight_parts
+from .mlp_activation import ACTIVATIONS, mlp_activation_ref
 from .products import tensor_dot
-
-# the experts' activations, as the reference MLP's (core/mlp.ACTIVATIONS): the same torch ops
-_ACTIVATIONS = {"silu": F.silu, "relu2": lambda x: F.relu(x).square()}
 
 
 @dataclass(frozen=True)
@@ -153,8 +151,6 @@ def moe_ffn_ref(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, i
     (the reference ops' own)."""
     N, d = x.shape
     k = experts.shape[1]
-    I = in_w.shape[1] // 2 if gated else in_w.shape[1]
-    f = _ACTIVATIONS[act]
     pairs = experts.flatten()  # (N k,) pair n * k + j: token n's j-th pick
     order = torch.argsort(pairs, stable=True)  # the pairs grouped by expert, each group in token order
     counts = torch.bincount(pairs, minlength=in_w.shape[0]).tolist()  # (the host learns each expert's rows)
@@ -166,7 +162,7 @@ def moe_ffn_ref(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, i
         rows = order[at : at + n]  # (n,)
         at += n
         a = linear(x[rows // k], in_w[e])  # (n, 2 I) gated, (n, I) not
-        h = f(a[:, :I]) * a[:, I:] if gated else f(a)
+        h = mlp_activation_ref(a, act, gated)
         y[rows] = linear(h, out_w[e]).float()
     y = y.view(-1, k, d)
     routed = y[:, 0] * weights[:, :1]
@@ -216,11 +212,8 @@ def _moe_gemm_kernel(
         acc *= tl.load(s_ptr + e * W * N + n, mask=nmask, other=0.0)[None, :]
         if GATED:
             up *= tl.load(s_ptr + e * W * N + N + n, mask=nmask, other=0.0)[None, :]
-    if ACT == "silu":
-        acc = acc * tl.sigmoid(acc)
-    elif ACT == "relu2":
-        acc = tl.maximum(acc, 0.0)
-        acc = acc * acc
+    if ACT != "none":
+        acc = activate(acc, ACT)
     if GATED:
         acc = acc * up
     if MUL_WEIGHT:  # the router's weight of each pair
@@ -259,8 +252,8 @@ def moe_ffn_triton(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     w1, s1 = _parts(in_w)
     w2, s2 = _parts(out_w)
     E, I = w1.shape[0], w1.shape[1] // 2 if gated else w1.shape[1]
-    if act not in _ACTIVATIONS:
-        raise ValueError(f"the fused MoE kernel has no activation {act!r} (it has {', '.join(_ACTIVATIONS)})")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"the fused MoE kernel has no activation {act!r} (it has {', '.join(ACTIVATIONS)})")
     if N * k == 0:
         return torch.zeros(N, d, dtype=torch.float32, device=x.device)
     operand1 = torch.bfloat16 if s1 is not None else w1.dtype

@@ -1,22 +1,62 @@
-"""Decode attention over a paged KV cache: each row's one new query against the keys and
-values its block table points to, with its `_ref` twin.
+"""Decode attention over a paged KV cache: each row's one new token (its query, key and value
+from one product) rotated, its key and value stored, its query against the keys and values
+its block table points to; with `_ref` twins.
 
 Keys and values lie in blocks of BS tokens: row b's token t in block table[b, t // BS] at
-offset t % BS; lengths[b] tokens are held (the new token's included). A program takes one
-row, one key/value head with the REP query heads that share it (GQA), and one split of the
-table's columns; it runs over its blocks below the row's length with a running max and sum
-(float32), and writes its partial result; `paged_decode` adds the splits up. The split
-depends on the table's width only, never on the batch or the lengths, so a row's result is
-the same in any batch, and the launch has one shape for a CUDA graph whatever the context.
+offset t % BS; lengths[b] tokens are held before the step, the new token goes at position
+lengths[b] (the engine advances the lengths once the pass has run). Three launches a step
+where the sublayer's torch ops took about twenty:
+- `_rope_store_kernel`: a program a row and head rotates the query head (RoPE), or rotates
+  the key head and stores it and the value head in their block;
+- `_paged_decode_kernel`: a program takes one row, one key/value head with the REP query
+  heads that share it (GQA), and one split of the table's columns; it runs over its blocks
+  below the row's length with a running max and sum (float32), and writes its partial result;
+- `_paged_combine_kernel`: a program a row and key/value head adds the splits up.
+The split depends on the table's width only, never on the batch or the lengths, so a row's
+result is the same in any batch, and the launch has one shape for a CUDA graph whatever the
+context.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from ._triton import jit, tl, triton
+
+
+def rope_ref(x: torch.Tensor, pos: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+    """x (B, T, heads, hd) f32 rotated at positions pos (B, T): each pair (i, i + rd/2) of the
+    first rd dims by pos * theta^(-2i / rd) (transformers' rotate_half layout)."""
+    rd = rotary_dim
+    inv = 1.0 / theta ** (torch.arange(0, rd, 2, dtype=torch.float32, device=x.device) / rd)
+    freqs = pos[..., None].float() * inv  # (B, T, rd / 2)
+    emb = torch.cat([freqs, freqs], -1)[:, :, None]  # (B, T, 1, rd)
+    xr, rest = x[..., :rd], x[..., rd:]
+    half = rd // 2
+    rotated = torch.cat([-xr[..., half:], xr[..., :half]], -1)
+    return torch.cat([xr * emb.cos() + rotated * emb.sin(), rest], -1)
+
+
+def decode_attention_ref(qkv, k_cache, v_cache, table, lengths, rows, heads: int, scale: float, theta: float = 0.0,
+                         rotary_dim: int = 0) -> torch.Tensor:
+    """One new token a row: qkv (B, (H + 2 KVH) hd) f32 (the query heads, then the key and
+    the value heads), rows (B,) their slots; the query and key rotated at position
+    lengths[rows] (theta 0: no RoPE), the key and value stored there in the cache (blocks,
+    BS, KVH, hd), and the query against the slot's lengths + 1 tokens -> (B, H hd) f32."""
+    B = qkv.shape[0]
+    KVH, hd, BS = k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
+    q, k, v = qkv.view(B, heads + 2 * KVH, hd).split([heads, KVH, KVH], dim=1)
+    pos = lengths[rows]  # (B,)
+    if theta:
+        q, k = (rope_ref(t[:, None], pos[:, None], theta, rotary_dim)[:, 0] for t in (q, k))
+    block = table[rows, (pos // BS).clamp(max=table.shape[1] - 1)]
+    where = block * BS + pos % BS
+    k_cache.view(-1, KVH, hd).index_copy_(0, where, k.to(k_cache.dtype))
+    v_cache.view(-1, KVH, hd).index_copy_(0, where, v.to(v_cache.dtype))
+    return paged_decode_ref(q, k_cache, v_cache, table, lengths, scale, rows, 1).reshape(B, heads * hd)
 
 
 def paged_decode_ref(q, k_cache, v_cache, table, lengths, scale: float, rows=None, extra: int = 0) -> torch.Tensor:
@@ -89,6 +129,66 @@ def _paged_decode_kernel(
     tl.store(acc_ptr + (part * RP + r[:, None]) * HP + d[None, :], acc)
 
 
+@jit
+def _paged_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, KVH: tl.constexpr, REP: tl.constexpr, RP: tl.constexpr,
+                          HD: tl.constexpr, HP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
+    """The splits of one row and key/value head added up: each weighted by exp(its max - the
+    largest), the sums of values over the sums of weights; (a split with no block has m = -1e30,
+    weight 0)."""
+    b = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    s = tl.arange(0, SP)
+    r = tl.arange(0, RP)
+    d = tl.arange(0, HP)
+    part = (b * KVH + g) * SPLITS + s  # (SP,)
+    smask = s < SPLITS
+    m = tl.load(m_ptr + part[:, None] * RP + r[None, :], mask=smask[:, None], other=-1.0e30)  # (SP, RP)
+    l = tl.load(l_ptr + part[:, None] * RP + r[None, :], mask=smask[:, None], other=0.0)
+    w = tl.exp(m - tl.max(m, axis=0)[None, :])
+    w = tl.where(smask[:, None], w, 0.0)
+    acc = tl.load(acc_ptr + (part[:, None, None] * RP + r[None, :, None]) * HP + d[None, None, :],
+                  mask=smask[:, None, None], other=0.0)  # (SP, RP, HP)
+    out = tl.sum(acc * w[:, :, None], axis=0) / tl.sum(l * w, axis=0)[:, None]  # (RP, HP)
+    H = KVH * REP
+    tl.store(out_ptr + (b * H + g * REP + r[:, None]) * HD + d[None, :], out, mask=(r[:, None] < REP) & (d[None, :] < HD))
+
+
+@jit
+def _rope_store_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, rows_ptr, W, log2_theta,
+                       H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, HP: tl.constexpr, BS: tl.constexpr,
+                       ROT: tl.constexpr):
+    """Program (b, h): query head h < H rotated into q; else key/value head h - H, its key
+    rotated, both stored at the row's position lengths[rows[b]] in their block."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, HP)
+    dmask = d < HD
+    slot = tl.load(rows_ptr + b).to(tl.int64)
+    pos = tl.load(len_ptr + slot)
+    src = qkv_ptr + b * ((H + 2 * KVH) * HD) + h * HD
+    x = tl.load(src + d, mask=dmask, other=0.0).to(tl.float32)
+    if ROT > 0:
+        # pairs (i, i + ROT / 2) turned by pos * theta^(-2i / ROT), as rope_ref
+        half: tl.constexpr = ROT // 2
+        rot = d < ROT
+        first = d < half
+        partner = tl.load(src + tl.where(first, d + half, d - half), mask=rot, other=0.0).to(tl.float32)
+        i = tl.where(first, d, d - half).to(tl.float32)
+        inv = 1.0 / tl.exp2(i * (2.0 / ROT) * log2_theta)
+        angle = pos.to(tl.float32) * inv
+        turned = x * tl.cos(angle) + tl.where(first, -partner, partner) * tl.sin(angle)
+        x = tl.where(rot, turned, x)
+    if h < H:
+        tl.store(q_ptr + (b * H + h) * HD + d, x, mask=dmask)
+    else:
+        g = h - H
+        block = tl.load(table_ptr + slot * W + tl.minimum(pos // BS, W - 1))
+        at = ((block * BS + pos % BS) * KVH + g) * HD + d
+        tl.store(k_ptr + at, x.to(k_ptr.dtype.element_ty), mask=dmask)
+        v = tl.load(src + KVH * HD + d, mask=dmask, other=0.0)
+        tl.store(v_ptr + at, v.to(v_ptr.dtype.element_ty), mask=dmask)
+
+
 def paged_decode(q, k_cache, v_cache, table, lengths, scale: float, rows=None, extra: int = 0, *,
                  tiles: PagedTiles) -> torch.Tensor:
     """paged_decode_ref's result through the kernel: (B, H, hd) f32."""
@@ -108,7 +208,21 @@ def paged_decode(q, k_cache, v_cache, table, lengths, scale: float, rows=None, e
         q.contiguous(), k_cache, v_cache, table, lengths, rows, m, l, acc, W, per_split, scale, extra,
         KVH=KVH, REP=REP, RP=RP, HD=hd, HP=HP, BS=BS, SPLITS=S, num_warps=tiles.warps,
     )
-    top = m.amax(dim=2, keepdim=True)  # (B, KVH, 1, RP)
-    w = torch.exp(m - top)  # (a split with no block: m = -1e30, weight 0)
-    out = (acc * w[..., None]).sum(2) / (l * w).sum(2)[..., None]  # (B, KVH, RP, HP)
-    return out[:, :, :REP, :hd].reshape(B, H, hd)
+    out = torch.empty(B, H, hd, device=q.device, dtype=torch.float32)
+    _paged_combine_kernel[(B, KVH)](m, l, acc, out, KVH=KVH, REP=REP, RP=RP, HD=hd, HP=HP, SPLITS=S,
+                                    SP=triton.next_power_of_2(S), num_warps=1)
+    return out
+
+
+def decode_attention(qkv, k_cache, v_cache, table, lengths, rows, heads: int, scale: float, theta: float = 0.0,
+                     rotary_dim: int = 0, *, tiles: PagedTiles) -> torch.Tensor:
+    """decode_attention_ref's result and stores through the kernels: (B, H hd) f32."""
+    B = qkv.shape[0]
+    KVH, hd, BS = k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
+    q = torch.empty(B, heads, hd, device=qkv.device, dtype=torch.float32)
+    _rope_store_kernel[(B, heads + KVH)](
+        qkv.contiguous(), q, k_cache, v_cache, table, lengths, rows, table.shape[1],
+        math.log2(theta) if theta else 0.0, H=heads, KVH=KVH, HD=hd, HP=triton.next_power_of_2(hd), BS=BS,
+        ROT=rotary_dim if theta else 0, num_warps=1,
+    )
+    return paged_decode(q, k_cache, v_cache, table, lengths, scale, rows, 1, tiles=tiles).view(B, heads * hd)
