@@ -177,12 +177,13 @@ def main() -> None:
                     help="a prompt of this many tokens through the engine: its first token, step and peak memory "
                          "(default: 32768 on the GPU, none on the CPU; 0: none)")
     ap.add_argument("--prefills", default=None, help="prefill shapes, rows x tokens (default 1x8192,8x2048; "
-                    "on the CPU 1x256,2x128)")
+                    "on the CPU 1x256,2x128; none: no prefill)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--device", default="cuda", help="cuda (bf16 weights, the GPU engine), or cpu for a smoke run (float32)")
     ap.add_argument("--json")
     args = ap.parse_args()
     args.prefills = args.prefills or ("1x8192,8x2048" if cuda(args.device) else "1x256,2x128")
+    prefills = [] if args.prefills == "none" else [tuple(map(int, p.split("x"))) for p in args.prefills.split(",")]
     rows = []
 
     def emit(**row):
@@ -208,7 +209,7 @@ def main() -> None:
             emit(what="long prompt", **long_prompt(model, long))
         except RuntimeError as e:  # (the rest still measured)
             emit(what="long prompt", tokens=long, error=str(e)[:500])
-    for batch, n in (tuple(map(int, p.split("x"))) for p in args.prefills.split(",")):
+    for batch, n in prefills:
         ids = torch.randint(3, model.config.vocab_size, (batch, n), device=args.device)
         with torch.inference_mode():
             model.prefill(ids[:, :128], model.new_state(batch, 128), last_only=True)
