@@ -233,7 +233,8 @@ def test_granite_with_experts_over_dense_weights_names_the_missing_expert_tensor
 
 def test_a_fixed_kv_cache_admits_what_fits_and_refuses_what_never_can(tmp_path):
     """The serving engine's KV cache of 96 tokens (six 16-token blocks): a request holds its
-    prompt's and max_tokens' blocks from admission to its end, so two of 40 tokens each run
+    prompt's and max_tokens' blocks from admission to its end (its prompt's keys and values
+    copied in keep them), so two of 40 tokens each run
     together, a third waits for one of them to end, and one of 120 tokens can never fit (an
     error that says so); each still gets what generate gives it alone."""
     config, model_class = nemotron()
@@ -249,6 +250,12 @@ def test_a_fixed_kv_cache_admits_what_fits_and_refuses_what_never_can(tmp_path):
     for _ in range(200):
         outs = core.step()
         running.append(core.running)
+        # each running request keeps its whole context's blocks (a decode step in a CUDA graph
+        # reserves none: its stores past them would land in block 0)
+        kv = core.pool.kv
+        for r in core.slots:
+            if r is not None and not r.finished:
+                assert len(kv.owned[r.slot]) == kv.blocks_for(len(r.ids) + r.params.max_tokens)
         for out in outs:
             if isinstance(out, Token):
                 got.setdefault(out.rid, []).append(out.token)

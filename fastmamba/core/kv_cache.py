@@ -119,12 +119,19 @@ class KVCache:
         (their host lengths follow); the rest were padding (their lengths go back)."""
         for r in range(decoded):
             self.held[r] += 1
+            if self.held[r] > len(self.owned[r]) * self.block_size:  # (the graph stored past its blocks)
+                raise RuntimeError(f"KV cache slot {r} holds {self.held[r]} tokens in {len(self.owned[r])} blocks of "
+                                   f"{self.block_size}: its context was not reserved")
         if rows > decoded:
             self.lengths[decoded:rows].copy_(to_device(self.held[decoded:rows], self.lengths.device))
 
     def copy_slot(self, dst: int, src_cache: "KVCache", src: int) -> None:
-        """dst's context becomes src_cache's slot src's (a copy: blocks of its own)."""
-        self.release(dst)
+        """dst's context becomes src_cache's slot src's (a copy: blocks of its own). The blocks
+        dst has reserved stay its own: a request's whole context is reserved at admission,
+        before its prompt's keys and values are copied in, and a decode step in a CUDA graph
+        reserves nothing (its stores past the reservation would land in block 0)."""
+        self.held[dst] = 0
+        self.lengths[dst] = 0
         n = src_cache.held[src]
         if n == 0:
             return
