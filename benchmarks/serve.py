@@ -173,6 +173,8 @@ def main() -> None:
         # no stop tokens: every request must bring exactly its max_tokens
         lost = sum(r[2] != m for r, (_, m) in zip(results, jobs))
         tokens = sum(max(r[2], 0) for r in results)
+        if tokens == 0:
+            raise SystemExit(f"concurrency {c}: none of the {n} requests brought a token (the errors above say why)")
         ttft = [r[0] for r in results if r[2] > 0]
         # the decode step alone at this batch (graph-replayed, sampling included): the
         # inter-token latency's yardstick

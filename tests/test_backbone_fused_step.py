@@ -195,7 +195,7 @@ def test_gpu_fused_graph_step_at_128x3(dtype, batch):
         gpu = copy_of(base, "cuda", dtype, state_dtype)
         oracle = copy_of(gpu, device="cpu")
         eager, kernels = fused(gpu, batch), KernelStep(gpu, batch)
-        x, resets = inputs(4, batch, 64)
+        x, resets = inputs(5, batch, 64)  # (resets before steps 2 and 4)
         states = [gpu.new_state(batch) for _ in range(3)] + [oracle.new_state(batch)]
         y_graph, y_eager, y_kernels, y_oracle = run_steps(
             [(gpu.step, states[0]), (eager, states[1]), (kernels, states[2]), (oracle._step_eager, states[3])], x, resets)
