@@ -405,7 +405,7 @@ def main() -> None:
                    num_warps=PAGED_TILES.warps)
     compile_kernel(pa._paged_combine_kernel, ptrs("m_ptr", "l_ptr", "acc_ptr", "out_ptr"),
                    dict(KVH=KVH, REP=H // KVH, RP=H // KVH, HD=hd, HP=hd, SPLITS=PAGED_TILES.splits,
-                        SP=PAGED_TILES.splits), num_warps=1)
+                        SP=PAGED_TILES.splits), num_warps=4)
     t = ptrs("w_ptr", "b_ptr", "st_ptr", x_ptr="*fp32", y_ptr="*bf16", start_ptr="*bf16", first_ptr="*bf16")
     compile_kernel(cc._causal_conv1d_kernel, t, dict(K=4, KP=4, HAS_BIAS=True, BE=CONV_TILES.be, BT=CONV_TILES.bt,
                                                      STAGES=CONV_TILES.stages, UNROLL=CONV_TILES.unroll, RESETS=False,

@@ -211,7 +211,7 @@ def paged_decode(q, k_cache, v_cache, table, lengths, scale: float, rows=None, e
     )
     out = torch.empty(B, H, hd, device=q.device, dtype=torch.float32)
     _paged_combine_kernel[(B, KVH)](m, l, acc, out, KVH=KVH, REP=REP, RP=RP, HD=hd, HP=HP, SPLITS=S,
-                                    SP=triton.next_power_of_2(S), num_warps=1)
+                                    SP=triton.next_power_of_2(S), num_warps=4)
     return out
 
 
