@@ -1,13 +1,12 @@
 """fastmamba.Backbone on the GPU: the step at batch 1-4096 (device tensors and numpy in and
 out), the sequence pass forward and forward + backward, beside cuDNN's LSTM and GRU steps
-in CUDA graphs and the backbone's eager step. Each step row names its kernels (`step`):
-FusedStep (one kernel a layer) where the plan chooses it, and then the decode kernels'
-KernelStep at the same batch in the same run. The floor at large batches: the state read
+in CUDA graphs and the backbone's eager step. Each step row names its kernels (`step`: the
+decode kernels' KernelStep). The floor at large batches: the state read
 and written once a step, at the copy rate (floor_fraction: the floor over the graph's
 replay). With --cpu: the batch-1 step on the CPU.
 
     python -m benchmarks.backbone --json backbone.json
-    python -m benchmarks.backbone --step-only --json step.json   # the steps (both kinds) and the cuDNN cells
+    python -m benchmarks.backbone --step-only --json step.json   # the steps and the cuDNN cells
     python -m benchmarks.backbone --training --json training.json   # forward + backward only
     python -m benchmarks.backbone --training --autocast --deterministic   # the modes' costs
 
@@ -28,7 +27,6 @@ import torch
 from fastmamba import Backbone, BackboneConfig
 from fastmamba.bench import copy_bandwidth, host_us
 from fastmamba.core.layers import state_bytes
-from fastmamba.engine.plan import BACKBONE_STEP
 
 SHAPES = {"128x3": dict(input_dim=64, d_model=128, n_layer=3), "512x4": dict(input_dim=64, d_model=512, n_layer=4)}
 
@@ -172,25 +170,15 @@ def main() -> None:
                 x = torch.randn(batch, 64, device="cuda")
                 xn = x.cpu().numpy()
                 moved = 2 * batch * state_bytes(c, s.ssm.element_size())  # the state read and written
-                # the plan's step, then (where that is the fused one) the decode kernels' step
-                for plan in (BACKBONE_STEP, None):
-                    bb._step_plan = plan
-                    bb._graphs.clear()
-                    bb._last_graph = None
-                    dev = host_us(lambda: bb.step(x, s), 200)
-                    kind = type(bb._last_graph.kernels).__name__
-                    if plan is None and kind == rows[-1]["step"]:
-                        break  # the plan chose the decode kernels already
-                    replay = host_us(bb._last_graph.device_graph.replay, 200)  # the graph alone, no copy in or out
-                    host = host_us(lambda: bb.step(xn, s), 200)
-                    extra = {}
-                    if plan is not None:
-                        with torch.no_grad():
-                            extra = dict(eager_step_us=round(host_us(lambda: bb._step_eager(x, s), 50), 1))
-                    emit(shape=name, dtype=str(dtype)[6:], batch=batch, step=kind, step_us=round(dev, 1),
-                         replay_us=round(replay, 1), numpy_step_us=round(host, 1), **extra,
-                         floor_us=round(moved / bw * 1e6, 1), floor_fraction=round(moved / bw * 1e6 / replay, 2))
-                bb._step_plan = BACKBONE_STEP
+                dev = host_us(lambda: bb.step(x, s), 200)
+                kind = type(bb._last_graph.kernels).__name__
+                replay = host_us(bb._last_graph.device_graph.replay, 200)  # the graph alone, no copy in or out
+                host = host_us(lambda: bb.step(xn, s), 200)
+                with torch.no_grad():
+                    eager = host_us(lambda: bb._step_eager(x, s), 50)
+                emit(shape=name, dtype=str(dtype)[6:], batch=batch, step=kind, step_us=round(dev, 1),
+                     replay_us=round(replay, 1), numpy_step_us=round(host, 1), eager_step_us=round(eager, 1),
+                     floor_us=round(moved / bw * 1e6, 1), floor_fraction=round(moved / bw * 1e6 / replay, 2))
             bb._graphs.clear()
             bb._last_graph = None
             if dtype == torch.float32 and not args.step_only:

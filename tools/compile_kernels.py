@@ -36,7 +36,6 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fastmamba import BackboneConfig  # noqa: E402
 from fastmamba.engine.plan import (  # noqa: E402
     CONV_GRAD_TILES,
     CONV_TILES,
@@ -48,10 +47,8 @@ from fastmamba.engine.plan import (  # noqa: E402
     SSD_TILES,
     STEP_SIZE_TILES,
     TRAIN_SCAN_TILES,
-    backbone_step_tiles,
     one_row_blocks,
 )
-from fastmamba.kernels import backbone_step as bs  # noqa: E402
 from fastmamba.kernels import causal_conv1d as cc  # noqa: E402
 from fastmamba.kernels import conv_grad as cg  # noqa: E402
 from fastmamba.kernels import decode_gemm as dg  # noqa: E402
@@ -377,19 +374,6 @@ def main() -> None:
     for penalties in (False, True):
         compile_kernel(sp._finish_kernel, t, dict(PENALTIES=penalties, BR=8))
     res.append("sampler: ok")
-    # the Backbone's fused step (backbone_step.py): a layer a launch at 128 x 3's width and the
-    # widest the plan gives it (256, d_inner 512); one layer that is both first (the input
-    # projection) and last (the final norm)
-    for d in (128, 256):
-        tiles = backbone_step_tiles(BackboneConfig(input_dim=64, d_model=d, n_layer=3), torch.bfloat16, 1)
-        for wdt, sdt in (("*bf16", "*fp32"), ("*bf16", "*bf16"), ("*fp16", "*fp32"), ("*fp32", "*fp32")):
-            t = ptrs("x_ptr", "bin_ptr", "h_ptr", "y_ptr", "nw_ptr", "bi_ptr", "cw_ptr", "cb_ptr", "bdt_ptr", "A_ptr",
-                     "Dv_ptr", "bo_ptr", "nf_ptr", "xs_ptr", win_ptr=wdt, wi_ptr=wdt, wx_ptr=wdt, wdt_ptr=wdt,
-                     wo_ptr=wdt, conv_ptr=sdt, ssm_ptr=sdt, eps="fp32")
-            compile_kernel(bs._layer_step_kernel, t, dict(
-                FIRST=True, LAST=True, HAS_IN=True, PROJ_BIAS=True, CONV_BIAS=True, F32=wdt == "*fp32", KC=4, KP=4,
-                N=16, NP=16, RP=16, IP=64, DP=d, BM=tiles.bm, BE=tiles.be, PDL=tiles.pdl), num_warps=tiles.warps)
-    res.append("backbone fused step: ok")
     # a hybrid's decode attention (paged_attention.py) at Nemotron-H-8B's heads (32 query, 8
     # key-value, 128 wide), bf16 keys and values: the rotation (half the dims, as Bamba's, and
     # none) and store, the splits, their sum; the decode conv without a start tensor

@@ -12,8 +12,7 @@ flags: on the CPU the pure-PyTorch ops; on CUDA the prefill kernels without auto
 under autograd the training ops (core/ops.training_ops), whose conv and scan run forward and
 backward in Triton.
 The step runs the same layer; on CUDA in a CUDA graph, through the language model's decode
-kernels (backbone_step.KernelStep), or where the plan says (plan.BACKBONE_STEP_IN_USE: not yet,
-until it is measured on a GPU) at small widths as one kernel a layer (backbone_step.FusedStep).
+kernels (backbone_step.KernelStep).
 BackboneConfig(layer="mamba2") makes the layers Mamba-2's (core/mamba2.mixer2), with the same
 API and state type; its parameters and ops are backbone_mamba2.py's. Which ops run where, the
 deterministic mode and autocast: backbone_ops.py.
@@ -244,11 +243,6 @@ class Backbone(nn.Module):
         self._graphs = LRU(STEP_BATCHES)  # (batch, state dtypes) -> StepGraphs
         self._last = None  # (graph, x's shape, the state's tensors weakly): the last device-tensor call's
         self._step_weights, self._step_versions = None, None  # the eager step's (see _eager_weights)
-        from fastmamba.engine.plan import BACKBONE_STEP_IN_USE
-
-        # the plan entry that chooses the CUDA step's kernels (backbone_step.make_step); a
-        # benchmark or test sets another (None: the decode kernels always) and clears self._graphs
-        self._step_plan = BACKBONE_STEP_IN_USE
         self.deterministic = deterministic
 
     @property

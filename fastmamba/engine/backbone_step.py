@@ -1,8 +1,5 @@
 """The Backbone's step on CUDA: the language model's decode kernels over the backbone's own
-parameters (KernelStep), or at small widths one kernel a layer (FusedStep,
-kernels/backbone_step.py), as the plan says (plan.backbone_step_tiles: make_step; by default
-plan.BACKBONE_STEP_IN_USE, the decode kernels until the fused step is measured); replayed
-as CUDA graphs kept by batch size and state dtypes, and within those by the state's memory,
+parameters (KernelStep), replayed as CUDA graphs kept by batch size and state dtypes, and within those by the state's memory,
 both bounded (StepGraphs, StateGraph). `bb` is always a fastmamba.Backbone (backbone.py, which
 imports this module)."""
 
@@ -15,7 +12,6 @@ import torch
 from torch import nn
 
 from fastmamba.core.state import MambaState
-from fastmamba.kernels.backbone_step import FusedStepTiles, backbone_step
 from fastmamba.kernels.products import linear_invariant, linear_storage
 
 
@@ -82,40 +78,6 @@ class KernelStep(_OverParameters):
         return self.step(None, state, h=h)
 
 
-class FusedStep(_OverParameters):
-    """The step as one kernel a layer (kernels/backbone_step.py: the input projection in the
-    first layer's launch, the final norm in the last's), over the module's parameters, with
-    its residual, scratch and output buffers made here (nothing allocated a step: graph-safe).
-    The state in any float dtype (updated in float32, rounded once on store)."""
-
-    def __init__(self, bb: nn.Module, batch: int, tiles: FusedStepTiles):
-        c, dev = bb.config, bb.device
-        self.config, self.input_proj, self.norm_f, self.tiles = c, bb.input_proj, bb.norm_f.weight, tiles
-        with torch.no_grad():
-            self.layers = bb._layer_weights()
-        self.A_logs = [layer.mixer.A_log for layer in bb.layers]
-        self.versions = tuple(a._version for a in self.A_logs)
-        self.h = torch.zeros(batch, c.d_model, device=dev)  # the residual stream between layers
-        self.xs = torch.zeros(batch, c.d_inner, device=dev)  # a layer's conv output, between its passes
-        self.y = torch.zeros(batch, c.d_model, device=dev)
-
-    def __call__(self, x: torch.Tensor, state: MambaState) -> torch.Tensor:
-        p = self.input_proj
-        return backbone_step(x.float().contiguous(), p.weight if p is not None else None, p.bias if p is not None else None,
-                             self.layers, self.norm_f, self.config.norm_eps, state.conv, state.ssm, self.h, self.xs,
-                             self.y, tiles=self.tiles)
-
-
-def make_step(bb: nn.Module, batch: int):
-    """The Mamba-1 backbone's step at this batch size as its plan says: FusedStep where
-    plan.backbone_step_tiles gives tiles (bb._step_plan: the plan entry), else KernelStep."""
-    from fastmamba.engine.plan import backbone_step_tiles
-
-    tiles = backbone_step_tiles(bb.config, bb.layers[0].mixer.in_proj.weight.dtype, batch, bb.deterministic,
-                                bb._step_plan)
-    return FusedStep(bb, batch, tiles) if tiles is not None else KernelStep(bb, batch)
-
-
 # Bounds on the step's CUDA graphs (see Backbone's doc): a graph costs its capture's memory
 # and a capture about three steps' time, while a run steps a few batch sizes (rollouts,
 # evaluation) and one or two states a batch size at a time.
@@ -156,7 +118,7 @@ def state_address(state: MambaState) -> tuple:
 
 
 class StepGraphs:
-    """The step at one batch size on CUDA: the plan's kernels and their scratch (make_step)
+    """The step at one batch size on CUDA: the decode kernels and their scratch (KernelStep)
     where Triton is there, else (and for Mamba-2 layers) the module's own step; the input and
     output buffers; one memory pool; and the graphs over the last STATES_PER_BATCH state
     addresses. The kernels
@@ -177,7 +139,7 @@ class StepGraphs:
         bb, B = self.bb(), self.batch
         dev = bb.device
         if HAVE_TRITON and bb.config.layer == "mamba1":
-            self.kernels = self.run = make_step(bb, B)
+            self.kernels = self.run = KernelStep(bb, B)
         else:  # the module's own step (a Mamba-2 layer's on the GPU ops: backbone_mamba2.step_ops)
             module = self.bb
             self.run = lambda x, state: module()._step_eager(x, state)

@@ -38,7 +38,6 @@ from dataclasses import dataclass
 import torch
 
 from fastmamba.core.ops import KernelTiles
-from fastmamba.kernels.backbone_step import FusedStepTiles
 from fastmamba.kernels.causal_conv1d import ConvTiles
 from fastmamba.kernels.conv_grad import ConvGradTiles
 from fastmamba.kernels.decode_gemm import PRODUCTS
@@ -310,51 +309,6 @@ def batch_invariant_ranges(d_model: int, dtype: torch.dtype, up_to: int = 512) -
         else:
             out.append([b, b, family])
     return [tuple(x) for x in out if x[2] != "cublas"]
-
-
-# == The Backbone's step (engine/backbone_step.py) ============================================
-# At a recurrent core's small widths the step runs one kernel a layer (kernels/backbone_step.py,
-# "fused") instead of the language model's decode kernels over the backbone's parameters
-# (KernelStep: ~13 dependent kernels for 128 x 3). Mamba-1 layers only; deterministic=True keeps
-# the decode kernels (their rows' bits are the same at any batch size; the fused products'
-# order of sums may follow the tile).
-
-
-@dataclass(frozen=True)
-class BackboneStepPlan:
-    max_d_model: int  # the fused step up to these widths (every weight tile in one program's reach)
-    max_d_inner: int
-    batches: tuple[int, int]  # batch sizes, from and to
-    reason: str
-
-
-BACKBONE_STEP = BackboneStepPlan(
-    max_d_model=256, max_d_inner=512, batches=(1, MANY),
-    reason="UNTUNED: one launch a layer against ~13 dependent kernels for 128 x 3 (KernelStep 23.9 µs at batch 1, "
-           "H100); `benchmarks/backbone.py --step-only` times both",
-)
-
-
-# The plan the Backbone steps by: None (the decode kernels, KernelStep) until the fused step's
-# GPU tests (tests/test_backbone_fused_step.py -m gpu) have passed on a GPU and
-# `benchmarks/backbone.py --step-only` (which times both) has measured it; then BACKBONE_STEP.
-BACKBONE_STEP_IN_USE: BackboneStepPlan | None = None
-
-
-def backbone_step_tiles(config, dtype: torch.dtype, batch: int, deterministic: bool = False,
-                        plan: BackboneStepPlan | None = BACKBONE_STEP) -> FusedStepTiles | None:
-    """The fused step's tiles for a Backbone of this config (a BackboneConfig), large matrices
-    of `dtype`, `batch` rows; None where the plan keeps the decode kernels (KernelStep): other
-    layers, wider models, the deterministic mode, or `plan` None."""
-    if (plan is None or deterministic or config.layer != "mamba1" or config.d_model > plan.max_d_model
-            or config.d_inner > plan.max_d_inner or not plan.batches[0] <= batch <= plan.batches[1]
-            or dtype not in (torch.float32, torch.bfloat16, torch.float16)):
-        return None
-    # UNTUNED: 16 rows a program (the tensor cores' smallest tile), 16 channels a chunk in 8
-    # warps: the fewest that compile without spills at 128 x 3, bf16 (sm_90: 181 registers a
-    # thread; 32 channels or 4 warps spill, tools/compile_kernels.py). float32 weights (three
-    # TF32 products) and d_model 256 still spill some
-    return FusedStepTiles(bm=16, be=16, warps=8, pdl=True)
 
 
 # == The prefill, Mamba-2 scan, training and sampler kernels' tiles ===========================
