@@ -13,6 +13,7 @@ from conftest import assert_within_transformers_16bit_error, relative_error, tra
 
 import fastmamba
 from fastmamba.core.sampling_params import SamplingParams
+from fastmamba.core.state import MambaState
 from fastmamba.engine.engine_core import EngineCore
 from fastmamba.engine.protocol import Finished, Request, Token
 
@@ -165,6 +166,51 @@ def test_the_prefix_cache_and_chunks_change_no_token(case, kv_tokens):
     assert core.cache_hits >= 4
     for rid, p in enumerate(prompts):
         assert got.get(rid) == lm.generate(p, max_tokens=7, stop_token_ids=[]).token_ids, rid
+
+
+class PoolStepsOnTheCPU:
+    """cuda_graphs.PoolDecodeGraphs' contract on the CPU: the step over the pool's first
+    bucket rows, the KV cache's books left to the engine (kv_host=False: nothing reserved,
+    the lengths advanced on the device alone), as a graph's replay runs it."""
+
+    def __init__(self, model, pool, tokens, buckets=(2, 4)):
+        self.model, self.pool, self.tokens, self.buckets = model, pool, tokens, buckets
+
+    def bucket(self, d: int) -> int:
+        return next(b for b in self.buckets if b >= d)
+
+    def __call__(self, d: int):
+        b = self.bucket(d)
+        rows = MambaState(self.pool.conv[:, :b], self.pool.ssm[:, :b], self.pool.kv, kv_host=False)
+        return self.model.step(self.tokens[:b], rows)
+
+
+def test_decode_steps_as_graphs_run_them_keep_each_context_in_its_own_blocks(tmp_path):
+    """The serving engine's decode as its CUDA graphs run it (on the CPU here): three requests
+    at once, each decoding past its prompt's last block into blocks reserved at admission
+    (block 0 is every table's filler: a store there would land in the others' context), with
+    padding rows in a bucket of 4 and the prefix cache on; each gets what generate gives it
+    alone."""
+    config, model_class = bamba()
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(tmp_path)
+    lm = fastmamba.load(tmp_path)
+    core = EngineCore(lm.model, lm.prefill, max_batch=4, prefix_cache_bytes=64 << 20, kv_tokens=128)
+    core.decode_graphs = PoolStepsOnTheCPU(lm.model, core.pool, core.tokens)
+    prompts = [ids(1, n, seed=n)[0].tolist() for n in (14, 30, 9)]
+    for rid, p in enumerate(prompts):
+        core.add(Request(rid, p, SamplingParams(max_tokens=12, stop_token_ids=[])))
+    got = {}
+    for _ in range(100):
+        for out in core.step():
+            if isinstance(out, Token):
+                got.setdefault(out.rid, []).append(out.token)
+            else:
+                assert isinstance(out, Finished), out
+        if not core.has_work:
+            break
+    for rid, p in enumerate(prompts):
+        assert got[rid] == lm.generate(p, max_tokens=12, stop_token_ids=[]).token_ids, rid
 
 
 # -- configs refused by name ------------------------------------------------------------------
