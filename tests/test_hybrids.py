@@ -185,18 +185,28 @@ class PoolStepsOnTheCPU:
         return self.model.step(self.tokens[:b], rows)
 
 
-def test_decode_steps_as_graphs_run_them_keep_each_context_in_its_own_blocks(tmp_path):
-    """The serving engine's decode as its CUDA graphs run it (on the CPU here): three requests
-    at once, each decoding past its prompt's last block into blocks reserved at admission
-    (block 0 is every table's filler: a store there would land in the others' context), with
-    padding rows in a bucket of 4 and the prefix cache on; each gets what generate gives it
-    alone."""
+@pytest.mark.parametrize("ops", ["reference", "triton"])
+def test_decode_steps_as_graphs_run_them_keep_each_context_in_its_own_blocks(tmp_path, ops):
+    """The serving engine's decode as its CUDA graphs run it (on the CPU here; its steps over
+    the reference ops, or the GPU's ops in Triton's interpreter: the decode attention's
+    kernels): three requests at once, each decoding past its prompt's last block into blocks
+    reserved at admission (block 0 is every table's filler: a store there would land in the
+    others' context), with padding rows in a bucket of 4 and the prefix cache on; each gets
+    what generate gives it alone."""
     config, model_class = bamba()
     torch.manual_seed(0)
     model_class(config).save_pretrained(tmp_path)
     lm = fastmamba.load(tmp_path)
     core = EngineCore(lm.model, lm.prefill, max_batch=4, prefix_cache_bytes=64 << 20, kv_tokens=128)
-    core.decode_graphs = PoolStepsOnTheCPU(lm.model, core.pool, core.tokens)
+    steps = lm.model
+    if ops == "triton":
+        pytest.importorskip("triton")
+        from fastmamba.core.model import Mamba
+        from fastmamba.core.ops import triton_ops
+        from fastmamba.engine.plan import KERNEL_TILES
+
+        steps = Mamba(lm.model.config, lm.model.weights, triton_ops(KERNEL_TILES))
+    core.decode_graphs = PoolStepsOnTheCPU(steps, core.pool, core.tokens)
     prompts = [ids(1, n, seed=n)[0].tolist() for n in (14, 30, 9)]
     for rid, p in enumerate(prompts):
         core.add(Request(rid, p, SamplingParams(max_tokens=12, stop_token_ids=[])))
