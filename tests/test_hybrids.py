@@ -191,8 +191,8 @@ def test_decode_steps_as_graphs_run_them_keep_each_context_in_its_own_blocks(tmp
     the reference ops, or the GPU's ops in Triton's interpreter: the decode attention's
     kernels): three requests at once, each decoding past its prompt's last block into blocks
     reserved at admission (block 0 is every table's filler: a store there would land in the
-    others' context), with padding rows in a bucket of 4 and the prefix cache on; each gets
-    what generate gives it alone."""
+    others' context), with padding rows in a bucket of 4, the step ahead (a request's last
+    token fed past its end) and the prefix cache on; each gets what generate gives it alone."""
     config, model_class = bamba()
     torch.manual_seed(0)
     model_class(config).save_pretrained(tmp_path)
@@ -207,6 +207,7 @@ def test_decode_steps_as_graphs_run_them_keep_each_context_in_its_own_blocks(tmp
 
         steps = Mamba(lm.model.config, lm.model.weights, triton_ops(KERNEL_TILES))
     core.decode_graphs = PoolStepsOnTheCPU(steps, core.pool, core.tokens)
+    core.run_ahead = True  # (as on the GPU: a step launched before the last one's tokens are read)
     prompts = [ids(1, n, seed=n)[0].tolist() for n in (14, 30, 9)]
     for rid, p in enumerate(prompts):
         core.add(Request(rid, p, SamplingParams(max_tokens=12, stop_token_ids=[])))
