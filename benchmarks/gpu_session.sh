@@ -10,6 +10,11 @@
 #                                            # a 32k-token prompt, prefill, transformers; then served at
 #                                            # 64 streams (~8 minutes)
 #   SOAK=1 bash benchmarks/gpu_session.sh    # 8 minutes of the soak on the 2.8b shape (~9 minutes)
+#   PENDING=1 bash benchmarks/gpu_session.sh # in one call, what has not run on a GPU since e425277:
+#                                            # the hybrids' GPU tests (the paged kernel's splits over
+#                                            # the row's blocks, the KV blocks a prompt's copy keeps),
+#                                            # Nemotron-H-8B's decode at batch 1 and 128, its batch-128
+#                                            # profile, and its server at 64 streams (~8 minutes)
 # The 20-minute soak spans three calls on one warm machine (each call at most 10 minutes; a
 # process in its own session outlives the call that started it):
 #   SOAK20=start bash benchmarks/gpu_session.sh  # starts it from a copy of this tree, runs every
@@ -56,7 +61,7 @@ if [ -n "${SOAK20:-}" ]; then
   fi
   exit 0
 fi
-if [ -z "${BENCH:-}" ]; then
+if [ -z "${BENCH:-}${HYBRID:-}${PENDING:-}${SOAK:-}${SERVE:-}" ]; then  # (no mode named: the default)
   # (the sm_90 compile test is for machines without a GPU: the CPU suite runs it)
   # every `gpu` test (~2 minutes on a warm H200; the server's tests need fastapi, uvicorn,
   # openai, pyzmq and msgspec: carry them as wheels, see the device tool's README)
@@ -70,6 +75,16 @@ if [ -n "${HYBRID:-}" ]; then
     2>&1 | grep -v "transformers\]" | tee "$out/hybrid.log"
   timeout 200 python3 -m benchmarks.serve --model nemotron-h-8b --levels 64 --json "$out/serve_hybrid.json" 2>&1 \
     | grep -v Warning | tee "$out/serve_hybrid.log"
+  exit 0
+fi
+if [ -n "${PENDING:-}" ]; then
+  PYTHONPATH=. timeout 150 python3 -m pytest -q -rf -m gpu tests/test_hybrids.py tests/test_moe_kernel.py 2>&1 \
+    | tee "$out/gpu_tests.log" | grep -E "^FAILED|passed|failed"
+  timeout 80 python3 -m benchmarks.hybrid --shape nemotron-h-8b --batches 1,128 --state-dtypes bfloat16 --long 0 \
+    --prefills none --no-hf --json "$out/hybrid.json" 2>&1 | grep -v "transformers\]" | tee "$out/hybrid.log"
+  timeout 70 python3 -m benchmarks.profile_step --model nemotron-h-8b --batch 128 2>&1 | grep -v Warn | head -30
+  timeout 220 python3 -m benchmarks.serve --model nemotron-h-8b --levels 64 --json "$out/serve_hybrid.json" 2>&1 \
+    | grep -v Warning | tail -8 | tee "$out/serve_hybrid.log"
   exit 0
 fi
 if [ -n "${SOAK:-}" ]; then
