@@ -137,6 +137,32 @@ def test_a_token_is_the_same_bits_alone_and_in_a_batch(act, gated, dtype):
     assert torch.equal(together, sorted_)
 
 
+@pytest.mark.parametrize("router, bias, norm, scaling", [("softmax", False, True, 1.0), ("softmax_all", False, True, 1.0),
+                                                       ("sigmoid", True, True, 2.5), ("sigmoid", False, False, 1.0)])
+@pytest.mark.parametrize("E, k", [(40, 1), (40, 2), (130, 6)])
+def test_the_route_kernel_picks_and_weighs_as_its_twin(router, bias, norm, scaling, E, k):
+    """kernels/moe.route_triton (Triton's interpreter here) against route_ref, every router
+    kind of the public checkpoints (Granite's, Jamba's, Nemotron-H's with and without its
+    correction bias, renormalized or not), widths that are not a power of two: the same
+    experts, each with its weight; the softmax routers' in the same order (descending)."""
+    pytest.importorskip("triton")
+    from fastmamba.kernels.moe import route_ref, route_triton
+
+    g = torch.Generator().manual_seed(E + k)
+    logits = 3 * torch.randn(9, E, generator=g)
+    b = torch.rand(E, generator=g) if bias else None
+    got_e, got_w = route_triton(logits, router, k, b, norm_topk=norm, scaling=scaling)
+    want_e, want_w = route_ref(logits, router, k, b, norm_topk=norm, scaling=scaling)
+    assert got_e.dtype == torch.int64 and got_e.shape == got_w.shape == (9, k)
+    order_got, order_want = got_e.argsort(dim=-1), want_e.argsort(dim=-1)  # (the same experts, matched)
+    assert torch.equal(got_e.gather(1, order_got), want_e.gather(1, order_want))
+    assert torch.allclose(got_w.gather(1, order_got), want_w.gather(1, order_want), rtol=1e-6, atol=1e-7)
+    if router != "sigmoid":  # (transformers' sigmoid router takes its picks unsorted)
+        assert torch.equal(got_e, want_e)
+    if bias:  # the bias moves the choice, not the weights: without it other experts win
+        assert not torch.equal(route_ref(logits, router, k, None)[0].sort().values, want_e.sort().values)
+
+
 def test_block_scaled_fp8_experts_are_refused_by_name():
     pytest.importorskip("triton")
     from fastmamba.kernels.moe import moe_ffn_triton

@@ -282,6 +282,12 @@ def main() -> None:
     compile_kernel(mo._align_kernel, ptrs(experts_ptr="*i64", ids_ptr="*i64", bexp_ptr="*i64", nblocks_ptr="*i64"),
                    dict(BM=MOE_TILES.bm, BE=128, BC=32))
     compile_kernel(mo._sum_picks_kernel, ptrs(y_ptr="*fp32", out_ptr="*fp32"), dict(K=6, BD=1024))
+    # the routers: Granite-4.0-H-Tiny's softmax of the top 6 of 64, Nemotron 3 Nano's sigmoid
+    # with its correction bias, 6 of 128
+    for router, E in (("softmax", 64), ("sigmoid", 128), ("softmax_all", 16)):
+        compile_kernel(mo._route_kernel, ptrs("logits_ptr", "bias_ptr", "weights_ptr", experts_ptr="*i64", scaling="fp32"),
+                       dict(K=6 if E > 16 else 2, KP=8 if E > 16 else 2, BE=E, ROUTER=router,
+                            HAS_BIAS=router == "sigmoid", NORM=True), num_warps=1)
     res.append("prefill conv + step sizes + scan + FP8 quantize + MoE: ok")
     # training (fastmamba.Backbone under autograd, float32): the forward scan saving its
     # chunks' states, the scan's and the conv's backward

@@ -91,29 +91,11 @@ def _stack(matrices: list):
 
 
 def route(c, lw: MoEWeights, x: torch.Tensor, ops) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (N, d) -> each token's experts (N, k) int64 and their weights (N, k) f32."""
+    """x (N, d) -> each token's experts (N, k) int64 and their weights (N, k) f32: the router's
+    product, then the ops' routing (kernels/moe.route_ref's)."""
     logits = ops.linear(x, lw.router_w).float()  # (N, E)
-    k = c.experts_per_token
-    if c.router == "softmax":
-        top, experts = logits.topk(k, dim=-1)  # (N, k)
-        return experts, torch.softmax(top, dim=-1)
-    if c.router == "softmax_all":  # (Jamba: the top k of every expert's probability, kept as they are)
-        weights, experts = torch.softmax(logits, dim=-1).topk(k, dim=-1)  # (N, k)
-        return experts, weights
-    # sigmoid (Nemotron-H), as transformers' NemotronHTopkRouter, call for call (its tie order)
-    scores = logits.sigmoid()  # (N, E)
-    choice = scores + lw.router_b if lw.router_b is not None else scores
-    G = c.expert_groups
-    if G > 1:
-        group_scores = choice.view(-1, G, c.n_experts // G).topk(2, dim=-1)[0].sum(dim=-1)  # (N, G)
-        groups = torch.topk(group_scores, k=c.topk_groups, dim=-1, sorted=False)[1]
-        keep = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()  # (N, G)
-        choice = choice.masked_fill(~keep.repeat_interleave(c.n_experts // G, dim=1), float("-inf"))
-    experts = torch.topk(choice, k=k, dim=-1, sorted=False)[1]  # (N, k)
-    weights = scores.gather(1, experts)
-    if c.norm_topk:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return experts, weights * c.routed_scaling
+    return ops.route(logits, c.router, c.experts_per_token, lw.router_b, c.expert_groups, c.topk_groups, c.norm_topk,
+                     c.routed_scaling)
 
 
 def moe(c, lw: MoEWeights, u: torch.Tensor, ops) -> torch.Tensor:

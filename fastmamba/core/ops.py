@@ -20,7 +20,7 @@ from fastmamba.kernels.conv_grad import ConvGradTiles
 from fastmamba.kernels.fp8_gemm import fp8_linear
 from fastmamba.kernels.gated_norm import gated_rmsnorm_ref
 from fastmamba.kernels.mlp_activation import mlp_activation_ref
-from fastmamba.kernels.moe import MoETiles, moe_ffn_ref
+from fastmamba.kernels.moe import MoETiles, moe_ffn_ref, route_ref
 from fastmamba.kernels.paged_attention import PagedTiles
 from fastmamba.kernels.products import linear_invariant, linear_storage
 from fastmamba.kernels.rmsnorm import add_norm_ref
@@ -58,6 +58,8 @@ class Ops:
     # the twin over the reference products (one product an expert with tokens, the host
     # reading the counts)
     moe: Callable = partial(moe_ffn_ref, linear=linear)
+    # a router's logits to each token's experts and weights (kernels/moe.route_ref's signature)
+    route: Callable = route_ref
     # an MLP's activation between its products (kernels/mlp_activation.py's signature): the
     # reference keeps float32, the kernel rounds once to the down product's operand dtype
     mlp_act: Callable = mlp_activation_ref
@@ -119,7 +121,7 @@ def triton_ops(tiles: KernelTiles) -> Ops:
     from fastmamba.kernels.causal_conv1d import causal_conv1d
     from fastmamba.kernels.gated_norm import gated_rmsnorm
     from fastmamba.kernels.mlp_activation import mlp_activation
-    from fastmamba.kernels.moe import moe_ffn_triton
+    from fastmamba.kernels.moe import moe_ffn_triton, route_triton
     from fastmamba.kernels.paged_attention import decode_attention
     from fastmamba.kernels.rmsnorm import add_norm
     from fastmamba.kernels.selective_scan import step_and_scan
@@ -130,7 +132,7 @@ def triton_ops(tiles: KernelTiles) -> Ops:
                fp8_safe(partial(step_and_scan, tiles=tiles.scan)), add_norm,
                fp8_safe(partial(ssd_scan, tiles=tiles.ssd)), fp8_safe(gated_rmsnorm),
                partial(decode_attention, tiles=tiles.paged), partial(moe_ffn_triton, tiles=tiles.moe),
-               fp8_safe(mlp_activation), fp8=True)
+               route=route_triton, mlp_act=fp8_safe(mlp_activation), fp8=True)
 
 
 def training_ops(tiles: KernelTiles) -> Ops:

@@ -53,6 +53,95 @@ class MoETiles:
     align_pairs: int
 
 
+def route_ref(logits: torch.Tensor, router: str, k: int, bias: torch.Tensor | None = None, groups: int = 1,
+              topk_groups: int = 1, norm_topk: bool = True, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's logits (N, E) f32 -> each token's experts (N, k) int64 and their weights (N, k)
+    f32, as transformers routes, call for call (its tie order): "softmax" (Granite) the softmax
+    of the top k logits; "softmax_all" (Jamba) the top k of the softmax over every expert, as
+    they are; "sigmoid" (Nemotron-H) sigmoid scores, `bias` added for the choice alone, the
+    choice limited to the topk_groups best of `groups` groups (a group's score: its two best),
+    the picked scores renormalized where norm_topk, then scaled."""
+    if router == "softmax":
+        top, experts = logits.topk(k, dim=-1)  # (N, k)
+        return experts, torch.softmax(top, dim=-1)
+    if router == "softmax_all":
+        weights, experts = torch.softmax(logits, dim=-1).topk(k, dim=-1)  # (N, k)
+        return experts, weights
+    scores = logits.sigmoid()  # (N, E)
+    choice = scores + bias if bias is not None else scores
+    E = logits.shape[-1]
+    if groups > 1:
+        group_scores = choice.view(-1, groups, E // groups).topk(2, dim=-1)[0].sum(dim=-1)  # (N, G)
+        picked = torch.topk(group_scores, k=topk_groups, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores).scatter_(1, picked, 1).bool()  # (N, G)
+        choice = choice.masked_fill(~keep.repeat_interleave(E // groups, dim=1), float("-inf"))
+    experts = torch.topk(choice, k=k, dim=-1, sorted=False)[1]  # (N, k)
+    weights = scores.gather(1, experts)
+    if norm_topk:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return experts, weights * scaling
+
+
+@jit
+def _route_kernel(logits_ptr, bias_ptr, experts_ptr, weights_ptr, E, scaling, K: tl.constexpr, KP: tl.constexpr,
+                  BE: tl.constexpr, ROUTER: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
+    # One program a token: route_ref's routing without groups, its picks in descending order of
+    # the choice (equal choices: the lowest expert first), in one launch where the torch ops
+    # took two (softmax routers) to eight (sigmoid).
+    n = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BE)
+    emask = e < E
+    x = tl.load(logits_ptr + n * E + e, mask=emask, other=float("-inf"))
+    if ROUTER == "sigmoid":
+        scores = tl.sigmoid(x)
+        choice = scores
+        if HAS_BIAS:
+            choice += tl.load(bias_ptr + e, mask=emask, other=0.0)
+        choice = tl.where(emask, choice, float("-inf"))
+    elif ROUTER == "softmax_all":
+        p = tl.exp(x - tl.max(x, axis=0))
+        scores = p / tl.sum(p, axis=0)
+        choice = tl.where(emask, scores, float("-inf"))
+    else:  # softmax: of the picked logits, below
+        scores = x
+        choice = x
+    j = tl.arange(0, KP)
+    ids = tl.zeros([KP], dtype=tl.int32)
+    vals = tl.zeros([KP], dtype=tl.float32)
+    for t in tl.static_range(K):
+        best = tl.max(choice, axis=0)
+        pick = tl.min(tl.where(choice == best, e, BE), axis=0)
+        ids = tl.where(j == t, pick, ids)
+        vals = tl.where(j == t, tl.sum(tl.where(e == pick, scores, 0.0), axis=0), vals)
+        choice = tl.where(e == pick, float("-inf"), choice)
+    kmask = j < K
+    if ROUTER == "softmax":
+        p = tl.where(kmask, tl.exp(vals - tl.max(tl.where(kmask, vals, float("-inf")), axis=0)), 0.0)
+        vals = p / tl.sum(p, axis=0)
+    elif ROUTER == "sigmoid":
+        if NORM:
+            vals = vals / (tl.sum(tl.where(kmask, vals, 0.0), axis=0) + 1e-20)
+        vals = vals * scaling
+    tl.store(experts_ptr + n * K + j, ids.to(tl.int64), mask=kmask)
+    tl.store(weights_ptr + n * K + j, vals, mask=kmask)
+
+
+def route_triton(logits: torch.Tensor, router: str, k: int, bias: torch.Tensor | None = None, groups: int = 1,
+                 topk_groups: int = 1, norm_topk: bool = True, scaling: float = 1.0):
+    """route_ref's experts and weights in one launch (its picks in descending order of the
+    choice); groups of experts (no public checkpoint's) through route_ref."""
+    if groups > 1:
+        return route_ref(logits, router, k, bias, groups, topk_groups, norm_topk, scaling)
+    N, E = logits.shape
+    experts = torch.empty(N, k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(N, k, dtype=torch.float32, device=logits.device)
+    if N:
+        _route_kernel[(N,)](logits.float().contiguous(), bias if bias is not None else logits, experts, weights, E,
+                            float(scaling), K=k, KP=triton.next_power_of_2(k), BE=triton.next_power_of_2(E),
+                            ROUTER=router, HAS_BIAS=bias is not None, NORM=norm_topk, num_warps=1 if E <= 128 else 4)
+    return experts, weights
+
+
 def moe_align(experts: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """experts (N, k) int -> (ids (R,) int64, block_expert (R / block_m,) int64, blocks (1,) int64).
 
