@@ -9,8 +9,9 @@ logits ("softmax": `torch.topk`, so equal logits pick in transformers' order; re
 token's weights sum to 1); Jamba's top k of the softmax over all experts ("softmax_all": not
 renormalized, a token's weights sum to less than 1); Nemotron-H's sigmoid scores, a correction
 bias added for the choice alone, the choice limited to the best groups of experts, the picked
-scores renormalized and scaled. The experts are kept stacked, (E, 2 I, d) (gate's rows before
-up's) or (E, I, d), and (E, d, I); a checkpoint that stores them one by one (Jamba's gate and
+scores renormalized and scaled (kernels/moe.route_ref; on the GPU one launch, route_triton).
+The experts are kept stacked, (E, 2 I, d) (gate's rows before up's) or (E, I, d), and
+(E, d, I); a checkpoint that stores them one by one (Jamba's gate and
 up apart) is stacked at load. The routed MLPs are the ops' (`Ops.moe`, kernels/moe.py): the
 reference gathers each expert's tokens and runs one product an active expert (the host reads
 the counts), the GPU ops' grouped Triton kernel runs every active expert in one launch a
