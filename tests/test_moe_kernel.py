@@ -117,6 +117,10 @@ def test_the_kernel_equals_its_twin(act, gated, dtype, N, k):
     assert relative_error(got, plain) < (1e-5 if dtype == torch.float32 else 1e-2)
     broken = moe_ffn_ref(x, (experts + 1) % 5, weights, in_w, out_w, act, gated, linear=rounded_linear)
     assert relative_error(got, broken) > 1e-2  # (the test can fail: other experts)
+    # a shared MLP's output added in the picks' sum: the twin's bits for the sum it adds to
+    shared = torch.randn(N, 40, generator=torch.Generator().manual_seed(5))
+    summed = moe_ffn_triton(x, experts, weights, in_w, out_w, act, gated, add=shared, tiles=TILES)
+    assert torch.equal(summed, got + shared)
 
 
 @pytest.mark.parametrize("act,gated", FAMILIES, ids=["gated_silu", "squared_relu"])

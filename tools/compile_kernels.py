@@ -281,7 +281,7 @@ def main() -> None:
     # the grouping in one program (64 experts, Granite-4.0-H-Tiny's) and the picks' sum
     compile_kernel(mo._align_kernel, ptrs(experts_ptr="*i64", ids_ptr="*i64", bexp_ptr="*i64", nblocks_ptr="*i64"),
                    dict(BM=MOE_TILES.bm, BE=128, BC=32))
-    compile_kernel(mo._sum_picks_kernel, ptrs(y_ptr="*fp32", out_ptr="*fp32"), dict(K=6, BD=1024))
+    compile_kernel(mo._sum_picks_kernel, ptrs("y_ptr", "add_ptr", "out_ptr"), dict(K=6, BD=1024, HAS_ADD=True))
     # the routers: Granite-4.0-H-Tiny's softmax of the top 6 of 64, Nemotron 3 Nano's sigmoid
     # with its correction bias, 6 of 128
     for router, E in (("softmax", 64), ("sigmoid", 128), ("softmax_all", 16)):

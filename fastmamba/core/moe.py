@@ -104,8 +104,8 @@ def moe(c, lw: MoEWeights, u: torch.Tensor, ops) -> torch.Tensor:
     B, T, d = u.shape
     x = u.reshape(B * T, d)  # (N, d)
     experts, weights = route(c, lw, x, ops)  # (N, k), (N, k)
-    routed = ops.moe(x, experts, weights, lw.in_w, lw.out_w, c.mlp_act, c.mlp_gated)  # (N, d) f32
-    out = routed.view(B, T, d)
-    if lw.shared_in is not None:
-        out = out + mlp_.mlp(c, mlp_.MLPWeights(lw.norm_w, lw.shared_in, lw.shared_out), u, ops)
-    return out
+    shared = None
+    if lw.shared_in is not None:  # (added in the routed sum's last launch)
+        shared = mlp_.mlp(c, mlp_.MLPWeights(lw.norm_w, lw.shared_in, lw.shared_out), u, ops).reshape(B * T, d)
+    out = ops.moe(x, experts, weights, lw.in_w, lw.out_w, c.mlp_act, c.mlp_gated, add=shared)  # (N, d) f32
+    return out.view(B, T, d)

@@ -220,23 +220,26 @@ def moe_align_triton(experts: torch.Tensor, n_experts: int, block_m: int):
 
 
 @jit
-def _sum_picks_kernel(y_ptr, out_ptr, D, K: tl.constexpr, BD: tl.constexpr):
-    # out[n] = y[n, 0] + y[n, 1] + ... in pick order (the twin's order: the same bits)
+def _sum_picks_kernel(y_ptr, add_ptr, out_ptr, D, K: tl.constexpr, BD: tl.constexpr, HAS_ADD: tl.constexpr):
+    # out[n] = y[n, 0] + y[n, 1] + ... in pick order (+ add[n] last: the shared MLP's output),
+    # the twin's order: the same bits
     n = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     dmask = d < D
     acc = tl.load(y_ptr + n * K * D + d, mask=dmask)
     for j in tl.static_range(1, K):
         acc = acc + tl.load(y_ptr + (n * K + j) * D + d, mask=dmask)
+    if HAS_ADD:
+        acc = acc + tl.load(add_ptr + n * D + d, mask=dmask)
     tl.store(out_ptr + n * D + d, acc, mask=dmask)
 
 
 def moe_ffn_ref(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, in_w, out_w, act: str, gated: bool,
-                linear: Callable = linear_ref) -> torch.Tensor:
+                add: torch.Tensor | None = None, linear: Callable = linear_ref) -> torch.Tensor:
     """x (N, d), experts (N, k) int, weights (N, k) f32, in_w (E, 2 I, d) gated (gate's rows,
     then up's) or (E, I, d), out_w (E, d, I) (tensors, or FP8 weights: `w[e]` one expert's)
-    -> (N, d) f32: each token's experts' MLPs weighted by the router, summed in pick order.
-    One product an expert with tokens (the host reads the counts); linear(x, w): the product
+    -> (N, d) f32: each token's experts' MLPs weighted by the router, summed in pick order,
+    then `add` (N, d) f32 where given (the shared MLP's output). One product an expert with tokens (the host reads the counts); linear(x, w): the product
     (the reference ops' own)."""
     N, d = x.shape
     k = experts.shape[1]
@@ -257,7 +260,7 @@ def moe_ffn_ref(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, i
     routed = y[:, 0] * weights[:, :1]
     for j in range(1, k):  # (in pick order: the same sum whatever the batch)
         routed = routed + y[:, j] * weights[:, j : j + 1]
-    return routed
+    return routed if add is None else routed + add
 
 
 @jit(do_not_specialize=["P"])
@@ -331,11 +334,12 @@ def _grouped_product(x, w, scale, weights, ids, block_expert, blocks, out, N, ro
 
 
 def moe_ffn_triton(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, in_w, out_w, act: str, gated: bool,
-                   *, tiles: MoETiles) -> torch.Tensor:
+                   add: torch.Tensor | None = None, *, tiles: MoETiles) -> torch.Tensor:
     """moe_ffn_ref through the grouped kernel: x rounded once to the weights' operand dtype
     (their own for 16-bit and float32 weights (float32 in three TF32 passes), bfloat16 for
     e4m3 ones, whose values widen to it exactly), float32 sums, the hidden activations
-    stored in the down matrix's operand dtype, the output (N, d) f32. No host sync."""
+    stored in the down matrix's operand dtype, the output (N, d) f32 (`add` in the picks' sum's
+    launch). No host sync."""
     N, d = x.shape
     k = experts.shape[1]
     w1, s1 = _parts(in_w)
@@ -344,7 +348,8 @@ def moe_ffn_triton(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     if act not in ACTIVATIONS:
         raise ValueError(f"the fused MoE kernel has no activation {act!r} (it has {', '.join(ACTIVATIONS)})")
     if N * k == 0:
-        return torch.zeros(N, d, dtype=torch.float32, device=x.device)
+        zeros = torch.zeros(N, d, dtype=torch.float32, device=x.device)
+        return zeros if add is None else zeros + add
     operand1 = torch.bfloat16 if s1 is not None else w1.dtype
     operand2 = torch.bfloat16 if s2 is not None else w2.dtype
     align = moe_align_triton if N * k <= tiles.align_pairs else moe_align
@@ -356,7 +361,9 @@ def moe_ffn_triton(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     y = torch.empty(N * k, d, dtype=torch.float32, device=x.device)  # (P, d) a row a pair, router-weighted
     _grouped_product(h, w2, s2, rw, ids, block_expert, blocks, y, d, 1, "none", False, True, tiles)
     if k == 1:
-        return y
+        return y if add is None else y + add
     routed = torch.empty(N, d, dtype=torch.float32, device=x.device)
-    _sum_picks_kernel[(N, triton.cdiv(d, 1024))](y, routed, d, K=k, BD=1024, num_warps=4)
+    add = add.float().contiguous() if add is not None else None
+    _sum_picks_kernel[(N, triton.cdiv(d, 1024))](y, add if add is not None else y, routed, d, K=k, BD=1024,
+                                                 HAS_ADD=add is not None, num_warps=4)
     return routed
