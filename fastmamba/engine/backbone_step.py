@@ -1,6 +1,6 @@
 """The Backbone's step on CUDA: the language model's decode kernels over the backbone's own
-parameters (KernelStep), replayed as CUDA graphs kept by batch size and state dtypes, and within those by the state's memory,
-both bounded (StepGraphs, StateGraph). `bb` is always a fastmamba.Backbone (backbone.py, which
+parameters (KernelStep), replayed as CUDA graphs kept by batch size and state dtypes, and
+within those by the state's memory, both bounded (StepGraphs, StateGraph). `bb` is always a fastmamba.Backbone (backbone.py, which
 imports this module)."""
 
 from __future__ import annotations
@@ -37,22 +37,7 @@ def decode_model(bb: nn.Module):
     return Mamba(sizes, MambaWeights(embedding=eye, layers=layers, norm_f=bb.norm_f.weight, lm_head=eye), triton_ops(KERNEL_TILES))
 
 
-class _OverParameters:
-    """A step that reads the module's parameters themselves, but for A = -exp(A_log), which
-    `sync` makes anew (self.layers: each layer's LayerWeights; self.A_logs their A_log)."""
-
-    def sync(self) -> None:
-        """A = -exp(A_log) anew where A_log has changed since (an optimizer step bumps its
-        version counter); outside any graph, before a replay."""
-        versions = tuple(a._version for a in self.A_logs)
-        if versions != self.versions:
-            with torch.no_grad():
-                for lw, A_log in zip(self.layers, self.A_logs):
-                    torch.exp(A_log.float(), out=lw.A).neg_()
-            self.versions = versions
-
-
-class KernelStep(_OverParameters):
+class KernelStep:
     """The step through the language model's decode kernels (kernels/decode_step.py: one
     row a program at small batches; decode_gemm.py's step above), with vectors in place of
     the embedding lookup and an identity matrix as lm_head, so that what they return is the
@@ -76,6 +61,17 @@ class KernelStep(_OverParameters):
         p = self.input_proj
         h = self.input_linear(x, p.weight, p.bias) if p is not None else x.float()
         return self.step(None, state, h=h)
+
+    def sync(self) -> None:
+        """A = -exp(A_log) anew where A_log has changed since (an optimizer step bumps its
+        version counter); outside any graph, before a replay. (The step reads the module's
+        parameters themselves, but for A.)"""
+        versions = tuple(a._version for a in self.A_logs)
+        if versions != self.versions:
+            with torch.no_grad():
+                for lw, A_log in zip(self.layers, self.A_logs):
+                    torch.exp(A_log.float(), out=lw.A).neg_()
+            self.versions = versions
 
 
 # Bounds on the step's CUDA graphs (see Backbone's doc): a graph costs its capture's memory
