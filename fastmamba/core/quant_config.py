@@ -11,12 +11,19 @@ activation scales (`input_activations` with `dynamic: false`, stored as `<name>.
 are read and left unused: fastmamba's products take float32 activations. Which modules are
 quantized (`targets`, `ignore`) the weights' own dtypes say.
 
+Read too: NVIDIA ModelOpt's FP8 checkpoints (hf_quant_config.json's `quantization`, or
+config.json's quantization_config with `quant_method: "modelopt"`), whose tensors lie in the
+same layout: `quant_algo` FP8 (a scale a tensor, static activation scales), FP8_PER_CHANNEL_PER_TOKEN
+(a scale a row) or FP8_PB_WO (128 x 128 blocks); `exclude_modules` the weights' dtypes say
+again. An FP8 KV cache's scales (`kv_cache_quant_algo: "FP8"`: `k_scale` and `v_scale`
+beside an attention sublayer's projections) are read and left unused: the cache stays 16-bit.
+
 Torch-free at import, as config.py is.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastmamba.core.errors import CheckpointError
 
@@ -38,6 +45,7 @@ class Fp8Scheme:
     strategies: tuple[str, ...]  # among STRATEGIES
     blocks: tuple[tuple[int, int], ...] = ()  # (rows, columns) of each `block` group
     input_scales: bool = False  # '<name>.input_scale' tensors beside the weights (unused)
+    kv_scales: bool = False  # an FP8 KV cache's 'k_scale' and 'v_scale' beside attention's projections (unused)
 
     def scale_shapes(self, out: int, k: int) -> list[tuple[tuple[int, ...], str, tuple[int, int] | None]]:
         """The shapes a (out, k) weight's scale may have: (shape, strategy, block)."""
@@ -51,17 +59,44 @@ class Fp8Scheme:
         return shapes
 
 
+# NVIDIA ModelOpt's FP8 schemes, by their quant_algo (ModelOpt writes the last one lower-case too)
+MODELOPT_FP8 = {
+    "FP8": Fp8Scheme(("tensor",), input_scales=True),
+    "FP8_PER_CHANNEL_PER_TOKEN": Fp8Scheme(("channel",)),
+    "FP8_PB_WO": Fp8Scheme(("block",), blocks=((128, 128),)),
+}
+
+
+def modelopt_scheme(q, where: str, source: str) -> Fp8Scheme:
+    """The scheme of ModelOpt's quantization object (`where`: its path in the file, for the
+    errors), or a CheckpointError naming the field and its value."""
+    if not isinstance(q, dict):
+        _refuse(where, q, source, "ModelOpt's quantization is an object")
+    algo = q.get("quant_algo")
+    scheme = MODELOPT_FP8.get(algo.upper() if isinstance(algo, str) else algo)
+    if scheme is None:
+        _refuse(f"{where}.quant_algo", algo, source, f"of NVIDIA ModelOpt's schemes fastmamba reads the FP8 ones: "
+                f"{', '.join(MODELOPT_FP8)}")
+    kv = q.get("kv_cache_quant_algo")
+    if kv not in (None, "FP8"):
+        _refuse(f"{where}.kv_cache_quant_algo", kv, source, "fastmamba reads an FP8 KV cache's scales (and leaves "
+                "them unused: its cache stays 16-bit), no other")
+    return replace(scheme, kv_scales=kv == "FP8")
+
+
 def fp8_scheme(q, source: str) -> Fp8Scheme:
     """The scheme of a `quantization_config`, or a CheckpointError naming the field (as a
     path: quantization_config.config_groups.group_0.weights.num_bits) and its value."""
     if not isinstance(q, dict):
         raise CheckpointError(f"{source}: key 'quantization_config' is {q!r}, not an object")
     method = q.get("quant_method")
+    if method == "modelopt":
+        return modelopt_scheme(q, "quantization_config", source)
     if method != "compressed-tensors":
         raise CheckpointError(
             f"{source}: quantization_config.quant_method is {method!r}: fastmamba reads FP8 weights in the "
-            "compressed-tensors format only (quant_method 'compressed-tensors'); load a float32, bfloat16 or float16 "
-            "checkpoint, or quantize one at load with dtype='fp8'")
+            "compressed-tensors format and NVIDIA ModelOpt's (quant_method 'compressed-tensors' or 'modelopt'); load "
+            "a float32, bfloat16 or float16 checkpoint, or quantize one at load with dtype='fp8'")
     where = "quantization_config"
     _one_of(q, "format", FORMATS + ("mixed-precision",), where, source)
     if q.get("quantization_status", "compressed") != "compressed":

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from fastmamba.core.families import family, first_sublayer, fold_multipliers, su
 from fastmamba.core.fp8 import FP8, Fp8Weight, quantize
 from fastmamba.core.layers import LAYER_KINDS
 from fastmamba.core.model import MambaWeights
+from fastmamba.core.quant_config import Fp8Scheme, modelopt_scheme
 from fastmamba.io.files import INDEX_FILES, WEIGHTS_FILES, inside, readable_file
 
 
@@ -165,9 +167,10 @@ def read_tensors(folder: Path, config: MambaConfig) -> tuple[dict[str, torch.Ten
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{folder / files}: missing tensor '{missing[0]}'{more}{_other_layer_kind(config, header)}")
-    # An FP8 checkpoint's float8 weights: each with its scale, perhaps a static activation scale (unused)
+    # An FP8 checkpoint's float8 weights: each with its scale, perhaps a static activation scale (unused);
+    # an FP8 KV cache's scales (unused)
     fp8 = _fp8_companions(config, expected, header)
-    companions = {n for names in fp8.values() for n in names if n}
+    companions = {n for names in fp8.values() for n in names if n} | _kv_scales(config, expected, header)
     unexpected = sorted(n for n in header if n not in expected and n not in companions
                         and not (repeated_head and n == "lm_head.weight"))
     if unexpected:
@@ -225,6 +228,16 @@ def _fp8_companions(config: MambaConfig, expected: dict, header: dict) -> dict[s
             out[name] = (stem + "weight_scale",
                          stem + "input_scale" if config.fp8.input_scales and stem + "input_scale" in header else None)
     return out
+
+
+def _kv_scales(config: MambaConfig, expected: dict, header: dict) -> set[str]:
+    """An FP8 KV cache's scales in the files, beside each attention sublayer's projections
+    (ModelOpt's `kv_cache_quant_algo: "FP8"`): read and left unused, the cache being 16-bit."""
+    if config.fp8 is None or not config.fp8.kv_scales:
+        return set()
+    stems = [n.removesuffix("k_proj.weight") for n in expected if n.endswith("k_proj.weight")]
+    return {stem + scale for stem in stems for scale in ("k_proj.k_scale", "v_proj.v_scale", "k_scale", "v_scale")
+            if stem + scale in header}
 
 
 def _fp8_layout(config: MambaConfig, name: str, shape: tuple[int, int], scale: str, header: dict,
@@ -337,21 +350,19 @@ def load_checkpoint(path, device, dtype: torch.dtype) -> tuple[MambaConfig, Mamb
         raise CheckpointError(f"{folder}: no such checkpoint folder")
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: a checkpoint is a folder holding config.json and weights")
-    if os.path.lexists(folder / "hf_quant_config.json"):
-        _refuse_modelopt(inside(folder, "hf_quant_config.json"))
     config = MambaConfig.from_file(inside(folder, "config.json"))
+    if os.path.lexists(folder / "hf_quant_config.json") and config.fp8 is None:  # NVIDIA ModelOpt's export
+        config = replace(config, fp8=_modelopt_scheme(inside(folder, "hf_quant_config.json")))
     tensors, origin = read_tensors(folder, config)
     return config, build_weights(config, tensors, origin, device, dtype)
 
 
-def _refuse_modelopt(path: Path):
-    """NVIDIA ModelOpt's quantized checkpoints (hf_quant_config.json) are not read: a
-    CheckpointError naming their algorithm."""
+def _modelopt_scheme(path: Path) -> Fp8Scheme:
+    """The FP8 scheme of NVIDIA ModelOpt's hf_quant_config.json (its `quantization` object)."""
     try:
-        algo = json.loads(path.read_text())["quantization"]["quant_algo"]
-    except Exception:
-        algo = "unreadable"
-    raise CheckpointError(
-        f"{path}: quantization.quant_algo is {algo!r}: NVIDIA ModelOpt's quantized checkpoints are not supported; "
-        "fastmamba reads FP8 checkpoints in the compressed-tensors format, or quantizes a float32, bfloat16 or "
-        "float16 one at load with dtype='fp8'")
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: cannot read ModelOpt's quantization file ({type(e).__name__}: {e})") from None
+    if not isinstance(raw, dict) or "quantization" not in raw:
+        raise CheckpointError(f"{path}: no 'quantization' object (NVIDIA ModelOpt's file says its scheme there)")
+    return modelopt_scheme(raw["quantization"], "quantization", str(path))
