@@ -132,11 +132,39 @@ def test_a_modelopt_hybrid_with_an_fp8_kv_cache_in_config_json(tmp_path):
         fastmamba.load(tmp_path, dtype="fp8")
 
 
+@pytest.mark.parametrize("algo, dense", [("FP8_PER_CHANNEL_PER_TOKEN", "k_proj"), ("FP8_PB_WO", None)])
+def test_attention_matrices_that_cannot_share_a_layout_load_as_float32(tmp_path, algo, dense):
+    """q, k and v are one product: where they cannot share one FP8 layout (k_proj left
+    unquantized, as an `exclude_modules` pattern may leave it; 128-row blocks over q's 64
+    rows) they are stacked as float32 values, and the logits are still those of
+    transformers' model of the dequantized weights."""
+    from safetensors.torch import load_file, save_file
+    from test_hybrids import nemotron
+
+    config, model_class = nemotron()
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    export(model, tmp_path, algo)
+    if dense:
+        t = load_file(str(tmp_path / "model.safetensors"))
+        name = f"backbone.layers.1.mixer.{dense}.weight"
+        t[name] = t[name].float() * t.pop(name.replace(".weight", ".weight_scale"))
+        save_file(t, str(tmp_path / "model.safetensors"))
+    lm = fastmamba.load(tmp_path, dtype="fp8")
+    qkv = lm.model.weights.layers[1].qkv_w
+    assert not isinstance(qkv, Fp8Weight) and qkv.dtype == torch.float32
+    assert isinstance(lm.model.weights.layers[1].o_w, Fp8Weight)  # (the others as stored)
+    x = torch.randint(0, 160, (2, 21), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert relative_error(lm.forward(x), model(x).logits) < 1e-5
+
+
 REFUSED = {  # an edit of hf_quant_config.json's quantization object -> what the error names
     "NVFP4": (lambda q: q.update(quant_algo="NVFP4"), ["quantization.quant_algo", "'NVFP4'", "FP8_PB_WO"]),
     "INT4 AWQ": (lambda q: q.update(quant_algo="W4A16_AWQ"), ["quantization.quant_algo", "'W4A16_AWQ'"]),
     "a KV cache of another kind": (lambda q: q.update(kv_cache_quant_algo="NVFP4"),
                                    ["quantization.kv_cache_quant_algo", "'NVFP4'"]),
+    "an algorithm that is not a name": (lambda q: q.update(quant_algo=["FP8"]), ["quantization.quant_algo", "['FP8']"]),
 }
 
 

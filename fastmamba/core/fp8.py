@@ -109,10 +109,22 @@ def cat(weights: list[Fp8Weight]) -> Fp8Weight:
 
 def cat_rows(matrices: list):
     """Matrices one product reads as one, stacked by rows (an MLP's gate and up; attention's
-    q, k and v): tensors, or Fp8Weights with their scales (`cat`); one matrix as it is."""
+    q, k and v): tensors, or Fp8Weights with their scales (`cat`); one matrix as it is. Those
+    that cannot share one layout (FP8 ones beside 16/32-bit ones that an FP8 checkpoint left
+    unquantized, block scales that are not whole blocks of every matrix but the last) are
+    stacked as float32 values, which the product reads exactly: a slower product, never a
+    refusal."""
     if len(matrices) == 1:
         return matrices[0]
-    return cat(matrices) if isinstance(matrices[0], Fp8Weight) else torch.cat(matrices)
+    fp8 = [isinstance(m, Fp8Weight) for m in matrices]
+    if not any(fp8):
+        return torch.cat(matrices)
+    if all(fp8):
+        try:
+            return cat(matrices)
+        except ValueError:
+            pass
+    return torch.cat([m.dequantize() if isinstance(m, Fp8Weight) else m.float() for m in matrices])
 
 
 def quantize(w: torch.Tensor, scale: torch.Tensor | None = None) -> Fp8Weight:

@@ -118,10 +118,11 @@ class KVCache:
         each and advanced their lengths on the device alone: the first `decoded` took a token
         (their host lengths follow); the rest were padding (their lengths go back)."""
         for r in range(decoded):
+            if self.held[r] + 1 > len(self.owned[r]) * self.block_size:  # (the graph stored past its blocks)
+                raise RuntimeError(f"KV cache slot {r} holds {self.held[r] + 1} tokens in {len(self.owned[r])} blocks "
+                                   f"of {self.block_size}: its context was not reserved")
+        for r in range(decoded):
             self.held[r] += 1
-            if self.held[r] > len(self.owned[r]) * self.block_size:  # (the graph stored past its blocks)
-                raise RuntimeError(f"KV cache slot {r} holds {self.held[r]} tokens in {len(self.owned[r])} blocks of "
-                                   f"{self.block_size}: its context was not reserved")
         if rows > decoded:
             self.lengths[decoded:rows].copy_(to_device(self.held[decoded:rows], self.lengths.device))
 

@@ -83,11 +83,15 @@ def layer_weights(c, norm: str, p: str, shared: str | None, names: tuple[str, ..
 
 
 def _stack(matrices: list):
-    """Experts' matrices as one stacked tensor (FP8 ones with their scales)."""
-    if isinstance(matrices[0], Fp8Weight):
-        if any(m.block is not None for m in matrices):
-            raise ValueError("experts' matrices with block scales cannot be stacked")
+    """Experts' matrices as one stacked tensor (FP8 ones with their scales; FP8 ones beside
+    16/32-bit ones, as float32 values, which the products read exactly)."""
+    fp8 = [isinstance(m, Fp8Weight) for m in matrices]
+    if any(isinstance(m, Fp8Weight) and m.block is not None for m in matrices):
+        raise ValueError("experts' matrices with block scales cannot be stacked")
+    if all(fp8):
         return Fp8Weight(torch.stack([m.data for m in matrices]), torch.stack([m.scale for m in matrices]))
+    if any(fp8):
+        return torch.stack([m.dequantize() if isinstance(m, Fp8Weight) else m.float() for m in matrices])
     return torch.stack(matrices)
 
 

@@ -73,7 +73,7 @@ def modelopt_scheme(q, where: str, source: str) -> Fp8Scheme:
     if not isinstance(q, dict):
         _refuse(where, q, source, "ModelOpt's quantization is an object")
     algo = q.get("quant_algo")
-    scheme = MODELOPT_FP8.get(algo.upper() if isinstance(algo, str) else algo)
+    scheme = MODELOPT_FP8.get(algo.upper()) if isinstance(algo, str) else None
     if scheme is None:
         _refuse(f"{where}.quant_algo", algo, source, f"of NVIDIA ModelOpt's schemes fastmamba reads the FP8 ones: "
                 f"{', '.join(MODELOPT_FP8)}")

@@ -332,7 +332,7 @@ def build_weights(
             layers.append(kind.weights(config, sub, fam, big, small))
         except CheckpointError:
             raise
-        except ValueError as e:  # (an FP8 checkpoint's block scales that its gate and up cannot share)
+        except ValueError as e:  # (an FP8 checkpoint's block-scaled experts: the grouped kernel takes a scale a row)
             raise CheckpointError(f"{origin[sub.norm]}: the sublayer of '{sub.norm}': {e}") from None
         # its sources dropped once built: experts stored one by one are copied into a stacked
         # tensor, and a model whose tensors are already on the device (the benchmarks' random
