@@ -11,8 +11,9 @@
 #                                            # 64 streams (~8 minutes)
 #   SOAK=1 bash benchmarks/gpu_session.sh    # 8 minutes of the soak on the 2.8b shape (~9 minutes)
 #   PENDING=1 bash benchmarks/gpu_session.sh # in one call, what has not run on a GPU since e425277:
-#                                            # the hybrids' GPU tests (the paged kernel's splits over
-#                                            # the row's blocks, the KV blocks a prompt's copy keeps),
+#                                            # the hybrids', MoE and FP8 GPU tests (the paged kernel's
+#                                            # splits over the row's blocks, the KV blocks a prompt's
+#                                            # copy keeps, the routing kernel, FP8's stacked q/k/v),
 #                                            # Nemotron-H-8B's decode at batch 1 and 128, its batch-128
 #                                            # profile, and its server at 64 streams (~8 minutes)
 # The 20-minute soak spans three calls on one warm machine (each call at most 10 minutes; a
@@ -78,7 +79,8 @@ if [ -n "${HYBRID:-}" ]; then
   exit 0
 fi
 if [ -n "${PENDING:-}" ]; then
-  PYTHONPATH=. timeout 150 python3 -m pytest -q -rf -m gpu tests/test_hybrids.py tests/test_moe_kernel.py 2>&1 \
+  PYTHONPATH=. timeout 180 python3 -m pytest -q -rf -m gpu tests/test_hybrids.py tests/test_moe_kernel.py \
+    tests/test_fp8_kernels.py 2>&1 \
     | tee "$out/gpu_tests.log" | grep -E "^FAILED|passed|failed"
   timeout 80 python3 -m benchmarks.hybrid --shape nemotron-h-8b --batches 1,128 --state-dtypes bfloat16 --long 0 \
     --prefills none --no-hf --json "$out/hybrid.json" 2>&1 | grep -v "transformers\]" | tee "$out/hybrid.log"
