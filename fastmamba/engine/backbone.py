@@ -11,8 +11,8 @@ The sequence pass runs the language model's own layer (core/mamba1.mixer), whose
 flags: on the CPU the pure-PyTorch ops; on CUDA the prefill kernels without autograd, and
 under autograd the training ops (core/ops.training_ops), whose conv and scan run forward and
 backward in Triton.
-The step runs the same layer; on CUDA in a CUDA graph, through the language model's decode
-kernels (backbone_step.KernelStep).
+The step runs the same layer; on CUDA through the language model's decode kernels
+(backbone_step.KernelStep) in a CUDA graph.
 BackboneConfig(layer="mamba2") makes the layers Mamba-2's (core/mamba2.mixer2), with the same
 API and state type; its parameters and ops are backbone_mamba2.py's. Which ops run where, the
 deterministic mode and autocast: backbone_ops.py.

@@ -1,7 +1,7 @@
 """The Backbone's step on CUDA: the language model's decode kernels over the backbone's own
 parameters (KernelStep), replayed as CUDA graphs kept by batch size and state dtypes, and
-within those by the state's memory, both bounded (StepGraphs, StateGraph). `bb` is always a fastmamba.Backbone (backbone.py, which
-imports this module)."""
+within those by the state's memory, both bounded (StepGraphs, StateGraph). `bb` is always a
+fastmamba.Backbone (backbone.py, which imports this module)."""
 
 from __future__ import annotations
 
@@ -57,21 +57,20 @@ class KernelStep:
         self.step = make_decode_step(model, batch, bb.deterministic)
         self.input_linear = linear_invariant if bb.deterministic else linear_storage
 
-    def __call__(self, x: torch.Tensor, state: MambaState) -> torch.Tensor:
-        p = self.input_proj
-        h = self.input_linear(x, p.weight, p.bias) if p is not None else x.float()
-        return self.step(None, state, h=h)
-
     def sync(self) -> None:
         """A = -exp(A_log) anew where A_log has changed since (an optimizer step bumps its
-        version counter); outside any graph, before a replay. (The step reads the module's
-        parameters themselves, but for A.)"""
+        version counter); outside any graph, before a replay."""
         versions = tuple(a._version for a in self.A_logs)
         if versions != self.versions:
             with torch.no_grad():
                 for lw, A_log in zip(self.layers, self.A_logs):
                     torch.exp(A_log.float(), out=lw.A).neg_()
             self.versions = versions
+
+    def __call__(self, x: torch.Tensor, state: MambaState) -> torch.Tensor:
+        p = self.input_proj
+        h = self.input_linear(x, p.weight, p.bias) if p is not None else x.float()
+        return self.step(None, state, h=h)
 
 
 # Bounds on the step's CUDA graphs (see Backbone's doc): a graph costs its capture's memory
