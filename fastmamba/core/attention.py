@@ -23,7 +23,7 @@ import torch
 
 from fastmamba.core import fp8
 from fastmamba.core.kv_cache import KVCache
-from fastmamba.kernels.paged_attention import rope_ref
+from fastmamba.kernels.paged_attention import rope_ref, store_ref
 
 
 @dataclass
@@ -79,11 +79,8 @@ def attention(c, lw: AttentionWeights, u: torch.Tensor, kv: KVCache, layer: int,
     pos = kv.lengths[rows][:, None] + rel.clamp(min=0)  # (B, T)
     if c.rope_theta:
         q, k = rope_ref(q, pos, c.rope_theta, c.rotary_dim), rope_ref(k, pos, c.rope_theta, c.rotary_dim)
-    bs, width = kv.block_size, blocks or kv.table.shape[1]
-    block = kv.table[rows[:, None], (pos // bs).clamp(max=width - 1)]  # (B, T)
-    where = torch.where(valid, block * bs + pos % bs, 0).flatten()  # padding to block 0, never read
-    kv.k[layer].view(-1, KVH, hd).index_copy_(0, where, k.reshape(B * T, KVH, hd).to(kv.k.dtype))
-    kv.v[layer].view(-1, KVH, hd).index_copy_(0, where, v.reshape(B * T, KVH, hd).to(kv.v.dtype))
+    width = blocks or kv.table.shape[1]
+    store_ref(kv.k[layer], kv.v[layer], kv.table, rows, pos, k, v, valid, width)
     table = kv.table[rows, :width]  # (B, W)
     keys = kv.k[layer][table].flatten(1, 2).float()  # (B, S, KVH, hd)
     values = kv.v[layer][table].flatten(1, 2).float()

@@ -44,6 +44,21 @@ def rope_ref(x: torch.Tensor, pos: torch.Tensor, theta: float, rotary_dim: int) 
     return torch.cat([xr * emb.cos() + rotated * emb.sin(), rest], -1)
 
 
+def store_ref(k_cache, v_cache, table, rows, pos, k, v, valid=None, width: int = 0) -> None:
+    """Keys and values k, v (B, T, KVH, hd) stored in the cache (blocks, BS, KVH, hd) at
+    positions pos (B, T) of the rows' slots (rows (B,)): in block table[slot, pos // BS] of the
+    table's first `width` columns (0: all), at offset pos % BS; where `valid` (B, T) is False
+    (left padding, no token), in block 0, which no table hands out for reading."""
+    B, T, KVH, hd = k.shape
+    BS = k_cache.shape[1]
+    block = table[rows[:, None], (pos // BS).clamp(max=(width or table.shape[1]) - 1)]  # (B, T)
+    where = block * BS + pos % BS
+    if valid is not None:
+        where = torch.where(valid, where, 0)
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        cache.view(-1, KVH, hd).index_copy_(0, where.flatten(), x.reshape(B * T, KVH, hd).to(cache.dtype))
+
+
 def decode_attention_ref(qkv, k_cache, v_cache, table, lengths, rows, heads: int, scale: float, theta: float = 0.0,
                          rotary_dim: int = 0) -> torch.Tensor:
     """One new token a row: qkv (B, (H + 2 KVH) hd) f32 (the query heads, then the key and
@@ -51,15 +66,12 @@ def decode_attention_ref(qkv, k_cache, v_cache, table, lengths, rows, heads: int
     lengths[rows] (theta 0: no RoPE), the key and value stored there in the cache (blocks,
     BS, KVH, hd), and the query against the slot's lengths + 1 tokens -> (B, H hd) f32."""
     B = qkv.shape[0]
-    KVH, hd, BS = k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
+    KVH, hd = k_cache.shape[2], k_cache.shape[3]
     q, k, v = qkv.view(B, heads + 2 * KVH, hd).split([heads, KVH, KVH], dim=1)
     pos = lengths[rows]  # (B,)
     if theta:
         q, k = (rope_ref(t[:, None], pos[:, None], theta, rotary_dim)[:, 0] for t in (q, k))
-    block = table[rows, (pos // BS).clamp(max=table.shape[1] - 1)]
-    where = block * BS + pos % BS
-    k_cache.view(-1, KVH, hd).index_copy_(0, where, k.to(k_cache.dtype))
-    v_cache.view(-1, KVH, hd).index_copy_(0, where, v.to(v_cache.dtype))
+    store_ref(k_cache, v_cache, table, rows, pos[:, None], k[:, None], v[:, None])
     return paged_decode_ref(q, k_cache, v_cache, table, lengths, scale, rows, 1).reshape(B, heads * hd)
 
 
