@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import relative_error
+from test_fp8 import tiny_mamba
 
 import fastmamba
 from fastmamba.core.fp8 import E4M3_MAX, FP8, Fp8Weight
@@ -76,13 +77,6 @@ def export(model, folder, algo: str, kv: bool = False, in_config: bool = False) 
         (folder / "hf_quant_config.json").write_text(json.dumps(dict(producer=dict(name="modelopt", version="0.40.0"),
                                                                      quantization=quantization)))
     return stored
-
-
-def tiny_mamba():
-    torch.manual_seed(0)
-    config = transformers.MambaConfig(hidden_size=16, num_hidden_layers=2, state_size=16, vocab_size=101,
-                                      tie_word_embeddings=False)
-    return transformers.MambaForCausalLM(config).eval()
 
 
 @pytest.mark.parametrize("algo", list(SCALE_SHAPES))

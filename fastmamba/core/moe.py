@@ -11,8 +11,8 @@ renormalized, a token's weights sum to less than 1); Nemotron-H's sigmoid scores
 bias added for the choice alone, the choice limited to the best groups of experts, the picked
 scores renormalized and scaled (kernels/moe.route_ref; on the GPU one launch, route_triton).
 The experts are kept stacked, (E, 2 I, d) (gate's rows before up's) or (E, I, d), and
-(E, d, I); a checkpoint that stores them one by one (Jamba's gate and
-up apart) is stacked at load. The routed MLPs are the ops' (`Ops.moe`, kernels/moe.py): the
+(E, d, I); a checkpoint that stores them one by one (Jamba's gate and up apart) is stacked
+at load. The routed MLPs are the ops' (`Ops.moe`, kernels/moe.py): the
 reference gathers each expert's tokens and runs one product an active expert (the host reads
 the counts), the GPU ops' grouped Triton kernel runs every active expert in one launch a
 matrix (no host sync); either way each (token, pick) pair's output lands in its own row, and

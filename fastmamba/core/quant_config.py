@@ -13,9 +13,9 @@ quantized (`targets`, `ignore`) the weights' own dtypes say.
 
 Read too: NVIDIA ModelOpt's FP8 checkpoints (hf_quant_config.json's `quantization`, or
 config.json's quantization_config with `quant_method: "modelopt"`), whose tensors lie in the
-same layout: `quant_algo` FP8 (a scale a tensor, static activation scales), FP8_PER_CHANNEL_PER_TOKEN
-(a scale a row) or FP8_PB_WO (128 x 128 blocks); `exclude_modules` the weights' dtypes say
-again. An FP8 KV cache's scales (`kv_cache_quant_algo: "FP8"`: `k_scale` and `v_scale`
+same layout: `quant_algo` FP8 (a scale a tensor, static activation scales),
+FP8_PER_CHANNEL_PER_TOKEN (a scale a row) or FP8_PB_WO (128 x 128 blocks); `exclude_modules`
+the weights' dtypes say again. An FP8 KV cache's scales (`kv_cache_quant_algo: "FP8"`: `k_scale` and `v_scale`
 beside an attention sublayer's projections) are read and left unused: the cache stays 16-bit.
 
 Torch-free at import, as config.py is.

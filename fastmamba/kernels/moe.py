@@ -239,8 +239,8 @@ def moe_ffn_ref(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, i
     """x (N, d), experts (N, k) int, weights (N, k) f32, in_w (E, 2 I, d) gated (gate's rows,
     then up's) or (E, I, d), out_w (E, d, I) (tensors, or FP8 weights: `w[e]` one expert's)
     -> (N, d) f32: each token's experts' MLPs weighted by the router, summed in pick order,
-    then `add` (N, d) f32 where given (the shared MLP's output). One product an expert with tokens (the host reads the counts); linear(x, w): the product
-    (the reference ops' own)."""
+    then `add` (N, d) f32 where given (the shared MLP's output). One product an expert with
+    tokens (the host reads the counts); linear(x, w): the product (the reference ops' own)."""
     N, d = x.shape
     k = experts.shape[1]
     pairs = experts.flatten()  # (N k,) pair n * k + j: token n's j-th pick
