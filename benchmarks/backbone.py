@@ -1,7 +1,6 @@
 """fastmamba.Backbone on the GPU: the step at batch 1-4096 (device tensors and numpy in and
 out), the sequence pass forward and forward + backward, beside cuDNN's LSTM and GRU steps
-in CUDA graphs and the backbone's eager step. Each step row names its kernels (`step`: the
-decode kernels' KernelStep). The floor at large batches: the state read
+in CUDA graphs and the backbone's eager step. The floor at large batches: the state read
 and written once a step, at the copy rate (floor_fraction: the floor over the graph's
 replay). With --cpu: the batch-1 step on the CPU.
 
@@ -171,12 +170,11 @@ def main() -> None:
                 xn = x.cpu().numpy()
                 moved = 2 * batch * state_bytes(c, s.ssm.element_size())  # the state read and written
                 dev = host_us(lambda: bb.step(x, s), 200)
-                kind = type(bb._last_graph.kernels).__name__
                 replay = host_us(bb._last_graph.device_graph.replay, 200)  # the graph alone, no copy in or out
                 host = host_us(lambda: bb.step(xn, s), 200)
                 with torch.no_grad():
                     eager = host_us(lambda: bb._step_eager(x, s), 50)
-                emit(shape=name, dtype=str(dtype)[6:], batch=batch, step=kind, step_us=round(dev, 1),
+                emit(shape=name, dtype=str(dtype)[6:], batch=batch, step_us=round(dev, 1),
                      replay_us=round(replay, 1), numpy_step_us=round(host, 1), eager_step_us=round(eager, 1),
                      floor_us=round(moved / bw * 1e6, 1), floor_fraction=round(moved / bw * 1e6 / replay, 2))
             bb._graphs.clear()
