@@ -18,7 +18,7 @@ from fastmamba.core import fp8
 from fastmamba.core.fp8 import Fp8Weight, quantize
 from fastmamba.core.sampling_params import SamplingParams
 from fastmamba.engine.engine_core import EngineCore
-from fastmamba.engine.protocol import Finished, Request, Token
+from fastmamba.engine.protocol import Request
 
 transformers = pytest.importorskip("transformers")
 
@@ -156,6 +156,8 @@ def test_a_hybrid_in_fp8(tmp_path, name):
     no SSM norm, gate and up as one FP8 matrix, its multipliers folded in before quantizing):
     logits within FP8_OVER_BF16 of bfloat16's error; the prefix cache and 8-token chunks
     change no token."""
+    from test_hybrids import run_until_done
+
     tiny_hybrid(name, tmp_path)
     x = torch.randint(0, 160, (2, 33), generator=torch.Generator().manual_seed(5))
     ref = fastmamba.load(tmp_path).forward(x)
@@ -169,11 +171,7 @@ def test_a_hybrid_in_fp8(tmp_path, name):
     got = {}
     for rid, p in enumerate(prompts):
         core.add(Request(rid, p, SamplingParams(max_tokens=5, stop_token_ids=[])))
-        while core.has_work:
-            for out in core.step():
-                assert isinstance(out, (Token, Finished)), out
-                if isinstance(out, Token):
-                    got.setdefault(out.rid, []).append(out.token)
+        run_until_done(core, got)
     assert core.cache_hits >= 2
     for rid, p in enumerate(prompts):
         assert got[rid] == lm.generate(p, max_tokens=5, stop_token_ids=[]).token_ids, rid

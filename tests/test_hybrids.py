@@ -78,6 +78,19 @@ def case(request, tmp_path_factory):
     return folder, model
 
 
+def run_until_done(core: EngineCore, got: dict, steps: int = 200) -> None:
+    """Steps the engine until it has no work (at most `steps` steps), each Token's token
+    appended to got[rid]; any output but a Token or a Finished fails the test."""
+    for _ in range(steps):
+        for out in core.step():
+            assert isinstance(out, (Token, Finished)), out
+            if isinstance(out, Token):
+                got.setdefault(out.rid, []).append(out.token)
+        if not core.has_work:
+            return
+    raise AssertionError(f"the engine still has work after {steps} steps")
+
+
 def ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, V, (batch, length), generator=torch.Generator().manual_seed(seed))
 
@@ -157,12 +170,7 @@ def test_the_prefix_cache_and_chunks_change_no_token(case, kv_tokens):
     got = {}
     for rid, p in enumerate(prompts):
         core.add(Request(rid, p, SamplingParams(max_tokens=7, stop_token_ids=[])))
-        while core.has_work:  # one at a time: each later one can resume from the ones before
-            for out in core.step():
-                if isinstance(out, Token):
-                    got.setdefault(out.rid, []).append(out.token)
-                else:
-                    assert isinstance(out, Finished), out
+        run_until_done(core, got)  # one at a time: each later one can resume from the ones before
     assert core.cache_hits >= 4
     for rid, p in enumerate(prompts):
         assert got.get(rid) == lm.generate(p, max_tokens=7, stop_token_ids=[]).token_ids, rid
@@ -212,14 +220,7 @@ def test_decode_steps_as_graphs_run_them_keep_each_context_in_its_own_blocks(tmp
     for rid, p in enumerate(prompts):
         core.add(Request(rid, p, SamplingParams(max_tokens=12, stop_token_ids=[])))
     got = {}
-    for _ in range(100):
-        for out in core.step():
-            if isinstance(out, Token):
-                got.setdefault(out.rid, []).append(out.token)
-            else:
-                assert isinstance(out, Finished), out
-        if not core.has_work:
-            break
+    run_until_done(core, got, steps=100)
     for rid, p in enumerate(prompts):
         assert got[rid] == lm.generate(p, max_tokens=12, stop_token_ids=[]).token_ids, rid
 
