@@ -360,6 +360,19 @@ def assert_the_gpu_engine_runs_it_as_the_cpu_does(folder):
     assert_within_transformers_16bit_error(bf16.forward(x.cuda()), folder, x, "bfloat16", bound=1.5)
 
 
+# the paged kernels' tests: 3 rows, 6 query and 2 key-value heads of 12, blocks of 4 tokens in a
+# pool of 20, each of 5 slots' tables 7 blocks wide
+PAGED = (3, 6, 2, 12, 4, 20, 7)
+
+
+def paged_cache(g: torch.Generator, dtype=torch.float32):
+    """Random keys and values (blocks, BS, KVH, hd) in `dtype` and 5 slots' tables of scattered
+    blocks, none of them block 0."""
+    _, _, KVH, hd, BS, NB, W = PAGED
+    k, v = (torch.randn(NB, BS, KVH, hd, generator=g).to(dtype) for _ in range(2))
+    return k, v, torch.stack([torch.randperm(NB - 1, generator=g)[:W] + 1 for _ in range(5)])
+
+
 @pytest.mark.parametrize("splits", [1, 3, 8])
 def test_the_paged_decode_kernel_equals_its_twin(splits):
     """kernels/paged_attention.py (Triton's interpreter here): scattered blocks, GQA, rows that
@@ -368,9 +381,8 @@ def test_the_paged_decode_kernel_equals_its_twin(splits):
     from fastmamba.kernels.paged_attention import PagedTiles, paged_decode, paged_decode_ref
 
     g = torch.Generator().manual_seed(splits)
-    B, H, KVH, hd, BS, NB, W = 3, 6, 2, 12, 4, 20, 7
-    k, v = torch.randn(NB, BS, KVH, hd, generator=g), torch.randn(NB, BS, KVH, hd, generator=g)
-    table = torch.stack([torch.randperm(NB - 1, generator=g)[:W] + 1 for _ in range(5)])
+    B, H, _, hd = PAGED[:4]
+    k, v, table = paged_cache(g)
     lengths, rows = torch.tensor([0, 9, 27, 3, 5]), torch.tensor([1, 0, 2])
     q = torch.randn(B, H, hd, generator=g)
     got = paged_decode(q, k, v, table, lengths, 0.3, rows, 1, tiles=PagedTiles(splits, 1))
@@ -390,9 +402,8 @@ def test_the_decode_attention_kernels_equal_their_twin(theta, rotary_dim):
     from fastmamba.kernels.paged_attention import PagedTiles, decode_attention, decode_attention_ref
 
     g = torch.Generator().manual_seed(rotary_dim)
-    B, H, KVH, hd, BS, NB, W = 3, 6, 2, 12, 4, 20, 7
-    k, v = (torch.randn(NB, BS, KVH, hd, generator=g).bfloat16() for _ in range(2))
-    table = torch.stack([torch.randperm(NB - 1, generator=g)[:W] + 1 for _ in range(5)])
+    B, H, KVH, hd = PAGED[:4]
+    k, v, table = paged_cache(g, torch.bfloat16)
     lengths, rows = torch.tensor([0, 9, 27, 3, 4]), torch.tensor([4, 0, 2])
     qkv = 3 * torch.randn(B, (H + 2 * KVH) * hd, generator=g)
     caches = (k.clone(), v.clone()), (k.clone(), v.clone())
