@@ -107,6 +107,11 @@ def cat(weights: list[Fp8Weight]) -> Fp8Weight:
     return Fp8Weight(torch.cat([w.data for w in weights]), torch.cat([w.scale for w in weights]), block)
 
 
+def float32_values(m) -> torch.Tensor:
+    """A matrix's values in float32: an Fp8Weight's dequantized (exact), a tensor's widened."""
+    return m.dequantize() if isinstance(m, Fp8Weight) else m.float()
+
+
 def cat_rows(matrices: list):
     """Matrices one product reads as one, stacked by rows (an MLP's gate and up; attention's
     q, k and v): tensors, or Fp8Weights with their scales (`cat`); one matrix as it is. Those
@@ -124,7 +129,7 @@ def cat_rows(matrices: list):
             return cat(matrices)
         except ValueError:
             pass
-    return torch.cat([m.dequantize() if isinstance(m, Fp8Weight) else m.float() for m in matrices])
+    return torch.cat([float32_values(m) for m in matrices])
 
 
 def quantize(w: torch.Tensor, scale: torch.Tensor | None = None) -> Fp8Weight:

@@ -91,7 +91,7 @@ def _stack(matrices: list):
     if all(fp8):
         return Fp8Weight(torch.stack([m.data for m in matrices]), torch.stack([m.scale for m in matrices]))
     if any(fp8):
-        return torch.stack([m.dequantize() if isinstance(m, Fp8Weight) else m.float() for m in matrices])
+        return torch.stack([fp8.float32_values(m) for m in matrices])
     return torch.stack(matrices)
 
 
