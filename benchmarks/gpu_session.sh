@@ -22,7 +22,8 @@
 #                                                # `gpu` test during its warm-up, waits (~10 minutes)
 #   SOAK20=wait bash benchmarks/gpu_session.sh   # waits (~10 minutes), then again until it ends;
 #                                                # once it has ended: the benchmarks that need the
-#                                                # GPU alone (a guided slot's cost, fp8 decode)
+#                                                # GPU alone (Nemotron-H-8B's decode at batch 1 and
+#                                                # 128, and its server at 64 streams)
 # (the server's packages as wheels: fastapi 0.165 needs opentelemetry-api beside it)
 set -uo pipefail
 out=${OUT:-gpu_out}
@@ -57,8 +58,11 @@ if [ -n "${SOAK20:-}" ]; then
   while pgrep -f benchmarks.soak > /dev/null && [ $((SECONDS - started)) -lt 570 ]; do sleep 5; done
   cp "$soak"/out/* "$out"/ 2>/dev/null
   tail -5 "$soak/out/soak.out"
-  if ! pgrep -f benchmarks.soak > /dev/null && [ "$SOAK20" = wait ] && [ $((SECONDS - started)) -lt 420 ]; then
-    timeout 150 python3 -m benchmarks.guided_cost --models 130m,2.8b --batch 64 --json "$out/guided.json" 2>&1 | grep -v Warn
+  if ! pgrep -f benchmarks.soak > /dev/null && [ "$SOAK20" = wait ] && [ $((SECONDS - started)) -lt 300 ]; then
+    timeout 80 python3 -m benchmarks.hybrid --shape nemotron-h-8b --batches 1,128 --state-dtypes bfloat16 --long 0 \
+      --prefills none --no-hf --json "$out/hybrid.json" 2>&1 | grep -v "transformers\]" | tee "$out/hybrid.log"
+    timeout $((570 - (SECONDS - started))) python3 -m benchmarks.serve --model nemotron-h-8b --levels 64 \
+      --json "$out/serve_hybrid.json" 2>&1 | grep -v Warning | tail -8 | tee "$out/serve_hybrid.log"
   fi
   exit 0
 fi
