@@ -215,3 +215,15 @@ def test_serve_refuses_a_bad_autoscale(spec):
 @pytest.mark.parametrize("value", ["-1", "20000", "nan"])
 def test_serve_refuses_a_bad_stream_interval(value):
     assert_one_line_error(run("serve", "--replicas", "2", "--stream-interval-ms", value), "--stream-interval-ms")
+
+
+def test_a_cpu_engine_prefills_a_short_budget_a_step(text_checkpoint):
+    """A step is silent while it runs, and the front end calls an engine silent for
+    --engine-timeout (30 s) wedged: the CPU's default budget keeps a step to seconds."""
+    from fastmamba.engine.options import EngineOptions, build_engine
+
+    core, ready = build_engine(EngineOptions(model=str(text_checkpoint), max_batch=2))
+    assert (ready.device, core.prefill_tokens) == ("cpu", 512)
+    core, _ = build_engine(EngineOptions(model=str(text_checkpoint), max_batch=2, prefill_tokens=64))
+    assert core.prefill_tokens == 64
+    assert EngineOptions(device="cuda").step_prefill_tokens() == 4096

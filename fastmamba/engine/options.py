@@ -46,9 +46,9 @@ class EngineOptions:
     max_batch: int | None = field(default=None, metadata=option(
         "state slots: requests decoded together (default: 16 on the CPU; on a GPU as many as its free memory "
         "holds, at most 256)"))
-    prefill_tokens: int = field(default=4096, metadata=option(
+    prefill_tokens: int | None = field(default=None, metadata=option(
         "prompt tokens prefilled per engine step at most: more gives throughput, fewer keeps the running streams' "
-        "pace behind new prompts (default: 4096)"))
+        "pace behind new prompts (default: 4096 on a GPU, 512 on the CPU)"))
     prefix_cache_mb: int = field(default=256, metadata=option(
         "memory for cached prefix states, MiB; 0 = off (default: 256)"))
     kv_cache_mb: int | None = field(default=None, metadata=option(
@@ -66,7 +66,7 @@ class EngineOptions:
             raise ValueError(f"--threads must be from 1 to {cores} (this machine's cores), got {self.threads}")
         if self.state_dtype not in STATE_DTYPES:
             raise ValueError(f"--state-dtype must be {' or '.join(STATE_DTYPES)}, got {self.state_dtype!r}")
-        if self.prefill_tokens < 1:
+        if self.prefill_tokens is not None and self.prefill_tokens < 1:
             raise ValueError(f"--prefill-tokens must be at least 1, got {self.prefill_tokens}")
         if self.max_batch is not None and self.max_batch < 1:
             raise ValueError(f"--max-batch must be at least 1, got {self.max_batch}")
@@ -74,6 +74,15 @@ class EngineOptions:
             raise ValueError(f"--prefix-cache-mb must be at least 0, got {self.prefix_cache_mb}")
         if self.kv_cache_mb is not None and self.kv_cache_mb < 1:
             raise ValueError(f"--kv-cache-mb must be at least 1, got {self.kv_cache_mb}")
+
+    def step_prefill_tokens(self) -> int:
+        """--prefill-tokens, or its default for the device. The CPU's is small because a step is
+        silent while it runs: 4096 prompt tokens of the 130m shape take ~20 s on one core (2048 took
+        9.7 s), close to the front end's --engine-timeout of 30 s, past which it calls the engine
+        wedged; 512 take ~2 s, and the running streams wait that long for their next token."""
+        if self.prefill_tokens is not None:
+            return self.prefill_tokens
+        return 512 if self.device == "cpu" else 4096
 
     def load_kwargs(self) -> dict:
         """fastmamba.load's arguments."""
@@ -94,7 +103,7 @@ def build_engine(options: EngineOptions, folder=None):
         kwargs["path"] = str(folder)
     lm = load(**kwargs)
     max_batch = options.max_batch or default_max_batch(lm.model)
-    core = EngineCore(lm.model, lm.prefill, max_batch=max_batch, prefill_tokens=options.prefill_tokens,
+    core = EngineCore(lm.model, lm.prefill, max_batch=max_batch, prefill_tokens=options.step_prefill_tokens(),
                       prefix_cache_bytes=options.prefix_cache_mb << 20, threads=lm.threads,
                       kv_tokens=kv_cache_tokens(lm.model, options.kv_cache_mb, max_batch * slot_bytes(lm.model)),
                       tokenizer=lm.tokenizer.path if lm.tokenizer is not None else None)
