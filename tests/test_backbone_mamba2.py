@@ -420,7 +420,7 @@ print("compiled")
 def test_gpu_triton_ssd_at_mamba_ssm_sizes(with_resets):
     """The training SSD's Triton forward and backward at mamba_ssm's head sizes (P 64, N 128),
     over many chunks and a part, against autograd through the torch chunked SSD on the GPU."""
-    from fastmamba.engine.plan import SSD_TILES
+    from fastmamba.engine.plan import SSD_GRAD_TILES, SSD_TILES
     from fastmamba.kernels.ssd_grad import ssd_scan_train, ssd_scan_train_triton
 
     B, T, H, P, G, N = 3, 700, 8, 64, 2, 128
@@ -433,7 +433,7 @@ def test_gpu_triton_ssd_at_mamba_ssm_sizes(with_resets):
     resets = (torch.rand(B, T, generator=g) < 0.01).cuda() if with_resets else None
     wy, ws = torch.randn(B, T, H, P, generator=g).cuda(), torch.randn(B, H, P, N, generator=g).cuda()
     found = []
-    for scan, kw in ((ssd_scan_train, {}), (ssd_scan_train_triton, dict(tiles=SSD_TILES))):
+    for scan, kw in ((ssd_scan_train, {}), (ssd_scan_train_triton, dict(tiles=SSD_TILES, grad_tiles=SSD_GRAD_TILES))):
         leaves = [v.clone().cuda().requires_grad_(True) for v in inp]
         x, dt, dt_bias, A, Bm, Cm, D, s0 = leaves
         state = s0.clone()
