@@ -29,6 +29,7 @@ import torch
 
 import fastmamba
 from fastmamba.bench import time_graph_steps, write_random_checkpoint
+from fastmamba.core.kv_cache import bytes_per_token
 from fastmamba.core.sampling_params import SamplingParams
 from fastmamba.engine.options import EngineOptions
 from fastmamba.engine.process import ProcessClient
@@ -149,14 +150,20 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="fastmamba-bench-")) / args.model
     write_random_checkpoint(args.model, folder, dtype)
     slots = max(levels + [16])  # the 16-client TTFT workload too
+    lm = fastmamba.load(folder, device=device, dtype=dtype)  # offline: the same engine in this process
+    V = lm.config.vocab_size
+    # A hybrid's KV cache: what the workload's longest requests need in every slot, not half
+    # the free memory, which left the offline engine beside it no room for its own
+    kv_mb = None
+    if getattr(lm.config, "n_attention", 0):
+        per_token = bytes_per_token(lm.config, lm.model.weights.embedding.element_size())
+        kv_mb = -(-slots * (prompts[1] + outputs[1] + 1024) * per_token >> 20)
     options = ServeOptions(engine=EngineOptions(model=str(folder), device=device, dtype=str(dtype).removeprefix("torch."),
-                                                max_batch=slots, prefill_tokens=args.prefill_tokens),
+                                                max_batch=slots, prefill_tokens=args.prefill_tokens, kv_cache_mb=kv_mb),
                            served_model_name=args.model, max_queue=10 * slots)
     t0 = time.perf_counter()
     engine = ProcessClient(options.engine, folder, max_queue=options.max_queue)
     print(f"engine process ready (graphs captured) in {time.perf_counter() - t0:.1f} s", flush=True)
-    lm = fastmamba.load(folder, device=device, dtype=dtype)  # offline: the same engine in this process
-    V = lm.config.vocab_size
     server, url = start_server(create_app(engine, PromptEncoder(None, V), options))
     clients = start_clients(args.clients)
 
