@@ -409,7 +409,9 @@ def test_the_decode_attention_kernels_equal_their_twin(theta, rotary_dim):
     caches = (k.clone(), v.clone()), (k.clone(), v.clone())
     got = decode_attention(qkv, *caches[0], table, lengths, rows, H, 0.3, theta, rotary_dim, tiles=PagedTiles(3, 1))
     want = decode_attention_ref(qkv, *caches[1], table, lengths, rows, H, 0.3, theta, rotary_dim)
-    assert (got - want).abs().max() < 1e-5
+    # (bf16 keys and values: both round the products' other operands to bf16, the kernel its
+    # weights before the splits are added, the twin after: apart by ~1e-3 of the largest)
+    assert (got - want).abs().max() < 3e-3 * want.abs().max()
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
     assert not torch.equal(caches[0][0], k)  # (the keys were stored: the test can fail)
     if theta:  # the rotation is there to be checked: without it the outputs move

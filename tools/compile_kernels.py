@@ -391,7 +391,8 @@ def main() -> None:
                        dict(H=H, KVH=KVH, HD=hd, HP=hd, BS=16, ROT=rot), num_warps=1)
     compile_kernel(pa._paged_decode_kernel, ptrs("q_ptr", "m_ptr", "l_ptr", "acc_ptr", k_ptr="*bf16", v_ptr="*bf16",
                                                  table_ptr="*i64", len_ptr="*i64", rows_ptr="*i64", scale="fp32"),
-                   dict(KVH=KVH, REP=H // KVH, RP=H // KVH, HD=hd, HP=hd, BS=16, SPLITS=PAGED_TILES.splits),
+                   dict(KVH=KVH, REP=H // KVH, RP=H // KVH, QP=16, HD=hd, HP=hd, BS=16, BN=PAGED_TILES.tokens,
+                        SPLITS=PAGED_TILES.splits, F32=False),
                    num_warps=PAGED_TILES.warps)
     compile_kernel(pa._paged_combine_kernel, ptrs("m_ptr", "l_ptr", "acc_ptr", "out_ptr"),
                    dict(KVH=KVH, REP=H // KVH, RP=H // KVH, HD=hd, HP=hd, SPLITS=PAGED_TILES.splits,

@@ -9,16 +9,20 @@ where the sublayer's torch ops took about twenty:
 - `_rope_store_kernel`: a program a row and head rotates the query head (RoPE), or rotates
   the key head and stores it and the value head in their block;
 - `_paged_decode_kernel`: a program takes one row, one key/value head with the REP query
-  heads that share it (GQA), and one of SPLITS splits of the row's blocks, every SPLITS-th
-  block below the row's length from its own; it runs over them with a running max and sum
-  (float32), and writes its partial result;
+  heads that share it (GQA), and one of SPLITS splits of the row's tokens, every SPLITS-th
+  run of BN tokens (BN / BS blocks) below the row's length from its own; it runs over them
+  with a running max and sum (float32), the scores and the weighted values as tensor-core
+  products (float32 operands in three TF32 passes: float32's accuracy), and writes its
+  partial result;
 - `_paged_combine_kernel`: a program a row and key/value head adds the splits up.
 The blocks a split takes depend on the row's own length alone, never on the batch or the
 table's width, so a row's result is the same in any batch, every split has a share of any
 context, and the launch has one shape for a CUDA graph whatever the context. (Splits of
 contiguous columns of the table, as before, left all but the first idle below an eighth of
 the table's width: at batch 128 and 1k-token contexts the kernel ran at a fifth of the
-bandwidth floor.)
+bandwidth floor. Scores and weighted values as broadcast products and sums over one block at
+a time, before they went to the tensor cores, took 2,122 instructions a thread a block, 472 of them
+shuffles: at batch 128 the kernel was bound by instructions, not bytes.)
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ._triton import jit, tl, triton
+from .products import tensor_dot
 
 
 def rope_ref(x: torch.Tensor, pos: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
@@ -79,7 +84,9 @@ def paged_decode_ref(q, k_cache, v_cache, table, lengths, scale: float, rows=Non
     """q (B, H, hd) f32; k_cache, v_cache (blocks, BS, KVH, hd); table (slots, W) int64;
     lengths (slots,) int64; rows (B,): each query's slot (None: 0 .. B-1) -> (B, H, hd) f32:
     softmax(q k^T * scale) v over the first lengths[slot] + extra tokens of the row's slot,
-    in float32."""
+    sums in float32. With 16-bit keys and values, the two products' other operands (the
+    scaled query, the weights) are rounded to their dtype, as the kernel's tensor-core
+    products round them (DESIGN §4: a 16-bit product's operands rounded once)."""
     if rows is not None:
         table, lengths = table[rows], lengths[rows]
     lengths = lengths + extra
@@ -88,59 +95,66 @@ def paged_decode_ref(q, k_cache, v_cache, table, lengths, scale: float, rows=Non
     keys = k_cache[table].flatten(1, 2).float()  # (B, W BS, KVH, hd)
     values = v_cache[table].flatten(1, 2).float()
     held = torch.arange(keys.shape[1], device=q.device)[None, :] < lengths[:, None]  # (B, S)
-    scores = torch.einsum("bgrd,bsgd->bgrs", q.float().view(B, KVH, H // KVH, hd), keys) * scale
+    rounded = k_cache.dtype  # (float32 keys: nothing rounded)
+    q = (q.float() * scale).to(rounded).float()
+    scores = torch.einsum("bgrd,bsgd->bgrs", q.view(B, KVH, H // KVH, hd), keys)
     scores = scores.masked_fill(~held[:, None, None], float("-inf"))
-    return torch.einsum("bgrs,bsgd->bgrd", torch.softmax(scores, dim=-1), values).reshape(B, H, hd)
+    weights = torch.softmax(scores, dim=-1).to(rounded).float()
+    return torch.einsum("bgrs,bsgd->bgrd", weights, values).reshape(B, H, hd)
 
 
 @dataclass(frozen=True)
 class PagedTiles:
-    splits: int  # programs a row and key/value head, each over every splits-th block of the row's
+    splits: int  # programs a row and key/value head, each over every splits-th run of tokens
     warps: int
+    tokens: int = 64  # a run: the tokens a program's products take at once (a power of two, >= 16)
 
 
 @jit
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, rows_ptr, m_ptr, l_ptr, acc_ptr,
     W, scale, extra,
-    KVH: tl.constexpr, REP: tl.constexpr, RP: tl.constexpr, HD: tl.constexpr, HP: tl.constexpr,
-    BS: tl.constexpr, SPLITS: tl.constexpr,
+    KVH: tl.constexpr, REP: tl.constexpr, RP: tl.constexpr, QP: tl.constexpr, HD: tl.constexpr, HP: tl.constexpr,
+    BS: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, F32: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
     b64 = b.to(tl.int64)
-    r = tl.arange(0, RP)
+    # (QP >= 16 rows, the tensor cores' least; rows from REP on are zeros, never stored)
+    r = tl.arange(0, QP)
     d = tl.arange(0, HP)
     rmask, dmask = r < REP, d < HD
     H = KVH * REP
     q = tl.load(q_ptr + (b64 * H + g * REP + r[:, None]) * HD + d[None, :], mask=rmask[:, None] & dmask[None, :],
-                other=0.0).to(tl.float32) * scale  # (RP, HP)
+                other=0.0).to(tl.float32) * scale  # (QP, HP)
     slot = tl.load(rows_ptr + b).to(tl.int64)
     length = tl.load(len_ptr + slot) + extra
-    m = tl.full([RP], -1.0e30, dtype=tl.float32)
-    l = tl.zeros([RP], dtype=tl.float32)
-    acc = tl.zeros([RP, HP], dtype=tl.float32)
-    t = tl.arange(0, BS)
-    for blk in range(s, tl.cdiv(length, BS), SPLITS):
-        block = tl.load(table_ptr + slot * W + blk)
-        at = ((block * BS + t[:, None]) * KVH + g) * HD + d[None, :]  # (BS, HP)
-        kv_mask = dmask[None, :] & (blk * BS + t[:, None] < length)
-        k = tl.load(k_ptr + at, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + at, mask=kv_mask, other=0.0).to(tl.float32)
-        held = (blk * BS + t) < length  # (BS,)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (RP, BS)
+    m = tl.full([QP], -1.0e30, dtype=tl.float32)
+    l = tl.zeros([QP], dtype=tl.float32)
+    acc = tl.zeros([QP, HP], dtype=tl.float32)
+    j = tl.arange(0, BN)
+    for run in range(s, tl.cdiv(length, BN), SPLITS):
+        tok = run * BN + j
+        held = tok < length  # (BN,)
+        block = tl.load(table_ptr + slot * W + tok // BS, mask=held, other=0)
+        at = ((block * BS + tok % BS)[:, None] * KVH + g) * HD + d[None, :]  # (BN, HP)
+        kv_mask = held[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + at, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + at, mask=kv_mask, other=0.0)
+        scores = tensor_dot(q.to(k.dtype), tl.trans(k), tl.zeros([QP, BN], dtype=tl.float32), F32)  # (QP, BN)
         scores = tl.where(held[None, :], scores, -1.0e30)
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         p = tl.where(held[None, :], tl.exp(scores - m_new[:, None]), 0.0)
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = tensor_dot(p.to(v.dtype), v, acc * alpha[:, None], F32)
         m = m_new
     part = (b64 * KVH + g) * SPLITS + s
-    tl.store(m_ptr + part * RP + r, m)
-    tl.store(l_ptr + part * RP + r, l)
-    tl.store(acc_ptr + (part * RP + r[:, None]) * HP + d[None, :], acc)
+    kept = r < RP
+    tl.store(m_ptr + part * RP + r, m, mask=kept)
+    tl.store(l_ptr + part * RP + r, l, mask=kept)
+    tl.store(acc_ptr + (part * RP + r[:, None]) * HP + d[None, :], acc, mask=kept[:, None])
 
 
 @jit
@@ -219,7 +233,8 @@ def paged_decode(q, k_cache, v_cache, table, lengths, scale: float, rows=None, e
     acc = torch.empty(B, KVH, S, RP, HP, device=q.device, dtype=torch.float32)
     _paged_decode_kernel[(B, KVH, S)](
         q.contiguous(), k_cache, v_cache, table, lengths, rows, m, l, acc, W, scale, extra,
-        KVH=KVH, REP=REP, RP=RP, HD=hd, HP=HP, BS=BS, SPLITS=S, num_warps=tiles.warps,
+        KVH=KVH, REP=REP, RP=RP, QP=max(16, RP), HD=hd, HP=HP, BS=BS, BN=tiles.tokens, SPLITS=S,
+        F32=k_cache.dtype == torch.float32, num_warps=tiles.warps,
     )
     out = torch.empty(B, H, hd, device=q.device, dtype=torch.float32)
     _paged_combine_kernel[(B, KVH)](m, l, acc, out, KVH=KVH, REP=REP, RP=RP, HD=hd, HP=HP, SPLITS=S,
