@@ -10,12 +10,15 @@
 #                                            # a 32k-token prompt, prefill, transformers; then served at
 #                                            # 64 streams (~8 minutes)
 #   SOAK=1 bash benchmarks/gpu_session.sh    # 8 minutes of the soak on the 2.8b shape (~9 minutes)
-#   PENDING=1 bash benchmarks/gpu_session.sh # in one call, what has not run on a GPU since e425277:
-#                                            # the hybrids', MoE and FP8 GPU tests (the paged kernel's
-#                                            # splits over the row's blocks, the KV blocks a prompt's
-#                                            # copy keeps, the routing kernel, FP8's stacked q/k/v),
-#                                            # Nemotron-H-8B's decode at batch 1 and 128, its batch-128
-#                                            # profile, and its server at 64 streams (~8 minutes)
+#   PENDING=1 bash benchmarks/gpu_session.sh # in one call, what has not run on a GPU since 54ab910:
+#                                            # the hybrids' and the Mamba-2 Backbone's GPU tests (the
+#                                            # paged kernel's tensor-core products, the training SSD
+#                                            # at mamba_ssm's sizes), Nemotron-H-8B's decode at batch
+#                                            # 1 and 128, its batch-128 profile, and its server at 64
+#                                            # streams (~8 minutes)
+#   SHAPES=1 bash benchmarks/gpu_session.sh  # the other hybrid shapes: Granite-4.0-H-Micro and
+#                                            # Falcon-H1-7B decode at batch 1, 32, 128; Granite-4.0-H-
+#                                            # Tiny at 1, 8, 64; the MoE tiles' sweep (~9 minutes)
 # The 20-minute soak spans three calls on one warm machine (each call at most 10 minutes; a
 # process in its own session outlives the call that started it):
 #   SOAK20=start bash benchmarks/gpu_session.sh  # starts it from a copy of this tree, runs every
@@ -30,7 +33,8 @@ out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/device.txt"
-git rev-parse --short HEAD 2>/dev/null | tee -a "$out/device.txt"
+# (the commit: a snapshot's COMMIT file where the tree is a `git archive` copy)
+cat COMMIT 2>/dev/null | tee -a "$out/device.txt" || git rev-parse --short HEAD 2>/dev/null | tee -a "$out/device.txt"
 if [ -n "${SOAK20:-}" ]; then
   soak=/root/soak20
   started=$SECONDS
@@ -66,6 +70,16 @@ if [ -n "${SOAK20:-}" ]; then
   fi
   exit 0
 fi
+if [ -n "${SHAPES:-}" ]; then
+  for shape in granite-4.0-h-micro falcon-h1-7b; do
+    timeout 100 python3 -m benchmarks.hybrid --shape $shape --batches 1,32,128 --state-dtypes bfloat16 --long 0 \
+      --prefills none --no-hf --json "$out/hybrid_$shape.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
+  done
+  timeout 150 python3 -m benchmarks.hybrid --shape granite-4.0-h-tiny --batches 1,8,64 --long 0 --prefills 1x4096 \
+    --no-hf --json "$out/hybrid_tiny.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
+  timeout 150 python3 -m benchmarks.tune_moe 2>&1 | grep -v Warn | tee "$out/tune_moe.log"
+  exit 0
+fi
 if [ -z "${BENCH:-}${HYBRID:-}${PENDING:-}${SOAK:-}${SERVE:-}" ]; then  # (no mode named: the default)
   # (the sm_90 compile test is for machines without a GPU: the CPU suite runs it)
   # every `gpu` test (~2 minutes on a warm H200; the server's tests need fastapi, uvicorn,
@@ -83,8 +97,7 @@ if [ -n "${HYBRID:-}" ]; then
   exit 0
 fi
 if [ -n "${PENDING:-}" ]; then
-  PYTHONPATH=. timeout 180 python3 -m pytest -q -rf -m gpu tests/test_hybrids.py tests/test_moe_kernel.py \
-    tests/test_fp8_kernels.py 2>&1 \
+  PYTHONPATH=. timeout 180 python3 -m pytest -q -rf -m gpu tests/test_hybrids.py tests/test_backbone_mamba2.py 2>&1 \
     | tee "$out/gpu_tests.log" | grep -E "^FAILED|passed|failed"
   timeout 80 python3 -m benchmarks.hybrid --shape nemotron-h-8b --batches 1,128 --state-dtypes bfloat16 --long 0 \
     --prefills none --no-hf --json "$out/hybrid.json" 2>&1 | grep -v "transformers\]" | tee "$out/hybrid.log"
