@@ -373,10 +373,11 @@ def paged_cache(g: torch.Generator, dtype=torch.float32):
     return k, v, torch.stack([torch.randperm(NB - 1, generator=g)[:W] + 1 for _ in range(5)])
 
 
-@pytest.mark.parametrize("splits", [1, 3, 8])
-def test_the_paged_decode_kernel_equals_its_twin(splits):
+@pytest.mark.parametrize("splits, tokens", [(1, 16), (3, 64), (8, 16)])
+def test_the_paged_decode_kernel_equals_its_twin(splits, tokens):
     """kernels/paged_attention.py (Triton's interpreter here): scattered blocks, GQA, rows that
-    index other slots, lengths that end mid-block and at one token, splits with no block."""
+    index other slots, lengths that end mid-block and at one token, splits with no block, a
+    program's runs of several blocks one after another (runs of 16 tokens: 4 blocks)."""
     pytest.importorskip("triton")
     from fastmamba.kernels.paged_attention import PagedTiles, paged_decode, paged_decode_ref
 
@@ -385,7 +386,7 @@ def test_the_paged_decode_kernel_equals_its_twin(splits):
     k, v, table = paged_cache(g)
     lengths, rows = torch.tensor([0, 9, 27, 3, 5]), torch.tensor([1, 0, 2])
     q = torch.randn(B, H, hd, generator=g)
-    got = paged_decode(q, k, v, table, lengths, 0.3, rows, 1, tiles=PagedTiles(splits, 1))
+    got = paged_decode(q, k, v, table, lengths, 0.3, rows, 1, tiles=PagedTiles(splits, 1, tokens))
     want = paged_decode_ref(q, k, v, table, lengths, 0.3, rows, 1)
     assert (got - want).abs().max() < 1e-5
     broken = paged_decode_ref(q, k, v, table, lengths, 0.3, rows, 0)  # (one token fewer: the test can fail)

@@ -225,7 +225,8 @@ def paged_decode(q, k_cache, v_cache, table, lengths, scale: float, rows=None, e
         rows = torch.arange(B, device=q.device)
     KVH, BS = k_cache.shape[2], k_cache.shape[1]
     REP = H // KVH
-    RP, HP = triton.next_power_of_2(REP), triton.next_power_of_2(hd)
+    # (16 at least: the tensor-core products' least width)
+    RP, HP = triton.next_power_of_2(REP), max(16, triton.next_power_of_2(hd))
     W = table.shape[1]
     S = tiles.splits
     m = torch.empty(B, KVH, S, RP, device=q.device, dtype=torch.float32)
