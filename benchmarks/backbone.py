@@ -8,6 +8,7 @@ replay). With --cpu: the batch-1 step on the CPU.
     python -m benchmarks.backbone --step-only --json step.json   # the steps and the cuDNN cells
     python -m benchmarks.backbone --training --json training.json   # forward + backward only
     python -m benchmarks.backbone --training --autocast --deterministic   # the modes' costs
+    python -m benchmarks.backbone --training --layer mamba2   # Mamba-2 layers (heads of 64)
 
 --training: forward + backward (the training kernels) and its peak memory beside cuDNN
 LSTMs of the issue's sizes, in float32 with PyTorch's defaults (cuDNN may use TF32, cuBLAS
@@ -28,6 +29,15 @@ from fastmamba.bench import copy_bandwidth, host_us
 from fastmamba.core.layers import state_bytes
 
 SHAPES = {"128x3": dict(input_dim=64, d_model=128, n_layer=3), "512x4": dict(input_dim=64, d_model=512, n_layer=4)}
+# --layer mamba2: heads of 64 (BackboneConfig's default), the states of the earlier inline runs
+MAMBA2_STATES = {"128x3": 64, "512x4": 128}
+
+
+def config(name: str, layer: str) -> BackboneConfig:
+    """The Backbone of shape `name` with layers of `layer` (mamba1 or mamba2)."""
+    if layer == "mamba2":
+        return BackboneConfig(**SHAPES[name], layer="mamba2", d_state=MAMBA2_STATES[name])
+    return BackboneConfig(**SHAPES[name])
 
 
 def rnn_step_us(kind: str, batch: int) -> float:
@@ -59,7 +69,7 @@ def timed_peak(fn, reps: int):
     return host_us(fn, reps) / 1e3, peak
 
 
-def training_rows(emit, autocast: bool = False, deterministic: bool = False) -> None:
+def training_rows(emit, autocast: bool = False, deterministic: bool = False, layer: str = "mamba1") -> None:
     from contextlib import nullcontext
 
     from fastmamba.kernels.conv_grad import causal_conv1d_train
@@ -70,7 +80,7 @@ def training_rows(emit, autocast: bool = False, deterministic: bool = False) -> 
         torch.backends.cuda.matmul.allow_tf32 = tf32
         for name, B, T, (inp, hidden, layers) in TRAINING:
             torch.manual_seed(0)
-            bb = Backbone(BackboneConfig(**SHAPES[name]), device="cuda", deterministic=deterministic)
+            bb = Backbone(config(name, layer), device="cuda", deterministic=deterministic)
             x = torch.randn(B, T, 64, device="cuda")
             resets = torch.rand(B, T, device="cuda") < 1 / 64  # episodes of ~64 steps
 
@@ -95,7 +105,7 @@ def training_rows(emit, autocast: bool = False, deterministic: bool = False) -> 
                 y.sum().backward()
 
             lstm_ms, lstm_peak = timed_peak(lstm_fwd_bwd, 10)
-            emit(shape=name, sequence=f"{B}x{T}", tf32_products=tf32, autocast=autocast, deterministic=deterministic,
+            emit(shape=name, layer=layer, sequence=f"{B}x{T}", tf32_products=tf32, autocast=autocast, deterministic=deterministic,
                  forward_ms=round(fwd_ms, 2),
                  forward_backward_ms=round(ms, 2), peak_mb=round(peak), peer=f"cuDNN LSTM({inp}, {hidden}) x {layers}",
                  peer_forward_backward_ms=round(lstm_ms, 2), peer_peak_mb=round(lstm_peak),
@@ -103,6 +113,8 @@ def training_rows(emit, autocast: bool = False, deterministic: bool = False) -> 
             lstm = None
             torch.cuda.empty_cache()
     torch.backends.cuda.matmul.allow_tf32 = False
+    if layer != "mamba1":
+        return
     # the kernels alone at the first shape's layer: B 16, E 256, N 16, T 1024, dt_rank 8
     from benchmarks.tune_train_scan import scan_pass
 
@@ -137,6 +149,7 @@ def main() -> None:
     ap.add_argument("--training", action="store_true", help="forward + backward beside cuDNN LSTMs, and peak memory")
     ap.add_argument("--autocast", action="store_true", help="--training under torch.autocast('cuda', bfloat16)")
     ap.add_argument("--deterministic", action="store_true", help="--training with Backbone(deterministic=True)")
+    ap.add_argument("--layer", default="mamba1", choices=("mamba1", "mamba2"), help="the Backbone's layers")
     args = ap.parse_args()
     rows = []
 
@@ -146,23 +159,23 @@ def main() -> None:
 
     if args.cpu:
         torch.set_num_threads(1)
-        for name, shape in SHAPES.items():
-            bb = Backbone(BackboneConfig(**shape))
+        for name in SHAPES:
+            bb = Backbone(config(name, args.layer))
             s = bb.new_state(1)
             x = torch.randn(1, 64)
-            emit(device="cpu", shape=name, batch=1, step_us=round(host_us(lambda: bb.step(x, s), 300, sync=False), 1))
+            emit(device="cpu", shape=name, layer=args.layer, batch=1, step_us=round(host_us(lambda: bb.step(x, s), 300, sync=False), 1))
         return
     if args.training:
-        training_rows(emit, args.autocast, args.deterministic)
+        training_rows(emit, args.autocast, args.deterministic, args.layer)
         if args.json:
             Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=2))
         return
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}, copy rate {bw / 1e12:.2f} TB/s")
-    for name, shape in SHAPES.items():
+    for name in SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
             torch.manual_seed(0)
-            bb = Backbone(BackboneConfig(**shape), device="cuda", dtype=dtype)
+            bb = Backbone(config(name, args.layer), device="cuda", dtype=dtype)
             c = bb.config
             for batch in () if args.sequence_only else (1, 16, 256, 1024, 4096):
                 s = bb.new_state(batch)
@@ -174,7 +187,7 @@ def main() -> None:
                 host = host_us(lambda: bb.step(xn, s), 200)
                 with torch.no_grad():
                     eager = host_us(lambda: bb._step_eager(x, s), 50)
-                emit(shape=name, dtype=str(dtype)[6:], batch=batch, step_us=round(dev, 1),
+                emit(shape=name, layer=args.layer, dtype=str(dtype)[6:], batch=batch, step_us=round(dev, 1),
                      replay_us=round(replay, 1), numpy_step_us=round(host, 1), eager_step_us=round(eager, 1),
                      floor_us=round(moved / bw * 1e6, 1), floor_fraction=round(moved / bw * 1e6 / replay, 2))
             bb._graphs.clear()
