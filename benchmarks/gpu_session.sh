@@ -19,6 +19,8 @@
 #   SHAPES=1 bash benchmarks/gpu_session.sh  # the other hybrid shapes: Granite-4.0-H-Micro and
 #                                            # Falcon-H1-7B decode at batch 1, 32, 128; Granite-4.0-H-
 #                                            # Tiny at 1, 8, 64; the MoE tiles' sweep (~9 minutes)
+#   BACKBONE=1 bash benchmarks/gpu_session.sh # the Mamba-2 Backbone's training beside cuDNN's LSTMs,
+#                                            # then both layers' steps (~6 minutes)
 # The 20-minute soak spans three calls on one warm machine (each call at most 10 minutes; a
 # process in its own session outlives the call that started it):
 #   SOAK20=start bash benchmarks/gpu_session.sh  # starts it from a copy of this tree, runs every
@@ -70,6 +72,14 @@ if [ -n "${SOAK20:-}" ]; then
   fi
   exit 0
 fi
+if [ -n "${BACKBONE:-}" ]; then
+  timeout 200 python3 -m benchmarks.backbone --training --layer mamba2 --json "$out/backbone_train2.json" 2>&1 | grep -v Warn
+  for layer in mamba1 mamba2; do
+    timeout 150 python3 -m benchmarks.backbone --step-only --layer $layer --json "$out/backbone_step_$layer.json" 2>&1 \
+      | grep -v Warn
+  done
+  exit 0
+fi
 if [ -n "${SHAPES:-}" ]; then
   for shape in granite-4.0-h-micro falcon-h1-7b; do
     timeout 100 python3 -m benchmarks.hybrid --shape $shape --batches 1,32,128 --state-dtypes bfloat16 --long 0 \
@@ -80,7 +90,7 @@ if [ -n "${SHAPES:-}" ]; then
   timeout 150 python3 -m benchmarks.tune_moe 2>&1 | grep -v Warn | tee "$out/tune_moe.log"
   exit 0
 fi
-if [ -z "${BENCH:-}${HYBRID:-}${PENDING:-}${SOAK:-}${SERVE:-}" ]; then  # (no mode named: the default)
+if [ -z "${BENCH:-}${HYBRID:-}${PENDING:-}${SOAK:-}${SERVE:-}${SHAPES:-}${BACKBONE:-}" ]; then  # (no mode named: the default)
   # (the sm_90 compile test is for machines without a GPU: the CPU suite runs it)
   # every `gpu` test (~2 minutes on a warm H200; the server's tests need fastapi, uvicorn,
   # openai, pyzmq and msgspec: carry them as wheels, see the device tool's README)
