@@ -82,8 +82,13 @@ def attention(c, lw: AttentionWeights, u: torch.Tensor, kv: KVCache, layer: int,
     width = blocks or kv.table.shape[1]
     store_ref(kv.k[layer], kv.v[layer], kv.table, rows, pos, k, v, valid, width)
     table = kv.table[rows, :width]  # (B, W)
-    keys = kv.k[layer][table].flatten(1, 2).float()  # (B, S, KVH, hd)
-    values = kv.v[layer][table].flatten(1, 2).float()
+    # (16-bit caches: the products' operands in their dtype, the query rounded once as DESIGN
+    # §4 has it, so that the fused attention runs on 16-bit inputs: a float32 copy of every
+    # context's keys and values, and float32 products, cost the prefill more than the rest
+    # of the sublayer)
+    keys = kv.k[layer][table].flatten(1, 2)  # (B, S, KVH, hd)
+    values = kv.v[layer][table].flatten(1, 2)
+    q = q.to(keys.dtype)
     seen = torch.arange(keys.shape[1], device=u.device)[None, None, :] <= pos[:, :, None]  # (B, T, S)
     seen = seen | ~valid[:, :, None]  # (padding's rows attend anywhere: finite, then zeroed)
     # torch's fused attention: the scores are never held whole, so a long prompt's chunk of T
@@ -96,5 +101,5 @@ def attention(c, lw: AttentionWeights, u: torch.Tensor, kv: KVCache, layer: int,
         keys, values = keys.repeat_interleave(H // KVH, dim=2), values.repeat_interleave(H // KVH, dim=2)
     y = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=seen[:, None], scale=scale)
-    y = torch.where(valid[:, :, None], y.transpose(1, 2).reshape(B, T, H * hd), 0.0)
+    y = torch.where(valid[:, :, None], y.transpose(1, 2).reshape(B, T, H * hd).float(), 0.0)
     return ops.linear(y, lw.o_w, lw.o_b)
