@@ -18,7 +18,8 @@
 #                                            # streams (~8 minutes)
 #   SHAPES=1 bash benchmarks/gpu_session.sh  # the other hybrid shapes: Granite-4.0-H-Micro and
 #                                            # Falcon-H1-7B decode at batch 1, 32, 128; Granite-4.0-H-
-#                                            # Tiny at 1, 8, 64; the MoE tiles' sweep (~9 minutes)
+#                                            # Tiny at 1, 8, 64; the MoE tiles' sweep; Nemotron-H-8B
+#                                            # at 16k-token contexts (~10 minutes)
 #   BACKBONE=1 bash benchmarks/gpu_session.sh # the Mamba-2 Backbone's training beside cuDNN's LSTMs,
 #                                            # then both layers' steps (~6 minutes)
 # The 20-minute soak spans three calls on one warm machine (each call at most 10 minutes; a
@@ -88,6 +89,8 @@ if [ -n "${SHAPES:-}" ]; then
   timeout 150 python3 -m benchmarks.hybrid --shape granite-4.0-h-tiny --batches 1,8,64 --long 0 --prefills 1x4096 \
     --no-hf --json "$out/hybrid_tiny.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
   timeout 150 python3 -m benchmarks.tune_moe 2>&1 | grep -v Warn | tee "$out/tune_moe.log"
+  timeout 120 python3 -m benchmarks.hybrid --shape nemotron-h-8b --batches 1,32 --context 16384 --state-dtypes bfloat16 \
+    --long 0 --prefills none --no-hf --json "$out/hybrid_16k.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
   exit 0
 fi
 if [ -z "${BENCH:-}${HYBRID:-}${PENDING:-}${SOAK:-}${SERVE:-}${SHAPES:-}${BACKBONE:-}" ]; then  # (no mode named: the default)
