@@ -12,8 +12,8 @@ where the sublayer's torch ops took about twenty:
   heads that share it (GQA), and one of SPLITS splits of the row's tokens, every SPLITS-th
   run of BN tokens (BN / BS blocks) below the row's length from its own; it runs over them
   with a running max and sum (float32), the scores and the weighted values as tensor-core
-  products (float32 operands in three TF32 passes: float32's accuracy), and writes its
-  partial result;
+  products (16-bit caches: the scaled query and the weights rounded to their dtype; float32
+  ones in three TF32 passes, float32's accuracy), and writes its partial result;
 - `_paged_combine_kernel`: a program a row and key/value head adds the splits up.
 The blocks a split takes depend on the row's own length alone, never on the batch or the
 table's width, so a row's result is the same in any batch, every split has a share of any
@@ -127,7 +127,8 @@ def _paged_decode_kernel(
     rmask, dmask = r < REP, d < HD
     H = KVH * REP
     q = tl.load(q_ptr + (b64 * H + g * REP + r[:, None]) * HD + d[None, :], mask=rmask[:, None] & dmask[None, :],
-                other=0.0).to(tl.float32) * scale  # (QP, HP)
+                other=0.0).to(tl.float32) * scale
+    q = q.to(k_ptr.dtype.element_ty)  # (QP, HP): a product's operand, in the cache's dtype
     slot = tl.load(rows_ptr + b).to(tl.int64)
     length = tl.load(len_ptr + slot) + extra
     m = tl.full([QP], -1.0e30, dtype=tl.float32)
@@ -142,7 +143,7 @@ def _paged_decode_kernel(
         kv_mask = held[:, None] & dmask[None, :]
         k = tl.load(k_ptr + at, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + at, mask=kv_mask, other=0.0)
-        scores = tensor_dot(q.to(k.dtype), tl.trans(k), tl.zeros([QP, BN], dtype=tl.float32), F32)  # (QP, BN)
+        scores = tensor_dot(q, tl.trans(k), tl.zeros([QP, BN], dtype=tl.float32), F32)  # (QP, BN)
         scores = tl.where(held[None, :], scores, -1.0e30)
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         p = tl.where(held[None, :], tl.exp(scores - m_new[:, None]), 0.0)
