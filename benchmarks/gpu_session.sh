@@ -21,7 +21,8 @@
 #                                            # Tiny at 1, 8, 64; the MoE tiles' sweep; Nemotron-H-8B
 #                                            # at 16k-token contexts (~10 minutes)
 #   BACKBONE=1 bash benchmarks/gpu_session.sh # the Mamba-2 Backbone's training beside cuDNN's LSTMs,
-#                                            # then both layers' steps (~6 minutes)
+#                                            # both layers' training under bf16 autocast and in the
+#                                            # deterministic mode, then both layers' steps (~8 minutes)
 # The 20-minute soak spans three calls on one warm machine (each call at most 10 minutes; a
 # process in its own session outlives the call that started it):
 #   SOAK20=start bash benchmarks/gpu_session.sh  # starts it from a copy of this tree, runs every
@@ -75,6 +76,12 @@ if [ -n "${SOAK20:-}" ]; then
 fi
 if [ -n "${BACKBONE:-}" ]; then
   timeout 200 python3 -m benchmarks.backbone --training --layer mamba2 --json "$out/backbone_train2.json" 2>&1 | grep -v Warn
+  for layer in mamba1 mamba2; do  # bf16 autocast over float32 master weights, and the deterministic mode's cost
+    timeout 100 python3 -m benchmarks.backbone --training --autocast --layer $layer \
+      --json "$out/backbone_autocast_$layer.json" 2>&1 | grep -v Warn | grep forward_backward
+    timeout 100 python3 -m benchmarks.backbone --training --deterministic --layer $layer \
+      --json "$out/backbone_det_$layer.json" 2>&1 | grep -v Warn | grep forward_backward
+  done
   for layer in mamba1 mamba2; do
     timeout 150 python3 -m benchmarks.backbone --step-only --layer $layer --json "$out/backbone_step_$layer.json" 2>&1 \
       | grep -v Warn
