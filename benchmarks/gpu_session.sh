@@ -16,10 +16,12 @@
 #                                            # at mamba_ssm's sizes), Nemotron-H-8B's decode at batch
 #                                            # 1 and 128, its batch-128 profile, and its server at 64
 #                                            # streams (~8 minutes)
-#   SHAPES=1 bash benchmarks/gpu_session.sh  # the other hybrid shapes: Granite-4.0-H-Micro and
-#                                            # Falcon-H1-7B decode at batch 1, 32, 128; Granite-4.0-H-
-#                                            # Tiny at 1, 8, 64; the MoE tiles' sweep; Nemotron-H-8B
-#                                            # at 16k-token contexts (~10 minutes)
+#   SHAPES=1 bash benchmarks/gpu_session.sh  # the other dense hybrid shapes: Granite-4.0-H-Micro and
+#                                            # Falcon-H1-7B decode at batch 1, 32, 128; Nemotron-H-8B
+#                                            # at 16k-token contexts (~5 minutes)
+#   MOE=1 bash benchmarks/gpu_session.sh     # Granite-4.0-H-Tiny at batch 1, 8, 64 and prefill 1 x 4096,
+#                                            # the MoE tiles' sweep, its server at 64 streams; Nemotron
+#                                            # 3 Nano's shape at batch 1, 8, 64 (~10 minutes)
 #   BACKBONE=1 bash benchmarks/gpu_session.sh # the Mamba-2 Backbone's training beside cuDNN's LSTMs,
 #                                            # both layers' training under bf16 autocast and in the
 #                                            # deterministic mode, then both layers' steps (~8 minutes)
@@ -88,19 +90,27 @@ if [ -n "${BACKBONE:-}" ]; then
   done
   exit 0
 fi
+if [ -n "${MOE:-}" ]; then
+  timeout 150 python3 -m benchmarks.hybrid --shape granite-4.0-h-tiny --batches 1,8,64 --long 0 --prefills 1x4096 \
+    --no-hf --json "$out/hybrid_tiny.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
+  timeout 150 python3 -m benchmarks.tune_moe 2>&1 | grep -v Warn | tee "$out/tune_moe.log"
+  # (the server and the offline engine each hold the model: Granite-4.0-H-Tiny's 14 GB, not Nemotron 3 Nano's 63)
+  timeout 200 python3 -m benchmarks.serve --model granite-4.0-h-tiny --levels 64 --json "$out/serve_tiny.json" 2>&1 \
+    | grep -v Warning | tail -8 | tee "$out/serve_tiny.log"
+  timeout 150 python3 -m benchmarks.hybrid --shape nemotron-3-nano-30b-a3b --batches 1,8,64 --long 0 --prefills 1x4096 \
+    --no-hf --json "$out/hybrid_nano.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
+  exit 0
+fi
 if [ -n "${SHAPES:-}" ]; then
   for shape in granite-4.0-h-micro falcon-h1-7b; do
     timeout 100 python3 -m benchmarks.hybrid --shape $shape --batches 1,32,128 --state-dtypes bfloat16 --long 0 \
       --prefills none --no-hf --json "$out/hybrid_$shape.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
   done
-  timeout 150 python3 -m benchmarks.hybrid --shape granite-4.0-h-tiny --batches 1,8,64 --long 0 --prefills 1x4096 \
-    --no-hf --json "$out/hybrid_tiny.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
-  timeout 150 python3 -m benchmarks.tune_moe 2>&1 | grep -v Warn | tee "$out/tune_moe.log"
   timeout 120 python3 -m benchmarks.hybrid --shape nemotron-h-8b --batches 1,32 --context 16384 --state-dtypes bfloat16 \
     --long 0 --prefills none --no-hf --json "$out/hybrid_16k.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
   exit 0
 fi
-if [ -z "${BENCH:-}${HYBRID:-}${PENDING:-}${SOAK:-}${SERVE:-}${SHAPES:-}${BACKBONE:-}" ]; then  # (no mode named: the default)
+if [ -z "${BENCH:-}${HYBRID:-}${PENDING:-}${SOAK:-}${SERVE:-}${SHAPES:-}${BACKBONE:-}${MOE:-}" ]; then  # (no mode named: the default)
   # (the sm_90 compile test is for machines without a GPU: the CPU suite runs it)
   # every `gpu` test (~2 minutes on a warm H200; the server's tests need fastapi, uvicorn,
   # openai, pyzmq and msgspec: carry them as wheels, see the device tool's README)
