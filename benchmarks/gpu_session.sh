@@ -19,6 +19,8 @@
 #   SHAPES=1 bash benchmarks/gpu_session.sh  # the other dense hybrid shapes: Granite-4.0-H-Micro and
 #                                            # Falcon-H1-7B decode at batch 1, 32, 128; Nemotron-H-8B
 #                                            # at 16k-token contexts (~5 minutes)
+#   FP8=1 bash benchmarks/gpu_session.sh     # the 2.8b's FP8 decode routes at batch 4-128, then bf16
+#                                            # beside fp8 at batch 1 and 128, 2.8b and Mamba-2 2.7b (~8 minutes)
 #   MOE=1 bash benchmarks/gpu_session.sh     # Granite-4.0-H-Tiny at batch 1, 8, 64 and prefill 1 x 4096,
 #                                            # the MoE tiles' sweep, its server at 64 streams; Nemotron
 #                                            # 3 Nano's shape at batch 1, 8, 64 (~10 minutes)
@@ -90,6 +92,15 @@ if [ -n "${BACKBONE:-}" ]; then
   done
   exit 0
 fi
+if [ -n "${FP8:-}" ]; then
+  # which step an FP8 model's larger batches should take (the plan's fp8 rows are 16-bit's, untuned),
+  # then the issue's table: bf16 beside fp8 in one run
+  timeout 300 python3 -m benchmarks.decode_routing --models 2.8b --dtypes fp8 --batches 4,32,64,128 \
+    --json "$out/routing_fp8.json" 2>&1 | grep -v Warn | tee "$out/routing_fp8.log"
+  timeout 200 python3 -m fastmamba.cli bench --models 2.8b,mamba2-2.7b --dtypes bfloat16,fp8 --batches 1,128 \
+    --json "$out/decode_fp8.json" 2>&1 | grep -v transformers | tee "$out/decode_fp8.log"
+  exit 0
+fi
 if [ -n "${MOE:-}" ]; then
   timeout 150 python3 -m benchmarks.hybrid --shape granite-4.0-h-tiny --batches 1,8,64 --long 0 --prefills 1x4096 \
     --no-hf --json "$out/hybrid_tiny.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
@@ -110,7 +121,7 @@ if [ -n "${SHAPES:-}" ]; then
     --long 0 --prefills none --no-hf --json "$out/hybrid_16k.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
   exit 0
 fi
-if [ -z "${BENCH:-}${HYBRID:-}${PENDING:-}${SOAK:-}${SERVE:-}${SHAPES:-}${BACKBONE:-}${MOE:-}" ]; then  # (no mode named: the default)
+if [ -z "${BENCH:-}${HYBRID:-}${PENDING:-}${SOAK:-}${SERVE:-}${SHAPES:-}${BACKBONE:-}${MOE:-}${FP8:-}" ]; then  # (no mode named: the default)
   # (the sm_90 compile test is for machines without a GPU: the CPU suite runs it)
   # every `gpu` test (~2 minutes on a warm H200; the server's tests need fastapi, uvicorn,
   # openai, pyzmq and msgspec: carry them as wheels, see the device tool's README)
