@@ -107,7 +107,7 @@ def paged_decode_ref(q, k_cache, v_cache, table, lengths, scale: float, rows=Non
 class PagedTiles:
     splits: int  # programs a row and key/value head, each over every splits-th run of tokens
     warps: int
-    tokens: int = 64  # a run: the tokens a program's products take at once (a power of two, >= 16)
+    tokens: int  # a run: the tokens a program's products take at once (a power of two, >= 16)
 
 
 @jit
