@@ -9,7 +9,7 @@ everything else equal: the PPO loop, heads and settings are examples/recurrent_p
 writes popgym/returns.json ({task: {core: {seed: {"steps": [...], "returns": [...],
 "seconds": [...]}}}}, one entry an update: environment steps so far, the mean return of the
 episodes that ended during the update (null where none did), its wall time; merged with
-what the file held for other tasks and cores) and popgym/<task>.png (the mean return over
+what the file held for other tasks, cores and seeds) and popgym/<task>.png (the mean return over
 seeds against updates, shaded from the lowest seed to the highest, a line a core).
 POPGym scales each episode's return into [-1, 1].
 """
@@ -201,6 +201,8 @@ def main() -> None:
                     help=f"POPGym tasks, comma-separated: one of {', '.join(TASKS)} followed by Easy, Medium or Hard")
     ap.add_argument("--core", default=",".join(CORES), help="mamba, mamba2, lstm, gru, or several comma-separated")
     ap.add_argument("--seeds", type=positive(int), default=3, help="runs a task and core, seeds 0 .. K-1")
+    ap.add_argument("--first-seed", type=int, default=0,
+                    help="start the seeds here (seeds S .. S+K-1): runs of one task split over processes")
     budget = ap.add_mutually_exclusive_group()
     budget.add_argument("--updates", type=positive(int), help="PPO updates a run (default 100)")
     budget.add_argument("--steps", type=positive(int),
@@ -233,8 +235,8 @@ def main() -> None:
     t0 = time.perf_counter()
     for task in tasks:
         for core in cores:
-            results.setdefault(task, {})[core] = {}
-            for seed in range(args.seeds):
+            results.setdefault(task, {}).setdefault(core, {})
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
                 results[task][core][str(seed)] = train(task, core, seed, args)
                 path.write_text(json.dumps(results))
         plot(task, results[task], out / f"{task}.png")

@@ -70,15 +70,17 @@ def test_popgym_ppo_runs_a_task_for_two_cores_and_writes_its_curves(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = [line for line in r.stdout.splitlines() if line.endswith("s/update")]
     assert [line.split(":")[0] for line in lines] == [f"RepeatPreviousEasy mamba seed 0 update {u}/2" for u in (1, 2)]
-    # a second run, quiet, for another core merges into the file
-    r = subprocess.run(cmd + ["--core", "lstm", "--quiet"], capture_output=True, text=True, timeout=300)
+    # a second run, quiet, of the next seed for another core and the first merges into the file
+    r = subprocess.run(cmd + ["--core", "lstm,mamba", "--first-seed", "1", "--quiet"], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr
     assert "s/update" not in r.stdout and r.stdout.startswith("wrote ")
     results = json.loads((out / "returns.json").read_text())
     assert list(results) == ["RepeatPreviousEasy"] and set(results["RepeatPreviousEasy"]) == {"mamba", "lstm"}
-    for seeds in results["RepeatPreviousEasy"].values():
-        assert list(seeds) == ["0"] and set(seeds["0"]) == {"steps", "returns", "seconds"}
-        run = seeds["0"]
+    assert sorted(results["RepeatPreviousEasy"]["mamba"]) == ["0", "1"]
+    assert list(results["RepeatPreviousEasy"]["lstm"]) == ["1"]
+    for run in (run for seeds in results["RepeatPreviousEasy"].values() for run in seeds.values()):
+        assert set(run) == {"steps", "returns", "seconds"}
         assert run["steps"] == [8 * 64, 2 * 8 * 64]
         # every env ends an episode (51 steps) in each 64-step rollout; POPGym's returns lie in [-1, 1]
         assert len(run["returns"]) == 2 and all(isinstance(x, float) and -1 <= x <= 1 for x in run["returns"])
