@@ -17,8 +17,9 @@
 #                                            # 1 and 128, its batch-128 profile, and its server at 64
 #                                            # streams (~8 minutes)
 #   SHAPES=1 bash benchmarks/gpu_session.sh  # the other dense hybrid shapes: Granite-4.0-H-Micro and
-#                                            # Falcon-H1-7B decode at batch 1, 32, 128; Nemotron-H-8B
-#                                            # at 16k-token contexts (~5 minutes)
+#                                            # Falcon-H1-7B decode at batch 1, 32, 128, prefill and
+#                                            # transformers beside; Nemotron-H-8B at 16k-token contexts
+#                                            # and prefill 8 x 2048 (~8 minutes)
 #   FP8=1 bash benchmarks/gpu_session.sh     # the 2.8b's FP8 decode routes at batch 4-128, then bf16
 #                                            # beside fp8 at batch 1 and 128, 2.8b and Mamba-2 2.7b (~8 minutes)
 #   MOE=1 bash benchmarks/gpu_session.sh     # Granite-4.0-H-Tiny at batch 1, 8, 64 and prefill 1 x 4096,
@@ -113,12 +114,12 @@ if [ -n "${MOE:-}" ]; then
   exit 0
 fi
 if [ -n "${SHAPES:-}" ]; then
-  for shape in granite-4.0-h-micro falcon-h1-7b; do
-    timeout 100 python3 -m benchmarks.hybrid --shape $shape --batches 1,32,128 --state-dtypes bfloat16 --long 0 \
-      --prefills none --no-hf --json "$out/hybrid_$shape.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
+  for shape in granite-4.0-h-micro falcon-h1-7b; do  # (with prefill and transformers' generate at batch 1)
+    timeout 170 python3 -m benchmarks.hybrid --shape $shape --batches 1,32,128 --state-dtypes bfloat16 --long 0 \
+      --json "$out/hybrid_$shape.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
   done
-  timeout 120 python3 -m benchmarks.hybrid --shape nemotron-h-8b --batches 1,32 --context 16384 --state-dtypes bfloat16 \
-    --long 0 --prefills none --no-hf --json "$out/hybrid_16k.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
+  timeout 130 python3 -m benchmarks.hybrid --shape nemotron-h-8b --batches 1,32 --context 16384 --state-dtypes bfloat16 \
+    --long 0 --prefills 8x2048 --no-hf --json "$out/hybrid_16k.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
   exit 0
 fi
 if [ -z "${BENCH:-}${HYBRID:-}${PENDING:-}${SOAK:-}${SERVE:-}${SHAPES:-}${BACKBONE:-}${MOE:-}${FP8:-}" ]; then  # (no mode named: the default)
