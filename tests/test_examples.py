@@ -141,3 +141,33 @@ def test_popgym_ppo_without_popgym_says_what_to_install(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip() == "popgym_ppo.py: error: popgym is not installed: pip install 'fastmamba[examples]'"
     assert not (tmp_path / "o").exists()
+
+
+def test_popgym_table_merges_folders_and_gives_each_core_its_final_return(tmp_path):
+    def write(folder, results):
+        folder.mkdir()
+        (folder / "returns.json").write_text(json.dumps(results))
+
+    def run(returns, seconds=1.0):
+        return {"steps": [512 * (i + 1) for i in range(len(returns))], "returns": returns,
+                "seconds": [seconds] * len(returns)}
+
+    # seed 0 of each core in one folder, seed 1 of mamba in another; the final return is the
+    # mean of the last 10 updates that ended an episode
+    write(tmp_path / "a", {"RepeatPreviousEasy": {"mamba": {"0": run([-1.0] * 5 + [0.5] * 10)},
+                                                  "lstm": {"0": run([0.1] * 9 + [None, 0.3], seconds=2.0)}}})
+    write(tmp_path / "b", {"RepeatPreviousEasy": {"mamba": {"1": run([0.7] * 12)}}})
+    r = subprocess.run([sys.executable, str(EXAMPLES / "popgym_table.py"), str(tmp_path / "a"), str(tmp_path / "b"),
+                        "--out", str(tmp_path / "all")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split(" | ") for line in r.stdout.splitlines() if line.startswith("| RepeatPreviousEasy")]
+    assert [row[1:] for row in rows] == [["mamba", "2", "**+0.600 (+0.500 / +0.700)**", "12/15", "1.00 |"],
+                                         ["lstm", "1", "+0.122", "11", "2.00 |"]]
+    merged = json.loads((tmp_path / "all" / "returns.json").read_text())
+    assert sorted(merged["RepeatPreviousEasy"]["mamba"]) == ["0", "1"]
+    assert (tmp_path / "all" / "RepeatPreviousEasy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the same run with other returns in two folders is refused, naming it
+    write(tmp_path / "c", {"RepeatPreviousEasy": {"lstm": {"0": run([0.9] * 10)}}})
+    r = subprocess.run([sys.executable, str(EXAMPLES / "popgym_table.py"), str(tmp_path / "a"), str(tmp_path / "c"),
+                        "--out", str(tmp_path / "all"), "--no-plots"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "RepeatPreviousEasy lstm seed 0 is in two folders" in r.stderr
