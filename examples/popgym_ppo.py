@@ -163,14 +163,12 @@ def train(task: str, core_kind: str, seed: int, args) -> dict[str, list]:
     return run
 
 
-def plot(task: str, cores: dict, path: Path) -> None:
-    import matplotlib
+COLORS = {"mamba": "tab:blue", "mamba2": "tab:green", "lstm": "tab:orange", "gru": "tab:red"}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = {"mamba": "tab:blue", "mamba2": "tab:green", "lstm": "tab:orange", "gru": "tab:red"}
+def draw(ax, task: str, cores: dict) -> None:
+    """One task's curves on `ax`: the mean return over seeds against updates, shaded from the
+    lowest seed to the highest, a line a core."""
     per_update = set()
     for core, seeds in cores.items():
         per_update |= {run["steps"][0] for run in seeds.values() if run["steps"]}
@@ -181,15 +179,27 @@ def plot(task: str, cores: dict, path: Path) -> None:
         y = np.array([c[:n] for c in curves])  # (seeds, updates)
         x = np.arange(1, n + 1)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # an update where no seed ended an episode: a gap
+            warnings.simplefilter("ignore", RuntimeWarning)  # an update where no seed ended an episode
             mean, low, high = np.nanmean(y, 0), np.nanmin(y, 0), np.nanmax(y, 0)
-        ax.plot(x, mean, color=colors.get(core), label=f"{core} ({len(curves)} seed{'s' * (len(curves) > 1)})")
-        ax.fill_between(x, low, high, color=colors.get(core), alpha=0.2)
+        ended = ~np.isnan(mean)  # (episodes longer than a rollout end in some updates only: joined over the rest)
+        ax.plot(x[ended], mean[ended], color=COLORS.get(core),
+                label=f"{core} ({len(curves)} seed{'s' * (len(curves) > 1)})")
+        ax.fill_between(x[ended], low[ended], high[ended], color=COLORS.get(core), alpha=0.2)
     ax.set_xlabel("PPO update" + (f" ({per_update.pop()} environment steps each)" if len(per_update) == 1 else ""))
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel("mean episode return")
     ax.set_title(f"Recurrent PPO, POPGym {task}")
     ax.legend()
+
+
+def plot(task: str, cores: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    draw(ax, task, cores)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

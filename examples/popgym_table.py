@@ -2,7 +2,7 @@
 or on several machines (each with its own --out folder) merged into one returns.json, a
 learning-curve PNG a task (popgym_ppo.py's plot), and a Markdown table a row a task and core:
 
-    python examples/popgym_table.py runs/a runs/b --out popgym
+    python examples/popgym_table.py runs/a runs/b --out popgym [--grid popgym/all.png]
 
 A run's final return is the mean of its last 10 updates' returns (one update's episodes are
 few and noisy); the table gives its mean over the seeds, with the lowest and highest seed,
@@ -64,21 +64,44 @@ def table(results: dict, cores_order: list[str]) -> str:
     return "\n".join(lines)
 
 
+def grid(results: dict, path: Path, draw) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted(results)
+    cols = 2
+    rows = (len(tasks) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.6 * rows), squeeze=False)
+    for ax, task in zip(axes.flat, tasks):
+        draw(ax, task, results[task])
+        ax.set_title(task)
+    for ax in axes.flat[len(tasks):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folders", nargs="+", type=Path, help="popgym_ppo.py --out folders")
     ap.add_argument("--out", type=Path, required=True, help="where the merged returns.json and the PNGs go")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--grid", type=Path, help="also every task's curves in one PNG, a panel a task")
     args = ap.parse_args()
     results = merge(args.folders)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "returns.json").write_text(json.dumps(results))
     sys.path.insert(0, str(Path(__file__).parent))
-    from popgym_ppo import CORES, plot
+    from popgym_ppo import CORES, draw, plot
 
     if not args.no_plots:
         for task, cores in results.items():
             plot(task, cores, args.out / f"{task}.png")
+    if args.grid:
+        grid(results, args.grid, draw)
     print(table(results, CORES))
 
 

@@ -158,14 +158,16 @@ def test_popgym_table_merges_folders_and_gives_each_core_its_final_return(tmp_pa
                                                   "lstm": {"0": run([0.1] * 9 + [None, 0.3], seconds=2.0)}}})
     write(tmp_path / "b", {"RepeatPreviousEasy": {"mamba": {"1": run([0.7] * 12)}}})
     r = subprocess.run([sys.executable, str(EXAMPLES / "popgym_table.py"), str(tmp_path / "a"), str(tmp_path / "b"),
-                        "--out", str(tmp_path / "all")], capture_output=True, text=True, timeout=120)
+                        "--out", str(tmp_path / "all"), "--grid", str(tmp_path / "grid.png")],
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     rows = [line.split(" | ") for line in r.stdout.splitlines() if line.startswith("| RepeatPreviousEasy")]
     assert [row[1:] for row in rows] == [["mamba", "2", "**+0.600 (+0.500 / +0.700)**", "12/15", "1.00 |"],
                                          ["lstm", "1", "+0.122", "11", "2.00 |"]]
     merged = json.loads((tmp_path / "all" / "returns.json").read_text())
     assert sorted(merged["RepeatPreviousEasy"]["mamba"]) == ["0", "1"]
-    assert (tmp_path / "all" / "RepeatPreviousEasy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for png in (tmp_path / "all" / "RepeatPreviousEasy.png", tmp_path / "grid.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the same run with other returns in two folders is refused, naming it
     write(tmp_path / "c", {"RepeatPreviousEasy": {"lstm": {"0": run([0.9] * 10)}}})
     r = subprocess.run([sys.executable, str(EXAMPLES / "popgym_table.py"), str(tmp_path / "a"), str(tmp_path / "c"),
