@@ -211,7 +211,7 @@ def main() -> None:
                     help=f"POPGym tasks, comma-separated: one of {', '.join(TASKS)} followed by Easy, Medium or Hard")
     ap.add_argument("--core", default=",".join(CORES), help="mamba, mamba2, lstm, gru, or several comma-separated")
     ap.add_argument("--seeds", type=positive(int), default=3, help="runs a task and core, seeds 0 .. K-1")
-    ap.add_argument("--first-seed", type=int, default=0,
+    ap.add_argument("--first-seed", type=positive(int, zero=True), default=0,
                     help="start the seeds here (seeds S .. S+K-1): runs of one task split over processes")
     budget = ap.add_mutually_exclusive_group()
     budget.add_argument("--updates", type=positive(int), help="PPO updates a run (default 100)")
