@@ -22,7 +22,8 @@ LAST = 10  # updates averaged into a run's final return
 
 
 def merge(folders: list[Path]) -> dict:
-    """{task: {core: {seed: run}}} from every folder's returns.json; a run found twice is an error."""
+    """{task: {core: {seed: run}}} from every folder's returns.json (the first of a run found
+    twice; found twice with other returns, an error)."""
     merged: dict = {}
     for folder in folders:
         path = folder / "returns.json"
@@ -32,7 +33,9 @@ def merge(folders: list[Path]) -> dict:
             for core, seeds in cores.items():
                 for seed, run in seeds.items():
                     runs = merged.setdefault(task, {}).setdefault(core, {})
-                    if seed in runs and runs[seed] != run:
+                    # (a rerun of a run is the same run: the CPU runs are deterministic, only
+                    # their wall times differ)
+                    if seed in runs and (runs[seed]["steps"], runs[seed]["returns"]) != (run["steps"], run["returns"]):
                         sys.exit(f"popgym_table.py: error: {task} {core} seed {seed} is in two folders, "
                                  f"with different returns ({path})")
                     runs[seed] = run

@@ -168,7 +168,11 @@ def test_popgym_table_merges_folders_and_gives_each_core_its_final_return(tmp_pa
     assert sorted(merged["RepeatPreviousEasy"]["mamba"]) == ["0", "1"]
     for png in (tmp_path / "all" / "RepeatPreviousEasy.png", tmp_path / "grid.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # the same run with other returns in two folders is refused, naming it
+    # a rerun (the same returns, other wall times) is the same run; with other returns, refused, named
+    write(tmp_path / "d", {"RepeatPreviousEasy": {"lstm": {"0": run([0.1] * 9 + [None, 0.3], seconds=3.0)}}})
+    r = subprocess.run([sys.executable, str(EXAMPLES / "popgym_table.py"), str(tmp_path / "a"), str(tmp_path / "d"),
+                        "--out", str(tmp_path / "all"), "--no-plots"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "| RepeatPreviousEasy | lstm | 1 | +0.122 | 11 | 2.00 |" in r.stdout
     write(tmp_path / "c", {"RepeatPreviousEasy": {"lstm": {"0": run([0.9] * 10)}}})
     r = subprocess.run([sys.executable, str(EXAMPLES / "popgym_table.py"), str(tmp_path / "a"), str(tmp_path / "c"),
                         "--out", str(tmp_path / "all"), "--no-plots"], capture_output=True, text=True, timeout=120)
