@@ -38,7 +38,7 @@ def merge(folders: list[Path]) -> dict:
                     if seed in runs and (runs[seed]["steps"], runs[seed]["returns"]) != (run["steps"], run["returns"]):
                         sys.exit(f"popgym_table.py: error: {task} {core} seed {seed} is in two folders, "
                                  f"with different returns ({path})")
-                    runs[seed] = run
+                    runs.setdefault(seed, run)
     return merged
 
 
