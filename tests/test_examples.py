@@ -124,6 +124,8 @@ def test_popgym_ppo_encodes_observations_and_samples_multidiscrete_actions():
     (["--core", "mamba,transformer"], "--core takes mamba, mamba2, lstm, gru or several of them"),
     (["--updates", "2", "--steps", "100"], "argument --steps: not allowed with argument --updates"),
     (["--envs", "64", "--minibatches", "5"], "--minibatches (5) must divide --envs (64)"),
+    (["--head-dim", "48"], "--head-dim (48) must divide the Mamba-2 layer's 2 x --width (128)"),
+    (["--first-seed", "-1"], "argument --first-seed: a whole number >= 0 is needed, got '-1'"),
 ])
 def test_popgym_ppo_refuses_an_unknown_task_or_core_in_one_line(tmp_path, args, message):
     r = subprocess.run([sys.executable, str(POPGYM), *args, "--out", str(tmp_path / "o")],
