@@ -179,3 +179,14 @@ def test_popgym_table_merges_folders_and_gives_each_core_its_final_return(tmp_pa
     r = subprocess.run([sys.executable, str(EXAMPLES / "popgym_table.py"), str(tmp_path / "a"), str(tmp_path / "c"),
                         "--out", str(tmp_path / "all"), "--no-plots"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "RepeatPreviousEasy lstm seed 0 is in two folders" in r.stderr
+
+
+def test_the_mamba2_core_takes_its_head_width():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import recurrent_ppo
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    assert recurrent_ppo.Core("mamba2", 4, 64, 1).net.config.head_dim == 32  # the default: 4 heads
+    narrow = recurrent_ppo.Core("mamba2", 4, 64, 1, head_dim=8).net
+    assert narrow.config.head_dim == 8 and narrow.layers[0].mixer.A_log.shape == (16,)  # 16 heads, a decay each
