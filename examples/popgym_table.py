@@ -83,7 +83,7 @@ def grid(results: dict, path: Path, draw) -> None:
     for ax in axes.flat[len(tasks):]:
         ax.set_visible(False)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=72)
     plt.close(fig)
 
 
