@@ -10,12 +10,12 @@
 #                                            # a 32k-token prompt, prefill, transformers; then served at
 #                                            # 64 streams (~8 minutes)
 #   SOAK=1 bash benchmarks/gpu_session.sh    # 8 minutes of the soak on the 2.8b shape (~9 minutes)
-#   PENDING=1 bash benchmarks/gpu_session.sh # in one call, what has not run on a GPU since 54ab910:
-#                                            # the hybrids' and the Mamba-2 Backbone's GPU tests (the
-#                                            # paged kernel's tensor-core products, the training SSD
-#                                            # at mamba_ssm's sizes), Nemotron-H-8B's decode at batch
-#                                            # 1 and 128, its batch-128 profile, and its server at 64
-#                                            # streams (~8 minutes)
+#   PENDING=1 bash benchmarks/gpu_session.sh # in one call, what has not run on a GPU since 54ab910,
+#                                            # the most wanted first: the hybrids' GPU tests (the paged
+#                                            # kernel's tensor-core products), Nemotron-H-8B's decode at
+#                                            # batch 1 and 128 and prefill, its server at 64 streams,
+#                                            # the Mamba-2 Backbone's GPU tests (the training SSD at
+#                                            # mamba_ssm's sizes), the batch-128 profile (~9 minutes)
 #   SHAPES=1 bash benchmarks/gpu_session.sh  # the other dense hybrid shapes: Granite-4.0-H-Micro and
 #                                            # Falcon-H1-7B decode at batch 1, 32, 128, prefill and
 #                                            # transformers beside; Nemotron-H-8B at 16k-token contexts
