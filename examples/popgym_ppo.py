@@ -192,16 +192,21 @@ def draw(ax, task: str, cores: dict) -> None:
     ax.legend()
 
 
-def plot(task: str, cores: dict, path: Path) -> None:
+def plot(results: dict, path: Path, cols: int = 1, dpi: int = 120) -> None:
+    """One PNG of a panel a task ({task: {core: {seed: run}}}), `cols` panels a row."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    draw(ax, task, cores)
+    rows = -(-len(results) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 4.5 * rows), squeeze=False)
+    for ax, (task, cores) in zip(axes.flat, sorted(results.items())):
+        draw(ax, task, cores)
+    for ax in axes.flat[len(results):]:
+        ax.set_visible(False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
 
 
@@ -249,7 +254,7 @@ def main() -> None:
             for seed in range(args.first_seed, args.first_seed + args.seeds):
                 results[task][core][str(seed)] = train(task, core, seed, args)
                 path.write_text(json.dumps(results))
-        plot(task, results[task], out / f"{task}.png")
+        plot({task: results[task]}, out / f"{task}.png")
     print(f"wrote {path} and {', '.join(str(out / f'{t}.png') for t in tasks)} "
           f"({time.perf_counter() - t0:.0f} s)")
 

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from popgym_ppo import CORES, plot  # (this script's folder is on the path when it runs)
 
 LAST = 10  # updates averaged into a run's final return
 
@@ -53,38 +54,19 @@ def table(results: dict, cores_order: list[str]) -> str:
              "|---|---|---|---|---|---|"]
     for task in sorted(results):
         cores = results[task]
-        best = max((np.mean([final_return(r) for r in seeds.values()]) for seeds in cores.values()), default=None)
+        finals = {core: [final_return(r) for r in seeds.values()] for core, seeds in cores.items()}
+        best = max(float(np.mean(f)) for f in finals.values())
         for core in sorted(cores, key=lambda c: cores_order.index(c) if c in cores_order else len(cores_order)):
             runs = list(cores[core].values())
-            finals = [final_return(r) for r in runs]
-            mean = float(np.mean(finals))
-            shown = f"{mean:+.3f}" + (f" ({min(finals):+.3f} / {max(finals):+.3f})" if len(finals) > 1 else "")
-            if best is not None and mean == best:
+            mean = float(np.mean(finals[core]))
+            shown = f"{mean:+.3f}" + (f" ({min(finals[core]):+.3f} / {max(finals[core]):+.3f})"
+                                      if len(runs) > 1 else "")
+            if mean == best:
                 shown = f"**{shown}**"
             seconds = np.median([np.median(r["seconds"]) for r in runs])
             updates = sorted({len(r["returns"]) for r in runs})
             lines.append(f"| {task} | {core} | {len(runs)} | {shown} | {'/'.join(map(str, updates))} | {seconds:.2f} |")
     return "\n".join(lines)
-
-
-def grid(results: dict, path: Path, draw) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    tasks = sorted(results)
-    cols = 2
-    rows = (len(tasks) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.6 * rows), squeeze=False)
-    for ax, task in zip(axes.flat, tasks):
-        draw(ax, task, results[task])
-        ax.set_title(task)
-    for ax in axes.flat[len(tasks):]:
-        ax.set_visible(False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=72)
-    plt.close(fig)
 
 
 def main() -> None:
@@ -97,14 +79,11 @@ def main() -> None:
     results = merge(args.folders)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "returns.json").write_text(json.dumps(results))
-    sys.path.insert(0, str(Path(__file__).parent))
-    from popgym_ppo import CORES, draw, plot
-
     if not args.no_plots:
         for task, cores in results.items():
-            plot(task, cores, args.out / f"{task}.png")
+            plot({task: cores}, args.out / f"{task}.png")
     if args.grid:
-        grid(results, args.grid, draw)
+        plot(results, args.grid, cols=2, dpi=72)
     print(table(results, CORES))
 
 
