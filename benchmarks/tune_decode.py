@@ -230,7 +230,7 @@ def tune_row_first(size, dtype):
     assert plan.step == "one-row", plan
 
     def variant(**changes):
-        return model, replace(plan, blocks=replace(plan.blocks, **changes))
+        return model, replace(plan, blocks=replace(plan.blocks, **changes))  # (the same weights)
 
     times = time_graph_steps_abba({
         "default": (model, plan),
@@ -242,8 +242,6 @@ def tune_row_first(size, dtype):
     for name, ms in times.items():
         print(f"{size} {str(dtype)[6:]} {name}: {ms:.4f} ms/step, {floor / ms:.2f} of the floor ({floor:.4f} ms), "
               f"{times['default'] / ms:.3f}x the default", flush=True)
-    del model
-    torch.cuda.empty_cache()
 
 
 # Each sweep's flag, its function and the arguments it runs with, in turn.
