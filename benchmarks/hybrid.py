@@ -150,6 +150,34 @@ def long_prompt(model: Mamba, tokens: int, out: int = 16) -> dict:
                 decode_ms=round(sorted(gaps)[len(gaps) // 2] * 1e3, 3) if gaps else None, peak_gib_above_model=round(peak, 2))
 
 
+def serve_steps(model: Mamba, rows: int, prompt: int, budget: int, cache_mb: int, profile: bool = False) -> dict:
+    """`rows` requests with `prompt`-token prompts through the engine as `fastmamba serve` runs
+    them (a prefill budget a step, the prefix cache on: prompts prefill in chunks on its
+    grid, each continuing its slot's state and keys and values): wall ms of each step until
+    every first token, and with `profile` the torch profiler's heaviest ops of the second."""
+    lm = LanguageModel(model, None, engine=engine(model))
+    core = EngineCore(model, lm.prefill, max_batch=rows, prefill_tokens=budget, prefix_cache_bytes=cache_mb << 20,
+                      kv_tokens=rows * (prompt + 64))
+    g = torch.Generator().manual_seed(3)
+    for k in range(rows):
+        ids = torch.randint(3, model.config.vocab_size, (prompt,), generator=g).tolist()
+        core.add(Request(k, ids, SamplingParams(max_tokens=8, stop_token_ids=[])))
+    steps, first = [], 0
+    while first < rows:
+        if profile and len(steps) == 1:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                                        if cuda(str(model.device)) else None) as prof:
+                ms = synced(core.step)
+            for key in ("self_cuda_time_total", "self_cpu_time_total") if cuda(str(model.device)) else ("self_cpu_time_total",):
+                print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60), flush=True)
+        else:
+            ms = synced(core.step)
+        steps.append(round(ms, 1))
+        first = sum(1 for r in core.slots if r is not None and r.pos >= len(r.ids))
+    return dict(rows=rows, prompt=prompt, prefill_budget=budget, prefix_cache_mb=cache_mb, step_ms=steps,
+                ms_per_1k_prompt_tokens=round(sum(steps) / (rows * prompt / 1000), 1))
+
+
 def hf_ms_per_token(raw: dict, context: int, tokens: int = 16) -> float | None:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -178,6 +206,9 @@ def main() -> None:
                          "(default: 32768 on the GPU, none on the CPU; 0: none)")
     ap.add_argument("--prefills", default=None, help="prefill shapes, rows x tokens (default 1x8192,8x2048; "
                     "on the CPU 1x256,2x128; none: no prefill)")
+    ap.add_argument("--serve-steps", default=None,
+                    help="rows x prompt tokens through the engine as the server prefills them, step by step, with "
+                         "the prefix cache on (256 MB, serve's default) and off, the first profiled (e.g. 8x2048)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--device", default="cuda", help="cuda (bf16 weights, the GPU engine), or cpu for a smoke run (float32)")
     ap.add_argument("--json")
@@ -203,6 +234,10 @@ def main() -> None:
             emit(what="decode", state=state_dtype, batch=b, context=args.context, ms=round(ms, 3),
                  floor_ms=round(floor, 3), of_floor=round(floor / ms, 3))
         m = None
+    if args.serve_steps:
+        rows_, prompt = map(int, args.serve_steps.split("x"))
+        for cache_mb in (256, 0):
+            emit(what="serve steps", **serve_steps(model, rows_, prompt, 4096, cache_mb, profile=cache_mb > 0))
     long = args.long if args.long is not None else (32768 if cuda(args.device) else 0)
     if long:
         try:
