@@ -20,10 +20,8 @@
 #                                            # Falcon-H1-7B decode at batch 1, 32, 128, prefill and
 #                                            # transformers beside; Nemotron-H-8B at 16k-token contexts
 #                                            # and prefill 8 x 2048 (~8 minutes)
-#   FP8=1 bash benchmarks/gpu_session.sh     # the one-row kernels' rows as tiles in the weights' layout
-#                                            # (tune_decode --row-first), the 2.8b's FP8 decode routes at
-#                                            # batch 4-128, then bf16 beside fp8 at batch 1 and 128, 2.8b
-#                                            # and Mamba-2 2.7b (~10 minutes)
+#   FP8=1 bash benchmarks/gpu_session.sh     # the 2.8b's FP8 decode routes at batch 4-128, then bf16
+#                                            # beside fp8 at batch 1 and 128, 2.8b and Mamba-2 2.7b (~8 minutes)
 #   MOE=1 bash benchmarks/gpu_session.sh     # Granite-4.0-H-Tiny at batch 1, 8, 64 and prefill 1 x 4096,
 #                                            # the MoE tiles' sweep, its server at 64 streams; Nemotron
 #                                            # 3 Nano's shape at batch 1, 8, 64 (~10 minutes)
@@ -96,9 +94,6 @@ if [ -n "${BACKBONE:-}" ]; then
   exit 0
 fi
 if [ -n "${FP8:-}" ]; then
-  # the one-row kernels reading their rows as tiles in the weights' layout, whole batch-1 steps
-  # (2.8b and Mamba-2 2.7b in FP8, 2.8b in bf16 beside them)
-  timeout 240 python3 -m benchmarks.tune_decode --row-first 2>&1 | grep -v Warn | tee "$out/row_first.log"
   # which step an FP8 model's larger batches should take (the plan's fp8 rows are 16-bit's, untuned),
   # then the issue's table: bf16 beside fp8 in one run
   timeout 300 python3 -m benchmarks.decode_routing --models 2.8b --dtypes fp8 --batches 4,32,64,128 \

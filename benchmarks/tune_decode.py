@@ -13,9 +13,7 @@ steps; with --early, which kernels let the next one launch before their own wait
 --sum-last, where one-row in_proj sums over K (--f32: float32 weights); with --preload,
 out_proj blocks of one tile a K split and in_proj's loop in shared-memory stages; with
 --ablate, the step without one kind of kernel at a time (timing only); with
---lm-head-sum-last, lm_head summing after its loop in 256-wide K tiles against every tile;
-with --row-first, in_proj reading a row normalised first and out_proj reading y as tiles in
-the weights' layout (2.8b and Mamba-2 2.7b in FP8, 2.8b in bf16).
+--lm-head-sum-last, lm_head summing after its loop in 256-wide K tiles against every tile.
 """
 
 import itertools
@@ -217,33 +215,6 @@ def tune_lm_head(size):
             print(f"   in_proj BN, BK, warps, stages = {blocks}: {step_ms(model, in_proj=blocks):.4f} ms/step", flush=True)
 
 
-def tune_row_first(size, dtype):
-    """in_proj reading a row normalised first by a kernel of its own, as tiles in the
-    weights' layout (OneRowBlocks.in_proj_row_first), and out_proj reading y so
-    (out_proj_broadcast), against the default: whole batch-1 steps, A B C D D C B A, with
-    the step's floor (its bytes at the copy rate) beside them."""
-    from fastmamba.bench import copy_bandwidth, floor_ms, random_model, time_graph_steps_abba
-    from fastmamba.engine.plan import plan_for
-
-    model = random_model(size, dtype)
-    plan = plan_for(model.config, dtype, 1)
-    assert plan.step == "one-row", plan
-
-    def variant(**changes):
-        return model, replace(plan, blocks=replace(plan.blocks, **changes))  # (the same weights)
-
-    times = time_graph_steps_abba({
-        "default": (model, plan),
-        "in_proj row first": variant(in_proj_row_first=True),
-        "out_proj broadcast": variant(out_proj_broadcast=True),
-        "both": variant(in_proj_row_first=True, out_proj_broadcast=True),
-    }, 1)
-    floor = floor_ms(model, 1, copy_bandwidth())
-    for name, ms in times.items():
-        print(f"{size} {str(dtype)[6:]} {name}: {ms:.4f} ms/step, {floor / ms:.2f} of the floor ({floor:.4f} ms), "
-              f"{times['default'] / ms:.3f}x the default", flush=True)
-
-
 # Each sweep's flag, its function and the arguments it runs with, in turn.
 BF16, F32 = torch.bfloat16, torch.float32
 SWEEPS = {
@@ -254,8 +225,6 @@ SWEEPS = {
     "--ablate": (tune_ablate, [("2.8b",), ("1.4b",), ("130m",)]),
     "--sum-last": (tune_sum_last, [("1.4b",), ("2.8b",)]),
     "--early": (tune_early_launch, [("130m",), ("370m",), ("1.4b",), ("2.8b",)]),
-    "--row-first": (tune_row_first, [("2.8b", torch.float8_e4m3fn), ("mamba2-2.7b", torch.float8_e4m3fn),
-                                     ("2.8b", BF16)]),
 }
 
 

@@ -74,21 +74,16 @@ def test_embed(case):
 
 
 @pytest.mark.parametrize(
-    "fused,conv_block,k_tile,row_first",
-    [(True, None, None, False), (False, None, None, False), (False, 16, None, False), (True, None, 8, False),
-     (False, None, 8, False), (True, None, 8, True), (False, None, None, True)],
-    ids=["fused", "conv-kernel", "conv-kernel-16", "fused-k-tiles", "conv-kernel-k-tiles", "fused-k-tiles-row-first",
-         "conv-kernel-row-first"],
+    "fused,conv_block,k_tile", [(True, None, None), (False, None, None), (False, 16, None), (True, None, 8), (False, None, 8)],
+    ids=["fused", "conv-kernel", "conv-kernel-16", "fused-k-tiles", "conv-kernel-k-tiles"],
 )
-def test_in_proj_with_conv_and_x_proj(case, fused, conv_block, k_tile, row_first):
+def test_in_proj_with_conv_and_x_proj(case, fused, conv_block, k_tile):
     """in_proj, then the conv step and x_proj: in in_proj's x-half programs, or (wide
     models) in a kernel of their own (16 channels a program: these small models' channels
     then span several programs, whose x_proj shares meet in dbc). k_tile: in_proj walks
-    d_model in tiles of 8, as wide models do, where the small ones take it in one tile.
-    row_first: the normalised row made by normed_row first, read as broadcast tiles."""
+    d_model in tiles of 8, as wide models do, where the small ones take it in one tile."""
     model, step, tol = case
     step.fused_conv = fused
-    step.in_proj_row_first = row_first
     step.BN_conv = conv_block or step.BN_conv
     if k_tile:  # in_proj's (BN, BK, warps, stages), BK narrowed
         BN, _, warps, stages = step.in_proj_blocks
@@ -102,8 +97,6 @@ def test_in_proj_with_conv_and_x_proj(case, fused, conv_block, k_tile, row_first
         step.in_proj(lw, conv_state)
         xz = ds.rmsnorm_linear_ref(h, lw.norm_w, c.norm_eps, lw.in_proj_w, lw.in_proj_b)
         assert rel_err(step.xz[: step.B], xz) < tol
-        if row_first:  # normed_row's output, the row in_proj read
-            assert rel_err(step.xn[: step.B], ds.normed_row_ref(h, lw.norm_w, c.norm_eps)) < 1e-5
         xc, dbc = ds.conv_x_proj_ref(step.xz[: step.B, : c.d_inner], ref_state, lw.conv_w, lw.conv_b, lw.x_proj_w)
         assert rel_err(step.xc[: step.B], xc) < 1e-5
         assert rel_err(gemv.from_fixed(step.dbc[: step.B, : step.J]), dbc) < tol
@@ -179,11 +172,8 @@ def test_ssm_step(case):
     assert rel_err(ssm_state, ref_state) < tol
 
 
-@pytest.mark.parametrize("broadcast", [False, True], ids=["row", "broadcast"])
-def test_out_proj_residual(case, broadcast):
-    """broadcast: y read as tiles in the weights' layout (OneRowBlocks.out_proj_broadcast)."""
+def test_out_proj_residual(case):
     model, step, tol = case
-    step.out_proj_broadcast = broadcast
     lw, c = model.weights.layers[0], model.config
     h = set_residual(step, rand(step.B, c.d_model, seed=8), torch.zeros(step.B, c.d_model, device=DEVICE))
     step.y[: step.B] = rand(step.B, c.d_inner, seed=9)

@@ -187,21 +187,13 @@ def main() -> None:
         edt = "*bf16" if fp8 else wdt
         narrow = one_row_blocks(768, 1536, 50280, torch.float32 if f32 else torch.bfloat16)  # 130m's
         wide = one_row_blocks(2560, 5120, 50280, torch.float32 if f32 else torch.bfloat16)  # 2.8b's
-        t = ptrs("h_ptr", "nw_ptr", "xn_ptr", "b_ptr", "out_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", "ws_ptr", "wxs_ptr",
+        t = ptrs("h_ptr", "nw_ptr", "b_ptr", "out_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", "ws_ptr", "wxs_ptr",
                  w_ptr=wdt, wx_ptr=wdt, dh_ptr="*i64", dbc_ptr="*i64", best_ptr="*i64", eps="fp32")
         for conv in (True, False):  # in_proj with the conv step and x_proj; lm_head (a tied one bf16) with the argmax
             compile_kernel(ds._rmsnorm_linear_kernel, {**t, "w_ptr": wdt if conv else edt}, dict(
                 W_SCALED=fp8 and conv, WX_SCALED=fp8, HAS_BIAS=True, CONV=conv, ARGMAX=not conv, K=4, KP=4, HAS_CB=True, BN=16,
                 BK=512, BJ=128, STAGES=narrow.in_proj[3], SUM_LAST=not f32,
-                UNROLL=narrow.in_proj_unroll if conv and not f32 else 1, ROW_READY=False, PDL=True))
-        # wide in_proj reading the row that normed_row made first (OneRowBlocks.in_proj_row_first)
-        BN, BK, warps, stages = wide.in_proj
-        compile_kernel(ds._rmsnorm_linear_kernel, t, dict(
-            W_SCALED=fp8, WX_SCALED=fp8, HAS_BIAS=False, CONV=False, ARGMAX=False, K=4, KP=4, HAS_CB=True, BN=BN, BK=BK,
-            BJ=128, STAGES=stages, SUM_LAST=not f32, UNROLL=wide.in_proj_unroll if not f32 else 1, ROW_READY=True, PDL=True),
-            num_warps=warps)
-        compile_kernel(ds._normed_row_kernel, ptrs("h_ptr", "nw_ptr", "xn_ptr", dh_ptr="*i64", eps="fp32"),
-                       dict(BD=4096, PDL=True))
+                UNROLL=narrow.in_proj_unroll if conv and not f32 else 1, PDL=True))
         t = ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", "wxs_ptr", wx_ptr=wdt, dbc_ptr="*i64")
         BN = wide.conv_block
         compile_kernel(ds._conv_x_proj_kernel, t, dict(K=4, KP=4, HAS_CB=True, BN=BN, BJ=256, WX_SCALED=fp8, PDL=True),
@@ -215,9 +207,7 @@ def main() -> None:
         t = {"best_ptr": "*i64", "tok_ptr": "*i64", "hist_ptr": "*i64", "step_ptr": "*i64", "seen_ptr": "*i1"}
         compile_kernel(ds._take_argmax_kernel, t, dict(BR=8, PDL=True))
         t = ptrs("y_ptr", "b_ptr", "ws_ptr", w_ptr=wdt, dh_ptr="*i64", dbc_ptr="*i64")
-        for broadcast in (False, True):  # y as a row, or as tiles in the weights' layout (OneRowBlocks.out_proj_broadcast)
-            compile_kernel(ds._out_proj_residual_kernel, t, dict(W_SCALED=fp8, HAS_BIAS=True, BN=32, BK=256, BJ=128,
-                                                                 BROADCAST=broadcast, PDL=True))
+        compile_kernel(ds._out_proj_residual_kernel, t, dict(W_SCALED=fp8, HAS_BIAS=True, BN=32, BK=256, BJ=128, PDL=True))
         t = {"tok_ptr": "*i64", "emb_ptr": edt, "h_ptr": "*fp32", "dh_ptr": "*i64"}
         compile_kernel(ds._embed_kernel, t, dict(BN=32, PDL=True))
         # the deterministic step's products (products.py), in the tiles of 1 and of 128 rows

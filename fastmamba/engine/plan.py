@@ -73,10 +73,6 @@ class OneRowBlocks:
     in_proj_sum_last: bool  # a row's products summed over K once, after the loop (not every tile)
     lm_head_sum_last: bool
     in_proj_unroll: int  # the K loop unrolled by this much where summed after it
-    # in_proj's row normalised first by a kernel of its own, then read as tiles in the weights'
-    # layout (kernels/decode_step.py: ROW_READY); out_proj's y read so (BROADCAST)
-    in_proj_row_first: bool
-    out_proj_broadcast: bool
     early_launch: frozenset  # kernels that let the next launch before their own wait (PDL 2)
     ssd_block: int  # Mamba-2's ssd_conv_step: a head's channels a program (all N states of each in registers)
 
@@ -124,10 +120,6 @@ def one_row_blocks(d_model: int, d_inner: int, vocab: int, dtype: torch.dtype, l
         lm_head_sum_last=sixteen_bit,
         # two tiles' loads in flight a thread (2.8b 1.7492 against 1.7680 unrolled by one)
         in_proj_unroll=2,
-        # (for FP8 weights, whose tiles' layout puts a K column in 8-16 threads; not yet timed
-        # in whole steps: benchmarks/tune_decode.py --row-first)
-        in_proj_row_first=False,
-        out_proj_broadcast=False,
         # ssm_step and out_proj (and conv_x_proj where it runs) let the next kernel load its
         # first weights sooner (1.4b 1.344 against 1.394)
         early_launch=frozenset({"conv_x_proj", "ssm_step", "out_proj_residual"}),

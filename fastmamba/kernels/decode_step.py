@@ -71,14 +71,9 @@ from .rmsnorm import residual_rmsnorm_ref
 # -- reference twins -------------------------------------------------------------------------
 
 
-def normed_row_ref(h, norm_w, eps):
-    """(B, d) f32 -> rmsnorm(h) * norm_w, f32."""
-    return residual_rmsnorm_ref(h, None, None, norm_w, eps)[1]
-
-
 def rmsnorm_linear_ref(h, norm_w, eps, weight, bias=None):
     """(B, d) f32 -> (B, n_out) f32: linear(rmsnorm(h) * norm_w)."""
-    return linear_ref(normed_row_ref(h, norm_w, eps), weight, bias)
+    return linear_ref(residual_rmsnorm_ref(h, None, None, norm_w, eps)[1], weight, bias)
 
 
 def conv_x_proj_ref(x, conv_state, conv_w, conv_b, x_proj_w):
@@ -123,36 +118,12 @@ def _embed_kernel(tok_ptr, emb_ptr, h_ptr, dh_ptr, B, D, BN: tl.constexpr, PDL: 
 
 
 @jit
-def _broadcast_row_tile(x_ptr, row_start, n, k, rmask, K):
-    """A row's x[k] as a (BN, BK) tile, each column repeated down the n rows: loaded in the
-    layout of the weight tile w[n, k] it multiplies (no layout conversion, no shared memory;
-    the repeats come from L1). (The `0 * n` makes the load two-dimensional.)"""
-    offs = row_start + k[None, :] + 0 * n[:, None]
-    return tl.load(x_ptr + offs, mask=rmask[:, None] & (k < K)[None, :], other=0.0)
-
-
-@jit
-def _normed_row_kernel(h_ptr, dh_ptr, nw_ptr, xn_ptr, D, eps, BD: tl.constexpr, PDL: tl.constexpr):
-    """xn[row] = rmsnorm(h + dh) * norm_w, float32: one program a row, for in_proj's
-    ROW_READY programs to read."""
-    let_next_kernel_launch(PDL)
-    row = tl.program_id(0)
-    k = tl.arange(0, BD)
-    kmask = k < D
-    nw = tl.load(nw_ptr + k, mask=kmask, other=0.0)
-    wait_for_prior_kernel(PDL)
-    x = residual_tile(h_ptr, dh_ptr, row * D + k, kmask)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
-    tl.store(xn_ptr + row * D + k, x * rstd * nw, mask=kmask)
-
-
-@jit
 def _rmsnorm_linear_kernel(
-    h_ptr, dh_ptr, nw_ptr, xn_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, wxs_ptr, xc_ptr, dbc_ptr,
+    h_ptr, dh_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, wxs_ptr, xc_ptr, dbc_ptr,
     best_ptr, B, D, NOUT, E, J, eps,
     W_SCALED: tl.constexpr, WX_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, CONV: tl.constexpr, ARGMAX: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     HAS_CB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    BJ: tl.constexpr, STAGES: tl.constexpr, SUM_LAST: tl.constexpr, UNROLL: tl.constexpr, ROW_READY: tl.constexpr, PDL: tl.constexpr,
+    BJ: tl.constexpr, STAGES: tl.constexpr, SUM_LAST: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr,
 ):
     let_next_kernel_launch(PDL)
     pid_b = tl.program_id(0)  # rows first: see DecodeStep
@@ -177,31 +148,19 @@ def _rmsnorm_linear_kernel(
     # The first tile's product, then the rest in a loop (carrying a prefetched tile through
     # it in registers doubled the registers and halved the bandwidth; STAGES > 1 streams
     # tiles through shared memory instead: slower here).
-    # ROW_READY: normed_row has made the row (rmsnorm and norm_w applied) before this
-    # kernel; it is read as a (BN, BK) tile in the weight tile's own layout, every program's
-    # thread loading the activations its weights meet (from L1: the row is a few KB), where
-    # a (1, BK) row would be moved into that layout through shared memory every tile.
-    if ROW_READY:
-        acc = mm_terms(_broadcast_row_tile(xn_ptr, pid_b * D, n, k, rmask, D), w, SUM_LAST)
-        for k0 in tl.range(BK, D, BK, num_stages=STAGES, loop_unroll_factor=UNROLL):
-            k = k0 + tl.arange(0, BK)
-            w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=nmask[:, None] & (k < D)[None, :], other=0.0)
-            acc += mm_terms(_broadcast_row_tile(xn_ptr, pid_b * D, n, k, rmask, D), w, SUM_LAST)
-        acc = mm_total(acc, SUM_LAST)
-    else:
-        hk = residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & (k < D)[None, :])
-        nw = tl.load(nw_ptr + k, mask=k < D, other=0.0)
-        sq = hk * hk
-        acc = mm_terms(hk * nw[None, :], w, SUM_LAST)
-        for k0 in tl.range(BK, D, BK, num_stages=STAGES, loop_unroll_factor=UNROLL):
-            k = k0 + tl.arange(0, BK)
-            kmask = k < D
-            hk = residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & kmask[None, :])
-            nw = tl.load(nw_ptr + k, mask=kmask, other=0.0)
-            w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            sq += hk * hk
-            acc += mm_terms(hk * nw[None, :], w, SUM_LAST)
-        acc = mm_total(acc, SUM_LAST) * (1.0 / tl.sqrt(tl.sum(sq, 1) / D + eps))[:, None]
+    hk = residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & (k < D)[None, :])
+    nw = tl.load(nw_ptr + k, mask=k < D, other=0.0)
+    sq = hk * hk
+    acc = mm_terms(hk * nw[None, :], w, SUM_LAST)
+    for k0 in tl.range(BK, D, BK, num_stages=STAGES, loop_unroll_factor=UNROLL):
+        k = k0 + tl.arange(0, BK)
+        kmask = k < D
+        hk = residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & kmask[None, :])
+        nw = tl.load(nw_ptr + k, mask=kmask, other=0.0)
+        w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        sq += hk * hk
+        acc += mm_terms(hk * nw[None, :], w, SUM_LAST)
+    acc = mm_total(acc, SUM_LAST) * (1.0 / tl.sqrt(tl.sum(sq, 1) / D + eps))[:, None]
     if W_SCALED:  # FP8 weights: each sum times its row's scale, once
         acc *= tl.load(ws_ptr + n, mask=nmask, other=0.0)[None, :]
     if HAS_BIAS:
@@ -376,8 +335,7 @@ def _ssm_step_kernel(
 @jit
 def _out_proj_residual_kernel(
     y_ptr, w_ptr, ws_ptr, b_ptr, dh_ptr, dbc_ptr, B, D, E, KCHUNK,
-    W_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BJ: tl.constexpr,
-    BROADCAST: tl.constexpr, PDL: tl.constexpr,
+    W_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
 ):
     let_next_kernel_launch(PDL)
     pid_b = tl.program_id(0)
@@ -395,10 +353,7 @@ def _out_proj_residual_kernel(
     acc = tl.zeros([1, BN], dtype=tl.float32)
     for k0 in range(pid_s * KCHUNK, k_end, BK):
         k = k0 + tl.arange(0, BK)
-        if BROADCAST:  # y as a (BN, BK) tile in w's layout (see _broadcast_row_tile)
-            yk = _broadcast_row_tile(y_ptr, pid_b * E, n, k, rmask, k_end)
-        else:
-            yk = tl.load(y_ptr + rows[:, None] * E + k[None, :], mask=rmask[:, None] & (k < k_end)[None, :], other=0.0)
+        yk = tl.load(y_ptr + rows[:, None] * E + k[None, :], mask=rmask[:, None] & (k < k_end)[None, :], other=0.0)
         w_now = w
         k = k + BK  # the next tile (nothing past this split's end)
         w = tl.load(w_ptr + n[:, None] * E + k[None, :], mask=nmask[:, None] & (k < k_end)[None, :], other=0.0)
@@ -444,7 +399,6 @@ class DecodeStep:
         self.in_proj_blocks, self.lm_head_blocks = blocks.in_proj, blocks.lm_head
         self.sum_last, self.lm_head_sum_last, self.in_proj_unroll = blocks.in_proj_sum_last, blocks.lm_head_sum_last, blocks.in_proj_unroll
         self.early_launch = blocks.early_launch
-        self.in_proj_row_first, self.out_proj_broadcast = blocks.in_proj_row_first, blocks.out_proj_broadcast
         d, E, N, R = c.d_model, c.d_inner, c.d_state, c.dt_rank
         self.J, self.BJ = R + 2 * N, _pow2(R + 2 * N)
         self.BR, self.NP = _pow2(R), _pow2(N, 1)
@@ -461,7 +415,6 @@ class DecodeStep:
         f32 = dict(device=dev, dtype=torch.float32)
         self.h = torch.zeros(batch, d, **f32)
         self.dh = torch.zeros(batch, d, device=dev, dtype=torch.int64)  # out_proj's share, fixed point
-        self.xn = torch.zeros(batch, d, **f32)  # the normalised row, where in_proj_row_first
         self.xz = torch.zeros(batch, 2 * E, **f32)
         self.xc = torch.zeros(batch, E, **f32)
         self.y = torch.zeros(batch, E, **f32)
@@ -483,15 +436,14 @@ class DecodeStep:
         emb = self.model.weights.embedding
         _embed_kernel[(self.B, self.nt_d)](tokens, emb, self.h, self.dh, self.B, emb.shape[1], BN=self.BN_out, **self.pdl)
 
-    def _rmsnorm_linear(self, norm_w, weight, bias, out, blocks, conv=None, argmax=False, sum_last=False, unroll=1, row_first=False) -> None:
+    def _rmsnorm_linear(self, norm_w, weight, bias, out, blocks, conv=None, argmax=False, sum_last=False, unroll=1) -> None:
         """out[:B] = linear(rmsnorm(h + dh) * norm_w, weight, bias) in blocks (BN, BK, warps,
         stages); with conv = (lw, conv_state), out is xz, and the x half goes on through the
         conv step and x_proj; with argmax, each row's argmax goes into `best` too (see
         argmax_keys). sum_last: one row's products summed over K once, after the loop
         (mm_terms), where d takes more than one K tile (in one tile the products would wait
         through the loop in registers for nothing). unroll: the K loop unrolled by this much
-        where the products are summed after it. row_first: the normalised row made first, by
-        a kernel of its own (normed_row), and read as broadcast tiles (ROW_READY)."""
+        where the products are summed after it."""
         weight, scale = weight_parts(weight)
         n_out, d = weight.shape
         BN, BK, warps, stages = blocks
@@ -506,17 +458,12 @@ class DecodeStep:
         else:  # unused pointers
             wxs = None
             conv_args = (out,) * 7
-        if row_first:
-            _normed_row_kernel[(self.B,)](
-                self.h, self.dh, norm_w, self.xn, d, c.norm_eps, BD=_pow2(d), num_warps=4 if d <= 4096 else 8,
-                **self.pdl_for("normed_row"),
-            )
         _rmsnorm_linear_kernel[grid](
-            self.h, self.dh, norm_w, self.xn, weight, weight if scale is None else scale, bias if bias is not None else weight, out,
+            self.h, self.dh, norm_w, weight, weight if scale is None else scale, bias if bias is not None else weight, out,
             *conv_args, self.best, self.B, d, n_out, c.d_inner, self.J, c.norm_eps,
             W_SCALED=scale is not None, WX_SCALED=wxs is not None, HAS_BIAS=bias is not None, CONV=conv is not None, ARGMAX=argmax, K=c.d_conv, KP=triton.next_power_of_2(c.d_conv),
             HAS_CB=conv is not None and conv[0].conv_b is not None,
-            BN=BN, BK=BK, BJ=self.BJ, STAGES=stages, SUM_LAST=sum_last, UNROLL=unroll if sum_last else 1, ROW_READY=row_first,
+            BN=BN, BK=BK, BJ=self.BJ, STAGES=stages, SUM_LAST=sum_last, UNROLL=unroll if sum_last else 1,
             num_warps=warps, **self.pdl_for("rmsnorm_linear"),
         )
 
@@ -525,7 +472,7 @@ class DecodeStep:
         SiLU -> xc, conv_state (B, E, K) updated, and xc @ x_proj.T added to dbc (zero
         before: out_proj_residual leaves it so): in in_proj's own programs where
         OneRowBlocks.conv_in_in_proj says, else in a second kernel."""
-        linear = dict(blocks=self.in_proj_blocks, sum_last=self.sum_last, unroll=self.in_proj_unroll, row_first=self.in_proj_row_first)
+        linear = dict(blocks=self.in_proj_blocks, sum_last=self.sum_last, unroll=self.in_proj_unroll)
         if self.fused_conv:
             self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, conv=(lw, conv_state), **linear)
             return
@@ -574,8 +521,7 @@ class DecodeStep:
         _out_proj_residual_kernel[(self.B, self.nt_d, self.nsplit_out)](
             self.y, w, w if ws is None else ws, lw.out_proj_b if lw.out_proj_b is not None else w,
             self.dh, self.dbc, self.B, c.d_model, c.d_inner, self.kchunk_out,
-            W_SCALED=ws is not None, HAS_BIAS=lw.out_proj_b is not None, BN=self.BN_out, BK=self.BK_out, BJ=self.BJ,
-            BROADCAST=self.out_proj_broadcast, num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),
+            W_SCALED=ws is not None, HAS_BIAS=lw.out_proj_b is not None, BN=self.BN_out, BK=self.BK_out, BJ=self.BJ, num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),
         )
 
     def __call__(self, tokens: torch.Tensor, state, argmax: bool = False, h: torch.Tensor | None = None) -> torch.Tensor:
