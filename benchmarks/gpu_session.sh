@@ -127,7 +127,7 @@ if [ -z "${BENCH:-}${HYBRID:-}${PENDING:-}${SOAK:-}${SERVE:-}${SHAPES:-}${BACKBO
   # every `gpu` test (~2 minutes on a warm H200; the server's tests need fastapi, uvicorn,
   # openai, pyzmq and msgspec: carry them as wheels, see the device tool's README)
   # (PYTHONPATH: this checkout's fastmamba for the subprocesses the tests start, where it is not installed)
-  PYTHONPATH=. timeout 420 python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$out/gpu_tests.log" | grep -E "^FAILED|passed|failed"
+  PYTHONPATH=.:${PYTHONPATH:-} timeout 420 python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$out/gpu_tests.log" | grep -E "^FAILED|passed|failed"
   timeout 120 python3 -m fastmamba.cli bench --models 130m,1.4b,2.8b --dtypes bfloat16 --batches 1 --json "$out/decode.json"
   exit 0
 fi
@@ -139,14 +139,14 @@ if [ -n "${HYBRID:-}" ]; then
   exit 0
 fi
 if [ -n "${PENDING:-}" ]; then
-  PYTHONPATH=. timeout 160 python3 -m pytest -q -rf -m gpu tests/test_hybrids.py 2>&1 \
+  PYTHONPATH=.:${PYTHONPATH:-} timeout 160 python3 -m pytest -q -rf -m gpu tests/test_hybrids.py 2>&1 \
     | tee "$out/gpu_tests.log" | grep -E "^FAILED|passed|failed"
   timeout 100 python3 -m benchmarks.hybrid --shape nemotron-h-8b --batches 1,128 --state-dtypes bfloat16 --long 0 \
     --prefills 1x8192 --no-hf --json "$out/hybrid.json" 2>&1 | grep -v "transformers\]" | tee "$out/hybrid.log"
   timeout 220 python3 -m benchmarks.serve --model nemotron-h-8b --levels 64 --json "$out/serve_hybrid.json" 2>&1 \
     | grep -v Warning | tail -8 | tee "$out/serve_hybrid.log"
   # (last: a call cut short by the session's device time still brings back the rest)
-  PYTHONPATH=. timeout 100 python3 -m pytest -q -rf -m gpu tests/test_backbone_mamba2.py 2>&1 \
+  PYTHONPATH=.:${PYTHONPATH:-} timeout 100 python3 -m pytest -q -rf -m gpu tests/test_backbone_mamba2.py 2>&1 \
     | tee "$out/gpu_tests_backbone.log" | grep -E "^FAILED|passed|failed"
   timeout 70 python3 -m benchmarks.profile_step --model nemotron-h-8b --batch 128 2>&1 | grep -v Warn | head -30 \
     | tee "$out/profile.log"
