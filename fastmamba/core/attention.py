@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fastmamba.core import fp8
 from fastmamba.core.kv_cache import KVCache
@@ -55,6 +56,10 @@ def layer_weights(norm: str, p: str, big, small) -> AttentionWeights:
         norm_w=small(norm), qkv_w=fp8.cat_rows([big(n + ".weight") for n in names]), o_w=big(p + "o_proj.weight"),
         qkv_b=None if biases[0] is None else torch.cat(biases), o_b=small(p + "o_proj.bias"),
     )
+
+
+# the fused attention's backends for prefill: every one torch has but cuDNN's (see attention())
+PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def attention(c, lw: AttentionWeights, u: torch.Tensor, kv: KVCache, layer: int, rows: torch.Tensor, ops,
@@ -99,7 +104,10 @@ def attention(c, lw: AttentionWeights, u: torch.Tensor, kv: KVCache, layer: int,
     # at Nemotron-H-8B's 32 heads, on an H100), while the memory-efficient one takes these.
     if H != KVH:
         keys, values = keys.repeat_interleave(H // KVH, dim=2), values.repeat_interleave(H // KVH, dim=2)
-    y = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=seen[:, None], scale=scale)
+    # Not cuDNN's backend: it builds a plan for each new shape (~0.1-0.5 s on an H100), and a
+    # server's chunks rarely repeat one (benchmarks/hybrid.py --serve-steps)
+    with sdpa_kernel(PREFILL_BACKENDS):
+        y = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=seen[:, None], scale=scale)
     y = torch.where(valid[:, :, None], y.transpose(1, 2).reshape(B, T, H * hd).float(), 0.0)
     return ops.linear(y, lw.o_w, lw.o_b)
