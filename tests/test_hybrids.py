@@ -328,6 +328,65 @@ def test_a_fixed_kv_cache_admits_what_fits_and_refuses_what_never_can(tmp_path):
         assert got[rid] == lm.generate(p, max_tokens=10, stop_token_ids=[]).token_ids
 
 
+def warm_up_passes(lm, core: EngineCore) -> list[tuple[int, int, bool, bool]]:
+    """core.warm_up_prefill(), and the model's prefill passes in it: (rows, tokens, whether
+    the rows' contexts held keys and values before, whether left-padded)."""
+    passes, prefill, kv = [], lm.model.prefill, core.pool.kv
+
+    def recorded(input_ids, state, start=None, last_only=False):
+        held = state.kv is kv and any(kv.held[r] for r in state.cache_rows())
+        passes.append((input_ids.shape[0], input_ids.shape[1], held, start is not None))
+        return prefill(input_ids, state, start, last_only)
+
+    lm.model.prefill = recorded
+    try:
+        core.warm_up_prefill()
+    finally:
+        del lm.model.prefill
+    return passes
+
+
+def test_the_prefill_warm_up_meets_each_kind_of_length_and_leaves_nothing_behind(tmp_path):
+    """EngineCore.warm_up_prefill (a GPU server's start, for a hybrid: its eager prefill's Triton
+    kernels compile a variant for each kind of length): prompts of 1, 3 and each power of two
+    p and p + 1 up to the cache's interval, alone, two at a time with left padding, and after
+    a first chunk; then the powers of two up to the prefill budget (whole where the cache is
+    off). Afterwards no slot, KV block, cached prefix or count is left, and a prompt decodes
+    as on an engine never warmed."""
+    config, model_class = nemotron()
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(tmp_path)
+    lm = fastmamba.load(tmp_path)
+
+    def engine(cache_bytes=1 << 22):
+        return EngineCore(lm.model, lm.prefill, max_batch=4, prefill_tokens=2048, prefix_cache_bytes=cache_bytes,
+                          kv_tokens=4096)
+
+    core = engine()
+    kv = core.pool.kv
+    free = sorted(kv.free)
+    passes = warm_up_passes(lm, core)
+    powers = [16, 32, 64, 128, 256, 512]
+    alone = {t for b, t, held, _ in passes if b == 1 and not held}
+    assert {1, 3, *powers, *(p + 1 for p in powers[:-1])} <= alone, sorted(alone)
+    assert any(b == 2 and padded for b, _, _, padded in passes)  # two prompts together, left-padded
+    continued = {t for _, t, held, _ in passes if held}  # after a first chunk of 512
+    assert {1, 3, *powers, *(p + 1 for p in powers[:-1])} <= continued, sorted(continued)
+    assert core.running == 0 and not core.waiting and not core.requests and not core.has_work
+    assert sorted(kv.free) == free and not any(kv.owned) and not any(kv.held)
+    assert core.cache.bytes == 0 and (core.cache_queries, core.cache_hits) == (0, 0)
+    prompt = ids(1, 37, seed=5)[0].tolist()
+    got = []
+    for c in (core, engine()):
+        c.add(Request(0, prompt, SamplingParams(max_tokens=6, stop_token_ids=[])))
+        got.append({})
+        run_until_done(c, got[-1])
+    assert got[0] == got[1] and len(got[0][0]) == 6
+    # without the prefix cache, prompts up to the budget prefill whole
+    whole = {t for b, t, held, _ in warm_up_passes(lm, engine(0)) if b == 1 and not held}
+    assert {513, 1024, 2048} <= whole, sorted(whole)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["nemotron_h", "bamba", "granite_nope_tied", "falcon_h1"])
 def test_the_gpu_engine_runs_hybrids_as_the_cpu_does(tmp_path, name):
