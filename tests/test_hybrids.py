@@ -385,6 +385,11 @@ def test_the_prefill_warm_up_meets_each_kind_of_length_and_leaves_nothing_behind
     # without the prefix cache, prompts up to the budget prefill whole
     whole = {t for b, t, held, _ in warm_up_passes(lm, engine(0)) if b == 1 and not held}
     assert {513, 1024, 2048} <= whole, sorted(whole)
+    # an engine whose prefill fails does not start quietly
+    broken = engine()
+    broken.prefill = None
+    with pytest.raises(RuntimeError, match="warm-up's prompts of \\[1\\] tokens failed"):
+        broken.warm_up_prefill()
 
 
 @pytest.mark.gpu

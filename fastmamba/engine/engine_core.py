@@ -408,7 +408,10 @@ class EngineCore:
                 self.add(protocol.Request(rid, ids, SamplingParams(max_tokens=2, stop_token_ids=[])))
                 rid -= 1
             while self.has_work:
-                self.step()
+                for out in self.step():
+                    if isinstance(out, Failed):  # (an engine that cannot prefill should not start)
+                        raise RuntimeError(f"the prefill warm-up's prompts of {lengths} tokens failed: "
+                                           f"{out.error.kind}: {out.error.message}")
         self.cache = PrefixCache(self.cache.budget, self.cache.interval)
         self.cache_queries = self.cache_hits = 0
 
