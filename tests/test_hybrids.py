@@ -348,9 +348,9 @@ def warm_up_passes(lm, core: EngineCore) -> list[tuple[int, int, bool, bool]]:
 
 def test_the_prefill_warm_up_meets_each_kind_of_length_and_leaves_nothing_behind(tmp_path):
     """EngineCore.warm_up_prefill (a GPU server's start, for a hybrid: its eager prefill's Triton
-    kernels compile a variant for each kind of length): prompts of 1, 3 and each power of two
-    p and p + 1 up to the cache's interval, alone, two at a time with left padding, and after
-    a first chunk; then the powers of two up to the prefill budget (whole where the cache is
+    kernels compile a variant for each kind of length): prompts of 1, 2, 3, 4, 8 and each
+    power of two p and p + 1, 2, 4, 8 up to the cache's interval, alone, two at a time with
+    left padding, and after a first chunk; then the powers of two up to the prefill budget (whole where the cache is
     off). Afterwards no slot, KV block, cached prefix or count is left, and a prompt decodes
     as on an engine never warmed."""
     config, model_class = nemotron()
@@ -366,12 +366,13 @@ def test_the_prefill_warm_up_meets_each_kind_of_length_and_leaves_nothing_behind
     kv = core.pool.kv
     free = sorted(kv.free)
     passes = warm_up_passes(lm, core)
-    powers = [16, 32, 64, 128, 256, 512]
+    # each chunk tile (a power of two) with lengths odd and divisible by 2, 4, 8 and 16
+    lengths = {1, 2, 3, 4, 8} | {p + d for p in (16, 32, 64, 128, 256) for d in (0, 1, 2, 4, 8)} | {512}
     alone = {t for b, t, held, _ in passes if b == 1 and not held}
-    assert {1, 3, *powers, *(p + 1 for p in powers[:-1])} <= alone, sorted(alone)
+    assert lengths <= alone, sorted(lengths - alone)
     assert any(b == 2 and padded for b, _, _, padded in passes)  # two prompts together, left-padded
     continued = {t for _, t, held, _ in passes if held}  # after a first chunk of 512
-    assert {1, 3, *powers, *(p + 1 for p in powers[:-1])} <= continued, sorted(continued)
+    assert lengths <= continued, sorted(lengths - continued)
     assert core.running == 0 and not core.waiting and not core.requests and not core.has_work
     assert sorted(kv.free) == free and not any(kv.owned) and not any(kv.held)
     assert core.cache.bytes == 0 and (core.cache_queries, core.cache_hits) == (0, 0)

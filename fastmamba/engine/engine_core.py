@@ -386,13 +386,15 @@ class EngineCore:
         them, so that no request waits for a Triton kernel to compile. An eager prefill (a
         hybrid's) compiles a kernel variant at the first prompt of each kind: the SSD's chunk
         tile follows a short chunk's length up to its size, Triton specialises lengths
-        divisible by 16 (and 1), and a batch's left padding and a continued state are
-        variants of their own (Nemotron-H-8B served at 64 streams, H100: first tokens at a
-        p50 of 7.9 s, inter-token p99 299 ms, without this). Lengths 1, 3, and each power of
-        two p from 16 to the cache's interval and p + 1: alone, two at a time, and after a
-        first chunk of the interval; then the powers of two up to the prefill budget."""
+        divisible by 16 (and 1) and so a batch's strides, T times a width, by the powers of
+        two in T; a batch's left padding and a continued state are variants of their own
+        (Nemotron-H-8B served at 64 streams, H100: first tokens at a p50 of 7.9 s,
+        inter-token p99 299 ms, without this). Lengths 1, 2, 3, 4, 8, and each power of two
+        p from 16 to the cache's interval and p + 1, 2, 4, 8 (each chunk tile with T odd or
+        divisible by 2, 4, 8, 16): alone, two at a time, and after a first chunk of the
+        interval; then the powers of two up to the prefill budget."""
         powers = [16 << k for k in range((self.cache.interval // 16).bit_length())]  # 16 .. interval
-        short = [1, 3] + [n for p in powers for n in (p, p + 1)]
+        short = [1, 2, 3, 4, 8] + [p + d for p in powers for d in (0, 1, 2, 4, 8)]
         kinds = ([[n] for n in short] + [[n, max(1, n - 3)] for n in short]
                  + [[self.cache.interval + n] for n in short]
                  + [[p] for p in (self.cache.interval << k for k in range(1, 8)) if p <= self.prefill_tokens])
