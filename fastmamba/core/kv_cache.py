@@ -64,6 +64,11 @@ class KVCache:
         return self.k.shape[1]
 
     @property
+    def request_blocks(self) -> int:
+        """The most blocks one request's context may hold: its table's width, within the pool's."""
+        return min(self.blocks - 1, self.max_blocks)
+
+    @property
     def free_tokens(self) -> int:
         return len(self.free) * self.block_size
 

@@ -255,11 +255,11 @@ class EngineCore:
         if kv is None or kv.growable:
             return True
         need = kv.blocks_for(self._kv_tokens(r))
-        if need > min(kv.blocks - 1, kv.max_blocks):
+        if need > kv.request_blocks:
             self._end(r, outs, error=EngineError(protocol.CONTEXT_TOO_LONG, (
                 f"the prompt's {len(r.ids)} tokens and max_tokens {r.params.max_tokens} need {need * kv.block_size} "
                 f"tokens of keys and values; this engine's KV cache holds "
-                f"{min(kv.blocks - 1, kv.max_blocks) * kv.block_size} a request")))
+                f"{kv.request_blocks * kv.block_size} a request")))
             return False
         return need <= len(kv.free)
 
@@ -399,15 +399,15 @@ class EngineCore:
                  + [[self.cache.interval + n] for n in short]
                  + [[p] for p in (self.cache.interval << k for k in range(1, 8)) if p <= self.prefill_tokens])
         kv = self.pool.kv
-        longest = None if kv is None or kv.growable else min(kv.blocks - 1, kv.max_blocks) * kv.block_size
-        V, rid = self.model.config.vocab_size, -1
+        longest = None if kv is None or kv.growable else kv.request_blocks * kv.block_size
+        V, rid, new_tokens = self.model.config.vocab_size, -1, 2
         for lengths in kinds:
             for n in lengths:
-                if longest is not None and n + 2 > longest:
+                if longest is not None and n + new_tokens > longest:
                     continue
                 # (a first token of its own: no prompt is a prefix of another, none hits the cache)
                 ids = [(-rid + 7 * i) % (V - 1) + 1 for i in range(n)]
-                self.add(protocol.Request(rid, ids, SamplingParams(max_tokens=2, stop_token_ids=[])))
+                self.add(protocol.Request(rid, ids, SamplingParams(max_tokens=new_tokens, stop_token_ids=[])))
                 rid -= 1
             while self.has_work:
                 for out in self.step():
