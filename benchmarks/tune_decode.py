@@ -13,7 +13,8 @@ steps; with --early, which kernels let the next one launch before their own wait
 --sum-last, where one-row in_proj sums over K (--f32: float32 weights); with --preload,
 out_proj blocks of one tile a K split and in_proj's loop in shared-memory stages; with
 --ablate, the step without one kind of kernel at a time (timing only); with
---lm-head-sum-last, lm_head summing after its loop in 256-wide K tiles against every tile.
+--lm-head-sum-last, lm_head summing after its loop in 256-wide K tiles against every tile;
+with --mma, FP8 in_proj's products on the tensor cores (2.8b, Mamba-2 2.7b).
 """
 
 import itertools
@@ -34,7 +35,7 @@ DT = torch.float32 if "--f32" in sys.argv else torch.float8_e4m3fn if "--fp8" in
 
 def defaults(model, dtype=None):
     c = model.config
-    return one_row_blocks(c.d_model, c.d_inner, c.vocab_size, dtype or DT)
+    return one_row_blocks(c.d_model, c.d_inner, c.vocab_size, dtype or DT, c.layer)
 
 
 def step_ms(model, dtype=None, **changes) -> float:
@@ -215,6 +216,22 @@ def tune_lm_head(size):
             print(f"   in_proj BN, BK, warps, stages = {blocks}: {step_ms(model, in_proj=blocks):.4f} ms/step", flush=True)
 
 
+def tune_mma(size):
+    """FP8 in_proj's products on the tensor cores (OneRowBlocks.in_proj_mma) against the
+    float32 multiply-and-sum, in whole FP8 steps (A B B A), in_proj's tiles swept with it
+    (wgmma takes 64 rows a program; fewer run as mma.sync)."""
+    from fastmamba.bench import random_model
+
+    fp8 = torch.float8_e4m3fn
+    model = random_model(size, fp8)
+    base = step_ms(model, fp8)
+    print(f"{size} fp8 batch 1, default blocks: {base:.4f} ms/step", flush=True)
+    for blocks in [(64, 256, 4, 1), (64, 128, 4, 1), (64, 256, 4, 2), (64, 256, 8, 1), (32, 128, 4, 1), (16, 256, 4, 1)]:
+        ms = step_ms(model, fp8, in_proj=blocks, in_proj_mma=True)
+        print(f"   in_proj on the tensor cores, BN, BK, warps, stages = {blocks}: {ms:.4f} ms/step", flush=True)
+    print(f"{size} fp8 batch 1, default blocks again: {step_ms(model, fp8):.4f} ms/step", flush=True)
+
+
 # Each sweep's flag, its function and the arguments it runs with, in turn.
 BF16, F32 = torch.bfloat16, torch.float32
 SWEEPS = {
@@ -225,6 +242,7 @@ SWEEPS = {
     "--ablate": (tune_ablate, [("2.8b",), ("1.4b",), ("130m",)]),
     "--sum-last": (tune_sum_last, [("1.4b",), ("2.8b",)]),
     "--early": (tune_early_launch, [("130m",), ("370m",), ("1.4b",), ("2.8b",)]),
+    "--mma": (tune_mma, [("2.8b",), ("mamba2-2.7b",)]),
 }
 
 

@@ -28,6 +28,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The one-row kernels multiply the e4m3 values in float32 as the reference does, the scales
 # on the sums: only the order of the sums differs.
 ONE_ROW_TOL = 1e-4
+# With in_proj's products on the tensor cores (OneRowBlocks.in_proj_mma) the row is rounded
+# to f16 (2^-11 relative) for them.
+MMA_TOL = 2e-3
 # The products step rounds each product's operand once to bfloat16 (2^-9 relative), as the
 # 16-bit engine does.
 BF16_OPERAND_TOL = 2e-2
@@ -104,23 +107,26 @@ def test_fp8_linear_reference_against_the_dequantized_product():
 # -- the one-row step (kernels/decode_step.py) --------------------------------------------------
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "conv-kernel"])
+@pytest.mark.parametrize("fused,mma", [(True, False), (False, False), (True, True)],
+                         ids=["fused", "conv-kernel", "fused-mma"])
 @pytest.mark.parametrize("name,batch", [("untied_bias_rank", 2), ("odd_vocab_tied", 3)])
-def test_one_row_step_reads_fp8(fp8_models, name, batch, fused):
+def test_one_row_step_reads_fp8(fp8_models, name, batch, fused, mma):
     """Whole one-row steps (in_proj with the conv step and x_proj in its programs, or in a
-    kernel of their own; dt_proj in ssm_step; out_proj split over K; an FP8 head, untied,
-    or the float32 embedding, tied) against the reference engine's FP8 step."""
+    kernel of their own; in_proj's products on the tensor cores or not; dt_proj in
+    ssm_step; out_proj split over K; an FP8 head, untied, or the float32 embedding, tied)
+    against the reference engine's FP8 step."""
     model = fp8_models[name]
     step = make_decode_step(model, batch, plan=DecodePlan("one-row"))
-    step.fused_conv = fused
+    step.fused_conv, step.in_proj_mma = fused, mma
+    tol = MMA_TOL if mma else ONE_ROW_TOL
     state = model.new_state(batch)
     state.conv.copy_(rand(*state.conv.shape, seed=10))
     state.ssm.copy_(rand(*state.ssm.shape, seed=11))
     ref_state = fastmamba.MambaState(state.conv.clone(), state.ssm.clone())
     for t in range(2):
         tokens = torch.randint(0, model.config.vocab_size, (batch,), device=DEVICE)
-        assert rel_err(step(tokens, state), model.step(tokens, ref_state)) < ONE_ROW_TOL
-    assert rel_err(state.ssm, ref_state.ssm) < ONE_ROW_TOL and rel_err(state.conv, ref_state.conv) < ONE_ROW_TOL
+        assert rel_err(step(tokens, state), model.step(tokens, ref_state)) < tol
+    assert rel_err(state.ssm, ref_state.ssm) < tol and rel_err(state.conv, ref_state.conv) < tol
 
 
 def test_one_row_kernels_equal_their_twins_in_fp8(fp8_models):
@@ -227,11 +233,11 @@ def test_the_plan_has_fp8_rows_without_cublas(fp8_models):
     assert isinstance(make_decode_step(model, 64), GemmDecodeStep)
 
 
-@pytest.mark.parametrize("before", [False, True])
-def test_fp8_mamba2_one_row_step(tmp_path, before):
+@pytest.mark.parametrize("before,mma", [(False, False), (True, False), (False, True)])
+def test_fp8_mamba2_one_row_step(tmp_path, before, mma):
     """FP8 Mamba-2's one-row step (kernels/decode_step_mamba2.py: in_proj and the head
-    through decode_step.py's kernel, out_proj in gated_out_proj, each reading the e4m3
-    bytes) against the reference engine's FP8 steps from the same state; the plan's FP8
+    through decode_step.py's kernel, in_proj's products on the tensor cores or not,
+    out_proj in gated_out_proj, each reading the e4m3 bytes) against the reference engine's FP8 steps from the same state; the plan's FP8
     Mamba-2 rows: one-row at a few rows, the layer over the GPU ops past them."""
     from test_mamba2 import save_mamba2
 
@@ -245,13 +251,15 @@ def test_fp8_mamba2_one_row_step(tmp_path, before):
     B = 3
     step = make_decode_step(model, B, plan=DecodePlan("one-row"))
     assert isinstance(step, Mamba2DecodeStep)
+    step.in_proj_mma = mma
+    tol = MMA_TOL if mma else ONE_ROW_TOL
     state = model.new_state(B)
     ids = torch.randint(0, 97, (B, 12), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     model.prefill(ids[:, :7], state, last_only=True)
     ref_state = fastmamba.MambaState(state.conv.clone(), state.ssm.clone())
     for t in range(7, 12):
-        assert rel_err(step(ids[:, t], state), model.step(ids[:, t], ref_state)) < ONE_ROW_TOL
-    assert rel_err(state.ssm, ref_state.ssm) < ONE_ROW_TOL and rel_err(state.conv, ref_state.conv) < ONE_ROW_TOL
+        assert rel_err(step(ids[:, t], state), model.step(ids[:, t], ref_state)) < tol
+    assert rel_err(state.ssm, ref_state.ssm) < tol and rel_err(state.conv, ref_state.conv) < tol
 
 
 # -- the GPU ops' prefill (core/ops.triton_ops) --------------------------------------------------

@@ -189,11 +189,13 @@ def main() -> None:
         wide = one_row_blocks(2560, 5120, 50280, torch.float32 if f32 else torch.bfloat16)  # 2.8b's
         t = ptrs("h_ptr", "nw_ptr", "b_ptr", "out_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", "ws_ptr", "wxs_ptr",
                  w_ptr=wdt, wx_ptr=wdt, dh_ptr="*i64", dbc_ptr="*i64", best_ptr="*i64", eps="fp32")
-        for conv in (True, False):  # in_proj with the conv step and x_proj; lm_head (a tied one bf16) with the argmax
+        for conv, mma in ((True, False), (False, False)) + (((True, True),) if fp8 else ()):
+            # in_proj with the conv step and x_proj (FP8: its products on the tensor cores too);
+            # lm_head (a tied one bf16) with the argmax
             compile_kernel(ds._rmsnorm_linear_kernel, {**t, "w_ptr": wdt if conv else edt}, dict(
                 W_SCALED=fp8 and conv, WX_SCALED=fp8, HAS_BIAS=True, CONV=conv, ARGMAX=not conv, K=4, KP=4, HAS_CB=True, BN=16,
-                BK=512, BJ=128, STAGES=narrow.in_proj[3], SUM_LAST=not f32,
-                UNROLL=narrow.in_proj_unroll if conv and not f32 else 1, PDL=True))
+                BK=512 if not mma else 256, BJ=128, STAGES=narrow.in_proj[3], SUM_LAST=not f32 and not mma,
+                UNROLL=narrow.in_proj_unroll if conv and not f32 and not mma else 1, PDL=True, MMA=mma))
         t = ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", "wxs_ptr", wx_ptr=wdt, dbc_ptr="*i64")
         BN = wide.conv_block
         compile_kernel(ds._conv_x_proj_kernel, t, dict(K=4, KP=4, HAS_CB=True, BN=BN, BJ=256, WX_SCALED=fp8, PDL=True),

@@ -75,6 +75,7 @@ class OneRowBlocks:
     in_proj_unroll: int  # the K loop unrolled by this much where summed after it
     early_launch: frozenset  # kernels that let the next launch before their own wait (PDL 2)
     ssd_block: int  # Mamba-2's ssd_conv_step: a head's channels a program (all N states of each in registers)
+    in_proj_mma: bool = False  # FP8 weights: in_proj's products on the tensor cores (kernels/gemv.mma_terms)
 
 
 def one_row_blocks(d_model: int, d_inner: int, vocab: int, dtype: torch.dtype, layer: str = "mamba1") -> OneRowBlocks:

@@ -61,6 +61,8 @@ from .gemv import (
     mm,
     mm_terms,
     mm_total,
+    mma_terms,
+    mma_total,
     prefetch_to_l2,
     residual_tile,
     split_k_start,
@@ -124,6 +126,7 @@ def _rmsnorm_linear_kernel(
     W_SCALED: tl.constexpr, WX_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, CONV: tl.constexpr, ARGMAX: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     HAS_CB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     BJ: tl.constexpr, STAGES: tl.constexpr, SUM_LAST: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr,
+    MMA: tl.constexpr = False,
 ):
     let_next_kernel_launch(PDL)
     pid_b = tl.program_id(0)  # rows first: see DecodeStep
@@ -151,7 +154,10 @@ def _rmsnorm_linear_kernel(
     hk = residual_tile(h_ptr, dh_ptr, rows[:, None] * D + k[None, :], rmask[:, None] & (k < D)[None, :])
     nw = tl.load(nw_ptr + k, mask=k < D, other=0.0)
     sq = hk * hk
-    acc = mm_terms(hk * nw[None, :], w, SUM_LAST)
+    if MMA:  # on the tensor cores (gemv.mma_terms)
+        acc = mma_terms(hk * nw[None, :], w, tl.zeros([BN, 16], dtype=tl.float32))
+    else:
+        acc = mm_terms(hk * nw[None, :], w, SUM_LAST)
     for k0 in tl.range(BK, D, BK, num_stages=STAGES, loop_unroll_factor=UNROLL):
         k = k0 + tl.arange(0, BK)
         kmask = k < D
@@ -159,8 +165,15 @@ def _rmsnorm_linear_kernel(
         nw = tl.load(nw_ptr + k, mask=kmask, other=0.0)
         w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         sq += hk * hk
-        acc += mm_terms(hk * nw[None, :], w, SUM_LAST)
-    acc = mm_total(acc, SUM_LAST) * (1.0 / tl.sqrt(tl.sum(sq, 1) / D + eps))[:, None]
+        if MMA:
+            acc = mma_terms(hk * nw[None, :], w, acc)
+        else:
+            acc += mm_terms(hk * nw[None, :], w, SUM_LAST)
+    if MMA:
+        acc = mma_total(acc)
+    else:
+        acc = mm_total(acc, SUM_LAST)
+    acc = acc * (1.0 / tl.sqrt(tl.sum(sq, 1) / D + eps))[:, None]
     if W_SCALED:  # FP8 weights: each sum times its row's scale, once
         acc *= tl.load(ws_ptr + n, mask=nmask, other=0.0)[None, :]
     if HAS_BIAS:
@@ -398,7 +411,7 @@ class DecodeStep:
         # the launch settings, as attributes the kernels' launchers read (tests narrow some)
         self.in_proj_blocks, self.lm_head_blocks = blocks.in_proj, blocks.lm_head
         self.sum_last, self.lm_head_sum_last, self.in_proj_unroll = blocks.in_proj_sum_last, blocks.lm_head_sum_last, blocks.in_proj_unroll
-        self.early_launch = blocks.early_launch
+        self.early_launch, self.in_proj_mma = blocks.early_launch, blocks.in_proj_mma
         d, E, N, R = c.d_model, c.d_inner, c.d_state, c.dt_rank
         self.J, self.BJ = R + 2 * N, _pow2(R + 2 * N)
         self.BR, self.NP = _pow2(R), _pow2(N, 1)
@@ -436,15 +449,18 @@ class DecodeStep:
         emb = self.model.weights.embedding
         _embed_kernel[(self.B, self.nt_d)](tokens, emb, self.h, self.dh, self.B, emb.shape[1], BN=self.BN_out, **self.pdl)
 
-    def _rmsnorm_linear(self, norm_w, weight, bias, out, blocks, conv=None, argmax=False, sum_last=False, unroll=1) -> None:
+    def _rmsnorm_linear(self, norm_w, weight, bias, out, blocks, conv=None, argmax=False, sum_last=False, unroll=1,
+                        mma=False) -> None:
         """out[:B] = linear(rmsnorm(h + dh) * norm_w, weight, bias) in blocks (BN, BK, warps,
         stages); with conv = (lw, conv_state), out is xz, and the x half goes on through the
         conv step and x_proj; with argmax, each row's argmax goes into `best` too (see
         argmax_keys). sum_last: one row's products summed over K once, after the loop
         (mm_terms), where d takes more than one K tile (in one tile the products would wait
         through the loop in registers for nothing). unroll: the K loop unrolled by this much
-        where the products are summed after it."""
+        where the products are summed after it. mma: an FP8 weight's products on the tensor
+        cores (gemv.mma_terms)."""
         weight, scale = weight_parts(weight)
+        mma = mma and scale is not None
         n_out, d = weight.shape
         BN, BK, warps, stages = blocks
         sum_last = sum_last and d > BK
@@ -463,8 +479,8 @@ class DecodeStep:
             *conv_args, self.best, self.B, d, n_out, c.d_inner, self.J, c.norm_eps,
             W_SCALED=scale is not None, WX_SCALED=wxs is not None, HAS_BIAS=bias is not None, CONV=conv is not None, ARGMAX=argmax, K=c.d_conv, KP=triton.next_power_of_2(c.d_conv),
             HAS_CB=conv is not None and conv[0].conv_b is not None,
-            BN=BN, BK=BK, BJ=self.BJ, STAGES=stages, SUM_LAST=sum_last, UNROLL=unroll if sum_last else 1,
-            num_warps=warps, **self.pdl_for("rmsnorm_linear"),
+            BN=BN, BK=BK, BJ=self.BJ, STAGES=stages, SUM_LAST=sum_last and not mma, UNROLL=unroll if sum_last and not mma else 1,
+            MMA=mma, num_warps=warps, **self.pdl_for("rmsnorm_linear"),
         )
 
     def in_proj(self, lw, conv_state) -> None:
@@ -472,7 +488,7 @@ class DecodeStep:
         SiLU -> xc, conv_state (B, E, K) updated, and xc @ x_proj.T added to dbc (zero
         before: out_proj_residual leaves it so): in in_proj's own programs where
         OneRowBlocks.conv_in_in_proj says, else in a second kernel."""
-        linear = dict(blocks=self.in_proj_blocks, sum_last=self.sum_last, unroll=self.in_proj_unroll)
+        linear = dict(blocks=self.in_proj_blocks, sum_last=self.sum_last, unroll=self.in_proj_unroll, mma=self.in_proj_mma)
         if self.fused_conv:
             self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.xz, conv=(lw, conv_state), **linear)
             return

@@ -270,7 +270,7 @@ class Mamba2DecodeStep(DecodeStep):
         assert h is None, "Mamba-2's step takes tokens"
         w = self.model.weights
         self.embed(tokens.contiguous())
-        linear = dict(blocks=self.in_proj_blocks, sum_last=self.sum_last, unroll=self.in_proj_unroll)
+        linear = dict(blocks=self.in_proj_blocks, sum_last=self.sum_last, unroll=self.in_proj_unroll, mma=self.in_proj_mma)
         for i, lw in enumerate(w.layers):
             self._rmsnorm_linear(lw.norm_w, lw.in_proj_w, lw.in_proj_b, self.zxbcdt, **linear)
             self.ssd_conv_step(lw, state.conv[i], state.ssm[i])

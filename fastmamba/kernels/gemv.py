@@ -38,6 +38,34 @@ def mm_total(acc, SUM_LAST: tl.constexpr):
         return acc
 
 
+# The tensor-core form of the one-row product (OneRowBlocks.in_proj_mma), for FP8 weights:
+# the widening of e4m3 to float32 and a multiply-and-sum per weight cost twice bfloat16's
+# instructions a byte, where an f16 tensor-core product takes the widened pairs as they are.
+# The row is the product's second operand, repeated in its 16 columns (the smallest the
+# tensor cores take), so column 0 of the (N, 16) result is the product. In f16 it is
+# scaled by 2^-8 first: a residual stream up to ~1.7e7 stays finite, and what f16 rounds
+# away below 2^-6 (in the row's units) is far under e4m3's own step.
+MMA_SCALE = tl.constexpr(2.0**-8)
+
+
+@jit
+def mma_terms(x, w, acc):
+    """acc (N, 16) + the tensor cores' product of w (N, K) with the row x (1, K) in each of
+    16 columns, f16 operands and float32 sums (mma_total takes the row's (1, N) out)."""
+    xb = tl.broadcast_to(tl.trans(x * MMA_SCALE), (x.shape[1], 16)).to(tl.float16)
+    if INTERPRET:  # (the interpreter's tl.dot of 16-bit operands: see _triton)
+        return tl.dot(w.to(tl.float16).to(tl.float32), xb.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(w.to(tl.float16), xb, acc)
+
+
+@jit
+def mma_total(acc):
+    """The (1, N) product from mma_terms' (N, 16) sums."""
+    col = tl.arange(0, 16)
+    return tl.sum(tl.where(col[None, :] == 0, acc, 0.0), axis=1)[None, :] * (1.0 / MMA_SCALE)
+
+
 # The split-K partial sums of x_proj and out_proj meet in fixed point: int64 in units of
 # 2^-32, so that the atomic adds of the splits are exact and their order cannot change
 # the result. Each partial loses under 2^-32 (truncated), so a sum of S splits is within
