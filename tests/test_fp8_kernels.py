@@ -20,7 +20,7 @@ import fastmamba
 from fastmamba.core import fp8
 from fastmamba.core.fp8 import FP8, quantize
 from fastmamba.engine.decode_step import make_decode_step
-from fastmamba.engine.plan import DecodePlan, plan_for
+from fastmamba.engine.plan import DecodePlan, one_row_blocks, plan_for
 
 pytest.importorskip("triton")
 
@@ -112,12 +112,17 @@ def test_fp8_linear_reference_against_the_dequantized_product():
 @pytest.mark.parametrize("name,batch", [("untied_bias_rank", 2), ("odd_vocab_tied", 3)])
 def test_one_row_step_reads_fp8(fp8_models, name, batch, fused, mma):
     """Whole one-row steps (in_proj with the conv step and x_proj in its programs, or in a
-    kernel of their own; in_proj's products on the tensor cores or not; dt_proj in
-    ssm_step; out_proj split over K; an FP8 head, untied, or the float32 embedding, tied)
+    kernel of their own; in_proj's and out_proj's products on the tensor cores or not;
+    dt_proj in ssm_step; out_proj split over K; an FP8 head, untied, or the float32 embedding, tied)
     against the reference engine's FP8 step."""
     model = fp8_models[name]
-    step = make_decode_step(model, batch, plan=DecodePlan("one-row"))
-    step.fused_conv, step.in_proj_mma = fused, mma
+    c = model.config
+    blocks = one_row_blocks(c.d_model, c.d_inner, c.vocab_size, FP8)
+    if mma:  # (16 rows a program at least: the tensor cores' smallest tile)
+        blocks = dataclasses.replace(blocks, in_proj=(16, *blocks.in_proj[1:]), out_proj=(16, *blocks.out_proj[1:]),
+                                     in_proj_mma=True, out_proj_mma=True)
+    step = make_decode_step(model, batch, plan=DecodePlan("one-row", blocks=blocks))
+    step.fused_conv = fused
     tol = MMA_TOL if mma else ONE_ROW_TOL
     state = model.new_state(batch)
     state.conv.copy_(rand(*state.conv.shape, seed=10))
@@ -213,6 +218,16 @@ def test_products_step_with_cublas_products_in_fp8(checkpoints):
 # -- the plan (engine/plan.py) ------------------------------------------------------------------
 
 
+def test_the_tensor_core_products_need_16_rows_a_program(fp8_models):
+    model = fp8_models["untied_bias_rank"]
+    c = model.config
+    blocks = one_row_blocks(c.d_model, c.d_inner, c.vocab_size, FP8)
+    for name in ("in_proj", "out_proj"):
+        narrow = dataclasses.replace(blocks, **{name: (8, *getattr(blocks, name)[1:]), f"{name}_mma": True})
+        with pytest.raises(ValueError, match=f"OneRowBlocks.{name}_mma needs 16 or more rows a program, got {name} 8"):
+            make_decode_step(model, 1, plan=DecodePlan("one-row", blocks=narrow))
+
+
 def test_the_plan_has_fp8_rows_without_cublas(fp8_models):
     """Every batch size has an FP8 row: the one-row step at a few rows, else the all-Triton
     products (cuBLAS's would need FP8 activations); make_decode_step builds them; a slot is
@@ -249,9 +264,10 @@ def test_fp8_mamba2_one_row_step(tmp_path, before, mma):
     assert plan_for(model.config, FP8, 1).step == "one-row" and plan_for(model.config, FP8, 8).step == "layer-ops"
     assert plan_for(model.config, FP8, 1, deterministic=True).step == "layer-ops"
     B = 3
-    step = make_decode_step(model, B, plan=DecodePlan("one-row"))
+    c = model.config
+    blocks = dataclasses.replace(one_row_blocks(c.d_model, c.d_inner, c.vocab_size, FP8, "mamba2"), in_proj_mma=mma)
+    step = make_decode_step(model, B, plan=DecodePlan("one-row", blocks=blocks))
     assert isinstance(step, Mamba2DecodeStep)
-    step.in_proj_mma = mma
     tol = MMA_TOL if mma else ONE_ROW_TOL
     state = model.new_state(B)
     ids = torch.randint(0, 97, (B, 12), generator=torch.Generator().manual_seed(2)).to(DEVICE)

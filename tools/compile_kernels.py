@@ -209,7 +209,9 @@ def main() -> None:
         t = {"best_ptr": "*i64", "tok_ptr": "*i64", "hist_ptr": "*i64", "step_ptr": "*i64", "seen_ptr": "*i1"}
         compile_kernel(ds._take_argmax_kernel, t, dict(BR=8, PDL=True))
         t = ptrs("y_ptr", "b_ptr", "ws_ptr", w_ptr=wdt, dh_ptr="*i64", dbc_ptr="*i64")
-        compile_kernel(ds._out_proj_residual_kernel, t, dict(W_SCALED=fp8, HAS_BIAS=True, BN=32, BK=256, BJ=128, PDL=True))
+        for mma in (False, True) if fp8 else (False,):  # (FP8: its products on the tensor cores too)
+            compile_kernel(ds._out_proj_residual_kernel, t, dict(W_SCALED=fp8, HAS_BIAS=True, BN=64 if mma else 32, BK=256,
+                                                                 BJ=128, PDL=True, MMA=mma))
         t = {"tok_ptr": "*i64", "emb_ptr": edt, "h_ptr": "*fp32", "dh_ptr": "*i64"}
         compile_kernel(ds._embed_kernel, t, dict(BN=32, PDL=True))
         # the deterministic step's products (products.py), in the tiles of 1 and of 128 rows

@@ -349,6 +349,7 @@ def _ssm_step_kernel(
 def _out_proj_residual_kernel(
     y_ptr, w_ptr, ws_ptr, b_ptr, dh_ptr, dbc_ptr, B, D, E, KCHUNK,
     W_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
+    MMA: tl.constexpr = False,
 ):
     let_next_kernel_launch(PDL)
     pid_b = tl.program_id(0)
@@ -363,14 +364,22 @@ def _out_proj_residual_kernel(
     jj = tl.arange(0, BJ)
     first = jj[None, :] >= (pid_n + pid_s) * BJ
     tl.store(dbc_ptr + rows[:, None] * BJ + jj[None, :], tl.zeros([1, BJ], dtype=tl.int64), mask=rmask[:, None] & first)
-    acc = tl.zeros([1, BN], dtype=tl.float32)
+    if MMA:  # on the tensor cores (gemv.mma_terms)
+        acc16 = tl.zeros([BN, 16], dtype=tl.float32)
+    else:
+        acc = tl.zeros([1, BN], dtype=tl.float32)
     for k0 in range(pid_s * KCHUNK, k_end, BK):
         k = k0 + tl.arange(0, BK)
         yk = tl.load(y_ptr + rows[:, None] * E + k[None, :], mask=rmask[:, None] & (k < k_end)[None, :], other=0.0)
         w_now = w
         k = k + BK  # the next tile (nothing past this split's end)
         w = tl.load(w_ptr + n[:, None] * E + k[None, :], mask=nmask[:, None] & (k < k_end)[None, :], other=0.0)
-        acc += mm(yk, w_now)
+        if MMA:
+            acc16 = mma_terms(yk, w_now, acc16)
+        else:
+            acc += mm(yk, w_now)
+    if MMA:
+        acc = mma_total(acc16)
     if W_SCALED:  # FP8 weights: this split's sums times their rows' scales
         acc *= tl.load(ws_ptr + n, mask=nmask, other=0.0)[None, :]
     if HAS_BIAS:  # once, with the first split (n >= pid_s * D holds there only)
@@ -411,7 +420,10 @@ class DecodeStep:
         # the launch settings, as attributes the kernels' launchers read (tests narrow some)
         self.in_proj_blocks, self.lm_head_blocks = blocks.in_proj, blocks.lm_head
         self.sum_last, self.lm_head_sum_last, self.in_proj_unroll = blocks.in_proj_sum_last, blocks.lm_head_sum_last, blocks.in_proj_unroll
-        self.early_launch, self.in_proj_mma = blocks.early_launch, blocks.in_proj_mma
+        self.early_launch, self.in_proj_mma, self.out_proj_mma = blocks.early_launch, blocks.in_proj_mma, blocks.out_proj_mma
+        for name, on, rows in (("in_proj", self.in_proj_mma, blocks.in_proj[0]), ("out_proj", self.out_proj_mma, blocks.out_proj[0])):
+            if on and rows < 16:  # (the tensor cores' smallest tile)
+                raise ValueError(f"OneRowBlocks.{name}_mma needs 16 or more rows a program, got {name} {rows}")
         d, E, N, R = c.d_model, c.d_inner, c.d_state, c.dt_rank
         self.J, self.BJ = R + 2 * N, _pow2(R + 2 * N)
         self.BR, self.NP = _pow2(R), _pow2(N, 1)
@@ -537,7 +549,8 @@ class DecodeStep:
         _out_proj_residual_kernel[(self.B, self.nt_d, self.nsplit_out)](
             self.y, w, w if ws is None else ws, lw.out_proj_b if lw.out_proj_b is not None else w,
             self.dh, self.dbc, self.B, c.d_model, c.d_inner, self.kchunk_out,
-            W_SCALED=ws is not None, HAS_BIAS=lw.out_proj_b is not None, BN=self.BN_out, BK=self.BK_out, BJ=self.BJ, num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),
+            W_SCALED=ws is not None, HAS_BIAS=lw.out_proj_b is not None, BN=self.BN_out, BK=self.BK_out, BJ=self.BJ,
+            MMA=self.out_proj_mma and ws is not None, num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),
         )
 
     def __call__(self, tokens: torch.Tensor, state, argmax: bool = False, h: torch.Tensor | None = None) -> torch.Tensor:
