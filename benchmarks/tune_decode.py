@@ -67,7 +67,7 @@ def tune_rmsnorm_linear(n_out, d):
             ds._rmsnorm_linear_kernel[(1, triton.cdiv(n_out, BN))](
                 h, dh, nw, w, w, out, *(out,) * 7, 1, d, n_out, 0, 0, 1e-5, HAS_BIAS=False,
                 CONV=False, ARGMAX=False, K=4, KP=4, HAS_CB=False, BN=BN, BK=BK, BJ=16, STAGES=1,
-                SUM_LAST=DT != torch.float32 and n_out == 4 * d and d > BK, UNROLL=1, PDL=0, num_warps=warps,
+                SUM_LAST=DT != torch.float32 and n_out == 4 * d and d > BK, UNROLL=1, PDL=0, MMA=False, num_warps=warps,
             )
 
         res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BN=BN, BK=BK, warps=warps)))
@@ -88,7 +88,7 @@ def tune_out_proj(d, E):
         def run():
             ds._out_proj_residual_kernel[(1, nt, ns)](
                 y, w, w, dh, dbc, 1, d, E, kchunk, HAS_BIAS=False,
-                BN=BN, BK=BK, BJ=16, PDL=0, num_warps=warps,
+                BN=BN, BK=BK, BJ=16, PDL=0, MMA=False, num_warps=warps,
             )
 
         res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BN=BN, nsplit=ns, BK=BK, warps=warps)))

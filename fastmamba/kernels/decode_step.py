@@ -126,7 +126,7 @@ def _rmsnorm_linear_kernel(
     W_SCALED: tl.constexpr, WX_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, CONV: tl.constexpr, ARGMAX: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     HAS_CB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     BJ: tl.constexpr, STAGES: tl.constexpr, SUM_LAST: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr,
-    MMA: tl.constexpr = False,
+    MMA: tl.constexpr,
 ):
     let_next_kernel_launch(PDL)
     pid_b = tl.program_id(0)  # rows first: see DecodeStep
@@ -349,7 +349,7 @@ def _ssm_step_kernel(
 def _out_proj_residual_kernel(
     y_ptr, w_ptr, ws_ptr, b_ptr, dh_ptr, dbc_ptr, B, D, E, KCHUNK,
     W_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
-    MMA: tl.constexpr = False,
+    MMA: tl.constexpr,
 ):
     let_next_kernel_launch(PDL)
     pid_b = tl.program_id(0)
