@@ -6,7 +6,9 @@ that it does not share the server's interpreter lock) with streaming clients at 
 concurrency, prompts of 64-2048 tokens and outputs of 64-512 drawn from a fixed seed (token
 ids: the model has no tokenizer). Per concurrency: output tokens/s, time to first token and
 inter-token latency (p50 / p99, and the mean: events that arrive in one write have gaps of
-~0), and the same prompts through offline `generate_batch` at that batch for a ratio (the same engine, in this process). Then: 16 clients with 512-token
+~0), and the same prompts through offline `generate_batch` at that batch for a ratio (the same engine, in this process),
+and how many kernels Triton compiled during each (the served level runs first, and the cache
+on disk is shared: a kernel the server compiles comes ready to the offline run). Then: 16 clients with 512-token
 prompts (time to first token), a shared 2048-token prefix cold and cached, and 300 clients
 at once against room for 256 (slots + queue): 429s, no 500s, every accepted stream complete.
 Every loop is bounded: a fixed number of requests per level, each with a timeout.
@@ -17,6 +19,7 @@ Every loop is bounded: a fixed number of requests per level, each with a timeout
 import argparse
 import asyncio
 import json
+import os
 import random
 import socket
 import statistics
@@ -83,6 +86,14 @@ async def level(url, jobs, concurrency):
         t0 = time.perf_counter()
         results = await asyncio.gather(*(run(j) for j in jobs))
         return results, time.perf_counter() - t0
+
+
+def triton_cache_entries() -> int:
+    """Entries in Triton's on-disk kernel cache, which the engine's process and this one
+    share: each kernel compiled adds one, so the count's growth over a level says whether
+    kernels were still being compiled while it was timed."""
+    path = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    return sum(1 for _ in path.iterdir()) if path.is_dir() else 0
 
 
 def start_server(app):
@@ -176,7 +187,9 @@ def main() -> None:
     for c in levels:
         n = max(16, args.requests * c) if c > 1 else 8
         jobs = [([rng.randrange(1, V) for _ in range(rng.randint(*prompts))], rng.randint(*outputs)) for _ in range(n)]
+        cached = triton_cache_entries()
         results, wall = run_level(jobs, c)
+        compiled_served = triton_cache_entries() - cached
         # no stop tokens: every request must bring exactly its max_tokens
         lost = sum(r[2] != m for r, (_, m) in zip(results, jobs))
         tokens = sum(max(r[2], 0) for r in results)
@@ -198,12 +211,14 @@ def main() -> None:
         if not args.cpu:
             torch.cuda.synchronize()
         offline = tokens / (time.perf_counter() - t0)
+        compiled_offline = triton_cache_entries() - cached - compiled_served
         row = dict(concurrency=c, requests=n, prefill_tokens=args.prefill_tokens, output_tokens_per_s=round(tokens / wall), offline_tokens_per_s=round(offline),
                    ratio=round(tokens / wall / offline, 3), ttft_p50_ms=round(pct(ttft, 0.5) * 1e3, 1),
                    ttft_p99_ms=round(pct(ttft, 0.99) * 1e3, 1), itl_p50_ms=round(pct(gaps, 0.5) * 1e3, 2),
                    itl_p99_ms=round(pct(gaps, 0.99) * 1e3, 2), itl_mean_ms=round(statistics.mean(gaps) * 1e3, 2) if gaps else None,
                    step_ms=round(step_ms, 2),
-                   itl_p50_over_step=round(pct(gaps, 0.5) * 1e3 / step_ms, 2), lost_or_failed=lost)
+                   itl_p50_over_step=round(pct(gaps, 0.5) * 1e3 / step_ms, 2), lost_or_failed=lost,
+                   kernels_compiled_served=compiled_served, kernels_compiled_offline=compiled_offline)
         rows.append(row)
         print(json.dumps(row), flush=True)
     # 16 clients with 512-token prompts (the TTFT target's workload)
