@@ -230,12 +230,11 @@ def tune_mma(size):
     for blocks in [(64, 256, 4, 1), (64, 128, 4, 1), (64, 256, 4, 2), (64, 256, 8, 1), (32, 128, 4, 1), (16, 256, 4, 1)]:
         ms = step_ms(model, fp8, in_proj=blocks, in_proj_mma=True)
         print(f"   in_proj on the tensor cores, BN, BK, warps, stages = {blocks}: {ms:.4f} ms/step", flush=True)
-    if model.config.layer == "mamba1":  # (Mamba-2's out_proj is gated_out_proj's, without the option)
-        for blocks in [(64, 256, 4, 1280), (64, 128, 4, 1280), (16, 256, 4, 1280)]:
-            ms = step_ms(model, fp8, out_proj=blocks, out_proj_mma=True)
-            print(f"   out_proj on the tensor cores, BN, BK, warps, programs = {blocks}: {ms:.4f} ms/step", flush=True)
-        ms = step_ms(model, fp8, in_proj=(64, 256, 4, 1), in_proj_mma=True, out_proj=(64, 256, 4, 1280), out_proj_mma=True)
-        print(f"   both on the tensor cores, 64 x 256 tiles: {ms:.4f} ms/step", flush=True)
+    for blocks in [(64, 256, 4, 1280), (64, 128, 4, 1280), (16, 256, 4, 1280)]:
+        ms = step_ms(model, fp8, out_proj=blocks, out_proj_mma=True)
+        print(f"   out_proj on the tensor cores, BN, BK, warps, programs = {blocks}: {ms:.4f} ms/step", flush=True)
+    ms = step_ms(model, fp8, in_proj=(64, 256, 4, 1), in_proj_mma=True, out_proj=(64, 256, 4, 1280), out_proj_mma=True)
+    print(f"   both on the tensor cores, 64 x 256 tiles: {ms:.4f} ms/step", flush=True)
     print(f"{size} fp8 batch 1, default blocks again: {step_ms(model, fp8):.4f} ms/step", flush=True)
 
 

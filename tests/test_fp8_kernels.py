@@ -251,8 +251,8 @@ def test_the_plan_has_fp8_rows_without_cublas(fp8_models):
 @pytest.mark.parametrize("before,mma", [(False, False), (True, False), (False, True)])
 def test_fp8_mamba2_one_row_step(tmp_path, before, mma):
     """FP8 Mamba-2's one-row step (kernels/decode_step_mamba2.py: in_proj and the head
-    through decode_step.py's kernel, in_proj's products on the tensor cores or not,
-    out_proj in gated_out_proj, each reading the e4m3 bytes) against the reference engine's FP8 steps from the same state; the plan's FP8
+    through decode_step.py's kernel, out_proj in gated_out_proj, each reading the e4m3
+    bytes, their products on the tensor cores or not) against the reference engine's FP8 steps from the same state; the plan's FP8
     Mamba-2 rows: one-row at a few rows, the layer over the GPU ops past them."""
     from test_mamba2 import save_mamba2
 
@@ -265,7 +265,9 @@ def test_fp8_mamba2_one_row_step(tmp_path, before, mma):
     assert plan_for(model.config, FP8, 1, deterministic=True).step == "layer-ops"
     B = 3
     c = model.config
-    blocks = dataclasses.replace(one_row_blocks(c.d_model, c.d_inner, c.vocab_size, FP8, "mamba2"), in_proj_mma=mma)
+    blocks = one_row_blocks(c.d_model, c.d_inner, c.vocab_size, FP8, "mamba2")
+    if mma:  # (16 rows a program at least: the tensor cores' smallest tile)
+        blocks = dataclasses.replace(blocks, out_proj=(16, *blocks.out_proj[1:]), in_proj_mma=True, out_proj_mma=True)
     step = make_decode_step(model, B, plan=DecodePlan("one-row", blocks=blocks))
     assert isinstance(step, Mamba2DecodeStep)
     tol = MMA_TOL if mma else ONE_ROW_TOL

@@ -353,11 +353,13 @@ def main() -> None:
         parts = H * 64 // wide2.ssd_block
         t = ptrs("v_ptr", "zx_ptr", "part_ptr", "gw_ptr", "b_ptr", "ws_ptr", w_ptr=wdt, dh_ptr="*i64", cs_ptr="*bf16",
                  eps="fp32")
-        compile_kernel(s2._gated_out_proj_kernel, t, dict(E=E, G=G, N=128, H=H, K=4, KP=4, PARTS=parts, PPG=parts // G,
-                                                          GP=triton.next_power_of_2(G),
-                                                          PPGP=triton.next_power_of_2(parts // G), HAS_BIAS=False,
-                                                          NORM_BEFORE_GATE=False, BN=64, BK=128, BC=4, TILE_IN_GROUP=True,
-                                                          W_SCALED=wdt == "*fp8e4nv", PDL=True))
+        for mma in (False, True) if wdt == "*fp8e4nv" else (False,):  # (FP8: its products on the tensor cores too)
+            compile_kernel(s2._gated_out_proj_kernel, t, dict(E=E, G=G, N=128, H=H, K=4, KP=4, PARTS=parts,
+                                                              PPG=parts // G, GP=triton.next_power_of_2(G),
+                                                              PPGP=triton.next_power_of_2(parts // G), HAS_BIAS=False,
+                                                              NORM_BEFORE_GATE=False, BN=64, BK=128, BC=4,
+                                                              TILE_IN_GROUP=True, W_SCALED=wdt == "*fp8e4nv", PDL=True,
+                                                              MMA=mma))
     res.append("mamba2 step + gated norm + chunked scan + one-row step: ok")
     t = ptrs("logits_ptr", "pen_ptr", "temp_ptr", "s_ptr", "smax_ptr", "bias_ptr", "presence_ptr", "frequency_ptr",
              seen_ptr="*i1", best_ptr="*i64", count_ptr="*i32", mask_ptr="*i32")
