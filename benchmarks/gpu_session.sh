@@ -20,7 +20,7 @@
 #                                            # Falcon-H1-7B decode at batch 1, 32, 128, prefill and
 #                                            # transformers beside; Nemotron-H-8B at 16k-token contexts
 #                                            # and prefill 8 x 2048 (~8 minutes)
-#   FP8=1 bash benchmarks/gpu_session.sh     # FP8 in_proj on the tensor cores (whole batch-1 steps),
+#   FP8=1 bash benchmarks/gpu_session.sh     # the products on the tensor cores (whole batch-1 steps),
 #                                            # bf16 beside fp8 at batch 1 and 128, 2.8b and Mamba-2 2.7b,
 #                                            # then the 2.8b's FP8 decode routes at batch 4-128 (~9 minutes)
 #   MOE=1 bash benchmarks/gpu_session.sh     # Granite-4.0-H-Tiny at batch 1, 8, 64 and prefill 1 x 4096,
@@ -95,13 +95,13 @@ if [ -n "${BACKBONE:-}" ]; then
   exit 0
 fi
 if [ -n "${FP8:-}" ]; then
-  # FP8 in_proj on the tensor cores against the multiply-and-sum, whole batch-1 steps; the issue's
-  # table (bf16 beside fp8 in one run); then which step an FP8 model's larger batches should take
-  # (the plan's fp8 rows are 16-bit's, untuned)
-  timeout 150 python3 -m benchmarks.tune_decode --mma 2>&1 | grep -v Warn | tee "$out/tune_mma.log"
+  # in_proj and out_proj on the tensor cores against the multiply-and-sum, whole batch-1 steps
+  # (FP8, then bf16); the table (bf16 beside fp8 in one run); then which step an FP8
+  # model's larger batches should take (the plan's fp8 rows are 16-bit's, untuned)
+  timeout 240 python3 -m benchmarks.tune_decode --mma 2>&1 | grep -v Warn | tee "$out/tune_mma.log"
   timeout 200 python3 -m fastmamba.cli bench --models 2.8b,mamba2-2.7b --dtypes bfloat16,fp8 --batches 1,128 \
     --json "$out/decode_fp8.json" 2>&1 | grep -v transformers | tee "$out/decode_fp8.log"
-  timeout 200 python3 -m benchmarks.decode_routing --models 2.8b --dtypes fp8 --batches 4,32,64,128 \
+  timeout 140 python3 -m benchmarks.decode_routing --models 2.8b --dtypes fp8 --batches 4,32,64,128 \
     --json "$out/routing_fp8.json" 2>&1 | grep -v Warn | tee "$out/routing_fp8.log"
   exit 0
 fi

@@ -14,7 +14,8 @@ steps; with --early, which kernels let the next one launch before their own wait
 out_proj blocks of one tile a K split and in_proj's loop in shared-memory stages; with
 --ablate, the step without one kind of kernel at a time (timing only); with
 --lm-head-sum-last, lm_head summing after its loop in 256-wide K tiles against every tile;
-with --mma, FP8 in_proj's products on the tensor cores (2.8b, Mamba-2 2.7b).
+with --mma, in_proj's and out_proj's products on the tensor cores (2.8b and Mamba-2 2.7b, FP8
+then bf16).
 """
 
 import itertools
@@ -216,30 +217,29 @@ def tune_lm_head(size):
             print(f"   in_proj BN, BK, warps, stages = {blocks}: {step_ms(model, in_proj=blocks):.4f} ms/step", flush=True)
 
 
-def tune_mma(size):
-    """FP8 in_proj's and out_proj's products on the tensor cores (OneRowBlocks.in_proj_mma,
-    out_proj_mma) against the float32 multiply-and-sum, in whole FP8 steps (the default
-    first and last), their tiles swept with it (wgmma takes 64 rows a program; fewer run as
+def tune_mma(size, dtype):
+    """in_proj's and out_proj's products on the tensor cores (OneRowBlocks.in_proj_mma,
+    out_proj_mma) against the float32 multiply-and-sum, in whole batch-1 steps (the default
+    first and last), their tiles swept with them (wgmma takes 64 rows a program; fewer run as
     mma.sync)."""
     from fastmamba.bench import random_model
 
-    fp8 = torch.float8_e4m3fn
-    model = random_model(size, fp8)
-    base = step_ms(model, fp8)
-    print(f"{size} fp8 batch 1, default blocks: {base:.4f} ms/step", flush=True)
+    model = random_model(size, dtype)
+    name = f"{size} {str(dtype)[6:]}"
+    print(f"{name} batch 1, default blocks: {step_ms(model, dtype):.4f} ms/step", flush=True)
     for blocks in [(64, 256, 4, 1), (64, 128, 4, 1), (64, 256, 4, 2), (64, 256, 8, 1), (32, 128, 4, 1), (16, 256, 4, 1)]:
-        ms = step_ms(model, fp8, in_proj=blocks, in_proj_mma=True)
+        ms = step_ms(model, dtype, in_proj=blocks, in_proj_mma=True)
         print(f"   in_proj on the tensor cores, BN, BK, warps, stages = {blocks}: {ms:.4f} ms/step", flush=True)
     for blocks in [(64, 256, 4, 1280), (64, 128, 4, 1280), (16, 256, 4, 1280)]:
-        ms = step_ms(model, fp8, out_proj=blocks, out_proj_mma=True)
+        ms = step_ms(model, dtype, out_proj=blocks, out_proj_mma=True)
         print(f"   out_proj on the tensor cores, BN, BK, warps, programs = {blocks}: {ms:.4f} ms/step", flush=True)
-    ms = step_ms(model, fp8, in_proj=(64, 256, 4, 1), in_proj_mma=True, out_proj=(64, 256, 4, 1280), out_proj_mma=True)
+    ms = step_ms(model, dtype, in_proj=(64, 256, 4, 1), in_proj_mma=True, out_proj=(64, 256, 4, 1280), out_proj_mma=True)
     print(f"   both on the tensor cores, 64 x 256 tiles: {ms:.4f} ms/step", flush=True)
-    print(f"{size} fp8 batch 1, default blocks again: {step_ms(model, fp8):.4f} ms/step", flush=True)
+    print(f"{name} batch 1, default blocks again: {step_ms(model, dtype):.4f} ms/step", flush=True)
 
 
 # Each sweep's flag, its function and the arguments it runs with, in turn.
-BF16, F32 = torch.bfloat16, torch.float32
+BF16, F32, FP8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
 SWEEPS = {
     "--lm-head": (tune_lm_head, [("130m",), ("2.8b",), ("1.4b",)]),
     "--preload": (tune_preload, [("2.8b",), ("1.4b",)]),
@@ -248,7 +248,7 @@ SWEEPS = {
     "--ablate": (tune_ablate, [("2.8b",), ("1.4b",), ("130m",)]),
     "--sum-last": (tune_sum_last, [("1.4b",), ("2.8b",)]),
     "--early": (tune_early_launch, [("130m",), ("370m",), ("1.4b",), ("2.8b",)]),
-    "--mma": (tune_mma, [("2.8b",), ("mamba2-2.7b",)]),
+    "--mma": (tune_mma, [("2.8b", FP8), ("mamba2-2.7b", FP8), ("2.8b", BF16), ("mamba2-2.7b", BF16)]),
 }
 
 

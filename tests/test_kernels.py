@@ -7,13 +7,15 @@ they run compiled on the GPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import assert_within_transformers_16bit_error
 
 import fastmamba
 from fastmamba.engine.decode_step import make_decode_step
-from fastmamba.engine.plan import PRODUCTS_BLOCKS, SAMPLER_TILES, DecodePlan
+from fastmamba.engine.plan import PRODUCTS_BLOCKS, SAMPLER_TILES, DecodePlan, one_row_blocks
 from fastmamba.kernels import decode_step as ds
 from fastmamba.kernels import gemv
 
@@ -200,6 +202,28 @@ def test_whole_step_equals_the_reference_model(case, fused):
         ref = model.step(tokens, ref_state)
         assert rel_err(logits, ref) < tol
     assert rel_err(state.ssm, ref_state.ssm) < tol
+
+
+@pytest.mark.parametrize("name,dtype", [("untied_bias_rank", "bfloat16"), ("kernel3_state8", "float16")])
+def test_whole_step_with_the_products_on_the_tensor_cores(checkpoints, name, dtype):
+    """OneRowBlocks.in_proj_mma and out_proj_mma on 16-bit weights: the row rounded to the
+    weights' dtype for the products, as transformers' own 16-bit products round it, so the
+    bar is transformers' 16-bit error (and float32 weights keep the multiply-and-sum)."""
+    model = fastmamba.load(checkpoints[name], device=DEVICE, dtype=dtype).model
+    c, batch = model.config, 2
+    blocks = dataclasses.replace(one_row_blocks(c.d_model, c.d_inner, c.vocab_size, model.weights.dtype),
+                                 in_proj=(16, 256, 4, 1), out_proj=(16, 256, 4, 64), in_proj_mma=True, out_proj_mma=True)
+    step = make_decode_step(model, batch, plan=DecodePlan("one-row", blocks=blocks))
+    plain = make_decode_step(model, batch, plan=DecodePlan("one-row"))
+    state, plain_state = model.new_state(batch), model.new_state(batch)
+    ids = torch.randint(0, c.vocab_size, (batch, 6), generator=torch.Generator().manual_seed(4))
+    logits, plain_logits = [], []
+    for t in range(ids.shape[1]):
+        logits.append(step(ids[:, t].to(DEVICE), state).to("cpu", copy=True))
+        plain_logits.append(plain(ids[:, t].to(DEVICE), plain_state).to("cpu", copy=True))
+    logits = torch.stack(logits, 1)
+    assert 0 < rel_err(logits, torch.stack(plain_logits, 1)) < TOL[model.weights.dtype]  # (the row rounded: not bitwise)
+    assert_within_transformers_16bit_error(logits, checkpoints[name], ids, dtype)
 
 
 @pytest.mark.parametrize(

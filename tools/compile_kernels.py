@@ -189,8 +189,8 @@ def main() -> None:
         wide = one_row_blocks(2560, 5120, 50280, torch.float32 if f32 else torch.bfloat16)  # 2.8b's
         t = ptrs("h_ptr", "nw_ptr", "b_ptr", "out_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", "ws_ptr", "wxs_ptr",
                  w_ptr=wdt, wx_ptr=wdt, dh_ptr="*i64", dbc_ptr="*i64", best_ptr="*i64", eps="fp32")
-        for conv, mma in ((True, False), (False, False)) + (((True, True),) if fp8 else ()):
-            # in_proj with the conv step and x_proj (FP8: its products on the tensor cores too);
+        for conv, mma in ((True, False), (False, False)) + (((True, True),) if not f32 else ()):
+            # in_proj with the conv step and x_proj (16-bit and FP8: its products on the tensor cores too);
             # lm_head (a tied one bf16) with the argmax
             compile_kernel(ds._rmsnorm_linear_kernel, {**t, "w_ptr": wdt if conv else edt}, dict(
                 W_SCALED=fp8 and conv, WX_SCALED=fp8, HAS_BIAS=True, CONV=conv, ARGMAX=not conv, K=4, KP=4, HAS_CB=True, BN=16,
@@ -209,7 +209,7 @@ def main() -> None:
         t = {"best_ptr": "*i64", "tok_ptr": "*i64", "hist_ptr": "*i64", "step_ptr": "*i64", "seen_ptr": "*i1"}
         compile_kernel(ds._take_argmax_kernel, t, dict(BR=8, PDL=True))
         t = ptrs("y_ptr", "b_ptr", "ws_ptr", w_ptr=wdt, dh_ptr="*i64", dbc_ptr="*i64")
-        for mma in (False, True) if fp8 else (False,):  # (FP8: its products on the tensor cores too)
+        for mma in (False, True) if not f32 else (False,):  # (16-bit and FP8: its products on the tensor cores too)
             compile_kernel(ds._out_proj_residual_kernel, t, dict(W_SCALED=fp8, HAS_BIAS=True, BN=64 if mma else 32, BK=256,
                                                                  BJ=128, PDL=True, MMA=mma))
         t = {"tok_ptr": "*i64", "emb_ptr": edt, "h_ptr": "*fp32", "dh_ptr": "*i64"}
@@ -353,7 +353,7 @@ def main() -> None:
         parts = H * 64 // wide2.ssd_block
         t = ptrs("v_ptr", "zx_ptr", "part_ptr", "gw_ptr", "b_ptr", "ws_ptr", w_ptr=wdt, dh_ptr="*i64", cs_ptr="*bf16",
                  eps="fp32")
-        for mma in (False, True) if wdt == "*fp8e4nv" else (False,):  # (FP8: its products on the tensor cores too)
+        for mma in (False, True):  # (its products on the tensor cores too)
             compile_kernel(s2._gated_out_proj_kernel, t, dict(E=E, G=G, N=128, H=H, K=4, KP=4, PARTS=parts,
                                                               PPG=parts // G, GP=triton.next_power_of_2(G),
                                                               PPGP=triton.next_power_of_2(parts // G), HAS_BIAS=False,

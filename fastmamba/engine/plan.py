@@ -75,8 +75,10 @@ class OneRowBlocks:
     in_proj_unroll: int  # the K loop unrolled by this much where summed after it
     early_launch: frozenset  # kernels that let the next launch before their own wait (PDL 2)
     ssd_block: int  # Mamba-2's ssd_conv_step: a head's channels a program (all N states of each in registers)
-    in_proj_mma: bool = False  # FP8 weights: in_proj's products on the tensor cores (kernels/gemv.mma_terms)
-    out_proj_mma: bool = False  # FP8 weights: out_proj's too (Mamba-2's gated_out_proj)
+    # 16-bit and FP8 weights: in_proj's products on the tensor cores (kernels/gemv.mma_terms),
+    # and out_proj's (Mamba-2's gated_out_proj); float32 weights keep the multiply-and-sum
+    in_proj_mma: bool = False
+    out_proj_mma: bool = False
 
 
 def one_row_blocks(d_model: int, d_inner: int, vocab: int, dtype: torch.dtype, layer: str = "mamba1") -> OneRowBlocks:

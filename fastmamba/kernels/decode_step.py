@@ -469,10 +469,10 @@ class DecodeStep:
         argmax_keys). sum_last: one row's products summed over K once, after the loop
         (mm_terms), where d takes more than one K tile (in one tile the products would wait
         through the loop in registers for nothing). unroll: the K loop unrolled by this much
-        where the products are summed after it. mma: an FP8 weight's products on the tensor
-        cores (gemv.mma_terms)."""
+        where the products are summed after it. mma: a 16-bit or FP8 weight's products on the
+        tensor cores (gemv.mma_terms)."""
         weight, scale = weight_parts(weight)
-        mma = mma and scale is not None
+        mma = mma and weight.dtype != torch.float32
         n_out, d = weight.shape
         BN, BK, warps, stages = blocks
         sum_last = sum_last and d > BK
@@ -550,7 +550,7 @@ class DecodeStep:
             self.y, w, w if ws is None else ws, lw.out_proj_b if lw.out_proj_b is not None else w,
             self.dh, self.dbc, self.B, c.d_model, c.d_inner, self.kchunk_out,
             W_SCALED=ws is not None, HAS_BIAS=lw.out_proj_b is not None, BN=self.BN_out, BK=self.BK_out, BJ=self.BJ,
-            MMA=self.out_proj_mma and ws is not None, num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),
+            MMA=self.out_proj_mma and w.dtype != torch.float32, num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),
         )
 
     def __call__(self, tokens: torch.Tensor, state, argmax: bool = False, h: torch.Tensor | None = None) -> torch.Tensor:

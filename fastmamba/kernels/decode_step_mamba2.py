@@ -269,7 +269,7 @@ class Mamba2DecodeStep(DecodeStep):
             # one number; the per-column choice took Codestral's out_proj to 44 µs against
             # 16 µs of weights (8 groups: 8 selects a column against 8 products a column)
             TILE_IN_GROUP=(c.d_inner // c.n_groups) % self.BK_out == 0, W_SCALED=ws is not None,
-            MMA=self.out_proj_mma and ws is not None, num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),  # (likewise)
+            MMA=self.out_proj_mma and w.dtype != torch.float32, num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),  # (likewise)
         )
 
     def __call__(self, tokens: torch.Tensor, state, argmax: bool = False, h: torch.Tensor | None = None) -> torch.Tensor:

@@ -38,25 +38,32 @@ def mm_total(acc, SUM_LAST: tl.constexpr):
         return acc
 
 
-# The tensor-core form of the one-row product (OneRowBlocks.in_proj_mma), for FP8 weights:
-# the widening of e4m3 to float32 and a multiply-and-sum per weight cost twice bfloat16's
-# instructions a byte, where an f16 tensor-core product takes the widened pairs as they are.
-# The row is the product's second operand, repeated in its 16 columns (the smallest the
-# tensor cores take), so column 0 of the (N, 16) result is the product. In f16 it is
-# scaled by 2^-8 first: a residual stream up to ~1.7e7 stays finite, and what f16 rounds
-# away below 2^-6 (in the row's units) is far under e4m3's own step.
+# The tensor-core form of the one-row product (OneRowBlocks.in_proj_mma, out_proj_mma). For
+# FP8 weights the widening of e4m3 to float32 and a multiply-and-sum per weight cost twice
+# bfloat16's instructions a byte, where an f16 tensor-core product takes the widened pairs as
+# they are; 16-bit weights go in as they are stored. The row is the product's second
+# operand, repeated in its 16 columns (the smallest the tensor cores take), so column 0 of
+# the (N, 16) result is the product; it is rounded to the operands' dtype (as transformers'
+# 16-bit products round theirs). It is scaled by 2^-8 first (exact): in f16 a residual
+# stream up to ~1.7e7 stays finite, and what f16 rounds away below 2^-6 (in the row's
+# units) is far under e4m3's own step.
 MMA_SCALE = tl.constexpr(2.0**-8)
 
 
 @jit
 def mma_terms(x, w, acc):
     """acc (N, 16) + the tensor cores' product of w (N, K) with the row x (1, K) in each of
-    16 columns, f16 operands and float32 sums (mma_total takes the row's (1, N) out)."""
-    xb = tl.broadcast_to(tl.trans(x * MMA_SCALE), (x.shape[1], 16)).to(tl.float16)
-    if INTERPRET:  # (the interpreter's tl.dot of 16-bit operands: see _triton)
-        return tl.dot(w.to(tl.float16).to(tl.float32), xb.to(tl.float32), acc, input_precision="ieee")
+    16 columns: f16 operands for e4m3 weights, else the weights' own 16-bit dtype, float32
+    sums (mma_total takes the row's (1, N) out)."""
+    if w.dtype.is_fp8():  # (e4m3 values are all exact in f16)
+        wv = w.to(tl.float16)
     else:
-        return tl.dot(w.to(tl.float16), xb, acc)
+        wv = w
+    xb = tl.broadcast_to(tl.trans(x * MMA_SCALE), (x.shape[1], 16)).to(wv.dtype)
+    if INTERPRET:  # (the interpreter's tl.dot of 16-bit operands: see _triton)
+        return tl.dot(wv.to(tl.float32), xb.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(wv, xb, acc)
 
 
 @jit
