@@ -97,10 +97,13 @@ if [ -n "${FP8:-}" ]; then
   # in_proj and out_proj on the tensor cores against the multiply-and-sum, whole batch-1 steps
   # (FP8, then bf16); the issue's table (bf16 beside fp8 in one run); then which step an FP8
   # model's larger batches should take (the plan's fp8 rows are 16-bit's, untuned)
+  # (first the tensor-core products' own tests, on the GPU: not `gpu`-marked, they run on CUDA where it is)
+  PYTHONPATH=.:${PYTHONPATH:-} timeout 60 python3 -m pytest -q -rf tests/test_fp8_kernels.py tests/test_kernels.py \
+    -k "tensor_cores or one_row_step or 16_rows" 2>&1 | tee "$out/mma_tests.log" | grep -E "^FAILED|passed|failed"
   timeout 240 python3 -m benchmarks.tune_decode --mma 2>&1 | grep -v Warn | tee "$out/tune_mma.log"
   timeout 200 python3 -m fastmamba.cli bench --models 2.8b,mamba2-2.7b --dtypes bfloat16,fp8 --batches 1,128 \
     --json "$out/decode_fp8.json" 2>&1 | grep -v transformers | tee "$out/decode_fp8.log"
-  timeout 140 python3 -m benchmarks.decode_routing --models 2.8b --dtypes fp8 --batches 4,32,64,128 \
+  timeout 90 python3 -m benchmarks.decode_routing --models 2.8b --dtypes fp8 --batches 4,32,64,128 \
     --json "$out/routing_fp8.json" 2>&1 | grep -v Warn | tee "$out/routing_fp8.log"
   exit 0
 fi
