@@ -28,8 +28,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The one-row kernels multiply the e4m3 values in float32 as the reference does, the scales
 # on the sums: only the order of the sums differs.
 ONE_ROW_TOL = 1e-4
-# With in_proj's products on the tensor cores (OneRowBlocks.in_proj_mma) the row is rounded
-# to f16 (2^-11 relative) for them.
+# With the products on the tensor cores (OneRowBlocks.in_proj_mma, out_proj_mma) the row is
+# rounded to f16 (2^-11 relative) for them.
 MMA_TOL = 2e-3
 # The products step rounds each product's operand once to bfloat16 (2^-9 relative), as the
 # 16-bit engine does.
@@ -113,8 +113,8 @@ def test_fp8_linear_reference_against_the_dequantized_product():
 def test_one_row_step_reads_fp8(fp8_models, name, batch, fused, mma):
     """Whole one-row steps (in_proj with the conv step and x_proj in its programs, or in a
     kernel of their own; in_proj's and out_proj's products on the tensor cores or not;
-    dt_proj in ssm_step; out_proj split over K; an FP8 head, untied, or the float32 embedding, tied)
-    against the reference engine's FP8 step."""
+    dt_proj in ssm_step; out_proj split over K; an FP8 head, untied, or the float32
+    embedding, tied) against the reference engine's FP8 step."""
     model = fp8_models[name]
     c = model.config
     blocks = one_row_blocks(c.d_model, c.d_inner, c.vocab_size, FP8)
@@ -252,8 +252,9 @@ def test_the_plan_has_fp8_rows_without_cublas(fp8_models):
 def test_fp8_mamba2_one_row_step(tmp_path, before, mma):
     """FP8 Mamba-2's one-row step (kernels/decode_step_mamba2.py: in_proj and the head
     through decode_step.py's kernel, out_proj in gated_out_proj, each reading the e4m3
-    bytes, their products on the tensor cores or not) against the reference engine's FP8 steps from the same state; the plan's FP8
-    Mamba-2 rows: one-row at a few rows, the layer over the GPU ops past them."""
+    bytes, their products on the tensor cores or not) against the reference engine's FP8
+    steps from the same state; the plan's FP8 Mamba-2 rows: one-row at a few rows, the layer
+    over the GPU ops past them."""
     from test_mamba2 import save_mamba2
 
     from fastmamba.kernels.decode_step_mamba2 import Mamba2DecodeStep
