@@ -147,7 +147,7 @@ def train(task: str, core_kind: str, seed: int, args) -> dict[str, list]:
     np.random.seed(seed)
     envs = make_envs(task, args.envs)
     sizes = action_sizes(envs.single_action_space)
-    core = Core(core_kind, envs.single_observation_space.shape[0], args.width, args.layers, args.head_dim)
+    core = Core(core_kind, envs.single_observation_space.shape[0], args.width, args.layers, args.head_dim, args.d_state)
     agent = PopgymAgent(core, sizes).to(args.device)
     run = {"steps": [], "returns": [], "seconds": []}
     for update, (steps, ended, seconds) in enumerate(ppo(agent, envs, args.updates, seed, args)):

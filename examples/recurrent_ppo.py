@@ -42,7 +42,8 @@ class Core(nn.Module):
     mamba2 (fastmamba.Backbone), lstm, gru (torch's, unrolled; examples/popgym_ppo.py takes
     all four)."""
 
-    def __init__(self, kind: str, obs_dim: int, width: int, layers: int, head_dim: int | None = None):
+    def __init__(self, kind: str, obs_dim: int, width: int, layers: int, head_dim: int | None = None,
+                 d_state: int | None = None):
         super().__init__()
         self.kind = kind
         if kind == "mamba":
@@ -50,7 +51,7 @@ class Core(nn.Module):
         elif kind == "mamba2":  # the same Backbone, its layers Mamba-2's (heads of 32 channels where they fit)
             self.net = fastmamba.Backbone(fastmamba.BackboneConfig(
                 input_dim=obs_dim, d_model=width, n_layer=layers, layer="mamba2",
-                head_dim=head_dim or math.gcd(32, 2 * width), d_state=64, chunk_size=64))
+                head_dim=head_dim or math.gcd(32, 2 * width), d_state=d_state or 64, chunk_size=64))
         elif kind in ("lstm", "gru"):
             self.net = (nn.LSTM if kind == "lstm" else nn.GRU)(obs_dim, width, num_layers=layers, batch_first=True)
             # the Backbone's features come out of its final RMSNorm, at unit scale; the LSTM's
@@ -203,7 +204,7 @@ def train(core_kind: str, seed: int, args) -> list[list[float]]:
     torch.manual_seed(seed)
     np.random.seed(seed)
     envs = make_envs(args.envs, seed)
-    agent = Agent(Core(core_kind, len(SEEN), args.width, args.layers, args.head_dim),
+    agent = Agent(Core(core_kind, len(SEEN), args.width, args.layers, args.head_dim, args.d_state),
                   envs.single_action_space.n).to(args.device)
     updates = max(1, args.total_steps // (args.envs * args.rollout))
     curve, finished = [], []
@@ -282,6 +283,7 @@ def add_ppo_arguments(ap: argparse.ArgumentParser, envs: int) -> None:
     ap.add_argument("--layers", type=positive(int), default=1)
     ap.add_argument("--head-dim", type=positive(int), help="mamba2: channels a head (default 32 where it divides "
                     "2 x width): each head has one decay rate, so smaller heads give the layer more of them")
+    ap.add_argument("--d-state", type=positive(int), help="mamba2: states a channel (default 64)")
     ap.add_argument("--lr", type=positive(float), default=1e-3)
     ap.add_argument("--epochs", type=positive(int), default=4)
     ap.add_argument("--minibatches", type=positive(int), default=4, help="minibatches an epoch, split by environment")
