@@ -57,6 +57,7 @@ from .decode_gemm import conv_step_ref, ssm_update_ref
 from .fp8_gemm import linear_ref, weight_parts
 from .gemv import (
     add_fixed,
+    add_row_tile,
     from_fixed_tile,
     mm,
     mm_terms,
@@ -65,6 +66,8 @@ from .gemv import (
     mma_total,
     prefetch_to_l2,
     residual_tile,
+    row_sums,
+    row_total,
     split_k_start,
 )
 from .pdl import NO_PDL, let_next_kernel_launch, pdl_launch, wait_for_prior_kernel
@@ -364,22 +367,15 @@ def _out_proj_residual_kernel(
     jj = tl.arange(0, BJ)
     first = jj[None, :] >= (pid_n + pid_s) * BJ
     tl.store(dbc_ptr + rows[:, None] * BJ + jj[None, :], tl.zeros([1, BJ], dtype=tl.int64), mask=rmask[:, None] & first)
-    if MMA:  # on the tensor cores (gemv.mma_terms)
-        acc16 = tl.zeros([BN, 16], dtype=tl.float32)
-    else:
-        acc = tl.zeros([1, BN], dtype=tl.float32)
+    acc = row_sums(BN, MMA)  # (MMA: on the tensor cores, gemv.mma_terms)
     for k0 in range(pid_s * KCHUNK, k_end, BK):
         k = k0 + tl.arange(0, BK)
         yk = tl.load(y_ptr + rows[:, None] * E + k[None, :], mask=rmask[:, None] & (k < k_end)[None, :], other=0.0)
         w_now = w
         k = k + BK  # the next tile (nothing past this split's end)
         w = tl.load(w_ptr + n[:, None] * E + k[None, :], mask=nmask[:, None] & (k < k_end)[None, :], other=0.0)
-        if MMA:
-            acc16 = mma_terms(yk, w_now, acc16)
-        else:
-            acc += mm(yk, w_now)
-    if MMA:
-        acc = mma_total(acc16)
+        acc = add_row_tile(acc, yk, w_now, MMA)
+    acc = row_total(acc, MMA)
     if W_SCALED:  # FP8 weights: this split's sums times their rows' scales
         acc *= tl.load(ws_ptr + n, mask=nmask, other=0.0)[None, :]
     if HAS_BIAS:  # once, with the first split (n >= pid_s * D holds there only)
@@ -420,10 +416,14 @@ class DecodeStep:
         # the launch settings, as attributes the kernels' launchers read (tests narrow some)
         self.in_proj_blocks, self.lm_head_blocks = blocks.in_proj, blocks.lm_head
         self.sum_last, self.lm_head_sum_last, self.in_proj_unroll = blocks.in_proj_sum_last, blocks.lm_head_sum_last, blocks.in_proj_unroll
-        self.early_launch, self.in_proj_mma, self.out_proj_mma = blocks.early_launch, blocks.in_proj_mma, blocks.out_proj_mma
-        for name, on, rows in (("in_proj", self.in_proj_mma, blocks.in_proj[0]), ("out_proj", self.out_proj_mma, blocks.out_proj[0])):
+        self.early_launch = blocks.early_launch
+        for name, on, rows in (("in_proj", blocks.in_proj_mma, blocks.in_proj[0]), ("out_proj", blocks.out_proj_mma, blocks.out_proj[0])):
             if on and rows < 16:  # (the tensor cores' smallest tile)
                 raise ValueError(f"OneRowBlocks.{name}_mma needs 16 or more rows a program, got {name} {rows}")
+        # the products on the tensor cores where the plan says and the weights are 16-bit or
+        # FP8 (float32 weights keep the multiply-and-sum: see OneRowBlocks)
+        self.in_proj_mma = blocks.in_proj_mma and w.dtype != torch.float32
+        self.out_proj_mma = blocks.out_proj_mma and w.dtype != torch.float32
         d, E, N, R = c.d_model, c.d_inner, c.d_state, c.dt_rank
         self.J, self.BJ = R + 2 * N, _pow2(R + 2 * N)
         self.BR, self.NP = _pow2(R), _pow2(N, 1)
@@ -472,7 +472,6 @@ class DecodeStep:
         where the products are summed after it. mma: a 16-bit or FP8 weight's products on the
         tensor cores (gemv.mma_terms)."""
         weight, scale = weight_parts(weight)
-        mma = mma and weight.dtype != torch.float32
         n_out, d = weight.shape
         BN, BK, warps, stages = blocks
         sum_last = sum_last and d > BK
@@ -550,7 +549,7 @@ class DecodeStep:
             self.y, w, w if ws is None else ws, lw.out_proj_b if lw.out_proj_b is not None else w,
             self.dh, self.dbc, self.B, c.d_model, c.d_inner, self.kchunk_out,
             W_SCALED=ws is not None, HAS_BIAS=lw.out_proj_b is not None, BN=self.BN_out, BK=self.BK_out, BJ=self.BJ,
-            MMA=self.out_proj_mma and w.dtype != torch.float32, num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),
+            MMA=self.out_proj_mma, num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),
         )
 
     def __call__(self, tokens: torch.Tensor, state, argmax: bool = False, h: torch.Tensor | None = None) -> torch.Tensor:

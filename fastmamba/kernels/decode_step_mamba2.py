@@ -36,7 +36,7 @@ from .activations import silu
 from .decode_step import DecodeStep
 from .fp8_gemm import linear_ref, weight_parts
 from .gated_norm import gated_rmsnorm_ref, group_rmsnorm_ref
-from .gemv import add_fixed, mm, mma_terms, mma_total, residual_tile, split_k_start
+from .gemv import add_fixed, add_row_tile, residual_tile, row_sums, row_total, split_k_start
 from .pdl import let_next_kernel_launch, wait_for_prior_kernel
 from .ssd import ssd_scan_ref, ssd_step_update
 
@@ -193,10 +193,7 @@ def _gated_out_proj_kernel(
     tl.debug_barrier()  # (every thread has read the window before any of it moves)
     tl.store(win, newer, mask=chm[:, None] & (kk < K - 1)[None, :])
     tl.store(cs_ptr + (row64 * CS + ch) * K + K - 1, x_in.to(cs_ptr.dtype.element_ty), mask=chm)
-    if MMA:  # on the tensor cores (gemv.mma_terms)
-        acc16 = tl.zeros([BN, 16], dtype=tl.float32)
-    else:
-        acc = tl.zeros([1, BN], dtype=tl.float32)
+    acc = row_sums(BN, MMA)  # (MMA: on the tensor cores, gemv.mma_terms)
     for k0 in range(pid_s * KCHUNK, k_end, BK):
         k = k0 + tl.arange(0, BK)
         km = k < k_end
@@ -210,12 +207,8 @@ def _gated_out_proj_kernel(
         w_now = w
         k = k + BK  # the next tile (nothing past this split's end)
         w = tl.load(w_ptr + n[:, None] * E + k[None, :], mask=nmask[:, None] & (k < k_end)[None, :], other=0.0)
-        if MMA:
-            acc16 = mma_terms(u[None, :], w_now, acc16)
-        else:
-            acc += mm(u[None, :], w_now)
-    if MMA:
-        acc = mma_total(acc16)
+        acc = add_row_tile(acc, u[None, :], w_now, MMA)
+    acc = row_total(acc, MMA)
     if W_SCALED:  # FP8 weights: this split's sums times their rows' scales
         acc *= tl.load(ws_ptr + n, mask=nmask, other=0.0)[None, :]
     if HAS_BIAS:  # once, with the first split (n >= pid_s * D holds there only)
@@ -269,7 +262,7 @@ class Mamba2DecodeStep(DecodeStep):
             # one number; the per-column choice took Codestral's out_proj to 44 µs against
             # 16 µs of weights (8 groups: 8 selects a column against 8 products a column)
             TILE_IN_GROUP=(c.d_inner // c.n_groups) % self.BK_out == 0, W_SCALED=ws is not None,
-            MMA=self.out_proj_mma and w.dtype != torch.float32, num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),  # (likewise)
+            MMA=self.out_proj_mma, num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),  # (likewise)
         )
 
     def __call__(self, tokens: torch.Tensor, state, argmax: bool = False, h: torch.Tensor | None = None) -> torch.Tensor:

@@ -73,6 +73,33 @@ def mma_total(acc):
     return tl.sum(tl.where(col[None, :] == 0, acc, 0.0), axis=1)[None, :] * (1.0 / MMA_SCALE)
 
 
+# A split-K program's product of one row with N weight rows, as mm's (1, N) float32 sums or,
+# with MMA, mma_terms' (N, 16): zero sums, one K tile added, the (1, N) product.
+@jit
+def row_sums(N: tl.constexpr, MMA: tl.constexpr):
+    if MMA:
+        return tl.zeros([N, 16], dtype=tl.float32)
+    else:
+        return tl.zeros([1, N], dtype=tl.float32)
+
+
+@jit
+def add_row_tile(acc, x, w, MMA: tl.constexpr):
+    """acc + x (1, K) times w (N, K).T."""
+    if MMA:
+        return mma_terms(x, w, acc)
+    else:
+        return acc + mm(x, w)
+
+
+@jit
+def row_total(acc, MMA: tl.constexpr):
+    if MMA:
+        return mma_total(acc)
+    else:
+        return acc
+
+
 # The split-K partial sums of x_proj and out_proj meet in fixed point: int64 in units of
 # 2^-32, so that the atomic adds of the splits are exact and their order cannot change
 # the result. Each partial loses under 2^-32 (truncated), so a sum of S splits is within
