@@ -350,8 +350,8 @@ def test_the_prefill_warm_up_meets_each_kind_of_length_and_leaves_nothing_behind
     """EngineCore.warm_up_prefill (a GPU server's start, for a hybrid: its eager prefill's Triton
     kernels compile a variant for each kind of length): prompts of 1, 2, 3, 4, 8 and each
     power of two p and p + 1, 2, 4, 8 up to the cache's interval, alone, two at a time with
-    left padding, and after a first chunk; then the powers of two up to the prefill budget (whole where the cache is
-    off). Afterwards no slot, KV block, cached prefix or count is left, and a prompt decodes
+    left padding, and after a first chunk; then the powers of two up to the prefill budget
+    (whole where the cache is off). Afterwards no slot, KV block, cached prefix or count is left, and a prompt decodes
     as on an engine never warmed."""
     config, model_class = nemotron()
     torch.manual_seed(0)

@@ -389,10 +389,10 @@ class EngineCore:
         divisible by 16 (and 1) and so a batch's strides, T times a width, by the powers of
         two in T; a batch's left padding and a continued state are variants of their own
         (a tiny Nemotron-H's serve-like workload met 32 variants; Nemotron-H-8B served at 64
-        streams without this, H100: first tokens at a p50 of 7.9 s). Lengths 1, 2, 3, 4, 8, and each power of two
-        p from 16 to the cache's interval and p + 1, 2, 4, 8 (each chunk tile with T odd or
-        divisible by 2, 4, 8, 16): alone, two at a time, and after a first chunk of the
-        interval; then the powers of two up to the prefill budget."""
+        streams without this, H100: first tokens at a p50 of 7.9 s). Lengths 1, 2, 3, 4, 8,
+        and each power of two p from 16 to the cache's interval and p + 1, 2, 4, 8 (each
+        chunk tile with T odd or divisible by 2, 4, 8, 16): alone, two at a time, and after a
+        first chunk of the interval; then the powers of two up to the prefill budget."""
         powers = [16 << k for k in range((self.cache.interval // 16).bit_length())]  # 16 .. interval
         short = [1, 2, 3, 4, 8] + [p + d for p in powers for d in (0, 1, 2, 4, 8)]
         kinds = ([[n] for n in short] + [[n, max(1, n - 3)] for n in short]
