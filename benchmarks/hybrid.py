@@ -17,6 +17,7 @@ stacked at load, about 120 GB at the peak: an H200.)
 """
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
@@ -34,7 +35,7 @@ from fastmamba.core.ops import REFERENCE_OPS, triton_ops
 from fastmamba.core.sampling_params import SamplingParams
 from fastmamba.engine.engine_core import EngineCore
 from fastmamba.engine.language_model import LanguageModel
-from fastmamba.engine.plan import KERNEL_TILES
+from fastmamba.engine.plan import ALL, KERNEL_TILES, NONE, DecodePlan
 from fastmamba.engine.protocol import Failed, Request, Token
 from fastmamba.io.checkpoint import build_weights
 
@@ -106,11 +107,12 @@ def _tensors(obj):
             yield from _tensors(v)
 
 
-def decode_ms(model: Mamba, batch: int, context: int, steps: int) -> float:
-    """Wall ms of an engine step once `batch` requests with `context`-token prompts decode."""
+def decode_ms(model: Mamba, batch: int, context: int, steps: int, plan=None) -> float:
+    """Wall ms of an engine step once `batch` requests with `context`-token prompts decode
+    (plan: the decode plan, engine/plan.py's; None: the table's)."""
     lm = LanguageModel(model, None, engine=engine(model))
     core = EngineCore(model, lm.prefill, max_batch=batch, prefill_tokens=8192,
-                      kv_tokens=batch * (context + 3 * steps + 64))
+                      kv_tokens=batch * (context + 3 * steps + 64), decode_plan=plan)
     g = torch.Generator().manual_seed(batch)
     for k in range(batch):
         ids = torch.randint(3, model.config.vocab_size, (context,), generator=g).tolist()
@@ -201,6 +203,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens a request, before decoding")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--state-dtypes", default="float32", help="the recurrent state's dtypes to decode with (float32,bfloat16)")
+    ap.add_argument("--plans", default="table", help="the decode plans to time: the table's (table), and "
+                    "one-row (kernels/decode_step_hybrid.py) or layer-ops, e.g. table,one-row")
     ap.add_argument("--long", type=int, default=None,
                     help="a prompt of this many tokens through the engine: its first token, step and peak memory "
                          "(default: 32768 on the GPU, none on the CPU; 0: none)")
@@ -229,9 +233,11 @@ def main() -> None:
          copy_bandwidth_gbs=round(bw / 1e9))
     for state_dtype in args.state_dtypes.split(","):
         m = Mamba(model.config, model.weights, model.ops, state_dtype=parse_state_dtype(state_dtype))
-        for b in [int(x) for x in args.batches.split(",")]:
-            ms, floor = decode_ms(m, b, args.context, args.steps), floor_ms(m, b, args.context, bw)
-            emit(what="decode", state=state_dtype, batch=b, context=args.context, ms=round(ms, 3),
+        for b, plan in itertools.product([int(x) for x in args.batches.split(",")], args.plans.split(",")):
+            step = None if plan == "table" else DecodePlan(plan, cublas=ALL if plan == "layer-ops" else NONE,
+                                                           pdl=plan != "layer-ops")
+            ms, floor = decode_ms(m, b, args.context, args.steps, step), floor_ms(m, b, args.context, bw)
+            emit(what="decode", state=state_dtype, batch=b, context=args.context, plan=plan, ms=round(ms, 3),
                  floor_ms=round(floor, 3), of_floor=round(floor / ms, 3))
         m = None
     if args.serve_steps:

@@ -16,6 +16,7 @@ import torch
 
 from fastmamba.bench import HYBRID_SHAPES, host_us, random_model
 from fastmamba.core.dtypes import parse_dtype
+from fastmamba.core.state import MambaState
 from fastmamba.engine.decode_step import make_decode_step
 from fastmamba.engine.plan import DecodePlan
 
@@ -91,6 +92,11 @@ def main() -> None:
         state = model.new_state(args.batch, args.context + 64)
         with torch.no_grad():
             model.prefill(torch.zeros(args.batch, args.context, dtype=torch.int64, device="cuda"), state, last_only=True)
+        # as the engine's graphs step it: blocks reserved ahead (the steps' keys and values
+        # past them land in the last block), the lengths advanced on the device alone
+        for r in range(args.batch):
+            state.kv.reserve(r, args.context + 64)
+        state = MambaState(state.conv, state.ssm, state.kv, kv_host=False)
     else:
         model = random_model(args.model, parse_dtype(args.dtype))
         state = model.new_state(args.batch)

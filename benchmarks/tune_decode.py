@@ -88,8 +88,8 @@ def tune_out_proj(d, E):
 
         def run():
             ds._out_proj_residual_kernel[(1, nt, ns)](
-                y, w, w, dh, dbc, 1, d, E, kchunk, HAS_BIAS=False,
-                BN=BN, BK=BK, BJ=16, PDL=0, MMA=False, num_warps=warps,
+                y, w, w, w, dh, dbc, y, dh, 1, d, E, kchunk, W_SCALED=False, HAS_BIAS=False,
+                BN=BN, BK=BK, BJ=16, PDL=0, MMA=False, ACT="none", GATED=False, BD=0, num_warps=warps,
             )
 
         res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BN=BN, nsplit=ns, BK=BK, warps=warps)))

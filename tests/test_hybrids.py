@@ -179,10 +179,12 @@ def test_the_prefix_cache_and_chunks_change_no_token(case, kv_tokens):
 class PoolStepsOnTheCPU:
     """cuda_graphs.PoolDecodeGraphs' contract on the CPU: the step over the pool's first
     bucket rows, the KV cache's books left to the engine (kv_host=False: nothing reserved,
-    the lengths advanced on the device alone), as a graph's replay runs it."""
+    the lengths advanced on the device alone), as a graph's replay runs it. `steps`: a
+    bucket's decode step (default: the model's own step over its ops)."""
 
-    def __init__(self, model, pool, tokens, buckets=(2, 4)):
+    def __init__(self, model, pool, tokens, buckets=(2, 4), steps=None):
         self.model, self.pool, self.tokens, self.buckets = model, pool, tokens, buckets
+        self.steps = steps or {b: model.step for b in buckets}
 
     def bucket(self, d: int) -> int:
         return next(b for b in self.buckets if b >= d)
@@ -190,14 +192,14 @@ class PoolStepsOnTheCPU:
     def __call__(self, d: int):
         b = self.bucket(d)
         rows = MambaState(self.pool.conv[:, :b], self.pool.ssm[:, :b], self.pool.kv, kv_host=False)
-        return self.model.step(self.tokens[:b], rows)
+        return self.steps[b](self.tokens[:b], rows)
 
 
-@pytest.mark.parametrize("ops", ["reference", "triton"])
+@pytest.mark.parametrize("ops", ["reference", "triton", "one-row"])
 def test_decode_steps_as_graphs_run_them_keep_each_context_in_its_own_blocks(tmp_path, ops):
     """The serving engine's decode as its CUDA graphs run it (on the CPU here; its steps over
     the reference ops, or the GPU's ops in Triton's interpreter: the decode attention's
-    kernels): three requests at once, each decoding past its prompt's last block into blocks
+    kernels, or the one-row step's, kernels/decode_step_hybrid.py): three requests at once, each decoding past its prompt's last block into blocks
     reserved at admission (block 0 is every table's filler: a store there would land in the
     others' context), with padding rows in a bucket of 4, the step ahead (a request's last
     token fed past its end) and the prefix cache on; each gets what generate gives it alone."""
@@ -206,15 +208,18 @@ def test_decode_steps_as_graphs_run_them_keep_each_context_in_its_own_blocks(tmp
     model_class(config).save_pretrained(tmp_path)
     lm = fastmamba.load(tmp_path)
     core = EngineCore(lm.model, lm.prefill, max_batch=4, prefix_cache_bytes=64 << 20, kv_tokens=128)
-    steps = lm.model
-    if ops == "triton":
+    steps, one_row = lm.model, None
+    if ops != "reference":
         pytest.importorskip("triton")
         from fastmamba.core.model import Mamba
         from fastmamba.core.ops import triton_ops
-        from fastmamba.engine.plan import KERNEL_TILES
+        from fastmamba.engine.decode_step import make_decode_step
+        from fastmamba.engine.plan import KERNEL_TILES, DecodePlan
 
         steps = Mamba(lm.model.config, lm.model.weights, triton_ops(KERNEL_TILES))
-    core.decode_graphs = PoolStepsOnTheCPU(steps, core.pool, core.tokens)
+        if ops == "one-row":
+            one_row = {b: make_decode_step(steps, b, plan=DecodePlan("one-row")) for b in (2, 4)}
+    core.decode_graphs = PoolStepsOnTheCPU(steps, core.pool, core.tokens, steps=one_row)
     core.run_ahead = True  # (as on the GPU: a step launched before the last one's tokens are read)
     prompts = [ids(1, n, seed=n)[0].tolist() for n in (14, 30, 9)]
     for rid, p in enumerate(prompts):
@@ -500,6 +505,47 @@ def test_the_mlp_activation_kernel_equals_its_twin(act, gated, dtype):
     assert torch.allclose(got.float(), want.to(dtype).float(), rtol=2e-6 if dtype == torch.float32 else 8e-3, atol=1e-6)
     other = mlp_activation_ref(a, "silu" if act == "relu2" else "relu2", gated)  # (the test can fail)
     assert not torch.allclose(got.float(), other, rtol=1e-2, atol=1e-2)
+
+
+def test_the_one_row_step_equals_the_reference_and_a_row_alone_its_bits_in_a_batch(case):
+    """kernels/decode_step_hybrid.py's step (Triton's interpreter here) after a prefill of 18
+    tokens (past a KV block), as the engine's graphs run it (blocks reserved by the engine,
+    the lengths advanced on the device): each family's logits and Mamba states against the
+    reference's steps, and a row alone the same bits as in a batch of two. (On a GPU where
+    there is one: not `gpu`-marked, it runs the kernels themselves there, PDL included.)"""
+    pytest.importorskip("triton")
+    from fastmamba.core.model import Mamba
+    from fastmamba.core.ops import triton_ops
+    from fastmamba.engine.decode_step import make_decode_step
+    from fastmamba.engine.plan import KERNEL_TILES, DecodePlan
+
+    folder, _ = case
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ref = fastmamba.load(folder).model
+    ours = Mamba(ref.config, fastmamba.load(folder, device=device).model.weights, triton_ops(KERNEL_TILES))
+    x = ids(2, 22, seed=5)
+    s_ref, s_ours = ref.new_state(2, 32), ours.new_state(2, 32)
+    ref.prefill(x[:, :18], s_ref)
+    ours.prefill(x[:, :18].to(device), s_ours)
+    alone = ours.new_state(1, 32)
+    alone.conv.copy_(s_ours.conv[:, 1:2]), alone.ssm.copy_(s_ours.ssm[:, 1:2])
+    alone.kv.copy_slot(0, s_ours.kv, 1)
+
+    def steps(state, batch: int) -> list[torch.Tensor]:
+        step, kv, out = make_decode_step(ours, batch, plan=DecodePlan("one-row")), state.kv, []
+        assert type(step).__name__ == "HybridDecodeStep"
+        for t in range(18, 22):
+            for r in range(batch):  # (the engine's books: blocks reserved before, host lengths after)
+                kv.reserve(r, kv.held[r] + 1)
+            out.append(step(x[2 - batch :, t].to(device), MambaState(state.conv, state.ssm, kv, kv_host=False)).cpu().clone())
+            kv.after_graph_step(batch, batch)
+        return out
+
+    got = steps(s_ours, 2)
+    for t, (a, b) in enumerate(zip(got, [ref.step(x[:, t], s_ref) for t in range(18, 22)])):
+        assert relative_error(a, b) < 1e-4, t
+    assert relative_error(s_ours.ssm.cpu(), s_ref.ssm) < 1e-4 and relative_error(s_ours.conv.cpu(), s_ref.conv) < 1e-4
+    assert all(torch.equal(a[0], b[1]) for a, b in zip(steps(alone, 1), got))
 
 
 def test_the_gpu_ops_decode_a_hybrid_as_the_reference_does(tmp_path):

@@ -208,11 +208,15 @@ def main() -> None:
                                                         DT_SCALED=fp8, PDL=True), num_warps=warps)
         t = {"best_ptr": "*i64", "tok_ptr": "*i64", "hist_ptr": "*i64", "step_ptr": "*i64", "seen_ptr": "*i1"}
         compile_kernel(ds._take_argmax_kernel, t, dict(BR=8, PDL=True))
-        t = ptrs("y_ptr", "b_ptr", "ws_ptr", w_ptr=wdt, dh_ptr="*i64", dbc_ptr="*i64")
+        t = ptrs("y_ptr", "b_ptr", "ws_ptr", "h_ptr", w_ptr=wdt, dh_ptr="*i64", dbc_ptr="*i64", dhp_ptr="*i64")
         for mma in (False, True) if not f32 else (False,):  # (16-bit and FP8: its products on the tensor cores too)
             compile_kernel(ds._out_proj_residual_kernel, t, dict(W_SCALED=fp8, HAS_BIAS=True, BN=64 if mma else 32, BK=256,
-                                                                 BJ=128, PDL=True, MMA=mma))
-        t = {"tok_ptr": "*i64", "emb_ptr": edt, "h_ptr": "*fp32", "dh_ptr": "*i64"}
+                                                                 BJ=128, PDL=True, MMA=mma, ACT="none", GATED=False, BD=0))
+        # a hybrid's o_proj (a fold) and MLP down products (decode_step_hybrid.py)
+        for act, gated in (("none", False), ("silu", True), ("relu2", False)):
+            compile_kernel(ds._out_proj_residual_kernel, t, dict(W_SCALED=fp8, HAS_BIAS=False, BN=32, BK=256, BJ=0,
+                                                                 PDL=True, MMA=False, ACT=act, GATED=gated, BD=8))
+        t = {"tok_ptr": "*i64", "emb_ptr": edt, "h_ptr": "*fp32", "dh_ptr": "*i64", "dh2_ptr": "*i64", "mult": "fp32"}
         compile_kernel(ds._embed_kernel, t, dict(BN=32, PDL=True))
         # the deterministic step's products (products.py), in the tiles of 1 and of 128 rows
         for M in (2, 256):
@@ -353,11 +357,12 @@ def main() -> None:
         parts = H * 64 // wide2.ssd_block
         t = ptrs("v_ptr", "zx_ptr", "part_ptr", "gw_ptr", "b_ptr", "ws_ptr", w_ptr=wdt, dh_ptr="*i64", cs_ptr="*bf16",
                  eps="fp32")
-        for mma in (False, True):  # (its products on the tensor cores too)
+        # (its products on the tensor cores too; without the norm: Falcon-H1's option)
+        for mma, norm in ((False, True), (True, True), (False, False)):
             compile_kernel(s2._gated_out_proj_kernel, t, dict(E=E, G=G, N=128, H=H, K=4, KP=4, PARTS=parts,
                                                               PPG=parts // G, GP=triton.next_power_of_2(G),
                                                               PPGP=triton.next_power_of_2(parts // G), HAS_BIAS=False,
-                                                              NORM_BEFORE_GATE=False, BN=64, BK=128, BC=4,
+                                                              NORM=norm, NORM_BEFORE_GATE=False, BN=64, BK=128, BC=4,
                                                               TILE_IN_GROUP=True, W_SCALED=wdt == "*fp8e4nv", PDL=True,
                                                               MMA=mma))
     res.append("mamba2 step + gated norm + chunked scan + one-row step: ok")

@@ -1,5 +1,5 @@
 """The decode step the plan names (plan.py), for one batch size: the one-row kernels
-(kernels/decode_step.py, kernels/decode_step_mamba2.py), the products step
+(kernels/decode_step.py, kernels/decode_step_mamba2.py, a hybrid's kernels/decode_step_hybrid.py), the products step
 (kernels/decode_gemm.py), or the model's own layers at one token over the GPU ops
 ("layer-ops"). Each is `step(tokens, state) -> logits`, captured in CUDA graphs by
 cuda_graphs.py."""
@@ -15,6 +15,7 @@ from fastmamba.core.ops import gpu_linear_invariant, triton_ops
 from fastmamba.engine.plan import KERNEL_TILES, one_row_blocks, plan_for
 from fastmamba.kernels.decode_gemm import GemmDecodeStep
 from fastmamba.kernels.decode_step import DecodeStep
+from fastmamba.kernels.decode_step_hybrid import HybridDecodeStep
 from fastmamba.kernels.decode_step_mamba2 import Mamba2DecodeStep
 
 
@@ -30,6 +31,8 @@ def make_decode_step(model, batch: int, deterministic: bool = False, plan=None):
         return GemmDecodeStep(model, batch, plan)
     if plan.blocks is None:
         plan = replace(plan, blocks=one_row_blocks(c.d_model, c.d_inner, c.vocab_size, dtype, c.layer))
+    if c.hybrid:
+        return HybridDecodeStep(model, batch, plan, KERNEL_TILES.paged)
     if c.layer == "mamba2":
         return Mamba2DecodeStep(model, batch, plan)
     return DecodeStep(model, batch, plan)

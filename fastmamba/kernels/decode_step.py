@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import jit, tl, triton
-from .activations import silu, softplus
+from .activations import activate, silu, softplus
 from .argmax_keys import (
     ARGMAX_EMPTY,
     EMPTY_KEY,
@@ -108,7 +108,9 @@ def embed_ref(tokens, embedding):
 
 
 @jit
-def _embed_kernel(tok_ptr, emb_ptr, h_ptr, dh_ptr, B, D, BN: tl.constexpr, PDL: tl.constexpr):
+def _embed_kernel(tok_ptr, emb_ptr, h_ptr, dh_ptr, dh2_ptr, B, D, mult, BN: tl.constexpr, PDL: tl.constexpr):
+    # h = embedding[token] * mult (a family's embedding multiplier, else 1); dh and dh2 (a
+    # hybrid's second pending share, decode_step_hybrid.py; else dh again) zeroed
     wait_for_prior_kernel(PDL)
     pid_b = tl.program_id(0)  # rows first: see DecodeStep
     pid_n = tl.program_id(1)
@@ -118,8 +120,9 @@ def _embed_kernel(tok_ptr, emb_ptr, h_ptr, dh_ptr, B, D, BN: tl.constexpr, PDL: 
     m = rmask[:, None] & (cols < D)[None, :]
     tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
     x = tl.load(emb_ptr + tok[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    tl.store(h_ptr + rows[:, None] * D + cols[None, :], x, mask=m)
+    tl.store(h_ptr + rows[:, None] * D + cols[None, :], x * mult, mask=m)
     tl.store(dh_ptr + rows[:, None] * D + cols[None, :], tl.zeros([1, BN], dtype=tl.int64), mask=m)
+    tl.store(dh2_ptr + rows[:, None] * D + cols[None, :], tl.zeros([1, BN], dtype=tl.int64), mask=m)
 
 
 @jit
@@ -350,10 +353,14 @@ def _ssm_step_kernel(
 
 @jit
 def _out_proj_residual_kernel(
-    y_ptr, w_ptr, ws_ptr, b_ptr, dh_ptr, dbc_ptr, B, D, E, KCHUNK,
+    y_ptr, w_ptr, ws_ptr, b_ptr, dh_ptr, dbc_ptr, h_ptr, dhp_ptr, B, D, E, KCHUNK,
     W_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr,
-    MMA: tl.constexpr,
+    MMA: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, BD: tl.constexpr,
 ):
+    # The hybrids' use (decode_step_hybrid.py) adds: ACT (not "none"), the product's input y
+    # taken through an MLP's activation as it is read (GATED: act(y[:E]) * y[E:], y 2E wide);
+    # BJ 0, no dbc to zero; BD > 0, this program folds BD columns of the other pending share
+    # dhp into h (h += dhp, dhp = 0) where no kernel of the sublayer before has.
     let_next_kernel_launch(PDL)
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -362,15 +369,30 @@ def _out_proj_residual_kernel(
     rmask = rows < B
     n, nmask, k_end, w = split_k_start(w_ptr, D, E, KCHUNK, BN, BK)
     wait_for_prior_kernel(PDL)
-    # ssm_step has read dbc: the first program of each row tile zeroes the tile's rows for
-    # the next layer's in_proj (jj >= 0 there, jj >= BJ or more in the others)
-    jj = tl.arange(0, BJ)
-    first = jj[None, :] >= (pid_n + pid_s) * BJ
-    tl.store(dbc_ptr + rows[:, None] * BJ + jj[None, :], tl.zeros([1, BJ], dtype=tl.int64), mask=rmask[:, None] & first)
+    if BJ > 0:
+        # ssm_step has read dbc: the first program of each row tile zeroes the tile's rows for
+        # the next layer's in_proj (jj >= 0 there, jj >= BJ or more in the others)
+        jj = tl.arange(0, BJ)
+        first = jj[None, :] >= (pid_n + pid_s) * BJ
+        tl.store(dbc_ptr + rows[:, None] * BJ + jj[None, :], tl.zeros([1, BJ], dtype=tl.int64), mask=rmask[:, None] & first)
+    if BD > 0:
+        cols = (pid_n * tl.num_programs(2) + pid_s) * BD + tl.arange(0, BD)
+        offs, hm = rows[:, None] * D + cols[None, :], rmask[:, None] & (cols < D)[None, :]
+        h_new = residual_tile(h_ptr, dhp_ptr, offs, hm)
+        tl.debug_barrier()  # (every thread has read its share of dhp before any of it is zeroed)
+        tl.store(h_ptr + offs, h_new, mask=hm)
+        tl.store(dhp_ptr + offs, tl.zeros([1, BD], dtype=tl.int64), mask=hm)
     acc = row_sums(BN, MMA)  # (MMA: on the tensor cores, gemv.mma_terms)
     for k0 in range(pid_s * KCHUNK, k_end, BK):
         k = k0 + tl.arange(0, BK)
-        yk = tl.load(y_ptr + rows[:, None] * E + k[None, :], mask=rmask[:, None] & (k < k_end)[None, :], other=0.0)
+        km = rmask[:, None] & (k < k_end)[None, :]
+        if GATED:
+            yk = activate(tl.load(y_ptr + rows[:, None] * (2 * E) + k[None, :], mask=km, other=0.0), ACT)
+            yk *= tl.load(y_ptr + rows[:, None] * (2 * E) + E + k[None, :], mask=km, other=0.0)
+        elif ACT != "none":
+            yk = activate(tl.load(y_ptr + rows[:, None] * E + k[None, :], mask=km, other=0.0), ACT)
+        else:
+            yk = tl.load(y_ptr + rows[:, None] * E + k[None, :], mask=km, other=0.0)
         w_now = w
         k = k + BK  # the next tile (nothing past this split's end)
         w = tl.load(w_ptr + n[:, None] * E + k[None, :], mask=nmask[:, None] & (k < k_end)[None, :], other=0.0)
@@ -428,11 +450,9 @@ class DecodeStep:
         self.J, self.BJ = R + 2 * N, _pow2(R + 2 * N)
         self.BR, self.NP = _pow2(R), _pow2(N, 1)
         # out_proj: BN_out-wide tiles of d, K split so that enough programs stream the weights.
-        self.BN_out, self.BK_out, self.warps_out, programs = blocks.out_proj
+        self.BN_out, self.BK_out, self.warps_out, self.programs_out = blocks.out_proj
         self.nt_d = triton.cdiv(d, self.BN_out)
-        self.nsplit_out = max(1, min(16, programs // self.nt_d, triton.cdiv(E, self.BK_out)))
-        self.kchunk_out = triton.cdiv(triton.cdiv(E, self.nsplit_out), self.BK_out) * self.BK_out
-        self.nsplit_out = triton.cdiv(E, self.kchunk_out)  # whole BK steps per split may need fewer
+        self.nsplit_out, self.kchunk_out = self.split_k(E)
         self.BE_ssm, self.warps_ssm = blocks.ssm_block
         self.BD_ssm = triton.next_power_of_2(triton.cdiv(d, triton.cdiv(E, self.BE_ssm)))  # h columns each folds
         self.fused_conv = blocks.conv_in_in_proj
@@ -448,6 +468,14 @@ class DecodeStep:
         self.best = torch.full((batch,), ARGMAX_EMPTY, device=dev, dtype=torch.int64)  # see argmax_keys
         self.pdl = pdl_launch(dev) if plan.pdl else NO_PDL
 
+    def split_k(self, K: int) -> tuple[int, int]:
+        """An out_proj-style product's splits of its K (its input's width) and their length:
+        enough programs (OneRowBlocks.out_proj) that they stream the weights, whole BK tiles a
+        split, at most 16 splits."""
+        splits = max(1, min(16, self.programs_out // self.nt_d, triton.cdiv(K, self.BK_out)))
+        chunk = triton.cdiv(triton.cdiv(K, splits), self.BK_out) * self.BK_out
+        return triton.cdiv(K, chunk), chunk  # (whole BK steps a split may need fewer splits)
+
     def pdl_for(self, kernel: str) -> dict:
         """The PDL launch settings for one of the step's kernels (see pdl.let_next_kernel_launch)."""
         if self.pdl["PDL"] and kernel in self.early_launch:
@@ -456,13 +484,14 @@ class DecodeStep:
 
     # Each method launches one kernel on the scratch buffers; __call__ chains them.
 
-    def embed(self, tokens: torch.Tensor) -> None:
-        """h[:B] = embedding[tokens], dh = 0."""
+    def embed(self, tokens: torch.Tensor, dh2=None, mult: float = 1.0) -> None:
+        """h[:B] = embedding[tokens] * mult, dh = 0 (and dh2, a hybrid's second share)."""
         emb = self.model.weights.embedding
-        _embed_kernel[(self.B, self.nt_d)](tokens, emb, self.h, self.dh, self.B, emb.shape[1], BN=self.BN_out, **self.pdl)
+        _embed_kernel[(self.B, self.nt_d)](tokens, emb, self.h, self.dh, self.dh if dh2 is None else dh2, self.B,
+                                           emb.shape[1], float(mult), BN=self.BN_out, **self.pdl)
 
     def _rmsnorm_linear(self, norm_w, weight, bias, out, blocks, conv=None, argmax=False, sum_last=False, unroll=1,
-                        mma=False) -> None:
+                        mma=False, dh=None) -> None:
         """out[:B] = linear(rmsnorm(h + dh) * norm_w, weight, bias) in blocks (BN, BK, warps,
         stages); with conv = (lw, conv_state), out is xz, and the x half goes on through the
         conv step and x_proj; with argmax, each row's argmax goes into `best` too (see
@@ -470,7 +499,7 @@ class DecodeStep:
         (mm_terms), where d takes more than one K tile (in one tile the products would wait
         through the loop in registers for nothing). unroll: the K loop unrolled by this much
         where the products are summed after it. mma: a 16-bit or FP8 weight's products on the
-        tensor cores (gemv.mma_terms)."""
+        tensor cores (gemv.mma_terms). dh: the pending share h adds (default self.dh)."""
         weight, scale = weight_parts(weight)
         n_out, d = weight.shape
         BN, BK, warps, stages = blocks
@@ -486,7 +515,7 @@ class DecodeStep:
             wxs = None
             conv_args = (out,) * 7
         _rmsnorm_linear_kernel[grid](
-            self.h, self.dh, norm_w, weight, weight if scale is None else scale, bias if bias is not None else weight, out,
+            self.h, self.dh if dh is None else dh, norm_w, weight, weight if scale is None else scale, bias if bias is not None else weight, out,
             *conv_args, self.best, self.B, d, n_out, c.d_inner, self.J, c.norm_eps,
             W_SCALED=scale is not None, WX_SCALED=wxs is not None, HAS_BIAS=bias is not None, CONV=conv is not None, ARGMAX=argmax, K=c.d_conv, KP=triton.next_power_of_2(c.d_conv),
             HAS_CB=conv is not None and conv[0].conv_b is not None,
@@ -513,11 +542,12 @@ class DecodeStep:
             BN=self.BN_conv, BJ=self.BJ, WX_SCALED=wxs is not None, num_warps=max(4, self.BN_conv // 16), **self.pdl_for("conv_x_proj"),
         )
 
-    def lm_head(self, argmax: bool = False) -> None:
+    def lm_head(self, argmax: bool = False, norm_f=None, dh=None) -> None:
         """logits[:B] = lm_head(rmsnorm(h + dh) * norm_f); with argmax, each row's argmax
-        into `best` too, for take_argmax."""
+        into `best` too, for take_argmax. norm_f, dh: the model's and self.dh unless given."""
         w = self.model.weights
-        self._rmsnorm_linear(w.norm_f, w.lm_head, None, self.logits, self.lm_head_blocks, argmax=argmax, sum_last=self.lm_head_sum_last)
+        self._rmsnorm_linear(w.norm_f if norm_f is None else norm_f, w.lm_head, None, self.logits, self.lm_head_blocks,
+                             argmax=argmax, sum_last=self.lm_head_sum_last, dh=dh)
 
     def take_argmax(self, slots, tokens: torch.Tensor, history_row: torch.Tensor) -> None:
         """Greedy sampling after a step with argmax: tokens[:B] and history_row[:B] = the
@@ -543,12 +573,21 @@ class DecodeStep:
 
     def out_proj_residual(self, lw) -> None:
         """dh += y @ out_proj.T + bias (dh is zero before: ssm_step leaves it so); zeroes dbc."""
-        c = self.model.config
-        w, ws = weight_parts(lw.out_proj_w)
-        _out_proj_residual_kernel[(self.B, self.nt_d, self.nsplit_out)](
-            self.y, w, w if ws is None else ws, lw.out_proj_b if lw.out_proj_b is not None else w,
-            self.dh, self.dbc, self.B, c.d_model, c.d_inner, self.kchunk_out,
-            W_SCALED=ws is not None, HAS_BIAS=lw.out_proj_b is not None, BN=self.BN_out, BK=self.BK_out, BJ=self.BJ,
+        self.out_product(self.y, lw.out_proj_w, lw.out_proj_b, self.dh, dbc=self.dbc)
+
+    def out_product(self, y, weight, bias, dh, *, dbc=None, act: str = "none", gated: bool = False, fold=None) -> None:
+        """dh += y' @ weight.T + bias, split over K (y's width), where y' is y, or with `act`
+        an MLP's activation of it (gated: act(y[:, :K]) * y[:, K:]); dbc: zeroed as well;
+        fold: the other pending share, folded into h (h += fold, fold = 0)."""
+        w, ws = weight_parts(weight)
+        K = w.shape[1]
+        splits, chunk = self.split_k(K)
+        BD = triton.next_power_of_2(triton.cdiv(self.h.shape[1], self.nt_d * splits)) if fold is not None else 0
+        _out_proj_residual_kernel[(self.B, self.nt_d, splits)](
+            y, w, w if ws is None else ws, bias if bias is not None else w, dh, dh if dbc is None else dbc,
+            self.h, dh if fold is None else fold, self.B, w.shape[0], K, chunk,
+            W_SCALED=ws is not None, HAS_BIAS=bias is not None, BN=self.BN_out, BK=self.BK_out,
+            BJ=0 if dbc is None else dbc.shape[1], ACT=act, GATED=gated, BD=BD,
             MMA=self.out_proj_mma, num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),
         )
 

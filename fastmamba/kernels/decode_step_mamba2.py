@@ -55,15 +55,18 @@ def ssd_conv_step_ref(zxbcdt, conv_state, ssm_state, lw, c) -> torch.Tensor:
     x, Bm, Cm = xbc.split([E, G * N, G * N], dim=-1)
     y = ssd_scan_ref(x.view(-1, 1, H, P), dt[:, None], lw.dt_bias, c.dt_limit, lw.A, Bm.view(-1, 1, G, N),
                      Cm.view(-1, 1, G, N), lw.D, ssm_state, 1)[:, 0].flatten(-2)
-    return y if c.norm_before_gate else y * F.silu(z)
+    return y if c.norm_before_gate and lw.gate_norm_w is not None else y * F.silu(z)
 
 
 def gated_out_proj_ref(v, zxbcdt, lw, c) -> torch.Tensor:
     """v (B, E) from ssd_conv_step -> out_proj(gated norm) (B, d) f32: the group RMSNorm of
-    v times gate_norm_w (then times silu(z) where norm_before_gate)."""
+    v times gate_norm_w (then times silu(z) where norm_before_gate); v itself where the
+    layer has no norm."""
     E, G = c.d_inner, c.n_groups
     z = zxbcdt[:, :E]
-    if c.norm_before_gate:
+    if lw.gate_norm_w is None:  # no norm (Falcon-H1's option): v is y * silu(z) already
+        u = v
+    elif c.norm_before_gate:
         u = gated_rmsnorm_ref(v, z, lw.gate_norm_w, G, c.norm_eps, True)
     else:  # v is y * silu(z) already: its group norm, with no gate after
         u = group_rmsnorm_ref(v, lw.gate_norm_w, G, c.norm_eps)
@@ -163,7 +166,7 @@ def _gated_out_proj_kernel(
     v_ptr, zx_ptr, part_ptr, gw_ptr, w_ptr, ws_ptr, b_ptr, dh_ptr, cs_ptr, D, KCHUNK, eps,
     E: tl.constexpr, G: tl.constexpr, N: tl.constexpr, H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     PARTS: tl.constexpr, PPG: tl.constexpr, GP: tl.constexpr, PPGP: tl.constexpr,
-    HAS_BIAS: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     BC: tl.constexpr, TILE_IN_GROUP: tl.constexpr, W_SCALED: tl.constexpr, PDL: tl.constexpr, MMA: tl.constexpr,
 ):
     let_next_kernel_launch(PDL)
@@ -197,11 +200,13 @@ def _gated_out_proj_kernel(
     for k0 in range(pid_s * KCHUNK, k_end, BK):
         k = k0 + tl.arange(0, BK)
         km = k < k_end
-        if TILE_IN_GROUP:  # the tile's group's 1 / rms, one number (GP selects, not BK x GP)
-            scale = tl.sum(tl.where(gi == k0 // GS, rstd, 0.0), 0)
-        else:  # each column's group's
-            scale = tl.sum(tl.where((k // GS)[:, None] == gi[None, :], rstd[None, :], 0.0), 1)
-        u = tl.load(v_ptr + row64 * E + k, mask=km, other=0.0) * scale * tl.load(gw_ptr + k, mask=km, other=0.0)
+        u = tl.load(v_ptr + row64 * E + k, mask=km, other=0.0)
+        if NORM:
+            if TILE_IN_GROUP:  # the tile's group's 1 / rms, one number (GP selects, not BK x GP)
+                scale = tl.sum(tl.where(gi == k0 // GS, rstd, 0.0), 0)
+            else:  # each column's group's
+                scale = tl.sum(tl.where((k // GS)[:, None] == gi[None, :], rstd[None, :], 0.0), 1)
+            u = u * scale * tl.load(gw_ptr + k, mask=km, other=0.0)
         if NORM_BEFORE_GATE:
             u = u * silu(tl.load(zx_ptr + row64 * W + k, mask=km, other=0.0))
         w_now = w
@@ -234,30 +239,34 @@ class Mamba2DecodeStep(DecodeStep):
         self.zxbcdt = torch.zeros(batch, 2 * E + 2 * G * N + H, device=dev, dtype=torch.float32)
         self.part = torch.zeros(batch, programs, device=dev, dtype=torch.float32)
 
-    def ssd_conv_step(self, lw, conv_state, ssm_state) -> None:
+    def ssd_conv_step(self, lw, conv_state, ssm_state, fold=None) -> None:
+        """v and its parts from zxbcdt; updates both states; folds `fold` (default dh) into h."""
         c = self.model.config
         _ssd_conv_step_kernel[(self.B, c.n_heads, self.nPB)](
             self.zxbcdt, conv_state, lw.conv_w, lw.conv_b if lw.conv_b is not None else lw.conv_w, ssm_state,
-            lw.dt_bias, lw.A, lw.D, self.y, self.part, self.h, self.dh,
+            lw.dt_bias, lw.A, lw.D, self.y, self.part, self.h, self.dh if fold is None else fold,
             c.d_model, c.n_heads // c.n_groups, float(c.dt_limit[0]), float(c.dt_limit[1]),
             E=c.d_inner, G=c.n_groups, N=c.d_state, H=c.n_heads, P=c.head_dim, K=c.d_conv,
             KP=triton.next_power_of_2(c.d_conv), HAS_CB=lw.conv_b is not None, BP=self.BP,
-            NP=triton.next_power_of_2(c.d_state), BD=self.BD2, NORM_BEFORE_GATE=c.norm_before_gate,
+            NP=triton.next_power_of_2(c.d_state), BD=self.BD2, NORM_BEFORE_GATE=c.norm_before_gate and lw.gate_norm_w is not None,
             num_warps=4, **self.pdl_for("ssm_step"),  # (its place in the layer, and the plan's PDL choice for it)
         )
 
-    def gated_out_proj(self, lw, conv_state) -> None:
+    def gated_out_proj(self, lw, conv_state, dh=None) -> None:
+        """dh (default self.dh) += out_proj(the gated norm of v); B's and C's conv windows shift.
+        Without a norm (gate_norm_w None: Falcon-H1's option) v itself, y * silu(z)."""
         c = self.model.config
+        norm = lw.gate_norm_w is not None
         parts = self.part.shape[1]
         w, ws = weight_parts(lw.out_proj_w)
         _gated_out_proj_kernel[(self.B, self.nt_d, self.nsplit_out)](
-            self.y, self.zxbcdt, self.part, lw.gate_norm_w, w, w if ws is None else ws,
-            lw.out_proj_b if lw.out_proj_b is not None else w, self.dh, conv_state,
+            self.y, self.zxbcdt, self.part, lw.gate_norm_w if norm else w, w, w if ws is None else ws,
+            lw.out_proj_b if lw.out_proj_b is not None else w, self.dh if dh is None else dh, conv_state,
             c.d_model, self.kchunk_out, c.norm_eps,
             E=c.d_inner, G=c.n_groups, N=c.d_state, H=c.n_heads, K=c.d_conv, KP=triton.next_power_of_2(c.d_conv),
             PARTS=parts, PPG=parts // c.n_groups, GP=triton.next_power_of_2(c.n_groups),
             PPGP=triton.next_power_of_2(parts // c.n_groups), HAS_BIAS=lw.out_proj_b is not None,
-            NORM_BEFORE_GATE=c.norm_before_gate, BN=self.BN_out, BK=self.BK_out, BC=self.BC,
+            NORM=norm, NORM_BEFORE_GATE=c.norm_before_gate and norm, BN=self.BN_out, BK=self.BK_out, BC=self.BC,
             # every K tile inside one group (the splits start at whole tiles): its scale is
             # one number; the per-column choice took Codestral's out_proj to 44 µs against
             # 16 µs of weights (8 groups: 8 selects a column against 8 products a column)
