@@ -11,8 +11,8 @@
 #                                            # 64 streams (~8 minutes)
 #   SOAK=1 bash benchmarks/gpu_session.sh    # 8 minutes of the soak on the 2.8b shape (~9 minutes)
 #   ONEROW=1 bash benchmarks/gpu_session.sh  # the hybrids' one-row step: its tests on the GPU, batch 1
-#                                            # against the table's plan at three shapes, Granite-Micro's
-#                                            # kernels (~7 minutes)
+#                                            # against the table's plan at four shapes (one with
+#                                            # experts), Granite-Micro's kernels (~9 minutes)
 #   PENDING=1 bash benchmarks/gpu_session.sh # in one call, what has not run on a GPU since 00af267,
 #                                            # the most wanted first: the hybrids' GPU tests (the prefill
 #                                            # warm-up, SDPA without cuDNN), Nemotron-H-8B's decode at
@@ -149,9 +149,9 @@ fi
 if [ -n "${ONEROW:-}" ]; then
   # the hybrids' one-row step (kernels/decode_step_hybrid.py): its test on the GPU (not
   # `gpu`-marked: it runs the kernels where CUDA is), then batch 1 against the table's plan
-  PYTHONPATH=.:${PYTHONPATH:-} timeout 150 python3 -m pytest -q -rf tests/test_hybrids.py -k "one_row_step or graphs_run_them" \
-    2>&1 | tee "$out/onerow_tests.log" | grep -E "^FAILED|passed|failed"
-  for shape in granite-4.0-h-micro nemotron-h-8b falcon-h1-7b; do
+  PYTHONPATH=.:${PYTHONPATH:-} timeout 180 python3 -m pytest -q -rf tests/test_hybrids.py tests/test_moe.py \
+    -k "one_row_step or graphs_run_them" 2>&1 | tee "$out/onerow_tests.log" | grep -E "^FAILED|passed|failed"
+  for shape in granite-4.0-h-micro granite-4.0-h-tiny nemotron-h-8b falcon-h1-7b; do
     timeout 120 python3 -m benchmarks.hybrid --shape $shape --batches 1 --plans table,one-row --state-dtypes bfloat16 \
       --long 0 --prefills none --no-hf --json "$out/onerow_$shape.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/onerow.log"
   done

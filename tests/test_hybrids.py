@@ -511,7 +511,7 @@ def test_the_one_row_step_equals_the_reference_and_a_row_alone_its_bits_in_a_bat
     """kernels/decode_step_hybrid.py's step (Triton's interpreter here) after a prefill of 18
     tokens (past a KV block), as the engine's graphs run it (blocks reserved by the engine,
     the lengths advanced on the device): each family's logits and Mamba states against the
-    reference's steps, and a row alone the same bits as in a batch of two. (On a GPU where
+    reference's steps (tests/test_moe.py runs it over its models with experts too), and a row alone the same bits as in a batch of two. (On a GPU where
     there is one: not `gpu`-marked, it runs the kernels themselves there, PDL included.)"""
     pytest.importorskip("triton")
     from fastmamba.core.model import Mamba

@@ -18,6 +18,7 @@ from test_hybrids import (  # noqa: F401
     refused,
     test_float32_logits_equal_transformers,
     test_greedy_equals_transformers_greedy_and_a_batch_equals_each_alone,
+    test_the_one_row_step_equals_the_reference_and_a_row_alone_its_bits_in_a_batch,
 )
 
 import fastmamba
@@ -145,6 +146,42 @@ def test_a_token_routes_and_sums_alone_whatever_shares_its_experts(case):
 
 
 # -- routing ties, experts no token picks ------------------------------------------------------
+
+
+def test_the_one_row_steps_experts_kernels_equal_their_twins(case):
+    """The one-row step's mixture of experts (kernels/decode_step_hybrid.py: moe_in, moe_out)
+    alone, on random rows of the residual stream with a pending share: the activations and
+    the output against moe_in_ref and moe_out_ref over the reference's routing, and the
+    share folded into h."""
+    pytest.importorskip("triton")
+    from fastmamba.core.model import Mamba
+    from fastmamba.core.ops import triton_ops
+    from fastmamba.engine.decode_step import make_decode_step
+    from fastmamba.engine.plan import KERNEL_TILES, DecodePlan
+    from fastmamba.kernels.decode_step_hybrid import moe_in_ref, moe_out_ref
+    from fastmamba.kernels.gemv import from_fixed, to_fixed
+    from fastmamba.kernels.moe import route_ref
+    from fastmamba.kernels.rmsnorm import residual_rmsnorm_ref
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = fastmamba.load(case[0], device=device).model
+    model = Mamba(model.config, model.weights, triton_ops(KERNEL_TILES))
+    c, step = model.config, make_decode_step(model, 3, plan=DecodePlan("one-row"))
+    lw = next(lw for kind, lw in zip(c.kinds, model.weights.layers) if kind == "moe")
+    g = torch.Generator().manual_seed(1)
+    step.h.copy_(torch.randn(3, c.d_model, generator=g))
+    step.dh.copy_(to_fixed(0.1 * torch.randn(3, c.d_model, generator=g)))
+    h = (step.h + from_fixed(step.dh)).cpu()
+    step.moe(lw, step.dh, step.dh2)
+    u = residual_rmsnorm_ref(h, None, None, lw.norm_w.cpu(), c.norm_eps)[1]
+    cpu = fastmamba.load(case[0]).model.weights.layers[c.kinds.index("moe")]
+    experts, weights = route_ref(u @ cpu.router_w.T, c.router, c.experts_per_token, cpu.router_b, c.expert_groups,
+                                 c.topk_groups, c.norm_topk, c.routed_scaling)
+    a = moe_in_ref(h, cpu.norm_w, c.norm_eps, experts, cpu.in_w, cpu.shared_in, c.mlp_act, c.mlp_gated)
+    assert relative_error(step.moe_a.cpu(), a) < 1e-5
+    want = moe_out_ref(a, experts, weights, cpu.out_w, cpu.shared_out)
+    assert relative_error(from_fixed(step.dh2).cpu(), want) < 1e-5
+    assert torch.allclose(step.h.cpu(), h) and not step.dh.any()  # (the pending share folded into h)
 
 
 def transformers_route(hf, x):

@@ -53,6 +53,7 @@ from fastmamba.kernels import causal_conv1d as cc  # noqa: E402
 from fastmamba.kernels import conv_grad as cg  # noqa: E402
 from fastmamba.kernels import decode_gemm as dg  # noqa: E402
 from fastmamba.kernels import decode_step as ds  # noqa: E402
+from fastmamba.kernels import decode_step_hybrid as hy  # noqa: E402
 from fastmamba.kernels import decode_step_mamba2 as s2  # noqa: E402
 from fastmamba.kernels import fp8_gemm as f8  # noqa: E402
 from fastmamba.kernels import gated_norm as gn  # noqa: E402
@@ -286,6 +287,18 @@ def main() -> None:
                            dict(ACT=act, GATED=gated, MUL_WEIGHT=False, **tiles), num_warps=MOE_TILES.warps)
         compile_kernel(mo._moe_gemm_kernel, {**t, "out_ptr": "*fp32"},
                        dict(ROW_DIV=1, ACT="none", GATED=False, MUL_WEIGHT=True, **tiles), num_warps=MOE_TILES.warps)
+    # the one-row step's experts (decode_step_hybrid.py): bf16 on the CUDA cores or the tensor
+    # cores, FP8 on the tensor cores
+    for wdt, mma in (("*bf16", False), ("*bf16", True), ("*fp8e4nv", True)):
+        scaled = wdt == "*fp8e4nv"
+        t = ptrs("h_ptr", "nw_ptr", "ws_ptr", "sws_ptr", "a_ptr", dh_ptr="*i64", ex_ptr="*i64", w_ptr=wdt, sw_ptr=wdt,
+                 eps="fp32")
+        compile_kernel(hy._moe_in_kernel, t, dict(K=6, ACT="silu", GATED=True, W_SCALED=scaled, BN=16, BK=512, MMA=mma,
+                                                  PDL=True))
+        t = ptrs("a_ptr", "rw_ptr", "ws_ptr", "sws_ptr", "h_ptr", ex_ptr="*i64", w_ptr=wdt, sw_ptr=wdt, dh_ptr="*i64",
+                 dhp_ptr="*i64")
+        compile_kernel(hy._moe_out_kernel, t, dict(K=6, SPLITS=1, W_SCALED=scaled, BN=16 if mma else 8, BK=512, BD=2,
+                                                   MMA=mma, PDL=True))
     # the grouping in one program (64 experts, Granite-4.0-H-Tiny's) and the picks' sum
     compile_kernel(mo._align_kernel, ptrs(experts_ptr="*i64", ids_ptr="*i64", bexp_ptr="*i64", nblocks_ptr="*i64"),
                    dict(BM=MOE_TILES.bm, BE=128, BC=32))
