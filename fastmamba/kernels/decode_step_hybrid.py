@@ -259,10 +259,7 @@ class HybridDecodeStep(Mamba2DecodeStep):
             D, I, IS, self.moe_width, c.norm_eps, K=k, ACT=c.mlp_act, GATED=c.mlp_gated, W_SCALED=s1 is not None,
             BN=BN, BK=BK, MMA=self.in_proj_mma, num_warps=warps, **self.pdl_for("rmsnorm_linear"),
         )
-        # the picks' widths split so that enough programs stream the down matrices, as split_k
-        splits = max(1, min(16, self.programs_out // (self.nt_d * picks), triton.cdiv(self.moe_width, self.BK_out)))
-        chunk = triton.cdiv(triton.cdiv(self.moe_width, splits), self.BK_out) * self.BK_out
-        splits = triton.cdiv(self.moe_width, chunk)
+        splits, chunk = self.split_k(self.moe_width, picks)
         BD = triton.next_power_of_2(triton.cdiv(D, self.nt_d * picks * splits))
         _moe_out_kernel[(self.B, self.nt_d, picks * splits)](
             self.moe_a, experts, weights, w2, w2 if s2 is None else s2, v2, v2 if t2 is None else t2, dh_out, self.h,
