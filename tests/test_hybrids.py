@@ -511,41 +511,61 @@ def test_the_one_row_step_equals_the_reference_and_a_row_alone_its_bits_in_a_bat
     """kernels/decode_step_hybrid.py's step (Triton's interpreter here) after a prefill of 18
     tokens (past a KV block), as the engine's graphs run it (blocks reserved by the engine,
     the lengths advanced on the device): each family's logits and Mamba states against the
-    reference's steps (tests/test_moe.py runs it over its models with experts too), and a row alone the same bits as in a batch of two. (On a GPU where
-    there is one: not `gpu`-marked, it runs the kernels themselves there, PDL included.)"""
+    reference's steps (tests/test_moe.py runs it over its models with experts too), and a row
+    alone the same bits as in a batch of two. (On a GPU where there is one: not `gpu`-marked,
+    it runs the kernels themselves there, PDL included.)"""
+    assert_the_one_row_step_equals_the_reference(case[0])
+
+
+def test_the_one_row_step_reads_fp8_weights(tmp_path):
+    """The same with FP8 weights (e4m3, a scale a row): the kernels' sums of the e4m3 values
+    against the reference's (core/fp8.linear)."""
+    config, model_class = nemotron()
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(tmp_path)
+    assert_the_one_row_step_equals_the_reference(tmp_path, "fp8")
+
+
+def assert_the_one_row_step_equals_the_reference(folder, dtype: str = "float32") -> None:
+    """The tests above: the reference's prefill of 18 tokens, its states copied to the one-row
+    step's, then 4 steps of each."""
     pytest.importorskip("triton")
     from fastmamba.core.model import Mamba
     from fastmamba.core.ops import triton_ops
     from fastmamba.engine.decode_step import make_decode_step
     from fastmamba.engine.plan import KERNEL_TILES, DecodePlan
 
-    folder, _ = case
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    ref = fastmamba.load(folder).model
-    ours = Mamba(ref.config, fastmamba.load(folder, device=device).model.weights, triton_ops(KERNEL_TILES))
+    ref = fastmamba.load(folder, dtype=dtype).model
+    ours = Mamba(ref.config, fastmamba.load(folder, device=device, dtype=dtype).model.weights, triton_ops(KERNEL_TILES))
     x = ids(2, 22, seed=5)
-    s_ref, s_ours = ref.new_state(2, 32), ours.new_state(2, 32)
+    s_ref = ref.new_state(2, 32)
     ref.prefill(x[:, :18], s_ref)
-    ours.prefill(x[:, :18].to(device), s_ours)
-    alone = ours.new_state(1, 32)
-    alone.conv.copy_(s_ours.conv[:, 1:2]), alone.ssm.copy_(s_ours.ssm[:, 1:2])
-    alone.kv.copy_slot(0, s_ours.kv, 1)
 
-    def steps(state, batch: int) -> list[torch.Tensor]:
-        step, kv, out = make_decode_step(ours, batch, plan=DecodePlan("one-row")), state.kv, []
+    def copy_of(rows: list[int]) -> MambaState:
+        state = ours.new_state(len(rows), 32)
+        state.conv.copy_(s_ref.conv[:, rows]), state.ssm.copy_(s_ref.ssm[:, rows])
+        for to, r in enumerate(rows):
+            state.kv.copy_slot(to, s_ref.kv, r)
+        return state
+
+    def steps(state, rows: list[int]) -> list[torch.Tensor]:
+        step, kv, out = make_decode_step(ours, len(rows), plan=DecodePlan("one-row")), state.kv, []
         assert type(step).__name__ == "HybridDecodeStep"
         for t in range(18, 22):
-            for r in range(batch):  # (the engine's books: blocks reserved before, host lengths after)
+            for r in range(len(rows)):  # (the engine's books: blocks reserved before, host lengths after)
                 kv.reserve(r, kv.held[r] + 1)
-            out.append(step(x[2 - batch :, t].to(device), MambaState(state.conv, state.ssm, kv, kv_host=False)).cpu().clone())
-            kv.after_graph_step(batch, batch)
+            view = MambaState(state.conv, state.ssm, kv, kv_host=False)
+            out.append(step(x[rows, t].to(device), view).cpu().clone())
+            kv.after_graph_step(len(rows), len(rows))
         return out
 
-    got = steps(s_ours, 2)
+    s_ours, alone = copy_of([0, 1]), copy_of([1])
+    got = steps(s_ours, [0, 1])
     for t, (a, b) in enumerate(zip(got, [ref.step(x[:, t], s_ref) for t in range(18, 22)])):
         assert relative_error(a, b) < 1e-4, t
     assert relative_error(s_ours.ssm.cpu(), s_ref.ssm) < 1e-4 and relative_error(s_ours.conv.cpu(), s_ref.conv) < 1e-4
-    assert all(torch.equal(a[0], b[1]) for a, b in zip(steps(alone, 1), got))
+    assert all(torch.equal(a[0], b[1]) for a, b in zip(steps(alone, [1]), got))
 
 
 def test_the_gpu_ops_decode_a_hybrid_as_the_reference_does(tmp_path):
