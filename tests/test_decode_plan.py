@@ -4,6 +4,7 @@ ranges are the table's."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -79,6 +80,29 @@ def test_mamba2_plans_follow_their_table():
     assert rows == {(768, "mamba1"): 16, (768, "mamba2"): 16, (2560, "mamba1"): 16, (2560, "mamba2"): 32,
                     (4096, "mamba1"): 16, (4096, "mamba2"): 16}
     assert plan_for(m2(2560), torch.bfloat16, 1).blocks.in_proj[0] == 32
+
+
+def test_hybrid_plans_follow_their_table(monkeypatch):
+    """Hybrids: the one-row step where HYBRID_ROUTES has a row and the model's sublayers are
+    all of its kinds (with experts or without), else their layers over the GPU ops;
+    deterministic, always the layers with invariant_gemm's products."""
+    from fastmamba.bench import HYBRID_SHAPES
+    from fastmamba.engine import plan as plan_module
+    from fastmamba.engine.plan import Route
+
+    shapes = {name: MambaConfig.from_dict(HYBRID_SHAPES[name], name) for name in ("nemotron-h-8b", "granite-4.0-h-tiny")}
+    for c in shapes.values():
+        assert plan_for(c, torch.bfloat16, 1) is LAYER_OPS  # (the table as it stands: no row)
+    monkeypatch.setattr(plan_module, "HYBRID_ROUTES", (Route("16-bit", (1, MANY), (1, 2), "one-row", NONE, "a row"),))
+    for c in shapes.values():
+        one = plan_for(c, torch.bfloat16, 2)
+        assert (one.step, one.reason, one.blocks) == ("one-row", "a row", one_row_blocks(c.d_model, c.d_inner,
+                                                                                         c.vocab_size, torch.bfloat16,
+                                                                                         "mamba2"))
+        assert plan_for(c, torch.bfloat16, 3) is LAYER_OPS and plan_for(c, torch.float32, 1) is LAYER_OPS
+        assert plan_for(c, torch.bfloat16, 1, deterministic=True) is LAYER_OPS_DETERMINISTIC
+    jamba_like = dataclasses.replace(shapes["nemotron-h-8b"], blocks=("mamba1", "attention", "mlp"))
+    assert plan_for(jamba_like, torch.bfloat16, 1) is LAYER_OPS  # (a kind the one-row step has not)
 
 
 def test_a_plan_names_known_parts_only():

@@ -41,6 +41,7 @@ from fastmamba.core.ops import KernelTiles
 from fastmamba.kernels.causal_conv1d import ConvTiles
 from fastmamba.kernels.conv_grad import ConvGradTiles
 from fastmamba.kernels.decode_gemm import PRODUCTS
+from fastmamba.kernels.decode_step_hybrid import ONE_ROW_KINDS
 from fastmamba.kernels.moe import MoETiles
 from fastmamba.kernels.paged_attention import PagedTiles
 from fastmamba.kernels.sampler import SamplerTiles
@@ -278,11 +279,26 @@ LAYER_OPS = DecodePlan("layer-ops", cublas=ALL, pdl=False,
 LAYER_OPS_DETERMINISTIC = DecodePlan("layer-ops", pdl=False, reason="Mamba-2, deterministic: invariant_gemm's products")
 
 
+# Hybrids (Nemotron-H, Granite-4.0-H, Falcon-H1, Bamba; with experts or without): the one-row
+# step (kernels/decode_step_hybrid.py) where a row of this table says so and the model's
+# sublayers are all of its kinds, else their layers over the GPU ops, cuBLAS's products.
+# Empty until the one-row step is timed against them (`benchmarks/hybrid.py --plans
+# table,one-row`): the layers over the GPU ops are what was measured (benchmarks/RESULTS.md,
+# "Hybrid models").
+HYBRID_ROUTES: tuple[Route, ...] = ()
+
+
 def plan_for(config, dtype: torch.dtype, batch: int, deterministic: bool = False) -> DecodePlan:
     """The decode plan for a model of this config, weights of `dtype` (the large matrices':
     MambaWeights.dtype, float8_e4m3fn for FP8 weights), `batch` rows."""
-    if getattr(config, "hybrid", False):  # (the fused steps are Mamba's alone)
-        return LAYER_OPS_DETERMINISTIC if deterministic else LAYER_OPS
+    if getattr(config, "hybrid", False):
+        if deterministic:
+            return LAYER_OPS_DETERMINISTIC
+        r = _entry(HYBRID_ROUTES, config.d_model, dtype, batch)
+        if r is None or not set(config.kinds) <= set(ONE_ROW_KINDS):
+            return LAYER_OPS
+        return DecodePlan(step=r.step, blocks=one_row_blocks(config.d_model, config.d_inner, config.vocab_size, dtype,
+                                                             config.layer), reason=r.reason)
     if config.layer == "mamba2":
         if deterministic:
             return LAYER_OPS_DETERMINISTIC
