@@ -130,7 +130,7 @@ if [ -n "${SHAPES:-}" ]; then
     --long 0 --prefills 8x2048 --no-hf --json "$out/hybrid_16k.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
   exit 0
 fi
-if [ -z "${BENCH:-}${HYBRID:-}${PENDING:-}${SOAK:-}${SERVE:-}${SHAPES:-}${BACKBONE:-}${MOE:-}${FP8:-}" ]; then  # (no mode named: the default)
+if [ -z "${BENCH:-}${HYBRID:-}${PENDING:-}${SOAK:-}${SERVE:-}${SHAPES:-}${BACKBONE:-}${MOE:-}${FP8:-}${ONEROW:-}" ]; then  # (no mode named: the default)
   # (the sm_90 compile test is for machines without a GPU: the CPU suite runs it)
   # every `gpu` test (~2 minutes on a warm H200; the server's tests need fastapi, uvicorn,
   # openai, pyzmq and msgspec: carry them as wheels, see the device tool's README)
@@ -151,12 +151,15 @@ if [ -n "${ONEROW:-}" ]; then
   # `gpu`-marked: it runs the kernels where CUDA is), then batch 1 against the table's plan
   PYTHONPATH=.:${PYTHONPATH:-} timeout 180 python3 -m pytest -q -rf tests/test_hybrids.py tests/test_moe.py \
     -k "one_row_step or graphs_run_them" 2>&1 | tee "$out/onerow_tests.log" | grep -E "^FAILED|passed|failed"
-  for shape in granite-4.0-h-micro granite-4.0-h-tiny nemotron-h-8b falcon-h1-7b; do
-    timeout 120 python3 -m benchmarks.hybrid --shape $shape --batches 1 --plans table,one-row --state-dtypes bfloat16 \
+  for shape in granite-4.0-h-micro nemotron-h-8b; do  # (where the one-row step stops winning)
+    timeout 120 python3 -m benchmarks.hybrid --shape $shape --batches ${ONEROW_BATCHES:-1} --plans layer-ops,one-row \
+      --state-dtypes bfloat16 \
       --long 0 --prefills none --no-hf --json "$out/onerow_$shape.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/onerow.log"
   done
-  timeout 60 python3 -m benchmarks.profile_step --model granite-4.0-h-micro --batch 1 --step one-row 2>&1 | grep -v Warn \
-    | head -34 | tee -a "$out/profile_onerow.log"
+  if [ -z "${ONEROW_BATCHES:-}" ]; then
+    timeout 60 python3 -m benchmarks.profile_step --model granite-4.0-h-micro --batch 1 --step one-row 2>&1 | grep -v Warn \
+      | head -34 | tee -a "$out/profile_onerow.log"
+  fi
   exit 0
 fi
 if [ -n "${PENDING:-}" ]; then

@@ -203,6 +203,8 @@ def test_decode_steps_as_graphs_run_them_keep_each_context_in_its_own_blocks(tmp
     reserved at admission (block 0 is every table's filler: a store there would land in the
     others' context), with padding rows in a bucket of 4, the step ahead (a request's last
     token fed past its end) and the prefix cache on; each gets what generate gives it alone."""
+    if ops != "reference" and torch.cuda.is_available():
+        pytest.skip("the Triton kernels over CPU tensors: Triton's interpreter (the GPU's own: the gpu tests)")
     config, model_class = bamba()
     torch.manual_seed(0)
     model_class(config).save_pretrained(tmp_path)
@@ -519,14 +521,16 @@ def test_the_one_row_step_equals_the_reference_and_a_row_alone_its_bits_in_a_bat
 
 def test_the_one_row_step_reads_fp8_weights(tmp_path):
     """The same with FP8 weights (e4m3, a scale a row): the kernels' sums of the e4m3 values
-    against the reference's (core/fp8.linear)."""
+    against the reference's (core/fp8.linear). The KV cache is bfloat16 under FP8 weights, and
+    on a GPU the decode attention's tensor-core products round their operands to it (DESIGN
+    §4) where the reference's keep the softmax's weights float32: 2.3e-3 on an H100."""
     config, model_class = nemotron()
     torch.manual_seed(0)
     model_class(config).save_pretrained(tmp_path)
-    assert_the_one_row_step_equals_the_reference(tmp_path, "fp8")
+    assert_the_one_row_step_equals_the_reference(tmp_path, "fp8", tol=5e-3)
 
 
-def assert_the_one_row_step_equals_the_reference(folder, dtype: str = "float32") -> None:
+def assert_the_one_row_step_equals_the_reference(folder, dtype: str = "float32", tol: float = 1e-4) -> None:
     """The tests above: the reference's prefill of 18 tokens, its states copied to the one-row
     step's, then 4 steps of each."""
     pytest.importorskip("triton")
@@ -563,8 +567,8 @@ def assert_the_one_row_step_equals_the_reference(folder, dtype: str = "float32")
     s_ours, alone = copy_of([0, 1]), copy_of([1])
     got = steps(s_ours, [0, 1])
     for t, (a, b) in enumerate(zip(got, [ref.step(x[:, t], s_ref) for t in range(18, 22)])):
-        assert relative_error(a, b) < 1e-4, t
-    assert relative_error(s_ours.ssm.cpu(), s_ref.ssm) < 1e-4 and relative_error(s_ours.conv.cpu(), s_ref.conv) < 1e-4
+        assert relative_error(a, b) < tol, t
+    assert relative_error(s_ours.ssm.cpu(), s_ref.ssm) < tol and relative_error(s_ours.conv.cpu(), s_ref.conv) < tol
     assert all(torch.equal(a[0], b[1]) for a, b in zip(steps(alone, [1]), got))
 
 

@@ -282,10 +282,13 @@ LAYER_OPS_DETERMINISTIC = DecodePlan("layer-ops", pdl=False, reason="Mamba-2, de
 # Hybrids (Nemotron-H, Granite-4.0-H, Falcon-H1, Bamba; with experts or without): the one-row
 # step (kernels/decode_step_hybrid.py) where a row of this table says so and the model's
 # sublayers are all of its kinds, else their layers over the GPU ops, cuBLAS's products.
-# Empty until the one-row step is timed against them (`benchmarks/hybrid.py --plans
-# table,one-row`): the layers over the GPU ops are what was measured (benchmarks/RESULTS.md,
-# "Hybrid models").
-HYBRID_ROUTES: tuple[Route, ...] = ()
+# `benchmarks/hybrid.py --plans table,one-row`, H100, bf16 weights and state, 1k-token
+# contexts, ms a step (benchmarks/RESULTS.md, "Hybrid models").
+HYBRID_ROUTES: tuple[Route, ...] = (
+    Route("16-bit", (1, MANY), (1, 1), "one-row", NONE,
+          "hybrids (batch 1: Granite-4.0-H-Micro 2.733 against 3.569, Granite-4.0-H-Tiny 1.934 / 3.461, "
+          "Nemotron-H-8B 5.656 / 6.192, Falcon-H1-7B 6.178 / 7.692)"),
+)
 
 
 def plan_for(config, dtype: torch.dtype, batch: int, deterministic: bool = False) -> DecodePlan:
