@@ -83,7 +83,7 @@ def test_mamba2_plans_follow_their_table():
 
 
 def test_hybrid_plans_follow_their_table(monkeypatch):
-    """Hybrids: the one-row step where HYBRID_ROUTES has a row and the model's sublayers are
+    """Hybrids: the one-row step where HYBRID_ROUTES (HYBRID_MOE_ROUTES with experts) has a row and the model's sublayers are
     all of its kinds (with experts or without), else their layers over the GPU ops;
     deterministic, always the layers with invariant_gemm's products."""
     from fastmamba.bench import HYBRID_SHAPES
@@ -91,7 +91,14 @@ def test_hybrid_plans_follow_their_table(monkeypatch):
     from fastmamba.engine.plan import Route
 
     shapes = {name: MambaConfig.from_dict(HYBRID_SHAPES[name], name) for name in ("nemotron-h-8b", "granite-4.0-h-tiny")}
-    monkeypatch.setattr(plan_module, "HYBRID_ROUTES", (Route("16-bit", (1, MANY), (1, 2), "one-row", NONE, "a row"),))
+    # (the tables as they stand: batch 1 on the one-row step at every width; with experts, up to 4)
+    for c in shapes.values():
+        assert plan_for(c, torch.bfloat16, 1).step == "one-row"
+    assert plan_for(shapes["granite-4.0-h-tiny"], torch.bfloat16, 4).step == "one-row"
+    assert plan_for(shapes["nemotron-h-8b"], torch.bfloat16, 2) is LAYER_OPS
+    row = (Route("16-bit", (1, MANY), (1, 2), "one-row", NONE, "a row"),)
+    monkeypatch.setattr(plan_module, "HYBRID_ROUTES", row)
+    monkeypatch.setattr(plan_module, "HYBRID_MOE_ROUTES", row)
     for c in shapes.values():
         one = plan_for(c, torch.bfloat16, 2)
         assert (one.step, one.reason, one.blocks) == ("one-row", "a row", one_row_blocks(c.d_model, c.d_inner,

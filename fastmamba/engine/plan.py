@@ -279,15 +279,24 @@ LAYER_OPS = DecodePlan("layer-ops", cublas=ALL, pdl=False,
 LAYER_OPS_DETERMINISTIC = DecodePlan("layer-ops", pdl=False, reason="Mamba-2, deterministic: invariant_gemm's products")
 
 
-# Hybrids (Nemotron-H, Granite-4.0-H, Falcon-H1, Bamba; with experts or without): the one-row
-# step (kernels/decode_step_hybrid.py) where a row of this table says so and the model's
-# sublayers are all of its kinds, else their layers over the GPU ops, cuBLAS's products.
-# `benchmarks/hybrid.py --plans table,one-row`, H100, bf16 weights and state, 1k-token
-# contexts, ms a step (benchmarks/RESULTS.md, "Hybrid models").
+# Hybrids (Nemotron-H, Granite-4.0-H, Falcon-H1, Bamba): the one-row step
+# (kernels/decode_step_hybrid.py) where a row of its table says so and the model's sublayers
+# are all of its kinds, else their layers over the GPU ops, cuBLAS's products. One table
+# for the dense ones, one for those with experts, whose one-row step reads only the rows'
+# picks and wins at more rows. `benchmarks/hybrid.py --plans layer-ops,one-row`, H100, bf16
+# weights and state, 1k-token contexts, ms a step, one-row / layers (benchmarks/RESULTS.md,
+# "Hybrid models"). 16-bit weights only: FP8 and float32 ones were not timed.
 HYBRID_ROUTES: tuple[Route, ...] = (
-    Route("16-bit", (1, MANY), (1, 1), "one-row", NONE,
-          "hybrids (batch 1: Granite-4.0-H-Micro 2.733 against 3.569, Granite-4.0-H-Tiny 1.934 / 3.461, "
-          "Nemotron-H-8B 5.656 / 6.192, Falcon-H1-7B 6.178 / 7.692)"),
+    Route("16-bit", (1, 2048), (1, 2), "one-row", NONE,
+          "hybrids (Granite-4.0-H-Micro batch 1: 2.733 / 3.569, batch 2: 3.274 / 3.530; batch 4 loses: 5.219 / 3.622)"),
+    Route("16-bit", (2049, MANY), (1, 1), "one-row", NONE,
+          "hybrids (batch 1: Nemotron-H-8B 5.656 / 6.192, Falcon-H1-7B 6.178 / 7.692; Nemotron-H-8B batch 2 "
+          "loses: 6.783 / 6.197)"),
+)
+HYBRID_MOE_ROUTES: tuple[Route, ...] = (
+    Route("16-bit", (1, MANY), (1, 4), "one-row", NONE,
+          "hybrids with experts (Granite-4.0-H-Tiny batch 1: 1.934 / 3.461, 2: 2.461 / 3.887, 4: 3.748 / 4.410; "
+          "batch 8 loses: 5.890 / 5.561)"),
 )
 
 
@@ -297,7 +306,7 @@ def plan_for(config, dtype: torch.dtype, batch: int, deterministic: bool = False
     if getattr(config, "hybrid", False):
         if deterministic:
             return LAYER_OPS_DETERMINISTIC
-        r = _entry(HYBRID_ROUTES, config.d_model, dtype, batch)
+        r = _entry(HYBRID_MOE_ROUTES if "moe" in config.kinds else HYBRID_ROUTES, config.d_model, dtype, batch)
         if r is None or not set(config.kinds) <= set(ONE_ROW_KINDS):
             return LAYER_OPS
         return DecodePlan(step=r.step, blocks=one_row_blocks(config.d_model, config.d_inner, config.vocab_size, dtype,
