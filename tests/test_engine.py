@@ -202,3 +202,22 @@ def test_the_cyclic_gc_is_off_inside_a_graph_capture(monkeypatch):
         assert not gc.isenabled()  # it was off before: it stays off
     finally:
         gc.enable()
+
+
+def test_the_prefix_cache_holds_sixteen_states_of_a_large_model_by_default():
+    """--prefix-cache-mb's default: 256 MiB where states are small (the 130m shape's 4.6 MiB),
+    room for 16 where they are not (the 2.8b shape's 25 MiB, Nemotron-H-8B's 100 MiB in float32,
+    half in bf16), so that a shared prefix outlives the states a long prompt leaves on its way."""
+    from types import SimpleNamespace
+
+    from fastmamba.bench import HYBRID_SHAPES, SHAPES
+    from fastmamba.core.config import MambaConfig
+    from fastmamba.core.layers import state_bytes
+    from fastmamba.engine.memory import PREFIX_CACHE_ENTRIES, default_prefix_cache_bytes
+
+    small = SimpleNamespace(config=SHAPES["130m"], state_dtype=torch.float32)
+    assert default_prefix_cache_bytes(small) == 256 << 20
+    for config, dtype in [(SHAPES["2.8b"], torch.float32),
+                          *((MambaConfig.from_dict(HYBRID_SHAPES["nemotron-h-8b"], "h"), d) for d in (torch.float32, torch.bfloat16))]:
+        got = default_prefix_cache_bytes(SimpleNamespace(config=config, state_dtype=dtype))
+        assert got == PREFIX_CACHE_ENTRIES * (state_bytes(config, dtype.itemsize) + 4 * config.vocab_size) > 256 << 20

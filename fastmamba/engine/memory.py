@@ -45,6 +45,21 @@ def default_max_batch(model) -> int:
     return max(1, min(256, free // 2 // slot_bytes(model)))
 
 
+# The prefix cache's default room, in entries: a long prompt leaves a state every 512 tokens
+# (prefix_cache.INTERVAL) and one at its end, and the prefix the next request shares must
+# outlive them (Nemotron-H-8B, a float32 state of 100.6 MB: 256 MiB held two, and a 2048-token
+# shared prefix never hit; benchmarks/RESULTS.md, "Hybrid models").
+PREFIX_CACHE_ENTRIES = 16
+
+
+def default_prefix_cache_bytes(model) -> int:
+    """--prefix-cache-mb's default: room for PREFIX_CACHE_ENTRIES slots' recurrent states and
+    logits (a hybrid's keys and values come on top of each), at least 256 MiB."""
+    c = model.config
+    entry = state_bytes(c, model.state_dtype.itemsize) + 4 * c.vocab_size
+    return max(256 << 20, PREFIX_CACHE_ENTRIES * entry)
+
+
 def slot_bytes(model) -> int:
     """A slot's memory: its recurrent state, logits (and the sampler's copies), the sampler's
     rows (the seen marks; logit bias and token counts, 4 bytes each), activations."""

@@ -49,8 +49,8 @@ class EngineOptions:
     prefill_tokens: int | None = field(default=None, metadata=option(
         "prompt tokens prefilled per engine step at most: more gives throughput, fewer keeps the running streams' "
         "pace behind new prompts (default: 4096 on a GPU, 512 on the CPU)"))
-    prefix_cache_mb: int = field(default=256, metadata=option(
-        "memory for cached prefix states, MiB; 0 = off (default: 256)"))
+    prefix_cache_mb: int | None = field(default=None, metadata=option(
+        "memory for cached prefix states, MiB; 0 = off (default: room for 16 states, at least 256)"))
     kv_cache_mb: int | None = field(default=None, metadata=option(
         "hybrids: memory for the attention layers' keys and values, MiB (default: on a GPU half its free memory "
         "once the model and its slots are in; 1024 on the CPU)"))
@@ -70,7 +70,7 @@ class EngineOptions:
             raise ValueError(f"--prefill-tokens must be at least 1, got {self.prefill_tokens}")
         if self.max_batch is not None and self.max_batch < 1:
             raise ValueError(f"--max-batch must be at least 1, got {self.max_batch}")
-        if self.prefix_cache_mb < 0:
+        if self.prefix_cache_mb is not None and self.prefix_cache_mb < 0:
             raise ValueError(f"--prefix-cache-mb must be at least 0, got {self.prefix_cache_mb}")
         if self.kv_cache_mb is not None and self.kv_cache_mb < 1:
             raise ValueError(f"--kv-cache-mb must be at least 1, got {self.kv_cache_mb}")
@@ -95,7 +95,7 @@ def build_engine(options: EngineOptions, folder=None):
     captured): (EngineCore, protocol.Ready). folder: the checkpoint folder already resolved."""
     from fastmamba.engine.engine_core import EngineCore
     from fastmamba.engine.loader import load
-    from fastmamba.engine.memory import default_max_batch, kv_cache_tokens, slot_bytes
+    from fastmamba.engine.memory import default_max_batch, default_prefix_cache_bytes, kv_cache_tokens, slot_bytes
     from fastmamba.engine.protocol import Ready
 
     kwargs = options.load_kwargs()
@@ -104,7 +104,8 @@ def build_engine(options: EngineOptions, folder=None):
     lm = load(**kwargs)
     max_batch = options.max_batch or default_max_batch(lm.model)
     core = EngineCore(lm.model, lm.prefill, max_batch=max_batch, prefill_tokens=options.step_prefill_tokens(),
-                      prefix_cache_bytes=options.prefix_cache_mb << 20, threads=lm.threads,
+                      prefix_cache_bytes=default_prefix_cache_bytes(lm.model) if options.prefix_cache_mb is None
+                      else options.prefix_cache_mb << 20, threads=lm.threads,
                       kv_tokens=kv_cache_tokens(lm.model, options.kv_cache_mb, max_batch * slot_bytes(lm.model)),
                       tokenizer=lm.tokenizer.path if lm.tokenizer is not None else None)
     core.capture_prefill_graphs()
