@@ -83,14 +83,15 @@ def test_mamba2_plans_follow_their_table():
 
 
 def test_hybrid_plans_follow_their_table(monkeypatch):
-    """Hybrids: the one-row step where HYBRID_ROUTES (HYBRID_MOE_ROUTES with experts) has a row and the model's sublayers are
-    all of its kinds (with experts or without), else their layers over the GPU ops;
+    """Hybrids: the one-row step where HYBRID_ROUTES (HYBRID_MOE_ROUTES with experts) has a row
+    and the model's sublayers are all of its kinds, else their layers over the GPU ops;
     deterministic, always the layers with invariant_gemm's products."""
     from fastmamba.bench import HYBRID_SHAPES
     from fastmamba.engine import plan as plan_module
     from fastmamba.engine.plan import Route
 
-    shapes = {name: MambaConfig.from_dict(HYBRID_SHAPES[name], name) for name in ("nemotron-h-8b", "granite-4.0-h-tiny")}
+    shapes = {name: MambaConfig.from_dict(HYBRID_SHAPES[name], name)
+              for name in ("nemotron-h-8b", "granite-4.0-h-tiny")}
     # (the tables as they stand: batch 1 on the one-row step at every width; with experts, up to 4)
     for c in shapes.values():
         assert plan_for(c, torch.bfloat16, 1).step == "one-row"

@@ -217,7 +217,7 @@ def test_the_prefix_cache_holds_sixteen_states_of_a_large_model_by_default():
 
     small = SimpleNamespace(config=SHAPES["130m"], state_dtype=torch.float32)
     assert default_prefix_cache_bytes(small) == 256 << 20
-    for config, dtype in [(SHAPES["2.8b"], torch.float32),
-                          *((MambaConfig.from_dict(HYBRID_SHAPES["nemotron-h-8b"], "h"), d) for d in (torch.float32, torch.bfloat16))]:
+    hybrid = MambaConfig.from_dict(HYBRID_SHAPES["nemotron-h-8b"], "nemotron-h-8b")
+    for config, dtype in [(SHAPES["2.8b"], torch.float32), (hybrid, torch.float32), (hybrid, torch.bfloat16)]:
         got = default_prefix_cache_bytes(SimpleNamespace(config=config, state_dtype=dtype))
         assert got == PREFIX_CACHE_ENTRIES * (state_bytes(config, dtype.itemsize) + 4 * config.vocab_size) > 256 << 20

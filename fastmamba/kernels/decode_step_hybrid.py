@@ -72,8 +72,10 @@ def moe_in_ref(h, norm_w, eps, experts, in_w, shared_in, act: str, gated: bool) 
     in_w[e] (E, 2 I or I, d), then the shared MLP's (S = 1 where shared_in is given), zeros past
     a pick's own width in I' = max(I, the shared MLP's)."""
     u = residual_rmsnorm_ref(h, None, None, norm_w, eps)[1]
-    outs = [mlp_activation_ref(torch.stack([linear_ref(u[b : b + 1], in_w[e])[0] for b, e in enumerate(experts[:, j].tolist())]),
-                               act, gated) for j in range(experts.shape[1])]
+    outs = []
+    for j in range(experts.shape[1]):
+        picked = torch.cat([linear_ref(u[b : b + 1], in_w[e]) for b, e in enumerate(experts[:, j].tolist())])
+        outs.append(mlp_activation_ref(picked, act, gated))
     if shared_in is not None:
         outs.append(mlp_activation_ref(linear_ref(u, shared_in), act, gated))
     width = max(o.shape[1] for o in outs)
@@ -83,11 +85,11 @@ def moe_in_ref(h, norm_w, eps, experts, in_w, shared_in, act: str, gated: bool) 
 def moe_out_ref(a, experts, weights, out_w, shared_out) -> torch.Tensor:
     """a from moe_in -> (B, d) f32: each pick's down product out_w[e] (E, d, I) times its router
     weight, summed in pick order, then the shared MLP's down product."""
-    k = experts.shape[1]
+    k, I = experts.shape[1], weight_parts(out_w)[0].shape[2]
     out = 0.0
     for j in range(k):
-        I = weight_parts(out_w)[0].shape[2]
-        out = out + torch.stack([linear_ref(a[b : b + 1, j, :I], out_w[e])[0] for b, e in enumerate(experts[:, j].tolist())]) * weights[:, j : j + 1]
+        picked = torch.cat([linear_ref(a[b : b + 1, j, :I], out_w[e]) for b, e in enumerate(experts[:, j].tolist())])
+        out = out + picked * weights[:, j : j + 1]
     if shared_out is not None:
         out = out + linear_ref(a[:, k, : weight_parts(shared_out)[0].shape[1]], shared_out)
     return out
@@ -207,7 +209,8 @@ class HybridDecodeStep(Mamba2DecodeStep):
         c = model.config
         other = sorted(set(c.kinds) - set(ONE_ROW_KINDS))
         if other:
-            raise ValueError(f"the one-row hybrid step runs {', '.join(ONE_ROW_KINDS)} sublayers, not {', '.join(other)}")
+            raise ValueError(f"the one-row hybrid step runs {', '.join(ONE_ROW_KINDS)} sublayers, "
+                             f"not {', '.join(other)}")
         super().__init__(model, batch, plan)
         dev, f32 = model.weights.embedding.device, torch.float32
         self.paged_tiles = paged_tiles
@@ -238,8 +241,9 @@ class HybridDecodeStep(Mamba2DecodeStep):
         """The new tokens' queries and keys (in qkv) rotated, their keys and values stored at
         their slots' lengths, each query against its slot's context -> (B, H hd) f32."""
         c = self.model.config
+        scale = c.attn_scale or c.attn_head_dim**-0.5
         return decode_attention(self.qkv, kv.k[layer], kv.v[layer], kv.table, kv.lengths, self.rows, c.attn_heads,
-                                c.attn_scale or c.attn_head_dim**-0.5, c.rope_theta, c.rotary_dim, tiles=self.paged_tiles)
+                                scale, c.rope_theta, c.rotary_dim, tiles=self.paged_tiles)
 
     def moe(self, lw, dh_in, dh_out) -> None:
         """A mixture of experts' sublayer in four launches (see moe_in_ref, moe_out_ref):
@@ -251,7 +255,8 @@ class HybridDecodeStep(Mamba2DecodeStep):
         experts, weights = route_triton(self.router_logits, c.router, k, lw.router_b, c.expert_groups,
                                         c.topk_groups, c.norm_topk, c.routed_scaling)
         (w1, s1), (w2, s2) = weight_parts(lw.in_w), weight_parts(lw.out_w)
-        (v1, t1), (v2, t2) = (weight_parts(lw.shared_in), weight_parts(lw.shared_out)) if shared else ((w1, s1), (w2, s2))
+        (v1, t1), (v2, t2) = ((weight_parts(lw.shared_in), weight_parts(lw.shared_out)) if shared
+                              else ((w1, s1), (w2, s2)))
         I, IS, picks = w2.shape[2], v2.shape[1] if shared else 0, k + shared
         BN, BK, warps, _ = self.in_proj_blocks
         _moe_in_kernel[(self.B, picks, triton.cdiv(self.moe_width, BN))](
