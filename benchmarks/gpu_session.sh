@@ -13,18 +13,14 @@
 #   ONEROW=1 bash benchmarks/gpu_session.sh  # the hybrids' one-row step: its tests on the GPU, batch 1
 #                                            # against the table's plan at four shapes (one with
 #                                            # experts), Granite-Micro's kernels (~9 minutes)
-#   PENDING=1 bash benchmarks/gpu_session.sh # in one call, what has not run on a GPU since 00af267,
-#                                            # the most wanted first: the hybrids' GPU tests (the prefill
-#                                            # warm-up, SDPA without cuDNN), Nemotron-H-8B's decode at
-#                                            # batch 1 and 128 and prefill, its server at 64 streams,
-#                                            # Granite-4.0-H-Micro's batch-1 profile (~9 minutes)
+#   PENDING=1 bash benchmarks/gpu_session.sh # what the last GPU run left: Nemotron-H-8B's batch 1 (the
+#                                            # one-row step) beside batch 128, its 16k-token contexts,
+#                                            # its server at 64 streams (the shared prefix's hits) (~8 minutes)
 #   SHAPES=1 bash benchmarks/gpu_session.sh  # the other dense hybrid shapes: Granite-4.0-H-Micro and
 #                                            # Falcon-H1-7B decode at batch 1, 32, 128, prefill and
-#                                            # transformers beside; Nemotron-H-8B at 16k-token contexts
-#                                            # and prefill 8 x 2048 (~8 minutes)
-#   FP8=1 bash benchmarks/gpu_session.sh     # the products on the tensor cores (whole batch-1 steps),
-#                                            # bf16 beside fp8 at batch 1 and 128, 2.8b and Mamba-2 2.7b,
-#                                            # then the 2.8b's FP8 decode routes at batch 4-128 (~9 minutes)
+#                                            # transformers beside (~6 minutes)
+#   FP8=1 bash benchmarks/gpu_session.sh     # bf16 beside fp8 at batch 1 and 128, 2.8b and Mamba-2 2.7b,
+#                                            # then the 2.8b's FP8 decode routes at batch 4-128 (~5 minutes)
 #   MOE=1 bash benchmarks/gpu_session.sh     # Granite-4.0-H-Tiny at batch 1, 8, 64 and prefill 1 x 4096,
 #                                            # the MoE tiles' sweep, its server at 64 streams; Nemotron
 #                                            # 3 Nano's shape at batch 1, 8, 64 (~10 minutes)
@@ -97,13 +93,8 @@ if [ -n "${BACKBONE:-}" ]; then
   exit 0
 fi
 if [ -n "${FP8:-}" ]; then
-  # in_proj and out_proj on the tensor cores against the multiply-and-sum, whole batch-1 steps
-  # (FP8, then bf16); the issue's table (bf16 beside fp8 in one run); then which step an FP8
-  # model's larger batches should take (the plan's fp8 rows are 16-bit's, untuned)
-  # (first the tensor-core products' own tests, on the GPU: not `gpu`-marked, they run on CUDA where it is)
-  PYTHONPATH=.:${PYTHONPATH:-} timeout 60 python3 -m pytest -q -rf tests/test_fp8_kernels.py tests/test_kernels.py \
-    -k "tensor_cores or one_row_step or 16_rows" 2>&1 | tee "$out/mma_tests.log" | grep -E "^FAILED|passed|failed"
-  timeout 240 python3 -m benchmarks.tune_decode --mma 2>&1 | grep -v Warn | tee "$out/tune_mma.log"
+  # the issue's table (bf16 beside fp8 in one run); then which step an FP8 model's larger
+  # batches should take (the plan's fp8 rows are 16-bit's, untuned)
   timeout 200 python3 -m fastmamba.cli bench --models 2.8b,mamba2-2.7b --dtypes bfloat16,fp8 --batches 1,128 \
     --json "$out/decode_fp8.json" 2>&1 | grep -v transformers | tee "$out/decode_fp8.log"
   timeout 90 python3 -m benchmarks.decode_routing --models 2.8b --dtypes fp8 --batches 4,32,64,128 \
@@ -126,8 +117,6 @@ if [ -n "${SHAPES:-}" ]; then
     timeout 170 python3 -m benchmarks.hybrid --shape $shape --batches 1,32,128 --state-dtypes bfloat16 --long 0 \
       --json "$out/hybrid_$shape.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
   done
-  timeout 130 python3 -m benchmarks.hybrid --shape nemotron-h-8b --batches 1,32 --context 16384 --state-dtypes bfloat16 \
-    --long 0 --prefills 8x2048 --no-hf --json "$out/hybrid_16k.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
   exit 0
 fi
 if [ -z "${BENCH:-}${HYBRID:-}${PENDING:-}${SOAK:-}${SERVE:-}${SHAPES:-}${BACKBONE:-}${MOE:-}${FP8:-}${ONEROW:-}" ]; then  # (no mode named: the default)
@@ -163,20 +152,15 @@ if [ -n "${ONEROW:-}" ]; then
   exit 0
 fi
 if [ -n "${PENDING:-}" ]; then
-  PYTHONPATH=.:${PYTHONPATH:-} timeout 130 python3 -m pytest -q -rf -m gpu tests/test_hybrids.py 2>&1 \
-    | tee "$out/gpu_tests.log" | grep -E "^FAILED|passed|failed"
-  timeout 90 python3 -m benchmarks.hybrid --shape nemotron-h-8b --batches 1,128 --state-dtypes bfloat16 --long 0 \
-    --prefills 1x8192 --no-hf --json "$out/hybrid.json" 2>&1 | grep -v "transformers\]" | tee "$out/hybrid.log"
-  # (its start writes and loads 16 GB twice and warms up the prefill kernels; the log keeps
-  # what came before a timeout)
+  # what the last run left: Nemotron-H-8B's batch 1 (now the one-row step) beside batch 128 (the
+  # issue's ratio), its 16k-token contexts, then its server again (the prefix cache's default
+  # now holds 16 of its 100 MB states: does the shared 2048-token prefix hit?)
+  timeout 100 python3 -m benchmarks.hybrid --shape nemotron-h-8b --batches 1,128 --state-dtypes bfloat16 --long 0 \
+    --prefills none --no-hf --json "$out/hybrid.json" 2>&1 | grep -v "transformers\]" | tee "$out/hybrid.log"
+  timeout 130 python3 -m benchmarks.hybrid --shape nemotron-h-8b --batches 1,32 --context 16384 --state-dtypes bfloat16 \
+    --long 0 --prefills 8x2048 --no-hf --json "$out/hybrid_16k.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
   timeout 260 python3 -m benchmarks.serve --model nemotron-h-8b --levels 64 --json "$out/serve_hybrid.json" 2>&1 \
     | grep -v Warning | tee "$out/serve_hybrid.log" | tail -8
-  # (where Granite-4.0-H-Micro's batch-1 step loses its 0.48 of the floor: launches or kernels;
-  # and with the Triton products of the deterministic mode in place of cuBLAS's)
-  for det in "" --deterministic; do
-    timeout 50 python3 -m benchmarks.profile_step --model granite-4.0-h-micro --batch 1 $det 2>&1 | grep -v Warn \
-      | head -34 | tee -a "$out/profile.log"
-  done
   exit 0
 fi
 if [ -n "${SOAK:-}" ]; then
