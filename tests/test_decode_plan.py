@@ -97,6 +97,8 @@ def test_hybrid_plans_follow_their_table(monkeypatch):
         assert plan_for(c, torch.bfloat16, 1).step == "one-row"
     assert plan_for(shapes["granite-4.0-h-tiny"], torch.bfloat16, 4).step == "one-row"
     assert plan_for(shapes["nemotron-h-8b"], torch.bfloat16, 2) is LAYER_OPS
+    fp8 = plan_for(shapes["nemotron-h-8b"], torch.float8_e4m3fn, 1)  # (16-bit's rows, untuned)
+    assert fp8.step == "one-row" and fp8.reason.startswith("untuned: 16-bit's row")
     row = (Route("16-bit", (1, MANY), (1, 2), "one-row", NONE, "a row"),)
     monkeypatch.setattr(plan_module, "HYBRID_ROUTES", row)
     monkeypatch.setattr(plan_module, "HYBRID_MOE_ROUTES", row)
