@@ -18,7 +18,6 @@ from test_hybrids import (  # noqa: F401
     refused,
     test_float32_logits_equal_transformers,
     test_greedy_equals_transformers_greedy_and_a_batch_equals_each_alone,
-    test_the_one_row_step_equals_the_reference_and_a_row_alone_its_bits_in_a_batch,
 )
 
 import fastmamba
@@ -146,6 +145,18 @@ def test_a_token_routes_and_sums_alone_whatever_shares_its_experts(case):
 
 
 # -- routing ties, experts no token picks ------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["granite_rope_two_a_token", "nemotron_groups_scaled"])
+def test_the_one_row_step_equals_the_reference_and_a_row_alone_its_bits_in_a_batch(tmp_path, name):
+    """tests/test_hybrids.py's test of the one-row step over two of the models with experts
+    (Granite's softmax over two picks and its shared MLP; Nemotron's sigmoid with groups,
+    scaling and a correction bias): logits and states against the reference's steps, a row
+    alone the same bits as in a batch. (All four models' experts: the test below.)"""
+    from test_hybrids import assert_the_one_row_step_equals_the_reference
+
+    save(CASES[name](), tmp_path)
+    assert_the_one_row_step_equals_the_reference(tmp_path)
 
 
 def test_the_one_row_steps_experts_kernels_equal_their_twins(case):
