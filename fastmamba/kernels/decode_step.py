@@ -53,11 +53,13 @@ from .argmax_keys import (
     argmax_keys,
     token_of_key,
 )
+from .decode_conv import add_x_proj_share, conv_inputs, conv_step_tile, x_proj_columns
 from .decode_gemm import conv_step_ref, ssm_update_ref
 from .fp8_gemm import linear_ref, weight_parts
 from .gemv import (
     add_fixed,
     add_row_tile,
+    fold_share,
     from_fixed_tile,
     mm,
     mm_terms,
@@ -145,7 +147,7 @@ def _rmsnorm_linear_kernel(
     k = tl.arange(0, BK)
     w = tl.load(w_ptr + n[:, None] * D + k[None, :], mask=nmask[:, None] & (k < D)[None, :], other=0.0)
     if CONV:  # so are the conv step's and x_proj's, and the conv window (this kernel's own)
-        cw, cw_new, cb, window = _conv_inputs(rows, rmask, n, cs_ptr, cw_ptr, cb_ptr, E, K, KP, HAS_CB, BN)
+        cw, cw_new, cb, window = conv_inputs(rows, rmask, n, cs_ptr, cw_ptr, cb_ptr, E, K, KP, HAS_CB, BN)
         if pid_n * BN < E:  # x_proj's columns into L2 (loaded after the GEMV: see below)
             j = tl.minimum(tl.arange(0, BJ), J - 1)
             prefetch_to_l2(wx_ptr + j[:, None] * E + pid_n * BN + tl.arange(0, 2)[None, :] * (BN - 1))
@@ -189,11 +191,11 @@ def _rmsnorm_linear_kernel(
         tl.atomic_max(best_ptr + rows, tl.max(argmax_keys(acc, n, nmask), 1), mask=rmask, sem="relaxed")
     if CONV:
         if pid_n * BN < E:  # a program of in_proj's x half: its channels' conv step, x_proj
-            xc = _conv_step(acc, cw, cw_new, cb, window, rows, rmask, n, cs_ptr, xc_ptr, E, K, KP)
+            xc = conv_step_tile(acc, cw, cw_new, cb, window, rows, rmask, n, cs_ptr, xc_ptr, E, K, KP)
             # x_proj's columns are loaded only now, from L2 (prefetched before the wait: 130m
             # 0.196 ms a step against 0.203 from memory); loaded into registers before the
             # wait, they slowed the whole step 1.3x (bf16) to 3.5x (float32)
-            _add_x_proj_share(xc, _x_proj_columns(wx_ptr, n, E, J, BJ), rows, rmask, dbc_ptr, wxs_ptr, J, BJ, WX_SCALED)
+            add_x_proj_share(xc, x_proj_columns(wx_ptr, n, E, J, BJ), rows, rmask, dbc_ptr, wxs_ptr, J, BJ, WX_SCALED)
 
 
 @jit
@@ -211,65 +213,6 @@ def _take_argmax_kernel(best_ptr, tok_ptr, hist_ptr, step_ptr, seen_ptr, B, V, B
 
 
 @jit
-def _conv_inputs(rows, rmask, n, cs_ptr, cw_ptr, cb_ptr, E, K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, BN: tl.constexpr):
-    """What the conv step of channels n needs besides x: the conv weights (BN, KP) with
-    the newest tap apart (BN,), the bias (BN,) and the window's K - 1 newer inputs
-    (1, BN, KP)."""
-    cmask = n < E
-    kk = tl.arange(0, KP)
-    older = kk < K - 1
-    cw = tl.load(cw_ptr + n[:, None] * K + kk[None, :], mask=cmask[:, None] & older[None, :], other=0.0)
-    cw_new = tl.load(cw_ptr + n * K + K - 1, mask=cmask, other=0.0)
-    if HAS_CB:
-        cb = tl.load(cb_ptr + n, mask=cmask, other=0.0)
-    else:
-        cb = tl.zeros([BN], dtype=tl.float32)
-    win = cs_ptr + rows[:, None, None] * (E * K) + n[None, :, None] * K + kk[None, None, :]
-    wm = (rmask[:, None] & cmask[None, :])[:, :, None] & older[None, None, :]
-    window = tl.load(win + 1, mask=wm, other=0.0).to(tl.float32)  # (the state may be 16-bit)
-    return cw, cw_new, cb, window
-
-
-@jit
-def _conv_step(x, cw, cw_new, cb, window, rows, rmask, n, cs_ptr, xc_ptr, E, K: tl.constexpr, KP: tl.constexpr):
-    """Channels n's conv step + SiLU on x (1, BN) -> xc (stored, and returned with zeros
-    past E); the window shifts by one, x in. The rest comes from _conv_inputs."""
-    cmask = n < E
-    m = rmask[:, None] & cmask[None, :]
-    conv = tl.sum(window * cw[None, :, :], 2) + x * cw_new[None, :] + cb[None, :]
-    xc = silu(conv)
-    tl.store(xc_ptr + rows[:, None] * E + n[None, :], xc, mask=m)
-    # The window, shifted left by one, goes back where it came from, with x last. Every
-    # thread read its part before the wait; the barrier keeps a write from landing before
-    # another thread's read of the same element.
-    kk = tl.arange(0, KP)
-    win = cs_ptr + rows[:, None, None] * (E * K) + n[None, :, None] * K + kk[None, None, :]
-    tl.debug_barrier()
-    tl.store(win, window.to(cs_ptr.dtype.element_ty), mask=m[:, :, None] & (kk < K - 1)[None, None, :])
-    tl.store(cs_ptr + rows[:, None] * (E * K) + n[None, :] * K + K - 1, x.to(cs_ptr.dtype.element_ty), mask=m)
-    return tl.where(m, xc, 0.0)
-
-
-@jit
-def _x_proj_columns(wx_ptr, n, E, J, BJ: tl.constexpr):
-    """x_proj's columns for channels n: (BJ, BN)."""
-    j = tl.arange(0, BJ)
-    return tl.load(wx_ptr + j[:, None] * E + n[None, :], mask=(j < J)[:, None] & (n < E)[None, :], other=0.0)
-
-
-@jit
-def _add_x_proj_share(xc, wx, rows, rmask, dbc_ptr, wxs_ptr, J, BJ: tl.constexpr, SCALED: tl.constexpr):
-    """This program's share of xc @ x_proj.T, added to dbc in fixed point (exact in any order);
-    SCALED: FP8 x_proj, the share times each output row's scale (the scales distribute over
-    the shares' sum)."""
-    j = tl.arange(0, BJ)
-    share = mm(xc, wx)
-    if SCALED:
-        share *= tl.load(wxs_ptr + j, mask=j < J, other=0.0)[None, :]
-    add_fixed(dbc_ptr + rows[:, None] * BJ + j[None, :], share, rmask[:, None] & (j < J)[None, :])
-
-
-@jit
 def _conv_x_proj_kernel(
     xz_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, wxs_ptr, xc_ptr, dbc_ptr, B, E, J,
     K: tl.constexpr, KP: tl.constexpr, HAS_CB: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr, WX_SCALED: tl.constexpr,
@@ -283,12 +226,12 @@ def _conv_x_proj_kernel(
     rows = pid_b + tl.arange(0, 1)  # the row, as a 1-vector: tiles are (1, n)
     rmask = rows < B
     n = pid_n * BN + tl.arange(0, BN)
-    cw, cw_new, cb, window = _conv_inputs(rows, rmask, n, cs_ptr, cw_ptr, cb_ptr, E, K, KP, HAS_CB, BN)
-    wx = _x_proj_columns(wx_ptr, n, E, J, BJ)  # before the wait too: here registers are plenty
+    cw, cw_new, cb, window = conv_inputs(rows, rmask, n, cs_ptr, cw_ptr, cb_ptr, E, K, KP, HAS_CB, BN)
+    wx = x_proj_columns(wx_ptr, n, E, J, BJ)  # before the wait too: here registers are plenty
     wait_for_prior_kernel(PDL)
     x = tl.load(xz_ptr + rows[:, None] * (2 * E) + n[None, :], mask=rmask[:, None] & (n < E)[None, :], other=0.0)
-    xc = _conv_step(x, cw, cw_new, cb, window, rows, rmask, n, cs_ptr, xc_ptr, E, K, KP)
-    _add_x_proj_share(xc, wx, rows, rmask, dbc_ptr, wxs_ptr, J, BJ, WX_SCALED)
+    xc = conv_step_tile(x, cw, cw_new, cb, window, rows, rmask, n, cs_ptr, xc_ptr, E, K, KP)
+    add_x_proj_share(xc, wx, rows, rmask, dbc_ptr, wxs_ptr, J, BJ, WX_SCALED)
 
 
 @jit
@@ -377,11 +320,7 @@ def _out_proj_residual_kernel(
         tl.store(dbc_ptr + rows[:, None] * BJ + jj[None, :], tl.zeros([1, BJ], dtype=tl.int64), mask=rmask[:, None] & first)
     if BD > 0:
         cols = (pid_n * tl.num_programs(2) + pid_s) * BD + tl.arange(0, BD)
-        offs, hm = rows[:, None] * D + cols[None, :], rmask[:, None] & (cols < D)[None, :]
-        h_new = residual_tile(h_ptr, dhp_ptr, offs, hm)
-        tl.debug_barrier()  # (every thread has read its share of dhp before any of it is zeroed)
-        tl.store(h_ptr + offs, h_new, mask=hm)
-        tl.store(dhp_ptr + offs, tl.zeros([1, BD], dtype=tl.int64), mask=hm)
+        fold_share(h_ptr, dhp_ptr, rows[:, None] * D + cols[None, :], rmask[:, None] & (cols < D)[None, :])
     acc = row_sums(BN, MMA)  # (MMA: on the tensor cores, gemv.mma_terms)
     for k0 in range(pid_s * KCHUNK, k_end, BK):
         k = k0 + tl.arange(0, BK)

@@ -45,7 +45,7 @@ from ._triton import jit, tl, triton
 from .activations import activate
 from .decode_step_mamba2 import Mamba2DecodeStep
 from .fp8_gemm import linear_ref, weight_parts
-from .gemv import add_fixed, add_row_tile, residual_tile, row_sums, row_total
+from .gemv import add_fixed, add_row_tile, fold_share, residual_tile, row_sums, row_total
 from .mlp_activation import mlp_activation_ref
 from .moe import route_triton
 from .paged_attention import decode_attention
@@ -175,11 +175,7 @@ def _moe_out_kernel(
     j = tl.program_id(2) // SPLITS
     wait_for_prior_kernel(PDL)
     cols = (tl.program_id(1) * tl.num_programs(2) + tl.program_id(2)) * BD + tl.arange(0, BD)
-    offs, hm = row64 * D + cols[None, :], (cols < D)[None, :]
-    h_new = residual_tile(h_ptr, dhp_ptr, offs, hm)
-    tl.debug_barrier()  # (every thread has read its share of dhp before any of it is zeroed)
-    tl.store(h_ptr + offs, h_new, mask=hm)
-    tl.store(dhp_ptr + offs, tl.zeros([1, BD], dtype=tl.int64), mask=hm)
+    fold_share(h_ptr, dhp_ptr, row64 * D + cols[None, :], (cols < D)[None, :])
     w, ws, width = _pick_matrix(w_ptr, ws_ptr, sw_ptr, sws_ptr, ex_ptr, row64, j, D * I, D, I, IS, K)
     k_start = (tl.program_id(2) % SPLITS) * KCHUNK
     if k_start >= width:  # (the splits cover the widest pick)
@@ -230,12 +226,6 @@ class HybridDecodeStep(Mamba2DecodeStep):
             self.moe_a = torch.zeros(batch, c.experts_per_token + shared, self.moe_width, device=dev, dtype=f32)
         w = model.weights
         self.norm_f = w.norm_f * c.logits_multiplier if c.logits_multiplier != 1.0 else w.norm_f
-        # each sublayer's recurrent state's index (among the Mamba sublayers) and KV cache's
-        # (among the attention sublayers)
-        self.memory_at, r, a = [], 0, 0
-        for kind in c.kinds:
-            self.memory_at.append((r, a))
-            r, a = r + kind.startswith("mamba"), a + kind.endswith("attention")
 
     def attend(self, lw, kv, layer: int) -> torch.Tensor:
         """The new tokens' queries and keys (in qkv) rotated, their keys and values stored at
@@ -284,7 +274,9 @@ class HybridDecodeStep(Mamba2DecodeStep):
         c, w = self.model.config, self.model.weights
         self.embed(tokens.contiguous(), dh2=self.dh2, mult=c.embedding_multiplier)
         dh_in, dh_out = self.dh, self.dh2
-        for kind, lw, (r, a) in zip(c.kinds, w.layers, self.memory_at):
+        # (each sublayer's recurrent state's index among the Mamba sublayers, its KV cache's
+        # among the attention ones: the model's own, core/model.Mamba.memory_at)
+        for kind, lw, (r, a) in zip(c.kinds, w.layers, self.model.memory_at):
             linear = dict(blocks=self.in_proj_blocks, sum_last=self.sum_last, unroll=self.in_proj_unroll,
                           mma=self.in_proj_mma, dh=dh_in)
             if kind == "mamba2":

@@ -153,6 +153,16 @@ def residual_tile(h_ptr, dh_ptr, offs, mask):
 
 
 @jit
+def fold_share(h_ptr, dh_ptr, offs, mask):
+    """h += dh, dh = 0 at offs (a program's columns of the residual stream, (1, BD)): a pending
+    share folded in by a kernel that runs after every read of h + dh, before its next adds."""
+    h_new = residual_tile(h_ptr, dh_ptr, offs, mask)
+    tl.debug_barrier()  # (every thread has read its share of dh before any of it is zeroed)
+    tl.store(h_ptr + offs, h_new, mask=mask)
+    tl.store(dh_ptr + offs, tl.zeros(offs.shape, dtype=tl.int64), mask=mask)
+
+
+@jit
 def split_k_start(w_ptr, D, E, KCHUNK, BN: tl.constexpr, BK: tl.constexpr):
     """A split-K GEMV program's outputs n (of D) and their mask, the end of its K split (of
     E), and its first weight tile (BN, BK), to load before the PDL wait (program ids: row,
