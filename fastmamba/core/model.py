@@ -63,10 +63,10 @@ class Mamba:
         self.kinds = kinds(config)
         # each sublayer's Memory indices: its recurrent state's (among the Mamba sublayers) and
         # its KV cache's (among the attention sublayers)
-        self._memory_at = []
+        self.memory_at = []
         r = a = 0
         for kind in self.kinds:
-            self._memory_at.append((r if kind.state else None, a if kind.kv else None))
+            self.memory_at.append((r if kind.state else None, a if kind.kv else None))
             r, a = r + (kind.state is not None), a + kind.kv
         # The dtype the conv and ssm states are stored in; every update computes in float32
         # and rounds once on store (the reference ops promote a 16-bit state as they read it).
@@ -88,7 +88,7 @@ class Mamba:
         return MambaState.zeros(self.config, batch, self.device, self.state_dtype, self.weights.embedding.dtype, tokens)
 
     def _memory(self, state: MambaState, i: int, rows: torch.Tensor | None, blocks: int) -> Memory:
-        r, a = self._memory_at[i]
+        r, a = self.memory_at[i]
         m = Memory()
         if r is not None:
             m.conv, m.ssm = state.conv[r], state.ssm[r]
