@@ -35,7 +35,7 @@ from fastmamba.core.ops import REFERENCE_OPS, triton_ops
 from fastmamba.core.sampling_params import SamplingParams
 from fastmamba.engine.engine_core import EngineCore
 from fastmamba.engine.language_model import LanguageModel
-from fastmamba.engine.plan import ALL, KERNEL_TILES, NONE, DecodePlan
+from fastmamba.engine.plan import KERNEL_TILES, LAYER_OPS, DecodePlan
 from fastmamba.engine.protocol import Failed, Request, Token
 from fastmamba.io.checkpoint import build_weights
 
@@ -227,6 +227,9 @@ def main() -> None:
 
     if cuda(args.device) and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here (--device cpu for a smoke run)")
+    plans = {"table": None, "layer-ops": LAYER_OPS, "one-row": DecodePlan("one-row")}
+    if not set(args.plans.split(",")) <= set(plans):
+        ap.error(f"--plans takes {', '.join(plans)}, comma-separated; got {args.plans!r}")
     bw = copy_bandwidth() if cuda(args.device) else 20e9  # (the CPU's floor: a nominal 20 GB/s)
     model, raw = model_of(args.shape, args.device)
     emit(device=torch.cuda.get_device_name() if cuda(args.device) else "cpu", shape=args.shape, engine=engine(model),
@@ -234,9 +237,7 @@ def main() -> None:
     for state_dtype in args.state_dtypes.split(","):
         m = Mamba(model.config, model.weights, model.ops, state_dtype=parse_state_dtype(state_dtype))
         for b, plan in itertools.product([int(x) for x in args.batches.split(",")], args.plans.split(",")):
-            step = None if plan == "table" else DecodePlan(plan, cublas=ALL if plan == "layer-ops" else NONE,
-                                                           pdl=plan != "layer-ops")
-            ms, floor = decode_ms(m, b, args.context, args.steps, step), floor_ms(m, b, args.context, bw)
+            ms, floor = decode_ms(m, b, args.context, args.steps, plans[plan]), floor_ms(m, b, args.context, bw)
             emit(what="decode", state=state_dtype, batch=b, context=args.context, plan=plan, ms=round(ms, 3),
                  floor_ms=round(floor, 3), of_floor=round(floor / ms, 3))
         m = None

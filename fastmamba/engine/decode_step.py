@@ -1,7 +1,7 @@
 """The decode step the plan names (plan.py), for one batch size: the one-row kernels
-(kernels/decode_step.py, kernels/decode_step_mamba2.py, a hybrid's kernels/decode_step_hybrid.py), the products step
-(kernels/decode_gemm.py), or the model's own layers at one token over the GPU ops
-("layer-ops"). Each is `step(tokens, state) -> logits`, captured in CUDA graphs by
+(kernels/decode_step.py, kernels/decode_step_mamba2.py, a hybrid's
+kernels/decode_step_hybrid.py), the products step (kernels/decode_gemm.py), or the model's
+own layers at one token over the GPU ops ("layer-ops"). Each is `step(tokens, state) -> logits`, captured in CUDA graphs by
 cuda_graphs.py."""
 
 from __future__ import annotations
