@@ -1,7 +1,8 @@
 """The pieces of the one-row GEMV kernels that the Mamba-1 and Mamba-2 decode steps share
 (decode_step.py, decode_step_mamba2.py): the float32 multiply-and-sum product of one row
 and its tensor-core form, split-K programs' first tile, the residual stream's pending
-share, and the fixed-point sums in which split-K partials meet."""
+share (read with h, folded into it), and the fixed-point sums in which split-K partials
+meet."""
 
 from __future__ import annotations
 
