@@ -15,7 +15,8 @@
 #                                            # experts), Granite-Micro's kernels (~9 minutes)
 #   PENDING=1 bash benchmarks/gpu_session.sh # what the last GPU run left: Nemotron-H-8B's batch 1 (the
 #                                            # one-row step) beside batch 128, its 16k-token contexts,
-#                                            # its server at 64 streams (the shared prefix's hits) (~8 minutes)
+#                                            # its server at 64 streams (the shared prefix's hits), then
+#                                            # a profile of its batch-128 step (~9 minutes)
 #   SHAPES=1 bash benchmarks/gpu_session.sh  # the other dense hybrid shapes: Granite-4.0-H-Micro and
 #                                            # Falcon-H1-7B decode at batch 1, 32, 128, prefill and
 #                                            # transformers beside (~6 minutes)
@@ -161,6 +162,9 @@ if [ -n "${PENDING:-}" ]; then
     --long 0 --prefills 8x2048 --no-hf --json "$out/hybrid_16k.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
   timeout 260 python3 -m benchmarks.serve --model nemotron-h-8b --levels 64 --json "$out/serve_hybrid.json" 2>&1 \
     | grep -v Warning | tee "$out/serve_hybrid.log" | tail -8
+  # where the batch-128 step's time goes (with what is left of the call's 10 minutes)
+  timeout $((570 - SECONDS)) python3 -m benchmarks.profile_step --model nemotron-h-8b --batch 128 --state-dtype bfloat16 \
+    2>&1 | grep -v Warn | head -34 | tee "$out/profile_b128.log"
   exit 0
 fi
 if [ -n "${SOAK:-}" ]; then

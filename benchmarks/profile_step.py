@@ -7,7 +7,8 @@ and the host's share of a call (the copy in, the replay, the clone out), timed b
     python -m benchmarks.profile_step --model mamba2-2.7b --batch 1 --step one-row
     python -m benchmarks.profile_step --backbone 128x3 --dtype float32 --batches 1,1024,4096
     python -m benchmarks.profile_step --model granite-4.0-h-tiny --batch 1   # a hybrid (HYBRID_SHAPES):
-        # its layer-ops step after a --context-token prompt, eagerly (the kernels the graph replays)
+        # the plan's step after a --context-token prompt, eagerly (the kernels the graph replays),
+        # its state in --state-dtype
 """
 
 import argparse
@@ -15,7 +16,8 @@ import argparse
 import torch
 
 from fastmamba.bench import HYBRID_SHAPES, host_us, random_model
-from fastmamba.core.dtypes import parse_dtype
+from fastmamba.core.dtypes import parse_dtype, parse_state_dtype
+from fastmamba.core.model import Mamba
 from fastmamba.core.state import MambaState
 from fastmamba.engine.decode_step import make_decode_step
 from fastmamba.engine.plan import DecodePlan
@@ -80,6 +82,7 @@ def main() -> None:
     ap.add_argument("--backbone", metavar="DxL", help="a Backbone's step instead of a language model's")
     ap.add_argument("--batches", default="1,1024,4096", help="with --backbone")
     ap.add_argument("--context", type=int, default=1024, help="a hybrid's prompt tokens a row before the step")
+    ap.add_argument("--state-dtype", default="float32", help="a hybrid's state: float32 or bfloat16")
     args = ap.parse_args()
     if args.backbone:
         profile_backbone(args.backbone, parse_dtype(args.dtype), [int(b) for b in args.batches.split(",")])
@@ -89,6 +92,7 @@ def main() -> None:
         from benchmarks.hybrid import model_of
 
         model = model_of(args.model, "cuda")[0]
+        model = Mamba(model.config, model.weights, model.ops, state_dtype=parse_state_dtype(args.state_dtype))
         state = model.new_state(args.batch, args.context + 64)
         with torch.no_grad():
             model.prefill(torch.zeros(args.batch, args.context, dtype=torch.int64, device="cuda"), state, last_only=True)
