@@ -21,7 +21,8 @@
 #                                            # Falcon-H1-7B decode at batch 1, 32, 128, prefill and
 #                                            # transformers beside (~6 minutes)
 #   FP8=1 bash benchmarks/gpu_session.sh     # bf16 beside fp8 at batch 1 and 128, 2.8b and Mamba-2 2.7b,
-#                                            # then the 2.8b's FP8 decode routes at batch 4-128 (~5 minutes)
+#                                            # the 2.8b's prefill 1 x 8192 in both and their profiles,
+#                                            # then its FP8 decode routes at batch 4-128 (~8 minutes)
 #   MOE=1 bash benchmarks/gpu_session.sh     # Granite-4.0-H-Tiny at batch 1, 8, 64 and prefill 1 x 4096,
 #                                            # the MoE tiles' sweep, its server at 64 streams; Nemotron
 #                                            # 3 Nano's shape at batch 1, 8, 64 (~10 minutes)
@@ -98,7 +99,14 @@ if [ -n "${FP8:-}" ]; then
   # batches should take (the plan's fp8 rows are 16-bit's, untuned)
   timeout 200 python3 -m fastmamba.cli bench --models 2.8b,mamba2-2.7b --dtypes bfloat16,fp8 --batches 1,128 \
     --json "$out/decode_fp8.json" 2>&1 | grep -v transformers | tee "$out/decode_fp8.log"
-  timeout 90 python3 -m benchmarks.decode_routing --models 2.8b --dtypes fp8 --batches 4,32,64,128 \
+  # prefill 1 x 8192 in both, then where each one's time goes
+  timeout 100 python3 -m benchmarks.prefill --models 2.8b --dtypes bfloat16,fp8 --shapes 1x8192 --long 0 \
+    --json "$out/prefill_fp8.json" 2>&1 | grep -v Warn | tee "$out/prefill_fp8.log"
+  for dtype in bfloat16 fp8; do
+    timeout 60 python3 -m benchmarks.profile_prefill --model 2.8b --tokens 8192 --dtype $dtype --top 16 2>&1 \
+      | grep -v Warn | tee "$out/profile_prefill_$dtype.log"
+  done
+  timeout $((570 - SECONDS)) python3 -m benchmarks.decode_routing --models 2.8b --dtypes fp8 --batches 4,32,64,128 \
     --json "$out/routing_fp8.json" 2>&1 | grep -v Warn | tee "$out/routing_fp8.log"
   exit 0
 fi
