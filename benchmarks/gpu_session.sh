@@ -20,6 +20,8 @@
 #   SHAPES=1 bash benchmarks/gpu_session.sh  # the other dense hybrid shapes: Granite-4.0-H-Micro and
 #                                            # Falcon-H1-7B decode at batch 1, 32, 128, prefill and
 #                                            # transformers beside (~6 minutes)
+#   CONTEXTS=1 bash benchmarks/gpu_session.sh # Granite-4.0-H-Micro and Falcon-H1-7B decode at batch 1 and 32
+#                                            # with 16k-token contexts (~5 minutes)
 #   FP8=1 bash benchmarks/gpu_session.sh     # bf16 beside fp8 at batch 1 and 128, 2.8b and Mamba-2 2.7b,
 #                                            # the 2.8b's prefill 1 x 8192 in both and their profiles,
 #                                            # then its FP8 decode routes at batch 4-128 (~8 minutes)
@@ -121,6 +123,13 @@ if [ -n "${MOE:-}" ]; then
     --no-hf --json "$out/hybrid_nano.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
   exit 0
 fi
+if [ -n "${CONTEXTS:-}" ]; then  # the other dense shapes with 16k-token contexts (Nemotron-H-8B's: PENDING)
+  for shape in granite-4.0-h-micro falcon-h1-7b; do
+    timeout 170 python3 -m benchmarks.hybrid --shape $shape --batches 1,32 --context 16384 --state-dtypes bfloat16 \
+      --long 0 --prefills none --no-hf --json "$out/hybrid16k_$shape.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
+  done
+  exit 0
+fi
 if [ -n "${SHAPES:-}" ]; then
   for shape in granite-4.0-h-micro falcon-h1-7b; do  # (with prefill and transformers' generate at batch 1)
     timeout 170 python3 -m benchmarks.hybrid --shape $shape --batches 1,32,128 --state-dtypes bfloat16 --long 0 \
@@ -128,7 +137,7 @@ if [ -n "${SHAPES:-}" ]; then
   done
   exit 0
 fi
-if [ -z "${BENCH:-}${HYBRID:-}${PENDING:-}${SOAK:-}${SERVE:-}${SHAPES:-}${BACKBONE:-}${MOE:-}${FP8:-}${ONEROW:-}" ]; then  # (no mode named: the default)
+if [ -z "${BENCH:-}${HYBRID:-}${PENDING:-}${SOAK:-}${SERVE:-}${SHAPES:-}${CONTEXTS:-}${BACKBONE:-}${MOE:-}${FP8:-}${ONEROW:-}" ]; then  # (no mode named: the default)
   # (the sm_90 compile test is for machines without a GPU: the CPU suite runs it)
   # every `gpu` test (~2 minutes on a warm H200; the server's tests need fastapi, uvicorn,
   # openai, pyzmq and msgspec: carry them as wheels, see the device tool's README)
