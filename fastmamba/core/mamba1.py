@@ -72,12 +72,14 @@ def in_proj_dtype(weight_dtype: torch.dtype) -> torch.dtype:
     """The dtype of in_proj's output (x before the conv, z before the gate) on the GPU path.
     bfloat16 for bfloat16 weights: it has float32's range, so nothing overflows, and what
     these values feed is rounded to bfloat16 anyway (the conv's output, the gated y).
-    float32 otherwise: float16's range could overflow on the public checkpoints'
-    magnitudes (docs/architecture.md). (CPU emulation, 256-token prompts, logits' largest difference
-    over their largest: the bundled model 4.3e-3 from the float32-math reference with
-    bfloat16 weights against 8.4e-3 with these rounded too; transformers' bfloat16 model
-    1.1e-2. benchmarks/RESULTS.md, "Numerics".)"""
-    return torch.bfloat16 if weight_dtype == torch.bfloat16 else torch.float32
+    bfloat16 for FP8 weights too: cuBLASLt's FP8 GEMM writes bfloat16 (kernels/fp8_gemm.fp8_linear),
+    so a float32 copy would hold the same values at twice the bytes, and cost a pass over
+    them (2.8b's 8192-token prefill: 0.5 GB a layer). float32 otherwise: float16's range
+    could overflow on the public checkpoints' magnitudes (docs/architecture.md). (CPU
+    emulation, 256-token prompts, logits' largest difference over their largest: the bundled
+    model 4.3e-3 from the float32-math reference with bfloat16 weights against 8.4e-3 with
+    these rounded too; transformers' bfloat16 model 1.1e-2. benchmarks/RESULTS.md, "Numerics".)"""
+    return torch.bfloat16 if weight_dtype in (torch.bfloat16, torch.float8_e4m3fn) else torch.float32
 
 
 def mixer(
