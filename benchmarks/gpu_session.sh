@@ -14,9 +14,10 @@
 #                                            # against the table's plan at four shapes (one with
 #                                            # experts), Granite-Micro's kernels (~9 minutes)
 #   PENDING=1 bash benchmarks/gpu_session.sh # what the last GPU run left: Nemotron-H-8B's batch 1 (the
-#                                            # one-row step) beside batch 128, its 16k-token contexts,
-#                                            # its server at 64 streams (the shared prefix's hits), then
-#                                            # a profile of its batch-128 step (~9 minutes)
+#                                            # one-row step) beside batch 128, its 16k-token contexts and
+#                                            # prefill 8 x 2048, a profile of its batch-128 step (~6 minutes)
+#   SERVE_HYBRID=1 bash benchmarks/gpu_session.sh # Nemotron-H-8B served at 64 streams (the shared
+#                                            # prefix's hits) (~5 minutes)
 #   SHAPES=1 bash benchmarks/gpu_session.sh  # the other dense hybrid shapes: Granite-4.0-H-Micro and
 #                                            # Falcon-H1-7B decode at batch 1, 32, 128, prefill and
 #                                            # transformers beside (~6 minutes)
@@ -137,7 +138,7 @@ if [ -n "${SHAPES:-}" ]; then
   done
   exit 0
 fi
-if [ -z "${BENCH:-}${HYBRID:-}${PENDING:-}${SOAK:-}${SERVE:-}${SHAPES:-}${CONTEXTS:-}${BACKBONE:-}${MOE:-}${FP8:-}${ONEROW:-}" ]; then  # (no mode named: the default)
+if [ -z "${BENCH:-}${HYBRID:-}${PENDING:-}${SOAK:-}${SERVE:-}${SHAPES:-}${CONTEXTS:-}${SERVE_HYBRID:-}${BACKBONE:-}${MOE:-}${FP8:-}${ONEROW:-}" ]; then  # (no mode named: the default)
   # (the sm_90 compile test is for machines without a GPU: the CPU suite runs it)
   # every `gpu` test (~2 minutes on a warm H200; the server's tests need fastapi, uvicorn,
   # openai, pyzmq and msgspec: carry them as wheels, see the device tool's README)
@@ -171,17 +172,19 @@ if [ -n "${ONEROW:-}" ]; then
 fi
 if [ -n "${PENDING:-}" ]; then
   # what the last run left: Nemotron-H-8B's batch 1 (now the one-row step) beside batch 128 (the
-  # issue's ratio), its 16k-token contexts, then its server again (the prefix cache's default
-  # now holds 16 of its 100 MB states: does the shared 2048-token prefix hit?)
+  # issue's ratio), its 16k-token contexts
   timeout 100 python3 -m benchmarks.hybrid --shape nemotron-h-8b --batches 1,128 --state-dtypes bfloat16 --long 0 \
     --prefills none --no-hf --json "$out/hybrid.json" 2>&1 | grep -v "transformers\]" | tee "$out/hybrid.log"
   timeout 130 python3 -m benchmarks.hybrid --shape nemotron-h-8b --batches 1,32 --context 16384 --state-dtypes bfloat16 \
     --long 0 --prefills 8x2048 --no-hf --json "$out/hybrid_16k.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
+  # where the batch-128 step's time goes
+  timeout 150 python3 -m benchmarks.profile_step --model nemotron-h-8b --batch 128 --state-dtype bfloat16 \
+    2>&1 | grep -v Warn | head -34 | tee "$out/profile_b128.log"
+  exit 0
+fi
+if [ -n "${SERVE_HYBRID:-}" ]; then  # (the prefix cache's default now holds 16 of its 100 MB states: does the shared 2048-token prefix hit?)
   timeout 260 python3 -m benchmarks.serve --model nemotron-h-8b --levels 64 --json "$out/serve_hybrid.json" 2>&1 \
     | grep -v Warning | tee "$out/serve_hybrid.log" | tail -8
-  # where the batch-128 step's time goes (with what is left of the call's 10 minutes)
-  timeout $((570 - SECONDS)) python3 -m benchmarks.profile_step --model nemotron-h-8b --batch 128 --state-dtype bfloat16 \
-    2>&1 | grep -v Warn | head -34 | tee "$out/profile_b128.log"
   exit 0
 fi
 if [ -n "${SOAK:-}" ]; then
