@@ -22,7 +22,7 @@
 #                                            # Falcon-H1-7B decode at batch 1, 32, 128, prefill and
 #                                            # transformers beside (~6 minutes)
 #   CONTEXTS=1 bash benchmarks/gpu_session.sh # Granite-4.0-H-Micro and Falcon-H1-7B decode at batch 1 and 32
-#                                            # with 16k-token contexts (~5 minutes)
+#                                            # with 16k-token contexts, then Nemotron-H-8B's batch 128 (~9 minutes)
 #   FP8=1 bash benchmarks/gpu_session.sh     # bf16 beside fp8 at batch 1 and 128, 2.8b and Mamba-2 2.7b,
 #                                            # the 2.8b's prefill 1 x 8192 in both and their profiles,
 #                                            # then its FP8 decode routes at batch 4-128 (~8 minutes)
@@ -129,6 +129,10 @@ if [ -n "${CONTEXTS:-}" ]; then  # the other dense shapes with 16k-token context
     timeout 170 python3 -m benchmarks.hybrid --shape $shape --batches 1,32 --context 16384 --state-dtypes bfloat16 \
       --long 0 --prefills none --no-hf --json "$out/hybrid16k_$shape.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
   done
+  # Nemotron-H-8B's batch 128 with 16k-token contexts (2.1M tokens prefilled first), in what is left
+  timeout $((570 - SECONDS)) python3 -m benchmarks.hybrid --shape nemotron-h-8b --batches 128 --context 16384 \
+    --state-dtypes bfloat16 --long 0 --prefills none --no-hf --json "$out/hybrid16k_b128.json" 2>&1 \
+    | grep -v "transformers\]" | tee -a "$out/hybrid.log"
   exit 0
 fi
 if [ -n "${SHAPES:-}" ]; then
