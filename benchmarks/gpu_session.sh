@@ -22,6 +22,8 @@
 #   SHAPES=1 bash benchmarks/gpu_session.sh  # the other dense hybrid shapes: Granite-4.0-H-Micro and
 #                                            # Falcon-H1-7B decode at batch 1, 32, 128, prefill and
 #                                            # transformers beside (~6 minutes)
+#   CHANGED=1 bash benchmarks/gpu_session.sh  # the GPU tests of the FP8 kernels, the hybrids and the GPU engine,
+#                                            # Falcon-H1-7B's batch 1, the 2.8b's prefill in bf16 and fp8 (~7 minutes)
 #   CONTEXTS=1 bash benchmarks/gpu_session.sh # Granite-4.0-H-Micro and Falcon-H1-7B decode at batch 1 and 32
 #                                            # with 16k-token contexts, then Nemotron-H-8B's batch 128 (~9 minutes)
 #   FP8=1 bash benchmarks/gpu_session.sh     # bf16 beside fp8 at batch 1 and 128, 2.8b and Mamba-2 2.7b,
@@ -125,6 +127,19 @@ if [ -n "${MOE:-}" ]; then
     --no-hf --json "$out/hybrid_nano.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
   exit 0
 fi
+if [ -n "${CHANGED:-}" ]; then
+  # this session's changes: Falcon-H1's in_proj and q/k/v in one launch, Mamba-1's FP8 in_proj
+  # written in bfloat16. Their GPU tests, then Falcon-H1-7B's batch 1 and the 2.8b's prefill.
+  PYTHONPATH=.:${PYTHONPATH:-} timeout 200 python3 -m pytest -q -rf -m gpu tests/test_fp8_kernels.py tests/test_hybrids.py \
+    tests/test_gpu_engine.py 2>&1 | tee "$out/changed_gpu_tests.log" | grep -E "^FAILED|passed|failed"
+  PYTHONPATH=.:${PYTHONPATH:-} timeout 120 python3 -m pytest -q -rf tests/test_hybrids.py -k "one_row or two_products" 2>&1 \
+    | tee "$out/changed_onerow_tests.log" | grep -E "^FAILED|passed|failed"
+  timeout 80 python3 -m benchmarks.hybrid --shape falcon-h1-7b --batches 1 --state-dtypes bfloat16 --long 0 --prefills none \
+    --no-hf --json "$out/hybrid_b1_falcon-h1-7b.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
+  timeout $((570 - SECONDS)) python3 -m benchmarks.prefill --models 2.8b --dtypes bfloat16,fp8 --shapes 1x8192 \
+    --json "$out/prefill_fp8.json" 2>&1 | grep -v Warn | tee "$out/prefill_fp8.log"
+  exit 0
+fi
 if [ -n "${CONTEXTS:-}" ]; then  # the other dense shapes with 16k-token contexts (Nemotron-H-8B's: PENDING)
   for shape in granite-4.0-h-micro falcon-h1-7b; do
     timeout 170 python3 -m benchmarks.hybrid --shape $shape --batches 1,32 --context 16384 --state-dtypes bfloat16 \
@@ -143,7 +158,7 @@ if [ -n "${SHAPES:-}" ]; then
   done
   exit 0
 fi
-if [ -z "${BENCH:-}${HYBRID:-}${PENDING:-}${SOAK:-}${SERVE:-}${SHAPES:-}${CONTEXTS:-}${SERVE_HYBRID:-}${BACKBONE:-}${MOE:-}${FP8:-}${ONEROW:-}" ]; then  # (no mode named: the default)
+if [ -z "${BENCH:-}${HYBRID:-}${PENDING:-}${SOAK:-}${SERVE:-}${SHAPES:-}${CONTEXTS:-}${SERVE_HYBRID:-}${CHANGED:-}${BACKBONE:-}${MOE:-}${FP8:-}${ONEROW:-}" ]; then  # (no mode named: the default)
   # (the sm_90 compile test is for machines without a GPU: the CPU suite runs it)
   # every `gpu` test (~2 minutes on a warm H200; the server's tests need fastapi, uvicorn,
   # openai, pyzmq and msgspec: carry them as wheels, see the device tool's README)

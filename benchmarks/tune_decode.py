@@ -59,16 +59,20 @@ def tune_rmsnorm_linear(n_out, d):
     h = torch.randn(1, d, device="cuda")
     dh = torch.zeros(1, d, device="cuda", dtype=torch.int64)
     out = torch.empty(1, n_out, device="cuda")
+    scale = torch.ones(n_out, device="cuda")  # (FP8 weights' rows' scales)
     res = []
     for BN, BK, warps in itertools.product([4, 8, 16, 32], [256, 512, 1024], [2, 4, 8]):
         if BN * BK > 16384:
             continue
 
         def run():
+            # (h, dh, the norm, the weight, its scales, bias; out; the conv's seven and best,
+            # unused; the second matrix's four, unused)
             ds._rmsnorm_linear_kernel[(1, triton.cdiv(n_out, BN))](
-                h, dh, nw, w, w, out, *(out,) * 7, 1, d, n_out, 0, 0, 1e-5, HAS_BIAS=False,
-                CONV=False, ARGMAX=False, K=4, KP=4, HAS_CB=False, BN=BN, BK=BK, BJ=16, STAGES=1,
-                SUM_LAST=DT != torch.float32 and n_out == 4 * d and d > BK, UNROLL=1, PDL=0, MMA=False, num_warps=warps,
+                h, dh, nw, w, scale, scale, out, *(out,) * 8, w, scale, scale, out, 1, d, n_out, n_out, 0, 0, 0, 1e-5,
+                W_SCALED=DT == torch.float8_e4m3fn, WX_SCALED=False, HAS_BIAS=False, CONV=False, ARGMAX=False, K=4,
+                KP=4, HAS_CB=False, BN=BN, BK=BK, BJ=16, STAGES=1, SUM_LAST=DT != torch.float32 and n_out == 4 * d and d > BK,
+                UNROLL=1, PDL=0, MMA=False, TWO=False, num_warps=warps,
             )
 
         res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BN=BN, BK=BK, warps=warps)))

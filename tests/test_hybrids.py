@@ -528,6 +528,36 @@ def test_the_one_row_step_equals_the_reference_and_a_row_alone_its_bits_in_a_bat
     assert_the_one_row_step_equals_the_reference(tmp_path)
 
 
+def test_two_products_of_one_row_in_one_launch_equal_two_launches(tmp_path):
+    """DecodeStep._rmsnorm_linear's `also` (Falcon-H1's in_proj and q/k/v, one launch): each
+    output the bits of its own launch; with a bias on one of them only, two launches again,
+    the same bits."""
+    pytest.importorskip("triton")
+    from fastmamba.core.model import Mamba
+    from fastmamba.core.ops import triton_ops
+    from fastmamba.engine.decode_step import make_decode_step
+    from fastmamba.engine.plan import KERNEL_TILES, DecodePlan
+
+    save_case("falcon_h1", tmp_path)
+    model = fastmamba.load(tmp_path).model
+    step = make_decode_step(Mamba(model.config, model.weights, triton_ops(KERNEL_TILES)), 2, plan=DecodePlan("one-row"))
+    g = torch.Generator().manual_seed(3)
+    step.h.copy_(torch.randn(step.h.shape, generator=g))
+    lw = model.weights.layers[0]
+    m, at = lw.mamba, lw.attention
+    blocks, qkv = step.in_proj_blocks, []
+    for bias in (None, torch.randn(at.qkv_w.shape[0], generator=g)):
+        alone = []
+        for w, b, out in ((m.in_proj_w, m.in_proj_b, step.zxbcdt), (at.qkv_w, bias, step.qkv)):
+            step._rmsnorm_linear(lw.norm_w, w, b, out, blocks)
+            alone.append(out.clone())
+        step.zxbcdt.zero_(), step.qkv.zero_()
+        step._rmsnorm_linear(lw.norm_w, m.in_proj_w, m.in_proj_b, step.zxbcdt, blocks, also=(at.qkv_w, bias, step.qkv))
+        assert torch.equal(step.zxbcdt, alone[0]) and torch.equal(step.qkv, alone[1])
+        qkv.append(alone[1])
+    assert not torch.allclose(qkv[0], qkv[1])  # (the bias was read)
+
+
 def test_the_one_row_step_reads_fp8_weights(tmp_path):
     """The same with FP8 weights (e4m3, a scale a row): the kernels' sums of the e4m3 values
     against the reference's (core/fp8.linear). The KV cache is bfloat16 under FP8 weights, and

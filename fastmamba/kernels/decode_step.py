@@ -130,15 +130,19 @@ def _embed_kernel(tok_ptr, emb_ptr, h_ptr, dh_ptr, dh2_ptr, B, D, mult, BN: tl.c
 @jit
 def _rmsnorm_linear_kernel(
     h_ptr, dh_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, cs_ptr, cw_ptr, cb_ptr, wx_ptr, wxs_ptr, xc_ptr, dbc_ptr,
-    best_ptr, B, D, NOUT, E, J, eps,
+    best_ptr, w2_ptr, ws2_ptr, b2_ptr, out2_ptr, B, D, NOUT, NOUT2, TILES1, E, J, eps,
     W_SCALED: tl.constexpr, WX_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, CONV: tl.constexpr, ARGMAX: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     HAS_CB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     BJ: tl.constexpr, STAGES: tl.constexpr, SUM_LAST: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr,
-    MMA: tl.constexpr,
+    MMA: tl.constexpr, TWO: tl.constexpr,
 ):
     let_next_kernel_launch(PDL)
     pid_b = tl.program_id(0)  # rows first: see DecodeStep
     pid_n = tl.program_id(1)
+    if TWO:  # a second matrix over the same row (its bias, scales and output), in the programs past TILES1
+        if pid_n >= TILES1:
+            pid_n -= TILES1
+            w_ptr, ws_ptr, b_ptr, out_ptr, NOUT = w2_ptr, ws2_ptr, b2_ptr, out2_ptr, NOUT2
     rows = pid_b + tl.arange(0, 1)  # the row, as a 1-vector: tiles are (1, n)
     rmask = rows < B
     n = pid_n * BN + tl.arange(0, BN)
@@ -431,7 +435,7 @@ class DecodeStep:
                                            emb.shape[1], float(mult), BN=self.BN_out, **self.pdl)
 
     def _rmsnorm_linear(self, norm_w, weight, bias, out, blocks, conv=None, argmax=False, sum_last=False, unroll=1,
-                        mma=False, dh=None) -> None:
+                        mma=False, dh=None, also=None) -> None:
         """out[:B] = linear(rmsnorm(h + dh) * norm_w, weight, bias) in blocks (BN, BK, warps,
         stages); with conv = (lw, conv_state), out is xz, and the x half goes on through the
         conv step and x_proj; with argmax, each row's argmax goes into `best` too (see
@@ -439,12 +443,27 @@ class DecodeStep:
         (mm_terms), where d takes more than one K tile (in one tile the products would wait
         through the loop in registers for nothing). unroll: the K loop unrolled by this much
         where the products are summed after it. mma: a 16-bit or FP8 weight's products on the
-        tensor cores (gemv.mma_terms). dh: the pending share h adds (default self.dh)."""
+        tensor cores (gemv.mma_terms). dh: the pending share h adds (default self.dh).
+        also = (weight2, bias2, out2): a second product of the same normalised row in the same
+        launch (Falcon-H1's in_proj and q/k/v), its programs after the first's; where the two
+        differ in kind (FP8 or not, a bias or not), two launches."""
+        if also is not None:
+            (w2, s2), b2, out2 = weight_parts(also[0]), also[1], also[2]
+            if (s2 is None) != (weight_parts(weight)[1] is None) or (b2 is None) != (bias is None):
+                self._rmsnorm_linear(norm_w, weight, bias, out, blocks, sum_last=sum_last, unroll=unroll, mma=mma, dh=dh)
+                weight, bias, out, also = also[0], b2, out2, None
         weight, scale = weight_parts(weight)
         n_out, d = weight.shape
         BN, BK, warps, stages = blocks
         sum_last = sum_last and d > BK
-        grid = (self.B, triton.cdiv(n_out, BN))
+        tiles = triton.cdiv(n_out, BN)
+        if also is not None:
+            assert w2.shape[1] == d and conv is None and not argmax
+            second = (w2, w2 if s2 is None else s2, b2 if b2 is not None else w2, out2)
+        else:  # unused pointers
+            w2 = weight
+            second = (weight,) * 4
+        grid = (self.B, tiles + triton.cdiv(w2.shape[0], BN) * (also is not None))
         c = self.model.config
         if conv is not None:
             lw, conv_state = conv
@@ -456,11 +475,11 @@ class DecodeStep:
             conv_args = (out,) * 7
         _rmsnorm_linear_kernel[grid](
             self.h, self.dh if dh is None else dh, norm_w, weight, weight if scale is None else scale, bias if bias is not None else weight, out,
-            *conv_args, self.best, self.B, d, n_out, c.d_inner, self.J, c.norm_eps,
+            *conv_args, self.best, *second, self.B, d, n_out, w2.shape[0], tiles, c.d_inner, self.J, c.norm_eps,
             W_SCALED=scale is not None, WX_SCALED=wxs is not None, HAS_BIAS=bias is not None, CONV=conv is not None, ARGMAX=argmax, K=c.d_conv, KP=triton.next_power_of_2(c.d_conv),
             HAS_CB=conv is not None and conv[0].conv_b is not None,
             BN=BN, BK=BK, BJ=self.BJ, STAGES=stages, SUM_LAST=sum_last and not mma, UNROLL=unroll if sum_last and not mma else 1,
-            MMA=mma, num_warps=warps, **self.pdl_for("rmsnorm_linear"),
+            MMA=mma, TWO=also is not None, num_warps=warps, **self.pdl_for("rmsnorm_linear"),
         )
 
     def in_proj(self, lw, conv_state) -> None:

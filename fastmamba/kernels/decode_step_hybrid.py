@@ -18,8 +18,9 @@ reads it and dh_out its own output's share (fixed point, added by split-K progra
                  shared MLP's gate and up products), moe_out (their down products,
                  weighted -> dh_out; folds dh_in into h)                              4
     mamba2+attention (Falcon-H1: both mixers on one norm, their outputs summed)
-                 rmsnorm_linear twice (in_proj, qkv), ssd_conv_step (folds), gated_out_proj,
-                 the attention's three, out_product (o_proj; both add into dh_out)   7
+                 rmsnorm_linear (in_proj and qkv, two matrices in one launch),
+                 ssd_conv_step (folds), gated_out_proj, the attention's three,
+                 out_product (o_proj; both add into dh_out)                           7
 
 and around the sublayers the Mamba steps' embed (times the family's embedding multiplier)
 and lm_head (its logits multiplier folded into the final norm's weights: the logits are
@@ -293,8 +294,8 @@ class HybridDecodeStep(Mamba2DecodeStep):
                 self.out_product(self.mlp_in, lw.out_w, lw.out_b, dh_out, act=c.mlp_act, gated=c.mlp_gated, fold=dh_in)
             else:  # mamba2+attention: both read h + dh_in before ssd_conv_step folds it
                 m, at = lw.mamba, lw.attention
-                self._rmsnorm_linear(lw.norm_w, m.in_proj_w, m.in_proj_b, self.zxbcdt, **linear)
-                self._rmsnorm_linear(lw.norm_w, at.qkv_w, at.qkv_b, self.qkv, **linear)
+                self._rmsnorm_linear(lw.norm_w, m.in_proj_w, m.in_proj_b, self.zxbcdt, also=(at.qkv_w, at.qkv_b, self.qkv),
+                                     **linear)
                 self.ssd_conv_step(m, state.conv[r], state.ssm[r], fold=dh_in)
                 self.gated_out_proj(m, state.conv[r], dh=dh_out)
                 self.out_product(self.attend(at, kv, a), at.o_w, at.o_b, dh_out)
