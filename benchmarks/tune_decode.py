@@ -71,8 +71,9 @@ def tune_rmsnorm_linear(n_out, d):
             ds._rmsnorm_linear_kernel[(1, triton.cdiv(n_out, BN))](
                 h, dh, nw, w, scale, scale, out, *(out,) * 8, w, scale, scale, out, 1, d, n_out, n_out, 0, 0, 0, 1e-5,
                 W_SCALED=DT == torch.float8_e4m3fn, WX_SCALED=False, HAS_BIAS=False, CONV=False, ARGMAX=False, K=4,
-                KP=4, HAS_CB=False, BN=BN, BK=BK, BJ=16, STAGES=1, SUM_LAST=DT != torch.float32 and n_out == 4 * d and d > BK,
-                UNROLL=1, PDL=0, MMA=False, TWO=False, num_warps=warps,
+                KP=4, HAS_CB=False, BN=BN, BK=BK, BJ=16, STAGES=1,
+                SUM_LAST=DT != torch.float32 and n_out == 4 * d and d > BK, UNROLL=1, PDL=0, MMA=False, TWO=False,
+                num_warps=warps,
             )
 
         res.append((do_bench(run, warmup=5, rep=30) * 1e3, dict(BN=BN, BK=BK, warps=warps)))

@@ -539,14 +539,15 @@ def test_two_products_of_one_row_in_one_launch_equal_two_launches(tmp_path):
     from fastmamba.engine.plan import KERNEL_TILES, DecodePlan
 
     save_case("falcon_h1", tmp_path)
-    model = fastmamba.load(tmp_path).model
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (not `gpu`-marked: the kernels themselves where CUDA is)
+    model = fastmamba.load(tmp_path, device=device).model
     step = make_decode_step(Mamba(model.config, model.weights, triton_ops(KERNEL_TILES)), 2, plan=DecodePlan("one-row"))
     g = torch.Generator().manual_seed(3)
     step.h.copy_(torch.randn(step.h.shape, generator=g))
     lw = model.weights.layers[0]
     m, at = lw.mamba, lw.attention
     blocks, qkv = step.in_proj_blocks, []
-    for bias in (None, torch.randn(at.qkv_w.shape[0], generator=g)):
+    for bias in (None, torch.randn(at.qkv_w.shape[0], generator=g).to(device)):
         alone = []
         for w, b, out in ((m.in_proj_w, m.in_proj_b, step.zxbcdt), (at.qkv_w, bias, step.qkv)):
             step._rmsnorm_linear(lw.norm_w, w, b, out, blocks)

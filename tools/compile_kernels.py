@@ -201,8 +201,8 @@ def main() -> None:
         compile_kernel(ds._rmsnorm_linear_kernel, {**t, "w_ptr": wdt, "w2_ptr": wdt, "ws2_ptr": "*fp32",
                                                    "b2_ptr": "*fp32", "out2_ptr": "*fp32"}, dict(
             W_SCALED=fp8, WX_SCALED=fp8, HAS_BIAS=True, CONV=False, ARGMAX=False, K=4, KP=4, HAS_CB=True, BN=16,
-            BK=wide.in_proj[1], BJ=128, STAGES=1, SUM_LAST=not f32, UNROLL=wide.in_proj_unroll if not f32 else 1, PDL=True,
-            MMA=False, TWO=True))
+            BK=wide.in_proj[1], BJ=128, STAGES=1, SUM_LAST=not f32, UNROLL=wide.in_proj_unroll if not f32 else 1,
+            PDL=True, MMA=False, TWO=True))
         t = ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", "wxs_ptr", wx_ptr=wdt, dbc_ptr="*i64")
         BN = wide.conv_block
         compile_kernel(ds._conv_x_proj_kernel, t, dict(K=4, KP=4, HAS_CB=True, BN=BN, BJ=256, WX_SCALED=fp8, PDL=True),

@@ -450,7 +450,8 @@ class DecodeStep:
         if also is not None:
             (w2, s2), b2, out2 = weight_parts(also[0]), also[1], also[2]
             if (s2 is None) != (weight_parts(weight)[1] is None) or (b2 is None) != (bias is None):
-                self._rmsnorm_linear(norm_w, weight, bias, out, blocks, sum_last=sum_last, unroll=unroll, mma=mma, dh=dh)
+                self._rmsnorm_linear(norm_w, weight, bias, out, blocks, sum_last=sum_last, unroll=unroll, mma=mma,
+                                     dh=dh)
                 weight, bias, out, also = also[0], b2, out2, None
         weight, scale = weight_parts(weight)
         n_out, d = weight.shape

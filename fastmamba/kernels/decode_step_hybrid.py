@@ -294,8 +294,8 @@ class HybridDecodeStep(Mamba2DecodeStep):
                 self.out_product(self.mlp_in, lw.out_w, lw.out_b, dh_out, act=c.mlp_act, gated=c.mlp_gated, fold=dh_in)
             else:  # mamba2+attention: both read h + dh_in before ssd_conv_step folds it
                 m, at = lw.mamba, lw.attention
-                self._rmsnorm_linear(lw.norm_w, m.in_proj_w, m.in_proj_b, self.zxbcdt, also=(at.qkv_w, at.qkv_b, self.qkv),
-                                     **linear)
+                self._rmsnorm_linear(lw.norm_w, m.in_proj_w, m.in_proj_b, self.zxbcdt,
+                                     also=(at.qkv_w, at.qkv_b, self.qkv), **linear)
                 self.ssd_conv_step(m, state.conv[r], state.ssm[r], fold=dh_in)
                 self.gated_out_proj(m, state.conv[r], dh=dh_out)
                 self.out_product(self.attend(at, kv, a), at.o_w, at.o_b, dh_out)
