@@ -13,7 +13,7 @@
 #   ONEROW=1 bash benchmarks/gpu_session.sh  # the hybrids' one-row step: its tests on the GPU, batch 1
 #                                            # against the table's plan at four shapes (one with
 #                                            # experts), Granite-Micro's kernels (~9 minutes)
-#   PENDING=1 bash benchmarks/gpu_session.sh # Nemotron-H-8B's batch 1 (the one-row step) beside batch
+#   DENSE=1 bash benchmarks/gpu_session.sh   # Nemotron-H-8B's batch 1 (the one-row step) beside batch
 #                                            # 128 (the issue's ratio), its 16k-token contexts and
 #                                            # prefill 8 x 2048, Granite-4.0-H-Micro's and Falcon-H1-7B's
 #                                            # batch 1, a profile of Nemotron's batch-128 step (~8 minutes)
@@ -22,8 +22,9 @@
 #   SHAPES=1 bash benchmarks/gpu_session.sh  # the other dense hybrid shapes: Granite-4.0-H-Micro and
 #                                            # Falcon-H1-7B decode at batch 1, 32, 128, prefill and
 #                                            # transformers beside (~6 minutes)
-#   CHANGED=1 bash benchmarks/gpu_session.sh  # the GPU tests of the FP8 kernels, the hybrids and the GPU engine,
-#                                            # Falcon-H1-7B's batch 1, the 2.8b's prefill in bf16 and fp8 (~7 minutes)
+#   FALCON_FP8=1 bash benchmarks/gpu_session.sh # the GPU tests of the hybrids, the GPU engine and the FP8
+#                                            # kernels, Falcon-H1-7B's batch 1, the 2.8b's prefill in bf16
+#                                            # and fp8 (~7 minutes)
 #   CONTEXTS=1 bash benchmarks/gpu_session.sh # Granite-4.0-H-Micro and Falcon-H1-7B decode at batch 1 and 32
 #                                            # with 16k-token contexts, then Nemotron-H-8B's batch 128 (~9 minutes)
 #   FP8=1 bash benchmarks/gpu_session.sh     # bf16 beside fp8 at batch 1 and 128, 2.8b and Mamba-2 2.7b,
@@ -127,24 +128,24 @@ if [ -n "${MOE:-}" ]; then
     --no-hf --json "$out/hybrid_nano.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
   exit 0
 fi
-if [ -n "${CHANGED:-}" ]; then
-  # this session's changes: Falcon-H1's in_proj and q/k/v in one launch, Mamba-1's FP8 in_proj
-  # written in bfloat16. Falcon-H1-7B's batch 1, the GPU tests of the hybrids (the one-row
-  # step's too: not `gpu`-marked, they run the kernels where CUDA is) and of the GPU engine,
-  # the FP8 kernels' tests, then the 2.8b's prefill (the most telling first: a short call
-  # still brings back what it finished)
+if [ -n "${FALCON_FP8:-}" ]; then
+  # Falcon-H1's in_proj and q/k/v in one launch, and Mamba-1's FP8 in_proj written in
+  # bfloat16: Falcon-H1-7B's batch 1, the GPU tests of the hybrids (the one-row step's too:
+  # not `gpu`-marked, they run the kernels where CUDA is) and of the GPU engine, the FP8
+  # kernels' tests, then the 2.8b's prefill (in that order, so that a call cut short still
+  # brings back the step and the tests)
   timeout 80 python3 -m benchmarks.hybrid --shape falcon-h1-7b --batches 1 --state-dtypes bfloat16 --long 0 --prefills none \
     --no-hf --json "$out/hybrid_b1_falcon-h1-7b.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
   PYTHONPATH=.:${PYTHONPATH:-} timeout 200 python3 -m pytest -q -rf -p no:cacheprovider tests/test_hybrids.py \
-    tests/test_gpu_engine.py -k "gpu or one_row or two_products" 2>&1 | tee "$out/changed_hybrid_tests.log" \
+    tests/test_gpu_engine.py -k "gpu or one_row or two_products" 2>&1 | tee "$out/falcon_fp8_hybrid_tests.log" \
     | grep -E "^FAILED|passed|failed"
   PYTHONPATH=.:${PYTHONPATH:-} timeout 150 python3 -m pytest -q -rf -p no:cacheprovider -m gpu tests/test_fp8_kernels.py 2>&1 \
-    | tee "$out/changed_fp8_tests.log" | grep -E "^FAILED|passed|failed"
+    | tee "$out/falcon_fp8_fp8_tests.log" | grep -E "^FAILED|passed|failed"
   timeout $((570 - SECONDS)) python3 -m benchmarks.prefill --models 2.8b --dtypes bfloat16,fp8 --shapes 1x8192 \
     --json "$out/prefill_fp8.json" 2>&1 | grep -v Warn | tee "$out/prefill_fp8.log"
   exit 0
 fi
-if [ -n "${CONTEXTS:-}" ]; then  # the other dense shapes with 16k-token contexts (Nemotron-H-8B's: PENDING)
+if [ -n "${CONTEXTS:-}" ]; then  # the other dense shapes with 16k-token contexts (Nemotron-H-8B's: DENSE)
   for shape in granite-4.0-h-micro falcon-h1-7b; do
     timeout 170 python3 -m benchmarks.hybrid --shape $shape --batches 1,32 --context 16384 --state-dtypes bfloat16 \
       --long 0 --prefills none --no-hf --json "$out/hybrid16k_$shape.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
@@ -162,7 +163,7 @@ if [ -n "${SHAPES:-}" ]; then
   done
   exit 0
 fi
-if [ -z "${BENCH:-}${HYBRID:-}${PENDING:-}${SOAK:-}${SERVE:-}${SHAPES:-}${CONTEXTS:-}${SERVE_HYBRID:-}${CHANGED:-}${BACKBONE:-}${MOE:-}${FP8:-}${ONEROW:-}" ]; then  # (no mode named: the default)
+if [ -z "${BENCH:-}${HYBRID:-}${DENSE:-}${SOAK:-}${SERVE:-}${SHAPES:-}${CONTEXTS:-}${SERVE_HYBRID:-}${FALCON_FP8:-}${BACKBONE:-}${MOE:-}${FP8:-}${ONEROW:-}" ]; then  # (no mode named: the default)
   # (the sm_90 compile test is for machines without a GPU: the CPU suite runs it)
   # every `gpu` test (~2 minutes on a warm H200; the server's tests need fastapi, uvicorn,
   # openai, pyzmq and msgspec: carry them as wheels, see the device tool's README)
@@ -194,7 +195,7 @@ if [ -n "${ONEROW:-}" ]; then
   fi
   exit 0
 fi
-if [ -n "${PENDING:-}" ]; then
+if [ -n "${DENSE:-}" ]; then
   # Nemotron-H-8B's batch 1 (the one-row step) beside batch 128 (the issue's ratio), its
   # 16k-token contexts
   timeout 100 python3 -m benchmarks.hybrid --shape nemotron-h-8b --batches 1,128 --state-dtypes bfloat16 --long 0 \
@@ -210,7 +211,7 @@ if [ -n "${PENDING:-}" ]; then
     2>&1 | grep -v Warn | head -34 | tee "$out/profile_b128.log"
   exit 0
 fi
-if [ -n "${SERVE_HYBRID:-}" ]; then  # (the prefix cache's default now holds 16 of its 100 MB states: does the shared 2048-token prefix hit?)
+if [ -n "${SERVE_HYBRID:-}" ]; then  # (the prefix cache's default holds 16 of its 100 MB states: whether the shared 2048-token prefix hits)
   timeout 260 python3 -m benchmarks.serve --model nemotron-h-8b --levels 64 --json "$out/serve_hybrid.json" 2>&1 \
     | grep -v Warning | tee "$out/serve_hybrid.log" | tail -8
   exit 0
