@@ -460,11 +460,10 @@ class DecodeStep:
         tiles = triton.cdiv(n_out, BN)
         if also is not None:
             assert w2.shape[1] == d and conv is None and not argmax
-            second = (w2, w2 if s2 is None else s2, b2 if b2 is not None else w2, out2)
+            second, n_out2 = (w2, w2 if s2 is None else s2, b2 if b2 is not None else w2, out2), w2.shape[0]
         else:  # unused pointers
-            w2 = weight
-            second = (weight,) * 4
-        grid = (self.B, tiles + triton.cdiv(w2.shape[0], BN) * (also is not None))
+            second, n_out2 = (weight,) * 4, 0
+        grid = (self.B, tiles + triton.cdiv(n_out2, BN))
         c = self.model.config
         if conv is not None:
             lw, conv_state = conv
@@ -476,7 +475,7 @@ class DecodeStep:
             conv_args = (out,) * 7
         _rmsnorm_linear_kernel[grid](
             self.h, self.dh if dh is None else dh, norm_w, weight, weight if scale is None else scale, bias if bias is not None else weight, out,
-            *conv_args, self.best, *second, self.B, d, n_out, w2.shape[0], tiles, c.d_inner, self.J, c.norm_eps,
+            *conv_args, self.best, *second, self.B, d, n_out, n_out2, tiles, c.d_inner, self.J, c.norm_eps,
             W_SCALED=scale is not None, WX_SCALED=wxs is not None, HAS_BIAS=bias is not None, CONV=conv is not None, ARGMAX=argmax, K=c.d_conv, KP=triton.next_power_of_2(c.d_conv),
             HAS_CB=conv is not None and conv[0].conv_b is not None,
             BN=BN, BK=BK, BJ=self.BJ, STAGES=stages, SUM_LAST=sum_last and not mma, UNROLL=unroll if sum_last and not mma else 1,
