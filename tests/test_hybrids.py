@@ -613,8 +613,8 @@ def assert_the_one_row_step_equals_the_reference(folder, dtype: str = "float32",
 
 
 def test_the_gpu_ops_decode_a_hybrid_as_the_reference_does(tmp_path):
-    """The GPU engine's ops (Triton's interpreter here: the Mamba kernels, the paged decode
-    attention) over a prefill and steps: the reference's logits."""
+    """The GPU engine's ops (the Mamba kernels, the paged decode attention; Triton's interpreter
+    without CUDA) over a prefill and steps: the reference's logits."""
     pytest.importorskip("triton")
     config, model_class = bamba()
     torch.manual_seed(0)
@@ -623,18 +623,20 @@ def test_the_gpu_ops_decode_a_hybrid_as_the_reference_does(tmp_path):
 
 
 def assert_the_gpu_ops_decode_it_as_the_reference_does(folder):
-    """The checkpoint's model over the GPU ops (Triton's interpreter on the CPU): the
-    reference's logits over a prefill of 20 tokens and 5 steps (the test above)."""
+    """The checkpoint's model over the GPU ops (compiled where CUDA is, else Triton's
+    interpreter): the CPU reference's logits over a prefill of 20 tokens and 5 steps."""
     from fastmamba.core.model import Mamba
     from fastmamba.core.ops import triton_ops
     from fastmamba.engine.plan import KERNEL_TILES
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (not `gpu`-marked: the kernels themselves where CUDA is)
     ref = fastmamba.load(folder).model
-    ours = Mamba(ref.config, ref.weights, triton_ops(KERNEL_TILES))
+    on_device = fastmamba.load(folder, device=device).model
+    ours = Mamba(on_device.config, on_device.weights, triton_ops(KERNEL_TILES))
     x = ids(2, 25, seed=4)
     states = ref.new_state(2), ours.new_state(2)
-    for model, state in zip((ref, ours), states):
-        model.prefill(x[:, :20], state)
+    ref.prefill(x[:, :20], states[0])
+    ours.prefill(x[:, :20].to(device), states[1])
     for t in range(20, 25):
-        want, got = ref.step(x[:, t], states[0]), ours.step(x[:, t], states[1])
+        want, got = ref.step(x[:, t], states[0]), ours.step(x[:, t].to(device), states[1]).cpu()
         assert relative_error(got, want) < 1e-4, t

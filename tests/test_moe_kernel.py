@@ -219,7 +219,7 @@ def test_the_sublayer_over_the_gpu_ops_is_the_reference(name, tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["granite", "nemotron", "jamba"])
 def test_the_gpu_ops_decode_the_model_as_the_reference_does(name, tmp_path_factory):
-    """The whole model over the GPU ops (Triton's interpreter): a prefill and decode steps, as
+    """The whole model over the GPU ops (Triton's interpreter without CUDA): a prefill and decode steps, as
     the GPU engine's layer-ops step runs them, give the reference's logits."""
     pytest.importorskip("triton")
     from test_hybrids import assert_the_gpu_ops_decode_it_as_the_reference_does
