@@ -462,7 +462,7 @@ def test_the_paged_decode_kernel_equals_its_twin(splits, tokens):
     k, v, table = paged_cache(g)
     lengths, rows = torch.tensor([0, 9, 27, 3, 5]), torch.tensor([1, 0, 2])
     q = torch.randn(B, H, hd, generator=g)
-    got = paged_decode(q, k, v, table, lengths, 0.3, rows, 1, tiles=PagedTiles(splits * PAGED[2], 1, tokens))
+    got = paged_decode(q, k, v, table, lengths, 0.3, rows, 1, tiles=PagedTiles(splits, 1, tokens))
     want = paged_decode_ref(q, k, v, table, lengths, 0.3, rows, 1)
     assert (got - want).abs().max() < 1e-5
     broken = paged_decode_ref(q, k, v, table, lengths, 0.3, rows, 0)  # (one token fewer: the test can fail)
@@ -484,7 +484,7 @@ def test_the_decode_attention_kernels_equal_their_twin(theta, rotary_dim):
     lengths, rows = torch.tensor([0, 9, 27, 3, 4]), torch.tensor([4, 0, 2])
     qkv = 3 * torch.randn(B, (H + 2 * KVH) * hd, generator=g)
     caches = (k.clone(), v.clone()), (k.clone(), v.clone())
-    got = decode_attention(qkv, *caches[0], table, lengths, rows, H, 0.3, theta, rotary_dim, tiles=PagedTiles(3 * KVH, 1, 64))
+    got = decode_attention(qkv, *caches[0], table, lengths, rows, H, 0.3, theta, rotary_dim, tiles=PagedTiles(3, 1, 64))
     want = decode_attention_ref(qkv, *caches[1], table, lengths, rows, H, 0.3, theta, rotary_dim)
     # (bf16 keys and values: both round the products' other operands to bf16, the kernel its
     # weights before the splits are added, the twin after: apart by ~1e-3 of the largest)

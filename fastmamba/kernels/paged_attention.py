@@ -9,13 +9,12 @@ where the sublayer's torch ops took about twenty:
 - `_rope_store_kernel`: a program a row and head rotates the query head (RoPE), or rotates
   the key head and stores it and the value head in their block;
 - `_paged_decode_kernel`: a program takes one row, one key/value head with the REP query
-  heads that share it (GQA), and one of SPLITS splits of the row's tokens (as many programs
-  a row whatever its key/value heads), every SPLITS-th run of BN tokens (BN / BS blocks)
-  below the row's length from its own; it runs over them with a running max and sum
-  (float32), the scores and the weighted values as tensor-core products (16-bit caches: the
-  scaled query and the weights rounded to their dtype; float32 ones in three TF32 passes,
-  float32's accuracy), and writes its partial result if it had a run;
-- `_paged_combine_kernel`: a program a row and key/value head adds up the splits that had a run.
+  heads that share it (GQA), and one of SPLITS splits of the row's tokens, every SPLITS-th
+  run of BN tokens (BN / BS blocks) below the row's length from its own; it runs over them
+  with a running max and sum (float32), the scores and the weighted values as tensor-core
+  products (16-bit caches: the scaled query and the weights rounded to their dtype; float32
+  ones in three TF32 passes, float32's accuracy), and writes its partial result;
+- `_paged_combine_kernel`: a program a row and key/value head adds the splits up.
 The blocks a split takes depend on the row's own length alone, never on the batch or the
 table's width, so a row's result is the same in any batch, every split has a share of any
 context, and the launch has one shape for a CUDA graph whatever the context. (Splits of
@@ -106,7 +105,7 @@ def paged_decode_ref(q, k_cache, v_cache, table, lengths, scale: float, rows=Non
 
 @dataclass(frozen=True)
 class PagedTiles:
-    programs: int  # a row's programs, over its key/value heads: programs // heads splits a head
+    splits: int  # programs a row and key/value head, each over every splits-th run of tokens
     warps: int
     tokens: int  # a run: the tokens a program's products take at once (a power of two, >= 16)
 
@@ -153,37 +152,32 @@ def _paged_decode_kernel(
         acc = tensor_dot(p.to(v.dtype), v, acc * alpha[:, None], F32)
         m = m_new
     part = (b64 * KVH + g) * SPLITS + s
-    kept = r < tl.where(s * BN < length, RP, 0)  # (a split with no run writes nothing; the sum skips it)
+    kept = r < RP
     tl.store(m_ptr + part * RP + r, m, mask=kept)
     tl.store(l_ptr + part * RP + r, l, mask=kept)
     tl.store(acc_ptr + (part * RP + r[:, None]) * HP + d[None, :], acc, mask=kept[:, None])
 
 
 @jit
-def _paged_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, len_ptr, rows_ptr, extra, KVH: tl.constexpr,
-                          REP: tl.constexpr, RP: tl.constexpr, HD: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr,
-                          SPLITS: tl.constexpr):
-    """The splits of one row and key/value head that had a run added up in order, each
-    weighted by exp(its max - the largest so far), the sums of values over the sums of
-    weights. (The splits past the row's runs wrote nothing: a short context reads as few
-    partial results as it has runs, however many splits a long one needs.)"""
+def _paged_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, KVH: tl.constexpr, REP: tl.constexpr, RP: tl.constexpr,
+                          HD: tl.constexpr, HP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
+    """The splits of one row and key/value head added up: each weighted by exp(its max - the
+    largest), the sums of values over the sums of weights; (a split with no block has m = -1e30,
+    weight 0)."""
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
+    s = tl.arange(0, SP)
     r = tl.arange(0, RP)
     d = tl.arange(0, HP)
-    length = tl.load(len_ptr + tl.load(rows_ptr + b).to(tl.int64)) + extra
-    m = tl.full([RP], -1.0e30, dtype=tl.float32)
-    l = tl.zeros([RP], dtype=tl.float32)
-    out = tl.zeros([RP, HP], dtype=tl.float32)
-    for s in range(0, tl.minimum(SPLITS, tl.cdiv(length, BN))):
-        part = (b * KVH + g) * SPLITS + s
-        m_s = tl.load(m_ptr + part * RP + r)
-        m_new = tl.maximum(m, m_s)
-        alpha, w = tl.exp(m - m_new), tl.exp(m_s - m_new)
-        l = l * alpha + tl.load(l_ptr + part * RP + r) * w
-        out = out * alpha[:, None] + tl.load(acc_ptr + (part * RP + r[:, None]) * HP + d[None, :]) * w[:, None]
-        m = m_new
-    out = out / l[:, None]  # (RP, HP)
+    part = (b * KVH + g) * SPLITS + s  # (SP,)
+    smask = s < SPLITS
+    m = tl.load(m_ptr + part[:, None] * RP + r[None, :], mask=smask[:, None], other=-1.0e30)  # (SP, RP)
+    l = tl.load(l_ptr + part[:, None] * RP + r[None, :], mask=smask[:, None], other=0.0)
+    w = tl.exp(m - tl.max(m, axis=0)[None, :])
+    w = tl.where(smask[:, None], w, 0.0)
+    acc = tl.load(acc_ptr + (part[:, None, None] * RP + r[None, :, None]) * HP + d[None, None, :],
+                  mask=smask[:, None, None], other=0.0)  # (SP, RP, HP)
+    out = tl.sum(acc * w[:, :, None], axis=0) / tl.sum(l * w, axis=0)[:, None]  # (RP, HP)
     H = KVH * REP
     tl.store(out_ptr + (b * H + g * REP + r[:, None]) * HD + d[None, :], out, mask=(r[:, None] < REP) & (d[None, :] < HD))
 
@@ -235,9 +229,7 @@ def paged_decode(q, k_cache, v_cache, table, lengths, scale: float, rows=None, e
     # (16 at least: the tensor-core products' least width)
     RP, HP = triton.next_power_of_2(REP), max(16, triton.next_power_of_2(hd))
     W = table.shape[1]
-    # (from the heads alone, never the batch or the context: a row's sums in one order in any
-    # batch; at batch 1 about `programs` programs share a long context, whatever the heads)
-    S = max(1, tiles.programs // KVH)
+    S = tiles.splits
     m = torch.empty(B, KVH, S, RP, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(B, KVH, S, RP, HP, device=q.device, dtype=torch.float32)
@@ -247,8 +239,8 @@ def paged_decode(q, k_cache, v_cache, table, lengths, scale: float, rows=None, e
         F32=k_cache.dtype == torch.float32, num_warps=tiles.warps,
     )
     out = torch.empty(B, H, hd, device=q.device, dtype=torch.float32)
-    _paged_combine_kernel[(B, KVH)](m, l, acc, out, lengths, rows, extra, KVH=KVH, REP=REP, RP=RP, HD=hd, HP=HP,
-                                    BN=tiles.tokens, SPLITS=S, num_warps=4)
+    _paged_combine_kernel[(B, KVH)](m, l, acc, out, KVH=KVH, REP=REP, RP=RP, HD=hd, HP=HP, SPLITS=S,
+                                    SP=triton.next_power_of_2(S), num_warps=4)
     return out
 
 
