@@ -202,17 +202,19 @@ def tiny(request, tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["granite", "nemotron", "jamba"])
 def test_the_sublayer_over_the_gpu_ops_is_the_reference(name, tmp_path_factory):
-    """moe.moe over core/ops.triton_ops (the grouped kernel at the plan's MOE_TILES, in the
-    interpreter) against the reference ops, routed and shared parts together."""
+    """moe.moe over core/ops.triton_ops (the grouped kernel at the plan's MOE_TILES; compiled
+    where CUDA is, else in the interpreter) against the reference ops, routed and shared parts
+    together."""
     pytest.importorskip("triton")
     import fastmamba
     from fastmamba.core.ops import triton_ops
     from fastmamba.engine.plan import KERNEL_TILES
 
-    model = fastmamba.load(tiny_checkpoint(name, tmp_path_factory)).model
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (not `gpu`-marked: the kernel itself where CUDA is)
+    model = fastmamba.load(tiny_checkpoint(name, tmp_path_factory), device=device).model
     c = model.config
     lw = model.weights.layers[c.kinds.index("moe")]
-    u = torch.randn(2, 11, c.d_model, generator=torch.Generator().manual_seed(3))
+    u = torch.randn(2, 11, c.d_model, generator=torch.Generator().manual_seed(3)).to(device)
     got = moe.moe(c, lw, u, triton_ops(KERNEL_TILES))
     assert relative_error(got, moe.moe(c, lw, u, REFERENCE_OPS)) < 1e-5
 
