@@ -20,6 +20,9 @@ from fastmamba.engine.protocol import Finished, Request, Token
 transformers = pytest.importorskip("transformers")
 
 V = 160
+# The kernel tests are not `gpu`-marked: they run the kernels compiled where CUDA is, in
+# Triton's interpreter (conftest) without it.
+KERNELS_ON = "cuda" if torch.cuda.is_available() else "cpu"
 MAMBA = dict(mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=8)
 
 
@@ -451,9 +454,10 @@ def paged_cache(g: torch.Generator, dtype=torch.float32):
 
 @pytest.mark.parametrize("splits, tokens", [(1, 16), (3, 64), (8, 16)])
 def test_the_paged_decode_kernel_equals_its_twin(splits, tokens):
-    """kernels/paged_attention.py (Triton's interpreter here): scattered blocks, GQA, rows that
-    index other slots, lengths that end mid-block and at one token, splits with no block, a
-    program's runs of several blocks one after another (runs of 16 tokens: 4 blocks)."""
+    """kernels/paged_attention.py (compiled where CUDA is, else Triton's interpreter): scattered
+    blocks, GQA, rows that index other slots, lengths that end mid-block and at one token,
+    splits with no block, a program's runs of several blocks one after another (runs of 16
+    tokens: 4 blocks)."""
     pytest.importorskip("triton")
     from fastmamba.kernels.paged_attention import PagedTiles, paged_decode, paged_decode_ref
 
@@ -462,7 +466,8 @@ def test_the_paged_decode_kernel_equals_its_twin(splits, tokens):
     k, v, table = paged_cache(g)
     lengths, rows = torch.tensor([0, 9, 27, 3, 5]), torch.tensor([1, 0, 2])
     q = torch.randn(B, H, hd, generator=g)
-    got = paged_decode(q, k, v, table, lengths, 0.3, rows, 1, tiles=PagedTiles(splits, 1, tokens))
+    on = [t.to(KERNELS_ON) for t in (q, k, v, table, lengths, rows)]
+    got = paged_decode(*on[:5], 0.3, on[5], 1, tiles=PagedTiles(splits, 1, tokens)).cpu()
     want = paged_decode_ref(q, k, v, table, lengths, 0.3, rows, 1)
     assert (got - want).abs().max() < 1e-5
     broken = paged_decode_ref(q, k, v, table, lengths, 0.3, rows, 0)  # (one token fewer: the test can fail)
@@ -471,10 +476,11 @@ def test_the_paged_decode_kernel_equals_its_twin(splits, tokens):
 
 @pytest.mark.parametrize("theta, rotary_dim", [(0.0, 0), (500.0, 6), (10000.0, 12)])
 def test_the_decode_attention_kernels_equal_their_twin(theta, rotary_dim):
-    """kernels/paged_attention.decode_attention (Triton's interpreter here): a row's new query
-    and key rotated at its slot's length (none, part of a head, all of it), the key and value
-    stored in that slot's block (16-bit there), the attention over the slot's tokens and the
-    new one; rows that index other slots, a position at a block's start and mid-block."""
+    """kernels/paged_attention.decode_attention (compiled where CUDA is, else Triton's
+    interpreter): a row's new query and key rotated at its slot's length (none, part of a head,
+    all of it), the key and value stored in that slot's block (16-bit there), the attention
+    over the slot's tokens and the new one; rows that index other slots, a position at a
+    block's start and mid-block."""
     pytest.importorskip("triton")
     from fastmamba.kernels.paged_attention import PagedTiles, decode_attention, decode_attention_ref
 
@@ -483,8 +489,10 @@ def test_the_decode_attention_kernels_equal_their_twin(theta, rotary_dim):
     k, v, table = paged_cache(g, torch.bfloat16)
     lengths, rows = torch.tensor([0, 9, 27, 3, 4]), torch.tensor([4, 0, 2])
     qkv = 3 * torch.randn(B, (H + 2 * KVH) * hd, generator=g)
-    caches = (k.clone(), v.clone()), (k.clone(), v.clone())
-    got = decode_attention(qkv, *caches[0], table, lengths, rows, H, 0.3, theta, rotary_dim, tiles=PagedTiles(3, 1, 64))
+    caches = (k.clone().to(KERNELS_ON), v.clone().to(KERNELS_ON)), (k.clone(), v.clone())
+    on = [t.to(KERNELS_ON) for t in (qkv, table, lengths, rows)]
+    got = decode_attention(on[0], *caches[0], *on[1:], H, 0.3, theta, rotary_dim, tiles=PagedTiles(3, 1, 64)).cpu()
+    caches = (caches[0][0].cpu(), caches[0][1].cpu()), caches[1]
     want = decode_attention_ref(qkv, *caches[1], table, lengths, rows, H, 0.3, theta, rotary_dim)
     # (bf16 keys and values: both round the products' other operands to bf16, the kernel its
     # weights before the splits are added, the twin after: apart by ~1e-3 of the largest)
@@ -539,7 +547,7 @@ def test_two_products_of_one_row_in_one_launch_equal_two_launches(tmp_path):
     from fastmamba.engine.plan import KERNEL_TILES, DecodePlan
 
     save_case("falcon_h1", tmp_path)
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # (not `gpu`-marked: the kernels themselves where CUDA is)
+    device = KERNELS_ON
     model = fastmamba.load(tmp_path, device=device).model
     step = make_decode_step(Mamba(model.config, model.weights, triton_ops(KERNEL_TILES)), 2, plan=DecodePlan("one-row"))
     g = torch.Generator().manual_seed(3)
@@ -579,7 +587,7 @@ def assert_the_one_row_step_equals_the_reference(folder, dtype: str = "float32",
     from fastmamba.engine.decode_step import make_decode_step
     from fastmamba.engine.plan import KERNEL_TILES, DecodePlan
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = KERNELS_ON
     ref = fastmamba.load(folder, dtype=dtype).model
     ours = Mamba(ref.config, fastmamba.load(folder, device=device, dtype=dtype).model.weights, triton_ops(KERNEL_TILES))
     x = ids(2, 20, seed=5)
@@ -629,7 +637,7 @@ def assert_the_gpu_ops_decode_it_as_the_reference_does(folder):
     from fastmamba.core.ops import triton_ops
     from fastmamba.engine.plan import KERNEL_TILES
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # (not `gpu`-marked: the kernels themselves where CUDA is)
+    device = KERNELS_ON
     ref = fastmamba.load(folder).model
     on_device = fastmamba.load(folder, device=device).model
     ours = Mamba(on_device.config, on_device.weights, triton_ops(KERNEL_TILES))
