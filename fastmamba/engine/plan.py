@@ -457,7 +457,9 @@ SSD_GRAD_TILES = SSDGradTiles(chunk=64, warps=4)
 # 132, and a 1k-token context is one run a program. 64 tokens: the products' tiles on the
 # tensor cores at 114 registers (sm_90 compile). Not swept; 8 splits of the table's columns,
 # a block at a time on the CUDA cores, took 936 µs a sublayer at batch 128 and 1k-token
-# contexts on an H100 (0.19 of the keys' and values' bytes at the copy rate).
+# contexts on an H100 (0.19 of the keys' and values' bytes at the copy rate). With fewer heads
+# the programs are too few for a long context: Falcon-H1-7B's 2 heads make 32, 35.1 µs a
+# sublayer at batch 1 and 16k tokens against 6.2 at 1k (H100; RESULTS, "Hybrid models").
 PAGED_TILES = PagedTiles(splits=16, warps=4, tokens=64)
 
 # -- a mixture of experts' grouped products (kernels/moe.py) -----------------------------------
