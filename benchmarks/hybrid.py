@@ -36,7 +36,7 @@ from fastmamba.core.sampling_params import SamplingParams
 from fastmamba.engine.engine_core import EngineCore
 from fastmamba.engine.language_model import LanguageModel
 from fastmamba.engine.plan import KERNEL_TILES, LAYER_OPS, DecodePlan
-from fastmamba.engine.protocol import Failed, Request, Token
+from fastmamba.engine.protocol import Failed, Finished, Request, Token
 from fastmamba.io.checkpoint import build_weights
 
 
@@ -107,18 +107,22 @@ def _tensors(obj):
             yield from _tensors(v)
 
 
-def decode_ms(model: Mamba, batch: int, context: int, steps: int, plan=None) -> float:
+def decode_ms(model: Mamba, batch: int, context: int, steps: int, plan=None, prefill_tokens: int = 8192) -> float:
     """Wall ms of an engine step once `batch` requests with `context`-token prompts decode
     (plan: the decode plan, engine/plan.py's; None: the table's)."""
+    # The first rows decode a token a step while the others prefill: their outputs outlast
+    # the prefill's steps (128 rows of 16k tokens: 256 of them), then the warm-up and the timing.
+    out = -(-batch * context // prefill_tokens) + 3 * steps + 32
     lm = LanguageModel(model, None, engine=engine(model))
-    core = EngineCore(model, lm.prefill, max_batch=batch, prefill_tokens=8192,
-                      kv_tokens=batch * (context + 3 * steps + 64), decode_plan=plan)
+    core = EngineCore(model, lm.prefill, max_batch=batch, prefill_tokens=prefill_tokens,
+                      kv_tokens=batch * (context + out + 64), decode_plan=plan)
     g = torch.Generator().manual_seed(batch)
     for k in range(batch):
         ids = torch.randint(3, model.config.vocab_size, (context,), generator=g).tolist()
-        core.add(Request(k, ids, SamplingParams(max_tokens=3 * steps + 32, stop_token_ids=[])))
+        core.add(Request(k, ids, SamplingParams(max_tokens=out, stop_token_ids=[])))
     while core.running < batch or any(r.pos < len(r.ids) for r in core.slots if r is not None):
-        core.step()
+        if any(isinstance(o, (Finished, Failed)) for o in core.step()):
+            raise RuntimeError(f"a request ended before all {batch} rows of {context} tokens were decoding")
     for _ in range(5):
         core.step()
     ms = synced(lambda: [core.step() for _ in range(steps)]) / steps
