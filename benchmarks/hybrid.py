@@ -121,8 +121,11 @@ def decode_ms(model: Mamba, batch: int, context: int, steps: int, plan=None, pre
         ids = torch.randint(3, model.config.vocab_size, (context,), generator=g).tolist()
         core.add(Request(k, ids, SamplingParams(max_tokens=out, stop_token_ids=[])))
     while core.running < batch or any(r.pos < len(r.ids) for r in core.slots if r is not None):
-        if any(isinstance(o, (Finished, Failed)) for o in core.step()):
-            raise RuntimeError(f"a request ended before all {batch} rows of {context} tokens were decoding")
+        for o in core.step():
+            if isinstance(o, Failed):
+                raise RuntimeError(f"a {context}-token request failed: {o.error.kind}: {o.error.message}")
+            if isinstance(o, Finished):
+                raise RuntimeError(f"a request ended before all {batch} rows of {context} tokens were decoding")
     for _ in range(5):
         core.step()
     ms = synced(lambda: [core.step() for _ in range(steps)]) / steps
