@@ -209,6 +209,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32,128")
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens a request, before decoding")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--prefill-tokens", type=int, default=8192, help="the engine's prompt tokens a step while "
+                    "the decode's requests come in")
     ap.add_argument("--state-dtypes", default="float32", help="the recurrent state's dtypes to decode with (float32,bfloat16)")
     ap.add_argument("--plans", default="table", help="the decode plans to time: the table's (table), and "
                     "one-row (kernels/decode_step_hybrid.py) or layer-ops, e.g. table,one-row")
@@ -244,7 +246,8 @@ def main() -> None:
     for state_dtype in args.state_dtypes.split(","):
         m = Mamba(model.config, model.weights, model.ops, state_dtype=parse_state_dtype(state_dtype))
         for b, plan in itertools.product([int(x) for x in args.batches.split(",")], args.plans.split(",")):
-            ms, floor = decode_ms(m, b, args.context, args.steps, plans[plan]), floor_ms(m, b, args.context, bw)
+            ms = decode_ms(m, b, args.context, args.steps, plans[plan], args.prefill_tokens)
+            floor = floor_ms(m, b, args.context, bw)
             emit(what="decode", state=state_dtype, batch=b, context=args.context, plan=plan, ms=round(ms, 3),
                  floor_ms=round(floor, 3), of_floor=round(floor / ms, 3))
         m = None
