@@ -489,16 +489,16 @@ def test_the_decode_attention_kernels_equal_their_twin(theta, rotary_dim):
     k, v, table = paged_cache(g, torch.bfloat16)
     lengths, rows = torch.tensor([0, 9, 27, 3, 4]), torch.tensor([4, 0, 2])
     qkv = 3 * torch.randn(B, (H + 2 * KVH) * hd, generator=g)
-    caches = (k.clone().to(KERNELS_ON), v.clone().to(KERNELS_ON)), (k.clone(), v.clone())
+    ours, theirs = [t.clone().to(KERNELS_ON) for t in (k, v)], [k.clone(), v.clone()]  # (the caches each stores in)
     on = [t.to(KERNELS_ON) for t in (qkv, table, lengths, rows)]
-    got = decode_attention(on[0], *caches[0], *on[1:], H, 0.3, theta, rotary_dim, tiles=PagedTiles(3, 1, 64)).cpu()
-    caches = (caches[0][0].cpu(), caches[0][1].cpu()), caches[1]
-    want = decode_attention_ref(qkv, *caches[1], table, lengths, rows, H, 0.3, theta, rotary_dim)
+    got = decode_attention(on[0], *ours, *on[1:], H, 0.3, theta, rotary_dim, tiles=PagedTiles(3, 1, 64)).cpu()
+    ours = [t.cpu() for t in ours]
+    want = decode_attention_ref(qkv, *theirs, table, lengths, rows, H, 0.3, theta, rotary_dim)
     # (bf16 keys and values: both round the products' other operands to bf16, the kernel its
     # weights before the splits are added, the twin after: apart by ~1e-3 of the largest)
     assert (got - want).abs().max() < 3e-3 * want.abs().max()
-    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
-    assert not torch.equal(caches[0][0], k)  # (the keys were stored: the test can fail)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    assert not torch.equal(ours[0], k)  # (the keys were stored: the test can fail)
     if theta:  # the rotation is there to be checked: without it the outputs move
         plain = decode_attention_ref(qkv, k.clone(), v.clone(), table, lengths, rows, H, 0.3)
         assert (got - plain)[[0, 2]].abs().max() > 1e-3  # (row 1's slot is at position 0: no turn)

@@ -206,11 +206,12 @@ def test_the_sublayer_over_the_gpu_ops_is_the_reference(name, tmp_path_factory):
     where CUDA is, else in the interpreter) against the reference ops, routed and shared parts
     together."""
     pytest.importorskip("triton")
+    from test_hybrids import KERNELS_ON as device
+
     import fastmamba
     from fastmamba.core.ops import triton_ops
     from fastmamba.engine.plan import KERNEL_TILES
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # (not `gpu`-marked: the kernel itself where CUDA is)
     model = fastmamba.load(tiny_checkpoint(name, tmp_path_factory), device=device).model
     c = model.config
     lw = model.weights.layers[c.kinds.index("moe")]
@@ -221,8 +222,8 @@ def test_the_sublayer_over_the_gpu_ops_is_the_reference(name, tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["granite", "nemotron", "jamba"])
 def test_the_gpu_ops_decode_the_model_as_the_reference_does(name, tmp_path_factory):
-    """The whole model over the GPU ops (Triton's interpreter without CUDA): a prefill and decode steps, as
-    the GPU engine's layer-ops step runs them, give the reference's logits."""
+    """The whole model over the GPU ops (Triton's interpreter without CUDA): a prefill and
+    decode steps, as the GPU engine's layer-ops step runs them, give the reference's logits."""
     pytest.importorskip("triton")
     from test_hybrids import assert_the_gpu_ops_decode_it_as_the_reference_does
 
