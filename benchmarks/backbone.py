@@ -2,10 +2,14 @@
 out), the sequence pass forward and forward + backward, beside cuDNN's LSTM and GRU steps
 in CUDA graphs and the backbone's eager step. The floor at large batches: the state read
 and written once a step, at the copy rate (floor_fraction: the floor over the graph's
-replay). With --cpu: the batch-1 step on the CPU.
+replay). With --cpu: the batch-1 step on the CPU. Each step row names the step that ran
+(LockstepKernels or KernelStep, engine/backbone_step.py); --steps runs the batches under
+each of the plan's choice ("plan"), the decode kernels' step ("kernels") and the lockstep
+step wherever it fits ("lockstep").
 
     python -m benchmarks.backbone --json backbone.json
     python -m benchmarks.backbone --step-only --json step.json   # the steps and the cuDNN cells
+    python -m benchmarks.backbone --step-only --steps kernels,lockstep   # the two steps, A/B
     python -m benchmarks.backbone --training --json training.json   # forward + backward only
     python -m benchmarks.backbone --training --autocast --deterministic   # the modes' costs
     python -m benchmarks.backbone --training --layer mamba2   # Mamba-2 layers (heads of 64)
@@ -20,6 +24,7 @@ passes under torch.autocast("cuda", bfloat16) (float32 parameters; the LSTM peer
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,6 +32,11 @@ import torch
 from fastmamba import Backbone, BackboneConfig
 from fastmamba.bench import copy_bandwidth, host_us
 from fastmamba.core.layers import state_bytes
+from fastmamba.engine import plan
+
+PLANNED = plan.LOCKSTEP_ROUTES
+# --steps lockstep: the lockstep step at every batch its grid fits (the plan's rows, widened)
+LOCKSTEP_EVERYWHERE = tuple(replace(r, batches=(1, 8) if r.rows < 16 else (9, 1 << 30)) for r in PLANNED)
 
 SHAPES = {"128x3": dict(input_dim=64, d_model=128, n_layer=3), "512x4": dict(input_dim=64, d_model=512, n_layer=4)}
 # --layer mamba2: heads of 64 (BackboneConfig's default), the states of the earlier inline runs
@@ -150,7 +160,13 @@ def main() -> None:
     ap.add_argument("--autocast", action="store_true", help="--training under torch.autocast('cuda', bfloat16)")
     ap.add_argument("--deterministic", action="store_true", help="--training with Backbone(deterministic=True)")
     ap.add_argument("--layer", default="mamba1", choices=("mamba1", "mamba2"), help="the Backbone's layers")
+    ap.add_argument("--steps", default="plan", help="comma-separated: plan, kernels, lockstep (see above)")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--batches", default="1,16,256,1024,4096")
     args = ap.parse_args()
+    steps = args.steps.split(",")
+    if not set(steps) <= {"plan", "kernels", "lockstep"}:
+        ap.error(f"--steps takes plan, kernels and lockstep, got {args.steps!r}")
     rows = []
 
     def emit(**row):
@@ -172,12 +188,16 @@ def main() -> None:
         return
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}, copy rate {bw / 1e12:.2f} TB/s")
-    for name in SHAPES:
+    for name in args.shapes.split(","):
         for dtype in (torch.float32, torch.bfloat16):
             torch.manual_seed(0)
             bb = Backbone(config(name, args.layer), device="cuda", dtype=dtype)
             c = bb.config
-            for batch in () if args.sequence_only else (1, 16, 256, 1024, 4096):
+            batches = [] if args.sequence_only else [int(b) for b in args.batches.split(",")]
+            for batch, step in ((b, st) for b in batches for st in steps):
+                plan.LOCKSTEP_ROUTES = {"plan": PLANNED, "kernels": (), "lockstep": LOCKSTEP_EVERYWHERE}[step]
+                bb._graphs.clear()
+                bb._last_graph = None
                 s = bb.new_state(batch)
                 x = torch.randn(batch, 64, device="cuda")
                 xn = x.cpu().numpy()
@@ -187,9 +207,11 @@ def main() -> None:
                 host = host_us(lambda: bb.step(xn, s), 200)
                 with torch.no_grad():
                     eager = host_us(lambda: bb._step_eager(x, s), 50)
-                emit(shape=name, layer=args.layer, dtype=str(dtype)[6:], batch=batch, step_us=round(dev, 1),
+                ran = type(bb._last_graph.kernels).__name__
+                emit(shape=name, layer=args.layer, dtype=str(dtype)[6:], batch=batch, asked=step, step=ran, step_us=round(dev, 1),
                      replay_us=round(replay, 1), numpy_step_us=round(host, 1), eager_step_us=round(eager, 1),
                      floor_us=round(moved / bw * 1e6, 1), floor_fraction=round(moved / bw * 1e6 / replay, 2))
+            plan.LOCKSTEP_ROUTES = PLANNED
             bb._graphs.clear()
             bb._last_graph = None
             if dtype == torch.float32 and not args.step_only:

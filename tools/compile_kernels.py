@@ -57,6 +57,7 @@ from fastmamba.kernels import decode_step_hybrid as hy  # noqa: E402
 from fastmamba.kernels import decode_step_mamba2 as s2  # noqa: E402
 from fastmamba.kernels import fp8_gemm as f8  # noqa: E402
 from fastmamba.kernels import gated_norm as gn  # noqa: E402
+from fastmamba.kernels import lockstep_step as ls  # noqa: E402
 from fastmamba.kernels import moe as mo  # noqa: E402
 from fastmamba.kernels import paged_attention as pa  # noqa: E402
 from fastmamba.kernels import products as gm  # noqa: E402
@@ -432,6 +433,16 @@ def main() -> None:
                                                      STAGES=CONV_TILES.stages, UNROLL=CONV_TILES.unroll, RESETS=False,
                                                      HAS_START=False), num_warps=CONV_TILES.warps)
     res.append("hybrid decode attention + conv: ok")
+    # the Backbone's lockstep step (128 x 3, input 64): one row a group (multiply-and-sum) and
+    # 16 (the tensor cores), bf16 and float32 weights, a bf16 state
+    for wdt, (rows, programs) in itertools.product(("*bf16", "*fp32"), ((1, 16), (16, 8))):
+        t = ptrs("x_ptr", "y_ptr", "ipb_ptr", "normf_ptr", "hs_ptr", "share_ptr", conv_ptr="*bf16", ssm_ptr="*bf16",
+                 table_ptr="*i64", ipw_ptr=wdt, count_ptr="*i64", eps="fp32")
+        compile_kernel(ls._lockstep_step_kernel, t, dict(
+            I=64, IP=64, D=128, DP=128, E=256, N=16, NP=16, K=4, R=8, RP=16, RB=rows, P=programs, BD=32,
+            WTYPE=triton.language.bfloat16 if wdt == "*bf16" else triton.language.float32,
+            INPUT_PROJ=True, PROJ_BIAS=True, CONV_BIAS=True))
+    res.append("backbone lockstep step: ok")
     print("\n".join(res))
 
 

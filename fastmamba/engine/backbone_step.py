@@ -1,5 +1,6 @@
-"""The Backbone's step on CUDA: the language model's decode kernels over the backbone's own
-parameters (KernelStep), replayed as CUDA graphs kept by batch size and state dtypes, and
+"""The Backbone's step on CUDA: the whole step in one launch at small widths (LockstepKernels:
+kernels/lockstep_step.py, where the plan's LOCKSTEP_ROUTES say so), else the language
+model's decode kernels over the backbone's own parameters (KernelStep), replayed as CUDA graphs kept by batch size and state dtypes, and
 within those by the state's memory, both bounded (StepGraphs, StateGraph). `bb` is always a
 fastmamba.Backbone (backbone.py, which imports this module)."""
 
@@ -73,6 +74,61 @@ class KernelStep:
         return self.step(None, state, h=h)
 
 
+class LockstepKernels:
+    """The lockstep step (kernels/lockstep_step.py) over a Backbone's parameters, read
+    through a table of their addresses: an optimizer's in-place updates are seen at once, and
+    A = -exp(A_log) is taken in the kernel (nothing to sync). Moving the module (`.to()`)
+    drops the Backbone's steps (Backbone._apply), and with them this table."""
+
+    def __init__(self, bb: nn.Module, batch: int, route):
+        from fastmamba.kernels.lockstep_step import SLOTS, LockstepStep
+
+        self.tensors = []  # held, so that the table's addresses stay theirs
+        table = []
+        for layer in bb.layers:
+            tensors = lockstep_tensors(layer)
+            self.tensors += [t for t in tensors.values() if t is not None]
+            table.append([tensors[name].data_ptr() if tensors[name] is not None else 0 for name in SLOTS])
+        p = bb.input_proj
+        self.step = LockstepStep(bb.config, torch.tensor(table, dtype=torch.int64, device=bb.device), storage_dtype(bb),
+                                 (p.weight, p.bias) if p is not None else None, bb.norm_f.weight, batch, route.rows,
+                                 bb.config.d_inner // route.channels, route.warps)
+
+    def sync(self) -> None:
+        pass
+
+    def __call__(self, x: torch.Tensor, state: MambaState) -> torch.Tensor:
+        return self.step(x, state)
+
+
+def storage_dtype(bb: nn.Module) -> torch.dtype:
+    """The large matrices' dtype."""
+    return bb.layers[0].mixer.in_proj.weight.dtype
+
+
+def lockstep_tensors(layer) -> dict:
+    """One Mamba-1 layer's parameters by the lockstep table's slot names."""
+    m = layer.mixer
+    return dict(
+        norm_w=layer.norm.weight, in_proj_w=m.in_proj.weight, in_proj_b=m.in_proj.bias, conv_w=m.conv1d.weight,
+        conv_b=m.conv1d.bias, x_proj_w=m.x_proj.weight, dt_proj_w=m.dt_proj.weight, dt_bias=m.dt_proj.bias,
+        A_log=m.A_log, D=m.D, out_proj_w=m.out_proj.weight, out_proj_b=m.out_proj.bias,
+    )
+
+
+def lockstep_reads(bb: nn.Module) -> bool:
+    """Whether the lockstep kernel reads these parameters as they lie: the large matrices
+    (input_proj's too) in one storage dtype, the rest float32, all contiguous (as Backbone
+    makes them; a module cast by hand otherwise takes the decode kernels' step)."""
+    storage = storage_dtype(bb)
+    named = [(k, t) for layer in bb.layers for k, t in lockstep_tensors(layer).items()]
+    named.append(("norm_f", bb.norm_f.weight))
+    if bb.input_proj is not None:
+        named += [("input_proj_w", bb.input_proj.weight), ("input_proj_b", bb.input_proj.bias)]
+    return all(t is None or (t.dtype == (storage if k.endswith("_proj_w") else torch.float32) and t.is_contiguous())
+               for k, t in named)
+
+
 # Bounds on the step's CUDA graphs (see Backbone's doc): a graph costs its capture's memory
 # and a capture about three steps' time, while a run steps a few batch sizes (rollouts,
 # evaluation) and one or two states a batch size at a time.
@@ -113,8 +169,9 @@ def state_address(state: MambaState) -> tuple:
 
 
 class StepGraphs:
-    """The step at one batch size on CUDA: the decode kernels and their scratch (KernelStep)
-    where Triton is there, else (and for Mamba-2 layers) the module's own step; the input and
+    """The step at one batch size on CUDA: where Triton is there, the lockstep step where the
+    plan's LOCKSTEP_ROUTES say so (LockstepKernels), else the decode kernels (KernelStep),
+    with their scratch; without Triton (and for Mamba-2 layers) the module's own step; the input and
     output buffers; one memory pool; and the graphs over the last STATES_PER_BATCH state
     addresses. The kernels
     and buffers are made at the first capture. Holds the backbone weakly (the backbone holds
@@ -129,12 +186,15 @@ class StepGraphs:
         return self.states.get(state_address(state), lambda: StateGraph(self, state))
 
     def _setup(self) -> None:
+        from fastmamba.engine.plan import lockstep_route
         from fastmamba.kernels._triton import HAVE_TRITON
 
         bb, B = self.bb(), self.batch
         dev = bb.device
         if HAVE_TRITON and bb.config.layer == "mamba1":
-            self.kernels = self.run = KernelStep(bb, B)
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count
+            route = lockstep_route(bb.config, B, bb.deterministic, sms) if lockstep_reads(bb) else None
+            self.kernels = self.run = LockstepKernels(bb, B, route) if route is not None else KernelStep(bb, B)
         else:  # the module's own step (a Mamba-2 layer's on the GPU ops: backbone_mamba2.step_ops)
             module = self.bb
             self.run = lambda x, state: module()._step_eager(x, state)

@@ -349,6 +349,49 @@ def batch_invariant_ranges(d_model: int, dtype: torch.dtype, up_to: int = 512) -
     return [tuple(x) for x in out if x[2] != "cublas"]
 
 
+# == The Backbone's step ======================================================================
+# fastmamba.Backbone's step on CUDA (engine/backbone_step.py): the lockstep step
+# (kernels/lockstep_step.py: the whole step one launch, its programs in lockstep through
+# grid barriers) where a row here says so and the grid fits the GPU at once, else (and in the
+# deterministic mode, and for Mamba-2 layers) the decode kernels' step (KernelStep) by the
+# decode plan above.
+@dataclass(frozen=True)
+class LockstepRoute:
+    widths: tuple[int, int]  # d_model, from and to
+    batches: tuple[int, int]  # batch sizes, from and to
+    rows: int  # rows a group (below 16: multiply-and-sum products; 16: the tensor cores)
+    channels: int  # each program's slice of d_inner
+    warps: int
+    reason: str
+
+
+LOCKSTEP_ROUTES = (
+    LockstepRoute((1, 256), (1, 8), rows=1, channels=16, warps=4,
+                  reason="a row a group, E / 16 programs each (128 x 3: 16; 122 registers, no spill at bf16)"),
+    LockstepRoute((1, 256), (9, 256), rows=16, channels=32, warps=8,
+                  reason="16 rows a group on the tensor cores (128 x 3: 8 programs a group, 128 at batch 256; "
+                         "255 registers, no spill at 8 warps, 472 bytes spilled at 4)"),
+)
+
+
+def lockstep_route(config, batch: int, deterministic: bool, multiprocessors: int) -> LockstepRoute | None:
+    """The table's row for this Backbone config (BackboneConfig) and batch, or None: the
+    decode kernels' step. None too where the grid would not fit the GPU's `multiprocessors`
+    at once (the barriers wait for every program of a group) or the widths do not fit."""
+    from fastmamba.kernels.lockstep_step import unfit
+
+    if deterministic or config.layer != "mamba1":
+        return None
+    r = next((r for r in LOCKSTEP_ROUTES if r.widths[0] <= config.d_model <= r.widths[1]
+              and r.batches[0] <= batch <= r.batches[1]), None)
+    if r is None or config.d_inner % r.channels:
+        return None
+    programs = config.d_inner // r.channels
+    if -(-batch // r.rows) * programs > multiprocessors or unfit(config, torch.float32, r.rows, programs):
+        return None
+    return r
+
+
 # == The prefill, Mamba-2 scan, training and sampler kernels' tiles ===========================
 # One instance of each kernel module's settings type, each value with its reason; the GPU ops
 # (core/ops.triton_ops, training_ops) bind them from KERNEL_TILES, the samplers
