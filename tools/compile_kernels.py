@@ -39,6 +39,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from fastmamba.engine.plan import (  # noqa: E402
     CONV_GRAD_TILES,
     CONV_TILES,
+    LOCKSTEP_ROUTES,
     MOE_TILES,
     PAGED_TILES,
     PRODUCTS_BLOCKS,
@@ -433,15 +434,15 @@ def main() -> None:
                                                      STAGES=CONV_TILES.stages, UNROLL=CONV_TILES.unroll, RESETS=False,
                                                      HAS_START=False), num_warps=CONV_TILES.warps)
     res.append("hybrid decode attention + conv: ok")
-    # the Backbone's lockstep step (128 x 3, input 64): one row a group (multiply-and-sum) and
-    # 16 (the tensor cores), bf16 and float32 weights, a bf16 state
-    for wdt, (rows, programs) in itertools.product(("*bf16", "*fp32"), ((1, 16), (16, 8))):
+    # the Backbone's lockstep step (128 x 3, input 64) as the plan runs it: a row a group
+    # (multiply-and-sum, bf16 weights) and 16 (the tensor cores, float32 weights' tf32x3), a bf16 state
+    for wdt, r in (("*bf16", LOCKSTEP_ROUTES[0]), ("*fp32", LOCKSTEP_ROUTES[1])):
         t = ptrs("x_ptr", "y_ptr", "ipb_ptr", "normf_ptr", "hs_ptr", "share_ptr", conv_ptr="*bf16", ssm_ptr="*bf16",
                  table_ptr="*i64", ipw_ptr=wdt, count_ptr="*i64", eps="fp32")
         compile_kernel(ls._lockstep_step_kernel, t, dict(
-            I=64, IP=64, D=128, DP=128, E=256, N=16, NP=16, K=4, R=8, RP=16, RB=rows, P=programs, BD=32,
+            I=64, IP=64, D=128, DP=128, E=256, N=16, NP=16, K=4, R=8, RP=16, RB=r.rows, P=256 // r.channels, BD=32,
             WTYPE=triton.language.bfloat16 if wdt == "*bf16" else triton.language.float32,
-            INPUT_PROJ=True, PROJ_BIAS=True, CONV_BIAS=True))
+            INPUT_PROJ=True, PROJ_BIAS=True, CONV_BIAS=True), num_warps=r.warps)
     res.append("backbone lockstep step: ok")
     print("\n".join(res))
 
