@@ -35,8 +35,8 @@ from fastmamba.core.layers import state_bytes
 from fastmamba.engine import plan
 
 PLANNED = plan.LOCKSTEP_ROUTES
-# --steps lockstep: the lockstep step at every batch its grid fits (the plan's rows, widened)
-LOCKSTEP_EVERYWHERE = tuple(replace(r, batches=(1, 8) if r.rows < 16 else (9, 1 << 30)) for r in PLANNED)
+# --steps lockstep: the lockstep step at every batch its grid fits (its shapes' rows, widened)
+LOCKSTEP_EVERYWHERE = tuple(replace(r, batches=(1, 8) if r.rows < 16 else (9, 1 << 30)) for r in plan.LOCKSTEP_SHAPES)
 
 SHAPES = {"128x3": dict(input_dim=64, d_model=128, n_layer=3), "512x4": dict(input_dim=64, d_model=512, n_layer=4)}
 # --layer mamba2: heads of 64 (BackboneConfig's default), the states of the earlier inline runs

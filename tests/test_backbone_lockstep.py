@@ -87,17 +87,22 @@ def test_the_lockstep_step_reads_the_parameters_in_place():
         assert rel_err(step(x, s1), bb._step_eager(x, s2)) < 1e-5
 
 
-def test_the_plan_routes_small_widths_to_the_lockstep_step_and_the_rest_to_the_decode_kernels():
+def test_the_lockstep_shapes_route_small_widths_and_the_rest_goes_to_the_decode_kernels():
+    def route(config, batch, deterministic=False, sms=132):
+        return plan.lockstep_route(config, batch, deterministic, sms, plan.LOCKSTEP_SHAPES)
+
     c128 = BackboneConfig(input_dim=64, d_model=128, n_layer=3)
-    r = plan.lockstep_route(c128, 1, False, 132)
+    r = route(c128, 1)
     assert (r.rows, c128.d_inner // r.channels) == (1, 16)
-    r = plan.lockstep_route(c128, 256, False, 132)
+    r = route(c128, 256)
     assert (r.rows, -(-256 // r.rows) * (c128.d_inner // r.channels)) == (16, 128)  # 128 programs: within 132
-    assert plan.lockstep_route(c128, 1024, False, 132) is None  # 512 programs: not all at once
-    assert plan.lockstep_route(c128, 256, False, 100) is None  # a GPU (or MIG slice) of fewer multiprocessors
-    assert plan.lockstep_route(c128, 1, True, 132) is None  # deterministic: the decode kernels' step
-    assert plan.lockstep_route(BackboneConfig(input_dim=64, d_model=512, n_layer=4), 1, False, 132) is None
-    assert plan.lockstep_route(BackboneConfig(input_dim=64, d_model=128, n_layer=3, layer="mamba2"), 1, False, 132) is None
+    assert route(c128, 1024) is None  # 512 programs: not all at once
+    assert route(c128, 256, sms=100) is None  # a GPU (or MIG slice) of fewer multiprocessors
+    assert route(c128, 1, deterministic=True) is None  # deterministic: the decode kernels' step
+    assert route(BackboneConfig(input_dim=64, d_model=512, n_layer=4), 1) is None
+    assert route(BackboneConfig(input_dim=64, d_model=128, n_layer=3, layer="mamba2"), 1) is None
+    # the plan's own routes: the shapes where a GPU run has shown the lockstep step winning
+    assert set(plan.LOCKSTEP_ROUTES) <= set(plan.LOCKSTEP_SHAPES)
 
 
 def test_the_lockstep_step_refuses_what_it_cannot_hold_by_name():
@@ -120,13 +125,14 @@ def test_the_lockstep_step_refuses_what_it_cannot_hold_by_name():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("batch", [1, 8, 16, 100, 256])
-def test_gpu_the_step_runs_lockstep_and_equals_the_decode_kernels_step(dtype, batch):
-    """At 128 x 3 the plan runs the lockstep step (16 programs a row at batch 1 to 8, groups
+def test_gpu_the_step_runs_lockstep_and_equals_the_decode_kernels_step(dtype, batch, monkeypatch):
+    """At 128 x 3 the lockstep shapes run the lockstep step (16 programs a row at batch 1 to 8, groups
     of 16 rows of 8 programs above): graph replays over many steps (the barriers' counters
     carry over from launch to launch) against KernelStep's, and two states given the same
     inputs stay bitwise equal (the shares are summed in a fixed order)."""
     from fastmamba.engine.backbone_step import KernelStep, LockstepKernels
 
+    monkeypatch.setattr(plan, "LOCKSTEP_ROUTES", plan.LOCKSTEP_SHAPES)
     bb = backbone(device="cuda", dtype=dtype, input_dim=64, d_model=128, n_layer=3, d_state=16)
     kernels = KernelStep(bb, batch)
     ours, again, theirs = bb.new_state(batch), bb.new_state(batch), bb.new_state(batch)
@@ -146,9 +152,10 @@ def test_gpu_the_step_runs_lockstep_and_equals_the_decode_kernels_step(dtype, ba
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_a_row_of_the_lockstep_step_is_the_same_at_every_batch_size_of_its_kind():
+def test_gpu_a_row_of_the_lockstep_step_is_the_same_at_every_batch_size_of_its_kind(monkeypatch):
     """A row's outputs do not depend on the other rows: bitwise the same at batches 1 and 8
     (a row a group) and at 16, 100 and 256 (groups of 16 rows)."""
+    monkeypatch.setattr(plan, "LOCKSTEP_ROUTES", plan.LOCKSTEP_SHAPES)
     bb = backbone(device="cuda", input_dim=64, d_model=128, n_layer=3, d_state=16)
     x = torch.randn(256, 64, device="cuda")
     out = {}

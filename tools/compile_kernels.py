@@ -39,7 +39,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from fastmamba.engine.plan import (  # noqa: E402
     CONV_GRAD_TILES,
     CONV_TILES,
-    LOCKSTEP_ROUTES,
+    LOCKSTEP_SHAPES,
     MOE_TILES,
     PAGED_TILES,
     PRODUCTS_BLOCKS,
@@ -434,9 +434,9 @@ def main() -> None:
                                                      STAGES=CONV_TILES.stages, UNROLL=CONV_TILES.unroll, RESETS=False,
                                                      HAS_START=False), num_warps=CONV_TILES.warps)
     res.append("hybrid decode attention + conv: ok")
-    # the Backbone's lockstep step (128 x 3, input 64) as the plan runs it: a row a group
+    # the Backbone's lockstep step (128 x 3, input 64) in the plan's two shapes: a row a group
     # (multiply-and-sum, bf16 weights) and 16 (the tensor cores, float32 weights' tf32x3), a bf16 state
-    for wdt, r in (("*bf16", LOCKSTEP_ROUTES[0]), ("*fp32", LOCKSTEP_ROUTES[1])):
+    for wdt, r in (("*bf16", LOCKSTEP_SHAPES[0]), ("*fp32", LOCKSTEP_SHAPES[1])):
         t = ptrs("x_ptr", "y_ptr", "ipb_ptr", "normf_ptr", "hs_ptr", "share_ptr", conv_ptr="*bf16", ssm_ptr="*bf16",
                  table_ptr="*i64", ipw_ptr=wdt, count_ptr="*i64", eps="fp32")
         compile_kernel(ls._lockstep_step_kernel, t, dict(

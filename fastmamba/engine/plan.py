@@ -365,24 +365,32 @@ class LockstepRoute:
     reason: str
 
 
-LOCKSTEP_ROUTES = (
+# Its two shapes, for the batches each can serve: what `benchmarks.backbone --steps lockstep`
+# times against the decode kernels' step, and what the tests run.
+LOCKSTEP_SHAPES = (
     LockstepRoute((1, 256), (1, 8), rows=1, channels=16, warps=4,
                   reason="a row a group, E / 16 programs each (128 x 3: 16; 122 registers, no spill at bf16)"),
     LockstepRoute((1, 256), (9, 256), rows=16, channels=32, warps=8,
                   reason="16 rows a group on the tensor cores (128 x 3: 8 programs a group, 128 at batch 256; "
                          "255 registers, no spill at 8 warps, 472 bytes spilled at 4)"),
 )
+# Where the step takes it: nowhere until a GPU has run its tests and timed it against the
+# decode kernels' step (a barrier that never opens would hang the step, so it is not the
+# default on the interpreter's word alone; benchmarks/RESULTS.md, "The recurrent backbone").
+LOCKSTEP_ROUTES: tuple[LockstepRoute, ...] = ()
 
 
-def lockstep_route(config, batch: int, deterministic: bool, multiprocessors: int) -> LockstepRoute | None:
-    """The table's row for this Backbone config (BackboneConfig) and batch, or None: the
-    decode kernels' step. None too where the grid would not fit the GPU's `multiprocessors`
-    at once (the barriers wait for every program of a group) or the widths do not fit."""
+def lockstep_route(config, batch: int, deterministic: bool, multiprocessors: int,
+                   routes: tuple[LockstepRoute, ...] | None = None) -> LockstepRoute | None:
+    """The row of `routes` (None: LOCKSTEP_ROUTES) for this Backbone config (BackboneConfig)
+    and batch, or None: the decode kernels' step. None too where the grid would not fit the
+    GPU's `multiprocessors` at once (the barriers wait for every program of a group) or the
+    widths do not fit."""
     from fastmamba.kernels.lockstep_step import unfit
 
     if deterministic or config.layer != "mamba1":
         return None
-    r = next((r for r in LOCKSTEP_ROUTES if r.widths[0] <= config.d_model <= r.widths[1]
+    r = next((r for r in (LOCKSTEP_ROUTES if routes is None else routes) if r.widths[0] <= config.d_model <= r.widths[1]
               and r.batches[0] <= batch <= r.batches[1]), None)
     if r is None or config.d_inner % r.channels:
         return None
