@@ -89,7 +89,7 @@ def test_the_lockstep_step_reads_the_parameters_in_place():
 
 def test_the_lockstep_shapes_route_small_widths_and_the_rest_goes_to_the_decode_kernels():
     def route(config, batch, deterministic=False, sms=132):
-        return plan.lockstep_route(config, batch, deterministic, sms, plan.LOCKSTEP_SHAPES)
+        return plan.lockstep_route(config, torch.float32, batch, deterministic, sms, plan.LOCKSTEP_SHAPES)
 
     c128 = BackboneConfig(input_dim=64, d_model=128, n_layer=3)
     r = route(c128, 1)
@@ -102,7 +102,11 @@ def test_the_lockstep_shapes_route_small_widths_and_the_rest_goes_to_the_decode_
     assert route(BackboneConfig(input_dim=64, d_model=512, n_layer=4), 1) is None
     assert route(BackboneConfig(input_dim=64, d_model=128, n_layer=3, layer="mamba2"), 1) is None
     # the plan's own routes: the shapes where a GPU run has shown the lockstep step winning
-    assert set(plan.LOCKSTEP_ROUTES) <= set(plan.LOCKSTEP_SHAPES)
+    shapes = {(r.rows, r.channels, r.warps) for r in plan.LOCKSTEP_SHAPES}
+    assert {(r.rows, r.channels, r.warps) for r in plan.LOCKSTEP_ROUTES} <= shapes
+    assert plan.lockstep_route(c128, torch.bfloat16, 8, False, 132).rows == 1  # bf16 weights, batch 8
+    assert plan.lockstep_route(c128, torch.float32, 8, False, 132) is None  # float32's one-row step wins there
+    assert plan.lockstep_route(c128, torch.float32, 128, False, 132).rows == 16
 
 
 def test_the_lockstep_step_refuses_what_it_cannot_hold_by_name():

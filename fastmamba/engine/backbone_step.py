@@ -193,7 +193,7 @@ class StepGraphs:
         dev = bb.device
         if HAVE_TRITON and bb.config.layer == "mamba1":
             sms = torch.cuda.get_device_properties(dev).multi_processor_count
-            route = lockstep_route(bb.config, B, bb.deterministic, sms) if lockstep_reads(bb) else None
+            route = lockstep_route(bb.config, storage_dtype(bb), B, bb.deterministic, sms) if lockstep_reads(bb) else None
             self.kernels = self.run = LockstepKernels(bb, B, route) if route is not None else KernelStep(bb, B)
         else:  # the module's own step (a Mamba-2 layer's on the GPU ops: backbone_mamba2.step_ops)
             module = self.bb

@@ -363,6 +363,7 @@ class LockstepRoute:
     channels: int  # each program's slice of d_inner
     warps: int
     reason: str
+    weights: str = "any"  # the large matrices' dtype: "16-bit", "float32" or "any"
 
 
 # Its two shapes, for the batches each can serve: what `benchmarks.backbone --steps lockstep`
@@ -374,28 +375,37 @@ LOCKSTEP_SHAPES = (
                   reason="16 rows a group on the tensor cores (128 x 3: 8 programs a group, 128 at batch 256; "
                          "255 registers, no spill at 8 warps, 472 bytes spilled at 4)"),
 )
-# Where the step takes it: nowhere until a GPU has run its tests and timed it against the
-# decode kernels' step (a barrier that never opens would hang the step, so it is not the
-# default on the interpreter's word alone; benchmarks/RESULTS.md, "The recurrent backbone").
-LOCKSTEP_ROUTES: tuple[LockstepRoute, ...] = ()
+# Where the step takes it: the batches where it beat the decode kernels' step.
+# `python -m benchmarks.backbone --step-only --shapes 128x3 --steps kernels,lockstep`, H100
+# 80GB HBM3, 2026-12-07, tree of 911838a, graph replays in µs, decode kernels / lockstep
+# (benchmarks/RESULTS.md, "The recurrent backbone"). Timed at d_model 128 only.
+LOCKSTEP_ROUTES: tuple[LockstepRoute, ...] = (
+    replace(LOCKSTEP_SHAPES[0], batches=(4, 8), weights="16-bit",
+            reason="where 16-bit weights take the products step (bf16 batch 4: 25.0 / 23.6, 5: 39.9 / 23.8, 8: 39.7 / "
+                   "23.9; batch 2 loses: 23.4 / 23.9; float32's one-row step wins at 1-8: 19.5-23.2 / 23.4-24.0)"),
+    replace(LOCKSTEP_SHAPES[1], batches=(64, 256),
+            reason="(float32 batch 64: 67.4 / 58.0, 128: 75.0 / 60.0, 256: 77.3 / 69.3; bf16 49.1 / 46.2, 53.9 / 48.5, "
+                   "58.8 / 49.8; batch 32 loses: 52.4 / 58.7 and 41.3 / 46.2, batch 16 45.6 / 39.9 bf16)"),
+)
 
 
-def lockstep_route(config, batch: int, deterministic: bool, multiprocessors: int,
+def lockstep_route(config, dtype: torch.dtype, batch: int, deterministic: bool, multiprocessors: int,
                    routes: tuple[LockstepRoute, ...] | None = None) -> LockstepRoute | None:
-    """The row of `routes` (None: LOCKSTEP_ROUTES) for this Backbone config (BackboneConfig)
-    and batch, or None: the decode kernels' step. None too where the grid would not fit the
-    GPU's `multiprocessors` at once (the barriers wait for every program of a group) or the
-    widths do not fit."""
+    """The row of `routes` (None: LOCKSTEP_ROUTES) for this Backbone config (BackboneConfig),
+    large matrices' dtype and batch, or None: the decode kernels' step. None too where the
+    grid would not fit the GPU's `multiprocessors` at once (the barriers wait for every
+    program of a group) or the widths do not fit."""
     from fastmamba.kernels.lockstep_step import unfit
 
     if deterministic or config.layer != "mamba1":
         return None
+    w = _weights(dtype)
     r = next((r for r in (LOCKSTEP_ROUTES if routes is None else routes) if r.widths[0] <= config.d_model <= r.widths[1]
-              and r.batches[0] <= batch <= r.batches[1]), None)
+              and r.batches[0] <= batch <= r.batches[1] and r.weights in ("any", w)), None)
     if r is None or config.d_inner % r.channels:
         return None
     programs = config.d_inner // r.channels
-    if -(-batch // r.rows) * programs > multiprocessors or unfit(config, torch.float32, r.rows, programs):
+    if -(-batch // r.rows) * programs > multiprocessors or unfit(config, dtype, r.rows, programs):
         return None
     return r
 
