@@ -221,17 +221,23 @@ ROUTES = (
     Route("float32", (1, 2048), (65, MANY), "products", NONE,
           "(1.4b batch 128: 8.962 against cuBLAS 11.372, 512: 32.55 / 35.06; 130m 1024: 7.16 / 8.82)"),
     Route("float32", (2049, MANY), (65, MANY), "products", NONE, "(2.8b batch 128: 18.111 against 20.804, 256: 33.15 / 37.07)"),
-    # -- FP8 weights: UNTUNED defaults, not yet measured on a GPU ------------------------------------
-    # The one-row kernels and the Triton products read the e4m3 bytes themselves (kernels/fp8_gemm.py);
-    # cuBLAS's products would need the activations in FP8 too, so every products step here is
-    # all Triton (bfloat16 operands, the values widened exactly). The one-row crossovers are
-    # 16-bit's: half the weight bytes should move them, which the device run will say.
+    # -- FP8 weights -----------------------------------------------------------------------------------
+    # The one-row kernels and the Triton products read the e4m3 bytes themselves (kernels/fp8_gemm.py:
+    # bfloat16 operands, the values widened exactly); a product on "cuBLAS" is cuBLASLt's FP8 GEMM
+    # with the activations quantized a row (fp8_linear). The one-row crossovers and the widths up
+    # to 1024 are 16-bit's, untuned; past 1024 `benchmarks/decode_routing.py --models 2.8b --dtypes
+    # fp8`, H100 80GB HBM3, 2026-12-07, tree of 911838a, ms a step.
     Route("fp8", (1, 768), (1, 4), "one-row", NONE, "untuned: 16-bit's crossover"),
     Route("fp8", (769, 1024), (1, 3), "one-row", NONE, "untuned: 16-bit's crossover"),
     Route("fp8", (1025, MANY), (1, 2), "one-row", NONE, "untuned: 16-bit's crossover"),
     Route("fp8", (1, 768), (5, MANY), "products", NONE, "untuned: the Triton products read the e4m3 bytes"),
     Route("fp8", (769, 1024), (4, MANY), "products", NONE, "untuned: as above"),
-    Route("fp8", (1025, MANY), (3, MANY), "products", NONE, "untuned: as above"),
+    Route("fp8", (1025, MANY), (3, 64), "products", NONE,
+          "(2.8b, H100: batch 32 4.019 ms against 4.149 with cuBLASLt's in_proj and 6.157 all cuBLASLt; 64: 4.634 / "
+          "4.796 / 6.765)"),
+    Route("fp8", (1025, MANY), (65, MANY), "products", IN_PROJ,
+          "in_proj on cuBLASLt's FP8 GEMM, the activations quantized a row (2.8b batch 128: 7.442 against 8.472 all "
+          "Triton, 8.399 all cuBLASLt: the small products lose the quantize pass)"),
 )
 DETERMINISTIC = Route("any", (1, MANY), (1, MANY), "products", NONE,
                       "deterministic=True: the batch-invariant Triton products at every batch size")
