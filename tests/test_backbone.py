@@ -347,16 +347,17 @@ def graph_eager_and_cpu_steps(gpu: Backbone, cpu16: Backbone, eager, B: int, syn
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("B", [1, 37, 300])  # the decode kernels' routes: one-row, decode_gemm.py's smaller and larger
+# the decode kernels' routes: one-row, decode_gemm.py's smaller and larger; 100: the lockstep step's
+@pytest.mark.parametrize("B", [1, 37, 100, 300])
 def test_gpu_graph_step_equals_eager_and_the_cpu(dtype, B):
-    from fastmamba.engine.backbone_step import KernelStep
+    from fastmamba.engine.backbone_step import step_kernels
 
     cpu = make(d_model=128, n_layer=3, input_dim=64, d_state=16)
     gpu = Backbone(cpu.config, device="cuda", dtype=dtype)
     gpu.load_state_dict(cpu.state_dict())
     cpu16 = Backbone(cpu.config, dtype=dtype)
     cpu16.load_state_dict(cpu.state_dict())
-    eager = KernelStep(gpu, B)
+    eager = step_kernels(gpu, B)  # (the plan's kernels, run eagerly)
     tol = 1e-4 if dtype == "float32" else 2e-2
     outs, (s_graph, _, s_cpu), x = graph_eager_and_cpu_steps(gpu, cpu16, eager, B, eager.sync)
     for t, (y_graph, y_eager, y_cpu) in enumerate(outs):

@@ -62,12 +62,12 @@ def test_backbone_graphs_stay_bounded_over_1000_episodes():
     """A state a episode, a few alive at a time (so they lie at several addresses): memory
     flat after the first episodes, and every step right on whatever memory its state took
     (against the plan's step kernels run eagerly on a copy)."""
-    from fastmamba.engine.backbone_step import KernelStep
+    from fastmamba.engine.backbone_step import step_kernels
 
     torch.manual_seed(0)
     bb = Backbone(BackboneConfig(input_dim=64, d_model=128, n_layer=2), device="cuda")
     x = torch.randn(256, 64, device="cuda")
-    eager = KernelStep(bb, 256)
+    eager = step_kernels(bb, 256)
     held, base = [], None
     for episode in range(1000):
         state = bb.new_state(256)

@@ -129,6 +129,17 @@ def lockstep_reads(bb: nn.Module) -> bool:
                for k, t in named)
 
 
+def step_kernels(bb: nn.Module, batch: int):
+    """The kernels of a Mamba-1 Backbone's step on CUDA at this batch size, as the plan
+    names them: LockstepKernels where a row of LOCKSTEP_ROUTES takes the batch (and the
+    parameters lie as the kernel reads them), else KernelStep."""
+    from fastmamba.engine.plan import lockstep_route
+
+    sms = torch.cuda.get_device_properties(bb.device).multi_processor_count
+    route = lockstep_route(bb.config, storage_dtype(bb), batch, bb.deterministic, sms) if lockstep_reads(bb) else None
+    return LockstepKernels(bb, batch, route) if route is not None else KernelStep(bb, batch)
+
+
 # Bounds on the step's CUDA graphs (see Backbone's doc): a graph costs its capture's memory
 # and a capture about three steps' time, while a run steps a few batch sizes (rollouts,
 # evaluation) and one or two states a batch size at a time.
@@ -186,15 +197,12 @@ class StepGraphs:
         return self.states.get(state_address(state), lambda: StateGraph(self, state))
 
     def _setup(self) -> None:
-        from fastmamba.engine.plan import lockstep_route
         from fastmamba.kernels._triton import HAVE_TRITON
 
         bb, B = self.bb(), self.batch
         dev = bb.device
         if HAVE_TRITON and bb.config.layer == "mamba1":
-            sms = torch.cuda.get_device_properties(dev).multi_processor_count
-            route = lockstep_route(bb.config, storage_dtype(bb), B, bb.deterministic, sms) if lockstep_reads(bb) else None
-            self.kernels = self.run = LockstepKernels(bb, B, route) if route is not None else KernelStep(bb, B)
+            self.kernels = self.run = step_kernels(bb, B)
         else:  # the module's own step (a Mamba-2 layer's on the GPU ops: backbone_mamba2.step_ops)
             module = self.bb
             self.run = lambda x, state: module()._step_eager(x, state)
