@@ -1,7 +1,8 @@
 """The Backbone's step on CUDA: the whole step in one launch at small widths (LockstepKernels:
 kernels/lockstep_step.py, where the plan's LOCKSTEP_ROUTES say so), else the language
-model's decode kernels over the backbone's own parameters (KernelStep), replayed as CUDA graphs kept by batch size and state dtypes, and
-within those by the state's memory, both bounded (StepGraphs, StateGraph). `bb` is always a
+model's decode kernels over the backbone's own parameters (KernelStep); replayed as CUDA
+graphs kept by batch size and state dtypes, and within those by the state's memory, both
+bounded (StepGraphs, StateGraph). `bb` is always a
 fastmamba.Backbone (backbone.py, which imports this module)."""
 
 from __future__ import annotations
@@ -180,13 +181,11 @@ def state_address(state: MambaState) -> tuple:
 
 
 class StepGraphs:
-    """The step at one batch size on CUDA: where Triton is there, the lockstep step where the
-    plan's LOCKSTEP_ROUTES say so (LockstepKernels), else the decode kernels (KernelStep),
-    with their scratch; without Triton (and for Mamba-2 layers) the module's own step; the input and
-    output buffers; one memory pool; and the graphs over the last STATES_PER_BATCH state
-    addresses. The kernels
-    and buffers are made at the first capture. Holds the backbone weakly (the backbone holds
-    this)."""
+    """The step at one batch size on CUDA: the kernels step_kernels picks where Triton is
+    there, with their scratch, else (and for Mamba-2 layers) the module's own step; the input
+    and output buffers; one memory pool; and the graphs over the last STATES_PER_BATCH state
+    addresses. The kernels and buffers are made at the first capture. Holds the backbone
+    weakly (the backbone holds this)."""
 
     def __init__(self, bb: nn.Module, batch: int):
         self.bb, self.batch = weakref.ref(bb), batch

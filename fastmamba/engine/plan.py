@@ -42,6 +42,7 @@ from fastmamba.kernels.causal_conv1d import ConvTiles
 from fastmamba.kernels.conv_grad import ConvGradTiles
 from fastmamba.kernels.decode_gemm import PRODUCTS
 from fastmamba.kernels.decode_step_hybrid import ONE_ROW_KINDS
+from fastmamba.kernels.lockstep_step import unfit
 from fastmamba.kernels.moe import MoETiles
 from fastmamba.kernels.paged_attention import PagedTiles
 from fastmamba.kernels.sampler import SamplerTiles
@@ -401,8 +402,6 @@ def lockstep_route(config, dtype: torch.dtype, batch: int, deterministic: bool, 
     large matrices' dtype and batch, or None: the decode kernels' step. None too where the
     grid would not fit the GPU's `multiprocessors` at once (the barriers wait for every
     program of a group) or the widths do not fit."""
-    from fastmamba.kernels.lockstep_step import unfit
-
     if deterministic or config.layer != "mamba1":
         return None
     w = _weights(dtype)
