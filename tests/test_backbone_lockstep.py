@@ -37,8 +37,9 @@ def backbone(seed=0, device=DEVICE, dtype="float32", state_dtype="float32", **kw
 def lockstep(bb: Backbone, batch: int, rows: int, programs: int):
     from fastmamba.engine.backbone_step import LockstepKernels
 
-    return LockstepKernels(bb, batch, plan.LockstepRoute((1, 1 << 30), (1, 1 << 30), rows, bb.config.d_inner // programs,
-                                                         8 if rows >= 16 else 4, "test"))
+    shape = plan.LockstepRoute((1, 1 << 30), (1, 1 << 30), rows, bb.config.d_inner // programs, 8 if rows >= 16 else 4,
+                               "test")
+    return LockstepKernels(bb, batch, shape)
 
 
 @pytest.mark.parametrize("rows,programs,batch", [(1, 2, 3), (1, 4, 1), (16, 2, 5), (16, 2, 19)])

@@ -292,7 +292,8 @@ def unfit(config, storage: torch.dtype, rows: int, programs: int) -> str | None:
             return f"{name} {getattr(c, name)} > {most}"
     C = c.d_inner // programs
     if c.d_inner % programs or C & (C - 1) or C < (16 if rows >= 16 else 1):
-        return f"d_inner {c.d_inner} over {programs} programs is not a power-of-two slice{' of 16 or more' * (rows >= 16)}"
+        least = " of 16 or more" if rows >= 16 else ""
+        return f"d_inner {c.d_inner} over {programs} programs is not a power-of-two slice{least}"
     return None
 
 
