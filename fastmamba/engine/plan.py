@@ -380,7 +380,8 @@ LOCKSTEP_SHAPES = (
                   reason="a row a group, E / 16 programs each (128 x 3: 16; 122 registers, no spill at bf16)"),
     LockstepRoute((1, 256), (9, 256), rows=16, channels=32, warps=8,
                   reason="16 rows a group on the tensor cores (128 x 3: 8 programs a group, 128 at batch 256; "
-                         "255 registers, no spill at 8 warps, 472 bytes spilled at 4)"),
+                         "bf16 255 registers, no spill at 8 warps, 472 bytes spilled at 4; float32's tf32x3 "
+                         "products spill 208 bytes at 8 warps)"),
 )
 # Where the step takes it: the batches where it beat the decode kernels' step.
 # `python -m benchmarks.backbone --step-only --shapes 128x3 --steps kernels,lockstep`, H100
