@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import relative_error as rel_err
+from test_backbone import make
 
 from fastmamba import Backbone, BackboneConfig
 from fastmamba.engine import plan
@@ -17,29 +19,22 @@ pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def rel_err(a, b) -> float:
-    assert torch.isfinite(a).all()
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
 def backbone(seed=0, device=DEVICE, dtype="float32", state_dtype="float32", **kw) -> Backbone:
-    torch.manual_seed(seed)
-    cfg = dict(input_dim=6, d_model=16, n_layer=2, d_state=8)
-    cfg.update(kw)
-    bb = Backbone(BackboneConfig(**cfg), device=device, dtype=dtype, state_dtype=state_dtype)
-    with torch.no_grad():  # spread the constants (norms 1, D 1) so that a misread would show
-        for name, p in bb.named_parameters():
-            if name.endswith(("norm.weight", "norm_f.weight", ".D")):
-                p.add_(0.3 * torch.randn_like(p))
+    """test_backbone's `make` (its constants spread), on `device` in these dtypes."""
+    ref = make(seed, **kw)
+    bb = Backbone(ref.config, device=device, dtype=dtype, state_dtype=state_dtype)
+    bb.load_state_dict(ref.state_dict())
     return bb
 
 
 def lockstep(bb: Backbone, batch: int, rows: int, programs: int):
+    """LockstepKernels in the plan's shape of `rows` rows a group, with `programs` programs."""
+    from dataclasses import replace
+
     from fastmamba.engine.backbone_step import LockstepKernels
 
-    shape = plan.LockstepRoute((1, 1 << 30), (1, 1 << 30), rows, bb.config.d_inner // programs, 8 if rows >= 16 else 4,
-                               "test")
-    return LockstepKernels(bb, batch, shape)
+    shape = next(s for s in plan.LOCKSTEP_SHAPES if s.rows == rows)
+    return LockstepKernels(bb, batch, replace(shape, channels=bb.config.d_inner // programs))
 
 
 @pytest.mark.parametrize("rows,programs,batch", [(1, 2, 3), (1, 4, 1), (16, 2, 5), (16, 2, 19)])
