@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from ._triton import INTERPRET, jit, tl, triton
 from .activations import silu, softplus
-from .decode_step import conv_x_proj_ref, ssm_step_ref
+from .decode_step import _pow2, conv_x_proj_ref, ssm_step_ref
 from .rmsnorm import residual_rmsnorm_ref
 
 # -- reference twin ----------------------------------------------------------------------------
@@ -269,10 +269,6 @@ def _lockstep_step_kernel(
 # -- launcher ----------------------------------------------------------------------------------
 
 
-def _pow2(n: int, least: int = 1) -> int:
-    return max(least, triton.next_power_of_2(n))
-
-
 _TL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -324,8 +320,8 @@ class LockstepStep:
                 raise ValueError(f"the lockstep step at batch {batch} needs {self.groups * programs} programs at once; "
                                  f"this GPU runs {sms}")
         self.table, self.storage, self.input_proj, self.norm_f = table, storage, input_proj, norm_f
-        DP, NP, RP = _pow2(c.d_model, 16), _pow2(c.d_state, 16), _pow2(c.dt_rank, 16)
-        self.sizes = dict(I=c.input_dim, IP=_pow2(c.input_dim, 16), D=c.d_model, DP=DP, E=c.d_inner, N=c.d_state,
+        DP, NP, RP = _pow2(c.d_model), _pow2(c.d_state), _pow2(c.dt_rank)
+        self.sizes = dict(I=c.input_dim, IP=_pow2(c.input_dim), D=c.d_model, DP=DP, E=c.d_inner, N=c.d_state,
                           NP=NP, K=c.d_conv, R=c.dt_rank, RP=RP)
         self.y = torch.empty(batch, c.d_model, device=dev)
         self.hs = torch.empty(self.groups * self.programs * rows * DP, device=dev)  # each program's h scratch
