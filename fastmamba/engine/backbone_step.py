@@ -108,13 +108,13 @@ def storage_dtype(bb: nn.Module) -> torch.dtype:
 
 
 def lockstep_tensors(layer) -> dict:
-    """One Mamba-1 layer's parameters by the lockstep table's slot names."""
-    m = layer.mixer
-    return dict(
-        norm_w=layer.norm.weight, in_proj_w=m.in_proj.weight, in_proj_b=m.in_proj.bias, conv_w=m.conv1d.weight,
-        conv_b=m.conv1d.bias, x_proj_w=m.x_proj.weight, dt_proj_w=m.dt_proj.weight, dt_bias=m.dt_proj.bias,
-        A_log=m.A_log, D=m.D, out_proj_w=m.out_proj.weight, out_proj_b=m.out_proj.bias,
-    )
+    """One Mamba-1 layer's parameters by the lockstep table's slot names: the layer as
+    mamba1.mixer reads it (the mixer's `weights`: views of the parameters), with A_log in
+    place of A, which the kernel takes from it."""
+    from fastmamba.kernels.lockstep_step import SLOTS
+
+    lw = layer.mixer.weights(layer.norm.weight)
+    return {name: layer.mixer.A_log if name == "A_log" else getattr(lw, name) for name in SLOTS}
 
 
 def lockstep_reads(bb: nn.Module) -> bool:
