@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from ._triton import jit, tl, triton
 from .activations import silu, softplus
 from .causal_conv1d import causal_conv1d_ref
-from .fp8_gemm import fp8_linear, operand_dtype, scaled_mm_fits, weight_parts
+from .fp8_gemm import fp8_linear, operand_dtype, weight_parts
 from .pdl import NO_PDL, pdl_launch, wait_for_prior_kernel
 from .products import cublas_gemm, invariant_gemm, split_count
 from .rmsnorm import residual_rmsnorm
@@ -244,7 +244,7 @@ class GemmDecodeStep:
         if name not in self.cublas_products:
             invariant_gemm(a, values, out, self.splits[name], self.pdl, scale=scale)
         elif scale is not None:  # (cuBLASLt's row-wise FP8 GEMM writes no float32: its bfloat16, widened in the copy)
-            out.copy_(fp8_linear(a, values, scale, out_dtype=torch.bfloat16 if scaled_mm_fits(values) else torch.float32))
+            fp8_linear(a, values, scale, out=out)
         else:
             cublas_gemm(a, weight, out)
 

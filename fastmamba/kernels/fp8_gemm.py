@@ -149,14 +149,16 @@ def fp8_linear_triton(xq: torch.Tensor, sx: torch.Tensor, values: torch.Tensor, 
 
 
 def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+               out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., K) @ (values * scale).T + bias for e4m3 values (N, K) row-major and their
     float32 scales (N,): on CUDA through torch._scaled_mm with x quantized a row
     (fp8_linear_ref's arithmetic, its sums rounded once to bfloat16), or through
     products.invariant_gemm where the shape does not fit cuBLASLt; on the CPU the reference.
-    Output (..., N) in out_dtype."""
+    Output (..., N) in out_dtype; or written into `out` (that shape, any float dtype) in one
+    copy from whatever the path made, with no rounding on the way."""
     if not x.is_cuda:
-        return fp8_linear_ref(x, values, scale, bias, out_dtype)
+        y = fp8_linear_ref(x, values, scale, bias, out_dtype if out is None else torch.float32)
+        return y if out is None else out.copy_(y)
     x2 = x.reshape(-1, x.shape[-1])
     N = values.shape[0]
     xq, sx = quantize_rows(x2)
@@ -168,4 +170,4 @@ def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias:
     y = y.view(*x.shape[:-1], N)
     if bias is not None:
         y = y.float() + bias
-    return y.to(out_dtype)
+    return y.to(out_dtype) if out is None else out.copy_(y)
