@@ -128,13 +128,13 @@ def _arrive_and_wait(count_ptr, target, P: tl.constexpr):
 
 
 @jit
-def _sum_shares(share_ptr, rows_local, cols, mask, STRIDE: tl.constexpr, W: tl.constexpr, P: tl.constexpr):
+def _sum_shares(share_ptr, rows_local, cols, STRIDE: tl.constexpr, W: tl.constexpr, P: tl.constexpr):
     """The P programs' shares (P, RB, W) summed in program order -> (RB, len(cols)) float32.
-    Read from L2 (.cg): other programs wrote them."""
-    acc = tl.load(share_ptr + rows_local[:, None] * W + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+    Read from L2 (.cg): other programs wrote them, whole (every row of the group, every padded
+    column), so nothing is masked."""
+    acc = tl.load(share_ptr + rows_local[:, None] * W + cols[None, :], cache_modifier=".cg")
     for p in tl.static_range(1, P):
-        acc += tl.load(share_ptr + p * STRIDE + rows_local[:, None] * W + cols[None, :], mask=mask, other=0.0,
-                       cache_modifier=".cg")
+        acc += tl.load(share_ptr + p * STRIDE + rows_local[:, None] * W + cols[None, :], cache_modifier=".cg")
     return acc
 
 
@@ -245,10 +245,9 @@ def _lockstep_step_kernel(
         tl.store(mine + RP + NP + n[None, :], _times_wt(xc, w_c, DOT, W32, WTYPE))
         _arrive_and_wait(counter, base + (2 * layer + 1) * P, P)
 
-        all_rows = local[:, None] >= 0
-        dt_r = _sum_shares(dbc_shares, local, r, all_rows, RB * DBC, DBC, P)  # (RB, RP)
-        Bv = _sum_shares(dbc_shares + RP, local, n, all_rows, RB * DBC, DBC, P)  # (RB, NP)
-        Cv = _sum_shares(dbc_shares + RP + NP, local, n, all_rows, RB * DBC, DBC, P)
+        dt_r = _sum_shares(dbc_shares, local, r, RB * DBC, DBC, P)  # (RB, RP)
+        Bv = _sum_shares(dbc_shares + RP, local, n, RB * DBC, DBC, P)  # (RB, NP)
+        Cv = _sum_shares(dbc_shares + RP + NP, local, n, RB * DBC, DBC, P)
         dt = softplus(_times_wt(dt_r, w_dt, DOT, W32, WTYPE) + dt_b[None, :])  # (RB, C)
         s = s * tl.exp(dt[:, :, None] * A[None, :, :]) + (dt * xc)[:, :, None] * Bv[:, None, :]
         tl.store(sp, s.to(ssm_ptr.dtype.element_ty), mask=sm)  # rounded once where the state is 16-bit
@@ -258,7 +257,7 @@ def _lockstep_step_kernel(
         tl.store(out_shares + p * RB * DP + local[:, None] * DP + d[None, :], _times_wt(y, w_o, DOT, W32, WTYPE))
         _arrive_and_wait(counter, base + (2 * layer + 2) * P, P)
 
-        h += _sum_shares(out_shares, local, d, all_rows, RB * DP, DP, P)
+        h += _sum_shares(out_shares, local, d, RB * DP, DP, P)
         if PROJ_BIAS:
             h += tl.load(_param(table_ptr, layer, _OUT_B, f32) + d, mask=dmask, other=0.0)[None, :]
     if p == 0:
