@@ -9,6 +9,7 @@ greedy sampling, as `fastmamba bench`) of every candidate step of the model's la
     cuBLAS           kernels/decode_gemm.GemmDecodeStep, its products through cuBLAS
     Triton           ... through products.py's batch-invariant GEMM (the deterministic step)
     Triton+cuBLAS    ... through products.py but in_proj through cuBLAS
+    Triton+cuBLAS in/out ... but in_proj and out_proj through cuBLAS
     Triton 1-chunk   ... the Triton products each in one K chunk
     Mamba-2 layers:
     one-row          kernels/decode_step_mamba2.Mamba2DecodeStep (batches up to 32)
@@ -55,6 +56,8 @@ CANDIDATES = {  # a layer kind's candidate steps
         "cuBLAS": DecodePlan("products", ALL, pdl=False),
         "Triton": DecodePlan("products", NONE),
         "Triton+cuBLAS": DecodePlan("products", IN_PROJ),
+        # in_proj and out_proj (the two large products) through cuBLAS, x_proj and dt_proj through Triton
+        "Triton+cuBLAS in/out": DecodePlan("products", IN_PROJ | {"out_proj"}),
         # the Triton products each in one K chunk (the table's splits serve batch 1's few programs)
         "Triton 1-chunk": DecodePlan("products", NONE, splits=tuple((p, 1) for p in PRODUCTS)),
     },

@@ -29,7 +29,7 @@
 #                                            # Granite-4.0-H-Micro and Falcon-H1-7B at batch 1 and 32 (~9 minutes)
 #   FP8=1 bash benchmarks/gpu_session.sh     # bf16 beside fp8 at batch 1 and 128, 2.8b and Mamba-2 2.7b,
 #                                            # the 2.8b's prefill 1 x 8192 in both and their profiles,
-#                                            # then its FP8 decode routes at batch 4-128 (~8 minutes)
+#                                            # then bf16's and FP8's routes at batch 64 and 128 (~8 minutes)
 #   MOE=1 bash benchmarks/gpu_session.sh     # Granite-4.0-H-Tiny at batch 1, 8, 64 and prefill 1 x 4096,
 #                                            # the MoE tiles' sweep, its server at 64 streams; Nemotron
 #                                            # 3 Nano's shape at batch 1, 8, 64 (~10 minutes)
@@ -113,18 +113,18 @@ if [ -n "${FP8:-}" ]; then
     timeout 60 python3 -m benchmarks.profile_prefill --model 2.8b --tokens 8192 --dtype $dtype --top 16 2>&1 \
       | grep -v Warn | tee "$out/profile_prefill_$dtype.log"
   done
-  timeout $((570 - SECONDS)) python3 -m benchmarks.decode_routing --models 2.8b --dtypes fp8 --batches 4,32,64,128 \
-    --json "$out/routing_fp8.json" 2>&1 | grep -v Warn | tee "$out/routing_fp8.log"
+  timeout $((570 - SECONDS)) python3 -m benchmarks.decode_routing --models 2.8b --dtypes bfloat16,fp8 --batches 64,128 \
+    --candidates "Triton,Triton+cuBLAS,Triton+cuBLAS in/out" --json "$out/routing_fp8.json" 2>&1 | grep -v Warn | tee "$out/routing_fp8.log"
   exit 0
 fi
 if [ -n "${MOE:-}" ]; then
   timeout 150 python3 -m benchmarks.hybrid --shape granite-4.0-h-tiny --batches 1,8,64 --long 0 --prefills 1x4096 \
     --no-hf --json "$out/hybrid_tiny.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
-  timeout 150 python3 -m benchmarks.tune_moe 2>&1 | grep -v Warn | tee "$out/tune_moe.log"
+  timeout 100 python3 -m benchmarks.tune_moe 2>&1 | grep -v Warn | tee "$out/tune_moe.log"
   # (the server and the offline engine each hold the model: Granite-4.0-H-Tiny's 14 GB, not Nemotron 3 Nano's 63)
   timeout 200 python3 -m benchmarks.serve --model granite-4.0-h-tiny --levels 64 --json "$out/serve_tiny.json" 2>&1 \
     | grep -v Warning | tail -8 | tee "$out/serve_tiny.log"
-  timeout 150 python3 -m benchmarks.hybrid --shape nemotron-3-nano-30b-a3b --batches 1,8,64 --long 0 --prefills 1x4096 \
+  timeout $((590 - SECONDS)) python3 -m benchmarks.hybrid --shape nemotron-3-nano-30b-a3b --batches 1,8,64 --long 0 --prefills 1x4096 \
     --no-hf --json "$out/hybrid_nano.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
   exit 0
 fi
