@@ -117,15 +117,15 @@ if [ -n "${FP8:-}" ]; then
     --candidates "Triton,Triton+cuBLAS,Triton+cuBLAS in/out" --json "$out/routing_fp8.json" 2>&1 | grep -v Warn | tee "$out/routing_fp8.log"
   exit 0
 fi
-if [ -n "${MOE:-}" ]; then
+if [ -n "${MOE:-}" ]; then  # (the issue's two shapes first, then the server, then the tiles' sweep)
   timeout 150 python3 -m benchmarks.hybrid --shape granite-4.0-h-tiny --batches 1,8,64 --long 0 --prefills 1x4096 \
     --no-hf --json "$out/hybrid_tiny.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
-  timeout 100 python3 -m benchmarks.tune_moe 2>&1 | grep -v Warn | tee "$out/tune_moe.log"
-  # (the server and the offline engine each hold the model: Granite-4.0-H-Tiny's 14 GB, not Nemotron 3 Nano's 63)
-  timeout 200 python3 -m benchmarks.serve --model granite-4.0-h-tiny --levels 64 --json "$out/serve_tiny.json" 2>&1 \
-    | grep -v Warning | tail -8 | tee "$out/serve_tiny.log"
-  timeout $((590 - SECONDS)) python3 -m benchmarks.hybrid --shape nemotron-3-nano-30b-a3b --batches 1,8,64 --long 0 --prefills 1x4096 \
+  timeout 220 python3 -m benchmarks.hybrid --shape nemotron-3-nano-30b-a3b --batches 1,8,64 --long 0 --prefills 1x4096 \
     --no-hf --json "$out/hybrid_nano.json" 2>&1 | grep -v "transformers\]" | tee -a "$out/hybrid.log"
+  # (the server and the offline engine each hold the model: Granite-4.0-H-Tiny's 14 GB, not Nemotron 3 Nano's 63)
+  timeout $((500 - SECONDS)) python3 -m benchmarks.serve --model granite-4.0-h-tiny --levels 64 --json "$out/serve_tiny.json" 2>&1 \
+    | grep -v Warning | tail -8 | tee "$out/serve_tiny.log"
+  timeout $((590 - SECONDS)) python3 -m benchmarks.tune_moe 2>&1 | grep -v Warn | tee "$out/tune_moe.log"
   exit 0
 fi
 if [ -n "${FALCON_FP8:-}" ]; then
