@@ -30,9 +30,9 @@
 #   FP8=1 bash benchmarks/gpu_session.sh     # bf16 beside fp8 at batch 1 and 128, 2.8b and Mamba-2 2.7b,
 #                                            # the 2.8b's prefill 1 x 8192 in both and their profiles,
 #                                            # then bf16's and FP8's routes at batch 64 and 128 (~8 minutes)
-#   MOE=1 bash benchmarks/gpu_session.sh     # Granite-4.0-H-Tiny at batch 1, 8, 64 and prefill 1 x 4096,
-#                                            # the MoE tiles' sweep, its server at 64 streams; Nemotron
-#                                            # 3 Nano's shape at batch 1, 8, 64 (~10 minutes)
+#   MOE=1 bash benchmarks/gpu_session.sh     # Granite-4.0-H-Tiny and Nemotron 3 Nano's shape at batch 1,
+#                                            # 8, 64 and prefill 1 x 4096, Tiny's server at 64 streams,
+#                                            # then the MoE tiles' sweep (~10 minutes)
 #   BACKBONE=1 bash benchmarks/gpu_session.sh # the Mamba-2 Backbone's training beside cuDNN's LSTMs,
 #                                            # both layers' training under bf16 autocast and in the
 #                                            # deterministic mode, then both layers' steps (~8 minutes)
