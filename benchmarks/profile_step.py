@@ -6,6 +6,7 @@ and the host's share of a call (the copy in, the replay, the clone out), timed b
     python -m benchmarks.profile_step --model 2.8b --batch 1
     python -m benchmarks.profile_step --model mamba2-2.7b --batch 1 --step one-row
     python -m benchmarks.profile_step --backbone 128x3 --dtype float32 --batches 1,1024,4096
+    python -m benchmarks.profile_step --backbone 128x3 --layer mamba2 --dtype float32 --batches 16,256
     python -m benchmarks.profile_step --model granite-4.0-h-tiny --batch 1   # a hybrid (HYBRID_SHAPES):
         # the plan's step after a --context-token prompt, eagerly (the kernels the graph replays),
         # its state in --state-dtype
@@ -40,17 +41,18 @@ def print_kernel_times(fn, title: str, warm: int = 3, calls: int = 5, rows: int 
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=width))
 
 
-def profile_backbone(shape: str, dtype: torch.dtype, batches: list[int]) -> None:
+def profile_backbone(shape: str, dtype: torch.dtype, batches: list[int], layer: str) -> None:
     from fastmamba import Backbone, BackboneConfig
-    from fastmamba.engine.backbone_step import KernelStep
+    from fastmamba.engine.backbone_step import step_kernels
 
     d_model, n_layer = map(int, shape.split("x"))
     torch.manual_seed(0)
-    bb = Backbone(BackboneConfig(input_dim=64, d_model=d_model, n_layer=n_layer), device="cuda", dtype=dtype)
+    bb = Backbone(BackboneConfig(input_dim=64, d_model=d_model, n_layer=n_layer, layer=layer), device="cuda", dtype=dtype)
     for batch in batches:
         state = bb.new_state(batch)
         x = torch.randn(batch, bb.config.input_dim, device="cuda")
-        step = KernelStep(bb, batch)
+        # (the kernels the step's graph replays: the plan's for Mamba-1, the module's own step on the GPU ops for Mamba-2)
+        step = step_kernels(bb, batch) if layer == "mamba1" else bb._step_eager
         with torch.no_grad():
             print_kernel_times(lambda: step(x, state), f"\n== backbone {shape} {dtype} batch {batch}", calls=10, rows=16)
         nbytes = sum(t.numel() * t.element_size() for t in (state.conv, state.ssm))
@@ -64,7 +66,7 @@ def profile_backbone(shape: str, dtype: torch.dtype, batches: list[int]) -> None
             "replay alone": g.device_graph.replay,
             "copy in": lambda: g.x.copy_(x),
             "clone out": lambda: g.y.clone(),
-            "A_log check": g.kernels.sync,
+            **({"A_log check": g.kernels.sync} if g.kernels is not None else {}),
             "copy + replay + clone": lambda: (g.x.copy_(x), g.device_graph.replay(), g.y.clone()),
         }
         for name, fn in parts.items():
@@ -81,11 +83,12 @@ def main() -> None:
                     help="this step (decode_plan.DecodePlan's default settings) in place of the plan table's")
     ap.add_argument("--backbone", metavar="DxL", help="a Backbone's step instead of a language model's")
     ap.add_argument("--batches", default="1,1024,4096", help="with --backbone")
+    ap.add_argument("--layer", default="mamba1", choices=("mamba1", "mamba2"), help="with --backbone: its layers")
     ap.add_argument("--context", type=int, default=1024, help="a hybrid's prompt tokens a row before the step")
     ap.add_argument("--state-dtype", default="float32", help="a hybrid's state: float32 or bfloat16")
     args = ap.parse_args()
     if args.backbone:
-        profile_backbone(args.backbone, parse_dtype(args.dtype), [int(b) for b in args.batches.split(",")])
+        profile_backbone(args.backbone, parse_dtype(args.dtype), [int(b) for b in args.batches.split(",")], args.layer)
         return
     tokens = torch.zeros(args.batch, dtype=torch.int64, device="cuda")
     if args.model in HYBRID_SHAPES:  # (bf16 weights, its own state and KV cache, the prompt first)
