@@ -1,9 +1,10 @@
 """Times the fused MoE layer's routed experts (kernels/moe.py `moe_ffn_triton`: the grouping,
 gate and up, down, the picks' sum) at the public experts' shapes for several tiles, bf16
 experts, against the floor: the active experts' weights read once at the copy rate (a token's
-k experts; at larger batches the distinct experts the routing picks). Chooses MoETiles
-(engine/plan.py's MOE_TILES), which must serve decode and prefill alike: the tiles may not
-follow the batch (a token's bits depend on them).
+k experts; at larger batches the distinct experts the routing picks), uniform routing.
+Chooses engine/plan.py's MOE_TILES: one MoETiles for a decode step's few tokens, one for a
+prefill chunk's many (a token's bits depend on the tiles, so the deterministic step keeps
+the first at every batch).
 
     python -m benchmarks.tune_moe --tokens 1,64,8192
 """
@@ -38,17 +39,18 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,64,8192")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args()
-    gbs = copy_bandwidth()
-    candidates = [MOE_TILES] + [replace(MOE_TILES, bm=bm, bn=bn, bk=bk, warps=w)
-                                for bm, bn, bk, w in itertools.product((16, 64), (32, 64, 128), (64, 128), (4, 8))
-                                if (bm, bn, bk, w) != (MOE_TILES.bm, MOE_TILES.bn, MOE_TILES.bk, MOE_TILES.warps)]
-    print(f"{torch.cuda.get_device_name()}, copy {gbs:.0f} GB/s; the plan's tiles first: {MOE_TILES}")
+    rate = copy_bandwidth()  # (bytes a second)
+    sweep = [(bm, bn, bk, w) for bm, bn, bk, w in itertools.product((16, 64), (32, 64, 128), (64, 128), (4, 8))]
+    print(f"{torch.cuda.get_device_name()}, copy {rate / 1e12:.2f} TB/s; the plan's tiles first: {MOE_TILES}")
     for name in args.shapes.split(","):
         E, d, I, k, act, gated = SHAPES[name]
         for N in (int(n) for n in args.tokens.split(",")):
             x, experts, weights, in_w, out_w = case(E, d, I, k, gated, N)
             active = experts.unique().numel()
-            floor_us = active * (in_w[0].numel() + out_w[0].numel()) * 2 / gbs / 1e3
+            floor_us = active * (in_w[0].numel() + out_w[0].numel()) * 2 / rate * 1e6
+            plan = MOE_TILES.for_tokens(N)
+            candidates = [plan] + [replace(plan, bm=bm, bn=bn, bk=bk, warps=w) for bm, bn, bk, w in sweep
+                                   if (bm, bn, bk, w) != (plan.bm, plan.bn, plan.bk, plan.warps)]
             rows = []
             for t in candidates:
                 try:
@@ -59,7 +61,7 @@ def main() -> None:
                     continue
                 rows.append((us, t))
             rows.sort(key=lambda r: r[0])
-            plan_us = next(us for us, t in rows if t == MOE_TILES)
+            plan_us = next(us for us, t in rows if t == plan)
             print(f"{name} N={N}: {active} experts active, floor {floor_us:.1f} us; the plan's {plan_us:.1f} us "
                   f"({floor_us / plan_us:.2f} of the floor)")
             for us, t in rows[:5]:

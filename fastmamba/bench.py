@@ -117,7 +117,9 @@ def _random_tensor(name: str, shape: tuple[int, ...], n_layer: int, g: torch.Gen
     """A float32 tensor of a layer, of the spread trained models have, by its name: norms
     near 1, A_log the log of 1..N (per channel) or 1..16 (per head), step-size biases near
     softplus^-1 of e^-4, D near 1, conv taps of 0.5, products by fan-in (out_proj by the
-    depth too)."""
+    depth too), a sigmoid router's correction bias zero (a trained one balances the experts'
+    load; random ones of 0.1 sent Nemotron 3 Nano's 64 rows to 60-79 of its 128 experts, where
+    uniform routing reaches 122 and zero gives 107-121)."""
     def randn(std, mean=0.0):
         return mean + std * torch.randn(shape, device=device, generator=g)
 
@@ -129,6 +131,8 @@ def _random_tensor(name: str, shape: tuple[int, ...], n_layer: int, g: torch.Gen
         return randn(0.1, 1.0)
     if name.endswith(("dt_proj.bias", "dt_bias")):
         return randn(1.0, -4.0)
+    if name.endswith("e_score_correction_bias"):
+        return torch.zeros(shape, device=device)
     if name.endswith("conv1d.weight"):
         return randn(0.5)
     if name.endswith("bias"):

@@ -7,6 +7,7 @@ over the GPU ops against the CPU reference engine, and batch invariance there.""
 
 from __future__ import annotations
 
+import collections
 from dataclasses import replace
 
 import pytest
@@ -141,6 +142,34 @@ def test_a_token_is_the_same_bits_alone_and_in_a_batch(act, gated, dtype):
     assert torch.equal(together, sorted_)
 
 
+def test_the_plans_launch_takes_its_tiles_by_the_tokens_and_the_deterministic_step_one_set(monkeypatch, tmp_path_factory):
+    """MOE_TILES picks `few` below `many_from` tokens and `many` from there; the deterministic
+    decode step (layer-ops without cuBLAS) keeps `few` at any count, so that a token's bits
+    do not follow the batch."""
+    pytest.importorskip("triton")
+    import fastmamba
+    from fastmamba.engine.decode_step import OpsDecodeStep
+    from fastmamba.engine.plan import LAYER_OPS_DETERMINISTIC, MOE_TILES
+    from fastmamba.kernels import moe as kmoe
+
+    seen = []
+    monkeypatch.setattr(kmoe, "_grouped_product", lambda *args: seen.append(args[-1]))  # (its tiles: the last)
+    no_launch = collections.defaultdict(lambda: lambda *args, **kw: None)  # (nothing to sum: no products ran)
+    monkeypatch.setattr(kmoe, "_sum_picks_kernel", no_launch)
+    in_w, out_w = experts_case(True, torch.float32)
+    E, d = in_w.shape[0], in_w.shape[2]
+    many = MOE_TILES.many_from
+    for n, want in ((1, MOE_TILES.few), (many - 1, MOE_TILES.few), (many, MOE_TILES.many)):
+        x, experts, weights = torch.randn(n, d), torch.randint(0, E, (n, 2)), torch.rand(n, 2)
+        seen.clear()
+        kmoe.moe_ffn_triton(x, experts, weights, in_w, out_w, "silu", True, tiles=MOE_TILES)
+        assert seen == [want, want], n
+    step = OpsDecodeStep(fastmamba.load(tiny_checkpoint("granite", tmp_path_factory)).model, LAYER_OPS_DETERMINISTIC)
+    seen.clear()
+    step.model.ops.moe(x, experts, weights, in_w, out_w, "silu", True)  # (many tokens: still `few`)
+    assert seen == [MOE_TILES.few, MOE_TILES.few]
+
+
 @pytest.mark.parametrize("router, bias, norm, scaling", [("softmax", False, True, 1.0), ("softmax_all", False, True, 1.0),
                                                        ("sigmoid", True, True, 2.5), ("sigmoid", False, False, 1.0)])
 @pytest.mark.parametrize("E, k", [(40, 1), (40, 2), (130, 6)])
@@ -273,21 +302,24 @@ def test_on_the_gpu_the_fused_kernel_runs_the_model_as_the_cpu_reference(tiny):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "fp8"], ids=["float32", "bfloat16", "fp8"])
 @pytest.mark.parametrize("act,gated", FAMILIES, ids=["gated_silu", "squared_relu"])
-def test_on_the_gpu_a_token_is_the_same_bits_alone_and_in_any_batch(dtype, act, gated):
-    """At the plan's tiles, on the tensor cores: a token's routed output does not depend on
-    which tokens share its experts or how many there are (given its routing)."""
+@pytest.mark.parametrize("tiles", ["few", "many"])
+def test_on_the_gpu_a_token_is_the_same_bits_alone_and_in_any_batch(dtype, act, gated, tiles):
+    """At each of the plan's tile sets, on the tensor cores: a token's routed output does not
+    depend on which tokens share its experts or how many there are (given its routing)."""
     from fastmamba.engine.plan import MOE_TILES
     from fastmamba.kernels.moe import moe_ffn_triton
+
+    one_set = getattr(MOE_TILES, tiles)  # (one MoETiles: the launch would pick its set by the count)
 
     in_w, out_w = experts_case(gated, dtype, E=8, d=512, I=256)
     in_w, out_w = ((w.to("cuda") if isinstance(w, Fp8Weight) else w.cuda()) for w in (in_w, out_w))
     x, experts, weights = (t.cuda() for t in routing(300, 2, 8, d=512))
-    together = moe_ffn_triton(x, experts, weights, in_w, out_w, act, gated, tiles=MOE_TILES)
+    together = moe_ffn_triton(x, experts, weights, in_w, out_w, act, gated, tiles=one_set)
     want = moe_ffn_ref(x, experts, weights, in_w, out_w, act, gated, linear=rounded_linear)
     # (the hidden activations may round to the other neighbour where the sums' order differs)
     assert relative_error(together, want) < (1e-5 if dtype == torch.float32 else 2e-3)
     for n in (1, 5, 64, 129):
-        part = moe_ffn_triton(x[:n], experts[:n], weights[:n], in_w, out_w, act, gated, tiles=MOE_TILES)
+        part = moe_ffn_triton(x[:n], experts[:n], weights[:n], in_w, out_w, act, gated, tiles=one_set)
         assert torch.equal(part, together[:n]), n
-    alone = moe_ffn_triton(x[-1:], experts[-1:], weights[-1:], in_w, out_w, act, gated, tiles=MOE_TILES)
+    alone = moe_ffn_triton(x[-1:], experts[-1:], weights[-1:], in_w, out_w, act, gated, tiles=one_set)
     assert torch.equal(alone[0], together[-1])

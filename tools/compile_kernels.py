@@ -286,15 +286,15 @@ def main() -> None:
         compile_kernel(f8._quantize_rows_kernel, {"x_ptr": xdt, "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, dict(BK=1024))
     # a mixture of experts' grouped products (moe.py), bf16 and FP8 experts (bf16 operands):
     # gate and up with the gated SiLU, up with the squared ReLU, then down with the router's weights
-    for wdt in ("*bf16", "*fp8e4nv"):
+    # (at both of the plan's tile sets: a decode step's few tokens, a prefill chunk's many)
+    for wdt, mt in itertools.product(("*bf16", "*fp8e4nv"), (MOE_TILES.few, MOE_TILES.many)):
         t = ptrs("s_ptr", "rw_ptr", x_ptr="*bf16", w_ptr=wdt, ids_ptr="*i64", bexp_ptr="*i64", nblocks_ptr="*i64")
-        tiles = dict(F32=False, SCALED=wdt == "*fp8e4nv", BM=MOE_TILES.bm, BN=MOE_TILES.bn, BK=MOE_TILES.bk,
-                     STAGES=MOE_TILES.stages)
+        tiles = dict(F32=False, SCALED=wdt == "*fp8e4nv", BM=mt.bm, BN=mt.bn, BK=mt.bk, STAGES=mt.stages)
         for act, gated in (("silu", True), ("relu2", False)):
             compile_kernel(mo._moe_gemm_kernel, {**t, "out_ptr": "*bf16"},
-                           dict(ACT=act, GATED=gated, MUL_WEIGHT=False, **tiles), num_warps=MOE_TILES.warps)
+                           dict(ACT=act, GATED=gated, MUL_WEIGHT=False, **tiles), num_warps=mt.warps)
         compile_kernel(mo._moe_gemm_kernel, {**t, "out_ptr": "*fp32"},
-                       dict(ROW_DIV=1, ACT="none", GATED=False, MUL_WEIGHT=True, **tiles), num_warps=MOE_TILES.warps)
+                       dict(ROW_DIV=1, ACT="none", GATED=False, MUL_WEIGHT=True, **tiles), num_warps=mt.warps)
     # the one-row step's experts (decode_step_hybrid.py): bf16 on the CUDA cores or the tensor
     # cores, FP8 on the tensor cores
     for wdt, mma in (("*bf16", False), ("*bf16", True), ("*fp8e4nv", True)):
@@ -309,7 +309,7 @@ def main() -> None:
                                                    MMA=mma, PDL=True))
     # the grouping in one program (64 experts, Granite-4.0-H-Tiny's) and the picks' sum
     compile_kernel(mo._align_kernel, ptrs(experts_ptr="*i64", ids_ptr="*i64", bexp_ptr="*i64", nblocks_ptr="*i64"),
-                   dict(BM=MOE_TILES.bm, BE=128, BC=32))
+                   dict(BM=MOE_TILES.few.bm, BE=128, BC=32))
     compile_kernel(mo._sum_picks_kernel, ptrs("y_ptr", "add_ptr", "out_ptr"), dict(K=6, BD=1024, HAS_ADD=True))
     # the routers: Granite-4.0-H-Tiny's softmax of the top 6 of 64, Nemotron 3 Nano's sigmoid
     # with its correction bias, 6 of 128

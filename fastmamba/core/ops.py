@@ -20,7 +20,7 @@ from fastmamba.kernels.conv_grad import ConvGradTiles
 from fastmamba.kernels.fp8_gemm import fp8_linear
 from fastmamba.kernels.gated_norm import gated_rmsnorm_ref
 from fastmamba.kernels.mlp_activation import mlp_activation_ref
-from fastmamba.kernels.moe import MoETiles, moe_ffn_ref, route_ref
+from fastmamba.kernels.moe import MoELaunch, moe_ffn_ref, route_ref
 from fastmamba.kernels.paged_attention import PagedTiles
 from fastmamba.kernels.products import linear_invariant, linear_storage
 from fastmamba.kernels.rmsnorm import add_norm_ref
@@ -113,7 +113,7 @@ class KernelTiles:
     conv_grad: ConvGradTiles  # the training conv (kernels/conv_grad.py)
     train_scan: TrainScanTiles  # the training scan (kernels/scan_grad.py)
     paged: PagedTiles  # decode attention over the paged KV cache (kernels/paged_attention.py)
-    moe: MoETiles  # a mixture of experts' grouped products (kernels/moe.py)
+    moe: MoELaunch  # a mixture of experts' grouped products (kernels/moe.py), by the launch's tokens
 
 
 def triton_ops(tiles: KernelTiles) -> Ops:

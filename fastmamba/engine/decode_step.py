@@ -7,6 +7,7 @@ cuda_graphs.py."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -17,6 +18,7 @@ from fastmamba.kernels.decode_gemm import GemmDecodeStep
 from fastmamba.kernels.decode_step import DecodeStep
 from fastmamba.kernels.decode_step_hybrid import HybridDecodeStep
 from fastmamba.kernels.decode_step_mamba2 import Mamba2DecodeStep
+from fastmamba.kernels.moe import moe_ffn_triton
 
 
 def make_decode_step(model, batch: int, deterministic: bool = False, plan=None):
@@ -47,8 +49,8 @@ class OpsDecodeStep:
     def __init__(self, model, plan):
         self.plan = plan
         ops = triton_ops(KERNEL_TILES)  # (whatever ops the model was built with: this is the GPU's step)
-        if not plan.cublas:
-            ops = replace(ops, linear=gpu_linear_invariant)
+        if not plan.cublas:  # (the experts' tiles too: one set at every batch size)
+            ops = replace(ops, linear=gpu_linear_invariant, moe=partial(moe_ffn_triton, tiles=KERNEL_TILES.moe.few))
         self.model = Mamba(model.config, model.weights, ops, model.chunk_tokens, model.state_dtype)
 
     def __call__(self, tokens: torch.Tensor, state, argmax: bool = False) -> torch.Tensor:

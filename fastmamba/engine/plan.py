@@ -43,7 +43,7 @@ from fastmamba.kernels.conv_grad import ConvGradTiles
 from fastmamba.kernels.decode_gemm import PRODUCTS
 from fastmamba.kernels.decode_step_hybrid import ONE_ROW_KINDS
 from fastmamba.kernels.lockstep_step import unfit
-from fastmamba.kernels.moe import MoETiles
+from fastmamba.kernels.moe import MoELaunch, MoETiles
 from fastmamba.kernels.paged_attention import PagedTiles
 from fastmamba.kernels.sampler import SamplerTiles
 from fastmamba.kernels.scan_grad import TrainScanTiles
@@ -530,12 +530,19 @@ SSD_GRAD_TILES = SSDGradTiles(chunk=64, warps=4)
 PAGED_TILES = PagedTiles(splits=16, warps=4, tokens=64)
 
 # -- a mixture of experts' grouped products (kernels/moe.py) -----------------------------------
-# Untuned: the 16-bit GEMM's 64-row, 64-column tiles, taken until a sweep at the public
-# experts' shapes (Granite-4.0-H-Tiny's, Nemotron-3's) can choose them on a GPU.
-MOE_TILES = MoETiles(bm=64, bn=64, bk=64, warps=4, stages=3,
-                     # UNTUNED: one program groups a decode step's pairs (6 experts a token: up to
-                     # 42 tokens) in one launch; its P^2 compares stay small to here
-                     align_pairs=256)
+# By the launch's tokens (MoELaunch; the deterministic decode step takes `few` at every batch).
+# `python -m benchmarks.tune_moe`, H100 80GB HBM3, 2026-12-07, tree of 089be5f, µs a sublayer's
+# grouped products (uniform routing; the earlier untuned tiles, 64 x 64 x 64, 4 warps, in brackets):
+# - 64 tokens, Granite-4.0-H-Tiny's experts: 16 x 64 x 64, 4 warps, 319.2 (395.0), the best of 24;
+#   Nemotron 3 Nano's: the best five, all 16-row, 972.9-977.7 (984.5).
+# - 8192 tokens: 64 x 128 x 64, 4 warps, the best at both: Tiny 1077.9 (1258.4), Nano 3829.5 (5634.7).
+# Not measured between 64 and 8192: `many` from 1024 tokens, where each of Tiny's 64 experts
+# has ~96 pairs on average (6 a token), past a 64-row block (at 64 tokens, 6).
+# align_pairs UNTUNED: one program groups a decode step's pairs (6 experts a token: up to 42
+# tokens) in one launch; its P^2 compares stay small to here.
+MOE_TILES = MoELaunch(few=MoETiles(bm=16, bn=64, bk=64, warps=4, stages=3, align_pairs=256),
+                      many=MoETiles(bm=64, bn=128, bk=64, warps=4, stages=3, align_pairs=256),
+                      many_from=1024)
 
 KERNEL_TILES = KernelTiles(conv=CONV_TILES, scan=SCAN_TILES, ssd=SSD_TILES, conv_grad=CONV_GRAD_TILES,
                            train_scan=TRAIN_SCAN_TILES, paged=PAGED_TILES, moe=MOE_TILES)

@@ -20,8 +20,8 @@ Batch invariance: a pair's row is one fixed sum, its K walked in `bk` steps from
 same tiles whatever else is in its block (the tensor cores treat each row alone, as
 products.py's GEMM relies on; the padding rows are zeros), and a token's picks add in a fixed
 order; so given its routing and the same MoETiles, a token's output is bitwise the same alone
-or in any batch. The tiles come from the caller (engine/plan.py's MOE_TILES), never from the
-batch size.
+or in any batch. The tiles come from the caller (engine/plan.py's MOE_TILES): a MoELaunch
+picks one set by the launch's token count, which a step that must be batch-invariant pins.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from .products import tensor_dot
 
 @dataclass(frozen=True)
 class MoETiles:
-    """The grouped products' launch settings (engine/plan.py's MOE_TILES). Never chosen by
-    the batch: a token's bits depend on them."""
+    """The grouped products' launch settings. A token's bits depend on them: where they are
+    chosen by the launch's token count (MoELaunch), a token's bits depend on that count too."""
 
     bm: int  # pairs a block (moe_align pads each expert's pairs to whole blocks): a program's rows
     bn: int  # output columns a program
@@ -51,6 +51,24 @@ class MoETiles:
     # the most pairs grouped by one program (`moe_align_triton`: one launch, its compares grow
     # as P^2); past it, `moe_align`'s sort (about twenty small launches). Both give the same ids.
     align_pairs: int
+
+    def for_tokens(self, n: int) -> "MoETiles":
+        return self
+
+
+@dataclass(frozen=True)
+class MoELaunch:
+    """The grouped products' tiles by a launch's token count (engine/plan.py's MOE_TILES):
+    `few` below `many_from` tokens (decode's batches: each expert's few pairs in small
+    blocks), `many` from there (prefill's chunks). A step that must give a token the same
+    bits at any batch size takes one of them at every count."""
+
+    few: MoETiles
+    many: MoETiles
+    many_from: int
+
+    def for_tokens(self, n: int) -> MoETiles:
+        return self.many if n >= self.many_from else self.few
 
 
 def route_ref(logits: torch.Tensor, router: str, k: int, bias: torch.Tensor | None = None, groups: int = 1,
@@ -334,7 +352,7 @@ def _grouped_product(x, w, scale, weights, ids, block_expert, blocks, out, N, ro
 
 
 def moe_ffn_triton(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, in_w, out_w, act: str, gated: bool,
-                   add: torch.Tensor | None = None, *, tiles: MoETiles) -> torch.Tensor:
+                   add: torch.Tensor | None = None, *, tiles: MoETiles | MoELaunch) -> torch.Tensor:
     """moe_ffn_ref through the grouped kernel: x rounded once to the weights' operand dtype
     (their own for 16-bit and float32 weights (float32 in three TF32 passes), bfloat16 for
     e4m3 ones, whose values widen to it exactly), float32 sums, the hidden activations
@@ -350,6 +368,7 @@ def moe_ffn_triton(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     if N * k == 0:
         zeros = torch.zeros(N, d, dtype=torch.float32, device=x.device)
         return zeros if add is None else zeros + add
+    tiles = tiles.for_tokens(N)
     operand1 = torch.bfloat16 if s1 is not None else w1.dtype
     operand2 = torch.bfloat16 if s2 is not None else w2.dtype
     align = moe_align_triton if N * k <= tiles.align_pairs else moe_align
