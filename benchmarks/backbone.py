@@ -13,13 +13,15 @@ step wherever it fits ("lockstep").
     python -m benchmarks.backbone --training --json training.json   # forward + backward only
     python -m benchmarks.backbone --training --autocast --deterministic   # the modes' costs
     python -m benchmarks.backbone --training --layer mamba2   # Mamba-2 layers (heads of 64)
+    python -m benchmarks.backbone --step-only --layer mamba2 --deterministic   # its step's products in Triton
 
 --training: forward + backward (the training kernels) and its peak memory beside cuDNN
 LSTMs of the issue's sizes, in float32 with PyTorch's defaults (cuDNN may use TF32, cuBLAS
 float32 products do not), then again with TF32 products allowed; and the scan's and the
 conv's kernels alone, forward + backward, at the first shape. --autocast runs the backbone's
 passes under torch.autocast("cuda", bfloat16) (float32 parameters; the LSTM peers too),
---deterministic makes the backbone Backbone(deterministic=True): each row says which.
+--deterministic makes the backbone Backbone(deterministic=True), for the step too (its products
+through the batch-invariant Triton GEMM, not cuBLAS): each row says which.
 """
 
 import argparse
@@ -158,7 +160,7 @@ def main() -> None:
     ap.add_argument("--step-only", action="store_true", help="the step only (no sequence pass)")
     ap.add_argument("--training", action="store_true", help="forward + backward beside cuDNN LSTMs, and peak memory")
     ap.add_argument("--autocast", action="store_true", help="--training under torch.autocast('cuda', bfloat16)")
-    ap.add_argument("--deterministic", action="store_true", help="--training with Backbone(deterministic=True)")
+    ap.add_argument("--deterministic", action="store_true", help="Backbone(deterministic=True), the step's or --training's")
     ap.add_argument("--layer", default="mamba1", choices=("mamba1", "mamba2"), help="the Backbone's layers")
     ap.add_argument("--steps", default="plan", help="comma-separated: plan, kernels, lockstep (see above)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
@@ -191,7 +193,7 @@ def main() -> None:
     for name in args.shapes.split(","):
         for dtype in (torch.float32, torch.bfloat16):
             torch.manual_seed(0)
-            bb = Backbone(config(name, args.layer), device="cuda", dtype=dtype)
+            bb = Backbone(config(name, args.layer), device="cuda", dtype=dtype, deterministic=args.deterministic)
             c = bb.config
             batches = [] if args.sequence_only else [int(b) for b in args.batches.split(",")]
             for batch, step in ((b, st) for b in batches for st in steps):
@@ -208,7 +210,8 @@ def main() -> None:
                 with torch.no_grad():
                     eager = host_us(lambda: bb._step_eager(x, s), 50)
                 ran = type(bb._last_graph.kernels).__name__
-                emit(shape=name, layer=args.layer, dtype=str(dtype)[6:], batch=batch, asked=step, step=ran,
+                emit(shape=name, layer=args.layer, dtype=str(dtype)[6:], deterministic=args.deterministic, batch=batch,
+                     asked=step, step=ran,
                      step_us=round(dev, 1), replay_us=round(replay, 1), numpy_step_us=round(host, 1),
                      eager_step_us=round(eager, 1), floor_us=round(moved / bw * 1e6, 1), floor_fraction=round(moved / bw * 1e6 / replay, 2))
             plan.LOCKSTEP_ROUTES = PLANNED
