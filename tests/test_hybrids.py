@@ -467,7 +467,7 @@ def test_the_paged_decode_kernel_equals_its_twin(splits, tokens):
     lengths, rows = torch.tensor([0, 9, 27, 3, 5]), torch.tensor([1, 0, 2])
     q = torch.randn(B, H, hd, generator=g)
     on = [t.to(KERNELS_ON) for t in (q, k, v, table, lengths, rows)]
-    got = paged_decode(*on[:5], 0.3, on[5], 1, tiles=PagedTiles(splits, 1, tokens)).cpu()
+    got = paged_decode(*on[:5], 0.3, on[5], 1, tiles=PagedTiles(splits * PAGED[2], 1, tokens)).cpu()
     want = paged_decode_ref(q, k, v, table, lengths, 0.3, rows, 1)
     assert (got - want).abs().max() < 1e-5
     broken = paged_decode_ref(q, k, v, table, lengths, 0.3, rows, 0)  # (one token fewer: the test can fail)
@@ -491,7 +491,7 @@ def test_the_decode_attention_kernels_equal_their_twin(theta, rotary_dim):
     qkv = 3 * torch.randn(B, (H + 2 * KVH) * hd, generator=g)
     ours, theirs = [t.clone().to(KERNELS_ON) for t in (k, v)], [k.clone(), v.clone()]  # (the caches each stores in)
     on = [t.to(KERNELS_ON) for t in (qkv, table, lengths, rows)]
-    got = decode_attention(on[0], *ours, *on[1:], H, 0.3, theta, rotary_dim, tiles=PagedTiles(3, 1, 64)).cpu()
+    got = decode_attention(on[0], *ours, *on[1:], H, 0.3, theta, rotary_dim, tiles=PagedTiles(3 * KVH, 1, 64)).cpu()
     ours = [t.cpu() for t in ours]
     want = decode_attention_ref(qkv, *theirs, table, lengths, rows, H, 0.3, theta, rotary_dim)
     # (bf16 keys and values: both round the products' other operands to bf16, the kernel its

@@ -421,14 +421,17 @@ def main() -> None:
                                                    table_ptr="*i64", len_ptr="*i64", rows_ptr="*i64",
                                                    log2_theta="fp32"),
                        dict(H=H, KVH=KVH, HD=hd, HP=hd, BS=16, ROT=rot), num_warps=1)
-    compile_kernel(pa._paged_decode_kernel, ptrs("q_ptr", "m_ptr", "l_ptr", "acc_ptr", k_ptr="*bf16", v_ptr="*bf16",
-                                                 table_ptr="*i64", len_ptr="*i64", rows_ptr="*i64", scale="fp32"),
-                   dict(KVH=KVH, REP=H // KVH, RP=H // KVH, QP=16, HD=hd, HP=hd, BS=16, BN=PAGED_TILES.tokens,
-                        SPLITS=PAGED_TILES.splits, F32=False),
-                   num_warps=PAGED_TILES.warps)
-    compile_kernel(pa._paged_combine_kernel, ptrs("m_ptr", "l_ptr", "acc_ptr", "out_ptr"),
-                   dict(KVH=KVH, REP=H // KVH, RP=H // KVH, HD=hd, HP=hd, SPLITS=PAGED_TILES.splits,
-                        SP=PAGED_TILES.splits), num_warps=4)
+    for heads, kv_heads in ((H, KVH), (12, 2)):  # (and Falcon-H1-7B's 12 over 2: 64 splits to add up)
+        splits, rep = PAGED_TILES.programs // kv_heads, heads // kv_heads
+        compile_kernel(pa._paged_decode_kernel, ptrs("q_ptr", "m_ptr", "l_ptr", "acc_ptr", k_ptr="*bf16",
+                                                     v_ptr="*bf16", table_ptr="*i64", len_ptr="*i64",
+                                                     rows_ptr="*i64", scale="fp32"),
+                       dict(KVH=kv_heads, REP=rep, RP=triton.next_power_of_2(rep), QP=16, HD=hd, HP=hd, BS=16,
+                            BN=PAGED_TILES.tokens, SPLITS=splits, F32=False), num_warps=PAGED_TILES.warps)
+        compile_kernel(pa._paged_combine_kernel, ptrs("m_ptr", "l_ptr", "acc_ptr", "out_ptr", len_ptr="*i64",
+                                                      rows_ptr="*i64"),
+                       dict(KVH=kv_heads, REP=rep, RP=triton.next_power_of_2(rep), HD=hd, HP=hd,
+                            BN=PAGED_TILES.tokens, SPLITS=splits, SP=triton.next_power_of_2(splits)), num_warps=4)
     t = ptrs("w_ptr", "b_ptr", "st_ptr", x_ptr="*fp32", y_ptr="*bf16", start_ptr="*bf16", first_ptr="*bf16")
     compile_kernel(cc._causal_conv1d_kernel, t, dict(K=4, KP=4, HAS_BIAS=True, BE=CONV_TILES.be, BT=CONV_TILES.bt,
                                                      STAGES=CONV_TILES.stages, UNROLL=CONV_TILES.unroll, RESETS=False,

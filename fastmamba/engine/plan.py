@@ -519,15 +519,18 @@ CONV_GRAD_TILES = ConvGradTiles(forward=CONV_TILES, be=64, bt=32, warps=4)
 SSD_GRAD_TILES = SSDGradTiles(chunk=64, warps=4)
 
 # -- a hybrid's decode attention (kernels/paged_attention.py) ---------------------------------
-# A row and key/value head's tokens dealt over 16 programs in runs of 64 (every 16th run each):
-# at batch 1 Nemotron-H-8B's 8 key-value heads make 128 programs, about one an SM of an H100's
-# 132, and a 1k-token context is one run a program. 64 tokens: the products' tiles on the
-# tensor cores at 114 registers (sm_90 compile). Not swept; 8 splits of the table's columns,
-# a block at a time on the CUDA cores, took 936 µs a sublayer at batch 128 and 1k-token
-# contexts on an H100 (0.19 of the keys' and values' bytes at the copy rate). With fewer heads
-# the programs are too few for a long context: Falcon-H1-7B's 2 heads make 32, 35.1 µs a
-# sublayer at batch 1 and 16k tokens against 6.2 at 1k (H100; RESULTS, "Hybrid models").
-PAGED_TILES = PagedTiles(splits=16, warps=4, tokens=64)
+# A row's tokens dealt over 128 programs, its key/value heads' splits, in runs of 64 (each
+# split every splits-th run): at batch 1, about one program an SM of an H100's 132 over a long
+# context, whatever the heads (Nemotron-H-8B's 8 heads: 16 splits; Falcon-H1-7B's 2: 64). At a
+# fixed 16 splits, Falcon-H1-7B's 32 programs read a 16k-token context at a sixth of the copy
+# rate (H100 profile at batch 1: 35.1 µs a sublayer, 6.2 at 1k; the step 7.28 ms against 6.01).
+# With 64 splits added up in a serial loop (a program a row and key/value head), the step
+# stayed at 7.43 ms and batch 128 at 1k slowed from 18.3 ms to 20.5: so the combine takes a
+# program a query head and its splits at once, and a split with no run returns at once.
+# 64 tokens: the products' tiles on the tensor cores at 114 registers (sm_90 compile). Not
+# swept; 8 splits of the table's columns, a block at a time on the CUDA cores, took 936 µs a
+# sublayer at batch 128 and 1k-token contexts on an H100 (0.19 of the bytes at the copy rate).
+PAGED_TILES = PagedTiles(programs=128, warps=4, tokens=64)
 
 # -- a mixture of experts' grouped products (kernels/moe.py) -----------------------------------
 # By the launch's tokens (MoELaunch; the deterministic decode step takes `few` at every batch).

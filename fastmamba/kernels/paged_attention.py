@@ -9,12 +9,13 @@ where the sublayer's torch ops took about twenty:
 - `_rope_store_kernel`: a program a row and head rotates the query head (RoPE), or rotates
   the key head and stores it and the value head in their block;
 - `_paged_decode_kernel`: a program takes one row, one key/value head with the REP query
-  heads that share it (GQA), and one of SPLITS splits of the row's tokens, every SPLITS-th
-  run of BN tokens (BN / BS blocks) below the row's length from its own; it runs over them
-  with a running max and sum (float32), the scores and the weighted values as tensor-core
-  products (16-bit caches: the scaled query and the weights rounded to their dtype; float32
-  ones in three TF32 passes, float32's accuracy), and writes its partial result;
-- `_paged_combine_kernel`: a program a row and key/value head adds the splits up.
+  heads that share it (GQA), and one of SPLITS splits of the row's tokens (as many programs
+  a row whatever its key/value heads), every SPLITS-th run of BN tokens (BN / BS blocks)
+  below the row's length from its own; it runs over them with a running max and sum
+  (float32), the scores and the weighted values as tensor-core products (16-bit caches: the
+  scaled query and the weights rounded to their dtype; float32 ones in three TF32 passes,
+  float32's accuracy), and writes its partial result; a split with no run returns at once;
+- `_paged_combine_kernel`: a program a row and query head adds up the splits that ran.
 The blocks a split takes depend on the row's own length alone, never on the batch or the
 table's width, so a row's result is the same in any batch, every split has a share of any
 context, and the launch has one shape for a CUDA graph whatever the context. (Splits of
@@ -105,7 +106,7 @@ def paged_decode_ref(q, k_cache, v_cache, table, lengths, scale: float, rows=Non
 
 @dataclass(frozen=True)
 class PagedTiles:
-    splits: int  # programs a row and key/value head, each over every splits-th run of tokens
+    programs: int  # a row's programs, over its key/value heads: programs // heads splits a head
     warps: int
     tokens: int  # a run: the tokens a program's products take at once (a power of two, >= 16)
 
@@ -131,6 +132,8 @@ def _paged_decode_kernel(
     q = q.to(k_ptr.dtype.element_ty)  # (QP, HP): a product's operand, in the cache's dtype
     slot = tl.load(rows_ptr + b).to(tl.int64)
     length = tl.load(len_ptr + slot) + extra
+    if s * BN >= length:  # (no run: nothing to write, the combine reads only the splits that ran)
+        return
     m = tl.full([QP], -1.0e30, dtype=tl.float32)
     l = tl.zeros([QP], dtype=tl.float32)
     acc = tl.zeros([QP, HP], dtype=tl.float32)
@@ -159,27 +162,26 @@ def _paged_decode_kernel(
 
 
 @jit
-def _paged_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, KVH: tl.constexpr, REP: tl.constexpr, RP: tl.constexpr,
-                          HD: tl.constexpr, HP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
-    """The splits of one row and key/value head added up: each weighted by exp(its max - the
-    largest), the sums of values over the sums of weights; (a split with no block has m = -1e30,
-    weight 0)."""
+def _paged_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, len_ptr, rows_ptr, extra, KVH: tl.constexpr,
+                          REP: tl.constexpr, RP: tl.constexpr, HD: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr,
+                          SPLITS: tl.constexpr, SP: tl.constexpr):
+    """One row's query head: the splits that had a run added up, each weighted by exp(its max
+    - the largest), the sums of values over the sums of weights. (A program a query head: its
+    (splits, head_dim) partial sums fit one program's registers at 64 splits.)"""
     b = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
+    h = tl.program_id(1)
+    g, r = h // REP, h % REP
     s = tl.arange(0, SP)
-    r = tl.arange(0, RP)
     d = tl.arange(0, HP)
-    part = (b * KVH + g) * SPLITS + s  # (SP,)
-    smask = s < SPLITS
-    m = tl.load(m_ptr + part[:, None] * RP + r[None, :], mask=smask[:, None], other=-1.0e30)  # (SP, RP)
-    l = tl.load(l_ptr + part[:, None] * RP + r[None, :], mask=smask[:, None], other=0.0)
-    w = tl.exp(m - tl.max(m, axis=0)[None, :])
-    w = tl.where(smask[:, None], w, 0.0)
-    acc = tl.load(acc_ptr + (part[:, None, None] * RP + r[None, :, None]) * HP + d[None, None, :],
-                  mask=smask[:, None, None], other=0.0)  # (SP, RP, HP)
-    out = tl.sum(acc * w[:, :, None], axis=0) / tl.sum(l * w, axis=0)[:, None]  # (RP, HP)
-    H = KVH * REP
-    tl.store(out_ptr + (b * H + g * REP + r[:, None]) * HD + d[None, :], out, mask=(r[:, None] < REP) & (d[None, :] < HD))
+    length = tl.load(len_ptr + tl.load(rows_ptr + b).to(tl.int64)) + extra
+    ran = s < tl.minimum(SPLITS, tl.cdiv(length, BN))  # (SP,)
+    part = ((b * KVH + g) * SPLITS + s) * RP + r  # (SP,)
+    m = tl.load(m_ptr + part, mask=ran, other=-1.0e30)
+    w = tl.where(ran, tl.exp(m - tl.max(m, axis=0)), 0.0)
+    l = tl.sum(tl.load(l_ptr + part, mask=ran, other=0.0) * w, axis=0)
+    acc = tl.load(acc_ptr + part[:, None] * HP + d[None, :], mask=ran[:, None], other=0.0)  # (SP, HP)
+    out = tl.sum(acc * w[:, None], axis=0) / l  # (HP,)
+    tl.store(out_ptr + (b * KVH * REP + h) * HD + d, out, mask=d < HD)
 
 
 @jit
@@ -229,7 +231,9 @@ def paged_decode(q, k_cache, v_cache, table, lengths, scale: float, rows=None, e
     # (16 at least: the tensor-core products' least width)
     RP, HP = triton.next_power_of_2(REP), max(16, triton.next_power_of_2(hd))
     W = table.shape[1]
-    S = tiles.splits
+    # (from the heads alone, never the batch or the context: a row's sums in one order in any
+    # batch; at batch 1 about `programs` programs share a long context, whatever the heads)
+    S = max(1, tiles.programs // KVH)
     m = torch.empty(B, KVH, S, RP, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(B, KVH, S, RP, HP, device=q.device, dtype=torch.float32)
@@ -239,8 +243,8 @@ def paged_decode(q, k_cache, v_cache, table, lengths, scale: float, rows=None, e
         F32=k_cache.dtype == torch.float32, num_warps=tiles.warps,
     )
     out = torch.empty(B, H, hd, device=q.device, dtype=torch.float32)
-    _paged_combine_kernel[(B, KVH)](m, l, acc, out, KVH=KVH, REP=REP, RP=RP, HD=hd, HP=HP, SPLITS=S,
-                                    SP=triton.next_power_of_2(S), num_warps=4)
+    _paged_combine_kernel[(B, H)](m, l, acc, out, lengths, rows, extra, KVH=KVH, REP=REP, RP=RP, HD=hd, HP=HP,
+                                  BN=tiles.tokens, SPLITS=S, SP=triton.next_power_of_2(S), num_warps=4)
     return out
 
 
