@@ -527,6 +527,8 @@ SSD_GRAD_TILES = SSDGradTiles(chunk=64, warps=4)
 # With 64 splits added up in a serial loop (a program a row and key/value head), the step
 # stayed at 7.43 ms and batch 128 at 1k slowed from 18.3 ms to 20.5: so the combine takes a
 # program a query head and its splits at once, and a split with no run returns at once.
+# UNTUNED: 128 programs a row (`python -m benchmarks.tune_paged` times the kernels at the
+# public shapes' heads for several counts, and 16 splits a head beside them).
 # 64 tokens: the products' tiles on the tensor cores at 114 registers (sm_90 compile). Not
 # swept; 8 splits of the table's columns, a block at a time on the CUDA cores, took 936 µs a
 # sublayer at batch 128 and 1k-token contexts on an H100 (0.19 of the bytes at the copy rate).
