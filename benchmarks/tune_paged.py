@@ -33,18 +33,19 @@ def case(batch: int, context: int, heads: int, kv_heads: int, head_dim: int):
     return q, k, v, table, lengths
 
 
-def timed(name: str, c: MambaConfig, batch: int, context: int, counts: list[int], gbs: float) -> str:
+def timed(name: str, c: MambaConfig, batch: int, context: int, counts: list[int], rate: float) -> str:
     """A line: the kernels' µs and fraction of the floor at each count of a row's programs."""
     H, KVH, hd = c.attn_heads, c.kv_heads, c.attn_head_dim
     q, k, v, table, lengths = case(batch, context, H, KVH, hd)
-    floor_us = 2 * batch * context * KVH * hd * 2 / gbs / 1e3
+    floor_us = 2 * batch * context * KVH * hd * 2 / rate * 1e6
     first, cells = None, []
     for programs in counts:
         t = replace(PAGED_TILES, programs=programs)
         out = paged_decode(q, k, v, table, lengths, hd**-0.5, tiles=t)
         first = out if first is None else first
-        # (other splits add in another order: apart by float32 rounding alone)
-        assert (out - first).abs().max() <= 1e-4 * first.abs().max(), (name, programs)
+        # (other splits: each split's weights are relative to its own largest score and rounded
+        # to the cache's dtype before the values' product, so the rows differ by bf16 rounding)
+        assert (out - first).abs().max() <= 1e-2 * first.abs().max(), (name, programs)
         us = do_bench(lambda: paged_decode(q, k, v, table, lengths, hd**-0.5, tiles=t), warmup=10, rep=50) * 1e3
         cells.append(f"{programs} ({max(1, programs // KVH)} splits) {us:.1f} us {floor_us / us:.2f}")
     return (f"{name} ({H}/{KVH} heads of {hd}) batch {batch} context {context}, floor {floor_us:.1f} us: "
@@ -58,15 +59,15 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32,128")
     ap.add_argument("--programs", default="32,64,128,256", help="a row's programs, besides 16 splits a head")
     args = ap.parse_args()
-    gbs = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}, copy {gbs:.0f} GB/s; the plan's tiles: {PAGED_TILES}")
+    rate = copy_bandwidth()  # (bytes a second)
+    print(f"{torch.cuda.get_device_name()}, copy {rate / 1e12:.2f} TB/s; the plan's tiles: {PAGED_TILES}")
     for name in args.shapes.split(","):
         c = MambaConfig.from_dict(HYBRID_SHAPES[name], name)
         # (16 splits a head: the split count before the splits followed the heads)
         counts = sorted({16 * c.kv_heads, PAGED_TILES.programs, *(int(p) for p in args.programs.split(","))})
         for context in (int(x) for x in args.contexts.split(",")):
             for batch in (int(x) for x in args.batches.split(",")):
-                print(timed(name, c, batch, context, counts, gbs), flush=True)
+                print(timed(name, c, batch, context, counts, rate), flush=True)
                 torch.cuda.empty_cache()
 
 
