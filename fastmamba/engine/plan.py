@@ -527,8 +527,12 @@ SSD_GRAD_TILES = SSDGradTiles(chunk=64, warps=4)
 # With 64 splits added up in a serial loop (a program a row and key/value head), the step
 # stayed at 7.43 ms and batch 128 at 1k slowed from 18.3 ms to 20.5: so the combine takes a
 # program a query head and its splits at once, and a split with no run returns at once.
-# UNTUNED: 128 programs a row (`python -m benchmarks.tune_paged` times the kernels at the
-# public shapes' heads for several counts, and 16 splits a head beside them).
+# Whole steps, 16 splits a head / 128 programs a row (`benchmarks.hybrid`, bf16 state, H100,
+# 2026-12-07, trees of 089be5f and ec30bbe, ms): Falcon-H1-7B batch 1 at 16k tokens 7.372 /
+# 6.392, at 1k 6.114 / 6.003, batch 128 at 1k 18.62 / 18.99 (two runs each, 2% slower: kept
+# for the long contexts' 1.15x); Nemotron-H-8B (8 heads: 128 programs either way) batch 1 at
+# 16k 5.807 / 5.799. The count itself UNTUNED (`python -m benchmarks.tune_paged` times the
+# kernels at the public shapes' heads for several counts, and 16 splits a head beside them).
 # 64 tokens: the products' tiles on the tensor cores at 114 registers (sm_90 compile). Not
 # swept; 8 splits of the table's columns, a block at a time on the CUDA cores, took 936 µs a
 # sublayer at batch 128 and 1k-token contexts on an H100 (0.19 of the bytes at the copy rate).
