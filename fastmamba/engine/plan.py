@@ -227,7 +227,7 @@ ROUTES = (
     # bfloat16 operands, the values widened exactly); a product on "cuBLAS" is cuBLASLt's FP8 GEMM
     # with the activations quantized a row (fp8_linear). The one-row crossovers and the widths up
     # to 1024 are 16-bit's, untuned; past 1024 `benchmarks/decode_routing.py --models 2.8b --dtypes
-    # fp8`, H100 80GB HBM3, 2026-12-07, tree of 911838a, ms a step.
+    # fp8`, H100 80GB HBM3, 2026-12-07, trees of 911838a and 089be5f, ms a step.
     Route("fp8", (1, 768), (1, 4), "one-row", NONE, "untuned: 16-bit's crossover"),
     Route("fp8", (769, 1024), (1, 3), "one-row", NONE, "untuned: 16-bit's crossover"),
     Route("fp8", (1025, MANY), (1, 2), "one-row", NONE, "untuned: 16-bit's crossover"),
@@ -236,9 +236,10 @@ ROUTES = (
     Route("fp8", (1025, MANY), (3, 64), "products", NONE,
           "(2.8b, H100: batch 32 4.019 ms against 4.149 with cuBLASLt's in_proj and 6.157 all cuBLASLt; 64: 4.634 / "
           "4.796 / 6.765)"),
-    Route("fp8", (1025, MANY), (65, MANY), "products", IN_PROJ,
-          "in_proj on cuBLASLt's FP8 GEMM, the activations quantized a row (2.8b batch 128: 7.442 against 8.472 all "
-          "Triton, 8.399 all cuBLASLt: the small products lose the quantize pass)"),
+    Route("fp8", (1025, MANY), (65, MANY), "products", IN_PROJ | {"out_proj"},
+          "in_proj and out_proj on cuBLASLt's FP8 GEMM, the activations quantized a row (2.8b batch 128, 089be5f: "
+          "7.122 against 7.487 in_proj alone, 8.564 all Triton; 911838a: 8.399 all cuBLASLt, whose small products "
+          "lose the quantize pass)"),
 )
 DETERMINISTIC = Route("any", (1, MANY), (1, MANY), "products", NONE,
                       "deterministic=True: the batch-invariant Triton products at every batch size")
