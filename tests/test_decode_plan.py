@@ -148,3 +148,21 @@ def test_the_kernels_hold_no_tuned_choices():
         names = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
         constants = {n for n in names if n.isupper() and not n.startswith("_")}
         assert constants <= math_or_format, (path.name, sorted(constants - math_or_format))
+
+
+def test_a_mamba2_backbones_step_takes_its_products_where_its_table_says():
+    """cuBLAS's float32 products at batch 1, the Triton GEMM at 2-256 rows (and bf16's at
+    1-256), cuBLAS past the table; the deterministic mode the Triton GEMM everywhere. The
+    table's rows do not overlap."""
+    from fastmamba.engine.plan import BACKBONE_STEP_PRODUCTS, backbone_step_cublas
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for batch in range(1, 300):
+            weights = "float32" if dtype == torch.float32 else "16-bit"
+            rows = [r for r in BACKBONE_STEP_PRODUCTS if r.weights == weights
+                    and r.batches[0] <= batch <= r.batches[1]]
+            assert len(rows) <= 1, (dtype, batch)
+            assert not backbone_step_cublas(dtype, batch, deterministic=True)
+    assert backbone_step_cublas(torch.float32, 1, False) and not backbone_step_cublas(torch.float32, 16, False)
+    assert not backbone_step_cublas(torch.bfloat16, 1, False) and not backbone_step_cublas(torch.bfloat16, 256, False)
+    assert backbone_step_cublas(torch.float32, 257, False) and backbone_step_cublas(torch.bfloat16, 4096, False)

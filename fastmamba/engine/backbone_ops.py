@@ -163,11 +163,16 @@ def sequence_ops(layer: str, device: torch.device, training: bool, deterministic
     return training_ops(KERNEL_TILES) if training else triton_ops(KERNEL_TILES)
 
 
-def step_ops(layer: str, device: torch.device, deterministic: bool) -> Ops:
-    """The ops of the eager step: the CPU's, and on CUDA a Mamba-2 layer's (in a CUDA graph;
-    deterministic: invariant_gemm's products, as the language model's deterministic step)."""
+def step_ops(layer: str, device: torch.device, deterministic: bool, dtype: torch.dtype = torch.float32,
+             batch: int = 1) -> Ops:
+    """The ops of the eager step: the CPU's, and on CUDA a Mamba-2 layer's (in a CUDA graph),
+    its products through cuBLAS or invariant_gemm as the plan says for the large matrices'
+    dtype and the batch (plan.backbone_step_cublas; deterministic: invariant_gemm's, as the
+    language model's deterministic step)."""
+    from fastmamba.engine.plan import backbone_step_cublas
+
     ops = backbone_mamba2.step_ops(device) if layer == "mamba2" else REFERENCE_OPS
-    if not deterministic or ops is REFERENCE_OPS or ops is backbone_mamba2.CPU_OPS:
+    if ops is REFERENCE_OPS or ops is backbone_mamba2.CPU_OPS or backbone_step_cublas(dtype, batch, deterministic):
         return ops
     from fastmamba.core.ops import gpu_linear_invariant
 
