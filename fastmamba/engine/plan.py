@@ -427,9 +427,9 @@ def lockstep_route(config, dtype: torch.dtype, batch: int, deterministic: bool, 
 # not timed: cuBLAS there, as before.
 @dataclass(frozen=True)
 class BackboneStepProducts:
-    weights: str  # "16-bit", "float32" or "fp8" (see Route)
+    weights: str  # the large matrices': "16-bit" or "float32" (see Route)
     batches: tuple[int, int]
-    cublas: bool
+    cublas: bool  # else the Triton GEMM
     reason: str
 
 

@@ -52,7 +52,7 @@ class MoETiles:
     # as P^2); past it, `moe_align`'s sort (about twenty small launches). Both give the same ids.
     align_pairs: int
 
-    def for_tokens(self, n: int) -> "MoETiles":
+    def for_tokens(self, n: int) -> "MoETiles":  # (one set: the same at any count, as MoELaunch's pick)
         return self
 
 
