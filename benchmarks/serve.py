@@ -88,12 +88,18 @@ async def level(url, jobs, concurrency):
         return results, time.perf_counter() - t0
 
 
-def triton_cache_entries() -> int:
+def triton_cache_entries() -> set[Path]:
     """Entries in Triton's on-disk kernel cache, which the engine's process and this one
-    share: each kernel compiled adds one, so the count's growth over a level says whether
-    kernels were still being compiled while it was timed."""
+    share: each kernel compiled adds one, so the entries new over a level say whether (and
+    which) kernels were still being compiled while it was timed."""
     path = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
-    return sum(1 for _ in path.iterdir()) if path.is_dir() else 0
+    return set(path.iterdir()) if path.is_dir() else set()
+
+
+def kernel_names(entries: set[Path]) -> list[str]:
+    """The kernels these cache entries hold (each compiled kernel's metadata file is named
+    after it), sorted, a name once per variant compiled."""
+    return sorted(f.stem for e in entries for f in e.glob("*.json") if not f.name.startswith("__grp__"))
 
 
 def start_server(app):
@@ -190,6 +196,8 @@ def main() -> None:
         cached = triton_cache_entries()
         results, wall = run_level(jobs, c)
         compiled_served = triton_cache_entries() - cached
+        if compiled_served:  # (a kernel compiled inside the timed level: a request waited for it)
+            print(f"compiled while served: {', '.join(kernel_names(compiled_served))}", flush=True)
         # no stop tokens: every request must bring exactly its max_tokens
         lost = sum(r[2] != m for r, (_, m) in zip(results, jobs))
         tokens = sum(max(r[2], 0) for r in results)
@@ -218,7 +226,7 @@ def main() -> None:
                    itl_p99_ms=round(pct(gaps, 0.99) * 1e3, 2), itl_mean_ms=round(statistics.mean(gaps) * 1e3, 2) if gaps else None,
                    step_ms=round(step_ms, 2),
                    itl_p50_over_step=round(pct(gaps, 0.5) * 1e3 / step_ms, 2), lost_or_failed=lost,
-                   kernels_compiled_served=compiled_served, kernels_compiled_offline=compiled_offline)
+                   kernels_compiled_served=len(compiled_served), kernels_compiled_offline=len(compiled_offline))
         rows.append(row)
         print(json.dumps(row), flush=True)
     # 16 clients with 512-token prompts (the TTFT target's workload)
