@@ -151,18 +151,25 @@ def test_the_kernels_hold_no_tuned_choices():
 
 
 def test_a_mamba2_backbones_step_takes_its_products_where_its_table_says():
-    """cuBLAS's float32 products at batch 1, the Triton GEMM at 2-256 rows (and bf16's at
-    1-256), cuBLAS past the table; the deterministic mode the Triton GEMM everywhere. The
+    """cuBLAS's float32 products at batch 1, invariant_gemm's at 2-256 rows (and bf16's at
+    1-256), cuBLAS past the table; the deterministic mode invariant_gemm's everywhere. The
     table's rows do not overlap."""
-    from fastmamba.engine.plan import BACKBONE_STEP_PRODUCTS, backbone_step_cublas
+    from fastmamba import BackboneConfig
+    from fastmamba.engine.plan import BACKBONE_MAMBA2_ROUTES, backbone_step_plan
 
+    cfg = BackboneConfig(input_dim=64, d_model=128, n_layer=3, layer="mamba2")
+    for weights in ("float32", "16-bit"):
+        for b in range(1, 300):
+            hits = [r for r in BACKBONE_MAMBA2_ROUTES if r.weights == weights and r.batches[0] <= b <= r.batches[1]]
+            assert len(hits) <= 1, (weights, b)
     for dtype in (torch.float32, torch.bfloat16):
-        for batch in range(1, 300):
-            weights = "float32" if dtype == torch.float32 else "16-bit"
-            rows = [r for r in BACKBONE_STEP_PRODUCTS if r.weights == weights
-                    and r.batches[0] <= batch <= r.batches[1]]
-            assert len(rows) <= 1, (dtype, batch)
-            assert not backbone_step_cublas(dtype, batch, deterministic=True)
-    assert backbone_step_cublas(torch.float32, 1, False) and not backbone_step_cublas(torch.float32, 16, False)
-    assert not backbone_step_cublas(torch.bfloat16, 1, False) and not backbone_step_cublas(torch.bfloat16, 256, False)
-    assert backbone_step_cublas(torch.float32, 257, False) and backbone_step_cublas(torch.bfloat16, 4096, False)
+        for batch in (1, 16, 256, 257, 4096):
+            assert backbone_step_plan(cfg, dtype, batch, deterministic=True).cublas == NONE
+            assert backbone_step_plan(cfg, dtype, batch, False).step == "layer-ops"
+
+    def cublas(dtype, batch):
+        return backbone_step_plan(cfg, dtype, batch, False).cublas
+
+    assert cublas(torch.float32, 1) == ALL and cublas(torch.float32, 16) == NONE
+    assert cublas(torch.bfloat16, 1) == NONE and cublas(torch.bfloat16, 256) == NONE
+    assert backbone_step_plan(cfg, torch.float32, 257, False) is LAYER_OPS and cublas(torch.bfloat16, 4096) == ALL

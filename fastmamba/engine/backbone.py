@@ -432,7 +432,7 @@ class Backbone(nn.Module):
     def _step_eager(self, x: torch.Tensor, state: MambaState) -> torch.Tensor:
         # (on CUDA this runs inside a CUDA graph, whose replays must make A from A_log themselves)
         weights = self._eager_weights() if self.device.type == "cpu" else None
-        ops = backbone_ops.step_ops(self.config.layer, self.device, self.deterministic, storage_dtype(self), len(x))
+        ops = backbone_ops.step_ops(self.config, self.device, self.deterministic, storage_dtype(self), len(x))
         if state.conv.dtype == torch.float32 and state.ssm.dtype == torch.float32:
             return self._layers(x[:, None], list(state.conv), list(state.ssm), ops=ops, weights=weights)[:, 0]
         convs, ssms = list(state.conv.float()), list(state.ssm.float())  # 16-bit state: update in f32

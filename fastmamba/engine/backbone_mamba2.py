@@ -112,11 +112,14 @@ def gpu_ops(training: bool) -> Ops:
                    gated_norm=CPU_OPS.gated_norm)
 
 
-def step_ops(device: torch.device) -> Ops:
-    """The ops of the step: on CUDA the GPU ops (kernels/ssd.py's step kernel: graph-safe),
-    elsewhere the CPU's."""
+def step_ops(device: torch.device, plan=None) -> Ops:
+    """The ops of the step: on CUDA the GPU ops (kernels/ssd.py's step kernel: graph-safe)
+    with the products a "layer-ops" plan names (None: cuBLAS's), elsewhere the CPU's."""
     from fastmamba.kernels._triton import HAVE_TRITON
 
     if device.type == "cuda" and HAVE_TRITON:
-        return gpu_ops(training=False)
+        from fastmamba.engine.decode_step import layer_ops
+        from fastmamba.engine.plan import LAYER_OPS
+
+        return layer_ops(plan or LAYER_OPS)
     return CPU_OPS

@@ -163,17 +163,14 @@ def sequence_ops(layer: str, device: torch.device, training: bool, deterministic
     return training_ops(KERNEL_TILES) if training else triton_ops(KERNEL_TILES)
 
 
-def step_ops(layer: str, device: torch.device, deterministic: bool, dtype: torch.dtype = torch.float32,
+def step_ops(config, device: torch.device, deterministic: bool, dtype: torch.dtype = torch.float32,
              batch: int = 1) -> Ops:
-    """The ops of the eager step: the CPU's, and on CUDA a Mamba-2 layer's (in a CUDA graph),
-    its products through cuBLAS or invariant_gemm as the plan says for the large matrices'
-    dtype and the batch (plan.backbone_step_cublas; deterministic: invariant_gemm's, as the
-    language model's deterministic step)."""
-    from fastmamba.engine.plan import backbone_step_cublas
+    """The ops of the eager step (BackboneConfig `config`): the CPU's, and on CUDA a Mamba-2
+    layer's (in a CUDA graph), the GPU ops of the plan's step for the large matrices' dtype
+    and the batch (plan.backbone_step_plan: its products through cuBLAS or invariant_gemm;
+    deterministic: invariant_gemm's, as the language model's deterministic step)."""
+    if config.layer != "mamba2":
+        return REFERENCE_OPS
+    from fastmamba.engine.plan import backbone_step_plan
 
-    ops = backbone_mamba2.step_ops(device) if layer == "mamba2" else REFERENCE_OPS
-    if ops is REFERENCE_OPS or ops is backbone_mamba2.CPU_OPS or backbone_step_cublas(dtype, batch, deterministic):
-        return ops
-    from fastmamba.core.ops import gpu_linear_invariant
-
-    return replace(ops, linear=gpu_linear_invariant)
+    return backbone_mamba2.step_ops(device, backbone_step_plan(config, dtype, batch, deterministic))

@@ -12,7 +12,7 @@ from functools import partial
 import torch
 
 from fastmamba.core.model import Mamba
-from fastmamba.core.ops import gpu_linear_invariant, triton_ops
+from fastmamba.core.ops import Ops, gpu_linear_invariant, triton_ops
 from fastmamba.engine.plan import KERNEL_TILES, one_row_blocks, plan_for
 from fastmamba.kernels.decode_gemm import GemmDecodeStep
 from fastmamba.kernels.decode_step import DecodeStep
@@ -40,6 +40,16 @@ def make_decode_step(model, batch: int, deterministic: bool = False, plan=None):
     return DecodeStep(model, batch, plan)
 
 
+def layer_ops(plan) -> Ops:
+    """The GPU ops of a "layer-ops" plan: cuBLAS's products where it names them, else
+    invariant_gemm's and one set of the experts' tiles, so that a row's bits do not follow
+    the batch (the language model's step here, a Mamba-2 Backbone's in backbone_ops)."""
+    ops = triton_ops(KERNEL_TILES)
+    if not plan.cublas:
+        ops = replace(ops, linear=gpu_linear_invariant, moe=partial(moe_ffn_triton, tiles=KERNEL_TILES.moe.few))
+    return ops
+
+
 class OpsDecodeStep:
     """The decode step as the model's own layers at one token over its GPU ops (the plan's
     "layer-ops": Mamba-2's layer, kernels/ssd.py's step kernel for the scan), captured in
@@ -48,10 +58,8 @@ class OpsDecodeStep:
 
     def __init__(self, model, plan):
         self.plan = plan
-        ops = triton_ops(KERNEL_TILES)  # (whatever ops the model was built with: this is the GPU's step)
-        if not plan.cublas:  # (the experts' tiles too: one set at every batch size)
-            ops = replace(ops, linear=gpu_linear_invariant, moe=partial(moe_ffn_triton, tiles=KERNEL_TILES.moe.few))
-        self.model = Mamba(model.config, model.weights, ops, model.chunk_tokens, model.state_dtype)
+        # (whatever ops the model was built with: this is the GPU's step)
+        self.model = Mamba(model.config, model.weights, layer_ops(plan), model.chunk_tokens, model.state_dtype)
 
     def __call__(self, tokens: torch.Tensor, state, argmax: bool = False) -> torch.Tensor:
         """tokens (B,) -> logits (B, V) f32; updates `state`."""

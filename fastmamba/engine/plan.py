@@ -418,36 +418,29 @@ def lockstep_route(config, dtype: torch.dtype, batch: int, deterministic: bool, 
 
 
 # A Mamba-2 Backbone's step (engine/backbone_ops.step_ops: its layers over the GPU ops, in a CUDA
-# graph): its products through cuBLAS, or through the batch-invariant Triton GEMM (invariant_gemm;
-# float32 weights in three TF32 passes, as the Mamba-1 Backbone's step). `python -m
-# benchmarks.backbone --step-only --layer mamba2 --shapes 128x3 [--deterministic]` (the Triton
-# products), H100 80GB HBM3, 2026-12-07, tree of 3c75f4d, graph replays, µs, cuBLAS / Triton:
-# float32 batch 1 46.7 / 54.9, 16 277.1 / 56.7 (cuBLAS's float32 kernel at 16 rows: 52 and 25 µs a
-# layer), 256 143.0 / 123.5; bf16 1 50.0 / 46.1, 16 55.5 / 48.7, 256 111.1 / 107.4. Past 256 rows
-# not timed: cuBLAS there, as before.
-@dataclass(frozen=True)
-class BackboneStepProducts:
-    weights: str  # the large matrices': "16-bit" or "float32" (see Route)
-    batches: tuple[int, int]
-    cublas: bool  # else the Triton GEMM
-    reason: str
-
-
-BACKBONE_STEP_PRODUCTS = (
-    BackboneStepProducts("float32", (1, 1), True, "(batch 1: 46.7 µs against 54.9)"),
-    BackboneStepProducts("float32", (2, 256), False, "(batch 16: 56.7 µs against 277.1, 256: 123.5 / 143.0)"),
-    BackboneStepProducts("16-bit", (1, 256), False, "(batch 1: 46.1 µs against 50.0, 16: 48.7 / 55.5, 256: 107.4 / 111.1)"),
+# graph): "layer-ops" with its products through cuBLAS, or through invariant_gemm (float32
+# weights in three TF32 passes, as the Mamba-1 Backbone's step). `python -m benchmarks.backbone
+# --step-only --layer mamba2 --shapes 128x3 [--deterministic]` (the Triton products), H100 80GB
+# HBM3, 2026-12-07, tree of 3c75f4d, graph replays, µs, cuBLAS / Triton. Past 256 rows not
+# timed: cuBLAS there, as before.
+BACKBONE_MAMBA2_ROUTES = (
+    Route("float32", (1, MANY), (1, 1), "layer-ops", ALL, "(batch 1: 46.7 µs against 54.9)"),
+    Route("float32", (1, MANY), (2, 256), "layer-ops", NONE,
+          "cuBLAS's float32 kernel at 16 rows took 52 and 25 µs a layer (batch 16: 56.7 µs against 277.1, 256: "
+          "123.5 / 143.0)"),
+    Route("16-bit", (1, MANY), (1, 256), "layer-ops", NONE,
+          "(batch 1: 46.1 µs against 50.0, 16: 48.7 / 55.5, 256: 107.4 / 111.1)"),
 )
 
 
-def backbone_step_cublas(dtype: torch.dtype, batch: int, deterministic: bool) -> bool:
-    """Whether a Mamba-2 Backbone's step at this batch takes its products through cuBLAS (else
-    the Triton GEMM; always in the deterministic mode). Rows not in the table: cuBLAS."""
+def backbone_step_plan(config, dtype: torch.dtype, batch: int, deterministic: bool) -> DecodePlan:
+    """A Mamba-2 Backbone's step (BackboneConfig `config`, the large matrices' dtype): the
+    layer over the GPU ops with the products BACKBONE_MAMBA2_ROUTES names (cuBLAS past it;
+    deterministic: invariant_gemm's at every batch)."""
     if deterministic:
-        return False
-    w = _weights(dtype)
-    r = next((r for r in BACKBONE_STEP_PRODUCTS if r.weights == w and r.batches[0] <= batch <= r.batches[1]), None)
-    return True if r is None else r.cublas
+        return LAYER_OPS_DETERMINISTIC
+    r = _entry(BACKBONE_MAMBA2_ROUTES, config.d_model, dtype, batch)
+    return LAYER_OPS if r is None else DecodePlan(r.step, r.cublas, pdl=False, reason=r.reason)
 
 
 # == The prefill, Mamba-2 scan, training and sampler kernels' tiles ===========================
