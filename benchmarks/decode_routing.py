@@ -41,6 +41,7 @@ from fastmamba import bench
 from fastmamba.core.dtypes import parse_dtype
 from fastmamba.engine.plan import (
     ALL,
+    IN_OUT_PROJ,
     IN_PROJ,
     LAYER_OPS,
     LAYER_OPS_DETERMINISTIC,
@@ -57,7 +58,7 @@ CANDIDATES = {  # a layer kind's candidate steps
         "Triton": DecodePlan("products", NONE),
         "Triton+cuBLAS": DecodePlan("products", IN_PROJ),
         # in_proj and out_proj (the two large products) through cuBLAS, x_proj and dt_proj through Triton
-        "Triton+cuBLAS in/out": DecodePlan("products", IN_PROJ | {"out_proj"}),
+        "Triton+cuBLAS in/out": DecodePlan("products", IN_OUT_PROJ),
         # the Triton products each in one K chunk (the table's splits serve batch 1's few programs)
         "Triton 1-chunk": DecodePlan("products", NONE, splits=tuple((p, 1) for p in PRODUCTS)),
     },

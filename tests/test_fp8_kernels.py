@@ -197,14 +197,14 @@ def test_products_step_with_cublas_products_in_fp8(checkpoints):
     """A products plan naming cuBLAS products takes FP8 weights through fp8_linear (the
     activations quantized a row, cuBLASLt's FP8 GEMM on a GPU): logits against float32
     within ACTIVATIONS_OVER_WEIGHTS of the reference FP8 engine's error, over whole steps."""
-    from fastmamba.engine.plan import ALL, IN_PROJ
+    from fastmamba.engine.plan import ALL, IN_OUT_PROJ, IN_PROJ
 
     folder = checkpoints["untied_bias_rank"]
     ref = fastmamba.load(folder, device=DEVICE, dtype="fp8", engine="reference").model
     f32 = fastmamba.load(folder, device=DEVICE, engine="reference").model
     B = 4
     ids = torch.randint(0, ref.config.vocab_size, (B, 5), generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    for cublas in (IN_PROJ, IN_PROJ | {"out_proj"}, ALL):  # (the plan's rows past 64, and all)
+    for cublas in (IN_PROJ, IN_OUT_PROJ, ALL):  # (the plan's rows past 64, and all)
         step = make_decode_step(ref, B, plan=DecodePlan("products", cublas))
         assert step.cublas_products == set(cublas)
         states = {k: m.new_state(B) for k, m in (("ours", ref), ("ref", ref), ("f32", f32))}
@@ -233,7 +233,7 @@ def test_the_plan_has_fp8_rows_for_every_batch(fp8_models):
     products, but past 64 rows at widths over 1024 in_proj and out_proj on cuBLASLt's FP8
     GEMM (timed on an H100; the rest untuned); make_decode_step builds them; a slot is
     bitwise the same within each range of one family (plan.batch_invariant_ranges)."""
-    from fastmamba.engine.plan import IN_PROJ, batch_invariant_ranges
+    from fastmamba.engine.plan import batch_invariant_ranges
     from fastmamba.kernels.decode_gemm import GemmDecodeStep
     from fastmamba.kernels.decode_step import DecodeStep
 
@@ -244,7 +244,7 @@ def test_the_plan_has_fp8_rows_for_every_batch(fp8_models):
         for batch in (1, 2, 3, 4, 5, 32, 64, 65, 128, 256, 1024):
             plan = plan_for(config, FP8, batch)
             assert plan.step in ("one-row", "products")
-            large = IN_PROJ | {"out_proj"}
+            large = frozenset({"in_proj", "out_proj"})
             assert plan.cublas == (large if d_model > 1024 and batch > 64 else frozenset()), (d_model, batch)
             assert ("untuned" in plan.reason) == (d_model <= 1024 or batch <= 2), (d_model, batch)
         ranges = batch_invariant_ranges(d_model, FP8, 512)

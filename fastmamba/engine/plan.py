@@ -53,6 +53,7 @@ from fastmamba.kernels.ssd_grad import SSDGradTiles
 from fastmamba.kernels.step_size import StepSizeTiles
 
 NONE, IN_PROJ, ALL = frozenset(), frozenset({"in_proj"}), frozenset(PRODUCTS)
+IN_OUT_PROJ = frozenset({"in_proj", "out_proj"})  # the two large products
 # The K chunks each Triton product sums in, fixed per product and never by the batch size
 # (they set the order of the sums). The short-and-wide x_proj and out_proj need them for
 # enough programs at batch 1; more chunks cost their reads at large batches (2.8b bf16,
@@ -236,7 +237,7 @@ ROUTES = (
     Route("fp8", (1025, MANY), (3, 64), "products", NONE,
           "(2.8b, H100: batch 32 4.019 ms against 4.149 with cuBLASLt's in_proj and 6.157 all cuBLASLt; 64: 4.634 / "
           "4.796 / 6.765)"),
-    Route("fp8", (1025, MANY), (65, MANY), "products", IN_PROJ | {"out_proj"},
+    Route("fp8", (1025, MANY), (65, MANY), "products", IN_OUT_PROJ,
           "in_proj and out_proj on cuBLASLt's FP8 GEMM, the activations quantized a row (2.8b batch 128, 089be5f: "
           "7.122 against 7.487 in_proj alone, 8.564 all Triton; 911838a: 8.399 all cuBLASLt, whose small products "
           "lose the quantize pass)"),
