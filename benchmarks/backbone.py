@@ -210,10 +210,11 @@ def main() -> None:
                 with torch.no_grad():
                     eager = host_us(lambda: bb._step_eager(x, s), 50)
                 ran = type(bb._last_graph.kernels).__name__
+                floor = moved / bw * 1e6
                 emit(shape=name, layer=args.layer, dtype=str(dtype)[6:], deterministic=args.deterministic, batch=batch,
-                     asked=step, step=ran,
-                     step_us=round(dev, 1), replay_us=round(replay, 1), numpy_step_us=round(host, 1),
-                     eager_step_us=round(eager, 1), floor_us=round(moved / bw * 1e6, 1), floor_fraction=round(moved / bw * 1e6 / replay, 2))
+                     asked=step, step=ran, step_us=round(dev, 1), replay_us=round(replay, 1),
+                     numpy_step_us=round(host, 1), eager_step_us=round(eager, 1), floor_us=round(floor, 1),
+                     floor_fraction=round(floor / replay, 2))
             plan.LOCKSTEP_ROUTES = PLANNED
             bb._graphs.clear()
             bb._last_graph = None
