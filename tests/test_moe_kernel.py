@@ -43,20 +43,26 @@ ROUTINGS = {
     "one_token_k2": (lambda g: torch.tensor([[3, 1]]), 8),
     "every_token_ties_k2": (lambda g: torch.tensor([[2, 0]] * 9), 4),  # (equal experts keep pair order)
     "full_blocks_k1": (lambda g: torch.arange(8).repeat_interleave(4)[:, None], 8),
+    # (many chunks of 32 pairs: an expert's pairs in several, a chunk without some experts)
+    "many_pairs_k3": (lambda g: torch.stack([torch.randperm(7, generator=g)[:3] for _ in range(70)]) % 6, 7),
 }
 
 
 @pytest.mark.parametrize("name", list(ROUTINGS))
 @pytest.mark.parametrize("bm", [1, 4, 16])
-@pytest.mark.parametrize("one_program", [False, True], ids=["sorted", "one_program"])
-def test_moe_align_groups_the_pairs_as_python_does(name, bm, one_program):
-    """moe_align (torch's sort) and moe_align_triton (one program, Triton's interpreter here)."""
+@pytest.mark.parametrize("how", ["sorted", "one_program", "chunks"])
+def test_moe_align_groups_the_pairs_as_python_does(name, bm, how):
+    """moe_align (torch's sort) and moe_align_triton (Triton's interpreter here) in one
+    program and in chunks of 32 pairs."""
     make, E = ROUTINGS[name]
     experts = make(torch.Generator().manual_seed(bm))
     align = moe_align
-    if one_program:
+    if how != "sorted":
         pytest.importorskip("triton")
-        from fastmamba.kernels.moe import moe_align_triton as align
+        from fastmamba.kernels.moe import moe_align_triton
+
+        def align(experts, E, bm):
+            return moe_align_triton(experts, E, bm, chunk=32 if how == "chunks" else None)
     ids, block_expert, blocks = align(experts, E, bm)
     want_ids, want_experts, want_blocks = python_grouping(experts, E, bm)
     P = experts.numel()
@@ -122,6 +128,9 @@ def test_the_kernel_equals_its_twin(act, gated, dtype, N, k):
     shared = torch.randn(N, 40, generator=torch.Generator().manual_seed(5))
     summed = moe_ffn_triton(x, experts, weights, in_w, out_w, act, gated, add=shared, tiles=TILES)
     assert torch.equal(summed, got + shared)
+    # the pairs grouped by the two-launch kernel (a prefill's, past align_pairs): the same bits
+    assert torch.equal(moe_ffn_triton(x, experts, weights, in_w, out_w, act, gated, tiles=replace(TILES, align_pairs=0)),
+                       got)
 
 
 @pytest.mark.parametrize("act,gated", FAMILIES, ids=["gated_silu", "squared_relu"])

@@ -49,7 +49,7 @@ class MoETiles:
     warps: int
     stages: int  # loads in flight (tl.range num_stages)
     # the most pairs grouped by one program (`moe_align_triton`: one launch, its compares grow
-    # as P^2); past it, `moe_align`'s sort (about twenty small launches). Both give the same ids.
+    # as P^2); past it, two launches over chunks of the pairs. Both give moe_align's ids.
     align_pairs: int
 
     def for_tokens(self, n: int) -> "MoETiles":  # (one set: the same at any count, as MoELaunch's pick)
@@ -224,17 +224,95 @@ def _align_kernel(experts_ptr, ids_ptr, bexp_ptr, nblocks_ptr, P, E, R, BM: tl.c
     tl.store(nblocks_ptr, tl.sum(tl.where(e_all < E, blocks, 0), axis=0).to(tl.int64))
 
 
-def moe_align_triton(experts: torch.Tensor, n_experts: int, block_m: int):
-    """moe_align in one launch of one program (Triton), the same three tensors, bit for bit."""
+def moe_align_triton(experts: torch.Tensor, n_experts: int, block_m: int, chunk: int | None = None):
+    """moe_align in Triton, the same three tensors, bit for bit: in one launch of one program
+    (its compares grow as P^2: decode's few pairs), or in two launches over chunks of `chunk`
+    pairs (a multiple of 32: a prefill's many pairs, ALIGN_CHUNK)."""
     pairs = experts.flatten().contiguous()  # (P,)
     P, dev = pairs.numel(), pairs.device
     n_blocks = (P + min(n_experts, P) * (block_m - 1)) // block_m
     ids = torch.empty(n_blocks * block_m, dtype=torch.int64, device=dev)
     block_expert = torch.empty(n_blocks, dtype=torch.int64, device=dev)
     blocks = torch.empty(1, dtype=torch.int64, device=dev)
-    _align_kernel[(1,)](pairs, ids, block_expert, blocks, P, n_experts, n_blocks * block_m, BM=block_m,
-                        BE=triton.next_power_of_2(n_experts + 1), BC=32, num_warps=4)
+    BE = triton.next_power_of_2(n_experts + 1)
+    if chunk is None:
+        _align_kernel[(1,)](pairs, ids, block_expert, blocks, P, n_experts, n_blocks * block_m, BM=block_m, BE=BE,
+                            BC=32, num_warps=4)
+        return ids, block_expert, blocks
+    C = triton.cdiv(P, chunk)
+    counts = torch.empty(C, BE, dtype=torch.int32, device=dev)
+    _align_count_kernel[(C,)](pairs, counts, P, E=n_experts, BE=BE, CHUNK=chunk, BC=32, num_warps=4)
+    _align_place_kernel[(C,)](pairs, counts, ids, block_expert, blocks, P, C, n_experts, n_blocks * block_m,
+                              BM=block_m, BE=BE, CHUNK=chunk, BC=32, num_warps=4)
     return ids, block_expert, blocks
+
+
+ALIGN_CHUNK = 256  # pairs a program of the two-launch grouping: its compares grow as CHUNK^2, its reads of the counts as P / CHUNK
+
+
+@jit(do_not_specialize=["P"])
+def _align_count_kernel(experts_ptr, counts_ptr, P, E: tl.constexpr, BE: tl.constexpr, CHUNK: tl.constexpr,
+                        BC: tl.constexpr):
+    # counts[c, e]: chunk c's pairs of expert e
+    c = tl.program_id(0)
+    e_all = tl.arange(0, BE)
+    counts = tl.zeros([BE], dtype=tl.int32)
+    for q0 in range(c * CHUNK, c * CHUNK + CHUNK, BC):
+        q = q0 + tl.arange(0, BC)
+        eq = tl.load(experts_ptr + q, mask=q < P, other=E).to(tl.int32)
+        counts += tl.sum((eq[None, :] == e_all[:, None]).to(tl.int32), axis=1)
+    tl.store(counts_ptr + c * BE + e_all, counts)
+
+
+@jit(do_not_specialize=["P", "C", "E", "R"])
+def _align_place_kernel(experts_ptr, counts_ptr, ids_ptr, bexp_ptr, nblocks_ptr, P, C, E, R, BM: tl.constexpr,
+                        BE: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr):
+    # Chunk c's program: every expert's count and first block from all chunks' counts; its
+    # pairs' places (the pairs of their expert in earlier chunks, then earlier in its own);
+    # then its share of the rows that no pair takes (padding: P) and of the blocks' experts.
+    # Each row is written by one program alone: no atomics, no order between programs.
+    c = tl.program_id(0)
+    e_all = tl.arange(0, BE)
+    total = tl.zeros([BE], dtype=tl.int32)
+    before = tl.zeros([BE], dtype=tl.int32)  # (BE,) pairs of each expert in chunks before c
+    for c2 in range(0, C):
+        n = tl.load(counts_ptr + c2 * BE + e_all)
+        total += n
+        before += tl.where(c2 < c, n, 0)
+    blocks = (total + BM - 1) // BM  # (BE,) none for e >= E
+    end = tl.cumsum(blocks, axis=0)
+    first = end - blocks
+    for p0 in range(c * CHUNK, c * CHUNK + CHUNK, BC):
+        p = p0 + tl.arange(0, BC)
+        pmask = p < P
+        ep = tl.load(experts_ptr + p, mask=pmask, other=E).to(tl.int32)
+        mine = ep[:, None] == e_all[None, :]  # (BC, BE)
+        place = tl.sum(tl.where(mine, before[None, :], 0), axis=1)
+        for q0 in range(c * CHUNK, p0 + BC, BC):
+            q = q0 + tl.arange(0, BC)
+            eq = tl.load(experts_ptr + q, mask=q < P, other=E).to(tl.int32)
+            earlier = (eq[None, :] == ep[:, None]) & (q[None, :] < p[:, None])
+            place += tl.sum(earlier.to(tl.int32), axis=1)
+        at = tl.sum(tl.where(mine, first[None, :], 0), axis=1)  # (BC,) its expert's first block
+        tl.store(ids_ptr + at.to(tl.int64) * BM + place, p.to(tl.int64), mask=pmask)
+    # rows [c R', (c + 1) R') of R' = ceil(R / C): row r's block b's expert is the number of
+    # experts whose blocks end at or before b (E past the blocks in use); the row is padding
+    # where its place in the expert's run is past the expert's count
+    share = tl.cdiv(R, C)
+    for r0 in range(c * share, c * share + share, BC):
+        r = r0 + tl.arange(0, BC)
+        rmask = (r < R) & (r < c * share + share)
+        b = r // BM
+        done = (end[None, :] <= b[:, None]) & (e_all[None, :] < E)
+        eb = tl.sum(done.to(tl.int32), axis=1)  # (BC,)
+        its = eb[:, None] == e_all[None, :]
+        start = tl.sum(tl.where(its, first[None, :], 0), axis=1) * BM
+        count = tl.sum(tl.where(its, total[None, :], 0), axis=1)
+        pad = (eb >= E) | (r - start >= count)
+        tl.store(ids_ptr + r, tl.full([BC], 0, tl.int64) + P, mask=rmask & pad)
+        tl.store(bexp_ptr + b, eb.to(tl.int64), mask=rmask & (r % BM == 0))
+    if c == 0:
+        tl.store(nblocks_ptr, tl.sum(tl.where(e_all < E, blocks, 0), axis=0).to(tl.int64))
 
 
 @jit
@@ -371,8 +449,7 @@ def moe_ffn_triton(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     tiles = tiles.for_tokens(N)
     operand1 = torch.bfloat16 if s1 is not None else w1.dtype
     operand2 = torch.bfloat16 if s2 is not None else w2.dtype
-    align = moe_align_triton if N * k <= tiles.align_pairs else moe_align
-    ids, block_expert, blocks = align(experts, E, tiles.bm)
+    ids, block_expert, blocks = moe_align_triton(experts, E, tiles.bm, None if N * k <= tiles.align_pairs else ALIGN_CHUNK)
     rw = weights.float().contiguous().view(-1)  # (P,)
     h = torch.empty(N * k, I, dtype=operand2, device=x.device)  # (P, I) a row a pair
     _grouped_product(x.to(operand1).contiguous(), w1, s1, rw, ids, block_expert, blocks, h, I, k, act, gated, False,
