@@ -437,6 +437,9 @@ def assert_the_gpu_engine_runs_it_as_the_cpu_does(folder):
     assert [g.token_ids for g in gpu.generate_batch(prompts, SamplingParams(max_tokens=10, stop_token_ids=[]))] == want
     bf16 = fastmamba.load(folder, device="cuda", dtype="bfloat16")
     assert_within_transformers_16bit_error(bf16.forward(x.cuda()), folder, x, "bfloat16", bound=1.5)
+    # a server's chunks: the GPU's eager prefill on the prefix cache's coarser grid, the CPU's on the finer
+    from fastmamba.engine.prefix_cache import EAGER_INTERVAL, INTERVAL
+    assert [EngineCore(lm.model, lm.prefill, max_batch=2).cache.interval for lm in (gpu, cpu)] == [EAGER_INTERVAL, INTERVAL]
 
 
 # the paged kernels' tests: 3 rows, 6 query and 2 key-value heads of 12, blocks of 4 tokens in a

@@ -10,8 +10,8 @@ A step:
    slots (a prefix-cache hit copies the cached state into the slot);
 2. prefills prompts within a token budget (so that running streams keep their pace behind
    long prompts): new prompts together in one left-padded pass; prompts that resume from
-   a cached state, and long prompts, in chunks on the cache's 512-token grid, the chunks
-   of one length together;
+   a cached state, and long prompts, in chunks on the cache's grid (512 tokens; 2048 for the
+   GPU's eager prefill, a hybrid's), the chunks of one length together;
 3. launches one decode step for every running request, on the pool's first rows in place,
    and samples each request's next token on the device with its own parameters and random
    stream, as `generate` alone would;
@@ -62,7 +62,7 @@ from fastmamba.engine.cuda_graphs import (
 from fastmamba.engine.guides import GuideError, Guides, token_bitmask
 from fastmamba.engine.plan import SAMPLER_TILES
 from fastmamba.engine.prefill import Prefill
-from fastmamba.engine.prefix_cache import PrefixCache
+from fastmamba.engine.prefix_cache import EAGER_INTERVAL, INTERVAL, PrefixCache
 from fastmamba.engine.protocol import (
     EngineError,
     Failed,
@@ -98,9 +98,10 @@ class EngineCore:
         self.model, self.prefill = model, prefill
         self.device = self.model.device
         self.max_batch, self.prefill_tokens, self.threads = max_batch, prefill_tokens, threads
-        self.cache = PrefixCache(prefix_cache_bytes)
         self.gpu = model.ops is not REFERENCE_OPS  # the GPU engine: its samplers, the step ahead
         self.graphs = prefill.graphs  # CUDA graphs (not for hybrids: their attention reserves KV blocks on the host)
+        # (the GPU's eager prefill, a hybrid's, on a coarser grid: prefix_cache.EAGER_INTERVAL says why)
+        self.cache = PrefixCache(prefix_cache_bytes, EAGER_INTERVAL if self.gpu and not self.graphs else INTERVAL)
         # a step ahead on the GPU (see above); on the CPU only in tests of the bookkeeping
         self.run_ahead = self.gpu
         self.pool = self.model.new_state(max_batch)  # one slot a running request

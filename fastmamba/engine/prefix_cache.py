@@ -40,6 +40,11 @@ class CachedState:
 # along the way; 512 because a 2.8b prefill runs at ~24 µs a token in 512-token chunks
 # against ~34 in 256-token ones (H200, bf16: cold TTFTs of a 2048-token prompt).
 INTERVAL = 512
+# The GPU engine's eager prefill (a hybrid's: no prefill graphs) spends the host's time on each
+# pass's launches, ~2,000 for a 40-layer model with experts, whatever its length: Granite-4.0-H-
+# Tiny's 2048-token prompt in four 512-token passes took 293 ms of wall time against 65 of GPU
+# time (H100, 2026-12-07), so its chunks run up to this many tokens a pass.
+EAGER_INTERVAL = 2048
 
 
 class _Node:
