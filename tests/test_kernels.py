@@ -480,3 +480,28 @@ def test_triton_samplers_match_sample(name, rounds):
         picked.append(got)
     assert torch.equal(ours.step, ref.step) and torch.equal(ours.seen, ref.seen)
     assert len(set(torch.stack(picked).flatten().tolist())) > 20  # not stuck on a few tokens
+
+
+@pytest.mark.parametrize("B", [63, 130])
+def test_triton_sampler_rows_past_one_finish_tile(B):
+    """The last launch (_finish_kernel) goes over the rows 64 at a time, whatever the batch:
+    rows past the first 64 draw what sampling.sample draws, greedy and hot rows mixed, an odd
+    batch's sampled row unaligned no more than an even one's."""
+    from fastmamba.core.sampling import SlotParams, sample
+    from fastmamba.core.sampling_params import SamplingParams
+    from fastmamba.kernels import sampler
+
+    V = 50
+    params = [SamplingParams(temperature=0.8 if i % 3 else 0.0, seed=i) for i in range(B)]
+
+    def slots():
+        s = SlotParams.empty(B, V, DEVICE)
+        s.set_slots([(p, i, [1, 2]) for i, p in enumerate(params)])
+        return s
+
+    ours, ref = slots(), slots()
+    for t in range(2):
+        logits = rand(B, V, seed=40 + t) * 3
+        expected = sample(logits.clone(), ref)
+        assert torch.equal(sampler.sample_temperature(logits.clone(), ours, SAMPLER_TILES), expected), t
+    assert torch.equal(ours.step, ref.step) and torch.equal(ours.seen, ref.seen)

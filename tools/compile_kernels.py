@@ -307,9 +307,11 @@ def main() -> None:
                  dhp_ptr="*i64")
         compile_kernel(hy._moe_out_kernel, t, dict(K=6, SPLITS=1, W_SCALED=scaled, BN=16 if mma else 8, BK=512, BD=2,
                                                    MMA=mma, PDL=True))
-    # the grouping in one program (64 experts, Granite-4.0-H-Tiny's) and the picks' sum
-    compile_kernel(mo._align_kernel, ptrs(experts_ptr="*i64", ids_ptr="*i64", bexp_ptr="*i64", nblocks_ptr="*i64"),
-                   dict(BM=MOE_TILES.few.bm, BE=128, BC=32))
+    # the grouping in one program and in chunks (64 experts, Granite-4.0-H-Tiny's) and the picks' sum
+    align = ptrs(experts_ptr="*i64", ids_ptr="*i64", bexp_ptr="*i64", nblocks_ptr="*i64", counts_ptr="*i32")
+    compile_kernel(mo._align_kernel, align, dict(BM=MOE_TILES.few.bm, BE=128, BC=32))
+    compile_kernel(mo._align_count_kernel, align, dict(E=64, BE=128, CHUNK=mo.ALIGN_CHUNK, BC=32))
+    compile_kernel(mo._align_place_kernel, align, dict(BM=MOE_TILES.many.bm, BE=128, CHUNK=mo.ALIGN_CHUNK, BC=32))
     compile_kernel(mo._sum_picks_kernel, ptrs("y_ptr", "add_ptr", "out_ptr"), dict(K=6, BD=1024, HAS_ADD=True))
     # the routers: Granite-4.0-H-Tiny's softmax of the top 6 of 64, Nemotron 3 Nano's sigmoid
     # with its correction bias, 6 of 128
@@ -410,7 +412,7 @@ def main() -> None:
     t = {"best_ptr": "*i64", "temp_ptr": "*fp32", "tok_ptr": "*i64", "step_ptr": "*i64", "seen_ptr": "*i1",
          "count_ptr": "*i32"}
     for penalties in (False, True):
-        compile_kernel(sp._finish_kernel, t, dict(PENALTIES=penalties, BR=8))
+        compile_kernel(sp._finish_kernel, t, dict(PENALTIES=penalties, BR=64))
     res.append("sampler: ok")
     # a hybrid's decode attention (paged_attention.py) at Nemotron-H-8B's heads (32 query, 8
     # key-value, 128 wide), bf16 keys and values: the rotation (half the dims, as Bamba's, and

@@ -452,21 +452,37 @@ def _resolve_kernel(
     tl.store(ctr_ptr + row, 0 * n)
 
 
-@jit
-def _finish_kernel(best_ptr, temp_ptr, tok_ptr, step_ptr, seen_ptr, count_ptr, B, V, PENALTIES: tl.constexpr,
+@jit(do_not_specialize=["B", "S"])
+def _finish_kernel(best_ptr, temp_ptr, tok_ptr, step_ptr, seen_ptr, count_ptr, B, S, V, PENALTIES: tl.constexpr,
                    BR: tl.constexpr):
-    # token = the sampled one where temperature > 0, else the greedy one; step + 1; the
-    # token marked seen; PENALTIES: counted too
-    rows = tl.arange(0, BR)
-    m = rows < B
-    greedy = token_of_key(tl.load(best_ptr + rows, mask=m, other=0))
-    sampled = token_of_key(tl.load(best_ptr + B + rows, mask=m, other=0))
-    tok = tl.where(tl.load(temp_ptr + rows, mask=m, other=0.0) > 0, sampled, greedy)
-    tl.store(tok_ptr + rows, tok, mask=m)
-    advance_slots(tok, rows, m, step_ptr, seen_ptr, V, BR)
-    if PENALTIES:
-        at = count_ptr + rows.to(tl.int64) * V + tok
-        tl.store(at, tl.load(at, mask=m, other=0) + 1, mask=m)
+    # token = the sampled one (best's second row, S on) where temperature > 0, else the
+    # greedy one; step + 1; the token marked seen; PENALTIES: counted too. BR rows at a
+    # time, and B not specialised: one compiled variant serves every batch size
+    for r0 in range(0, B, BR):
+        rows = r0 + tl.arange(0, BR)
+        m = rows < B
+        greedy = token_of_key(tl.load(best_ptr + rows, mask=m, other=0))
+        sampled = token_of_key(tl.load(best_ptr + S + rows, mask=m, other=0))
+        tok = tl.where(tl.load(temp_ptr + rows, mask=m, other=0.0) > 0, sampled, greedy)
+        tl.store(tok_ptr + rows, tok, mask=m)
+        advance_slots(tok, rows, m, step_ptr, seen_ptr, V, BR)
+        if PENALTIES:
+            at = count_ptr + rows.to(tl.int64) * V + tok
+            tl.store(at, tl.load(at, mask=m, other=0) + 1, mask=m)
+
+
+def _best(B: int, device) -> torch.Tensor:
+    """(2, B) int64 (greedy, sampled) filled with ARGMAX_EMPTY, its rows 16-byte aligned (a row
+    of B + B % 2): Triton compiles a variant for each alignment of a pointer it is given, and
+    the sampled row's would follow the batch's parity."""
+    return torch.full((2, B + B % 2), ARGMAX_EMPTY, device=device, dtype=torch.int64)[:, :B]
+
+
+def _finish(best: torch.Tensor, p, B: int, V: int, penalties: bool) -> torch.Tensor:
+    tokens = torch.empty(B, device=best.device, dtype=torch.int64)
+    _finish_kernel[(1,)](best, p.temperature, tokens, p.step, p.seen, p.counts, B, best.stride(0), V,
+                         PENALTIES=penalties, BR=64)
+    return tokens
 
 
 def _filter_keys(s: torch.Tensor, smax: torch.Tensor, p, stages, tiles: SamplerTiles) -> torch.Tensor:
@@ -498,7 +514,7 @@ def _sample(logits: torch.Tensor, p, stages: tuple, tiles: SamplerTiles, penalti
     bitmask: the allowed tokens (module docstring), or None for all."""
     B, V = logits.shape
     x = logits.float().contiguous()
-    best = torch.full((2, B), ARGMAX_EMPTY, device=x.device, dtype=torch.int64)  # greedy, sampled
+    best = _best(B, x.device)  # greedy, sampled
     smax = torch.full((B,), float("-inf"), device=x.device)
     s = torch.empty_like(x)
     grid = (triton.cdiv(V, tiles.bv), B)
@@ -509,10 +525,7 @@ def _sample(logits: torch.Tensor, p, stages: tuple, tiles: SamplerTiles, penalti
                         MASKED=bitmask is not None, BV=tiles.bv, **fusion)
     kstar = _filter_keys(s, smax, p, stages, tiles) if stages else s  # s: unused
     _pick_kernel[grid](s, p.seed, p.step, kstar, best[1], V, FILTERED=bool(stages), BV=tiles.bv)
-    tokens = torch.empty(B, device=x.device, dtype=torch.int64)
-    _finish_kernel[(1,)](best, p.temperature, tokens, p.step, p.seen, p.counts, B, V, PENALTIES=penalties,
-                         BR=triton.next_power_of_2(B))
-    return tokens
+    return _finish(best, p, B, V, penalties)
 
 
 def _words(bitmask: torch.Tensor | None, B: int, V: int, dummy: torch.Tensor) -> torch.Tensor:
@@ -554,10 +567,7 @@ def sample_greedy(logits: torch.Tensor, p, tiles: SamplerTiles, bitmask: torch.T
     masked copy would read the logits twice more."""
     B, V = logits.shape
     x = logits.contiguous()
-    best = torch.full((2, B), ARGMAX_EMPTY, device=x.device, dtype=torch.int64)  # (greedy: best[0] alone)
+    best = _best(B, x.device)  # (greedy: best[0] alone)
     _greedy_kernel[(triton.cdiv(V, tiles.bv), B)](x, _words(bitmask, B, V, x), best, V, MASKED=bitmask is not None,
                                                   BV=tiles.bv)
-    tokens = torch.empty(B, device=x.device, dtype=torch.int64)
-    _finish_kernel[(1,)](best, p.temperature, tokens, p.step, p.seen, p.counts, B, V, PENALTIES=False,
-                         BR=triton.next_power_of_2(B))
-    return tokens
+    return _finish(best, p, B, V, False)
