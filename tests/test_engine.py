@@ -221,3 +221,28 @@ def test_the_prefix_cache_holds_sixteen_states_of_a_large_model_by_default():
     for config, dtype in [(SHAPES["2.8b"], torch.float32), (hybrid, torch.float32), (hybrid, torch.bfloat16)]:
         got = default_prefix_cache_bytes(SimpleNamespace(config=config, state_dtype=dtype))
         assert got == PREFIX_CACHE_ENTRIES * (state_bytes(config, dtype.itemsize) + 4 * config.vocab_size) > 256 << 20
+
+
+def test_the_sampler_warm_up_calls_each_gpu_sampler_and_leaves_the_slots_alone(lm, monkeypatch):
+    """EngineCore.warm_up_samplers (a GPU server's start): each kind of Triton sampler
+    (Triton's interpreter here) draws once with and once without a bitmask, penalties among
+    them, on a scratch slot: the engine's own slots and counters are as before."""
+    from fastmamba.kernels import sampler
+
+    core = engine(lm, max_batch=2)
+    core.gpu = True  # (the GPU engine's samplers: pick_sampler's Triton ones)
+    calls = []
+    for name in ("sample_temperature", "sample_filtered_apart", "sample_filtered"):
+        def spy(logits, p, tiles, penalties=False, bitmask=None, _name=name, _real=getattr(sampler, name)):
+            calls.append((_name, penalties, bitmask is not None))
+            tok = _real(logits, p, tiles, penalties, bitmask)
+            assert 0 <= int(tok) < logits.shape[1]
+            return tok
+        monkeypatch.setattr(sampler, name, spy)
+    before = {k: v.clone() for k, v in vars(core.slot_params).items()}
+    core.warm_up_samplers()
+    assert sorted(set(calls)) == sorted({(n, p, m) for n, p in [("sample_temperature", False), ("sample_temperature", True),
+                                                                   ("sample_filtered_apart", False), ("sample_filtered", False)]
+                                         for m in (False, True)})
+    assert all(torch.equal(v, before[k]) for k, v in vars(core.slot_params).items())
+    assert not core.has_work and not core.requests

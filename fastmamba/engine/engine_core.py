@@ -372,6 +372,8 @@ class EngineCore:
         graphs of new prompts up to the cache's interval in groups of CHUNK_BATCHES. A GPU
         engine without prefill graphs (a hybrid's) compiles its prefill kernels instead
         (warm_up_prefill)."""
+        if self.gpu:
+            self.warm_up_samplers()
         if not self.graphs:
             if self.gpu:
                 self.warm_up_prefill()
@@ -381,6 +383,27 @@ class EngineCore:
             for n in (n for n in PREFILL_BUCKETS if n <= self.cache.interval):
                 if not self.prefill.deterministic or b == 1:  # (deterministic: each prompt prefills alone)
                     self.prefill([[0] * n] * b)
+
+    # a request of each of the GPU samplers' kinds (sampling.pick_sampler): temperature alone,
+    # one filter, top-k with top-p, penalties
+    SAMPLER_KINDS = (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=8),
+                     SamplingParams(temperature=1.0, top_k=8, top_p=0.9), SamplingParams(temperature=1.0, presence_penalty=0.5))
+
+    def warm_up_samplers(self) -> None:
+        """Draws a token for a scratch slot with each kind of sampler, with and without a
+        bitmask (structured output), so that no request waits for a sampler's kernels to
+        compile: a server samples eagerly, outside its decode graphs, and Triton compiles a
+        sampler's launches at their first call (Granite-4.0-H-Tiny served at 64 streams, H100:
+        the first sampled requests met 12 compiles, and the served throughput was 0.85 of
+        offline where a run with them compiled beforehand gave 1.06)."""
+        V = self.model.config.vocab_size
+        logits = torch.zeros(1, V, device=self.device)
+        everything = torch.full((1, -(-V // 32)), -1, dtype=torch.int32, device=self.device)  # (every token allowed)
+        for params in self.SAMPLER_KINDS:
+            for bitmask in (None, everything):
+                slot = SlotParams.empty(1, V, self.device)
+                slot.set_slots([(params, 0, [])])
+                pick_sampler([params], self.gpu, SAMPLER_TILES)(logits, slot, bitmask=bitmask)
 
     def warm_up_prefill(self) -> None:
         """Runs prompts of each kind of length through this engine's own steps and forgets
