@@ -46,9 +46,10 @@ def default_max_batch(model) -> int:
 
 
 # The prefix cache's default room, in entries: a long prompt leaves a state every 512 tokens
-# (prefix_cache.INTERVAL; a hybrid's on the GPU every 2048) and one at its end, and the prefix the next request shares must
-# outlive them (Nemotron-H-8B, a float32 state of 100.6 MB: 256 MiB held two, and a 2048-token
-# shared prefix never hit; benchmarks/RESULTS.md, "Hybrid models").
+# (prefix_cache.INTERVAL; a hybrid's on the GPU every 2048) and one at its end, and the prefix
+# the next request shares must outlive them (Nemotron-H-8B, a float32 state of 100.6 MB:
+# 256 MiB held two, and a 2048-token shared prefix never hit; benchmarks/RESULTS.md, "Hybrid
+# models").
 PREFIX_CACHE_ENTRIES = 16
 
 

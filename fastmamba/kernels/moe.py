@@ -167,7 +167,8 @@ def moe_align(experts: torch.Tensor, n_experts: int, block_m: int) -> tuple[torc
     each expert's run padded with P = N k to a whole number of blocks of block_m rows;
     block_expert[b]: block b's expert (n_experts past the blocks in use); blocks: how many
     are in use. R = block_m * floor((P + min(E, P) (block_m - 1)) / block_m), the most a routing
-    can need. Device ops alone (no count reaches the host); no atomics."""
+    can need. Device ops alone (no count reaches the host); no atomics. The twin and oracle
+    of moe_align_triton, which the grouped products take."""
     pairs = experts.flatten()  # (P,)
     P, dev = pairs.numel(), pairs.device
     order = torch.argsort(pairs, stable=True)  # (P,) the pairs by expert, each expert's in pair order
@@ -224,6 +225,11 @@ def _align_kernel(experts_ptr, ids_ptr, bexp_ptr, nblocks_ptr, P, E, R, BM: tl.c
     tl.store(nblocks_ptr, tl.sum(tl.where(e_all < E, blocks, 0), axis=0).to(tl.int64))
 
 
+# pairs a program of the two-launch grouping: its compares grow as CHUNK^2, its reads of all
+# chunks' counts as P / CHUNK
+ALIGN_CHUNK = 256
+
+
 def moe_align_triton(experts: torch.Tensor, n_experts: int, block_m: int, chunk: int | None = None):
     """moe_align in Triton, the same three tensors, bit for bit: in one launch of one program
     (its compares grow as P^2: decode's few pairs), or in two launches over chunks of `chunk`
@@ -245,9 +251,6 @@ def moe_align_triton(experts: torch.Tensor, n_experts: int, block_m: int, chunk:
     _align_place_kernel[(C,)](pairs, counts, ids, block_expert, blocks, P, C, n_experts, n_blocks * block_m,
                               BM=block_m, BE=BE, CHUNK=chunk, BC=32, num_warps=4)
     return ids, block_expert, blocks
-
-
-ALIGN_CHUNK = 256  # pairs a program of the two-launch grouping: its compares grow as CHUNK^2, its reads of the counts as P / CHUNK
 
 
 @jit(do_not_specialize=["P"])
