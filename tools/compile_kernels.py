@@ -310,8 +310,8 @@ def main() -> None:
     # the grouping in one program and in chunks (64 experts, Granite-4.0-H-Tiny's) and the picks' sum
     align = ptrs(experts_ptr="*i64", ids_ptr="*i64", bexp_ptr="*i64", nblocks_ptr="*i64", counts_ptr="*i32")
     compile_kernel(mo._align_kernel, align, dict(BM=MOE_TILES.few.bm, BE=128, BC=32))
-    compile_kernel(mo._align_count_kernel, align, dict(E=64, BE=128, CHUNK=mo.ALIGN_CHUNK, BC=32))
-    compile_kernel(mo._align_place_kernel, align, dict(BM=MOE_TILES.many.bm, BE=128, CHUNK=mo.ALIGN_CHUNK, BC=32))
+    compile_kernel(mo._align_count_kernel, align, dict(E=64, BE=128, CHUNK=MOE_TILES.many.align_chunk, BC=32))
+    compile_kernel(mo._align_place_kernel, align, dict(BM=MOE_TILES.many.bm, BE=128, CHUNK=MOE_TILES.many.align_chunk, BC=32))
     compile_kernel(mo._sum_picks_kernel, ptrs("y_ptr", "add_ptr", "out_ptr"), dict(K=6, BD=1024, HAS_ADD=True))
     # the routers: Granite-4.0-H-Tiny's softmax of the top 6 of 64, Nemotron 3 Nano's sigmoid
     # with its correction bias, 6 of 128

@@ -575,10 +575,10 @@ PAGED_TILES = PagedTiles(programs=128, warps=4, tokens=64)
 # - 8192 tokens: 64 x 128 x 64, 4 warps, the best at both: Tiny 1077.9 (1258.4), Nano 3829.5 (5634.7).
 # Not measured between 64 and 8192: `many` from 1024 tokens, where each of Tiny's 64 experts
 # has ~96 pairs on average (6 a token), past a 64-row block (at 64 tokens, 6).
-# align_pairs UNTUNED: one program groups a decode step's pairs (6 experts a token: up to 42
-# tokens) in one launch; its P^2 compares stay small to here.
-MOE_TILES = MoELaunch(few=MoETiles(bm=16, bn=64, bk=64, warps=4, stages=3, align_pairs=256),
-                      many=MoETiles(bm=64, bn=128, bk=64, warps=4, stages=3, align_pairs=256),
+# align_pairs, align_chunk UNTUNED: one program groups a decode step's pairs (6 experts a token:
+# up to 42 tokens), its P^2 compares small to here; past it, programs of 256 pairs (two launches).
+MOE_TILES = MoELaunch(few=MoETiles(bm=16, bn=64, bk=64, warps=4, stages=3, align_pairs=256, align_chunk=256),
+                      many=MoETiles(bm=64, bn=128, bk=64, warps=4, stages=3, align_pairs=256, align_chunk=256),
                       many_from=1024)
 
 KERNEL_TILES = KernelTiles(conv=CONV_TILES, scan=SCAN_TILES, ssd=SSD_TILES, conv_grad=CONV_GRAD_TILES,

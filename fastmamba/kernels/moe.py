@@ -49,8 +49,10 @@ class MoETiles:
     warps: int
     stages: int  # loads in flight (tl.range num_stages)
     # the most pairs grouped by one program (`moe_align_triton`: one launch, its compares grow
-    # as P^2); past it, two launches over chunks of the pairs. Both give moe_align's ids.
+    # as P^2); past it, two launches over chunks of `align_chunk` pairs (a multiple of 32).
+    # Both give moe_align's ids.
     align_pairs: int
+    align_chunk: int
 
     def for_tokens(self, n: int) -> "MoETiles":  # (one set: the same at any count, as MoELaunch's pick)
         return self
@@ -225,15 +227,11 @@ def _align_kernel(experts_ptr, ids_ptr, bexp_ptr, nblocks_ptr, P, E, R, BM: tl.c
     tl.store(nblocks_ptr, tl.sum(tl.where(e_all < E, blocks, 0), axis=0).to(tl.int64))
 
 
-# pairs a program of the two-launch grouping: its compares grow as CHUNK^2, its reads of all
-# chunks' counts as P / CHUNK
-ALIGN_CHUNK = 256
-
-
 def moe_align_triton(experts: torch.Tensor, n_experts: int, block_m: int, chunk: int | None = None):
     """moe_align in Triton, the same three tensors, bit for bit: in one launch of one program
     (its compares grow as P^2: decode's few pairs), or in two launches over chunks of `chunk`
-    pairs (a multiple of 32: a prefill's many pairs, ALIGN_CHUNK)."""
+    pairs (a multiple of 32: a prefill's many pairs; a program's compares grow as chunk^2, its
+    reads of all chunks' counts as P / chunk)."""
     pairs = experts.flatten().contiguous()  # (P,)
     P, dev = pairs.numel(), pairs.device
     n_blocks = (P + min(n_experts, P) * (block_m - 1)) // block_m
@@ -452,7 +450,7 @@ def moe_ffn_triton(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     tiles = tiles.for_tokens(N)
     operand1 = torch.bfloat16 if s1 is not None else w1.dtype
     operand2 = torch.bfloat16 if s2 is not None else w2.dtype
-    ids, block_expert, blocks = moe_align_triton(experts, E, tiles.bm, None if N * k <= tiles.align_pairs else ALIGN_CHUNK)
+    ids, block_expert, blocks = moe_align_triton(experts, E, tiles.bm, None if N * k <= tiles.align_pairs else tiles.align_chunk)
     rw = weights.float().contiguous().view(-1)  # (P,)
     h = torch.empty(N * k, I, dtype=operand2, device=x.device)  # (P, I) a row a pair
     _grouped_product(x.to(operand1).contiguous(), w1, s1, rw, ids, block_expert, blocks, h, I, k, act, gated, False,
