@@ -10,6 +10,7 @@ import fastmamba
 from fastmamba.core.sampling_params import SamplingParams
 from fastmamba.engine.engine_core import EngineCore
 from fastmamba.engine.protocol import Finished, Request, Token
+from fastmamba.engine.warm_up import warm_up_samplers
 
 _rids = iter(range(1 << 30))
 
@@ -224,7 +225,7 @@ def test_the_prefix_cache_holds_sixteen_states_of_a_large_model_by_default():
 
 
 def test_the_sampler_warm_up_calls_each_gpu_sampler_and_leaves_the_slots_alone(lm, monkeypatch):
-    """EngineCore.warm_up_samplers (a GPU server's start): each kind of Triton sampler
+    """warm_up.warm_up_samplers (a GPU server's start): each kind of Triton sampler
     (Triton's interpreter here) draws once with and once without a bitmask, penalties among
     them, on a scratch slot: the engine's own slots and counters are as before."""
     from fastmamba.kernels import sampler
@@ -240,7 +241,7 @@ def test_the_sampler_warm_up_calls_each_gpu_sampler_and_leaves_the_slots_alone(l
             return tok
         monkeypatch.setattr(sampler, name, spy)
     before = {k: v.clone() for k, v in vars(core.slot_params).items()}
-    core.warm_up_samplers()
+    warm_up_samplers(core)
     assert sorted(set(calls)) == sorted({(n, p, m) for n, p in [("sample_temperature", False), ("sample_temperature", True),
                                                                    ("sample_filtered_apart", False), ("sample_filtered", False)]
                                          for m in (False, True)})

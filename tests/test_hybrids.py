@@ -16,6 +16,7 @@ from fastmamba.core.sampling_params import SamplingParams
 from fastmamba.core.state import MambaState
 from fastmamba.engine.engine_core import EngineCore
 from fastmamba.engine.protocol import Finished, Request, Token
+from fastmamba.engine.warm_up import warm_up_prefill
 
 transformers = pytest.importorskip("transformers")
 
@@ -343,7 +344,7 @@ def test_a_fixed_kv_cache_admits_what_fits_and_refuses_what_never_can(tmp_path):
 
 
 def warm_up_passes(lm, core: EngineCore) -> list[tuple[int, int, bool, bool]]:
-    """core.warm_up_prefill(), and the model's prefill passes in it: (rows, tokens, whether
+    """warm_up_prefill(core), and the model's prefill passes in it: (rows, tokens, whether
     the rows' contexts held keys and values before, whether left-padded)."""
     passes, prefill, kv = [], lm.model.prefill, core.pool.kv
 
@@ -354,14 +355,14 @@ def warm_up_passes(lm, core: EngineCore) -> list[tuple[int, int, bool, bool]]:
 
     lm.model.prefill = recorded
     try:
-        core.warm_up_prefill()
+        warm_up_prefill(core)
     finally:
         del lm.model.prefill
     return passes
 
 
 def test_the_prefill_warm_up_meets_each_kind_of_length_and_leaves_nothing_behind(tmp_path):
-    """EngineCore.warm_up_prefill (a GPU server's start, for a hybrid: its eager prefill's Triton
+    """warm_up.warm_up_prefill (a GPU server's start, for a hybrid: its eager prefill's Triton
     kernels compile a variant for each kind of length): prompts of 1, 2, 3, 4, 8 and each
     power of two p and p + 1, 2, 4, 8 up to the cache's interval, alone, two at a time with
     left padding, and after a first chunk; then the powers of two up to the prefill budget
@@ -404,7 +405,7 @@ def test_the_prefill_warm_up_meets_each_kind_of_length_and_leaves_nothing_behind
     broken = engine()
     broken.prefill = None
     with pytest.raises(RuntimeError, match="warm-up's prompts of \\[1\\] tokens failed"):
-        broken.warm_up_prefill()
+        warm_up_prefill(broken)
 
 
 @pytest.mark.gpu

@@ -48,10 +48,10 @@ from fastmamba.core.kv_cache import KVCache
 from fastmamba.core.model import Mamba
 from fastmamba.core.ops import REFERENCE_OPS
 from fastmamba.core.sampling import SlotParams, masked, pick_sampler
-from fastmamba.core.sampling_params import SamplingParams, resolve_seed
+from fastmamba.core.sampling_params import resolve_seed
 from fastmamba.core.state import MambaState
 from fastmamba.core.transfer import to_device
-from fastmamba.engine import protocol
+from fastmamba.engine import protocol, warm_up
 from fastmamba.engine.cpu_threads import cpu_threads
 from fastmamba.engine.cuda_graphs import (
     CHUNK_BATCHES,
@@ -371,12 +371,12 @@ class EngineCore:
         for a capture (one takes about three prefills' time): the chunk graphs, and the
         graphs of new prompts up to the cache's interval in groups of CHUNK_BATCHES. A GPU
         engine without prefill graphs (a hybrid's) compiles its prefill kernels instead
-        (warm_up_prefill)."""
+        (warm_up.warm_up_prefill); a GPU engine compiles its samplers' too (warm_up_samplers)."""
         if self.gpu:
-            self.warm_up_samplers()
+            warm_up.warm_up_samplers(self)
         if not self.graphs:
             if self.gpu:
-                self.warm_up_prefill()
+                warm_up.warm_up_prefill(self)
             return
         for b in CHUNK_BATCHES:
             self._chunk_graphs(b)
@@ -384,62 +384,6 @@ class EngineCore:
                 if not self.prefill.deterministic or b == 1:  # (deterministic: each prompt prefills alone)
                     self.prefill([[0] * n] * b)
 
-    # a request of each of the GPU samplers' kinds (sampling.pick_sampler): temperature alone,
-    # one filter, top-k with top-p, penalties
-    SAMPLER_KINDS = (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=8),
-                     SamplingParams(temperature=1.0, top_k=8, top_p=0.9), SamplingParams(temperature=1.0, presence_penalty=0.5))
-
-    def warm_up_samplers(self) -> None:
-        """Draws a token for a scratch slot with each kind of sampler, with and without a
-        bitmask (structured output), so that no request waits for a sampler's kernels to
-        compile: a server samples eagerly, outside its decode graphs, and Triton compiles a
-        sampler's launches at their first call (Granite-4.0-H-Tiny served at 64 streams, H100:
-        the first sampled requests met 12 compiles, and the served throughput was 0.85 of
-        offline where a run with them compiled beforehand gave 1.06)."""
-        V = self.model.config.vocab_size
-        logits = torch.zeros(1, V, device=self.device)
-        everything = torch.full((1, -(-V // 32)), -1, dtype=torch.int32, device=self.device)  # (every token allowed)
-        for params in self.SAMPLER_KINDS:
-            for bitmask in (None, everything):
-                slot = SlotParams.empty(1, V, self.device)
-                slot.set_slots([(params, 0, [])])
-                pick_sampler([params], self.gpu, SAMPLER_TILES)(logits, slot, bitmask=bitmask)
-
-    def warm_up_prefill(self) -> None:
-        """Runs prompts of each kind of length through this engine's own steps and forgets
-        them, so that no request waits for a Triton kernel to compile. An eager prefill (a
-        hybrid's) compiles a kernel variant at the first prompt of each kind: the SSD's chunk
-        tile follows a short chunk's length up to its size, Triton specialises lengths
-        divisible by 16 (and 1) and so a batch's strides, T times a width, by the powers of
-        two in T; a batch's left padding and a continued state are variants of their own
-        (a tiny Nemotron-H's serve-like workload met 32 variants; Nemotron-H-8B served at 64
-        streams without this, H100: first tokens at a p50 of 7.9 s). Lengths 1, 2, 3, 4, 8,
-        and each power of two p from 16 to the cache's interval and p + 1, 2, 4, 8 (each
-        chunk tile with T odd or divisible by 2, 4, 8, 16): alone, two at a time, and after a
-        first chunk of the interval; then the powers of two up to the prefill budget."""
-        powers = [16 << k for k in range((self.cache.interval // 16).bit_length())]  # 16 .. interval
-        short = [1, 2, 3, 4, 8] + [p + d for p in powers for d in (0, 1, 2, 4, 8)]
-        kinds = ([[n] for n in short] + [[n, max(1, n - 3)] for n in short]
-                 + [[self.cache.interval + n] for n in short]
-                 + [[p] for p in (self.cache.interval << k for k in range(1, 8)) if p <= self.prefill_tokens])
-        kv = self.pool.kv
-        longest = None if kv is None or kv.growable else kv.request_blocks * kv.block_size
-        V, rid, new_tokens = self.model.config.vocab_size, -1, 2
-        for lengths in kinds:
-            for n in lengths:
-                if longest is not None and n + new_tokens > longest:
-                    continue
-                # (a first token of its own: no prompt is a prefix of another, none hits the cache)
-                ids = [(-rid + 7 * i) % (V - 1) + 1 for i in range(n)]
-                self.add(protocol.Request(rid, ids, SamplingParams(max_tokens=new_tokens, stop_token_ids=[])))
-                rid -= 1
-            while self.has_work:
-                for out in self.step():
-                    if isinstance(out, Failed):  # (an engine that cannot prefill should not start)
-                        raise RuntimeError(f"the prefill warm-up's prompts of {lengths} tokens failed: "
-                                           f"{out.error.kind}: {out.error.message}")
-        self.cache = PrefixCache(self.cache.budget, self.cache.interval)
-        self.cache_queries = self.cache_hits = 0
 
     def _sample(self, reqs: list[RunningRequest], logits: torch.Tensor, launch: Launch, checked: bool) -> None:
         """The first tokens of requests whose prompts are in their slots, from logits (n, V):
