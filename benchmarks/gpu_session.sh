@@ -33,6 +33,9 @@
 #   MOE=1 bash benchmarks/gpu_session.sh     # Granite-4.0-H-Tiny and Nemotron 3 Nano's shape at batch 1,
 #                                            # 8, 64 and prefill 1 x 4096, Tiny's server at 64 streams,
 #                                            # then the MoE tiles' sweep (~10 minutes)
+#   WARM_START=1 bash benchmarks/gpu_session.sh # a server's start compiling what its requests meet: the
+#                                            # samplers' and the engine's GPU tests, then Granite-4.0-H-Tiny
+#                                            # served at 64 streams on this (cold) machine (~7 minutes)
 #   BACKBONE=1 bash benchmarks/gpu_session.sh # the Mamba-2 Backbone's training beside cuDNN's LSTMs,
 #                                            # both layers' training under bf16 autocast and in the
 #                                            # deterministic mode, then both layers' steps (~8 minutes)
@@ -85,6 +88,13 @@ if [ -n "${SOAK20:-}" ]; then
     timeout $((570 - (SECONDS - started))) python3 -m benchmarks.serve --model nemotron-h-8b --levels 64 \
       --json "$out/serve_hybrid.json" 2>&1 | grep -v Warning | tail -8 | tee "$out/serve_hybrid.log"
   fi
+  exit 0
+fi
+if [ -n "${WARM_START:-}" ]; then  # (first on a fresh machine: the served level should compile nothing)
+  PYTHONPATH=.:${PYTHONPATH:-} timeout 200 python3 -m pytest -q -rf -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
+    tests/test_moe_kernel.py -k "sampl or gpu" 2>&1 | tee "$out/warm_start_tests.log" | grep -E "^FAILED|passed|failed"
+  timeout $((590 - SECONDS)) python3 -m benchmarks.serve --model granite-4.0-h-tiny --levels 64 --json "$out/serve_tiny.json" 2>&1 \
+    | grep -v Warning | tail -8 | tee "$out/serve_tiny.log"
   exit 0
 fi
 if [ -n "${BACKBONE:-}" ]; then
@@ -166,7 +176,7 @@ if [ -n "${SHAPES:-}" ]; then
   done
   exit 0
 fi
-if [ -z "${BENCH:-}${HYBRID:-}${DENSE:-}${SOAK:-}${SERVE:-}${SHAPES:-}${CONTEXTS:-}${SERVE_HYBRID:-}${FALCON_FP8:-}${BACKBONE:-}${MOE:-}${FP8:-}${ONEROW:-}" ]; then  # (no mode named: the default)
+if [ -z "${BENCH:-}${HYBRID:-}${DENSE:-}${SOAK:-}${SERVE:-}${SHAPES:-}${CONTEXTS:-}${SERVE_HYBRID:-}${FALCON_FP8:-}${BACKBONE:-}${MOE:-}${FP8:-}${ONEROW:-}${WARM_START:-}" ]; then  # (no mode named: the default)
   # (the sm_90 compile test is for machines without a GPU: the CPU suite runs it)
   # every `gpu` test (~2 minutes on a warm H200; the server's tests need fastapi, uvicorn,
   # openai, pyzmq and msgspec: carry them as wheels, see the device tool's README)

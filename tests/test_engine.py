@@ -225,13 +225,13 @@ def test_the_prefix_cache_holds_sixteen_states_of_a_large_model_by_default():
 
 
 def test_the_sampler_warm_up_calls_each_gpu_sampler_and_leaves_the_slots_alone(lm, monkeypatch):
-    """warm_up.warm_up_samplers (a GPU server's start): each kind of Triton sampler
-    (Triton's interpreter here) draws once with and once without a bitmask, penalties among
-    them, on a scratch slot: the engine's own slots and counters are as before."""
+    """warm_up.warm_up_samplers (a GPU server's start): each kind of Triton sampler (in
+    Triton's interpreter without CUDA) draws once with and once without a bitmask, penalties
+    among them, on a scratch slot: the engine's own slots and counters are as before."""
     from fastmamba.kernels import sampler
 
-    core = engine(lm, max_batch=2)
-    core.gpu = True  # (the GPU engine's samplers: pick_sampler's Triton ones)
+    core = engine(fastmamba.load(device="cuda") if torch.cuda.is_available() else lm, max_batch=2)
+    core.gpu = True  # (the GPU engine's samplers, pick_sampler's Triton ones: on the CPU in the interpreter)
     calls = []
     for name in ("sample_temperature", "sample_filtered_apart", "sample_filtered"):
         def spy(logits, p, tiles, penalties=False, bitmask=None, _name=name, _real=getattr(sampler, name)):
