@@ -1,6 +1,6 @@
 """Where prefill time goes: torch.profiler's per-kernel GPU totals for one prefill at a
-public shape (random weights, bf16 or --dtype; a hybrid's in bf16). Prints the top kernels by total GPU time. With
---generate: the first token through the public path (`generate_batch`, max_tokens 1:
+public shape (random weights, bf16 or --dtype; a hybrid's in bf16). Prints the top kernels by
+total GPU time. With --generate: the first token through the public path (`generate_batch`, max_tokens 1:
 graph-captured prefill where it applies, the first sample, the read-back), the host's
 functions by their own time (cProfile) beside the GPU's kernels. With --served: a prompt's
 first token through a server's engine core (its prefix cache on, so a prompt longer than the

@@ -485,8 +485,9 @@ def test_triton_samplers_match_sample(name, rounds):
 @pytest.mark.parametrize("B", [63, 130])
 def test_triton_sampler_rows_past_one_finish_tile(B):
     """The last launch (_finish_kernel) goes over the rows 64 at a time, whatever the batch:
-    rows past the first 64 draw what sampling.sample draws, greedy and hot rows mixed, an odd
-    batch's sampled row unaligned no more than an even one's."""
+    rows past the first 64 draw what sampling.sample draws, greedy and hot rows mixed, in an
+    odd batch (its rows padded to an even length, so the sampled row stays aligned) as in an
+    even one."""
     from fastmamba.core.sampling import SlotParams, sample
     from fastmamba.core.sampling_params import SamplingParams
     from fastmamba.kernels import sampler
