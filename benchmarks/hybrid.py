@@ -17,9 +17,11 @@ stacked at load, about 120 GB at the peak: an H200.)
 """
 
 import argparse
+import ast
 import itertools
 import json
 import time
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -35,7 +37,7 @@ from fastmamba.core.ops import REFERENCE_OPS, triton_ops
 from fastmamba.core.sampling_params import SamplingParams
 from fastmamba.engine.engine_core import EngineCore
 from fastmamba.engine.language_model import LanguageModel
-from fastmamba.engine.plan import KERNEL_TILES, LAYER_OPS, DecodePlan
+from fastmamba.engine.plan import KERNEL_TILES, LAYER_OPS, DecodePlan, one_row_blocks
 from fastmamba.engine.protocol import Failed, Finished, Request, Token
 from fastmamba.io.checkpoint import build_weights
 
@@ -203,6 +205,19 @@ def hf_ms_per_token(raw: dict, context: int, tokens: int = 16) -> float | None:
     return (full - short) / tokens
 
 
+def one_row_variant(ap, model: Mamba, variant: str) -> DecodePlan:
+    """The one-row plan at the model's shapes with one launch setting changed: "field=literal"."""
+    field, _, value = variant.partition("=")
+    c = model.config
+    blocks = one_row_blocks(c.d_model, c.d_inner, c.vocab_size, model.weights.dtype, c.layer)
+    if field not in {f.name for f in fields(blocks)}:
+        ap.error(f"--one-row-variant {variant!r}: OneRowBlocks has no field {field!r}")
+    try:
+        return DecodePlan("one-row", blocks=replace(blocks, **{field: ast.literal_eval(value)}))
+    except (ValueError, SyntaxError) as e:
+        ap.error(f"--one-row-variant {variant!r}: the value is not a Python literal ({e})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="nemotron-h-8b", choices=list(HYBRID_SHAPES))
@@ -214,6 +229,11 @@ def main() -> None:
     ap.add_argument("--state-dtypes", default="float32", help="the recurrent state's dtypes to decode with (float32,bfloat16)")
     ap.add_argument("--plans", default="table", help="the decode plans to time: the table's (table), and "
                     "one-row (kernels/decode_step_hybrid.py) or layer-ops, e.g. table,one-row")
+    ap.add_argument("--one-row-variant", action="append", default=[], metavar="FIELD=VALUE",
+                    help="also time the one-row plan with one of its launch settings changed (plan.OneRowBlocks' "
+                         "field, a Python literal), e.g. 'router=(8, 256, 4, 1)'; repeatable")
+    ap.add_argument("--rounds", type=int, default=1, help="time the plans this many times, every other round in "
+                    "reverse order (A B .. B A: a GPU's clock drifts as it heats)")
     ap.add_argument("--long", type=int, default=None,
                     help="a prompt of this many tokens through the engine: its first token, step and peak memory "
                          "(default: 32768 on the GPU, none on the CPU; 0: none)")
@@ -239,17 +259,21 @@ def main() -> None:
     plans = {"table": None, "layer-ops": LAYER_OPS, "one-row": DecodePlan("one-row")}
     if not set(args.plans.split(",")) <= set(plans):
         ap.error(f"--plans takes {', '.join(plans)}, comma-separated; got {args.plans!r}")
+    names = args.plans.split(",") + args.one_row_variant
     bw = copy_bandwidth() if cuda(args.device) else 20e9  # (the CPU's floor: a nominal 20 GB/s)
     model, raw = model_of(args.shape, args.device)
+    for variant in args.one_row_variant:
+        plans[variant] = one_row_variant(ap, model, variant)
     emit(device=torch.cuda.get_device_name() if cuda(args.device) else "cpu", shape=args.shape, engine=engine(model),
          copy_bandwidth_gbs=round(bw / 1e9))
     for state_dtype in args.state_dtypes.split(","):
         m = Mamba(model.config, model.weights, model.ops, state_dtype=parse_state_dtype(state_dtype))
-        for b, plan in itertools.product([int(x) for x in args.batches.split(",")], args.plans.split(",")):
-            ms = decode_ms(m, b, args.context, args.steps, plans[plan], args.prefill_tokens)
-            floor = floor_ms(m, b, args.context, bw)
-            emit(what="decode", state=state_dtype, batch=b, context=args.context, plan=plan, ms=round(ms, 3),
-                 floor_ms=round(floor, 3), of_floor=round(floor / ms, 3))
+        for b, r in itertools.product([int(x) for x in args.batches.split(",")], range(args.rounds)):
+            for plan in names[::-1] if r % 2 else names:
+                ms = decode_ms(m, b, args.context, args.steps, plans[plan], args.prefill_tokens)
+                floor = floor_ms(m, b, args.context, bw)
+                emit(what="decode", state=state_dtype, batch=b, context=args.context, plan=plan, ms=round(ms, 3),
+                     floor_ms=round(floor, 3), of_floor=round(floor / ms, 3), **({"round": r} if args.rounds > 1 else {}))
         m = None
     if args.serve_steps:
         rows_, prompt = map(int, args.serve_steps.split("x"))

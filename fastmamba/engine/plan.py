@@ -78,6 +78,7 @@ class OneRowBlocks:
     in_proj_unroll: int  # the K loop unrolled by this much where summed after it
     early_launch: frozenset  # kernels that let the next launch before their own wait (PDL 2)
     ssd_block: int  # Mamba-2's ssd_conv_step: a head's channels a program (all N states of each in registers)
+    router: tuple[int, int, int, int]  # a mixture of experts' router product (float32 weights): BN, BK, warps, stages
     # 16-bit and FP8 weights: in_proj's products on the tensor cores (kernels/gemv.mma_terms),
     # and out_proj's (Mamba-2's gated_out_proj); float32 weights keep the multiply-and-sum
     in_proj_mma: bool = False
@@ -132,6 +133,9 @@ def one_row_blocks(d_model: int, d_inner: int, vocab: int, dtype: torch.dtype, l
         early_launch=frozenset({"conv_x_proj", "ssm_step", "out_proj_residual"}),
         # 16 channels, as the layer-ops step's update kernel (SSD_TILES.step_bp); not swept here
         ssd_block=16,
+        # UNTUNED: 2 experts' rows a program, the whole row in one tile loaded before the PDL wait
+        # (in_proj's 8 x 256 walked Granite-4.0-H-Tiny's 64 x 1536 in 8 programs, 6 tiles each)
+        router=(2, min(4096, 1 << (d_model - 1).bit_length()), 4, 1),
     )
 
 

@@ -242,7 +242,7 @@ class HybridDecodeStep(Mamba2DecodeStep):
         c = self.model.config
         k, D, shared = c.experts_per_token, c.d_model, lw.shared_in is not None
         # (the router's float32 weights: the multiply-and-sum, as the routing's logits need)
-        self._rmsnorm_linear(lw.norm_w, lw.router_w, None, self.router_logits, self.in_proj_blocks, dh=dh_in)
+        self._rmsnorm_linear(lw.norm_w, lw.router_w, None, self.router_logits, self.plan.blocks.router, dh=dh_in)
         experts, weights = route_triton(self.router_logits, c.router, k, lw.router_b, c.expert_groups,
                                         c.topk_groups, c.norm_topk, c.routed_scaling)
         (w1, s1), (w2, s2) = weight_parts(lw.in_w), weight_parts(lw.out_w)
