@@ -27,8 +27,7 @@ A slot's logits are bitwise the same at every batch size within one of
 sums have a fixed order); cuBLAS picks its algorithm by the shape. `deterministic=True`
 runs the all-Triton products step at every batch size.
 
-The table's evidence (whole graph-replayed steps on the H200): benchmarks/RESULTS.md,
-"The decode plan's evidence".
+Evidence (graph-replayed steps): benchmarks/RESULTS.md, "The decode plan's evidence".
 """
 
 from __future__ import annotations
@@ -79,6 +78,7 @@ class OneRowBlocks:
     early_launch: frozenset  # kernels that let the next launch before their own wait (PDL 2)
     ssd_block: int  # Mamba-2's ssd_conv_step: a head's channels a program (all N states of each in registers)
     router: tuple[int, int, int, int]  # a mixture of experts' router product (float32 weights): BN, BK, warps, stages
+    moe_prefetch: int = 0  # moe_in's asks of L2: 1 each program's rows at once, 2 and moe_out's matrices
     # 16-bit and FP8 weights: in_proj's products on the tensor cores (kernels/gemv.mma_terms),
     # and out_proj's (Mamba-2's gated_out_proj); float32 weights keep the multiply-and-sum
     in_proj_mma: bool = False
