@@ -64,7 +64,10 @@ ONE_ROW_KINDS = ("mamba2", "attention", "mlp", "mamba2+attention", "moe")
 # shared MLP's after the k picks) and `moe_out` (each pick's down product times its router
 # weight, and the shared MLP's, added into dh in fixed point: exact in any order). Where the
 # layers over the GPU ops took ten (the grouping of pairs by expert among them), which at one
-# token a step was most of the sublayer's time.
+# token a step was most of the sublayer's time. No expert's weight can be loaded before the
+# routing's wait, so that each program's K loop would walk its rows a memory trip a tile:
+# with PREFETCH (the plan's OneRowBlocks.moe_prefetch) moe_in asks L2 for all its rows at
+# once, and (2) every program for a share of its pick's down matrix, which moe_out reads next.
 
 
 def moe_in_ref(h, norm_w, eps, experts, in_w, shared_in, act: str, gated: bool) -> torch.Tensor:
