@@ -552,22 +552,15 @@ SSD_GRAD_TILES = SSDGradTiles(chunk=64, warps=4)
 
 # -- a hybrid's decode attention (kernels/paged_attention.py) ---------------------------------
 # A row's tokens dealt over 128 programs, its key/value heads' splits, in runs of 64 (each
-# split every splits-th run): at batch 1, about one program an SM of an H100's 132 over a long
-# context, whatever the heads (Nemotron-H-8B's 8 heads: 16 splits; Falcon-H1-7B's 2: 64). At a
-# fixed 16 splits, Falcon-H1-7B's 32 programs read a 16k-token context at a sixth of the copy
-# rate (H100 profile at batch 1: 35.1 µs a sublayer, 6.2 at 1k; the step 7.28 ms against 6.01).
-# With 64 splits added up in a serial loop (a program a row and key/value head), the step
-# stayed at 7.43 ms and batch 128 at 1k slowed from 18.3 ms to 20.5: so the combine takes a
-# program a query head and its splits at once, and a split with no run returns at once.
-# Whole steps, 16 splits a head / 128 programs a row (`benchmarks.hybrid`, bf16 state, H100,
-# 2026-12-07, trees of 089be5f and ec30bbe, ms): Falcon-H1-7B batch 1 at 16k tokens 7.372 /
-# 6.392, at 1k 6.114 / 6.003, batch 128 at 1k 18.62 / 18.99 (two runs each, 2% slower: kept
-# for the long contexts' 1.15x); Nemotron-H-8B (8 heads: 128 programs either way) batch 1 at
-# 16k 5.807 / 5.799. The count itself UNTUNED (`python -m benchmarks.tune_paged` times the
-# kernels at the public shapes' heads for several counts, and 16 splits a head beside them).
-# 64 tokens: the products' tiles on the tensor cores at 114 registers (sm_90 compile). Not
-# swept; 8 splits of the table's columns, a block at a time on the CUDA cores, took 936 µs a
-# sublayer at batch 128 and 1k-token contexts on an H100 (0.19 of the bytes at the copy rate).
+# split every splits-th run): at batch 1 about one program an SM of an H100 over a long
+# context, whatever the heads (Nemotron-H-8B's 8: 16 splits; Falcon-H1-7B's 2: 64). A fixed 16
+# splits a head read Falcon-H1-7B's 16k-token context at a sixth of the copy rate: its batch 1
+# took 7.372 ms a step against 6.392, batch 128 at 1k 2% slower (18.62 / 18.99; H100, RESULTS
+# "Hybrid models"). The combine takes a program a query head and its splits at once (a serial
+# loop over 64 splits kept the step at 7.43 ms), and a split with no run returns at once. The
+# count UNTUNED (`python -m benchmarks.tune_paged` times several at the public shapes' heads).
+# 64 tokens: the products' tiles on the tensor cores at 114 registers (sm_90 compile), not
+# swept; 8 splits of the table's columns on the CUDA cores took 936 µs a sublayer at batch 128.
 PAGED_TILES = PagedTiles(programs=128, warps=4, tokens=64)
 
 # -- a mixture of experts' grouped products (kernels/moe.py) -----------------------------------
