@@ -301,10 +301,8 @@ def main() -> None:
         scaled = wdt == "*fp8e4nv"
         t = ptrs("h_ptr", "nw_ptr", "ws_ptr", "sws_ptr", "a_ptr", dh_ptr="*i64", ex_ptr="*i64", w_ptr=wdt, sw_ptr=wdt,
                  eps="fp32")
-        t.update(w2_ptr=wdt, sw2_ptr=wdt)
-        for prefetch in (0, 2):
-            compile_kernel(hy._moe_in_kernel, t, dict(K=6, ACT="silu", GATED=True, W_SCALED=scaled, BN=16, BK=512,
-                                                      MMA=mma, PDL=True, PREFETCH=prefetch, DL=32, PL=256))
+        compile_kernel(hy._moe_in_kernel, t, dict(K=6, ACT="silu", GATED=True, W_SCALED=scaled, BN=16, BK=512, MMA=mma,
+                                                  PDL=True))
         t = ptrs("a_ptr", "rw_ptr", "ws_ptr", "sws_ptr", "h_ptr", ex_ptr="*i64", w_ptr=wdt, sw_ptr=wdt, dh_ptr="*i64",
                  dhp_ptr="*i64")
         compile_kernel(hy._moe_out_kernel, t, dict(K=6, SPLITS=1, W_SCALED=scaled, BN=16 if mma else 8, BK=512, BD=2,

@@ -46,7 +46,7 @@ from ._triton import jit, tl, triton
 from .activations import activate
 from .decode_step_mamba2 import Mamba2DecodeStep
 from .fp8_gemm import linear_ref, weight_parts
-from .gemv import add_fixed, add_row_tile, fold_share, prefetch_to_l2, residual_tile, row_sums, row_total
+from .gemv import add_fixed, add_row_tile, fold_share, residual_tile, row_sums, row_total
 from .mlp_activation import mlp_activation_ref
 from .moe import route_triton
 from .paged_attention import decode_attention
@@ -64,10 +64,7 @@ ONE_ROW_KINDS = ("mamba2", "attention", "mlp", "mamba2+attention", "moe")
 # shared MLP's after the k picks) and `moe_out` (each pick's down product times its router
 # weight, and the shared MLP's, added into dh in fixed point: exact in any order). Where the
 # layers over the GPU ops took ten (the grouping of pairs by expert among them), which at one
-# token a step was most of the sublayer's time. No expert's weight can be loaded before the
-# routing's wait, so that each program's K loop would walk its rows a memory trip a tile:
-# with PREFETCH (the plan's OneRowBlocks.moe_prefetch) moe_in asks L2 for all its rows at
-# once, and (2) every program for a share of its pick's down matrix, which moe_out reads next.
+# token a step was most of the sublayer's time.
 
 
 def moe_in_ref(h, norm_w, eps, experts, in_w, shared_in, act: str, gated: bool) -> torch.Tensor:
@@ -116,26 +113,11 @@ def _pick_matrix(w_ptr, ws_ptr, sw_ptr, sws_ptr, ex_ptr, row64, j, SIZE, SROWS, 
     return w, ws, width
 
 
-# (a cache line's elements, at 16-bit weights: an FP8 matrix's lines are asked for twice)
-_LINE = tl.constexpr(64)
-
-
-@jit
-def _prefetch_share(w, size, share, shares, PL: tl.constexpr):
-    """Share `share` of `shares` of the cache lines of w[:size] into L2 (up to PL lines)."""
-    lines = tl.cdiv(size, _LINE)
-    first = share * tl.cdiv(lines, shares)
-    last = tl.minimum(first + tl.cdiv(lines, shares), lines) - 1  # (past it: the last line again)
-    at = tl.minimum(first + tl.arange(0, PL), last).to(tl.int64) * _LINE
-    prefetch_to_l2(w + at)
-
-
 @jit
 def _moe_in_kernel(
-    h_ptr, dh_ptr, nw_ptr, ex_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, a_ptr, w2_ptr, sw2_ptr, D, I, IS, IP, eps,
+    h_ptr, dh_ptr, nw_ptr, ex_ptr, w_ptr, ws_ptr, sw_ptr, sws_ptr, a_ptr, D, I, IS, IP, eps,
     K: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, W_SCALED: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, MMA: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, DL: tl.constexpr,
-    PL: tl.constexpr,
+    BK: tl.constexpr, MMA: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (row, pick j, BN of the pick's channels): a[row, j, c] = act(gate_c . u) * (up_c . u)
     # (or act(up_c . u)) for u = rmsnorm(h + dh) * nw, which, as rmsnorm_linear, it never holds:
@@ -148,18 +130,9 @@ def _moe_in_kernel(
     wait_for_prior_kernel(PDL)  # (the routing: which matrix comes only from it)
     w, ws, width = _pick_matrix(w_ptr, ws_ptr, sw_ptr, sws_ptr, ex_ptr, row64, j, R * I * D, R * I, I, IS, K)
     n = tl.program_id(2) * BN + tl.arange(0, BN)
-    if PREFETCH >= 2:  # a share of the pick's down matrix (moe_out's, d x width) into L2, every program
-        w2 = _pick_matrix(w2_ptr, w2_ptr, sw2_ptr, sw2_ptr, ex_ptr, row64, j, D * I, D, I, IS, K)[0]
-        _prefetch_share(w2, D * width, tl.program_id(2), tl.num_programs(2), PL)
     if tl.program_id(2) * BN >= width:  # (the grid covers the widest pick)
         return
     nmask = n < width
-    if PREFETCH >= 1:  # the program's rows (gate and up) into L2 at once, not a tile a trip
-        line = tl.minimum(tl.arange(0, DL) * _LINE, D - 1)
-        nr = tl.minimum(n, width - 1)
-        prefetch_to_l2(w + nr[:, None] * D + line[None, :])
-        if GATED:
-            prefetch_to_l2(w + (width + nr)[:, None] * D + line[None, :])
     acc = row_sums(BN, MMA)
     up = row_sums(BN, MMA)
     sq = tl.zeros([1, BK], dtype=tl.float32)
@@ -277,14 +250,10 @@ class HybridDecodeStep(Mamba2DecodeStep):
                               else ((w1, s1), (w2, s2)))
         I, IS, picks = w2.shape[2], v2.shape[1] if shared else 0, k + shared
         BN, BK, warps, _ = self.in_proj_blocks
-        tiles = triton.cdiv(self.moe_width, BN)
-        _moe_in_kernel[(self.B, picks, tiles)](
+        _moe_in_kernel[(self.B, picks, triton.cdiv(self.moe_width, BN))](
             self.h, dh_in, lw.norm_w, experts, w1, w1 if s1 is None else s1, v1, v1 if t1 is None else t1, self.moe_a,
-            w2, v2, D, I, IS, self.moe_width, c.norm_eps, K=k, ACT=c.mlp_act, GATED=c.mlp_gated,
-            W_SCALED=s1 is not None, BN=BN, BK=BK, MMA=self.in_proj_mma, PREFETCH=self.plan.blocks.moe_prefetch,
-            DL=triton.next_power_of_2(triton.cdiv(D, 64)),
-            PL=triton.next_power_of_2(triton.cdiv(triton.cdiv(D * self.moe_width, 64), tiles)),
-            num_warps=warps, **self.pdl_for("rmsnorm_linear"),
+            D, I, IS, self.moe_width, c.norm_eps, K=k, ACT=c.mlp_act, GATED=c.mlp_gated, W_SCALED=s1 is not None,
+            BN=BN, BK=BK, MMA=self.in_proj_mma, num_warps=warps, **self.pdl_for("rmsnorm_linear"),
         )
         splits, chunk = self.split_k(self.moe_width, picks)
         BD = triton.next_power_of_2(triton.cdiv(D, self.nt_d * picks * splits))
