@@ -205,6 +205,12 @@ def main() -> None:
             W_SCALED=fp8, WX_SCALED=fp8, HAS_BIAS=True, CONV=False, ARGMAX=False, K=4, KP=4, HAS_CB=True, BN=16,
             BK=wide.in_proj[1], BJ=128, STAGES=1, SUM_LAST=not f32, UNROLL=wide.in_proj_unroll if not f32 else 1,
             PDL=True, MMA=False, TWO=True))
+        if f32:  # a mixture of experts' router (float32 weights) at Nemotron 3 Nano's width: one tile a row
+            BN, BK, warps, stages = one_row_blocks(2688, 4096, 131072, torch.bfloat16, "mamba2").router
+            compile_kernel(ds._rmsnorm_linear_kernel, t, dict(
+                W_SCALED=False, WX_SCALED=False, HAS_BIAS=False, CONV=False, ARGMAX=False, K=4, KP=4, HAS_CB=False,
+                BN=BN, BK=BK, BJ=128, STAGES=stages, SUM_LAST=False, UNROLL=1, PDL=True, MMA=False, TWO=False),
+                num_warps=warps)
         t = ptrs("xz_ptr", "cs_ptr", "cw_ptr", "cb_ptr", "xc_ptr", "wxs_ptr", wx_ptr=wdt, dbc_ptr="*i64")
         BN = wide.conv_block
         compile_kernel(ds._conv_x_proj_kernel, t, dict(K=4, KP=4, HAS_CB=True, BN=BN, BJ=256, WX_SCALED=fp8, PDL=True),
