@@ -6,6 +6,8 @@ routing ties and experts no token picks, and the configs and tensors refused by 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import assert_within_transformers_16bit_error, relative_error, transformers_logits
@@ -168,7 +170,7 @@ def test_the_one_row_steps_experts_kernels_equal_their_twins(case):
     from fastmamba.core.model import Mamba
     from fastmamba.core.ops import triton_ops
     from fastmamba.engine.decode_step import make_decode_step
-    from fastmamba.engine.plan import KERNEL_TILES, DecodePlan
+    from fastmamba.engine.plan import KERNEL_TILES, DecodePlan, one_row_blocks
     from fastmamba.kernels.decode_step_hybrid import moe_in_ref, moe_out_ref
     from fastmamba.kernels.gemv import from_fixed, to_fixed
     from fastmamba.kernels.moe import route_ref
@@ -177,7 +179,12 @@ def test_the_one_row_steps_experts_kernels_equal_their_twins(case):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = fastmamba.load(case[0], device=device).model
     model = Mamba(model.config, model.weights, triton_ops(KERNEL_TILES))
-    c, step = model.config, make_decode_step(model, 3, plan=DecodePlan("one-row"))
+    c = model.config
+    # (the experts' products in settings of their own, several tiles along K and d: the table's
+    # plan, which gives them in_proj's and out_proj's, runs in the test above)
+    blocks = replace(one_row_blocks(c.d_model, c.d_inner, c.vocab_size, model.weights.dtype, c.layer),
+                     moe_in=(16, 32, 4), moe_out=(16, 32, 4, 64))
+    step = make_decode_step(model, 3, plan=DecodePlan("one-row", blocks=blocks))
     lw = next(lw for kind, lw in zip(c.kinds, model.weights.layers) if kind == "moe")
     g = torch.Generator().manual_seed(1)
     step.h.copy_(torch.randn(3, c.d_model, generator=g))

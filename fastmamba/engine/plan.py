@@ -78,6 +78,8 @@ class OneRowBlocks:
     early_launch: frozenset  # kernels that let the next launch before their own wait (PDL 2)
     ssd_block: int  # Mamba-2's ssd_conv_step: a head's channels a program (all N states of each in registers)
     router: tuple[int, int, int, int]  # a mixture of experts' router product (float32 weights): BN, BK, warps, stages
+    moe_in: tuple[int, int, int] | None = None  # its gate and up products: BN, BK, warps (None: in_proj's)
+    moe_out: tuple[int, int, int, int] | None = None  # its down products: BN, BK, warps, programs (None: out_proj's)
     # 16-bit and FP8 weights: in_proj's products on the tensor cores (kernels/gemv.mma_terms),
     # and out_proj's (Mamba-2's gated_out_proj); float32 weights keep the multiply-and-sum
     in_proj_mma: bool = False

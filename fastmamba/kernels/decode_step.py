@@ -411,13 +411,15 @@ class DecodeStep:
         self.best = torch.full((batch,), ARGMAX_EMPTY, device=dev, dtype=torch.int64)  # see argmax_keys
         self.pdl = pdl_launch(dev) if plan.pdl else NO_PDL
 
-    def split_k(self, K: int, products: int = 1) -> tuple[int, int]:
+    def split_k(self, K: int, products: int = 1, blocks: tuple | None = None) -> tuple[int, int]:
         """An out_proj-style product's splits of its K (its input's width) and their length:
-        enough programs (OneRowBlocks.out_proj, shared by `products` such products side by
-        side in the launch) that they stream the weights, whole BK tiles a split, at most 16
-        splits."""
-        splits = max(1, min(16, self.programs_out // (self.nt_d * products), triton.cdiv(K, self.BK_out)))
-        chunk = triton.cdiv(triton.cdiv(K, splits), self.BK_out) * self.BK_out
+        enough programs (OneRowBlocks.out_proj, or `blocks` of its form, shared by `products`
+        such products side by side in the launch) that they stream the weights, whole BK
+        tiles a split, at most 16 splits."""
+        BN, BK, _, programs = blocks or (self.BN_out, self.BK_out, self.warps_out, self.programs_out)
+        splits = max(1, min(16, programs // (triton.cdiv(self.model.config.d_model, BN) * products),
+                            triton.cdiv(K, BK)))
+        chunk = triton.cdiv(triton.cdiv(K, splits), BK) * BK
         return triton.cdiv(K, chunk), chunk  # (whole BK steps a split may need fewer splits)
 
     def pdl_for(self, kernel: str) -> dict:

@@ -225,6 +225,15 @@ class HybridDecodeStep(Mamba2DecodeStep):
             self.moe_width = max(c.expert_size, (c.shared_size or c.mlp_size) if shared else 0)
             self.router_logits = torch.zeros(batch, c.n_experts, device=dev, dtype=f32)
             self.moe_a = torch.zeros(batch, c.experts_per_token + shared, self.moe_width, device=dev, dtype=f32)
+            # (the experts' products in the plan's settings, else in_proj's and out_proj's)
+            b = plan.blocks
+            self.moe_in_blocks = b.moe_in or self.in_proj_blocks[:3]
+            self.moe_out_blocks = b.moe_out or (self.BN_out, self.BK_out, self.warps_out, self.programs_out)
+            for name, on, rows in (("moe_in", self.in_proj_mma, self.moe_in_blocks[0]),
+                                   ("moe_out", self.out_proj_mma, self.moe_out_blocks[0])):
+                if on and rows < 16:  # (the tensor cores' smallest tile)
+                    raise ValueError(f"OneRowBlocks.{name} needs 16 or more rows a program on the tensor cores, "
+                                     f"got {rows}")
         w = model.weights
         self.norm_f = w.norm_f * c.logits_multiplier if c.logits_multiplier != 1.0 else w.norm_f
 
@@ -249,18 +258,20 @@ class HybridDecodeStep(Mamba2DecodeStep):
         (v1, t1), (v2, t2) = ((weight_parts(lw.shared_in), weight_parts(lw.shared_out)) if shared
                               else ((w1, s1), (w2, s2)))
         I, IS, picks = w2.shape[2], v2.shape[1] if shared else 0, k + shared
-        BN, BK, warps, _ = self.in_proj_blocks
+        BN, BK, warps = self.moe_in_blocks
         _moe_in_kernel[(self.B, picks, triton.cdiv(self.moe_width, BN))](
             self.h, dh_in, lw.norm_w, experts, w1, w1 if s1 is None else s1, v1, v1 if t1 is None else t1, self.moe_a,
             D, I, IS, self.moe_width, c.norm_eps, K=k, ACT=c.mlp_act, GATED=c.mlp_gated, W_SCALED=s1 is not None,
             BN=BN, BK=BK, MMA=self.in_proj_mma, num_warps=warps, **self.pdl_for("rmsnorm_linear"),
         )
-        splits, chunk = self.split_k(self.moe_width, picks)
-        BD = triton.next_power_of_2(triton.cdiv(D, self.nt_d * picks * splits))
-        _moe_out_kernel[(self.B, self.nt_d, picks * splits)](
+        BN, BK, warps, _ = self.moe_out_blocks
+        splits, chunk = self.split_k(self.moe_width, picks, self.moe_out_blocks)
+        tiles = triton.cdiv(D, BN)
+        BD = triton.next_power_of_2(triton.cdiv(D, tiles * picks * splits))
+        _moe_out_kernel[(self.B, tiles, picks * splits)](
             self.moe_a, experts, weights, w2, w2 if s2 is None else s2, v2, v2 if t2 is None else t2, dh_out, self.h,
-            dh_in, D, I, IS, self.moe_width, chunk, K=k, SPLITS=splits, W_SCALED=s2 is not None, BN=self.BN_out,
-            BK=self.BK_out, BD=BD, MMA=self.out_proj_mma, num_warps=self.warps_out, **self.pdl_for("out_proj_residual"),
+            dh_in, D, I, IS, self.moe_width, chunk, K=k, SPLITS=splits, W_SCALED=s2 is not None, BN=BN,
+            BK=BK, BD=BD, MMA=self.out_proj_mma, num_warps=warps, **self.pdl_for("out_proj_residual"),
         )
 
     def __call__(self, tokens: torch.Tensor, state, argmax: bool = False, h: torch.Tensor | None = None) -> torch.Tensor:
