@@ -36,6 +36,9 @@
 #   WARM_START=1 bash benchmarks/gpu_session.sh # a server's start compiling what its requests meet: the
 #                                            # samplers' and the engine's GPU tests, then Granite-4.0-H-Tiny
 #                                            # served at 64 streams on this (cold) machine (~7 minutes)
+#   MOE_ONE_ROW=1 bash benchmarks/gpu_session.sh # the one-row step's experts at batch 1: Granite-4.0-H-Tiny's
+#                                            # with other moe_in / moe_out tiles, Nemotron 3 Nano's with the
+#                                            # router's old settings, A B B A (~7 minutes)
 #   BACKBONE=1 bash benchmarks/gpu_session.sh # the Mamba-2 Backbone's training beside cuDNN's LSTMs,
 #                                            # both layers' training under bf16 autocast and in the
 #                                            # deterministic mode, then both layers' steps (~8 minutes)
@@ -95,6 +98,17 @@ if [ -n "${WARM_START:-}" ]; then  # (first on a fresh machine: the served level
     tests/test_moe_kernel.py -k "sampl or gpu" 2>&1 | tee "$out/warm_start_tests.log" | grep -E "^FAILED|passed|failed"
   timeout $((590 - SECONDS)) python3 -m benchmarks.serve --model granite-4.0-h-tiny --levels 64 --json "$out/serve_tiny.json" 2>&1 \
     | grep -v Warning | tail -8 | tee "$out/serve_tiny.log"
+  exit 0
+fi
+if [ -n "${MOE_ONE_ROW:-}" ]; then  # (the table's settings first in each round; Tiny's in_proj 8 x 256, out_proj 8 x 256)
+  timeout 260 python3 -m benchmarks.hybrid --shape granite-4.0-h-tiny --batches 1 --plans one-row --rounds 2 --long 0 \
+    --prefills none --no-hf --one-row-variant 'moe_in=(16, 256, 4)' --one-row-variant 'moe_in=(4, 256, 4)' \
+    --one-row-variant 'moe_in=(8, 512, 4)' --one-row-variant 'moe_out=(16, 256, 4, 1280)' \
+    --one-row-variant 'moe_out=(8, 512, 4, 1280)' --one-row-variant 'moe_out=(8, 256, 4, 2560)' \
+    --json "$out/moe_one_row_tiny.json" 2>&1 | grep '"decode"' | tee "$out/moe_one_row.log"
+  timeout $((580 - SECONDS)) python3 -m benchmarks.hybrid --shape nemotron-3-nano-30b-a3b --batches 1 --plans one-row \
+    --rounds 2 --long 0 --prefills none --no-hf --one-row-variant 'router=(16, 512, 4, 1)' \
+    --json "$out/moe_one_row_nano.json" 2>&1 | grep '"decode"' | tee -a "$out/moe_one_row.log"
   exit 0
 fi
 if [ -n "${BACKBONE:-}" ]; then
@@ -176,7 +190,7 @@ if [ -n "${SHAPES:-}" ]; then
   done
   exit 0
 fi
-if [ -z "${BENCH:-}${HYBRID:-}${DENSE:-}${SOAK:-}${SERVE:-}${SHAPES:-}${CONTEXTS:-}${SERVE_HYBRID:-}${FALCON_FP8:-}${BACKBONE:-}${MOE:-}${FP8:-}${ONEROW:-}${WARM_START:-}" ]; then  # (no mode named: the default)
+if [ -z "${BENCH:-}${HYBRID:-}${DENSE:-}${SOAK:-}${SERVE:-}${SHAPES:-}${CONTEXTS:-}${SERVE_HYBRID:-}${FALCON_FP8:-}${BACKBONE:-}${MOE:-}${FP8:-}${ONEROW:-}${WARM_START:-}${MOE_ONE_ROW:-}" ]; then  # (no mode named: the default)
   # (the sm_90 compile test is for machines without a GPU: the CPU suite runs it)
   # every `gpu` test (~2 minutes on a warm H200; the server's tests need fastapi, uvicorn,
   # openai, pyzmq and msgspec: carry them as wheels, see the device tool's README)
