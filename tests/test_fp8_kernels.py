@@ -226,6 +226,12 @@ def test_the_tensor_core_products_need_16_rows_a_program(fp8_models):
         narrow = dataclasses.replace(blocks, **{name: (8, *getattr(blocks, name)[1:]), f"{name}_mma": True})
         with pytest.raises(ValueError, match=f"OneRowBlocks.{name}_mma needs 16 or more rows a program, got {name} 8"):
             make_decode_step(model, 1, plan=DecodePlan("one-row", blocks=narrow))
+    # a hybrid's experts' products on the same flags, in tiles of their own
+    wide = dataclasses.replace(blocks, in_proj=(16, *blocks.in_proj[1:]), out_proj=(16, *blocks.out_proj[1:]))
+    for flag, name, tile in (("in_proj", "moe_in", (8, 256, 4)), ("out_proj", "moe_out", (8, 256, 4, 640))):
+        narrow = dataclasses.replace(wide, **{name: tile, f"{flag}_mma": True})
+        with pytest.raises(ValueError, match=f"OneRowBlocks.{flag}_mma needs 16 or more rows a program, got {name} 8"):
+            make_decode_step(model, 1, plan=DecodePlan("one-row", blocks=narrow))
 
 
 def test_the_plan_has_fp8_rows_for_every_batch(fp8_models):

@@ -382,9 +382,13 @@ class DecodeStep:
         self.in_proj_blocks, self.lm_head_blocks = blocks.in_proj, blocks.lm_head
         self.sum_last, self.lm_head_sum_last, self.in_proj_unroll = blocks.in_proj_sum_last, blocks.lm_head_sum_last, blocks.in_proj_unroll
         self.early_launch = blocks.early_launch
-        for name, on, rows in (("in_proj", blocks.in_proj_mma, blocks.in_proj[0]), ("out_proj", blocks.out_proj_mma, blocks.out_proj[0])):
-            if on and rows < 16:  # (the tensor cores' smallest tile)
-                raise ValueError(f"OneRowBlocks.{name}_mma needs 16 or more rows a program, got {name} {rows}")
+        # (a hybrid's experts' products take in_proj's and out_proj's flags, with tiles of their own where given)
+        for flag, name, on, tile in (("in_proj", "in_proj", blocks.in_proj_mma, blocks.in_proj),
+                                     ("out_proj", "out_proj", blocks.out_proj_mma, blocks.out_proj),
+                                     ("in_proj", "moe_in", blocks.in_proj_mma, blocks.moe_in),
+                                     ("out_proj", "moe_out", blocks.out_proj_mma, blocks.moe_out)):
+            if on and tile is not None and tile[0] < 16:  # (the tensor cores' smallest tile)
+                raise ValueError(f"OneRowBlocks.{flag}_mma needs 16 or more rows a program, got {name} {tile[0]}")
         # the products on the tensor cores where the plan says and the weights are 16-bit or
         # FP8 (float32 weights keep the multiply-and-sum: see OneRowBlocks)
         self.in_proj_mma = blocks.in_proj_mma and w.dtype != torch.float32

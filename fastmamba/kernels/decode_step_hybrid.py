@@ -226,14 +226,8 @@ class HybridDecodeStep(Mamba2DecodeStep):
             self.router_logits = torch.zeros(batch, c.n_experts, device=dev, dtype=f32)
             self.moe_a = torch.zeros(batch, c.experts_per_token + shared, self.moe_width, device=dev, dtype=f32)
             # (the experts' products in the plan's settings, else in_proj's and out_proj's)
-            b = plan.blocks
-            self.moe_in_blocks = b.moe_in or self.in_proj_blocks[:3]
-            self.moe_out_blocks = b.moe_out or (self.BN_out, self.BK_out, self.warps_out, self.programs_out)
-            for name, on, rows in (("moe_in", self.in_proj_mma, self.moe_in_blocks[0]),
-                                   ("moe_out", self.out_proj_mma, self.moe_out_blocks[0])):
-                if on and rows < 16:  # (the tensor cores' smallest tile)
-                    raise ValueError(f"OneRowBlocks.{name} needs 16 or more rows a program on the tensor cores, "
-                                     f"got {rows}")
+            self.moe_in_blocks = plan.blocks.moe_in or self.in_proj_blocks[:3]
+            self.moe_out_blocks = plan.blocks.moe_out or (self.BN_out, self.BK_out, self.warps_out, self.programs_out)
         w = model.weights
         self.norm_f = w.norm_f * c.logits_multiplier if c.logits_multiplier != 1.0 else w.norm_f
 
