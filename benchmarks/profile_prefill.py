@@ -58,13 +58,13 @@ def profile_served(model, prompts, top: int) -> None:
     from fastmamba.core.sampling_params import SamplingParams
     from fastmamba.engine.engine_core import EngineCore
     from fastmamba.engine.language_model import LanguageModel
-    from fastmamba.engine.memory import kv_cache_tokens, slot_bytes
+    from fastmamba.engine.memory import kv_cache_tokens
     from fastmamba.engine.protocol import Request
 
     lm = LanguageModel(model, None, engine="triton")
     # (a hybrid's KV cache as a server sizes it: of a fixed size on a GPU, which decides its graphs)
     core = EngineCore(model, lm.prefill, max_batch=64, prefill_tokens=4096, prefix_cache_bytes=1 << 30,
-                      kv_tokens=kv_cache_tokens(model, None, 64 * slot_bytes(model)))
+                      kv_tokens=kv_cache_tokens(model, None, 64))
     core.capture_prefill_graphs()  # (serve's start: graphs captured, or a hybrid's kernels compiled)
     rid = 0
 

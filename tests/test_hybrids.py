@@ -343,6 +343,31 @@ def test_a_fixed_kv_cache_admits_what_fits_and_refuses_what_never_can(tmp_path):
         assert got[rid] == lm.generate(p, max_tokens=10, stop_token_ids=[]).token_ids
 
 
+def test_a_gpu_kv_cache_takes_half_the_memory_left_once_the_slots_are_made(tmp_path, monkeypatch):
+    """The KV cache a server or generate makes on a GPU (kv_cache_tokens with no size given):
+    half of what is free less the slots' bytes, in tokens; a size given is taken as it is; a
+    model without attention has none."""
+    from types import SimpleNamespace
+
+    from fastmamba.core.kv_cache import bytes_per_token
+    from fastmamba.engine.memory import kv_cache_tokens, slot_bytes
+
+    config, model_class = nemotron()
+    model_class(config).save_pretrained(tmp_path / "m")
+    model = fastmamba.load(tmp_path / "m").model
+    per_token = bytes_per_token(model.config, model.weights.embedding.element_size())
+    free = 3 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 8 << 30))
+    on_gpu = SimpleNamespace(config=model.config, weights=model.weights, device=torch.device("cuda"),
+                             state_dtype=model.state_dtype)
+    assert kv_cache_tokens(on_gpu, None, 8) == (free - 8 * slot_bytes(model)) // 2 // per_token
+    assert kv_cache_tokens(on_gpu, None, 8) < kv_cache_tokens(on_gpu, None, 1)
+    assert kv_cache_tokens(on_gpu, 64, 8) == (64 << 20) // per_token
+    assert kv_cache_tokens(model, None, 8) == (1024 << 20) // per_token  # the CPU's default
+    mamba = fastmamba.load().model
+    assert kv_cache_tokens(mamba, None, 8) is None
+
+
 def warm_up_passes(lm, core: EngineCore) -> list[tuple[int, int, bool, bool]]:
     """warm_up_prefill(core), and the model's prefill passes in it: (rows, tokens, whether
     the rows' contexts held keys and values before, whether left-padded)."""

@@ -17,7 +17,7 @@ from fastmamba.core.sampling_params import SamplingParams
 from fastmamba.engine.client import InProcessClient
 from fastmamba.engine.cpu_threads import cpu_threads
 from fastmamba.engine.engine_core import EngineCore
-from fastmamba.engine.memory import kv_cache_tokens, slot_bytes
+from fastmamba.engine.memory import kv_cache_tokens
 from fastmamba.engine.prefill import Prefill
 from fastmamba.engine.protocol import BAD_REQUEST, NON_FINITE, Failed, Finished
 from fastmamba.io.prompts import (
@@ -98,7 +98,7 @@ class LanguageModel:
             # graphs), half the memory free once its slots are in (the slots are made first: a
             # cache sized without them ran out of memory beside another engine); on the CPU one
             # that grows as asked
-            kv_tokens = (kv_cache_tokens(self.model, None, slots * slot_bytes(self.model))
+            kv_tokens = (kv_cache_tokens(self.model, None, slots)
                          if self.device.type == "cuda" else None)
             core = EngineCore(self.model, self.prefill, max_batch=slots, prefill_tokens=self.model.chunk_tokens,
                               threads=self.threads, decode_plan=self.decode_plan, kv_tokens=kv_tokens,

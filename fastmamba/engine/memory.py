@@ -22,8 +22,8 @@ from fastmamba.io.files import inside
 
 def kv_cache_tokens(model, megabytes: int | None, slots: int = 0) -> int | None:
     """The tokens a hybrid's KV cache holds (None for a model without attention): `megabytes`
-    of them, or on a GPU half the memory free once the model and its slots (`slots` bytes,
-    not yet taken) are in, on the CPU 1024 MiB."""
+    of them, or on a GPU half the memory free once the model and its `slots` slots (not yet
+    made: slot_bytes each) are in, on the CPU 1024 MiB."""
     c = model.config
     if not getattr(c, "n_attention", 0):
         return None
@@ -31,7 +31,7 @@ def kv_cache_tokens(model, megabytes: int | None, slots: int = 0) -> int | None:
     if megabytes is None:
         if model.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(model.device)
-            return max(1, (free - slots) // 2 // per_token)
+            return max(1, (free - slots * slot_bytes(model)) // 2 // per_token)
         megabytes = 1024
     return max(1, (megabytes << 20) // per_token)
 

@@ -95,7 +95,7 @@ def build_engine(options: EngineOptions, folder=None):
     captured): (EngineCore, protocol.Ready). folder: the checkpoint folder already resolved."""
     from fastmamba.engine.engine_core import EngineCore
     from fastmamba.engine.loader import load
-    from fastmamba.engine.memory import default_max_batch, default_prefix_cache_bytes, kv_cache_tokens, slot_bytes
+    from fastmamba.engine.memory import default_max_batch, default_prefix_cache_bytes, kv_cache_tokens
     from fastmamba.engine.protocol import Ready
 
     kwargs = options.load_kwargs()
@@ -106,7 +106,7 @@ def build_engine(options: EngineOptions, folder=None):
     core = EngineCore(lm.model, lm.prefill, max_batch=max_batch, prefill_tokens=options.step_prefill_tokens(),
                       prefix_cache_bytes=default_prefix_cache_bytes(lm.model) if options.prefix_cache_mb is None
                       else options.prefix_cache_mb << 20, threads=lm.threads,
-                      kv_tokens=kv_cache_tokens(lm.model, options.kv_cache_mb, max_batch * slot_bytes(lm.model)),
+                      kv_tokens=kv_cache_tokens(lm.model, options.kv_cache_mb, max_batch),
                       tokenizer=lm.tokenizer.path if lm.tokenizer is not None else None)
     core.capture_prefill_graphs()
     return core, Ready(max_batch, lm.config.vocab_size, str(lm.device), str(lm.dtype).removeprefix("torch."))
