@@ -569,7 +569,8 @@ def test_load_checks_the_file_before_it_builds_a_layer(tmp_path, monkeypatch):
 def test_step_graphs_are_bounded_and_keyed_by_batch_and_state_memory(monkeypatch):
     """The step's CUDA graphs (captures faked here, on the CPU): one set a batch size and
     state dtype, a graph a state address within it, both bounded, none keeping a state
-    alive; a state at the address of one freed reuses its graph."""
+    alive; a state over the same memory takes its graph. (Whether a new state lands on a freed
+    one's memory is the allocator's choice: not asserted, it failed now and then.)"""
     import weakref
 
     import fastmamba.engine.backbone_step as backbone_step
@@ -607,7 +608,6 @@ def test_step_graphs_are_bounded_and_keyed_by_batch_and_state_memory(monkeypatch
         del g
     assert len(bb._graphs) == 1 and len(bb._graphs.entries[(3, torch.float32, torch.float32)].states) == backbone_step.STATES_PER_BATCH
     assert len({id(r()) for r in dropped if r() is not None}) <= backbone_step.STATES_PER_BATCH  # the rest freed
-    assert len(captures) < 1000  # states made after others were freed took their memory, and graphs
     in_bf16 = fastmamba.MambaState(held[0].conv.bfloat16(), held[0].ssm.bfloat16())
     assert bb._graph_for(in_bf16) is not bb._graph_for(held[0]) and len(bb._graphs) == 2
     for batch in range(1, 20):
