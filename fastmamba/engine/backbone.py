@@ -315,7 +315,8 @@ class Backbone(nn.Module):
         """On CUDA: the prefill kernels' ops (Triton: the conv and the scan take the resets)
         where autograd will not need the pass, else the training ops (the conv and the scan
         as autograd Functions whose backward runs in Triton; a Mamba-2 layer's: backbone_mamba2.gpu_ops).
-        Elsewhere the reference ops, whose every operation autograd differentiates.
+        Elsewhere the reference ops, a Mamba-1 scan's backward written out
+        (backbone_ops.CPU_SEQUENCE_OPS; twice differentiable, as the reference).
         Deterministic: backbone_ops.py's."""
         return backbone_ops.sequence_ops(self.config.layer, self.device, self._training(x, state), self.deterministic)
 

@@ -40,6 +40,13 @@ import torch
 
 from fastmamba.core.ops import REFERENCE_OPS, Ops
 from fastmamba.engine import backbone_mamba2
+from fastmamba.engine.plan import CPU_SCAN_CHUNK_ELEMENTS
+from fastmamba.kernels.scan_grad import step_and_scan_train_ref
+
+# A Mamba-1 sequence pass off the GPU path: the reference ops, but for the scan, whose
+# backward is written out (scan_grad.step_and_scan_train_ref: the same values, a small
+# fraction of the calls that autograd through the reference's time loop makes)
+CPU_SEQUENCE_OPS = replace(REFERENCE_OPS, scan=partial(step_and_scan_train_ref, chunk_elements=CPU_SCAN_CHUNK_ELEMENTS))
 
 
 def operand_dtype(device_type: str) -> torch.dtype:
@@ -152,7 +159,7 @@ def sequence_ops(layer: str, device: torch.device, training: bool, deterministic
     from fastmamba.kernels._triton import HAVE_TRITON
 
     if device.type != "cuda" or not HAVE_TRITON:
-        return backbone_mamba2.CPU_OPS if layer == "mamba2" else REFERENCE_OPS
+        return backbone_mamba2.CPU_OPS if layer == "mamba2" else CPU_SEQUENCE_OPS
     if deterministic:
         return deterministic_ops(layer)
     if layer == "mamba2":

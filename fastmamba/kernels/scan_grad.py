@@ -44,7 +44,8 @@ import torch.nn.functional as F
 from ._triton import jit, tl, triton
 from .activations import softplus
 from .products import linear_invariant
-from .selective_scan import _combine, _selective_scan_kernel
+from .selective_scan import _combine, _selective_scan_kernel, selective_scan_ref, step_and_scan_ref
+from .step_size import step_size_ref
 
 
 @dataclass(frozen=True)
@@ -248,3 +249,139 @@ def step_and_scan_train(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, state, start=None,
     f = lambda t: t.float()  # noqa: E731  (the kernels' and the Function's float32)
     return _Scan.apply(f(x), f(dt_r), f(dt_w), f(dt_b), f(A).contiguous(), f(Bm), f(Cm), f(D), f(z), state, resets,
                        tiles, deterministic)[0]
+
+
+# -- the CPU's training scan --------------------------------------------------------------------
+# selective_scan_ref under autograd costs about 25 small operations a time step between its
+# forward and its backward, each on a (B, E, N) slice: on the CPU the calls, not the
+# arithmetic, took most of a Backbone's training pass. The same recurrence as a Function:
+# every step's decay and input made at once over a chunk of time, the loop one multiply-add
+# a step each way, the gradients (the adjoint recurrence of this module's doc) as whole-chunk
+# products. It keeps the state each chunk starts from and makes the chunk's states again
+# in the backward, as the Triton Function does.
+
+def _cpu_chunk(state: torch.Tensor, elements: int) -> int:
+    """Time steps a chunk: the most whose states (L x B x E x N) fit `elements`, 4 to 64 (a
+    few steps a product at least; the working set bounded)."""
+    return max(4, min(64, elements // max(1, state.numel())))
+
+
+def _chunk_states(s, delta, gain, Bm, A):
+    """One chunk's states from its start s (B, E, N): delta (L, B, E) time first, +inf where
+    a reset zeroes the state first (its decay exp(-inf) = 0), gain = delta x (L, B, E) as
+    given, Bm (L, B, N) -> the states after each step (L, B, E, N) and each step's decay (L,
+    B, E, N)."""
+    decay = torch.exp_(delta[..., None] * A)
+    states = gain[..., None] * Bm[:, :, None, :]  # each step's input, then its state
+    prev = s
+    for t in range(states.shape[0]):
+        prev = states[t].addcmul_(decay[t], prev)
+    return states, decay
+
+
+def _time_first(t: torch.Tensor) -> torch.Tensor:
+    return t.permute(2, 0, 1).contiguous()  # (B, C, T) -> (T, B, C)
+
+
+def _scan_inputs(x, delta, Bm, resets):
+    """The chunks' inputs, time first: delta with +inf at resets (for the decays), the gains
+    delta x, Bm, and delta and x as they are."""
+    xt, dt = _time_first(x), _time_first(delta)
+    decay_dt = dt if resets is None else dt.masked_fill(resets.t()[..., None], float("inf"))
+    return decay_dt, dt * xt, _time_first(Bm), dt, xt
+
+
+class _ScanCPU(torch.autograd.Function):
+    """selective_scan_ref's values with the backward written out (see above): x, delta, z (B,
+    E, T), A (E, N) (every entry negative, as -exp(A_log)), Bm, Cm (B, N, T), D (E,), state (B,
+    E, N) the start state, `state` written in place with the final one, resets (B, T) bool or
+    None. float32, or float64 for the gradient tests. A backward that autograd is to
+    differentiate again (create_graph) differentiates the reference's time loop instead."""
+
+    @staticmethod
+    def forward(ctx, x, delta, A, Bm, Cm, D, z, s0, state, resets, chunk_elements):
+        decay_dt, gain, Bt, _, _ = _scan_inputs(x, delta, Bm, resets)
+        Ct = _time_first(Cm)
+        T = gain.shape[0]
+        ys = torch.empty_like(gain)  # (T, B, E)
+        starts, s = [], s0.to(x.dtype)
+        ctx.chunk = chunk = _cpu_chunk(state, chunk_elements)
+        for c0 in range(0, T, chunk):
+            c = slice(c0, c0 + chunk)
+            starts.append(s)
+            states, _ = _chunk_states(s, decay_dt[c], gain[c], Bt[c], A)
+            ys[c] = torch.matmul(states, Ct[c, :, :, None])[..., 0]
+            s = states[-1].clone()
+        y = ys.permute(1, 2, 0) + D[None, :, None] * x  # (B, E, T)
+        ctx.save_for_backward(x, delta, A, Bm, Cm, D, z, s0, resets, torch.stack(starts), y)
+        ctx.state_dtype = state.dtype
+        with torch.no_grad():
+            state.copy_(s)
+        ctx.mark_dirty(state)
+        return y * F.silu(z), state
+
+    @staticmethod
+    def backward(ctx, dout, dstate):
+        x, delta, A, Bm, Cm, D, z, s0, resets, starts, y = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: a gradient autograd can differentiate
+            return _ScanCPU.differentiable_backward(x, delta, A, Bm, Cm, D, z, s0, resets, dout, dstate)
+        decay_dt, gain, Bt, dt, xt = _scan_inputs(x, delta, Bm, resets)
+        Ct = _time_first(Cm)
+        sig = torch.sigmoid(z)
+        dy = dout * z * sig  # through the gate: dL/dy
+        dz = dout * y * sig * (1 + z * (1 - sig))
+        dyt = _time_first(dy)
+        T = gain.shape[0]
+        ddelta, dB, dC = torch.empty_like(dt), torch.empty_like(Bt), torch.empty_like(Ct)
+        dA = torch.zeros_like(A)
+        # decay_{t+1} g_{t+1} from the chunk after (after the last step: the final state's gradient)
+        carry = dstate.to(x.dtype) if dstate is not None else torch.zeros_like(starts[0])
+        for k, c0 in reversed(list(enumerate(range(0, T, ctx.chunk)))):
+            c = slice(c0, c0 + ctx.chunk)
+            states, decay = _chunk_states(starts[k], decay_dt[c], gain[c], Bt[c], A)
+            # g_t = C_t dy_t + decay_{t+1} g_{t+1}, from the chunk's last step to its first
+            g = dyt[c, :, :, None] * Ct[c, :, None, :]
+            g[-1] += carry
+            for t in range(g.shape[0] - 2, -1, -1):
+                g[t].addcmul_(decay[t + 1], g[t + 1])
+            dC[c] = torch.matmul(states.transpose(-1, -2), dyt[c, :, :, None])[..., 0]
+            dB[c] = torch.matmul(g.transpose(-1, -2), gain[c, :, :, None])[..., 0]
+            d_gain = torch.matmul(g, Bt[c, :, :, None])[..., 0]  # dL/d(delta x)
+            # dL/d(delta A) a step: g_t decay_t s_{t-1} (zero where a reset zeroed the decay)
+            d_log_decay = g.mul_(decay)  # (g is done with)
+            carry = d_log_decay[0].clone()  # decay_0 g_0: to the chunk before (or the start state)
+            d_log_decay[1:] *= states[:-1]
+            d_log_decay[0] *= starts[k]
+            dA += (d_log_decay * dt[c, :, :, None]).sum((0, 1))
+            ddelta[c] = (d_log_decay * A).sum(-1) + d_gain * xt[c]
+            dx_c = d_gain * dt[c]
+            gain[c] = dx_c  # (gain's chunk is done with: it keeps dx from here)
+        dstate0 = carry.to(ctx.state_dtype)
+        back = lambda t: t.permute(1, 2, 0)  # noqa: E731  (T, B, C) -> (B, C, T)
+        return (back(gain) + dy * D[None, :, None], back(ddelta), dA, back(dB), back(dC), (dy * x).sum((0, 2)), dz,
+                dstate0, None, None, None)
+
+    @staticmethod
+    def differentiable_backward(x, delta, A, Bm, Cm, D, z, s0, resets, dout, dstate):
+        """The gradients through selective_scan_ref's time loop under autograd, as a graph of
+        their own (gradient penalties, second-order methods)."""
+        final = s0.clone()
+        y = selective_scan_ref(x, delta, A, Bm, Cm, D, z, final, resets=resets)
+        outs, grads = ([y, final], [dout, dstate]) if dstate is not None else ([y], [dout])
+        found = torch.autograd.grad(outs, (x, delta, A, Bm, Cm, D, z, s0), grads, create_graph=True, allow_unused=True)
+        return (*found, None, None, None)
+
+
+def step_and_scan_train_ref(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, state, start=None, out_dtype=None, resets=None, *,
+                            chunk_elements: int):
+    """step_and_scan_ref's values (its signature; out_dtype ignored, y float32, or float64 for
+    float64 x) through _ScanCPU: a Backbone's scan off the GPU path, with autograd or without.
+    Left padding (start) goes through step_and_scan_ref itself. chunk_elements: the states a
+    chunk holds at most (engine/plan.CPU_SCAN_CHUNK_ELEMENTS)."""
+    if start is not None:
+        return step_and_scan_ref(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, state, start, out_dtype, resets)
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    delta = step_size_ref(dt_r, dt_w, dt_b).transpose(1, 2)  # (B, E, T)
+    f = lambda t: t.to(wide)  # noqa: E731
+    return _ScanCPU.apply(f(x), f(delta), f(A), f(Bm), f(Cm), f(D), f(z), state.clone(), state, resets,
+                          chunk_elements)[0]
