@@ -49,18 +49,25 @@ def final_return(run: dict) -> float:
     return float(np.mean(ended)) if ended else float("nan")
 
 
+def shown_return(value: float) -> str:
+    return "-" if np.isnan(value) else f"{value:+.3f}"
+
+
 def table(results: dict, cores_order: list[str]) -> str:
     lines = ["| task | core | seeds | final return, mean (lowest / highest seed) | updates | s an update |",
              "|---|---|---|---|---|---|"]
     for task in sorted(results):
         cores = results[task]
         finals = {core: [final_return(r) for r in seeds.values()] for core, seeds in cores.items()}
-        best = max(float(np.mean(f)) for f in finals.values())
+        # (a run that ended no episode in its last updates has no final return: "-", left out of the mean)
+        means = {core: float(np.nanmean(f)) if not np.isnan(f).all() else float("nan") for core, f in finals.items()}
+        best = max((m for m in means.values() if not np.isnan(m)), default=None)
         for core in sorted(cores, key=lambda c: cores_order.index(c) if c in cores_order else len(cores_order)):
             runs = list(cores[core].values())
-            mean = float(np.mean(finals[core]))
-            shown = f"{mean:+.3f}" + (f" ({min(finals[core]):+.3f} / {max(finals[core]):+.3f})"
-                                      if len(runs) > 1 else "")
+            mean = means[core]
+            shown = f"{shown_return(mean)}" + (f" ({shown_return(np.nanmin(finals[core]))} / "
+                                               f"{shown_return(np.nanmax(finals[core]))})"
+                                               if len(runs) > 1 and not np.isnan(mean) else "")
             if mean == best:
                 shown = f"**{shown}**"
             seconds = np.median([np.median(r["seconds"]) for r in runs])

@@ -301,6 +301,9 @@ def check_ppo_arguments(ap: argparse.ArgumentParser, args) -> None:
         ap.error(f"--head-dim ({args.head_dim}) must divide the Mamba-2 layer's 2 x --width ({2 * args.width})")
     if args.envs % args.minibatches:
         ap.error(f"--minibatches ({args.minibatches}) must divide --envs ({args.envs})")
+    if args.envs // args.minibatches * args.rollout < 2:  # (their spread normalises them)
+        ap.error(f"a minibatch holds --envs / --minibatches x --rollout = "
+                 f"{args.envs // args.minibatches * args.rollout} advantages: it needs 2 at least")
     try:
         device = torch.device(args.device)
     except RuntimeError:

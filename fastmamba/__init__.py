@@ -26,7 +26,7 @@ _HOMES = {
     "Tokenizer": "io.tokenizer",
     "HAVE_TRITON": "kernels._triton",
     "Backbone": "engine.backbone",
-    "BackboneConfig": "engine.backbone",
+    "BackboneConfig": "engine.backbone_config",
     "batch": "serve.deploy",
 }
 __all__ = list(_HOMES)

@@ -141,6 +141,11 @@ def test_masked_reset_touches_only_its_slots():
     assert not state.ssm[:, 0].any() and torch.equal(state.ssm[:, 2], before[1][:, 2])
     with pytest.raises(ValueError, match="mask"):
         state.reset(torch.tensor([True, False]))
+    # an episode whose state went NaN or infinite (a bad observation): its reset clears it
+    state.ssm[:, 1] = float("nan")
+    state.conv[:, 3] = float("inf")
+    state.reset(torch.tensor([False, True, False, True]))
+    assert not state.conv[:, [1, 3]].any() and not state.ssm[:, [1, 3]].any()
 
 
 def reference64(bb: Backbone, x, conv0, ssm0, resets):
@@ -615,3 +620,33 @@ def test_step_graphs_are_bounded_and_keyed_by_batch_and_state_memory(monkeypatch
     assert len(bb._graphs) == backbone_step.STEP_BATCHES
     bb.to("cpu")  # (a move drops them all)
     assert len(bb._graphs) == 0
+
+
+@pytest.mark.parametrize("layer", ["mamba1", "mamba2"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_step_follows_parameters_given_new_memory(device, layer):
+    """A step made (its weights cached, on CUDA its graphs captured), then the parameters
+    replaced rather than written in place: vector_to_parameters (`p.data = ...`), one
+    parameter's .data, load_state_dict(assign=True). Each next step is the sequence pass's
+    first step under the new values."""
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    kw = dict(layer=layer, head_dim=8, d_state=8) if layer == "mamba2" else {}
+    bb = make(**kw).to(device)
+    x = xs(3, 1, seed=4)[:, 0].to(device)
+
+    def assert_step_is_the_sequence_pass():
+        y = bb.step(x, bb.new_state(3))
+        assert rel_err(y.cpu(), bb(x[:, None])[0][:, 0].detach().cpu()) < 1e-5
+
+    bb.step(x, bb.new_state(3))
+    others = [make(seed=k, **kw).to(device) for k in (1, 2, 3)]
+    vector_to_parameters(parameters_to_vector(others[0].parameters()).detach().clone(), bb.parameters())
+    assert_step_is_the_sequence_pass()
+    bb.layers[0].mixer.in_proj.weight.data = others[1].layers[0].mixer.in_proj.weight.data.clone()
+    assert_step_is_the_sequence_pass()
+    bb.load_state_dict({k: v.clone() for k, v in others[2].state_dict().items()}, assign=True)
+    assert_step_is_the_sequence_pass()
+    assert rel_err(bb.step(x, bb.new_state(3)).cpu(), others[2].step(x, others[2].new_state(3)).cpu()) < 1e-6

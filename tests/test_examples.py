@@ -47,6 +47,8 @@ def test_recurrent_ppo_refuses_an_unknown_core(tmp_path):
     (["--envs", "0"], "argument --envs: a whole number > 0 is needed, got '0'"),
     (["--rollout", "-3"], "argument --rollout: a whole number > 0 is needed, got '-3'"),
     (["--envs", "4", "--minibatches", "8"], "--minibatches (8) must divide --envs (4)"),
+    (["--envs", "4", "--minibatches", "4", "--rollout", "1"],
+     "a minibatch holds --envs / --minibatches x --rollout = 1 advantages: it needs 2 at least"),
     (["--lr", "0"], "argument --lr: a number > 0 is needed"),
     (["--device", "gpu0"], "--device takes cpu, cuda or cuda:N, got 'gpu0'"),
 ])
@@ -179,6 +181,12 @@ def test_popgym_table_merges_folders_and_gives_each_core_its_final_return(tmp_pa
     r = subprocess.run([sys.executable, str(EXAMPLES / "popgym_table.py"), str(tmp_path / "a"), str(tmp_path / "c"),
                         "--out", str(tmp_path / "all"), "--no-plots"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "RepeatPreviousEasy lstm seed 0 is in two folders" in r.stderr
+    # a core whose runs ended no episode in their last updates: "-", and no other core's bold lost
+    write(tmp_path / "e", {"RepeatPreviousEasy": {"gru": {"0": run([None] * 12), "1": run([None] * 12)}}})
+    r = subprocess.run([sys.executable, str(EXAMPLES / "popgym_table.py"), str(tmp_path / "a"), str(tmp_path / "e"),
+                        "--out", str(tmp_path / "all"), "--no-plots"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "| RepeatPreviousEasy | gru | 2 | - | 12 |" in r.stdout
+    assert "| RepeatPreviousEasy | mamba | 1 | **+0.500** |" in r.stdout and "nan" not in r.stdout
 
 
 def test_the_mamba2_core_takes_its_head_width():

@@ -51,7 +51,7 @@ class MambaState:
 
     def reset(self, mask=None) -> None:
         """Zeroes the slots of a sequence boundary: `mask` a (B,) bool tensor (True: reset
-        that slot; on the state's device, a masked multiply: no host sync, safe inside a
+        that slot; on the state's device, a masked fill: no host sync, safe inside a
         CUDA graph) or a list or numpy array of B bools, a slot index (an integer from 0 to
         B - 1), or None for all. Anything else is a ValueError naming it (a bool alone is
         refused: it would index slot 0 or 1)."""
@@ -63,9 +63,10 @@ class MambaState:
         if isinstance(mask, torch.Tensor):
             if mask.shape != (self.batch,) or mask.dtype != torch.bool:
                 raise ValueError(f"mask must be a bool tensor of shape ({self.batch},), got {mask.dtype} {tuple(mask.shape)}")
-            keep = ~mask.to(self.conv.device)  # (slots are dim 1 of each; Mamba-2's ssm has 5 dims)
-            self.conv.mul_(keep.to(self.conv.dtype).view(1, -1, *[1] * (self.conv.dim() - 2)))
-            self.ssm.mul_(keep.to(self.ssm.dtype).view(1, -1, *[1] * (self.ssm.dim() - 2)))
+            mask = mask.to(self.conv.device)  # (slots are dim 1 of each; Mamba-2's ssm has 5 dims)
+            # (a fill, not a multiply by zero: a NaN or an infinity in a slot goes too)
+            self.conv.masked_fill_(mask.view(1, -1, *[1] * (self.conv.dim() - 2)), 0)
+            self.ssm.masked_fill_(mask.view(1, -1, *[1] * (self.ssm.dim() - 2)), 0)
             return
         if mask is not None and (not isinstance(mask, (int, np.integer)) or isinstance(mask, (bool, np.bool_))
                                  or not 0 <= mask < self.batch):

@@ -24,7 +24,6 @@ import dataclasses
 import json
 import math
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,79 +35,10 @@ from fastmamba.core.mamba1 import LayerWeights, mixer
 from fastmamba.core.ops import REFERENCE_OPS
 from fastmamba.core.state import MambaState
 from fastmamba.engine import backbone_mamba2, backbone_ops
-from fastmamba.engine.backbone_step import LRU, STEP_BATCHES, StateGraph, StepGraphs, storage_dtype
+from fastmamba.engine.backbone_config import BackboneConfig
+from fastmamba.engine.backbone_step import LRU, STEP_BATCHES, ParameterAddresses, StateGraph, StepGraphs, storage_dtype
 
 FORMAT = "fastmamba.Backbone"
-
-
-@dataclass(frozen=True)
-class BackboneConfig:
-    input_dim: int  # width of the vectors fed in
-    d_model: int
-    n_layer: int
-    d_state: int | None = None  # None: the layer's usual size (Mamba-1 16, Mamba-2 128)
-    d_conv: int = 4
-    expand: int = 2
-    dt_rank: int | str = "auto"  # Mamba-1's; "auto": ceil(d_model / 16)
-    norm_eps: float = 1e-5
-    conv_bias: bool = True
-    proj_bias: bool = False  # in_proj / out_proj bias
-    input_proj: bool | None = None  # a Linear input_dim -> d_model; None: when the widths differ
-    layer: str = "mamba1"  # "mamba1" (selective scan) or "mamba2" (SSD: backbone_mamba2.py)
-    # Mamba-2's (mamba_ssm's defaults): heads of head_dim channels (d_inner = expand x d_model
-    # of them), sharing n_groups groups of B and C; the sequence pass's chunks of chunk_size steps
-    head_dim: int = 64
-    n_groups: int = 1
-    chunk_size: int = 256
-
-    def __post_init__(self):
-        if self.layer not in ("mamba1", "mamba2"):
-            raise ValueError(f"BackboneConfig.layer must be 'mamba1' or 'mamba2', got {self.layer!r}")
-        if self.d_state is None:
-            object.__setattr__(self, "d_state", 128 if self.layer == "mamba2" else 16)
-        for name in ("input_dim", "d_model", "n_layer", "d_state", "d_conv", "expand", "head_dim", "n_groups",
-                     "chunk_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"BackboneConfig.{name} must be a positive integer, got {v!r}")
-        r = self.dt_rank
-        if r != "auto" and (not isinstance(r, int) or isinstance(r, bool) or r < 1):
-            raise ValueError(f"BackboneConfig.dt_rank must be 'auto' or a positive integer, got {r!r}")
-        if not isinstance(self.norm_eps, (int, float)) or not 0 < self.norm_eps < math.inf:
-            raise ValueError(f"BackboneConfig.norm_eps must be a positive number, got {self.norm_eps!r}")
-        for name in ("conv_bias", "proj_bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"BackboneConfig.{name} must be true or false, got {getattr(self, name)!r}")
-        if self.input_proj is None:
-            object.__setattr__(self, "input_proj", self.input_dim != self.d_model)
-        if not self.input_proj and self.input_dim != self.d_model:
-            raise ValueError(f"BackboneConfig: input_dim {self.input_dim} differs from d_model {self.d_model}, "
-                             "so input_proj cannot be false")
-        if r == "auto":  # resolved here, so every reader sees a number
-            object.__setattr__(self, "dt_rank", math.ceil(self.d_model / 16))
-        if self.layer == "mamba2":
-            if self.d_inner % self.head_dim:
-                raise ValueError(f"BackboneConfig.head_dim {self.head_dim} must divide d_inner = expand x d_model = "
-                                 f"{self.d_inner}")
-            if self.n_heads % self.n_groups:
-                raise ValueError(f"BackboneConfig.n_groups {self.n_groups} must divide the {self.n_heads} heads "
-                                 f"(d_inner {self.d_inner} / head_dim {self.head_dim})")
-
-    # the sizes mamba1.mixer and mamba2.mixer2 read
-    @property
-    def d_inner(self) -> int:
-        return self.expand * self.d_model
-
-    @property
-    def n_heads(self) -> int:
-        return self.d_inner // self.head_dim
-
-    dbc_norm_eps = None  # plain Mamba layers (no Falcon-Mamba norm)
-    # Mamba-2 as mamba_ssm's Mamba2 module makes it: step sizes unclamped, the gated norm
-    # (of y * silu(z)) present
-    dt_limit = (0.0, math.inf)
-    norm_before_gate = False
-    ssm_norm = True
 
 
 def tensor_shapes(c: BackboneConfig):
@@ -219,7 +149,10 @@ class Backbone(nn.Module):
     capture (about three steps' time), and the 4 state addresses used last keep theirs. A
     state made after another of its batch was freed mostly lands where that one lay and
     replays its graph. So a run that makes a state per episode keeps a bounded number of
-    graphs, and no graph keeps a state alive.
+    graphs, and no graph keeps a state alive. Parameters written in place (optimizers,
+    load_state_dict) are read by the next step as they are; parameters given new memory
+    (`p.data = ...`, vector_to_parameters, load_state_dict(assign=True)) make the step drop
+    its graphs and weights and make them again (backbone_step.ParameterAddresses).
     """
 
     def __init__(self, config: BackboneConfig, *, device=None, dtype=None, state_dtype=None,
@@ -243,6 +176,8 @@ class Backbone(nn.Module):
         self._graphs = LRU(STEP_BATCHES)  # (batch, state dtypes) -> StepGraphs
         self._last = None  # (graph, x's shape, the state's tensors weakly): the last device-tensor call's
         self._step_weights, self._step_versions = None, None  # the eager step's (see _eager_weights)
+        self._addresses = ParameterAddresses()  # (a parameter given new memory: the step forgets its own)
+        self.register_load_state_dict_post_hook(_parameters_loaded)
         self.deterministic = deterministic
 
     @property
@@ -349,6 +284,8 @@ class Backbone(nn.Module):
         return self._step(x, state)
 
     def _step(self, x, state: MambaState):
+        if self._addresses.moved(self):
+            self._forget_step()
         last = self._last
         if (last is not None and type(x) is torch.Tensor and state.conv is last[2]() and state.ssm is last[3]()
                 and x.shape == last[1] and x.get_device() == last[0].device_index and x.is_floating_point()):
@@ -388,11 +325,16 @@ class Backbone(nn.Module):
         graphs = self._graphs.get(key, lambda: StepGraphs(self, state.batch))
         return graphs.for_state(state)
 
-    def _apply(self, fn, *args, **kwargs):
-        # .to(), .cuda(), .half() move or remake the parameters the graphs read
+    def _forget_step(self) -> None:
+        """Drops the step's graphs and weights, made over parameters that have moved."""
         self._graphs.clear()
         self._last = None
         self._step_weights, self._step_versions = None, None
+        self._addresses.forget()
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(), .cuda(), .half() move or remake the parameters the graphs read
+        self._forget_step()
         target = fn(torch.zeros((), device=self.device))  # what fn makes of a float32 tensor
         if target.dtype == torch.float32:
             return super()._apply(fn, *args, **kwargs)
@@ -573,6 +515,10 @@ class Backbone(nn.Module):
             share(m.out_proj, "bias", lw.out_proj_b)
         share(bb.norm_f, "weight", w.norm_f)
         return bb
+
+
+def _parameters_loaded(module: Backbone, incompatible_keys) -> None:
+    module._addresses.forget()  # (assign=True made new parameters: their addresses are compared next step)
 
 
 def _parse_device(device) -> torch.device | None:

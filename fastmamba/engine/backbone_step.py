@@ -148,6 +148,28 @@ STEP_BATCHES = 8  # batch sizes (and state dtypes) with their kernels, buffers a
 STATES_PER_BATCH = 4  # state addresses with a graph kept, per batch size
 
 
+class ParameterAddresses:
+    """Where a module's parameters' values lie, as its step's weights and graphs last read them.
+    Optimizers, load_state_dict and `p.data.mul_()` write in place: nothing moves. A parameter
+    given new memory (`p.data = ...`, torch.nn.utils.vector_to_parameters, load_state_dict
+    with assign=True, which makes new parameters: forget() is its post-load hook's) moves,
+    and moved() says so once. (A list of the parameters, their addresses compared: ~2 µs a
+    step at 128 x 3, where walking module.parameters() took ~30.)"""
+
+    def __init__(self):
+        self.params, self.at = None, None
+
+    def moved(self, module) -> bool:
+        if self.params is None:
+            self.params = list(module.parameters())
+        at = [p.data_ptr() for p in self.params]
+        moved, self.at = self.at is not None and at != self.at, at
+        return moved
+
+    def forget(self) -> None:
+        self.params = None  # (made again from the module; `at` stays, to compare with)
+
+
 class LRU:
     """A dict of at most `size` entries that drops the least recently used."""
 
