@@ -275,6 +275,31 @@ def test_bamba_configs_that_change_the_math_are_refused_by_name(tmp_path, change
     refused(edited(folder, tmp_path, change), *words)
 
 
+def legacy_rope(c):  # transformers 4's format: the base at the top level, no factor
+    c.pop("rope_parameters")
+    c["rope_theta"] = 500.0
+
+
+@pytest.mark.parametrize("change", [legacy_rope, lambda c: c["rope_parameters"].pop("partial_rotary_factor")],
+                         ids=["top-level rope_theta", "rope_parameters without a factor"])
+def test_bamba_rotates_half_of_each_head_where_its_config_gives_no_factor(tmp_path, change):
+    """transformers' BambaConfig takes partial_rotary_factor 0.5 where config.json says none."""
+    config, model_class = bamba()
+    model_class(config).save_pretrained(tmp_path / "m")
+    folder = edited(tmp_path / "m", tmp_path, change)
+    x = ids(1, 24)
+    assert relative_error(fastmamba.load(folder).forward(x), transformers_logits(folder, x)) < 2e-3
+
+
+def test_a_scaled_rope_is_refused_beside_default_rope_parameters(tmp_path):
+    """rope_scaling's type is read even where rope_parameters says "default" (transformers
+    applies the scaling)."""
+    config, model_class = bamba()
+    model_class(config).save_pretrained(tmp_path / "m")
+    refused(edited(tmp_path / "m", tmp_path, lambda c: c.update(rope_scaling={"rope_type": "linear", "factor": 4.0})),
+            "'linear'", "rope_scaling")
+
+
 def test_nemotron_h_reads_the_hub_pattern(tmp_path):
     """(and experts in the pattern over dense weights name the missing router: Nemotron-H with
     experts is tests/test_moe.py's)"""

@@ -28,7 +28,8 @@ def _refuse_unless(raw: dict, source: str, key: str, allowed, why: str) -> None:
         raise CheckpointError(f"{source}: key '{key}' is {raw[key]!r}; {why}")
 
 
-def _attention_fields(raw: dict, source: str, d_model: int, head_dim_keys=("head_dim",), rope: bool = True) -> dict:
+def _attention_fields(raw: dict, source: str, d_model: int, head_dim_keys=("head_dim",), rope: bool = True,
+                      rotary_factor: float = 1.0) -> dict:
     heads = get(raw, "num_attention_heads", int, source)
     kv = get(raw, "num_key_value_heads", int, source, heads)
     if heads % kv:
@@ -37,30 +38,29 @@ def _attention_fields(raw: dict, source: str, d_model: int, head_dim_keys=("head
     if raw.get("sliding_window") is not None:
         raise CheckpointError(f"{source}: key 'sliding_window' is {raw['sliding_window']!r}; only full attention is "
                               "supported")
-    theta, rotary = _rope(raw, source, head_dim) if rope else (0.0, 0)
+    theta, rotary = _rope(raw, source, head_dim, rotary_factor) if rope else (0.0, 0)
     return dict(attn_heads=heads, kv_heads=kv, attn_head_dim=head_dim, attn_bias=get(raw, "attention_bias", bool, source, False),
                 rope_theta=theta, rotary_dim=rotary)
 
 
-def _rope(raw: dict, source: str, head_dim: int) -> tuple[float, int]:
+def _rope(raw: dict, source: str, head_dim: int, factor: float = 1.0) -> tuple[float, int]:
     """RoPE's base and rotated dims, from transformers 5's `rope_parameters` or the older
     top-level `rope_theta`, `partial_rotary_factor` and `rope_scaling`; any RoPE but the
-    default one is refused by name."""
-    params = raw.get("rope_parameters")
-    if params is not None and not isinstance(params, dict):
-        raise CheckpointError(f"{source}: key 'rope_parameters' must be an object, got {params!r}")
-    params = dict(params or {})
-    scaling = raw.get("rope_scaling")
-    if isinstance(scaling, dict):
-        params = {**scaling, **params}
-    elif scaling is not None:
-        raise CheckpointError(f"{source}: key 'rope_scaling' must be an object or null, got {scaling!r}")
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
-        raise CheckpointError(f"{source}: RoPE of type {kind!r} (rope_parameters / rope_scaling) is not supported; "
-                              "only the default RoPE is")
+    default one, in either key, is refused by name. factor: the rotated share where the
+    config gives none (the family's: Bamba's configuration fixes 0.5)."""
+    params = {}
+    for key in ("rope_scaling", "rope_parameters"):  # (rope_parameters' values first where both give one)
+        given = raw.get(key)
+        if given is None:
+            continue
+        if not isinstance(given, dict):
+            raise CheckpointError(f"{source}: key '{key}' must be an object or null, got {given!r}")
+        kind = given.get("rope_type", given.get("type", "default"))
+        if kind != "default":
+            raise CheckpointError(f"{source}: RoPE of type {kind!r} ({key}) is not supported; only the default RoPE is")
+        params.update(given)
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", factor))
     theta = get({"rope_theta": theta}, "rope_theta", float, source)
     factor = get({"partial_rotary_factor": factor}, "partial_rotary_factor", float, source)
     rotary = int(head_dim * factor)
@@ -205,7 +205,7 @@ def _bamba(raw: dict, source: str) -> dict:
         n_layer=layers, blocks=tuple(blocks), family="bamba",
         **_mamba_fields_hf(raw, source, d_model, _expanded(raw, source, d_model)),
         norm_eps=get(raw, "rms_norm_eps", float, source, 1e-5),
-        **_attention_fields(raw, source, d_model),
+        **_attention_fields(raw, source, d_model, rotary_factor=0.5),  # (transformers' BambaConfig: 0.5 unless given)
         mlp_size=get(raw, "intermediate_size", int, source), mlp_bias=get(raw, "mlp_bias", bool, source, False),
         **_vocab_and_head(raw, source),
     )
