@@ -169,6 +169,16 @@ def test_logprobs(server):
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == 4 and len(lp.token_logprobs) == 4 and all(len(t) == 2 for t in lp.top_logprobs)
     assert "".join(lp.tokens) == comp.choices[0].text
+    text = comp.choices[0].text
+    assert [text[at:at + len(t)] for at, t in zip(lp.text_offset, lp.tokens)] == lp.tokens
+    # echoed: the offsets index the returned text, the prompt first; streamed: the same offsets
+    echoed = c.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0, logprobs=1, echo=True)
+    e = echoed.choices[0]
+    assert e.text == "Hi" + text and e.logprobs.text_offset == [2 + at for at in lp.text_offset]
+    streamed = [ch.choices[0] for ch in c.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0,
+                                                           logprobs=1, echo=True, stream=True) if ch.choices]
+    offsets = [at for ch in streamed if ch.logprobs for at in ch.logprobs.text_offset]
+    assert offsets == e.logprobs.text_offset and "".join(ch.text for ch in streamed) == e.text
 
 
 def test_echo_token_prompts_and_batches(server, lm):

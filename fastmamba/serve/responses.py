@@ -61,9 +61,9 @@ class Response:
             return data["tail"], data["finish_reason"], None
         piece = data["text"] or ""
         out = self.texts[index] + piece if self.first[index] else piece  # echo: the prompt goes out first
+        entry = self._logprob(data, len(self.texts[index])) if data["logprob"] is not None else None
         self.texts[index] += piece
         self.first[index] = False
-        entry = self._logprob(data) if data["logprob"] is not None else None
         if entry is not None:
             self.logprobs[index].append(entry)
         return out, None, entry
@@ -71,7 +71,9 @@ class Response:
     def _token(self, t: int) -> str:
         return self.encoder.tokenizer.decode([t]) if self.encoder.tokenizer else str(t)
 
-    def _logprob(self, data) -> dict:
+    def _logprob(self, data, at: int) -> dict:
+        """A token's logprob entry; a completion's keeps `at`, where its text starts in the
+        choice's text (an echoed prompt's after it), for text_offset."""
         lp = data["logprob"]
         if self.chat:
             def one(t, v):
@@ -80,19 +82,15 @@ class Response:
 
             return {**one(data["token"], lp["logprob"]), "top_logprobs": [one(t, v) for t, v in lp["top"]]}
         return {"token": self._token(data["token"]), "logprob": lp["logprob"],
-                "top": {self._token(t): v for t, v in lp["top"]}}
+                "top": {self._token(t): v for t, v in lp["top"]}, "at": at}
 
     def _choice_logprobs(self, entries):
         if not entries:
             return None
         if self.chat:
             return {"content": entries}
-        offsets, at = [], 0
-        for e in entries:
-            offsets.append(at)
-            at += len(e["token"])
         return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [e["top"] for e in entries], "text_offset": offsets}
+                "top_logprobs": [e["top"] for e in entries], "text_offset": [e["at"] for e in entries]}
 
     def _usage(self):
         u = self.usage
