@@ -90,6 +90,25 @@ def test_image_and_audio_content_parts_are_refused_naming_them(server, part):
     assert "messages[0].content[1]" in body["error"]["message"] and part["type"] in body["error"]["message"]
 
 
+@pytest.mark.parametrize("message,words", [
+    ({"role": "wizard", "content": "x"}, "messages[0].role must be one of"),
+    ({"role": "user", "content": "x", "bogus": 1}, "messages[0].bogus is not served"),
+    ({"role": "assistant", "content": "x", "function_call": {"name": "f"}}, "messages[0].function_call is not served"),
+    ({"role": "tool", "content": "x"}, "messages[0].tool_call_id (a string) is needed"),
+    ({"role": "user", "content": "x", "name": 3}, "messages[0].name must be a string"),
+])
+def test_a_message_of_an_unknown_role_or_field_is_a_400_naming_it(server, message, words):
+    status, body = server.post("/v1/chat/completions", {"messages": [message], "max_tokens": 2})
+    assert status == 400 and body["error"]["param"] == "messages" and words in body["error"]["message"], body
+
+
+def test_a_message_with_a_name_and_a_null_refusal_is_served(server):
+    messages = [{"role": "user", "content": "hi", "name": "ann"}, {"role": "assistant", "content": "ho", "refusal": None},
+                {"role": "user", "content": "again"}]
+    status, body = server.post("/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+    assert status == 200 and body["choices"][0]["message"]["role"] == "assistant", body
+
+
 def test_the_openai_client_hears_why_tools_are_refused(server):
     c = server.client()
     with pytest.raises(openai.BadRequestError, match="no tool support"):

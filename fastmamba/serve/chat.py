@@ -241,6 +241,12 @@ def render_limit(messages: list[dict], tools: list | None = None) -> int:
     return 2 * (size + (len(json.dumps(tools)) if tools else 0)) + RENDER_SLACK_CHARS
 
 
+# OpenAI's roles and message fields served (`refusal` only as null; an assistant's `audio`,
+# the deprecated `function_call`, anything else: a 400 naming it)
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
+MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
+
+
 def check_messages(messages) -> list[dict]:
     """The request's messages as {role, content} (content a string, or None in an assistant's
     message of tool calls), with an assistant's `tool_calls` (each function's arguments
@@ -252,6 +258,15 @@ def check_messages(messages) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
+        if m["role"] not in MESSAGE_ROLES:
+            raise APIError(400, f"messages[{i}].role must be one of {', '.join(MESSAGE_ROLES)}, got "
+                           f"{json.dumps(m['role'])[:40]}", param="messages")
+        unknown = sorted(set(m) - MESSAGE_KEYS - ({"refusal"} if m.get("refusal") is None else set()))
+        if unknown:
+            raise APIError(400, f"messages[{i}].{unknown[0]} is not served (a message takes "
+                           f"{', '.join(sorted(MESSAGE_KEYS))})", param="messages")
+        if m["role"] == "tool" and m.get("tool_call_id") is None:
+            raise APIError(400, f"messages[{i}].tool_call_id (a string) is needed in a tool message", param="messages")
         content = m.get("content")
         calls = _tool_calls(m, i)
         if isinstance(content, list):  # OpenAI's parts: the text ones, joined
@@ -271,6 +286,10 @@ def check_messages(messages) -> list[dict]:
         if not isinstance(content, str) and not (content is None and calls):
             raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
         message = {"role": m["role"], "content": content}
+        if m.get("name") is not None:  # (a participant's name: the template's to render or not)
+            if not isinstance(m["name"], str):
+                raise APIError(400, f"messages[{i}].name must be a string", param="messages")
+            message["name"] = m["name"]
         if calls:
             message["tool_calls"] = calls
         if m.get("tool_call_id") is not None:
