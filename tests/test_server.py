@@ -441,3 +441,40 @@ assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_kv_cache_smaller_than_max_model_len_bounds_requests_and_chats_default(tmp_path):
+    """A hybrid served with a KV cache of ~500 tokens a request (--kv-cache-mb 1), under
+    --max-model-len 32768: the start says so; a chat without max_tokens runs to the cache's
+    room (it asked for 32768 less its prompt, which could never fit), and a request past it
+    is a 400 saying why."""
+    import torch
+    from conftest import make_tokenizer
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    folder = tmp_path / "hybrid"
+    folder.mkdir()
+    vocab = make_tokenizer(folder / "tokenizer.json")
+    torch.manual_seed(0)
+    config = NemotronHConfig(vocab_size=vocab, hidden_size=64, layers_block_type=["mamba", "attention", "mlp"],
+                             num_attention_heads=4, num_key_value_heads=4, head_dim=64, intermediate_size=96,
+                             mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=8)
+    NemotronHForCausalLM(config).save_pretrained(folder)
+    s = Server("--model", str(folder), "--kv-cache-mb", "1", "--max-batch", "2", "--max-model-len", "32768")
+    try:
+        # 1 MiB at 2 KiB a token (one attention layer: keys and values, 4 heads of 64, float32)
+        notice = [line for line in s.output().splitlines() if "the KV cache holds" in line]
+        assert len(notice) == 1 and "fewer than --max-model-len 32768" in notice[0], s.output()
+        context = int(notice[0].split("holds ")[1].split()[0])
+        assert 256 <= context <= 512
+        status, body = s.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                       "stop_token_ids": []})  # (the reply runs to its limit)
+        assert status == 200, body
+        usage = body["usage"]
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == context
+        status, body = s.post("/v1/completions", {"prompt": "hi", "max_tokens": context})
+        assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+        assert f"limit of {context} (what its KV cache holds a request)" in body["error"]["message"]
+    finally:
+        s.stop()

@@ -39,12 +39,15 @@ class EngineClient(abc.ABC):
     """Requests in, outputs to each request's `emit`. `stats` holds the engine's latest
     Stats; `on_stats`, when set, is called with each new one. `capacity`: the most requests
     it holds at once, running and waiting (None: no fixed bound), so that a request of more
-    choices than that is refused as one that can never fit, not as a busy server's."""
+    choices than that is refused as one that can never fit, not as a busy server's.
+    `context`: the most tokens, prompt and output, one request's keys and values may take in
+    its KV cache (None: no such bound)."""
 
     max_batch: int
     stats: Stats
     on_stats: Callable[[Stats], None] | None = None
     capacity: int | None = None
+    context: int | None = None
 
     @property
     @abc.abstractmethod

@@ -109,4 +109,6 @@ def build_engine(options: EngineOptions, folder=None):
                       kv_tokens=kv_cache_tokens(lm.model, options.kv_cache_mb, max_batch),
                       tokenizer=lm.tokenizer.path if lm.tokenizer is not None else None)
     core.capture_prefill_graphs()
-    return core, Ready(max_batch, lm.config.vocab_size, str(lm.device), str(lm.dtype).removeprefix("torch."))
+    kv = core.pool.kv
+    context = kv.request_blocks * kv.block_size if kv is not None and not kv.growable else None
+    return core, Ready(max_batch, lm.config.vocab_size, str(lm.device), str(lm.dtype).removeprefix("torch."), context)

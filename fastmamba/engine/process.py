@@ -160,6 +160,7 @@ class ProcessClient(EngineClient):
             raise
         self.max_batch = self.info.max_batch
         self.capacity = self.max_batch + max_queue
+        self.context = self.info.context
         self._alive = True
         self._wedged = False
         self._heard = time.monotonic()  # when the engine last spoke

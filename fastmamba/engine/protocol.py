@@ -138,6 +138,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True, frozen=True):
     vocab_size: int
     device: str
     dtype: str
+    context: int | None = None  # the most tokens (prompt and output) a request's keys and values hold; None: no bound
 
 
 class Fatal(msgspec.Struct, tag=True, array_like=True, frozen=True):

@@ -131,15 +131,22 @@ class OpenAIServer:
     def _tools(self, body: dict) -> tools.ToolRequest | None:
         return tools.read(body, self.template.uses_tools, self.template.origin)
 
+    @property
+    def max_model_len(self) -> int:
+        """The most tokens of a prompt and its output: --max-model-len, or less where the
+        engine's KV cache holds less a request."""
+        return min(self.options.max_model_len, self.engine.context or self.options.max_model_len)
+
     def _check_lengths(self, prompts, max_tokens: int | None) -> None:
-        limit = self.options.max_model_len
+        limit = self.max_model_len
+        why = "--max-model-len" if limit == self.options.max_model_len else "what its KV cache holds a request"
         for _, ids in prompts:
             if len(ids) >= limit:
                 raise APIError(400, f"the prompt has {len(ids)} tokens, and this server's limit for prompt + max_tokens "
-                               f"is {limit} (--max-model-len)", param="prompt", code="context_length_exceeded")
+                               f"is {limit} ({why})", param="prompt", code="context_length_exceeded")
             if max_tokens is not None and len(ids) + max_tokens > limit:
                 raise APIError(400, f"max_tokens {max_tokens} + the prompt's {len(ids)} tokens is over this server's "
-                               f"limit of {limit} (--max-model-len)", param="max_tokens", code="context_length_exceeded")
+                               f"limit of {limit} ({why})", param="max_tokens", code="context_length_exceeded")
 
     async def _serve(self, request, body, prompts, chat: bool, top_logprobs, echo: bool, max_tokens: int | None,
                      route: int | None = None, tool_request: tools.ToolRequest | None = None):
@@ -165,7 +172,7 @@ class OpenAIServer:
         for _, ids in prompts:
             for k in range(n):  # choice k takes seed + k
                 seed = None if fields["seed"] is None else (fields["seed"] + k) % 2**32
-                limit = max_tokens if max_tokens is not None else self.options.max_model_len - len(ids)
+                limit = max_tokens if max_tokens is not None else self.max_model_len - len(ids)
                 params = requests.sampling_params(fields, seed=seed, max_tokens=limit)
                 choices.append(Choice(len(choices), ids, params, stop, top_logprobs, self.encoder.tokenizer, events,
                                       self.engine, self.metrics, route))

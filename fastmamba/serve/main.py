@@ -49,6 +49,10 @@ def serve(options: ServeOptions) -> int:
         info = engine.info
         print(f"fastmamba: serving {options.model_name} on http://{options.host}:{options.port} ({info.device}, "
               f"{info.dtype}, {info.max_batch} slots)", file=sys.stderr, flush=True)
+        if info.context is not None and info.context < options.max_model_len:
+            print(f"fastmamba: the KV cache holds {info.context} tokens a request, fewer than --max-model-len "
+                  f"{options.max_model_len}: prompts and max_tokens are held to {info.context} (--kv-cache-mb for "
+                  "more)", file=sys.stderr, flush=True)
         _drained_server(config, engine, options.shutdown_timeout).run(sockets=[sock])
     finally:
         engine.shutdown()
