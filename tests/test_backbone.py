@@ -502,6 +502,8 @@ def test_a_device_that_is_not_there_is_a_value_error():
     cfg = BackboneConfig(input_dim=4, d_model=8, n_layer=1)
     with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or 'cuda:N', got 'gpu0'"):
         Backbone(cfg, device="gpu0")
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or 'cuda:N', got 'mps'"):  # (a torch device, not ours)
+        Backbone(cfg, device="mps")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device 'cuda' was asked for, but PyTorch sees no CUDA GPU here"):
             Backbone(cfg, device="cuda")

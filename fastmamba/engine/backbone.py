@@ -530,6 +530,8 @@ def _parse_device(device) -> torch.device | None:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):  # (mps, xpu, meta...: no ops of this module's run there)
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} was asked for, but PyTorch sees no CUDA GPU here")
     return dev

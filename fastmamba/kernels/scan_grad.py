@@ -295,10 +295,12 @@ class _ScanCPU(torch.autograd.Function):
     """selective_scan_ref's values with the backward written out (see above): x, delta, z (B,
     E, T), A (E, N) (every entry negative, as -exp(A_log)), Bm, Cm (B, N, T), D (E,), state (B,
     E, N) the start state, `state` written in place with the final one, resets (B, T) bool or
-    None. float32, or float64 for the gradient tests. A backward that autograd is to
-    differentiate again (create_graph) differentiates the reference's time loop instead."""
+    None. float32, or float64 for the gradient tests; under autocast float32 (custom_fwd), as
+    the Triton Function. A backward that autograd is to differentiate again (create_graph)
+    differentiates the reference's time loop instead."""
 
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
     def forward(ctx, x, delta, A, Bm, Cm, D, z, s0, state, resets, chunk_elements):
         decay_dt, gain, Bt, _, _ = _scan_inputs(x, delta, Bm, resets)
         Ct = _time_first(Cm)
@@ -321,6 +323,7 @@ class _ScanCPU(torch.autograd.Function):
         return y * F.silu(z), state
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
     def backward(ctx, dout, dstate):
         x, delta, A, Bm, Cm, D, z, s0, resets, starts, y = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: a gradient autograd can differentiate
@@ -354,8 +357,7 @@ class _ScanCPU(torch.autograd.Function):
             d_log_decay[0] *= starts[k]
             dA += (d_log_decay * dt[c, :, :, None]).sum((0, 1))
             ddelta[c] = (d_log_decay * A).sum(-1) + d_gain * xt[c]
-            dx_c = d_gain * dt[c]
-            gain[c] = dx_c  # (gain's chunk is done with: it keeps dx from here)
+            gain[c] = d_gain * dt[c]  # dL/dx's share (gain's chunk is done with: it holds dx from here)
         dstate0 = carry.to(ctx.state_dtype)
         back = lambda t: t.permute(1, 2, 0)  # noqa: E731  (T, B, C) -> (B, C, T)
         return (back(gain) + dy * D[None, :, None], back(ddelta), dA, back(dB), back(dC), (dy * x).sum((0, 2)), dz,
