@@ -544,8 +544,7 @@ SSD_TILES = SSDTiles(
 # (BT, BE, N) tiles at once, so small tiles in 2 warps win (16 x 1024 x 256: 1.26 ms against
 # 1.58 at 32 steps, 8 channels, 4 warps).
 TRAIN_SCAN_TILES = TrainScanTiles(bt=16, be=8, warps=2)
-# The CPU's (step_and_scan_train_ref): chunks whose states fit a core's L2, ~1 MB (a POPGym
-# agent's 16 x 128 x 16 a step: 8 steps, a pass 2-3x faster than with 64; RESULTS "Recurrent PPO").
+# The CPU's (step_and_scan_train_ref): chunks of states within ~1 MB, a core's L2 (RESULTS "POPGym").
 CPU_SCAN_CHUNK_ELEMENTS = 1 << 18
 # The conv's backward (not swept; at 128 x 3's layer, 16 x 1024, the conv's forward and
 # backward take 0.78 ms); its forward is the prefill conv's kernel.
