@@ -113,3 +113,17 @@ def test_a_gradient_of_a_gradient_is_the_time_loops():
         found.append([gx.detach()] + [t.grad for t in leaves])
     for a, b in zip(*found):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_a_gradient_penalty_through_the_backbone_from_a_zero_state():
+    """create_graph through the Backbone's pass with no state given (nothing of the start
+    state needs a gradient): the input's gradient, then its square's gradients."""
+    torch.manual_seed(0)
+    bb = Backbone(BackboneConfig(input_dim=4, d_model=8, n_layer=1, d_state=4))
+    x = torch.randn(2, 6, 4, requires_grad=True)
+    y, _ = bb(x)
+    (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    gx.square().sum().backward()
+    assert torch.isfinite(gx).all() and gx.abs().sum() > 0
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in bb.parameters())
+    assert bb.layers[0].mixer.A_log.grad.abs().sum() > 0  # (through the scan's second derivatives)

@@ -530,7 +530,7 @@ def _parse_device(device) -> torch.device | None:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
-    if dev.type not in ("cpu", "cuda"):  # (mps, xpu, meta...: no ops of this module's run there)
+    if dev.type not in ("cpu", "cuda", "meta"):  # (mps, xpu...: no ops of this module's run there; meta: shapes only)
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} was asked for, but PyTorch sees no CUDA GPU here")

@@ -44,8 +44,8 @@ class EngineOptions:
         "GPU: a sequence's logits bitwise the same whatever else runs beside it (load(deterministic=True)); "
         "no effect on the CPU, which is deterministic already"))
     max_batch: int | None = field(default=None, metadata=option(
-        "state slots: requests decoded together (default: 16 on the CPU; on a GPU as many as its free memory "
-        "holds, at most 256)"))
+        "state slots: requests decoded together (default: 16 on the CPU; on a GPU as many as half its free "
+        "memory holds, at most 256)"))
     prefill_tokens: int | None = field(default=None, metadata=option(
         "prompt tokens prefilled per engine step at most: more gives throughput, fewer keeps the running streams' "
         "pace behind new prompts (default: 4096 on a GPU, 512 on the CPU)"))

@@ -367,11 +367,13 @@ class _ScanCPU(torch.autograd.Function):
     def differentiable_backward(x, delta, A, Bm, Cm, D, z, s0, resets, dout, dstate):
         """The gradients through selective_scan_ref's time loop under autograd, as a graph of
         their own (gradient penalties, second-order methods)."""
+        inputs = (x, delta, A, Bm, Cm, D, z, s0)
+        wanted = [t for t in inputs if t.requires_grad]  # (a start state of zeros, say, needs none)
         final = s0.clone()
         y = selective_scan_ref(x, delta, A, Bm, Cm, D, z, final, resets=resets)
         outs, grads = ([y, final], [dout, dstate]) if dstate is not None else ([y], [dout])
-        found = torch.autograd.grad(outs, (x, delta, A, Bm, Cm, D, z, s0), grads, create_graph=True, allow_unused=True)
-        return (*found, None, None, None)
+        found = iter(torch.autograd.grad(outs, wanted, grads, create_graph=True, allow_unused=True))
+        return (*(next(found) if t.requires_grad else None for t in inputs), None, None, None)
 
 
 def step_and_scan_train_ref(x, dt_r, dt_w, dt_b, A, Bm, Cm, D, z, state, start=None, out_dtype=None, resets=None, *,
