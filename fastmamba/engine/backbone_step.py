@@ -153,8 +153,9 @@ class ParameterAddresses:
     Optimizers, load_state_dict and `p.data.mul_()` write in place: nothing moves. A parameter
     given new memory (`p.data = ...`, torch.nn.utils.vector_to_parameters, load_state_dict
     with assign=True, which makes new parameters: forget() is its post-load hook's) moves,
-    and moved() says so once. (A list of the parameters, their addresses compared: ~2 µs a
-    step at 128 x 3, where walking module.parameters() took ~30.)"""
+    and moved() says so once. (A list of the parameters, their addresses compared: ~3 µs a
+    step at 128 x 3's 33 parameters on the 2-core host, where walking module.parameters()
+    took ~30.)"""
 
     def __init__(self):
         self.params, self.at = None, None
@@ -162,7 +163,7 @@ class ParameterAddresses:
     def moved(self, module) -> bool:
         if self.params is None:
             self.params = list(module.parameters())
-        at = [p.data_ptr() for p in self.params]
+        at = list(map(torch.Tensor.data_ptr, self.params))
         moved, self.at = self.at is not None and at != self.at, at
         return moved
 
