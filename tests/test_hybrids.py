@@ -42,11 +42,12 @@ def bamba(**kw):
 
 
 def granite(position="rope", **kw):
+    kw = {"attention_multiplier": 0.05, **kw}
     return transformers.GraniteMoeHybridConfig(
         vocab_size=V, hidden_size=64, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
         num_attention_heads=4, num_key_value_heads=1, shared_intermediate_size=96, num_local_experts=0,
         position_embedding_type=position, embedding_multiplier=6.0, logits_scaling=4.0, residual_multiplier=0.3,
-        attention_multiplier=0.05, **MAMBA, **kw), transformers.GraniteMoeHybridForCausalLM
+        **MAMBA, **kw), transformers.GraniteMoeHybridForCausalLM
 
 
 def falcon(**kw):
@@ -288,6 +289,37 @@ def test_bamba_rotates_half_of_each_head_where_its_config_gives_no_factor(tmp_pa
     model_class(config).save_pretrained(tmp_path / "m")
     folder = edited(tmp_path / "m", tmp_path, change)
     x = ids(1, 24)
+    assert relative_error(fastmamba.load(folder).forward(x), transformers_logits(folder, x)) < 2e-3
+
+
+def drop_attention_multiplier(c):
+    c.pop("attention_multiplier")
+
+
+def top_level_full_rope(c):  # transformers' BambaConfig puts 0.5 in place of it
+    c.pop("rope_parameters")
+    c.update(rope_theta=10000.0, partial_rotary_factor=1.0)
+
+
+@pytest.mark.parametrize("make,change", [
+    (lambda: granite(attention_multiplier=1.0,  # (a scale that lets the rotation show)
+                     rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5}),
+     None),
+    (lambda: falcon(rope_parameters={"rope_type": "default", "rope_theta": 300.0, "partial_rotary_factor": 0.5}), None),
+    (granite, drop_attention_multiplier),
+    (lambda: nemotron(use_bias=True), None),
+    (bamba, top_level_full_rope),
+], ids=["granite partial_rotary_factor", "falcon_h1 partial_rotary_factor", "granite without attention_multiplier",
+        "nemotron_h use_bias beside mamba_proj_bias", "bamba top-level partial_rotary_factor"])
+def test_config_keys_are_read_as_transformers_reads_them(tmp_path, make, change):
+    """Keys transformers' models do not read (Granite's and Falcon-H1's RoPE turns whole heads;
+    NemotronH's mamba_proj_bias, written beside use_bias; Bamba's top-level factor, overridden)
+    and its defaults (Granite's attention_multiplier 1.0): logits as transformers' own."""
+    config, model_class = make()
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(tmp_path / "m")
+    folder = edited(tmp_path / "m", tmp_path, change) if change else tmp_path / "m"
+    x = ids(2, 24)
     assert relative_error(fastmamba.load(folder).forward(x), transformers_logits(folder, x)) < 2e-3
 
 

@@ -211,3 +211,9 @@ def test_a_failed_load_does_not_change_a_loaded_model(ckpt):
     edit_tensors(ckpt, lambda t: t.pop("backbone.norm_f.weight"))
     load_error(ckpt, "backbone.norm_f.weight")
     assert torch.equal(lm.forward(torch.tensor([[1, 2, 3]])), before)
+
+
+def test_a_conv_activation_other_than_silu_is_refused_by_name(ckpt):
+    """(transformers applies Mamba's `hidden_act` to the conv's output; the kernels apply SiLU)"""
+    edit_config(ckpt, lambda c: c.update(hidden_act="gelu"))
+    load_error(ckpt, "config.json", "'hidden_act' is 'gelu'", "only 'silu'")

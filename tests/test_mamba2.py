@@ -171,6 +171,19 @@ def test_the_original_format_loads(tmp_path):
     assert relative_error(lm.forward(x)[..., :90], ref) < 1e-5
 
 
+def test_a_config_saying_norm_before_gate_runs_as_transformers_runs_it(tmp_path):
+    """transformers 4.44's Mamba2Config wrote `norm_before_gate: true` (its default then, and in
+    Codestral's config.json); its model gates before the norm whatever the key says."""
+    folder, model = save_mamba2(tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config["norm_before_gate"] = True
+    (folder / "config.json").write_text(json.dumps(config))
+    x = ids()
+    with torch.no_grad():
+        ref = model(x).logits
+    assert relative_error(fastmamba.load(folder).forward(x), ref) < 1e-5
+
+
 def test_a_misshapen_tensor_is_named(tmp_path):
     folder, _ = save_mamba2(tmp_path / "m", n_groups=2)
     tensors = load_file(folder / "model.safetensors")
@@ -183,7 +196,7 @@ def test_a_misshapen_tensor_is_named(tmp_path):
 @pytest.mark.parametrize("edit,says", [
     (dict(num_heads=7), "num_heads"),
     (dict(n_groups=3), "n_groups"),
-    (dict(rms_norm=False), "rms_norm"),
+    (dict(hidden_act="gelu"), "'hidden_act' is 'gelu'"),
     (dict(time_step_limit=[0.5, 0.1]), "time_step_limit"),
     (dict(head_dim=24), "head_dim"),
     (dict(chunk_size=10**12), "chunk size .* is 1000000000000"),

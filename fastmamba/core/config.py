@@ -212,6 +212,7 @@ def _from_hf(raw: dict, source: str) -> MambaConfig:
     if model_type in HYBRIDS:
         return MambaConfig(**HYBRIDS[model_type](raw, source))
     falcon = model_type == "falcon_mamba"
+    _silu_only(raw, source)
     d_model = get(raw, "hidden_size", int, source)
     expand = get(raw, "expand", int, source, 2)
     return MambaConfig(
@@ -264,7 +265,9 @@ _MAMBA2_LAYER_KEYS = (
     ("d_state", "state_size", "d_state", int, 128, 128),
     ("d_conv", "conv_kernel", "d_conv", int, 4, 4),
     ("chunk_size", "chunk_size", "chunk_size", int, 256, 256),
-    ("norm_before_gate", "norm_before_gate", "norm_before_gate", bool, False, False),
+    # (transformers' Mamba2 gates before its norm whatever config.json says: hub configs of
+    # transformers 4.44 carry a "norm_before_gate": true that its model never read, Codestral's among them)
+    ("norm_before_gate", None, "norm_before_gate", bool, False, False),
     ("conv_bias", "use_conv_bias", "conv_bias", bool, True, True),
     ("proj_bias", "use_bias", "bias", bool, False, False),
 )
@@ -274,14 +277,21 @@ def _mamba2_layer(raw: dict, source: str, hf: bool) -> dict:
     """The layer fields of _MAMBA2_LAYER_KEYS from `raw` (config.json, or its ssm_cfg), and
     `absent`: those it does not set."""
     fields = {field: get(raw, hf_key if hf else key, kind, source, hf_default if hf else default)
+              if (hf_key if hf else key) is not None else (hf_default if hf else default)
               for field, hf_key, key, kind, hf_default, default in _MAMBA2_LAYER_KEYS}
-    absent = frozenset(field for field, hf_key, key, *_ in _MAMBA2_LAYER_KEYS if raw.get(hf_key if hf else key) is None)
+    absent = frozenset(field for field, hf_key, key, *_ in _MAMBA2_LAYER_KEYS
+                       if (hf_key if hf else key) is None or raw.get(hf_key if hf else key) is None)
     return {**fields, "absent": absent}
 
 
+def _silu_only(raw: dict, source: str) -> None:
+    """The conv's activation (transformers' `hidden_act`): SiLU, the kernels' own."""
+    if raw.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{source}: key 'hidden_act' is {raw['hidden_act']!r}; only 'silu' is supported")
+
+
 def _mamba2_from_hf(raw: dict, source: str) -> MambaConfig:
-    if raw.get("rms_norm", True) is not True:
-        raise CheckpointError(f"{source}: key 'rms_norm' is not true; only the gated RMSNorm of Mamba-2 is supported")
+    _silu_only(raw, source)  # (`rms_norm`: transformers' Mamba2 reads it nowhere, nor does this)
     return _mamba2(
         source,
         d_model=get(raw, "hidden_size", int, source),

@@ -29,7 +29,7 @@ def _refuse_unless(raw: dict, source: str, key: str, allowed, why: str) -> None:
 
 
 def _attention_fields(raw: dict, source: str, d_model: int, head_dim_keys=("head_dim",), rope: bool = True,
-                      rotary_factor: float = 1.0) -> dict:
+                      partial_rope: float | None = None) -> dict:
     heads = get(raw, "num_attention_heads", int, source)
     kv = get(raw, "num_key_value_heads", int, source, heads)
     if heads % kv:
@@ -38,16 +38,18 @@ def _attention_fields(raw: dict, source: str, d_model: int, head_dim_keys=("head
     if raw.get("sliding_window") is not None:
         raise CheckpointError(f"{source}: key 'sliding_window' is {raw['sliding_window']!r}; only full attention is "
                               "supported")
-    theta, rotary = _rope(raw, source, head_dim, rotary_factor) if rope else (0.0, 0)
+    theta, rotary = _rope(raw, source, head_dim, partial_rope) if rope else (0.0, 0)
     return dict(attn_heads=heads, kv_heads=kv, attn_head_dim=head_dim, attn_bias=get(raw, "attention_bias", bool, source, False),
                 rope_theta=theta, rotary_dim=rotary)
 
 
-def _rope(raw: dict, source: str, head_dim: int, factor: float = 1.0) -> tuple[float, int]:
+def _rope(raw: dict, source: str, head_dim: int, partial: float | None) -> tuple[float, int]:
     """RoPE's base and rotated dims, from transformers 5's `rope_parameters` or the older
-    top-level `rope_theta`, `partial_rotary_factor` and `rope_scaling`; any RoPE but the
-    default one, in either key, is refused by name. factor: the rotated share where the
-    config gives none (the family's: Bamba's configuration fixes 0.5)."""
+    top-level `rope_theta` and `rope_scaling`; any RoPE but the default one, in either key,
+    is refused by name. partial: None where the family's model rotates whole heads whatever
+    the config says (transformers' Granite-4.0-H and Falcon-H1); else the rotated share where
+    `rope_parameters` gives no partial_rotary_factor (Bamba: 0.5, which transformers'
+    BambaConfig also puts in place of a top-level one)."""
     params = {}
     for key in ("rope_scaling", "rope_parameters"):  # (rope_parameters' values first where both give one)
         given = raw.get(key)
@@ -60,7 +62,7 @@ def _rope(raw: dict, source: str, head_dim: int, factor: float = 1.0) -> tuple[f
             raise CheckpointError(f"{source}: RoPE of type {kind!r} ({key}) is not supported; only the default RoPE is")
         params.update(given)
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", factor))
+    factor = 1.0 if partial is None else params.get("partial_rotary_factor", partial)
     theta = get({"rope_theta": theta}, "rope_theta", float, source)
     factor = get({"partial_rotary_factor": factor}, "partial_rotary_factor", float, source)
     rotary = int(head_dim * factor)
@@ -119,7 +121,9 @@ def _nemotron_h(raw: dict, source: str) -> dict:
     d_model = get(raw, "hidden_size", int, source)
     heads = get(raw, "mamba_num_heads", int, source, 128)
     head_dim = get(raw, "mamba_head_dim", int, source, 64)
-    in_out_bias = _one_of(raw, source, ("use_bias", "mamba_proj_bias"), bool, False)
+    # (transformers' NemotronH reads use_bias and writes mamba_proj_bias unread: the hub's name only where
+    # use_bias is absent)
+    in_out_bias = get(raw, "use_bias" if raw.get("use_bias") is not None else "mamba_proj_bias", bool, source, False)
     return dict(
         n_layer=len(blocks), blocks=tuple(blocks), family="nemotron_h",
         **_hybrid_mamba2(
@@ -205,7 +209,7 @@ def _bamba(raw: dict, source: str) -> dict:
         n_layer=layers, blocks=tuple(blocks), family="bamba",
         **_mamba_fields_hf(raw, source, d_model, _expanded(raw, source, d_model)),
         norm_eps=get(raw, "rms_norm_eps", float, source, 1e-5),
-        **_attention_fields(raw, source, d_model, rotary_factor=0.5),  # (transformers' BambaConfig: 0.5 unless given)
+        **_attention_fields(raw, source, d_model, partial_rope=0.5),
         mlp_size=get(raw, "intermediate_size", int, source), mlp_bias=get(raw, "mlp_bias", bool, source, False),
         **_vocab_and_head(raw, source),
     )
@@ -256,7 +260,7 @@ def _granite(raw: dict, source: str) -> dict:
     d_model = get(raw, "hidden_size", int, source)
     blocks = [b for t in types for b in (_GRANITE_TYPES[t], "moe" if moe else "mlp")]
     attention = _attention_fields(raw, source, d_model, rope=position == "rope")
-    attention["attn_scale"] = get(raw, "attention_multiplier", float, source, attention["attn_head_dim"] ** -0.5)
+    attention["attn_scale"] = get(raw, "attention_multiplier", float, source, 1.0)  # (transformers' default)
     return dict(
         n_layer=layers, blocks=tuple(blocks), family="granitemoehybrid",
         **_mamba_fields_hf(raw, source, d_model, _expanded(raw, source, d_model)),
