@@ -357,7 +357,24 @@ REFUSED = {  # an edit of the checkpoint -> what the error names
                                    [S + "weight_scale", "(3, 1)", "(64, 1) (channel)"]),
     "an activation scale the scheme has not": (dict(tensors=lambda t: t.update({S + "input_scale": torch.ones(1)})),
                                                ["unexpected tensor", S + "input_scale"]),
+    "int8 activations": (dict(config=lambda q: q["config_groups"]["group_0"].update(input_activations=dict(
+        num_bits=8, type="int", symmetric=True, dynamic=True))), ["input_activations.type", "'int'"]),
+    "fp4 activations": (dict(config=lambda q: q["config_groups"]["group_0"].update(input_activations=dict(
+        num_bits=4, type="float", strategy="tensor_group", dynamic=True))), ["input_activations.num_bits", "4"]),
+    "asymmetric activations": (dict(config=lambda q: q["config_groups"]["group_0"].update(input_activations=dict(
+        num_bits=8, type="float", symmetric=False, dynamic=True))), ["input_activations.symmetric", "False"]),
 }
+
+
+def test_a_preset_group_and_dynamic_fp8_activations_load(fp8_checkpoint, tmp_path):
+    """compressed-tensors' preset name with its targets (FP8_DYNAMIC: a scale a channel), and a
+    group's dynamic FP8 activations: read as the group's weights say."""
+    want = fastmamba.load(fp8_checkpoint).forward(torch.tensor([[1, 2, 3, 4]]))
+    preset = edited(fp8_checkpoint, tmp_path / "preset", config=lambda q: q.update(config_groups={"FP8_DYNAMIC": ["Linear"]}))
+    acts = edited(fp8_checkpoint, tmp_path / "acts", config=lambda q: q["config_groups"]["group_0"].update(
+        input_activations=dict(num_bits=8, type="float", strategy="token", dynamic=True)))
+    for folder in (preset, acts):
+        assert torch.equal(fastmamba.load(folder).forward(torch.tensor([[1, 2, 3, 4]])), want)
 
 
 @pytest.mark.parametrize("case", list(REFUSED))

@@ -126,6 +126,30 @@ def test_a_modelopt_hybrid_with_an_fp8_kv_cache_in_config_json(tmp_path):
         fastmamba.load(tmp_path, dtype="fp8")
 
 
+def test_modelopts_config_json_form_names_its_kv_cache_in_compressed_tensors_terms(tmp_path):
+    """config.json as ModelOpt's converter writes it: `kv_cache_scheme` (float8 values) in place
+    of kv_cache_quant_algo, hf_quant_config.json beside it: the k_scale and v_scale read and
+    left unused; a KV cache of other values refused by the field."""
+    from test_hybrids import nemotron
+
+    config, model_class = nemotron()
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    export(model, tmp_path, "FP8_PER_CHANNEL_PER_TOKEN", kv=True, in_config=True)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    q = raw["quantization_config"]
+    q.pop("kv_cache_quant_algo")
+    q["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "dynamic": False, "strategy": "tensor"}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    x = torch.randint(0, 160, (2, 21), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert relative_error(fastmamba.load(tmp_path, dtype="fp8").forward(x), model(x).logits) < 1e-5
+    q["kv_cache_scheme"]["num_bits"] = 4
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(fastmamba.CheckpointError, match=r"quantization_config\.kv_cache_scheme\.num_bits is 4"):
+        fastmamba.load(tmp_path, dtype="fp8")
+
+
 @pytest.mark.parametrize("algo, dense", [("FP8_PER_CHANNEL_PER_TOKEN", "k_proj"), ("FP8_PB_WO", None)])
 def test_attention_matrices_that_cannot_share_a_layout_load_as_float32(tmp_path, algo, dense):
     """q, k and v are one product: where they cannot share one FP8 layout (k_proj left

@@ -217,3 +217,12 @@ def test_a_conv_activation_other_than_silu_is_refused_by_name(ckpt):
     """(transformers applies Mamba's `hidden_act` to the conv's output; the kernels apply SiLU)"""
     edit_config(ckpt, lambda c: c.update(hidden_act="gelu"))
     load_error(ckpt, "config.json", "'hidden_act' is 'gelu'", "only 'silu'")
+
+
+@pytest.mark.parametrize("key,value", [("d_intermediate", 128), ("attn_layer_idx", [1])])
+def test_mamba_ssms_own_hybrids_are_refused_by_the_key(tmp_path, key, value):
+    """(mamba_ssm's config of MLPs after its mixers, or attention at some layers: refused by the
+    key whether the weights hold those sublayers or not)"""
+    original, _ = save_original_checkpoint(tmp_path)
+    edit_config(original, lambda c: c.update({key: value}))
+    load_error(original, "config.json", f"'{key}'", "not supported")

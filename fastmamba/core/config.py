@@ -336,6 +336,13 @@ def _from_original(raw: dict, source: str) -> MambaConfig:
         raise CheckpointError(f"{source}: ssm_cfg.layer is {ssm['layer']!r}; Mamba1 and Mamba2 are supported")
     if raw.get("rms_norm", True) is not True:
         raise CheckpointError(f"{source}: key 'rms_norm' is false; only RMSNorm Mamba models are supported")
+    # (mamba_ssm's own hybrids: an MLP after each mixer, attention at some layers)
+    if raw.get("d_intermediate", 0) not in (0, None):
+        raise CheckpointError(f"{source}: key 'd_intermediate' is {raw['d_intermediate']!r}; mamba_ssm's layers with "
+                              "an MLP are not supported in this format")
+    if raw.get("attn_layer_idx"):
+        raise CheckpointError(f"{source}: key 'attn_layer_idx' is {raw['attn_layer_idx']!r}; mamba_ssm's attention "
+                              "layers are not supported in this format")
     sub = f"{source} (ssm_cfg)"
     d_model = get(raw, "d_model", int, source)
     multiple = get(raw, "pad_vocab_size_multiple", int, source, 8)

@@ -30,10 +30,11 @@ from fastmamba.core.errors import CheckpointError
 STRATEGIES = ("tensor", "channel", "block")
 FORMATS = ("float-quantized", "naive-quantized")
 # compressed-tensors' preset schemes of FP8 weights, by the group name that names them
+_FP8_ACTS = dict(num_bits=8, type="float")
 PRESETS = {
-    "FP8": dict(strategy="tensor", input_activations=dict(dynamic=False)),
-    "FP8_DYNAMIC": dict(strategy="channel", input_activations=dict(dynamic=True)),
-    "FP8_BLOCK": dict(strategy="block", block_structure=[128, 128], input_activations=dict(dynamic=True)),
+    "FP8": dict(strategy="tensor", input_activations=dict(dynamic=False, **_FP8_ACTS)),
+    "FP8_DYNAMIC": dict(strategy="channel", input_activations=dict(dynamic=True, **_FP8_ACTS)),
+    "FP8_BLOCK": dict(strategy="block", block_structure=[128, 128], input_activations=dict(dynamic=True, **_FP8_ACTS)),
 }
 
 
@@ -81,7 +82,11 @@ def modelopt_scheme(q, where: str, source: str) -> Fp8Scheme:
     if kv not in (None, "FP8"):
         _refuse(f"{where}.kv_cache_quant_algo", kv, source, "fastmamba reads an FP8 KV cache's scales (and leaves "
                 "them unused: its cache stays 16-bit), no other")
-    return replace(scheme, kv_scales=kv == "FP8")
+    # (config.json's form of ModelOpt's file says the KV cache's scheme in compressed-tensors' terms)
+    kv_scheme = q.get("kv_cache_scheme")
+    if kv_scheme is not None:
+        _float8(kv_scheme, f"{where}.kv_cache_scheme", source, "an FP8 KV cache's scales")
+    return replace(scheme, kv_scales=kv == "FP8" or kv_scheme is not None)
 
 
 def fp8_scheme(q, source: str) -> Fp8Scheme:
@@ -129,8 +134,9 @@ def fp8_scheme(q, source: str) -> Fp8Scheme:
         if block:
             blocks.add(block)
         acts = group.get("input_activations")
-        if isinstance(acts, dict) and not acts.get("dynamic", False):
-            input_scales = True
+        if acts is not None:  # (read as float8 or not at all: fastmamba's products take float32 activations)
+            _float8(acts, at + ".input_activations", source, "FP8 activations' scales")
+            input_scales = input_scales or not acts.get("dynamic", False)
     return Fp8Scheme(tuple(s for s in STRATEGIES if s in strategies), tuple(sorted(blocks)), input_scales)
 
 
@@ -154,6 +160,17 @@ def _weights(w, at: str, source: str) -> tuple[str, tuple[int, int] | None]:
                                                         for n in b)):
         _refuse(at + ".block_structure", b, source, "a block is [rows, columns]")
     return strategy, (b[0], b[1])
+
+
+def _float8(args, at: str, source: str, what: str) -> None:
+    """Quantization arguments of float8 values, symmetric (an FP8 KV cache's, activations'), or a
+    CheckpointError naming the field."""
+    if not isinstance(args, dict):
+        _refuse(at, args, source, "quantization arguments are an object")
+    for key, value in (("num_bits", 8), ("type", "float"), ("symmetric", True)):
+        got = args.get(key, value if key == "symmetric" else None)
+        if got != value:
+            _refuse(f"{at}.{key}", got, source, f"fastmamba reads {what} of float8 values ({key} {value!r})")
 
 
 def _one_of(d: dict, key: str, allowed: tuple[str, ...], at: str, source: str) -> str:
