@@ -8,7 +8,8 @@ channel | block`, `block_structure: [rows, columns]`). A quantized `<name>.weigh
 as F8_E4M3 beside `<name>.weight_scale` (float32 or 16-bit: () or (1,) a tensor, (out, 1)
 a channel, (ceil(out / rows), ceil(in / columns)) a block), and w = weight * scale. Static
 activation scales (`input_activations` with `dynamic: false`, stored as `<name>.input_scale`)
-are read and left unused: fastmamba's products take float32 activations. Which modules are
+are read and left unused: fastmamba's products take float32 activations (an activations'
+scheme of other values, int8 or fp4, is refused). Which modules are
 quantized (`targets`, `ignore`) the weights' own dtypes say.
 
 Read too: NVIDIA ModelOpt's FP8 checkpoints (hf_quant_config.json's `quantization`, or
