@@ -123,6 +123,20 @@ def test_a_stream_left_open_in_one_thread_does_not_hold_up_another(lm):
     assert not lm._client.busy
 
 
+def test_a_call_beside_an_endless_open_stream_runs_beside_it(text_checkpoint):
+    """A stream that would run forever (no stop token), read once and held open: another
+    thread's generate takes a slot beside it and returns, where an engine of one slot kept it
+    waiting for the stream's end (the CPU engine's slots: MIN_CPU_SLOTS at least)."""
+    lm = fastmamba.load(text_checkpoint)
+    endless = lm.stream("To be, or not", max_tokens=10**6, stop_token_ids=[])
+    next(endless)
+    assert lm._client.max_batch >= 2
+    got = in_threads(lm, [("generate", "naïve café", seeded(1))])
+    endless.close()
+    expected = lm.generate("naïve café", **seeded(1))
+    assert got == [(expected.token_ids, expected.text, expected.finish_reason)]
+
+
 @pytest.mark.gpu
 def test_eight_threads_on_the_gpu_engine(text_checkpoint):
     """The same on the GPU engine (CUDA graphs, a step ahead), deterministic so that a

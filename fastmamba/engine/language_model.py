@@ -17,7 +17,7 @@ from fastmamba.core.sampling_params import SamplingParams
 from fastmamba.engine.client import InProcessClient
 from fastmamba.engine.cpu_threads import cpu_threads
 from fastmamba.engine.engine_core import EngineCore
-from fastmamba.engine.memory import kv_cache_tokens
+from fastmamba.engine.memory import MIN_CPU_SLOTS, kv_cache_tokens
 from fastmamba.engine.prefill import Prefill
 from fastmamba.engine.protocol import BAD_REQUEST, NON_FINITE, Failed, Finished
 from fastmamba.io.prompts import (
@@ -90,9 +90,13 @@ class LanguageModel:
         """The engine, with at least `batch` slots where it can be (made anew, larger, when a
         batch outgrows an idle one: its decode graphs are captured for every bucket up to its
         size). While other generations run, the one there takes the batch: its requests wait
-        for free slots. Called with the engine held (`_engine_held`)."""
+        for free slots (other threads' calls batch with them up to its size). Called with the
+        engine held (`_engine_held`)."""
         if self._client is None or (self._client.max_batch < batch and not self._client.busy):
-            slots = 1 << (batch - 1).bit_length()  # powers of two: few rebuilds
+            # powers of two: few rebuilds; on the CPU MIN_CPU_SLOTS at least, so that threads'
+            # calls batch together (a slot costs a state's memory there; on a GPU also a
+            # decode graph a bucket, all captured when the engine is made)
+            slots = max(1 << (batch - 1).bit_length(), MIN_CPU_SLOTS if self.device.type == "cpu" else 1)
             # offline, a step prefills whole prompts up to the model's chunk (no grid: no cache)
             # a hybrid's KV cache: on a GPU one pool of fixed size (its decode steps in CUDA
             # graphs), half the memory free once its slots are in (the slots are made first: a

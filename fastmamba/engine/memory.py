@@ -36,6 +36,11 @@ def kv_cache_tokens(model, megabytes: int | None, slots: int = 0) -> int | None:
     return max(1, (megabytes << 20) // per_token)
 
 
+# The fewest slots generate's engine has on the CPU: threads sharing a LanguageModel batch up
+# to it (a slot costs its state's memory there, and the step runs the slots in use only)
+MIN_CPU_SLOTS = 4
+
+
 def default_max_batch(model) -> int:
     """The slots when --max-batch is not given: 16 on the CPU; on a GPU as many as half its
     free memory holds (each slot's state, logits and decode activations), at most 256."""
