@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from fastmamba.core.config import MambaConfig
-from fastmamba.core.errors import CheckpointError
 from fastmamba.core.fp8 import Fp8Weight
 
 
@@ -119,10 +118,10 @@ def fold_multipliers(config: MambaConfig, tensors: dict[str, torch.Tensor]) -> N
             if t is not None and by != 1.0 and isinstance(t, Fp8Weight):  # an FP8 checkpoint's: through its scales
                 try:
                     tensors[f"{name}.{suffix}"] = t.scale_rows(rows, by)
-                except ValueError as e:
-                    raise CheckpointError(f"tensor '{name}.{suffix}': a multiplier of config.json scales its {e}, "
-                                          "which its FP8 scales cannot express") from None
-            elif t is not None and by != 1.0:
+                    continue
+                except ValueError:  # (rows that are not whole blocks: as float32 values, as cat_rows does)
+                    t = t.dequantize()
+            if t is not None and by != 1.0:
                 t = t.float().clone()  # (a copy: the files' own tensors may be read-only maps)
                 t[rows] *= by
                 tensors[f"{name}.{suffix}"] = t
