@@ -276,12 +276,13 @@ _MAMBA2_LAYER_KEYS = (
 def _mamba2_layer(raw: dict, source: str, hf: bool) -> dict:
     """The layer fields of _MAMBA2_LAYER_KEYS from `raw` (config.json, or its ssm_cfg), and
     `absent`: those it does not set."""
-    fields = {field: get(raw, hf_key if hf else key, kind, source, hf_default if hf else default)
-              if (hf_key if hf else key) is not None else (hf_default if hf else default)
-              for field, hf_key, key, kind, hf_default, default in _MAMBA2_LAYER_KEYS}
-    absent = frozenset(field for field, hf_key, key, *_ in _MAMBA2_LAYER_KEYS
-                       if (hf_key if hf else key) is None or raw.get(hf_key if hf else key) is None)
-    return {**fields, "absent": absent}
+    fields, absent = {}, set()
+    for field, hf_key, key, kind, hf_default, default in _MAMBA2_LAYER_KEYS:
+        name, fallback = (hf_key, hf_default) if hf else (key, default)
+        fields[field] = fallback if name is None else get(raw, name, kind, source, fallback)  # (None: not read)
+        if name is None or raw.get(name) is None:
+            absent.add(field)
+    return {**fields, "absent": frozenset(absent)}
 
 
 def _silu_only(raw: dict, source: str) -> None:
