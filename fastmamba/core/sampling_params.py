@@ -30,7 +30,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1.0 = off; HF semantics, over prompt and generated tokens
     seed: int | None = None  # 0 <= seed < 2**32 (a slot's random stream is 32-bit); None = a fresh random seed
     stop_token_ids: tuple[int, ...] | None = None  # None = the model's eos; () = none
-    # OpenAI's, applied to the raw logits before everything above (as vLLM does):
+    # OpenAI's, applied to the raw logits before everything above (vLLM's formula; vLLM puts
+    # its repetition penalty first, so the two differ where both kinds are set):
     # logits[j] += logit_bias[j] - presence_penalty * (count[j] > 0) - frequency_penalty * count[j],
     # count[j]: how often token j came in this request's output so far (not its prompt)
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100], at most 300; {} = None
