@@ -171,3 +171,10 @@ def test_a_missing_model_folder_or_a_file_is_one_line_saying_so(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "no tokenizer.json" in serve_error("--model", str(empty))
+
+
+def test_an_empty_api_key_and_replicas_beside_autoscale_are_one_line_each():
+    """(an empty --api-key, from an unset variable, turned authentication off; --replicas was
+    dropped without a word beside --autoscale)"""
+    assert "--api-key is empty" in serve_error("--api-key", "")
+    assert "takes the place of --replicas" in serve_error("--replicas", "2", "--autoscale", "1:2")

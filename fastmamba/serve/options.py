@@ -73,6 +73,11 @@ class ServeOptions:
             raise ValueError(f"--client-timeout must be from 0.1 to 3600 seconds, got {self.client_timeout:g}")
         if self.autoscale is not None:
             autoscaling(self.autoscale, 1)  # its own error, naming --autoscale
+            if self.replicas:
+                raise ValueError(f"--autoscale {self.autoscale} takes the place of --replicas: give one of them, not both")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key is empty (an unset variable?): give a key, or leave the flag out for a server "
+                             "without one")
 
     @property
     def model_name(self) -> str:
