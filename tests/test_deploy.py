@@ -112,9 +112,12 @@ def test_batch_over_a_dataset_equals_generate_batch(app, lm):
     for p, s, w in zip(prompts, seeds, want):
         row = by_prompt[p]
         assert row["seed"] == s and row["text"] == w.text and list(row["token_ids"]) == w.token_ids
-    # a seed column is each row's seed
-    given = fastmamba.batch(ray.data.from_items([{"prompt": "To be", "seed": 7}]), concurrency=1, **params).take_all()
-    assert given[0]["text"] == lm.generate("To be", seed=7, **params).text
+    # a seed column is each row's seed; a row without one takes its prompt's (it failed on the gap's NaN)
+    given = fastmamba.batch(ray.data.from_items([{"prompt": "To be", "seed": 7}, {"prompt": "Or not", "seed": None}]),
+                            **params).take_all()
+    by_prompt = {r["prompt"]: r for r in given}
+    assert by_prompt["To be"]["text"] == lm.generate("To be", seed=7, **params).text
+    assert by_prompt["Or not"]["seed"] == prompt_seed("Or not", 0)
 
 
 def test_the_command_lines_scale_settings(monkeypatch):

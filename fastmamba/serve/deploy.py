@@ -28,10 +28,13 @@ import asyncio
 import dataclasses
 import hashlib
 import itertools
+import math
+import os
 import time
 
 import msgspec
 import numpy as np
+import ray
 from ray import serve
 from ray.serve._private.request_router.request_router import RequestRouter
 from ray.serve.config import RequestRouterConfig
@@ -290,12 +293,23 @@ def prompt_seed(prompt, seed: int) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=4, key=seed.to_bytes(8, "little")).digest(), "little")
 
 
-def batch(dataset, model=None, *, column: str = "prompt", seed: int = 0, concurrency: int = 2, batch_size: int = 64,
-          device: str = "cpu", dtype: str = "float32", state_dtype: str = "float32", deterministic: bool = False,
-          **sampling):
+def _row_seed(row: dict, column: str, seed: int) -> int:
+    """A row's own seed where it has one (a seed column with gaps: None, or NaN where the
+    column was read as floats), else prompt_seed's."""
+    own = row.get("seed")
+    if own is None or (isinstance(own, float) and math.isnan(own)):
+        return prompt_seed(row[column], seed)
+    return int(own)
+
+
+def batch(dataset, model=None, *, column: str = "prompt", seed: int = 0, concurrency: int | None = None,
+          batch_size: int = 64, device: str = "cpu", dtype: str = "float32", state_dtype: str = "float32",
+          deterministic: bool = False, **sampling):
     """Generations for every row of a Ray Dataset of prompts (`column`: text, or token ids),
     on `concurrency` actors with one engine each (one GPU each on CUDA): a Dataset with the
-    prompt, its `seed`, `text`, `token_ids` and `finish_reason` per row.
+    prompt, its `seed`, `text`, `token_ids` and `finish_reason` per row. concurrency None: 2,
+    fewer on the CPU where Ray has fewer than 3 CPUs (its read tasks need one beside the
+    actors, or the job waits forever).
 
     A row's seed is its `seed` column where the dataset has one, else prompt_seed(prompt,
     seed); each row gets what `generate` gives it alone with that seed, whatever the number
@@ -303,8 +317,10 @@ def batch(dataset, model=None, *, column: str = "prompt", seed: int = 0, concurr
     batch-invariant ranges). `sampling`: SamplingParams fields (max_tokens, temperature, ...)."""
     params = dataclasses.asdict(SamplingParams.from_kwargs(None, sampling))
     del params["seed"]  # (each row's own)
-    if "seed" not in dataset.columns():
-        dataset = dataset.map(lambda row: {**row, "seed": prompt_seed(row[column], seed)})
+    dataset = dataset.map(lambda row: {**row, "seed": _row_seed(row, column, seed)})
+    if concurrency is None:
+        cpus = int(ray.cluster_resources().get("CPU", 1)) if ray.is_initialized() else (os.cpu_count() or 1)
+        concurrency = 2 if device != "cpu" else max(1, min(2, cpus - 1))
     engine = EngineOptions(model=model, device=device, dtype=dtype, state_dtype=state_dtype, deterministic=deterministic)
     load_kwargs = {**engine.load_kwargs(), "path": str(checkpoint_folder(model))}
     resources = {"num_gpus": 1} if device != "cpu" else {"num_cpus": 1}
