@@ -55,6 +55,25 @@ def test_replicas_answer_what_generate_gives_alone(app, lm):
         "ROMEO.", max_tokens=10, seed=3, temperature=0.7).text
 
 
+def test_replicas_answer_several_choices_and_prompts_of_one_request(app, lm):
+    """n > 1 and a list of prompts, whose choices may go to different replicas at once: each
+    what generate gives it alone (choice k with seed + k), streamed and not (such a request
+    hung: its calls shared the HTTP request's ids in Ray's router)."""
+    c = app.with_options(timeout=60)
+    out = c.completions.create(model="tiny", prompt="To be, or not", max_tokens=6, temperature=0.8, seed=5, n=2)
+    assert [ch.text for ch in out.choices] == [
+        lm.generate("To be, or not", max_tokens=6, temperature=0.8, seed=5 + k).text for k in range(2)]
+    prompts = ["x", "y", "z", "w", "To be"]  # (keys that reach both replicas)
+    listed = c.completions.create(model="tiny", prompt=prompts, max_tokens=4, temperature=0)
+    assert [ch.text for ch in listed.choices] == [lm.generate(p, max_tokens=4).text for p in prompts]
+    streamed = c.completions.create(model="tiny", prompt=prompts, max_tokens=4, temperature=0, stream=True)
+    texts = [""] * len(prompts)
+    for chunk in streamed:
+        for ch in chunk.choices:
+            texts[ch.index] += ch.text
+    assert texts == [ch.text for ch in listed.choices]
+
+
 def test_a_conversations_turns_return_to_their_replica(app, lm):
     """Each turn repeats the conversation's opening, its routing key: turn 2 lands where turn
     1 ran and resumes from the state it left (on another replica it would prefill all)."""

@@ -36,6 +36,7 @@ import msgspec
 import numpy as np
 import ray
 from ray import serve
+from ray.serve import context as serve_context
 from ray.serve._private.request_router.request_router import RequestRouter
 from ray.serve.config import RequestRouterConfig
 
@@ -155,6 +156,17 @@ class EngineReplica:
             client.shutdown(timeout=5)
 
 
+def _own_request_context(rid: int) -> None:
+    """Gives this task's calls of the replicas an id of their own. A handle's call takes the
+    ids of the HTTP request it runs in, and Ray's router keeps the calls it has yet to assign
+    under that id: two choices of one request (n > 1, a list of prompts) routed to different
+    replicas at once left one call never assigned, the request hanging. (The task's context
+    is its own copy: the request's is unchanged.)"""
+    ctx = serve_context._get_serve_request_context()
+    serve_context._serve_request_context.set(dataclasses.replace(
+        ctx, request_id=f"{ctx.request_id}.{rid}", _internal_request_id=f"{ctx._internal_request_id}.{rid}"))
+
+
 class RayClient(EngineClient):
     """An engine client over the engine replicas' Ray handle (app.create_app's engine under
     Ray Serve): each request is a streaming call, routed by its key."""
@@ -178,6 +190,7 @@ class RayClient(EngineClient):
         key = route if route is not None else route_key(ids)
 
         async def run():
+            _own_request_context(rid)
             try:
                 async for item in self.handle.generate.remote(key, ids, params, top_logprobs):
                     batch = self._decode(item)
