@@ -397,6 +397,7 @@ class DecodeStep:
         self.J, self.BJ = R + 2 * N, _pow2(R + 2 * N)
         self.BR, self.NP = _pow2(R), _pow2(N, 1)
         # out_proj: BN_out-wide tiles of d, K split so that enough programs stream the weights.
+        self.out_proj_blocks = blocks.out_proj
         self.BN_out, self.BK_out, self.warps_out, self.programs_out = blocks.out_proj
         self.nt_d = triton.cdiv(d, self.BN_out)
         self.nsplit_out, self.kchunk_out = self.split_k(E)
@@ -420,7 +421,7 @@ class DecodeStep:
         enough programs (OneRowBlocks.out_proj, or `blocks` of its form, shared by `products`
         such products side by side in the launch) that they stream the weights, whole BK
         tiles a split, at most 16 splits."""
-        BN, BK, _, programs = blocks or (self.BN_out, self.BK_out, self.warps_out, self.programs_out)
+        BN, BK, _, programs = blocks or self.out_proj_blocks
         splits = max(1, min(16, programs // (triton.cdiv(self.model.config.d_model, BN) * products),
                             triton.cdiv(K, BK)))
         chunk = triton.cdiv(triton.cdiv(K, splits), BK) * BK

@@ -227,7 +227,7 @@ class HybridDecodeStep(Mamba2DecodeStep):
             self.moe_a = torch.zeros(batch, c.experts_per_token + shared, self.moe_width, device=dev, dtype=f32)
             # (the experts' products in the plan's settings, else in_proj's and out_proj's)
             self.moe_in_blocks = plan.blocks.moe_in or self.in_proj_blocks[:3]
-            self.moe_out_blocks = plan.blocks.moe_out or (self.BN_out, self.BK_out, self.warps_out, self.programs_out)
+            self.moe_out_blocks = plan.blocks.moe_out or self.out_proj_blocks
         w = model.weights
         self.norm_f = w.norm_f * c.logits_multiplier if c.logits_multiplier != 1.0 else w.norm_f
 
