@@ -145,11 +145,9 @@ def _weights(w, at: str, source: str) -> tuple[str, tuple[int, int] | None]:
     """A group's weight arguments: (strategy, block shape or None)."""
     if not isinstance(w, dict):
         _refuse(at, w, source, "fastmamba reads quantized weights (not activations alone)")
-    wanted = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
-    for key, value in wanted.items():
-        got = w.get(key, value if key in ("symmetric", "dynamic") else None)
-        if got != value:
-            _refuse(f"{at}.{key}", got, source, f"fastmamba reads float8 e4m3 weights ({key} {value!r})")
+    _float8(w, at, source, "weights")
+    if w.get("dynamic", False) is not False:
+        _refuse(f"{at}.dynamic", w["dynamic"], source, "fastmamba reads weights of float8 values (dynamic False)")
     for key in ("scale_dtype", "zp_dtype", "group_size"):
         if w.get(key) is not None:
             _refuse(f"{at}.{key}", w[key], source, "not of an FP8 scheme fastmamba reads")
