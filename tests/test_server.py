@@ -292,6 +292,16 @@ def test_api_key_and_queue_limit():
             s.client(api_key="wrong").completions.create(model="x", prompt="a", max_tokens=1)
         c = s.client(api_key="sesame")
         name = c.models.list().data[0].id
+        # the scheme in any case (RFC 9110), the key exactly; another scheme is refused
+        for header, status in (("bearer sesame", 200), ("BEARER  sesame", 200), ("Basic sesame", 401),
+                               ("Bearer sesame2", 401), ("Bearer", 401)):
+            request = urllib.request.Request(s.url + "/v1/models", headers={"Authorization": header})
+            try:
+                with urllib.request.urlopen(request, timeout=30) as r:
+                    got = r.status
+            except urllib.error.HTTPError as e:
+                got = e.code
+            assert got == status, header
         assert c.completions.create(model=name, prompt="a", max_tokens=2).choices
         # one request runs, one waits, the next is refused with 429. The second is sent only
         # once the first runs: sent together, the second can find the first still queued (a

@@ -17,6 +17,7 @@ or shutting down; never a 500 for a client's mistake. No torch in this process.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 import uuid
 from pathlib import Path
@@ -335,14 +336,20 @@ class _Gate:
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app, self.max_body_bytes = app, max_body_bytes
-        self.key = f"Bearer {api_key}".encode() if api_key else None
+        self.key = api_key.encode() if api_key else None
+
+    def _authorized(self, header: bytes | None) -> bool:
+        """`Authorization: Bearer KEY`, the scheme in any case (RFC 9110: schemes are
+        case-insensitive), the key compared in constant time."""
+        scheme, _, token = (header or b"").partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
             headers = dict(scope["headers"])
             length = headers.get(b"content-length")
             error = None
-            if self.key is not None and scope["path"] != "/health" and headers.get(b"authorization") != self.key:
+            if self.key is not None and scope["path"] != "/health" and not self._authorized(headers.get(b"authorization")):
                 error = APIError(401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key")
             elif length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
                 error = too_large(self.max_body_bytes)
