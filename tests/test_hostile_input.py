@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 
 import numpy as np
@@ -110,6 +111,62 @@ def test_a_tokenizer_larger_than_the_model(ckpt):
 def test_non_finite_config_number(ckpt):
     (ckpt / "config.json").write_text((ckpt / "config.json").read_text().replace('"layer_norm_epsilon": 1e-05', '"layer_norm_epsilon": Infinity'))
     load_error(ckpt, "config.json", "layer_norm_epsilon")
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "tokenizer.json", "model.safetensors.index.json"])
+def test_a_fifo_in_the_folder_is_named_not_waited_on(ckpt, name):
+    """Opening a FIFO for reading waits for a writer: load waited forever."""
+    (ckpt / name).unlink(missing_ok=True)
+    os.mkfifo(ckpt / name)
+    errors = []
+
+    def load():
+        try:
+            fastmamba.load(ckpt)
+        except fastmamba.CheckpointError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=load, daemon=True)  # (daemon: a thread still waiting on the FIFO ends with the tests)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "load waits on the FIFO"
+    assert len(errors) == 1 and name in errors[0] and "a FIFO, not a regular file" in errors[0], errors
+
+
+def test_a_deeply_nested_shard_index(ckpt):
+    (ckpt / "model.safetensors.index.json").write_text("[" * 100_000 + "]" * 100_000)
+    load_error(ckpt, "model.safetensors.index.json", "not a valid shard index", "RecursionError")
+
+
+def test_config_numbers_past_float32(ckpt):
+    """(1e39 passed as a finite positive number, and became inf in the float32 norms: every logit 0)"""
+    edit_config(ckpt, lambda c: c.update(layer_norm_epsilon=1e39))
+    load_error(ckpt, "config.json", "'layer_norm_epsilon'", "float32's range")
+
+
+def test_float64_values_past_float32(ckpt):
+    tensors = {k: v.double() for k, v in load_file(str(ckpt / "model.safetensors")).items()}
+    tensors["backbone.layers.0.mixer.out_proj.weight"][0, 0] = 1e300
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    load_error(ckpt, "model.safetensors", "'backbone.layers.0.mixer.out_proj.weight'", "1e+300", "float32's range")
+
+
+def test_a_broken_tokenizer_link_is_named(ckpt):
+    """(it was taken for no tokenizer: 'has no tokenizer.json' later, for a file that is there)"""
+    (ckpt / "tokenizer.json").rename(ckpt / "moved.json")
+    (ckpt / "tokenizer.json").symlink_to("gone.json")
+    load_error(ckpt, "tokenizer.json")
+
+
+def test_tokenizer_ids_past_the_vocabulary(ckpt):
+    """A token's id past vocab_size, the count within it: the prompt was blamed at encode time."""
+    V = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    tok = json.loads((ckpt / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    last = max(vocab, key=vocab.get)
+    vocab[last] = V + 100
+    (ckpt / "tokenizer.json").write_text(json.dumps(tok))
+    load_error(ckpt, "tokenizer.json", f"ids up to {V + 100}", f"model's {V}")
 
 
 def test_an_empty_model_path():

@@ -91,12 +91,12 @@ def load(
     if engine is None:
         engine = "triton" if dev.type == "cuda" and HAVE_TRITON and not off_gpu and not blocks else "reference"
     tokenizer = None
-    if (folder / "tokenizer.json").exists():
+    if os.path.lexists(folder / "tokenizer.json"):  # (lexists: a broken link is named, not taken for no tokenizer)
         tokenizer = Tokenizer(inside(folder, "tokenizer.json"))
-        if tokenizer.vocab_size > config.vocab_size:
+        if tokenizer.id_limit > config.vocab_size:
             raise CheckpointError(
-                f"{tokenizer.path}: the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
-                f"{config.vocab_size} (vocab_size in config.json)"
+                f"{tokenizer.path}: the tokenizer has {tokenizer.vocab_size} tokens, ids up to {tokenizer.id_limit - 1}: "
+                f"more than the model's {config.vocab_size} (vocab_size in config.json)"
             )
     model = Mamba(config, weights, triton_ops(KERNEL_TILES) if engine == "triton" else REFERENCE_OPS, state_dtype=state)
     return LanguageModel(model, tokenizer, folder, engine=engine, deterministic=deterministic, threads=threads)

@@ -43,7 +43,8 @@ def _weight_files(folder: Path) -> list[Path]:
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
                 items = sorted(weight_map.items())
-            except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            except (OSError, json.JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, TypeError,
+                    AttributeError) as e:
                 raise CheckpointError(f"{index}: not a valid shard index ({type(e).__name__}: {e})") from None
             for tensor, shard in items:
                 if not isinstance(shard, str):
@@ -299,16 +300,16 @@ def build_weights(
     untied head) as Fp8Weights, quantized here from 16/32-bit values, or as an FP8 checkpoint
     stores them; an FP8 checkpoint's matrices under another dtype are dequantized. Consumes
     `tensors`: each sublayer's are dropped from it once its weights are built."""
-    fp16_max = torch.finfo(torch.float16).max
     fp8 = dtype == FP8
 
     def cast(name, to):
         t = _dense(tensors[name])
-        if to == torch.float16 and (peak := t.abs().max().item()) > fp16_max:
+        # (values past the storage dtype's range would be inf: float16's from any checkpoint,
+        # float32's and bfloat16's from a float64 one)
+        if (to == torch.float16 or t.dtype == torch.float64) and (peak := t.abs().max().item()) > torch.finfo(to).max:
+            hint = "; load it with dtype='bfloat16' or 'float32'" if to == torch.float16 else ""
             raise CheckpointError(
-                f"{origin[name]}: tensor '{name}' holds values up to {peak:.3g}, beyond float16's range; "
-                "load it with dtype='bfloat16' or 'float32'"
-            )
+                f"{origin[name]}: tensor '{name}' holds values up to {peak:.3g}, beyond {str(to)[6:]}'s range{hint}")
         return t.to(device=device, dtype=to).contiguous()
 
     def big(name):
@@ -322,7 +323,7 @@ def build_weights(
         return cast(name, dtype)
 
     def small(name):
-        return None if name not in tensors else tensors[name].to(device=device, dtype=torch.float32).contiguous()
+        return None if name not in tensors else cast(name, torch.float32)
 
     fam = family(config)
     layers = []

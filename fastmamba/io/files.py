@@ -4,6 +4,8 @@ front end reads config.json and tokenizer.json through it too)."""
 from __future__ import annotations
 
 import errno
+import os
+import stat
 from pathlib import Path
 
 from fastmamba.core.errors import CheckpointError
@@ -34,7 +36,24 @@ def inside(folder: Path, name) -> Path:
     roots = [home] + ([home.parent.parent / "blobs"] if home.parent.name == "snapshots" else [])
     if not any(real == r or r in real.parents for r in roots):
         raise CheckpointError(f"{path}: leads to {real}, outside the checkpoint folder")
+    _not_special(path, real)
     return path
+
+
+# A folder's files that are neither files nor folders, by what they are: reading a FIFO waits
+# for a writer forever, a character device (/dev/zero) never ends.
+_SPECIAL = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+            (stat.S_ISSOCK, "a socket"))
+
+
+def _not_special(path: Path, real: Path) -> None:
+    try:
+        mode = os.stat(real).st_mode
+    except OSError:  # (missing or unreadable: its reader names that)
+        return
+    for test, kind in _SPECIAL:
+        if test(mode):
+            raise CheckpointError(f"{path}: is {kind}, not a regular file")
 
 
 def readable_file(path: Path) -> Path:

@@ -27,6 +27,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def id_limit(self) -> int:
+        """The largest token id + 1: more than vocab_size where the ids leave gaps."""
+        return max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+
 
 class IncrementalDecoder:
     """Turns a growing list of token ids into text pieces that never split a character.
