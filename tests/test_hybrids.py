@@ -734,3 +734,36 @@ def assert_the_gpu_ops_decode_it_as_the_reference_does(folder):
     for t in range(20, 25):
         want, got = ref.step(x[:, t], states[0]), ours.step(x[:, t].to(device), states[1]).cpu()
         assert relative_error(got, want) < 1e-4, t
+
+
+def test_config_keys_of_the_wrong_json_type_are_named(tmp_path):
+    """A list or an object where a name or a number belongs is one error naming the key (they
+    were a bare TypeError: unhashable type, or a product of a dict and an int)."""
+    config, model_class = nemotron()
+    model_class(config).save_pretrained(tmp_path / "n")
+    refused(edited(tmp_path / "n", tmp_path / "a", lambda c: c.update(
+        layers_block_type=[["mamba"], "attention", "mlp", "mamba", "mlp"])), "'layers_block_type'")
+    config, model_class = granite()
+    model_class(config).save_pretrained(tmp_path / "g")
+    refused(edited(tmp_path / "g", tmp_path / "b", lambda c: c.update(layer_types=["mamba", {}, "mamba"])),
+            "'layer_types'")
+    for k, head in enumerate(({"value": 16}, "16", [16], 16.0, True)):
+        refused(edited(tmp_path / "g", tmp_path / f"c{k}", lambda c: c.update(mamba_d_head=head)),
+                "'mamba_d_head'", "positive integer")
+
+
+def test_a_multiplier_whose_product_overflows_is_named(tmp_path):
+    """Each factor within float32, their product past it: the model loaded and its first
+    forward named a layer's NaN, not the config's multiplier."""
+    config, model_class = granite()
+    model_class(config).save_pretrained(tmp_path / "m")
+    edited_config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**edited_config, "residual_multiplier": 1e37}))
+    from safetensors.torch import load_file, save_file
+    weights = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(str(weights))
+    for name, t in tensors.items():
+        if name.endswith("out_proj.weight"):
+            t[0, 0] = 1e3
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    refused(tmp_path / "m", "multiplier 1e+37", "out_proj.weight", "overflows float32")

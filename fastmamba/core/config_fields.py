@@ -7,6 +7,15 @@ import math
 
 from fastmamba.core.errors import CheckpointError
 
+# The model computes in float32 at most: a number past its range is inf there (a norm's
+# epsilon of 1e39 made every logit 0, silently).
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def float32_number(value) -> bool:
+    """A JSON number (not a bool) float32 can hold: finite, within its range."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= FLOAT32_MAX
+
 
 def get(raw: dict, key: str, kind, source: str, default=None):
     """One config value, type-checked; a missing required key or a wrong type names the key."""
@@ -18,11 +27,11 @@ def get(raw: dict, key: str, kind, source: str, default=None):
     if kind is int:
         ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
     elif kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+        ok = float32_number(value) and value > 0
     else:
         ok = isinstance(value, kind)
     if not ok:
-        expected = {int: "a positive integer", float: "a positive finite number", bool: "true or false"}
+        expected = {int: "a positive integer", float: "a positive number within float32's range", bool: "true or false"}
         raise CheckpointError(f"{source}: key '{key}' must be {expected.get(kind, kind.__name__)}, got {value!r}")
     return value
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from fastmamba.core.config import MambaConfig
+from fastmamba.core.errors import CheckpointError
 from fastmamba.core.fp8 import Fp8Weight
 
 
@@ -124,6 +125,9 @@ def fold_multipliers(config: MambaConfig, tensors: dict[str, torch.Tensor]) -> N
             if t is not None and by != 1.0:
                 t = t.float().clone()  # (a copy: the files' own tensors may be read-only maps)
                 t[rows] *= by
+                if not torch.isfinite(t[rows]).all():  # (each factor finite, their product past float32)
+                    raise CheckpointError(f"config.json's multiplier {by:g} times tensor '{name}.{suffix}' "
+                                          "overflows float32")
                 tensors[f"{name}.{suffix}"] = t
 
     for sub in sublayers(config):

@@ -6,9 +6,8 @@ builds the MambaConfig."""
 from __future__ import annotations
 
 import json
-import math
 
-from fastmamba.core.config_fields import dt_limit, dt_rank, eos_id, get, index
+from fastmamba.core.config_fields import dt_limit, dt_rank, eos_id, float32_number, get, index
 from fastmamba.core.errors import CheckpointError
 
 
@@ -98,7 +97,7 @@ def _nemotron_h(raw: dict, source: str) -> dict:
     `hybrid_override_pattern` (hub) or `layers_block_type` (transformers 5)."""
     pattern, types = raw.get("hybrid_override_pattern"), raw.get("layers_block_type")
     if types is not None:
-        if not isinstance(types, list) or not all(t in _NEMOTRON_TYPES for t in types):
+        if not isinstance(types, list) or not all(isinstance(t, str) and t in _NEMOTRON_TYPES for t in types):
             raise CheckpointError(f"{source}: key 'layers_block_type' must be a list of {sorted(_NEMOTRON_TYPES)}, "
                                   f"got {types!r}")
         blocks = [_NEMOTRON_TYPES[t] for t in types]
@@ -178,6 +177,8 @@ def _mamba_fields_hf(raw: dict, source: str, d_model: int, d_inner: int) -> dict
     """The `mamba_*` keys that Bamba, Granite-4.0-H and Falcon-H1 share."""
     heads = get(raw, "mamba_n_heads", int, source, 128)
     head = raw.get("mamba_d_head", "auto")
+    if head not in (None, "auto") and (not isinstance(head, int) or isinstance(head, bool) or head <= 0):
+        raise CheckpointError(f"{source}: key 'mamba_d_head' must be a positive integer or \"auto\", got {head!r}")
     if head not in (None, "auto") and head * heads != d_inner:
         raise CheckpointError(f"{source}: key 'mamba_d_head' ({head}) x 'mamba_n_heads' ({heads}) must be the Mamba "
                               f"layers' width {d_inner}")
@@ -251,7 +252,7 @@ def _granite(raw: dict, source: str) -> dict:
     moe = _granite_experts(raw, source)
     layers = get(raw, "num_hidden_layers", int, source)
     types = raw.get("layer_types") or raw.get("layers_block_type")
-    if not isinstance(types, list) or len(types) != layers or not all(t in _GRANITE_TYPES for t in types):
+    if not isinstance(types, list) or len(types) != layers or not all(isinstance(t, str) and t in _GRANITE_TYPES for t in types):
         raise CheckpointError(f"{source}: key 'layer_types' must list {layers} of 'mamba' and 'attention', got {types!r}")
     position = raw.get("position_embedding_type") or "nope"
     if position not in ("rope", "nope"):
@@ -279,8 +280,8 @@ def _multipliers(raw: dict, source: str, key: str, n: int) -> tuple[float, ...]:
     if value is None:
         return (1.0,) * n
     if (not isinstance(value, list) or len(value) != n
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)):
-        raise CheckpointError(f"{source}: key '{key}' must be a list of {n} finite numbers, got {value!r}")
+            or not all(float32_number(v) for v in value)):
+        raise CheckpointError(f"{source}: key '{key}' must be a list of {n} numbers within float32's range, got {value!r}")
     return tuple(float(v) for v in value)
 
 
@@ -288,8 +289,8 @@ def _finite(raw: dict, source: str, key: str) -> float:
     value = raw.get(key, 1.0)
     if value is None:
         return 1.0
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise CheckpointError(f"{source}: key '{key}' must be a finite number, got {value!r}")
+    if not float32_number(value):
+        raise CheckpointError(f"{source}: key '{key}' must be a number within float32's range, got {value!r}")
     return float(value)
 
 
