@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -65,6 +68,40 @@ def test_default_stop_is_the_models_eos(ids_lm):
     eos = ids_lm.config.eos_token_id
     expected = free.token_ids[: free.token_ids.index(eos)] if eos in free.token_ids else free.token_ids
     assert ids_lm.generate(prompt, max_tokens=10).token_ids == expected
+
+
+@pytest.mark.parametrize("where", ["config.json", "generation_config.json"])
+def test_every_eos_id_is_a_default_stop(ids_lm, checkpoints, tmp_path, where):
+    """config.json's eos_token_id list whole, and generation_config.json's (an instruct model's
+    end of turn): only the list's first id stopped a reply."""
+    prompt = [5, 17, 3, 40]
+    free = ids_lm.generate(prompt, max_tokens=10, stop_token_ids=[])
+    eos = ids_lm.config.eos_token_id
+    turn_end = next(t for t in free.token_ids[2:] if t != eos)
+    folder = tmp_path / "m"
+    shutil.copytree(checkpoints["untied_bias_rank"], folder)
+    if where == "config.json":
+        config = json.loads((folder / where).read_text())
+        (folder / where).write_text(json.dumps({**config, "eos_token_id": [eos, turn_end]}))
+    else:
+        (folder / where).write_text(json.dumps({"eos_token_id": [turn_end], "temperature": 0.6}))
+    lm = fastmamba.load(folder)
+    assert lm.config.eos_token_id == eos and lm.config.default_stops == (eos, turn_end)
+    end = min(free.token_ids.index(t) for t in (eos, turn_end) if t in free.token_ids)
+    g = lm.generate(prompt, max_tokens=10)
+    assert g.token_ids == free.token_ids[:end] and g.finish_reason == "stop"
+    assert lm.generate(prompt, max_tokens=10, stop_token_ids=[]).token_ids == free.token_ids
+
+
+def test_a_generation_config_is_checked(checkpoints, tmp_path):
+    folder = tmp_path / "m"
+    shutil.copytree(checkpoints["untied_bias_rank"], folder)
+    for text, words in (("{", "cannot read generation_config.json"), ('{"eos_token_id": [1, "x"]}', "'eos_token_id'"),
+                        ('{"eos_token_id": 1000000}', "outside the vocabulary")):
+        (folder / "generation_config.json").write_text(text)
+        with pytest.raises(fastmamba.CheckpointError, match=words) as e:
+            fastmamba.load(folder)
+        assert "generation_config.json" in str(e.value)
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 5}, {"temperature": 1.2, "top_k": 5, "seed": 1}])

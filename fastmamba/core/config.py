@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from fastmamba.core.config_fields import dt_limit, dt_rank, eos_id, get
+from fastmamba.core.config_fields import dt_limit, dt_rank, eos_id, eos_ids, get
 from fastmamba.core.errors import CheckpointError
 from fastmamba.core.hybrid_config import HYBRIDS
 from fastmamba.core.quant_config import Fp8Scheme, fp8_scheme
@@ -31,6 +31,9 @@ class MambaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     eos_token_id: int = 0
+    # every id a reply stops at unless a request says otherwise: eos_token_id's list whole,
+    # and generation_config.json's (an instruct model's end of turn); () means (eos_token_id,)
+    stop_token_ids: tuple[int, ...] = ()
     # Falcon-Mamba: after x_proj, dt_r, B and C are each RMS-normalised over their last
     # dimension, with no weight, with this eps (Jamba: then times the weights of its
     # "mamba1_normed" layers); None: plain Mamba, no such norm.
@@ -144,11 +147,20 @@ class MambaConfig:
                 f"must be 1 to {MAX_CHUNK_SIZE} (the public checkpoints' are 128 or 256): a prefill holds chunk x "
                 "chunk scores a head"
             )
-        if config.eos_token_id >= config.vocab_size:
-            raise CheckpointError(
-                f"{source}: key 'eos_token_id' is {config.eos_token_id}, outside the vocabulary [0, {config.vocab_size})"
-            )
+        config = config.with_stops(eos_ids(raw, source) if "eos_token_id" in raw else (), source, "eos_token_id")
         return config if fp8 is None else replace(config, fp8=fp8)
+
+    def with_stops(self, ids: tuple[int, ...], source: str, key: str) -> "MambaConfig":
+        """This config with `ids` among its default stops, each checked against the vocabulary."""
+        stops = tuple(dict.fromkeys(self.default_stops + ids))
+        for i in stops:
+            if i >= self.vocab_size:
+                raise CheckpointError(f"{source}: key '{key}' holds {i}, outside the vocabulary [0, {self.vocab_size})")
+        return replace(self, stop_token_ids=stops)
+
+    @property
+    def default_stops(self) -> tuple[int, ...]:
+        return self.stop_token_ids or (self.eos_token_id,)
 
     @classmethod
     def from_file(cls, path: Path) -> "MambaConfig":

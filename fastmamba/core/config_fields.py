@@ -77,10 +77,17 @@ def _json_float(v):
     return v
 
 
-def eos_id(raw: dict, source: str) -> int:
+def eos_ids(raw: dict, source: str) -> tuple[int, ...]:
+    """`eos_token_id`: one id or a list of them (a chat model's end of text and end of turn)."""
     eos = raw.get("eos_token_id", 0)
-    if isinstance(eos, list) and eos:
-        eos = eos[0]
-    if not isinstance(eos, int) or isinstance(eos, bool) or eos < 0:
-        raise CheckpointError(f"{source}: key 'eos_token_id' must be a non-negative integer, got {eos!r}")
-    return eos
+    ids = eos if isinstance(eos, list) and eos else [eos]
+    for i in ids:
+        if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+            raise CheckpointError(f"{source}: key 'eos_token_id' must be a non-negative integer or a list of them, "
+                                  f"got {eos!r}")
+    return tuple(dict.fromkeys(ids))
+
+
+def eos_id(raw: dict, source: str) -> int:
+    """The first of `eos_token_id`'s ids (MambaConfig.stop_token_ids keeps them all)."""
+    return eos_ids(raw, source)[0]

@@ -137,7 +137,7 @@ class EngineCore:
         req = RunningRequest(request.rid, request.ids, request.params, request.top_logprobs)
         req.seed = resolve_seed(req.params.seed)
         stops = req.params.stop_token_ids
-        req.stops = frozenset(stops if stops is not None else (self.model.config.eos_token_id,))
+        req.stops = frozenset(stops if stops is not None else self.model.config.default_stops)
         self.requests[req.rid] = req
         self.waiting.append(req)
         return req

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from fastmamba.core.config import MambaConfig
+from fastmamba.core.config_fields import eos_ids
 from fastmamba.core.dtypes import embedding_dtype
 from fastmamba.core.errors import CheckpointError
 from fastmamba.core.families import family, first_sublayer, fold_multipliers, sublayer, sublayers
@@ -354,8 +355,24 @@ def load_checkpoint(path, device, dtype: torch.dtype) -> tuple[MambaConfig, Mamb
     config = MambaConfig.from_file(inside(folder, "config.json"))
     if os.path.lexists(folder / "hf_quant_config.json") and config.fp8 is None:  # NVIDIA ModelOpt's export
         config = replace(config, fp8=_modelopt_scheme(inside(folder, "hf_quant_config.json")))
+    if os.path.lexists(folder / "generation_config.json"):  # (an instruct model's end of turn, often)
+        config = _generation_stops(config, inside(folder, "generation_config.json"))
     tensors, origin = read_tensors(folder, config)
     return config, build_weights(config, tensors, origin, device, dtype)
+
+
+def _generation_stops(config: MambaConfig, path: Path) -> MambaConfig:
+    """config with generation_config.json's eos ids among its default stops, as transformers'
+    generate and vLLM stop at them (its other keys are sampling defaults: not read)."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: cannot read generation_config.json ({type(e).__name__}: {e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    if raw.get("eos_token_id") is None:
+        return config
+    return config.with_stops(eos_ids(raw, str(path)), str(path), "eos_token_id")
 
 
 def _modelopt_scheme(path: Path) -> Fp8Scheme:

@@ -17,9 +17,10 @@ from fastmamba.io.files import INDEX_FILES, WEIGHTS_FILES
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 # Files a checkpoint folder may need (the chat templates where transformers saves them:
-# serve/chat.py); weights of one format only (see _patterns).
-_COMMON = ["config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-           "additional_chat_templates/*.jinja"]
+# serve/chat.py; generation_config.json's eos ids: the default stops); weights of one format only
+# (see _patterns).
+_COMMON = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+           "chat_template.jinja", "additional_chat_templates/*.jinja"]
 _SAFETENSORS = ["model.safetensors", "model.safetensors.index.json", "model-*.safetensors"]
 _BIN = ["pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model-*.bin"]
 
