@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 from fastmamba.core.errors import CheckpointError
+
+# Prompt tokens an IncrementalDecoder decodes ahead of the output: any one keeps a decoder's
+# strip of a text's leading space off the output; four hold a UTF-8 character's byte tokens
+# whole, so a prompt that ends inside a character gives the output no U+FFFD.
+PROMPT_CONTEXT_TOKENS = 4
 
 
 class Tokenizer:
@@ -34,13 +40,19 @@ class IncrementalDecoder:
     Byte-level BPE tokens can end inside a multi-byte UTF-8 character; such a token's text is
     held back (decoding shows U+FFFD) until a later token completes the character. Only a
     short window of recent tokens is decoded each time, so the cost per token stays flat.
+
+    `prompt`: the ids the output continues (none: the output starts the text). Its last few
+    are decoded with the first output tokens and never emitted: a SentencePiece decoder
+    strips the space of a text's first token, which is the output's first token only when
+    the output is decoded alone. The pieces then join to decode(prompt + output) less
+    decode(prompt).
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int] = ()):
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
+        self.ids: list[int] = list(prompt[-PROMPT_CONTEXT_TOKENS:])
         self.prefix_start = 0  # window start: tokens before it are fully emitted
-        self.read_start = 0  # tokens before it have their text emitted
+        self.read_start = len(self.ids)  # tokens before it have their text emitted
 
     def push(self, token_id: int) -> str:
         """Adds a token; returns the text it completes (possibly empty)."""

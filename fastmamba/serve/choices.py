@@ -24,7 +24,7 @@ class Choice:
         self.index, self.ids, self.params, self.stop, self.top_logprobs = index, ids, params, stop, top_logprobs
         self.route = route  # where replicas are: the key that routes it (None: its prompt's first tokens)
         self.events, self.engine, self.metrics = events, engine, metrics
-        self.decoder = IncrementalDecoder(tokenizer) if tokenizer else None
+        self.decoder = IncrementalDecoder(tokenizer, ids) if tokenizer else None
         self.held = [""]  # text held back: a stop string's possible start
         self.rid = None
         self.tokens = 0

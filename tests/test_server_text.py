@@ -1,0 +1,79 @@
+"""The server's text side without a server: a Choice fed the engine's outputs by hand, its
+events made into bodies by a Response, as serve/app.py does, for a byte-level BPE and a
+Llama-style SentencePiece tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from conftest import make_llama_tokenizer, make_tokenizer
+
+from fastmamba.core.sampling_params import SamplingParams
+from fastmamba.engine.protocol import Finished, Logprob, Token
+from fastmamba.io.prompts import PromptEncoder
+from fastmamba.io.tokenizer import Tokenizer
+from fastmamba.serve.choices import Choice
+from fastmamba.serve.metrics import Metrics
+from fastmamba.serve.responses import Response
+
+pytest.importorskip("prometheus_client")
+
+
+@pytest.fixture(scope="module")
+def byte_level(tmp_path_factory) -> Tokenizer:
+    path = tmp_path_factory.mktemp("byte_level") / "tokenizer.json"
+    make_tokenizer(path)
+    return Tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Tokenizer:
+    path = tmp_path_factory.mktemp("llama") / "tokenizer.json"
+    make_llama_tokenizer(path)
+    return Tokenizer(path)
+
+
+class Engine:
+    """Takes one request and leaves its outputs to the test."""
+
+    rid = 7
+
+    def __init__(self):
+        self.aborted = False
+
+    def submit(self, ids, params, top_logprobs, emit, route=None) -> int:
+        return self.rid
+
+    def abort(self, rid) -> None:
+        self.aborted = True
+
+
+def serve(tokenizer, prompt: str, tokens: list[int], *, stop=(), logprobs: list[Logprob] | None = None,
+          top_logprobs: int | None = None, chat=False, echo=False, reason="length"):
+    """A choice of `prompt` that the engine answers with `tokens` (and `logprobs`, one a
+    token) then ends for `reason`: (Response, the stream's (piece, finish, logprob entry)
+    for each event)."""
+    ids = tokenizer.encode(prompt)
+    events: asyncio.Queue = asyncio.Queue()
+    engine = Engine()
+    choice = Choice(0, ids, SamplingParams(max_tokens=len(tokens)), tuple(stop), top_logprobs, tokenizer, events,
+                    engine, Metrics())
+    choice.submit()
+    for k, t in enumerate(tokens):
+        choice.on_output(Token(engine.rid, t, logprobs[k] if logprobs else None))
+    choice.on_output(Finished(engine.rid, reason, len(ids), len(tokens), 0, 0.0))
+    response = Response("cmpl-1", "m", chat, PromptEncoder(tokenizer, tokenizer.vocab_size), [prompt if echo else ""])
+    streamed = []
+    while not events.empty():
+        _, kind, data = events.get_nowait()
+        streamed.append(response.add(0, kind, data))
+    return response, streamed
+
+
+def test_a_sentencepiece_outputs_first_space_stays_after_its_prompt(llama):
+    the = llama._tok.token_to_id("▁the")
+    for echo, want in ((False, " the the"), (True, "To be the the")):
+        response, streamed = serve(llama, "To be", [the, the], echo=echo)
+        assert response.response()["choices"][0]["text"] == want
+        assert "".join(piece for piece, _, _ in streamed) == want
