@@ -77,3 +77,33 @@ def test_a_sentencepiece_outputs_first_space_stays_after_its_prompt(llama):
         response, streamed = serve(llama, "To be", [the, the], echo=echo)
         assert response.response()["choices"][0]["text"] == want
         assert "".join(piece for piece, _, _ in streamed) == want
+
+
+def greedy_logprobs(tokens: list[int]) -> list[Logprob]:
+    return [Logprob(-0.25, [(t, -0.25)]) for t in tokens]
+
+
+def offsets_index_the_text(response, streamed) -> list[int]:
+    """The completion's text_offset (checked to be the streamed one's too) after each
+    token's text was checked to start there."""
+    choice = response.response()["choices"][0]
+    lp, text = choice["logprobs"], choice["text"]
+    assert [e["at"] for _, _, e in streamed if e] == lp["text_offset"]
+    assert [text[at:at + len(t)] for t, at in zip(lp["tokens"], lp["text_offset"])] == lp["tokens"]
+    return lp["text_offset"]
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_text_offset_counts_text_held_back_for_a_stop_string(byte_level, echo):
+    """'k', 'in', 'g' are held back as a possible start of 'kingl' until ',' comes: each
+    token's text starts where it is in the returned text all the same."""
+    tokens = byte_level.encode(" a king, and a")
+    assert len(tokens) >= 4
+    prompt = "To be"
+    response, streamed = serve(byte_level, prompt, tokens, stop=["kingl"], logprobs=greedy_logprobs(tokens),
+                               top_logprobs=1, echo=echo)
+    start = len(prompt) if echo else 0
+    assert response.response()["choices"][0]["text"] == (prompt if echo else "") + " a king, and a"
+    pieces = [byte_level.decode([t]) for t in tokens]
+    want = [start + sum(map(len, pieces[:k])) for k in range(len(tokens))]
+    assert offsets_index_the_text(response, streamed) == want

@@ -16,7 +16,8 @@ from fastmamba.serve.metrics import Metrics
 
 class Choice:
     """Its events go to the response's queue as (index, kind, data): ("token", {token, text,
-    logprob}) ..., then ("done", {...}) or ("error", protocol.EngineError)."""
+    logprob, held: the length of the text before the token's still held back}) ..., then
+    ("done", {...}) or ("error", protocol.EngineError)."""
 
     def __init__(self, index: int, ids: list[int], params: SamplingParams, stop: tuple[str, ...],
                  top_logprobs: int | None, tokenizer, events: asyncio.Queue, engine: EngineClient, metrics: Metrics,
@@ -66,13 +67,14 @@ class Choice:
         self.metrics.count("generation_tokens_total")
         lp = None if out.logprob is None else dict(logprob=out.logprob.chosen, top=out.logprob.top[: self.top_logprobs])
         text = self.decoder.push(out.token) if self.decoder else None
+        held = len(self.held[0])  # (the token's text comes after it: its text_offset counts it)
         if text is not None and self.stop:
             text, hit = hold_stop(self.held, text, self.stop)
             if hit:
-                self._put("token", dict(token=out.token, text=text, logprob=lp))
+                self._put("token", dict(token=out.token, text=text, logprob=lp, held=held))
                 self.engine.abort(self.rid)
                 return self._done("stop", self.cached_tokens, at_stop_string=True)
-        self._put("token", dict(token=out.token, text=text, logprob=lp))
+        self._put("token", dict(token=out.token, text=text, logprob=lp, held=held))
 
     def _done(self, reason, cached_tokens, at_stop_string=False) -> None:
         self.ended = True

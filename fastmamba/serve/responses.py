@@ -61,7 +61,8 @@ class Response:
             return data["tail"], data["finish_reason"], None
         piece = data["text"] or ""
         out = self.texts[index] + piece if self.first[index] else piece  # echo: the prompt goes out first
-        entry = self._logprob(data, len(self.texts[index])) if data["logprob"] is not None else None
+        at = len(self.texts[index]) + data["held"]
+        entry = self._logprob(data, at) if data["logprob"] is not None else None
         self.texts[index] += piece
         self.first[index] = False
         if entry is not None:
@@ -73,7 +74,8 @@ class Response:
 
     def _logprob(self, data, at: int) -> dict:
         """A token's logprob entry; a completion's keeps `at`, where its text starts in the
-        choice's text (an echoed prompt's after it), for text_offset."""
+        choice's text (after an echoed prompt, and after text held back for a stop string),
+        for text_offset."""
         lp = data["logprob"]
         if self.chat:
             def one(t, v):
