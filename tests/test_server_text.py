@@ -107,3 +107,17 @@ def test_text_offset_counts_text_held_back_for_a_stop_string(byte_level, echo):
     pieces = [byte_level.decode([t]) for t in tokens]
     want = [start + sum(map(len, pieces[:k])) for k in range(len(tokens))]
     assert offsets_index_the_text(response, streamed) == want
+
+
+def test_completions_top_logprobs_hold_the_sampled_token(byte_level):
+    """As OpenAI's legacy completions: "the logprob of the sampled token, so there may be up
+    to logprobs+1 elements"; chat's top_logprobs are the k best only."""
+    a, b, c = (byte_level.encode(w)[0] for w in (" a", " the", " to"))
+    logprobs = [Logprob(-2.5, [(b, -0.5), (c, -1.5)]), Logprob(-0.5, [(b, -0.5), (c, -1.5)])]
+    response, _ = serve(byte_level, "To be", [a, b], logprobs=logprobs, top_logprobs=2)
+    lp = response.response()["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == [-2.5, -0.5]
+    assert lp["top_logprobs"] == [{" the": -0.5, " to": -1.5, " a": -2.5}, {" the": -0.5, " to": -1.5}]
+    chat, _ = serve(byte_level, "To be", [a, b], logprobs=logprobs, top_logprobs=2, chat=True)
+    content = chat.response()["choices"][0]["logprobs"]["content"]
+    assert [[e["token"] for e in entry["top_logprobs"]] for entry in content] == [[" the", " to"]] * 2

@@ -83,8 +83,10 @@ class Response:
                 return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8", "replace"))}
 
             return {**one(data["token"], lp["logprob"]), "top_logprobs": [one(t, v) for t, v in lp["top"]]}
-        return {"token": self._token(data["token"]), "logprob": lp["logprob"],
-                "top": {self._token(t): v for t, v in lp["top"]}, "at": at}
+        top = {self._token(t): v for t, v in lp["top"]}
+        if all(t != data["token"] for t, _ in lp["top"]):  # OpenAI's: the sampled token's is always there
+            top[self._token(data["token"])] = lp["logprob"]
+        return {"token": self._token(data["token"]), "logprob": lp["logprob"], "top": top, "at": at}
 
     def _choice_logprobs(self, entries):
         if not entries:
