@@ -121,3 +121,23 @@ def test_completions_top_logprobs_hold_the_sampled_token(byte_level):
     chat, _ = serve(byte_level, "To be", [a, b], logprobs=logprobs, top_logprobs=2, chat=True)
     content = chat.response()["choices"][0]["logprobs"]["content"]
     assert [[e["token"] for e in entry["top_logprobs"]] for entry in content] == [[" the", " to"]] * 2
+
+
+@pytest.mark.parametrize("name", ["byte_level", "llama"])
+@pytest.mark.parametrize("text, whole_characters", [(" that is the question", True),
+                                                    (" naïve 日本語のテキスト €", False)])
+def test_logprob_tokens_are_their_own_bytes(name, text, whole_characters, request):
+    """Chat's `bytes` join to the text's bytes, characters split across tokens included;
+    token strings (the bytes decoded, U+FFFD for part of a character) join to the text
+    where every token holds whole characters, SentencePiece's spaces included."""
+    tokenizer = request.getfixturevalue(name)
+    prompt = "To be"
+    tokens = tokenizer.encode(prompt + text)[len(tokenizer.encode(prompt)):]
+    chat, _ = serve(tokenizer, prompt, tokens, logprobs=greedy_logprobs(tokens), top_logprobs=1, chat=True)
+    content = chat.response()["choices"][0]["logprobs"]["content"]
+    assert b"".join(bytes(e["bytes"]) for e in content) == text.encode()
+    assert all(e["token"] == bytes(e["bytes"]).decode("utf-8", "replace") for e in content)
+    completion, _ = serve(tokenizer, prompt, tokens, logprobs=greedy_logprobs(tokens), top_logprobs=1)
+    choice = completion.response()["choices"][0]
+    assert choice["text"] == text and choice["logprobs"]["tokens"] == [e["token"] for e in content]
+    assert ("".join(choice["logprobs"]["tokens"]) == text) == whole_characters

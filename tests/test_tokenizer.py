@@ -84,3 +84,34 @@ def test_generate_stream_and_batch_keep_a_sentencepiece_outputs_first_space(tmp_
     assert g.token_ids == [the, the] and g.text == " the the"
     assert "".join(p.text for p in lm.stream("To be", **kw)) == " the the"
     assert [b.text for b in lm.generate_batch(["To be", "Or not"], fastmamba.SamplingParams(**kw))] == [" the the"] * 2
+
+
+def test_token_bytes_join_to_the_texts_bytes(tokenizer):
+    """A token's own bytes: part of a character for some (decoded alone: U+FFFD), a
+    SentencePiece token's space kept (decoded alone: stripped)."""
+    prompt, text = "To be", " or not, naïve café: 日本語のテキスト ✓ €"
+    ids = tokenizer.encode(prompt + text)[len(tokenizer.encode(prompt)):]
+    assert b"".join(tokenizer.token_bytes(t) for t in ids) == text.encode()
+    assert any(tokenizer.decode([t]).encode() != tokenizer.token_bytes(t) for t in ids)
+
+
+def test_token_bytes_of_pieces_spelled_each_way(llama, tmp_path):
+    def piece(tok, name):
+        return tok.token_bytes(tok._tok.token_to_id(name))
+
+    assert piece(llama, "▁the") == b" the" and piece(llama, "<0xE2>") == b"\xe2" and piece(llama, "<s>") == b"<s>"
+    make_tokenizer(tmp_path / "tokenizer.json")
+    byte_level = Tokenizer(tmp_path / "tokenizer.json")
+    assert piece(byte_level, "Ġthe") == b" the" and piece(byte_level, "Ã") == b"\xc3"
+    assert piece(byte_level, "<|endoftext|>") == b"<|endoftext|>"
+
+
+def test_token_bytes_of_other_tokenizers_are_their_decoded_text(tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    tok = HFTokenizer(models.WordLevel({"[UNK]": 0, "naïve": 1, "▁x": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    word_level = Tokenizer(tmp_path / "tokenizer.json")
+    assert [word_level.token_bytes(t) for t in range(3)] == [b"[UNK]", "naïve".encode(), "▁x".encode()]

@@ -69,8 +69,13 @@ class Response:
             self.logprobs[index].append(entry)
         return out, None, entry
 
+    def _bytes(self, t: int) -> bytes:
+        """A token's own bytes, where decoding it alone would give U+FFFD for part of a
+        character or drop a SentencePiece token's space (with no tokenizer: its id's digits)."""
+        return self.encoder.tokenizer.token_bytes(t) if self.encoder.tokenizer else str(t).encode()
+
     def _token(self, t: int) -> str:
-        return self.encoder.tokenizer.decode([t]) if self.encoder.tokenizer else str(t)
+        return self._bytes(t).decode("utf-8", "replace")
 
     def _logprob(self, data, at: int) -> dict:
         """A token's logprob entry; a completion's keeps `at`, where its text starts in the
@@ -78,9 +83,9 @@ class Response:
         for text_offset."""
         lp = data["logprob"]
         if self.chat:
-            def one(t, v):
-                s = self._token(t)
-                return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8", "replace"))}
+            def one(t, v):  # (`bytes`: how a client joins the parts of a character split across tokens)
+                b = self._bytes(t)
+                return {"token": b.decode("utf-8", "replace"), "logprob": v, "bytes": list(b)}
 
             return {**one(data["token"], lp["logprob"]), "top_logprobs": [one(t, v) for t, v in lp["top"]]}
         top = {self._token(t): v for t, v in lp["top"]}
