@@ -141,3 +141,19 @@ def test_logprob_tokens_are_their_own_bytes(name, text, whole_characters, reques
     choice = completion.response()["choices"][0]
     assert choice["text"] == text and choice["logprobs"]["tokens"] == [e["token"] for e in content]
     assert ("".join(choice["logprobs"]["tokens"]) == text) == whole_characters
+
+
+@pytest.mark.parametrize("stop, text, reason", [
+    (["\ufffd"], " to be ", "stop"),
+    ([" \ufffd"], " to be", "stop"),  # (the ' ' held back for it, the U+FFFD flushed at the end)
+    (["zz"], " to be \ufffd", "length"),
+])
+def test_stop_strings_are_looked_for_in_the_text_flushed_at_the_end(byte_level, stop, text, reason):
+    """max_tokens cuts '€' after its first bytes: they are decoded at the end, as U+FFFD."""
+    prompt = "To be"
+    tokens = byte_level.encode(prompt + " to be €")[len(byte_level.encode(prompt)):-1]
+    assert byte_level.decode(tokens) == " to be \ufffd"
+    response, streamed = serve(byte_level, prompt, tokens, stop=stop)
+    choice = response.response()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (text, reason)
+    assert "".join(piece for piece, _, _ in streamed) == text and streamed[-1][1] == reason

@@ -78,8 +78,15 @@ class Choice:
 
     def _done(self, reason, cached_tokens, at_stop_string=False) -> None:
         self.ended = True
-        # the text still held back: a stop string's possible start, a character's first bytes
-        tail = "" if at_stop_string else self.held[0] + (self.decoder.flush() if self.decoder else "")
+        tail = ""
+        if not at_stop_string:
+            # the text still held back: a character's first bytes (decoded now, U+FFFD),
+            # after a stop string's possible start; the two may make a stop string
+            tail = self.decoder.flush() if self.decoder else ""
+            if self.stop:
+                tail, hit = hold_stop(self.held, tail, self.stop)
+                reason = "stop" if hit else reason
+            tail += self.held[0]
         self.metrics.count("request_success_total")
         self.metrics.observe("e2e_request_latency_seconds", time.perf_counter() - self.arrived)
         self._put("done", dict(finish_reason=reason, tail=tail, prompt_tokens=len(self.ids),
