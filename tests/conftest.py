@@ -48,6 +48,29 @@ def make_tokenizer(path: Path, vocab_size: int = 300) -> int:
     return tok.get_vocab_size()
 
 
+def make_llama_tokenizer(path: Path, vocab_size: int = 150) -> int:
+    """A Llama-style SentencePiece BPE, as tokenizer.json has it: '▁' for spaces (one put
+    before the text), byte-fallback tokens '<0x00>'..'<0xFF>' for characters it has no
+    token for, a decoder that strips the text's first space; '<unk>' 0, '<s>' 1, '</s>' 2.
+    Returns its size."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  limit_alphabet=60, show_progress=False)
+    tok.train_from_iterator([CORPUS], trainer)
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for b in range(256):  # (the trainer makes none: they go after its tokens)
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    path.write_text(json.dumps(spec, ensure_ascii=False))
+    return len(vocab)
+
+
 HF_CONFIGS = {
     # name: MambaConfig overrides (the tiny sizes are shared below)
     "odd_vocab_tied": dict(vocab_size=101),
@@ -59,9 +82,10 @@ HF_CONFIGS = {
 }
 
 
-def save_hf_checkpoint(folder: Path, seed: int = 0, tokenizer: bool = False, falcon: bool = False, **overrides) -> Path:
+def save_hf_checkpoint(folder: Path, seed: int = 0, tokenizer=False, falcon: bool = False, **overrides) -> Path:
     """A random HF MambaForCausalLM (FalconMambaForCausalLM with `falcon`) at tiny sizes,
-    saved with save_pretrained."""
+    saved with save_pretrained; `tokenizer`: True for make_tokenizer's, or a function of
+    its signature."""
     if falcon:
         from transformers import FalconMambaConfig as MambaConfig
         from transformers import FalconMambaForCausalLM as MambaForCausalLM
@@ -71,7 +95,7 @@ def save_hf_checkpoint(folder: Path, seed: int = 0, tokenizer: bool = False, fal
     folder.mkdir(parents=True, exist_ok=True)
     args = dict(hidden_size=16, num_hidden_layers=2, state_size=16, vocab_size=101)
     if tokenizer:
-        args["vocab_size"] = make_tokenizer(folder / "tokenizer.json")
+        args["vocab_size"] = (make_tokenizer if tokenizer is True else tokenizer)(folder / "tokenizer.json")
     args.update(overrides)
     save_kwargs = args.pop("save_kwargs", {})
     torch.manual_seed(seed)

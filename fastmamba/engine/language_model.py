@@ -176,7 +176,7 @@ class LanguageModel:
         params = SamplingParams.from_kwargs(params, sampling)
         ids = self.encode(prompt)
         self._check_params_ids(params)
-        decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer else None
+        decoder = IncrementalDecoder(self.tokenizer, ids) if self.tokenizer else None
         for _, token, _ in self._generate([ids], [params]):
             if token is not None:
                 yield StreamPiece(token, decoder.push(token) if decoder else None)
@@ -202,7 +202,7 @@ class LanguageModel:
         for p in params:
             self._check_params_ids(p)
         all_ids = [self.encode(p) for p in prompts]
-        decoders = [IncrementalDecoder(self.tokenizer) if self.tokenizer else None for _ in prompts]
+        decoders = [IncrementalDecoder(self.tokenizer, ids) if self.tokenizer else None for ids in all_ids]
         texts = [[] for _ in prompts]
         out = [[] for _ in prompts]
         finish = ["length"] * len(prompts)

@@ -16,7 +16,8 @@ from fastmamba.serve.metrics import Metrics
 
 class Choice:
     """Its events go to the response's queue as (index, kind, data): ("token", {token, text,
-    logprob}) ..., then ("done", {...}) or ("error", protocol.EngineError)."""
+    logprob, held: the length of the text before the token's still held back}) ..., then
+    ("done", {...}) or ("error", protocol.EngineError)."""
 
     def __init__(self, index: int, ids: list[int], params: SamplingParams, stop: tuple[str, ...],
                  top_logprobs: int | None, tokenizer, events: asyncio.Queue, engine: EngineClient, metrics: Metrics,
@@ -24,7 +25,7 @@ class Choice:
         self.index, self.ids, self.params, self.stop, self.top_logprobs = index, ids, params, stop, top_logprobs
         self.route = route  # where replicas are: the key that routes it (None: its prompt's first tokens)
         self.events, self.engine, self.metrics = events, engine, metrics
-        self.decoder = IncrementalDecoder(tokenizer) if tokenizer else None
+        self.decoder = IncrementalDecoder(tokenizer, ids) if tokenizer else None
         self.held = [""]  # text held back: a stop string's possible start
         self.rid = None
         self.tokens = 0
@@ -66,18 +67,26 @@ class Choice:
         self.metrics.count("generation_tokens_total")
         lp = None if out.logprob is None else dict(logprob=out.logprob.chosen, top=out.logprob.top[: self.top_logprobs])
         text = self.decoder.push(out.token) if self.decoder else None
+        held = len(self.held[0])  # (the token's text comes after it: its text_offset counts it)
         if text is not None and self.stop:
             text, hit = hold_stop(self.held, text, self.stop)
             if hit:
-                self._put("token", dict(token=out.token, text=text, logprob=lp))
+                self._put("token", dict(token=out.token, text=text, logprob=lp, held=held))
                 self.engine.abort(self.rid)
                 return self._done("stop", self.cached_tokens, at_stop_string=True)
-        self._put("token", dict(token=out.token, text=text, logprob=lp))
+        self._put("token", dict(token=out.token, text=text, logprob=lp, held=held))
 
     def _done(self, reason, cached_tokens, at_stop_string=False) -> None:
         self.ended = True
-        # the text still held back: a stop string's possible start, a character's first bytes
-        tail = "" if at_stop_string else self.held[0] + (self.decoder.flush() if self.decoder else "")
+        tail = ""
+        if not at_stop_string:
+            # the text still held back: a character's first bytes (decoded now, U+FFFD),
+            # after a stop string's possible start; the two may make a stop string
+            tail = self.decoder.flush() if self.decoder else ""
+            if self.stop:
+                tail, hit = hold_stop(self.held, tail, self.stop)
+                reason = "stop" if hit else reason
+            tail += self.held[0]
         self.metrics.count("request_success_total")
         self.metrics.observe("e2e_request_latency_seconds", time.perf_counter() - self.arrived)
         self._put("done", dict(finish_reason=reason, tail=tail, prompt_tokens=len(self.ids),

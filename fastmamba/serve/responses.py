@@ -61,28 +61,37 @@ class Response:
             return data["tail"], data["finish_reason"], None
         piece = data["text"] or ""
         out = self.texts[index] + piece if self.first[index] else piece  # echo: the prompt goes out first
-        entry = self._logprob(data, len(self.texts[index])) if data["logprob"] is not None else None
+        at = len(self.texts[index]) + data["held"]
+        entry = self._logprob(data, at) if data["logprob"] is not None else None
         self.texts[index] += piece
         self.first[index] = False
         if entry is not None:
             self.logprobs[index].append(entry)
         return out, None, entry
 
+    def _bytes(self, t: int) -> bytes:
+        """A token's own bytes, where decoding it alone would give U+FFFD for part of a
+        character or drop a SentencePiece token's space (with no tokenizer: its id's digits)."""
+        return self.encoder.tokenizer.token_bytes(t) if self.encoder.tokenizer else str(t).encode()
+
     def _token(self, t: int) -> str:
-        return self.encoder.tokenizer.decode([t]) if self.encoder.tokenizer else str(t)
+        return self._bytes(t).decode("utf-8", "replace")
 
     def _logprob(self, data, at: int) -> dict:
         """A token's logprob entry; a completion's keeps `at`, where its text starts in the
-        choice's text (an echoed prompt's after it), for text_offset."""
+        choice's text (after an echoed prompt, and after text held back for a stop string),
+        for text_offset."""
         lp = data["logprob"]
         if self.chat:
-            def one(t, v):
-                s = self._token(t)
-                return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8", "replace"))}
+            def one(t, v):  # (`bytes`: how a client joins the parts of a character split across tokens)
+                b = self._bytes(t)
+                return {"token": b.decode("utf-8", "replace"), "logprob": v, "bytes": list(b)}
 
             return {**one(data["token"], lp["logprob"]), "top_logprobs": [one(t, v) for t, v in lp["top"]]}
-        return {"token": self._token(data["token"]), "logprob": lp["logprob"],
-                "top": {self._token(t): v for t, v in lp["top"]}, "at": at}
+        top = {self._token(t): v for t, v in lp["top"]}
+        if all(t != data["token"] for t, _ in lp["top"]):  # OpenAI's: the sampled token's is always there
+            top[self._token(data["token"])] = lp["logprob"]
+        return {"token": self._token(data["token"]), "logprob": lp["logprob"], "top": top, "at": at}
 
     def _choice_logprobs(self, entries):
         if not entries:
