@@ -87,7 +87,13 @@ class _WeightsFile:
                     # safetensors names its dtypes F16, BF16, F32, F64, F8_E4M3, I64, BOOL, ...
                     self.header = {n: (tuple(s.get_shape()), s.get_dtype().lower()) for n, s in slices.items()}
             else:
-                self._lazy = _torch_load(path)
+                try:
+                    self._lazy = _torch_load(path)
+                except Exception as e:  # (a bad pickle or zip fails deep inside torch, as any type)
+                    reason = one_line(e)
+                    if "never unpickled" not in reason:
+                        reason = f"not a checkpoint torch.load reads: {reason}"
+                    raise CheckpointError(f"{path}: cannot read weights ({reason})") from None
                 if not isinstance(self._lazy, dict) or not all(isinstance(t, torch.Tensor) for t in self._lazy.values()):
                     raise CheckpointError(f"{path}: not a mapping of tensor names to tensors")
                 self.header = {n: (tuple(t.shape), _dtype_label(t.dtype)) for n, t in self._lazy.items()}
@@ -125,10 +131,11 @@ def _torch_load(path: Path):
 
 def one_line(e: Exception) -> str:
     """A library's (often multi-line) error as one short line."""
-    text = str(e)
-    if "weights_only" in text or "GLOBAL" in text:
+    text = " ".join(str(e).split())
+    if "GLOBAL" in text or "Unsupported global" in text:
         return "it holds pickled objects other than tensors, which are never unpickled"
-    text = " ".join(text.split())
+    if "Weights only load failed" in text:  # (torch's preamble, whatever the pickle's fault; the fault after it)
+        text = text.split("WeightsUnpickler error:")[-1].split(" Check the documentation")[0].strip()
     return f"{type(e).__name__}: {text[:200]}"
 
 
