@@ -17,6 +17,7 @@ from datetime import datetime
 
 import pytest
 
+import fastmamba
 from fastmamba.io.folders import default_model_dir
 from fastmamba.io.tokenizer import Tokenizer
 from fastmamba.serve.chat import ChatTemplate, TemplateRefused
@@ -281,3 +282,29 @@ def test_a_template_that_does_not_compile_is_an_error_at_start_naming_where_it_c
     with pytest.raises(ValueError, match=rf"the chat template 'broken' of {re.escape(str(folder / 'tokenizer_config.json'))} does "
                                          r"not compile: .*\(line 1\)"):
         ChatTemplate(folder, name="broken")
+
+
+def test_a_text_prompt_takes_the_tokenizers_bos_and_a_chat_the_templates_alone(tmp_path):
+    """A tokenizer whose post-processor starts every text with a BOS (Llama-3's, Bamba's):
+    a completion's prompt and generate's text prompt get it, as transformers' tokenizer(text)
+    and vLLM's completions give (fastmamba's had none); a chat's rendered text gets only the
+    one its template writes."""
+    folder = model_folder(tmp_path, config={"bos_token": "<|endoftext|>",
+                                            "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}"
+                                                             "{% endfor %}"})
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    bos = {"id": "<|endoftext|>", "type_id": 0}
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": bos},
+                                                                     {"Sequence": {"id": "A", "type_id": 0}}],
+                              "pair": [{"SpecialToken": bos}, {"Sequence": {"id": "A", "type_id": 0}},
+                                       {"Sequence": {"id": "B", "type_id": 1}}],
+                              "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0],
+                                                                   "tokens": ["<|endoftext|>"]}}}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    plain = Tokenizer(folder / "tokenizer.json").encode("To be, or not")
+    assert plain[0] != 0
+    with app_client(folder) as client:
+        assert client.post("/tokenize", json={"prompt": "To be, or not"}).json()["tokens"] == [0] + plain
+        chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "To be, or not"}]}).json()
+        assert chat["tokens"] == [0] + plain
+    assert fastmamba.load(folder).encode("To be, or not") == [0] + plain

@@ -17,9 +17,12 @@ class PromptEncoder:
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, path: Path | None = None):
         self.tokenizer, self.vocab_size, self.path = tokenizer, vocab_size, path
 
-    def encode(self, prompt) -> list[int]:
+    def encode(self, prompt, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt: a str, or token ids (a list or tuple of ints, a 1-D integer
-        tensor or numpy array). Anything else is a ValueError naming the problem."""
+        tensor or numpy array). Anything else is a ValueError naming the problem. A str gets
+        the tokenizer's special tokens (a BOS where its post-processor adds one), as
+        transformers' tokenizer(text) and vLLM's completions give; a chat template's rendered
+        text passes add_special_tokens=False (the template writes its own)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 where = f" in {self.path}" if self.path else ""
@@ -28,7 +31,7 @@ class PromptEncoder:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as e:
                 raise ValueError(f"the prompt is not valid text: a lone surrogate at character {e.start}") from None
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens)
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
         elif hasattr(prompt, "dtype") and hasattr(prompt, "tolist"):  # a torch tensor or numpy array

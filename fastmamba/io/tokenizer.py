@@ -40,8 +40,10 @@ class Tokenizer:
         self.path = Path(path)
         self._token_bytes: dict[int, bytes] = {}
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """add_special_tokens: the tokenizer's post-processor too (a BOS where its model
+        starts every text with one), as a text prompt takes; a chat template's text has its own."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)

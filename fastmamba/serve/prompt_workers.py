@@ -48,14 +48,14 @@ def _worker_main(conn, tokenizer_path, vocab_size: int, folder, template_argumen
             return
         try:
             if op == "encode":
-                result = encoder.encode(arg)
+                result = encoder.encode(*arg)
             elif op == "decode":
                 result = encoder.tokenizer.decode(arg)
             else:  # "chat": checked messages and the request's tools
                 template = template or ChatTemplate(*template_arguments)
                 messages, tools = arg
                 text = template.render(messages, render_limit(messages, tools), tools)
-                result = (text, encoder.encode(text))
+                result = (text, encoder.encode(text, add_special_tokens=False))
             reply = ("ok", result)
         except ValueError as e:
             reply = ("value", str(e))
@@ -165,11 +165,11 @@ class PromptWorkers:
     async def _run(self, job, timeout=None):
         return await asyncio.get_running_loop().run_in_executor(self._threads, self._call, job, timeout)
 
-    async def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt (PromptEncoder.encode's, and its ValueErrors)."""
         if len(text) <= INLINE_TEXT_CHARS:
-            return self.encoder.encode(text)
-        return await self._run(("encode", text))
+            return self.encoder.encode(text, add_special_tokens)
+        return await self._run(("encode", (text, add_special_tokens)))
 
     async def decode(self, ids: list[int]) -> str:
         if len(ids) <= INLINE_IDS:
@@ -181,7 +181,7 @@ class PromptWorkers:
         TemplateRefused (naming the template) and the encoder's ValueError."""
         if self.template.builtin:  # (its cost is known: only a long prompt's tokenizing leaves the loop)
             text = self.template.render(messages, render_limit(messages, tools), tools)
-            return text, await self.encode(text)
+            return text, await self.encode(text, add_special_tokens=False)
         try:
             return await self._run(("chat", (messages, tools)), self.render_timeout)
         except WorkerFailed as e:
