@@ -17,6 +17,7 @@ from test_chat_templates import app_client, model_folder
 from test_server import Server, openai
 
 from fastmamba.io.folders import default_model_dir
+from fastmamba.serve.chat import ChatTemplate, check_messages, render_limit
 from fastmamba.serve.tools import HermesParser, ToolReply, parse_hermes
 
 needs_xgrammar = pytest.mark.skipif(importlib.util.find_spec("xgrammar") is None,
@@ -272,6 +273,25 @@ def test_tools_on_a_template_without_tool_support_are_a_400_naming_it():
         assert r.status_code == 200, r.text
         text = http.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
         assert text == "user: The weather in Paris?\nassistant: \ntool: sunny, 21 C\nassistant:"
+
+
+def test_an_assistants_calls_without_content_render_as_in_transformers(tmp_path):
+    """An assistant's message of tool calls with content null renders without content, as
+    transformers renders it (it drops keys whose value is None): a template that prints the
+    content prints nothing there, not "None"."""
+    template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% for c in m.tool_calls or [] %}"
+                "<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}{% endfor %}<|assistant|>")
+    folder = model_folder(tmp_path, files={"chat_template.jinja": template})
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+    messages = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]}, RESULT]
+    theirs = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {**call, "function": {"name": "get_time", "arguments": {"zone": "UTC"}}}]}, RESULT]
+    expected = transformers_prompt(folder, theirs, None)
+    assert expected == ('<|user|>The weather in Paris?<|assistant|><tool_call>{"name": "get_time", "arguments": '
+                        '{"zone": "UTC"}}</tool_call><|tool|>sunny, 21 C<|assistant|>')
+    checked = check_messages(messages)
+    assert ChatTemplate(folder).render(checked, render_limit(checked)) == expected
+    assert "content" not in checked[1]
 
 
 BAD_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",

@@ -236,7 +236,7 @@ def _sandbox():
 def render_limit(messages: list[dict], tools: list | None = None) -> int:
     """The most characters a template may render for checked messages and tools: twice their
     text (a message's content and tool calls, the tools' JSON), and RENDER_SLACK_CHARS more."""
-    size = sum(len(m["content"] or "") + (len(json.dumps(m["tool_calls"])) if "tool_calls" in m else 0)
+    size = sum(len(m.get("content", "")) + (len(json.dumps(m["tool_calls"])) if "tool_calls" in m else 0)
                for m in messages)
     return 2 * (size + (len(json.dumps(tools)) if tools else 0)) + RENDER_SLACK_CHARS
 
@@ -248,10 +248,12 @@ MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 
 
 def check_messages(messages) -> list[dict]:
-    """The request's messages as {role, content} (content a string, or None in an assistant's
-    message of tool calls), with an assistant's `tool_calls` (each function's arguments
-    parsed from their JSON, as transformers' templates read them) and a tool message's
-    `tool_call_id`; or a 400 naming the culprit (messages[i], messages[i].content[j], ...)."""
+    """The request's messages as {role, content} (content a string; left out of an assistant's
+    message of tool calls without one, as transformers leaves out a key whose value is None:
+    a template tests `content is defined`, or prints "None"), with an assistant's `tool_calls`
+    (each function's arguments parsed from their JSON, as transformers' templates read them)
+    and a tool message's `tool_call_id`; or a 400 naming the culprit (messages[i],
+    messages[i].content[j], ...)."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
     clean = []
@@ -285,7 +287,9 @@ def check_messages(messages) -> list[dict]:
             content = "".join(texts)
         if not isinstance(content, str) and not (content is None and calls):
             raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
-        message = {"role": m["role"], "content": content}
+        message = {"role": m["role"]}
+        if content is not None:
+            message["content"] = content
         if m.get("name") is not None:  # (a participant's name: the template's to render or not)
             if not isinstance(m["name"], str):
                 raise APIError(400, f"messages[{i}].name must be a string", param="messages")
