@@ -272,6 +272,36 @@ def test_an_unreadable_tokenizer_config_json_is_an_error_at_start_naming_it(tmp_
         ChatTemplate(folder)
 
 
+def test_special_tokens_of_special_tokens_map_json_as_transformers_reads_them(tmp_path):
+    """A checkpoint saved by older transformers keeps its special tokens in
+    special_tokens_map.json: the template gets them (they rendered empty), over
+    tokenizer_config.json's, unless tokenizer_config.json has an added_tokens_decoder (then
+    transformers reads no special_tokens_map.json)."""
+    template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
+    folder = model_folder(tmp_path)
+    config, legacy = folder / "tokenizer_config.json", folder / "special_tokens_map.json"
+    config.write_text(json.dumps({"chat_template": template}))
+    legacy.write_text(json.dumps({"bos_token": {"content": "<s>", "lstrip": False, "normalized": False,
+                                                "rstrip": False, "single_word": False}, "eos_token": "</s>"}))
+    messages = MESSAGES[1:3]
+    expected = transformers_prompt(folder, messages)
+    assert expected == "<s>[user] Who art thou?</s>[assistant]  A ghost.</s>"
+    assert render(folder, messages) == expected
+    config.write_text(json.dumps({"chat_template": template, "eos_token": "<eos>"}))
+    assert render(folder, messages) == transformers_prompt(folder, messages) == expected
+    config.write_text(json.dumps({"chat_template": template, "eos_token": "<eos>", "added_tokens_decoder": {}}))
+    expected = transformers_prompt(folder, messages)
+    assert expected == "[user] Who art thou?<eos>[assistant]  A ghost.<eos>"
+    assert render(folder, messages) == expected
+    config.write_text(json.dumps({"chat_template": template}))
+    legacy.write_text('["<s>"]')
+    with pytest.raises(ValueError, match=rf"{re.escape(str(legacy))} is not a JSON object"):
+        ChatTemplate(folder)
+    legacy.write_text('{"bos_token": ')
+    line = start_error("--model", str(folder))
+    assert f"{legacy} is not valid JSON" in line
+
+
 def test_a_template_that_does_not_compile_is_an_error_at_start_naming_where_it_came_from(tmp_path):
     folder = model_folder(tmp_path, files={"chat_template.jinja": "{% for m in messages %}{{ m['content'] }}"})
     line = start_error("--model", str(folder))

@@ -38,6 +38,7 @@ RENDER_SLACK_CHARS = 1 << 20  # what a template may add to its messages' text (s
 TEMPLATE_FILE = "chat_template.jinja"  # transformers' names for the files save_pretrained writes
 NAMED_TEMPLATES_FOLDER = "additional_chat_templates"
 DEFAULT_NAME = "default"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # where checkpoints saved by older transformers keep them
 # the named special tokens transformers hands a template (its SPECIAL_TOKENS_ATTRIBUTES)
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -51,8 +52,8 @@ class ChatTemplate:
     """The chat template of a model folder (see the module's doc for where it is found), or
     of `file` (--chat-template), `name` picking among the folder's named ones
     (--chat-template-name); compiled in a sandbox, as transformers does. A ValueError names
-    what is wrong: an unreadable tokenizer_config.json or template file, an unknown name, a
-    template that does not compile. `origin` names the template in messages; `builtin`: the
+    what is wrong: an unreadable tokenizer_config.json, special_tokens_map.json or template
+    file, an unknown name, a template that does not compile. `origin` names the template in messages; `builtin`: the
     plain one, whose cost is known (it may render on the event loop); `arguments`: what it
     was made from, for a worker process to make it again; `uses_tools`: whether the template
     reads the `tools` variable (without it a request's tools could not reach the model)."""
@@ -64,7 +65,7 @@ class ChatTemplate:
         self.arguments = (folder, file, name)
         folder = Path(folder) if folder is not None else None
         config_path, config = _tokenizer_config(folder)
-        self.special_tokens = _special_tokens(config)
+        self.special_tokens = _special_tokens(folder, config)
         source, self.origin = _template_source(folder, config_path, config, file, name)
         self.builtin = source is None
         if self.builtin:
@@ -102,34 +103,44 @@ class ChatTemplate:
 
 
 def _tokenizer_config(folder: Path | None) -> tuple[Path | None, dict]:
-    """The folder's tokenizer_config.json and its contents ({} where there is none); one
-    that cannot be read or is not a JSON object is a ValueError naming it."""
+    """The folder's tokenizer_config.json and its contents ({} where there is none)."""
     if folder is None:
         return None, {}
     path = folder / "tokenizer_config.json"
+    return path, _json_object(path)
+
+
+def _json_object(path: Path) -> dict:
+    """A JSON file's object ({} where there is no file); one that cannot be read or is not a
+    JSON object is a ValueError naming it."""
     if not path.exists():
-        return path, {}
+        return {}
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise ValueError(f"{path} cannot be read ({e.strerror or e})") from None
     except ValueError as e:  # (not UTF-8, or not JSON)
         raise ValueError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(config, dict):
+    if not isinstance(value, dict):
         raise ValueError(f"{path} is not a JSON object")
-    return path, config
+    return value
 
 
-def _special_tokens(config: dict) -> dict[str, str]:
-    """The special tokens of tokenizer_config.json a template may use (bos_token, eos_token,
-    ...): each a string, or an AddedToken saved as an object with its "content"."""
-    tokens = {}
-    for key in SPECIAL_TOKENS:
-        value = config.get(key)
-        if isinstance(value, dict):
-            value = value.get("content")
+def _special_tokens(folder: Path | None, config: dict) -> dict[str, str]:
+    """The special tokens a template may use (bos_token, eos_token, ...), each a string or an
+    AddedToken saved as an object with its "content": tokenizer_config.json's, and where it
+    has no added_tokens_decoder (the layout of transformers before 4.34) special_tokens_map.json's
+    over them, as transformers reads them (a null there unsets the token)."""
+    tokens = {key: config[key] for key in SPECIAL_TOKENS if key in config}
+    if folder is not None and "added_tokens_decoder" not in config:
+        legacy = _json_object(folder / SPECIAL_TOKENS_MAP)
+        tokens.update({key: legacy[key] for key in SPECIAL_TOKENS if key in legacy})
+    for key, value in list(tokens.items()):
+        value = value.get("content") if isinstance(value, dict) else value
         if isinstance(value, str):
             tokens[key] = value
+        else:
+            del tokens[key]
     return tokens
 
 
