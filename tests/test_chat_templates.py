@@ -302,6 +302,28 @@ def test_special_tokens_of_special_tokens_map_json_as_transformers_reads_them(tm
     assert f"{legacy} is not valid JSON" in line
 
 
+def test_tokenize_refuses_a_field_it_does_not_serve_naming_it(tmp_path):
+    """/tokenize refuses what it would ignore (a typo of a field, vLLM's chat options), as
+    the chat endpoint does: a 200 would give ids of another prompt than the client meant."""
+    folder = model_folder(tmp_path, {"chat_template": CHATML})
+    with app_client(folder) as client:
+        for field, value in (("add_generation_promt", False), ("continue_final_message", True),
+                             ("chat_template_kwargs", {"enable_thinking": False}), ("temperature", 0)):
+            r = client.post("/tokenize", json={"messages": MESSAGES, field: value})
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["param"] == field and error["code"] == "unrecognized_field"
+            assert error["message"].startswith(f"unrecognized request field '{field}'; /tokenize takes messages")
+        r = client.post("/tokenize", json={"prompt": "To be", "messages": MESSAGES})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        r = client.post("/tokenize", json={"prompt": "To be", "tool_choice": "none"})
+        assert r.status_code == 400 and "'tool_choice' goes with 'messages'" in r.json()["error"]["message"]
+        r = client.post("/tokenize", json={"prompt": "To be", "model": "other"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+        r = client.post("/tokenize", json={"prompt": "To be", "model": "fastmamba-default"})
+        assert r.json()["tokens"] == Tokenizer(folder / "tokenizer.json").encode("To be")
+        assert served_prompt(client, folder) == transformers_prompt(folder)
+
+
 def test_a_template_that_does_not_compile_is_an_error_at_start_naming_where_it_came_from(tmp_path):
     folder = model_folder(tmp_path, files={"chat_template.jinja": "{% for m in messages %}{{ m['content'] }}"})
     line = start_error("--model", str(folder))

@@ -84,10 +84,18 @@ class OpenAIServer:
         from fastapi.responses import Response as HTTPResponse
 
         body = await self.body(request)
+        check_fields(body, "tokenize")
+        requests.check_model(body, self.model_name)
         if "messages" in body:
+            if "prompt" in body:
+                raise APIError(400, "give 'prompt' (a completion's) or 'messages' (a chat's), not both", param="prompt")
             messages = check_messages(body["messages"])
             _, ids = await self.chat_prompt(messages, self._tools(body))
         else:
+            chat_only = sorted({"tools", "tool_choice", "parallel_tool_calls"} & body.keys())
+            if chat_only:
+                raise APIError(400, f"'{chat_only[0]}' goes with 'messages' (a chat's prompt), not 'prompt'",
+                               param=chat_only[0])
             ids = await requests.encode(self.workers, get(body, "prompt", str, required=True), "prompt")
         # (encoded here: FastAPI's own encoder walks a long prompt's ids in Python, for seconds)
         return HTTPResponse(msgspec.json.encode({"tokens": ids, "count": len(ids)}), media_type="application/json")

@@ -30,6 +30,8 @@ SERVED = {
     "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "modalities",
                        "store", "service_tier", "tools", "tool_choice", "parallel_tool_calls", "reasoning_effort",
                        "verbosity"},
+    # a completion's prompt, or a chat's messages and what else its prompt is made of
+    "tokenize": {"model", "prompt", "messages", "tools", "tool_choice", "parallel_tool_calls"},
 }
 
 _NOT_SERVED = "is not supported by this server"
@@ -45,18 +47,25 @@ REFUSED = {
 
 
 def check_fields(body: dict, endpoint: str) -> None:
-    """A 400 naming the first field of `body` that the endpoint ("completions" or "chat")
-    does not serve, or serves only at a value other than the one given."""
+    """A 400 naming the first field of `body` that the endpoint ("completions", "chat" or
+    "tokenize") does not serve, or serves only at a value other than the one given."""
     served = SERVED[endpoint]
     for name, value in body.items():
         if name in REFUSED:
             raise APIError(400, REFUSED[name], param=name, code="unsupported_field")
         if name not in served:
-            other = "completions" if endpoint == "chat" else "chat"
-            where = f"; it is a field of /v1/{'chat/' if other == 'chat' else ''}completions" if name in SERVED[other] else ""
-            raise APIError(400, f"unrecognized request field '{name}'{where}", param=name, code="unrecognized_field")
+            raise APIError(400, f"unrecognized request field '{name}'{_hint(name, endpoint)}", param=name,
+                           code="unrecognized_field")
         if value is not None:
             _check_value(name, value, body, endpoint)
+
+
+def _hint(name: str, endpoint: str) -> str:
+    """Where an unrecognized field belongs, where that helps the client."""
+    if endpoint == "tokenize":
+        return f"; /tokenize takes {', '.join(sorted(SERVED['tokenize']))}"
+    other = "completions" if endpoint == "chat" else "chat"
+    return f"; it is a field of /v1/{'chat/' if other == 'chat' else ''}completions" if name in SERVED[other] else ""
 
 
 def _refuse(name: str, why: str):
