@@ -294,6 +294,39 @@ def test_an_assistants_calls_without_content_render_as_in_transformers(tmp_path)
     assert "content" not in checked[1]
 
 
+def test_a_models_tool_use_template_renders_the_requests_with_tools(tmp_path):
+    """A model with the named templates "default" and "tool_use" (a list in
+    tokenizer_config.json, or chat_template.jinja and additional_chat_templates/tool_use.jinja)
+    renders a request with tools with "tool_use" and one without with "default", as
+    transformers picks them (the tools were a 400: "default" makes no use of them);
+    --chat-template-name default keeps "default" for both."""
+    default = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
+    listed = model_folder(tmp_path, {"chat_template": [{"name": "default", "template": default},
+                                                       {"name": "tool_use", "template": HERMES}]}, name="listed")
+    expected = transformers_prompt(listed, MESSAGES, TOOLS)
+    assert expected.startswith('<|system|>You may call these functions') and '"name": "get_time"' in expected
+    plain = transformers_prompt(listed, MESSAGES, None)
+    assert plain == "<|user|>The weather in Paris?<|assistant|>"
+
+    def prompt(client, body) -> str:
+        r = client.post("/tokenize", json=body)
+        assert r.status_code == 200, r.text
+        return client.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
+
+    with app_client(listed) as client:
+        assert prompt(client, {"messages": MESSAGES, "tools": TOOLS}) == expected
+        assert prompt(client, {"messages": MESSAGES}) == plain
+    files = model_folder(tmp_path, files={"chat_template.jinja": default,
+                                          "additional_chat_templates/tool_use.jinja": HERMES}, name="files")
+    template = ChatTemplate(files)
+    assert template.uses_tools and template.tools_origin.endswith("additional_chat_templates/tool_use.jinja")
+    assert template.render(MESSAGES, 1 << 20, TOOLS) == transformers_prompt(files, MESSAGES, TOOLS) == expected
+    assert template.render(MESSAGES, 1 << 20) == plain
+    with app_client(listed, chat_template_name="default") as client:
+        r = client.post("/tokenize", json={"messages": MESSAGES, "tools": TOOLS})
+        assert r.status_code == 400 and "no tool support (the chat template 'default' of" in r.json()["error"]["message"]
+
+
 BAD_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
                                                                          "properties": {"a": {"type": "nonsense"}}}}}
 

@@ -138,7 +138,7 @@ class OpenAIServer:
                                  max_tokens=max_tokens, route=conversation_key(messages), tool_request=tool_request)
 
     def _tools(self, body: dict) -> tools.ToolRequest | None:
-        return tools.read(body, self.template.uses_tools, self.template.origin)
+        return tools.read(body, self.template.uses_tools, self.template.tools_origin)
 
     @property
     def max_model_len(self) -> int:

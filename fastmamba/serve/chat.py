@@ -7,7 +7,9 @@ Where the template comes from, in transformers' order: `--chat-template FILE`; e
 folder's chat_template.jinja and additional_chat_templates/NAME.jinja (what transformers'
 save_pretrained writes: the default template and the named ones), which win over
 tokenizer_config.json's `chat_template` (a string, or a list of {"name", "template"});
-"default" unless `--chat-template-name` picks another; else the plain template.
+"default" unless `--chat-template-name` picks another, and "tool_use" for a request with
+tools where the model has one and no flag was given (as transformers picks it); else the
+plain template.
 
 A checkpoint's own template is code of unknown cost: it renders with its output counted as
 it comes (`ChatTemplate.render`'s limit), in a worker process that is killed past a time
@@ -21,6 +23,7 @@ import hashlib
 import json
 from datetime import datetime
 from pathlib import Path
+from typing import NamedTuple
 
 from fastmamba.serve.errors import APIError
 
@@ -38,6 +41,7 @@ RENDER_SLACK_CHARS = 1 << 20  # what a template may add to its messages' text (s
 TEMPLATE_FILE = "chat_template.jinja"  # transformers' names for the files save_pretrained writes
 NAMED_TEMPLATES_FOLDER = "additional_chat_templates"
 DEFAULT_NAME = "default"
+TOOL_USE_NAME = "tool_use"  # the named template transformers renders a request with tools with
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # where checkpoints saved by older transformers keep them
 # the named special tokens transformers hands a template (its SPECIAL_TOKENS_ATTRIBUTES)
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -53,53 +57,80 @@ class ChatTemplate:
     of `file` (--chat-template), `name` picking among the folder's named ones
     (--chat-template-name); compiled in a sandbox, as transformers does. A ValueError names
     what is wrong: an unreadable tokenizer_config.json, special_tokens_map.json or template
-    file, an unknown name, a template that does not compile. `origin` names the template in messages; `builtin`: the
-    plain one, whose cost is known (it may render on the event loop); `arguments`: what it
-    was made from, for a worker process to make it again; `uses_tools`: whether the template
-    reads the `tools` variable (without it a request's tools could not reach the model)."""
+    file, an unknown name, a template that does not compile. `origin` names the template in
+    messages; `builtin`: the plain one, whose cost is known (it may render on the event
+    loop); `arguments`: what it was made from, for a worker process to make it again.
+
+    A model's "tool_use" template, where it has one and no flag picked a template, renders
+    the requests with tools, as transformers picks it: `tools_origin` names the template a
+    request with tools renders, and `uses_tools` says whether it reads the `tools` variable
+    (without it a request's tools could not reach the model)."""
 
     def __init__(self, folder, file: str | None = None, name: str | None = None):
-        import jinja2
-        from jinja2 import meta
-
         self.arguments = (folder, file, name)
         folder = Path(folder) if folder is not None else None
         config_path, config = _tokenizer_config(folder)
         self.special_tokens = _special_tokens(folder, config)
-        source, self.origin = _template_source(folder, config_path, config, file, name)
+        source, self.origin, tool_use = _template_source(folder, config_path, config, file, name)
         self.builtin = source is None
         if self.builtin:
             source, self.origin = PLAIN_CHAT_TEMPLATE, "the plain chat template"
         env = _sandbox()
-        try:
-            self.compiled = env.from_string(source)
-        except jinja2.TemplateError as e:
-            where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
-            raise ValueError(f"{self.origin} does not compile: {e.message}{where}") from None
-        self.uses_tools = "tools" in meta.find_undeclared_variables(env.parse(source))
+        self._plain = _compile(env, source, self.origin)
+        self._with_tools = _compile(env, *tool_use) if tool_use else self._plain
+        self.tools_origin = self._with_tools.origin
+        self.uses_tools = self._with_tools.reads_tools
+
+    def origin_for(self, tools: list | None) -> str:
+        """The words naming the template that renders a request with (or without) tools."""
+        return self._rendering(tools).origin
+
+    def _rendering(self, tools: list | None) -> _Compiled:
+        return self._plain if tools is None else self._with_tools
 
     def render(self, messages: list[dict], limit: int, tools: list | None = None) -> str:
         """The prompt of checked messages (`check_messages`) and the request's tools (the
         OpenAI dicts, as transformers passes them), its output counted as it renders: past
         `limit` characters, TemplateRefused."""
+        template = self._rendering(tools)
+        origin = template.origin
         pieces, size = [], 0
         # (tools and documents as transformers passes them: None without any, and a template
         # may test `tools is not none`)
         variables = dict(self.special_tokens, messages=messages, tools=tools, documents=None, add_generation_prompt=True)
         try:
-            for piece in self.compiled.generate(**variables):
+            for piece in template.compiled.generate(**variables):
                 size += len(piece)
                 if size > limit:
-                    raise TemplateRefused(f"{self.origin} rendered over {limit} characters for these messages: "
-                                          "refused")
+                    raise TemplateRefused(f"{origin} rendered over {limit} characters for these messages: refused")
                 pieces.append(piece)
         except TemplateRefused:
             raise
         except MemoryError:
-            raise TemplateRefused(f"{self.origin} ran out of memory rendering these messages") from None
+            raise TemplateRefused(f"{origin} ran out of memory rendering these messages") from None
         except Exception as e:  # a template's own error (raise_exception, a role it refuses)
-            raise TemplateRefused(f"{self.origin} refused the messages: {e}") from None
+            raise TemplateRefused(f"{origin} refused the messages: {e}") from None
         return "".join(pieces)
+
+
+class _Compiled(NamedTuple):
+    compiled: object  # (a jinja2.Template)
+    origin: str
+    reads_tools: bool
+
+
+def _compile(env, source: str, origin: str) -> _Compiled:
+    """A template's source compiled in `env`; one that does not compile is a ValueError
+    naming it (and the line)."""
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        compiled = env.from_string(source)
+    except jinja2.TemplateError as e:
+        where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+        raise ValueError(f"{origin} does not compile: {e.message}{where}") from None
+    return _Compiled(compiled, origin, "tools" in meta.find_undeclared_variables(env.parse(source)))
 
 
 def _tokenizer_config(folder: Path | None) -> tuple[Path | None, dict]:
@@ -144,19 +175,21 @@ def _special_tokens(folder: Path | None, config: dict) -> dict[str, str]:
     return tokens
 
 
-def _template_source(folder, config_path, config: dict, file: str | None, name: str | None) -> tuple[str | None, str]:
+def _template_source(folder, config_path, config: dict, file: str | None, name: str | None
+                     ) -> tuple[str | None, str, tuple[str, str] | None]:
     """The template's text and the words that name it in messages, or (None, "") where the
-    model has none (and none was asked for)."""
+    model has none (and none was asked for); and the text and words of the model's
+    "tool_use" template where no flag picked one and the model has it, else None."""
     if file is not None:
         if name is not None:
             raise ValueError("--chat-template-name picks one of the model's own chat templates: it does not go with "
                              "--chat-template FILE")
-        return _read(Path(file), "--chat-template"), f"the chat template {file} (--chat-template)"
+        return _read(Path(file), "--chat-template"), f"the chat template {file} (--chat-template)", None
     templates = _template_files(folder) or _config_templates(config_path, config)
     if not templates:
         if name is not None:
             raise ValueError(f"--chat-template-name {name}: the model in {folder} has no chat templates")
-        return None, ""
+        return None, "", None
     if (name or DEFAULT_NAME) not in templates:
         names = ", ".join(sorted(templates))
         if name is None:
@@ -164,7 +197,13 @@ def _template_source(folder, config_path, config: dict, file: str | None, name: 
                              f"--chat-template-name (its templates: {names})")
         raise ValueError(f"--chat-template-name {name}: the model in {folder} has no chat template of that name (its "
                          f"templates: {names})")
-    source, origin = templates[name or DEFAULT_NAME]
+    source, origin = _text(*templates[name or DEFAULT_NAME])
+    tool_use = _text(*templates[TOOL_USE_NAME]) if name is None and TOOL_USE_NAME in templates else None
+    return source, origin, tool_use
+
+
+def _text(source: str | Path, origin: str) -> tuple[str, str]:
+    """A named template's text (read, where it is a file) and its words."""
     return (_read(source) if isinstance(source, Path) else source), origin
 
 

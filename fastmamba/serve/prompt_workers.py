@@ -186,9 +186,9 @@ class PromptWorkers:
             return await self._run(("chat", (messages, tools)), self.render_timeout)
         except WorkerFailed as e:
             if e.timed_out:
-                raise TemplateRefused(f"{self.template.origin} took over {self.render_timeout:g} s to render these "
+                raise TemplateRefused(f"{self.template.origin_for(tools)} took over {self.render_timeout:g} s to render these "
                                       "messages: refused") from None
-            raise TemplateRefused(f"{self.template.origin} failed on these messages: its renderer ran out of "
+            raise TemplateRefused(f"{self.template.origin_for(tools)} failed on these messages: its renderer ran out of "
                                   "memory or crashed") from None
 
     def close(self) -> None:
