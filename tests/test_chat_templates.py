@@ -272,6 +272,60 @@ def test_an_unreadable_tokenizer_config_json_is_an_error_at_start_naming_it(tmp_
         ChatTemplate(folder)
 
 
+# Gemma-3's way with OpenAI's content parts: the system prompt's first part read by index,
+# each message's parts looped over (a string content printed as it is)
+GEMMA_PARTS = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+               "{% set prefix = messages[0]['content'][0]['text'] + '\n\n' %}{% set turns = messages[1:] %}"
+               "{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+               "{% for message in turns %}<{{ message['role'] }}>{{ prefix if loop.first else '' }}"
+               "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for item in message['content'] %}"
+               "{% if item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}|{% endfor %}<model>")
+# Granite-4's: a string as it is, else the text parts joined with a newline by the template
+GRANITE_PARTS = ("{% for m in messages %}{% set c = namespace(v='') %}{% if m.content is string %}{% set c.v = m.content %}"
+                 "{% else %}{% for e in m.content %}{% if e.type == 'text' %}{% if c.v != '' %}{% set c.v = c.v + '\n' %}"
+                 "{% endif %}{% set c.v = c.v + e.text %}{% endif %}{% endfor %}{% endif %}"
+                 "<{{ m.role }}>{{ c.v }}|{% endfor %}<assistant>")
+PARTS_MESSAGES = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                  {"role": "user", "content": [{"type": "text", "text": "Who art"}, {"type": "text", "text": "thou?"}]},
+                  {"role": "assistant", "content": "A ghost."}, {"role": "user", "content": [{"type": "text", "text": "Whence?"}]}]
+
+
+def test_content_parts_reach_a_template_that_reads_parts_as_given(tmp_path):
+    """A template that loops over a message's content or indexes into it gets OpenAI's parts
+    as the request gave them, and a string as a string, as transformers passes them (the
+    parts were joined into one string first: a loop went over its characters and dropped the
+    text, an index failed, a template's own joining was lost)."""
+    from fastmamba.serve.chat import check_messages, render_limit
+
+    gemma = model_folder(tmp_path, {"chat_template": GEMMA_PARTS}, name="gemma")
+    expected = transformers_prompt(gemma, PARTS_MESSAGES)
+    assert expected == "<s><user>Be brief.\n\nWho artthou?|<assistant>A ghost.|<user>Whence?|<model>"
+    checked = check_messages(PARTS_MESSAGES)
+    assert ChatTemplate(gemma).render(checked, render_limit(checked)) == expected
+    with app_client(gemma) as client:
+        assert served_prompt(client, gemma, PARTS_MESSAGES) == expected
+    granite = model_folder(tmp_path, {"chat_template": GRANITE_PARTS}, name="granite")
+    expected = transformers_prompt(granite, PARTS_MESSAGES)
+    assert expected == "<system>Be brief.|<user>Who art\nthou?|<assistant>A ghost.|<user>Whence?|<assistant>"
+    assert ChatTemplate(granite).render(checked, render_limit(checked)) == expected
+
+
+def test_content_parts_are_joined_with_a_newline_for_a_template_that_takes_strings(tmp_path):
+    """A template that reads a message's content as a string gets its text parts joined with
+    a newline, as vLLM joins them (they were joined with nothing)."""
+    from fastmamba.serve.chat import check_messages, render_limit
+
+    folder = model_folder(tmp_path, {"chat_template": CHATML})
+    joined = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
+               else "\n".join(part["text"] for part in m["content"])} for m in PARTS_MESSAGES]
+    expected = transformers_prompt(folder, joined)
+    assert '<|user|>"Who art\\nthou?"</s>' in expected
+    checked = check_messages(PARTS_MESSAGES)
+    assert ChatTemplate(folder).render(checked, render_limit(checked)) == expected
+    plain = ChatTemplate(model_folder(tmp_path, name="plain"))
+    assert plain.render(checked, render_limit(checked)).startswith("system: Be brief.\nuser: Who art\nthou?\n")
+
+
 def test_special_tokens_of_special_tokens_map_json_as_transformers_reads_them(tmp_path):
     """A checkpoint saved by older transformers keeps its special tokens in
     special_tokens_map.json: the template gets them (they rendered empty), over

@@ -94,6 +94,8 @@ class ChatTemplate:
         `limit` characters, TemplateRefused."""
         template = self._rendering(tools)
         origin = template.origin
+        if not template.takes_parts:
+            messages = [_joined(m) for m in messages]
         pieces, size = [], 0
         # (tools and documents as transformers passes them: None without any, and a template
         # may test `tools is not none`)
@@ -117,6 +119,7 @@ class _Compiled(NamedTuple):
     compiled: object  # (a jinja2.Template)
     origin: str
     reads_tools: bool
+    takes_parts: bool  # (see _takes_parts)
 
 
 def _compile(env, source: str, origin: str) -> _Compiled:
@@ -130,7 +133,79 @@ def _compile(env, source: str, origin: str) -> _Compiled:
     except jinja2.TemplateError as e:
         where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
         raise ValueError(f"{origin} does not compile: {e.message}{where}") from None
-    return _Compiled(compiled, origin, "tools" in meta.find_undeclared_variables(env.parse(source)))
+    tree = env.parse(source)
+    return _Compiled(compiled, origin, "tools" in meta.find_undeclared_variables(tree), _takes_parts(tree))
+
+
+def _joined(message: dict) -> dict:
+    """A message whose content is a list of text parts, their texts joined with a newline (as
+    vLLM joins them for a template that takes a string)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    return {**message, "content": "\n".join(part["text"] for part in content)}
+
+
+def _takes_parts(tree) -> bool:
+    """Whether a template (its jinja2 syntax tree) reads a message's content as a list of
+    OpenAI's parts, as vLLM tells it: it loops over a message's content (Gemma-3's and
+    Llama-4's `{% for item in message['content'] %}`), or indexes into it
+    (`messages[0]['content'][0]['text']`). Such a template gets the parts as the request
+    gave them, and a string content as a string (as transformers passes both); any other
+    gets each message's parts joined. Names the template sets are followed (`{% set
+    loop_messages = messages[1:] %}`, `{% set content = message.content %}`)."""
+    from jinja2 import nodes
+
+    def unwrapped(node):  # (the expression under filters, tests and slices: `messages | reverse`, `messages[1:]`)
+        while True:
+            if isinstance(node, (nodes.Filter, nodes.Test)) and node.node is not None:
+                node = node.node
+            elif isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+                node = node.node
+            else:
+                return node
+
+    def indexed(node):  # x of x[0] and x[-1]
+        if not isinstance(node, nodes.Getitem):
+            return None
+        index = node.arg.node if isinstance(node.arg, nodes.Neg) else node.arg
+        return node.node if isinstance(index, nodes.Const) and type(index.value) is int else None
+
+    def field(node, key: str):  # x of x['key'] and x.key
+        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == key:
+            return node.node
+        return node.node if isinstance(node, nodes.Getattr) and node.attr == key else None
+
+    def named(node, names: set[str]) -> bool:
+        node = unwrapped(node)
+        return isinstance(node, nodes.Name) and node.name in names
+
+    def closure(names: set[str], made_of) -> set[str]:  # and the names set from what `made_of` accepts
+        names, grown = set(names), True
+        while grown:
+            grown = False
+            for assign in tree.find_all(nodes.Assign):
+                target = assign.target
+                if isinstance(target, nodes.Name) and target.name not in names and made_of(assign.node, names):
+                    names.add(target.name)
+                    grown = True
+        return names
+
+    lists = closure({"messages"}, named)
+    loops = {loop.target.name for loop in tree.find_all(nodes.For)
+             if isinstance(loop.target, nodes.Name) and named(loop.iter, lists)}
+
+    def is_message(node, names) -> bool:
+        return named(node, names) or named(indexed(node), lists)
+
+    messages = closure(loops, is_message)
+
+    def is_content(node, names) -> bool:
+        return named(node, names) or is_message(field(unwrapped(node), "content"), messages)
+
+    contents = closure(set(), is_content)
+    return (any(is_content(loop.iter, contents) for loop in tree.find_all(nodes.For))
+            or any(is_content(indexed(node), contents) for node in tree.find_all(nodes.Getitem)))
 
 
 def _tokenizer_config(folder: Path | None) -> tuple[Path | None, dict]:
@@ -285,10 +360,15 @@ def _sandbox():
 
 def render_limit(messages: list[dict], tools: list | None = None) -> int:
     """The most characters a template may render for checked messages and tools: twice their
-    text (a message's content and tool calls, the tools' JSON), and RENDER_SLACK_CHARS more."""
-    size = sum(len(m.get("content", "")) + (len(json.dumps(m["tool_calls"])) if "tool_calls" in m else 0)
+    text (a message's content, its parts' JSON, and tool calls, the tools' JSON), and
+    RENDER_SLACK_CHARS more."""
+    size = sum(_size(m.get("content", "")) + (len(json.dumps(m["tool_calls"])) if "tool_calls" in m else 0)
                for m in messages)
     return 2 * (size + (len(json.dumps(tools)) if tools else 0)) + RENDER_SLACK_CHARS
+
+
+def _size(content: str | list) -> int:
+    return len(content) if isinstance(content, str) else len(json.dumps(content))
 
 
 # OpenAI's roles and message fields served (`refusal` only as null; an assistant's `audio`,
@@ -298,12 +378,12 @@ MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 
 
 def check_messages(messages) -> list[dict]:
-    """The request's messages as {role, content} (content a string; left out of an assistant's
-    message of tool calls without one, as transformers leaves out a key whose value is None:
-    a template tests `content is defined`, or prints "None"), with an assistant's `tool_calls`
-    (each function's arguments parsed from their JSON, as transformers' templates read them)
-    and a tool message's `tool_call_id`; or a 400 naming the culprit (messages[i],
-    messages[i].content[j], ...)."""
+    """The request's messages as {role, content} (content a string, or a list of text parts
+    as given; left out of an assistant's message of tool calls without one, as transformers
+    leaves out a key whose value is None: a template tests `content is defined`, or prints
+    "None"), with an assistant's `tool_calls` (each function's arguments parsed from their
+    JSON, as transformers' templates read them) and a tool message's `tool_call_id`; or a
+    400 naming the culprit (messages[i], messages[i].content[j], ...)."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
     clean = []
@@ -321,8 +401,7 @@ def check_messages(messages) -> list[dict]:
             raise APIError(400, f"messages[{i}].tool_call_id (a string) is needed in a tool message", param="messages")
         content = m.get("content")
         calls = _tool_calls(m, i)
-        if isinstance(content, list):  # OpenAI's parts: the text ones, joined
-            texts = []
+        if isinstance(content, list):  # OpenAI's parts, text ones only, kept as given (see ChatTemplate.render)
             for j, part in enumerate(content):
                 if not isinstance(part, dict):
                     raise APIError(400, f"messages[{i}].content[{j}] must be an object such as "
@@ -333,9 +412,8 @@ def check_messages(messages) -> list[dict]:
                                    "reads text parts only", param="messages", code="unsupported_content")
                 if not isinstance(part.get("text"), str):
                     raise APIError(400, f"messages[{i}].content[{j}].text must be a string", param="messages")
-                texts.append(part["text"])
-            content = "".join(texts)
-        if not isinstance(content, str) and not (content is None and calls):
+            content = list(content)
+        if not isinstance(content, (str, list)) and not (content is None and calls):
             raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
         message = {"role": m["role"]}
         if content is not None:
