@@ -71,6 +71,26 @@ def make_llama_tokenizer(path: Path, vocab_size: int = 150) -> int:
     return len(vocab)
 
 
+@pytest.fixture(scope="session")
+def byte_level(tmp_path_factory):
+    """make_tokenizer's tokenizer (byte-level BPE), loaded."""
+    from fastmamba.io.tokenizer import Tokenizer
+
+    path = tmp_path_factory.mktemp("byte_level") / "tokenizer.json"
+    make_tokenizer(path)
+    return Tokenizer(path)
+
+
+@pytest.fixture(scope="session")
+def llama(tmp_path_factory):
+    """make_llama_tokenizer's tokenizer (SentencePiece-style), loaded."""
+    from fastmamba.io.tokenizer import Tokenizer
+
+    path = tmp_path_factory.mktemp("llama") / "tokenizer.json"
+    make_llama_tokenizer(path)
+    return Tokenizer(path)
+
+
 HF_CONFIGS = {
     # name: MambaConfig overrides (the tiny sizes are shared below)
     "odd_vocab_tied": dict(vocab_size=101),

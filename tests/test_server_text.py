@@ -7,31 +7,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import make_llama_tokenizer, make_tokenizer
 
 from fastmamba.core.sampling_params import SamplingParams
 from fastmamba.engine.protocol import Finished, Logprob, Token
 from fastmamba.io.prompts import PromptEncoder
-from fastmamba.io.tokenizer import Tokenizer
 from fastmamba.serve.choices import Choice
 from fastmamba.serve.metrics import Metrics
 from fastmamba.serve.responses import Response
 
 pytest.importorskip("prometheus_client")
-
-
-@pytest.fixture(scope="module")
-def byte_level(tmp_path_factory) -> Tokenizer:
-    path = tmp_path_factory.mktemp("byte_level") / "tokenizer.json"
-    make_tokenizer(path)
-    return Tokenizer(path)
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Tokenizer:
-    path = tmp_path_factory.mktemp("llama") / "tokenizer.json"
-    make_llama_tokenizer(path)
-    return Tokenizer(path)
 
 
 class Engine:

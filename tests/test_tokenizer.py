@@ -19,13 +19,6 @@ def tokenizer(request, tmp_path_factory) -> Tokenizer:
     return Tokenizer(path)
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Tokenizer:
-    path = tmp_path_factory.mktemp("llama") / "tokenizer.json"
-    make_llama_tokenizer(path)
-    return Tokenizer(path)
-
-
 def decoded(tokenizer, prompt, output) -> str:
     decoder = IncrementalDecoder(tokenizer, prompt)
     return "".join(decoder.push(t) for t in output) + decoder.flush()
