@@ -60,3 +60,28 @@ def test_off_with_no_budget():
     cache = PrefixCache(0)
     cache.store([1, 2], *state(1))
     assert cache.lookup([1, 2]) == (0, None) and len(cache) == 0
+
+
+def test_the_tree_keeps_nodes_only_where_states_are_or_paths_part():
+    """Branches off one long conversation at random points, four kept under the budget: a
+    split left by an evicted branch is joined back (its nodes grew toward one a token of the
+    path: 408 after 3000 stores); and every kept state is still found whole."""
+    s, logits = state(0)
+    one = sum(t.numel() * t.element_size() for t in (s.conv, s.ssm, logits))
+    cache = PrefixCache(4 * one)
+    rng = random.Random(0)
+    base = [rng.randrange(5) for _ in range(2000)]
+    kept = {}
+    for i in range(600):
+        ids = base[: rng.randrange(1, 2000)] + [rng.randrange(5, 9)]
+        cache.store(ids, *state(i))
+        kept.setdefault(tuple(ids), i)  # (a path stored again keeps its first state)
+
+    def nodes(node):
+        return 1 + sum(nodes(c) for c in node.children.values())
+
+    assert len(cache) == 4 and nodes(cache._root) <= 2 * len(cache) + 1
+    found = [(ids, i) for ids, i in kept.items() if cache.lookup(list(ids))[0] == len(ids)]
+    assert len(found) == 4
+    for ids, i in found:
+        assert cache.lookup(list(ids))[1].ssm.item() == i

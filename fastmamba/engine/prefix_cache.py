@@ -149,8 +149,15 @@ class PrefixCache:
         return node
 
     def _prune(self, node: _Node) -> None:
-        """Removes a node that holds nothing and leads nowhere, and its parents that become so."""
+        """Removes a node that holds nothing and leads nowhere, and its parents that become so;
+        then joins a node left holding nothing on one path to its child (a split made for a
+        path now gone), so that the tree keeps a node only where a state is or paths part
+        (without the join, a long conversation's branches left a node at every old split)."""
         while node is not self._root and node.entry is None and not node.children:
             parent = node.parent
             del parent.children[node.edge[0]]
             node = parent
+        if node is not self._root and node.entry is None and len(node.children) == 1:
+            (child,) = node.children.values()  # (the child takes the node's place: the LRU keys it)
+            child.edge, child.parent = node.edge + child.edge, node.parent
+            node.parent.children[child.edge[0]] = child
