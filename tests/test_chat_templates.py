@@ -414,3 +414,8 @@ def test_a_text_prompt_takes_the_tokenizers_bos_and_a_chat_the_templates_alone(t
         chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "To be, or not"}]}).json()
         assert chat["tokens"] == [0] + plain
     assert fastmamba.load(folder).encode("To be, or not") == [0] + plain
+    # the plain template (the model has none) writes no special tokens: the tokenizer's BOS leads
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|endoftext|>"}))
+    with app_client(folder) as client:
+        chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "To be, or not"}]}).json()
+    assert chat["tokens"][0] == 0 and chat["tokens"].count(0) == 1

@@ -181,7 +181,7 @@ class PromptWorkers:
         TemplateRefused (naming the template) and the encoder's ValueError."""
         if self.template.builtin:  # (its cost is known: only a long prompt's tokenizing leaves the loop)
             text = self.template.render(messages, render_limit(messages, tools), tools)
-            return text, await self.encode(text, add_special_tokens=False)
+            return text, await self.encode(text)  # (it writes no special tokens: the tokenizer's, as a text prompt's)
         try:
             return await self._run(("chat", (messages, tools)), self.render_timeout)
         except WorkerFailed as e:
