@@ -226,6 +226,42 @@ def test_slow_clients_are_refused_past_the_connection_limit_and_dropped_at_the_h
         s.stop()
 
 
+def answer_until_closed(port: int, request: bytes) -> tuple[bytes, float]:
+    """What the server sends for `request` (headers and a part of the body it announces),
+    read until the server closes the connection (a socket.timeout after 10 s if it never
+    does), and how long that took."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    t0 = time.time()
+    try:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+        return answer, time.time() - t0
+    finally:
+        sock.close()
+
+
+def test_a_response_sent_before_the_body_was_read_closes_the_connection(server):
+    """The body's unread rest would hold the connection open with no timer: the answer says
+    `connection: close` and the server closes it at once, not after a keep-alive wait."""
+    over_limit = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n{" % (64 << 20))
+    no_such_path = b"POST /v1/nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"
+    for request, status in ((over_limit, b"413"), (no_such_path, b"404")):
+        answer, took = answer_until_closed(server.port, request)
+        head = answer.split(b"\r\n\r\n")[0].lower()
+        assert head.startswith(b"http/1.1 " + status) and b"connection: close" in head, answer
+        assert took < 3  # (uvicorn's keep-alive timer is 5 s)
+    body = b'{"prompt": "To be", "max_tokens": 1}'  # a body read in full keeps its connection
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    for _ in range(2):
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.getheader("connection") is None and json.loads(resp.read())["choices"]
+    conn.close()
+
+
 def test_a_stalled_body_gets_408_and_a_client_hanging_up_mid_body_is_one_log_line(server):
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

@@ -302,6 +302,15 @@ def test_api_key_and_queue_limit():
             except urllib.error.HTTPError as e:
                 got = e.code
             assert got == status, header
+        # a 401 goes out before the body is read: the connection closes with it (the body's
+        # unread rest would hold it open)
+        sock = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+        answer, t0 = b"", time.time()
+        while chunk := sock.recv(4096):
+            answer += chunk
+        sock.close()
+        assert answer.startswith(b"HTTP/1.1 401") and b"connection: close" in answer.lower() and time.time() - t0 < 3
         assert c.completions.create(model=name, prompt="a", max_tokens=2).choices
         # one request runs, one waits, the next is refused with 429. The second is sent only
         # once the first runs: sent together, the second can find the first still queued (a

@@ -287,8 +287,7 @@ def create_app(engine: EngineClient, encoder: PromptEncoder, options: ServeOptio
     app = FastAPI(title="fastmamba", docs_url=None, redoc_url=None, lifespan=lifespan)
 
     def error(e: APIError):
-        # (a body that stalled is still owed: the connection cannot carry another request)
-        return JSONResponse(e.body(), status_code=e.status, headers={"connection": "close"} if e.status == 408 else None)
+        return JSONResponse(e.body(), status_code=e.status)
 
     async def api_error(_, e: APIError):  # (handlers async: a plain one would run in a thread)
         return error(e)
@@ -338,9 +337,13 @@ def _taking_request(endpoint, request_type):
 class _Gate:
     """What a request must pass before FastAPI reads it: the API key (not on /health), and a
     Content-Length within the body limit (413 before a byte of the body is read; read_json
-    also counts the bytes of a body sent without one). Plain ASGI: Starlette's
-    @app.middleware hides a client's disconnect from the endpoint, and a request whose
-    client hung up must be cancelled."""
+    also counts the bytes of a body sent without one). A response that goes out before its
+    request's body was read to the end (those two, a 408 or 413 mid-body, a 404 for a POST)
+    says `connection: close`, and uvicorn closes the connection once it is sent: the unread
+    rest would keep the connection open with no timer (uvicorn's keep-alive timer stops
+    at each byte that comes, and restarts only when a response ends). Plain ASGI:
+    Starlette's @app.middleware hides a client's disconnect from the endpoint, and a
+    request whose client hung up must be cancelled."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app, self.max_body_bytes = app, max_body_bytes
@@ -352,10 +355,26 @@ class _Gate:
         scheme, _, token = (header or b"").partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope, receive_message, send_message):
+        receive, send = receive_message, send_message
         if scope["type"] == "http":
             headers = dict(scope["headers"])
             length = headers.get(b"content-length")
+            body_unread = (length is not None and length != b"0") or b"transfer-encoding" in headers
+
+            async def reading():
+                nonlocal body_unread
+                message = await receive_message()
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    body_unread = False  # (all of it came, or the client left)
+                return message
+
+            async def sending(message):
+                if message["type"] == "http.response.start" and body_unread:
+                    message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+                await send_message(message)
+
+            receive, send = reading, sending
             error = None
             if self.key is not None and scope["path"] != "/health" and not self._authorized(headers.get(b"authorization")):
                 error = APIError(401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key")
