@@ -81,6 +81,29 @@ def test_a_signal_drains_then_exits_zero(sig, tmp_path):
         s.stop()
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_second_signal_ends_the_drain_at_once_with_503s(sig):
+    s = Server("--max-model-len", "20000", "--shutdown-timeout", "60")
+    try:
+        streaming = long_request(s.port, stream=True)
+        resp = streaming.getresponse()
+        assert resp.status == 200 and resp.read1(100)
+        plain = long_request(s.port, stream=False)
+        wait_until(lambda: running(s) == 2, 60, "both requests running")
+        t0 = time.time()
+        s.proc.send_signal(sig)
+        time.sleep(0.5)
+        s.proc.send_signal(sig)
+        answer = plain.getresponse()
+        assert answer.status == 503 and json.loads(answer.read())["error"]["code"] == "server_shutting_down"
+        tail = resp.read().decode()
+        assert "server_shutting_down" in tail and tail.endswith("data: [DONE]\n\n")
+        assert s.proc.wait(timeout=90) == 0
+        assert time.time() - t0 < 10  # not the 60 s drain
+    finally:
+        s.stop()
+
+
 def test_an_idle_server_exits_at_once_on_sigterm():
     s = Server()
     t0 = time.time()
