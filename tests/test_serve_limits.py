@@ -123,6 +123,26 @@ def test_a_long_prompt_leaves_health_and_streams_free(server):
     assert max(lat) < 2 and max(gaps[1:]) < 2, (max(lat), max(gaps[1:]), took)
 
 
+def test_the_long_prompts_of_clients_that_hung_up_are_not_tokenized(server):
+    """Nine clients send a 2 MB prompt (about 2 s of a worker each) and hang up: the jobs
+    still queued are dropped, so a prompt sent after them waits for the two running at
+    most, not for all nine."""
+    text = ("To be or not to be that is the question " * 60000)[:2_000_000]
+    for path, body in (("/v1/completions", {"prompt": text, "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 1}),
+                       ("/tokenize", {"prompt": text})) * 3:
+        data = json.dumps(body).encode()
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                     % (path.encode(), len(data)) + data)
+        sock.close()
+    time.sleep(1)
+    t0 = time.time()
+    status, out = server.post("/tokenize", {"prompt": "To be " * 1000})  # (a worker's job: over 4096 characters)
+    assert status == 200 and out["count"] > 1000
+    assert time.time() - t0 < 6  # (all nine run first: 9 s and more)
+
+
 def hostile_model(tmp_path, template: str):
     from fastmamba.io.folders import default_model_dir
 
