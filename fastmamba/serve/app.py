@@ -182,8 +182,7 @@ class OpenAIServer:
                      route: int | None = None, tool_request: tools.ToolRequest | None = None):
         n = get(body, "n", int, 1, lo=1, hi=MAX_N)
         stream = get(body, "stream", bool, False)
-        opts = get(body, "stream_options", dict, {}) or {}
-        include_usage = bool(opts.get("include_usage", False))
+        include_usage = (body.get("stream_options") or {}).get("include_usage", False)  # (checked: fields.py)
         stop = get(body, "stop", (str, list), None)
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if not all(isinstance(s, str) and s for s in stop):
@@ -316,7 +315,7 @@ def create_app(engine: EngineClient, encoder: PromptEncoder, options: ServeOptio
     app = FastAPI(title="fastmamba", docs_url=None, redoc_url=None, lifespan=lifespan)
 
     def error(e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     async def api_error(_, e: APIError):  # (handlers async: a plain one would run in a thread)
         return error(e)
