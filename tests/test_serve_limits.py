@@ -200,6 +200,66 @@ def test_a_template_past_its_time_is_refused_and_its_worker_replaced(tmp_path):
         workers.close()
 
 
+def test_a_dead_prompt_worker_is_replaced_and_its_job_run_on_the_replacement(monkeypatch):
+    """Workers killed while idle: each next job runs on its worker's replacement, and a
+    job whose replacement dies too is a 503 naming the cause (never a 500)."""
+    import asyncio
+    import os
+    import signal
+
+    from fastmamba.io.folders import default_model_dir
+    from fastmamba.io.prompts import PromptEncoder
+    from fastmamba.io.tokenizer import Tokenizer
+    from fastmamba.serve.chat import ChatTemplate
+    from fastmamba.serve.errors import APIError
+    from fastmamba.serve.prompt_workers import PromptWorkers, _Worker
+
+    folder = default_model_dir()
+    encoder = PromptEncoder(Tokenizer(folder / "tokenizer.json"), 50280, folder)
+    workers = PromptWorkers(encoder, ChatTemplate(folder), count=2)
+    text = "To be, or not to be. " * 1000  # (long: a worker's job)
+    ids = encoder.encode(text)
+
+    async def run():
+        assert await asyncio.gather(workers.encode(text), workers.encode(text)) == [ids, ids]
+        for pid in [w.proc.pid for w in _idle_workers(workers)]:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        assert [await workers.encode(text) for _ in range(3)] == [ids] * 3
+        assert await workers.decode(ids) == text
+        calls = []
+
+        def dies(self, job, timeout):
+            calls.append(job[0])
+            raise EOFError
+
+        monkeypatch.setattr(_Worker, "call", dies)
+        with pytest.raises(APIError) as e:
+            await workers.encode(text)
+        assert calls == ["encode", "encode"]  # (once more, not more)
+        assert e.value.status == 503 and e.value.code == "prompt_worker_failed" and "died" in e.value.message
+
+    try:
+        asyncio.run(run())
+    finally:
+        workers.close()
+
+
+def _idle_workers(workers) -> list:
+    """The idle workers, taken out of their queue and put back."""
+    import queue
+
+    taken = []
+    while True:
+        try:
+            taken.append(workers._idle.get_nowait())
+        except queue.Empty:
+            break
+    for worker in taken:
+        workers._idle.put(worker)
+    return taken
+
+
 def slow_socket(port: int) -> socket.socket:
     """A connection that sends half a request's headers, then nothing."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
