@@ -123,6 +123,26 @@ def test_a_long_prompt_leaves_health_and_streams_free(server):
     assert max(lat) < 2 and max(gaps[1:]) < 2, (max(lat), max(gaps[1:]), took)
 
 
+def test_the_long_prompts_of_clients_that_hung_up_are_not_tokenized(server):
+    """Nine clients send a 2 MB prompt (about 2 s of a worker each) and hang up: the jobs
+    still queued are dropped, so a prompt sent after them waits for the two running at
+    most, not for all nine."""
+    text = ("To be or not to be that is the question " * 60000)[:2_000_000]
+    for path, body in (("/v1/completions", {"prompt": text, "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 1}),
+                       ("/tokenize", {"prompt": text})) * 3:
+        data = json.dumps(body).encode()
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                     % (path.encode(), len(data)) + data)
+        sock.close()
+    time.sleep(1)
+    t0 = time.time()
+    status, out = server.post("/tokenize", {"prompt": "To be " * 1000})  # (a worker's job: over 4096 characters)
+    assert status == 200 and out["count"] > 1000
+    assert time.time() - t0 < 6  # (all nine run first: 9 s and more)
+
+
 def hostile_model(tmp_path, template: str):
     from fastmamba.io.folders import default_model_dir
 
@@ -180,6 +200,66 @@ def test_a_template_past_its_time_is_refused_and_its_worker_replaced(tmp_path):
         workers.close()
 
 
+def test_a_dead_prompt_worker_is_replaced_and_its_job_run_on_the_replacement(monkeypatch):
+    """Workers killed while idle: each next job runs on its worker's replacement, and a
+    job whose replacement dies too is a 503 naming the cause (never a 500)."""
+    import asyncio
+    import os
+    import signal
+
+    from fastmamba.io.folders import default_model_dir
+    from fastmamba.io.prompts import PromptEncoder
+    from fastmamba.io.tokenizer import Tokenizer
+    from fastmamba.serve.chat import ChatTemplate
+    from fastmamba.serve.errors import APIError
+    from fastmamba.serve.prompt_workers import PromptWorkers, _Worker
+
+    folder = default_model_dir()
+    encoder = PromptEncoder(Tokenizer(folder / "tokenizer.json"), 50280, folder)
+    workers = PromptWorkers(encoder, ChatTemplate(folder), count=2)
+    text = "To be, or not to be. " * 1000  # (long: a worker's job)
+    ids = encoder.encode(text)
+
+    async def run():
+        assert await asyncio.gather(workers.encode(text), workers.encode(text)) == [ids, ids]
+        for pid in [w.proc.pid for w in _idle_workers(workers)]:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        assert [await workers.encode(text) for _ in range(3)] == [ids] * 3
+        assert await workers.decode(ids) == text
+        calls = []
+
+        def dies(self, job, timeout):
+            calls.append(job[0])
+            raise EOFError
+
+        monkeypatch.setattr(_Worker, "call", dies)
+        with pytest.raises(APIError) as e:
+            await workers.encode(text)
+        assert calls == ["encode", "encode"]  # (once more, not more)
+        assert e.value.status == 503 and e.value.code == "prompt_worker_failed" and "died" in e.value.message
+
+    try:
+        asyncio.run(run())
+    finally:
+        workers.close()
+
+
+def _idle_workers(workers) -> list:
+    """The idle workers, taken out of their queue and put back."""
+    import queue
+
+    taken = []
+    while True:
+        try:
+            taken.append(workers._idle.get_nowait())
+        except queue.Empty:
+            break
+    for worker in taken:
+        workers._idle.put(worker)
+    return taken
+
+
 def slow_socket(port: int) -> socket.socket:
     """A connection that sends half a request's headers, then nothing."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
@@ -224,6 +304,42 @@ def test_slow_clients_are_refused_past_the_connection_limit_and_dropped_at_the_h
         for sock in socks:
             sock.close()
         s.stop()
+
+
+def answer_until_closed(port: int, request: bytes) -> tuple[bytes, float]:
+    """What the server sends for `request` (headers and a part of the body it announces),
+    read until the server closes the connection (a socket.timeout after 10 s if it never
+    does), and how long that took."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    t0 = time.time()
+    try:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+        return answer, time.time() - t0
+    finally:
+        sock.close()
+
+
+def test_a_response_sent_before_the_body_was_read_closes_the_connection(server):
+    """The body's unread rest would hold the connection open with no timer: the answer says
+    `connection: close` and the server closes it at once, not after a keep-alive wait."""
+    over_limit = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n{" % (64 << 20))
+    no_such_path = b"POST /v1/nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"
+    for request, status in ((over_limit, b"413"), (no_such_path, b"404")):
+        answer, took = answer_until_closed(server.port, request)
+        head = answer.split(b"\r\n\r\n")[0].lower()
+        assert head.startswith(b"http/1.1 " + status) and b"connection: close" in head, answer
+        assert took < 3  # (uvicorn's keep-alive timer is 5 s)
+    body = b'{"prompt": "To be", "max_tokens": 1}'  # a body read in full keeps its connection
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    for _ in range(2):
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.getheader("connection") is None and json.loads(resp.read())["choices"]
+    conn.close()
 
 
 def test_a_stalled_body_gets_408_and_a_client_hanging_up_mid_body_is_one_log_line(server):

@@ -132,6 +132,8 @@ def test_a_stopped_engine_turns_health_503_and_ends_its_requests_until_it_answer
         assert time.time() - t0 < 2 + 3
         assert "engine_unavailable" in tail and tail.endswith("data: [DONE]\n\n"), tail[-300:]
         assert health(s.url) == 503
+        assert running(s) == 0  # (not the engine's last stats, the stream's slot in them)
+        assert "fastmamba: the engine process has not answered for over 2 s" in s.output()
         t1 = time.time()
         status, body = s.post("/v1/completions", {"prompt": "To be", "max_tokens": 3})
         assert status == 503 and body["error"]["code"] == "engine_unavailable"

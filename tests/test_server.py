@@ -116,6 +116,30 @@ def test_stream_equals_non_stream(server):
     assert "".join(ch.choices[0].delta.content or "" for ch in streamed) == chat.choices[0].message.content
 
 
+@pytest.mark.parametrize("options, stream, words", [
+    ({"include_usage": "no"}, True, "'stream_options.include_usage' must be true or false"),
+    ({"include_usage": 1}, True, "'stream_options.include_usage' must be true or false"),
+    ({"include_usge": True}, True, "unrecognized field 'stream_options.include_usge'"),
+    ({"include_usage": True}, False, "only be given when 'stream' is true"),
+    ({"include_usage": False}, None, "only be given when 'stream' is true"),
+    ("yes", True, "'stream_options' must be an object"),
+])
+def test_stream_options_are_checked_as_openai_checks_them(server, options, stream, words):
+    for path, body in (("/v1/completions", {"prompt": "To be"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hail"}]})):
+        body = {**body, "max_tokens": 2, "stream_options": options, **({} if stream is None else {"stream": stream})}
+        status, out = server.post(path, body)
+        assert status == 400 and out["error"]["param"] == "stream_options" and words in out["error"]["message"], out
+
+
+def test_stream_options_that_ask_nothing_pass(server):
+    c = server.client()
+    assert c.completions.create(model="tiny", prompt="To be", max_tokens=2, extra_body={"stream_options": {}}).choices
+    chunks = list(c.completions.create(model="tiny", prompt="To be", max_tokens=2, stream=True,
+                                       stream_options={"include_usage": False}))
+    assert chunks and all(ch.usage is None for ch in chunks)
+
+
 def test_chat_uses_the_plain_template(server, lm):
     c = server.client()
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who art thou?"}]
@@ -302,6 +326,15 @@ def test_api_key_and_queue_limit():
             except urllib.error.HTTPError as e:
                 got = e.code
             assert got == status, header
+        # a 401 goes out before the body is read: the connection closes with it (the body's
+        # unread rest would hold it open)
+        sock = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+        answer, t0 = b"", time.time()
+        while chunk := sock.recv(4096):
+            answer += chunk
+        sock.close()
+        assert answer.startswith(b"HTTP/1.1 401") and b"connection: close" in answer.lower() and time.time() - t0 < 3
         assert c.completions.create(model=name, prompt="a", max_tokens=2).choices
         # one request runs, one waits, the next is refused with 429. The second is sent only
         # once the first runs: sent together, the second can find the first still queued (a
@@ -321,8 +354,9 @@ def test_api_key_and_queue_limit():
             wait_for((1, 0))
             long.append(send_long())
             wait_for((1, 1))
-            with pytest.raises(openai.RateLimitError):
+            with pytest.raises(openai.RateLimitError) as busy:
                 c.completions.create(model=name, prompt="a", max_tokens=1)
+            assert busy.value.response.headers.get("retry-after") == "1"  # (RFC 6585; OpenAI's clients wait that long)
             s.stop()  # ends the two long requests (their errors are expected)
             for f in long:
                 with pytest.raises(Exception):

@@ -7,11 +7,12 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
+import os
 import signal
 import time
 
 import pytest
-from test_server import Server, gauge, running
+from test_server import Server, engine_pid, gauge, running
 
 openai = pytest.importorskip("openai")
 hypothesis = pytest.importorskip("hypothesis")
@@ -77,6 +78,45 @@ def test_a_signal_drains_then_exits_zero(sig, tmp_path):
         assert not list(tmp_path.glob("fastmamba-*"))  # the engine's socket folder goes with it
         with pytest.raises(OSError):  # no longer accepting
             http.client.HTTPConnection("127.0.0.1", s.port, timeout=5).request("GET", "/health")
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_second_signal_ends_the_drain_at_once_with_503s(sig):
+    s = Server("--max-model-len", "20000", "--shutdown-timeout", "60")
+    try:
+        streaming = long_request(s.port, stream=True)
+        resp = streaming.getresponse()
+        assert resp.status == 200 and resp.read1(100)
+        plain = long_request(s.port, stream=False)
+        wait_until(lambda: running(s) == 2, 60, "both requests running")
+        t0 = time.time()
+        s.proc.send_signal(sig)
+        time.sleep(0.5)
+        s.proc.send_signal(sig)
+        answer = plain.getresponse()
+        assert answer.status == 503 and json.loads(answer.read())["error"]["code"] == "server_shutting_down"
+        tail = resp.read().decode()
+        assert "server_shutting_down" in tail and tail.endswith("data: [DONE]\n\n")
+        assert s.proc.wait(timeout=90) == 0
+        assert time.time() - t0 < 10  # not the 60 s drain
+    finally:
+        s.stop()
+
+
+def test_an_engine_killed_mid_request_zeroes_the_gauges_and_is_logged():
+    s = Server("--max-model-len", "20000")
+    try:
+        streams = [long_request(s.port, stream=True).getresponse() for _ in range(2)]
+        assert all(resp.status == 200 and resp.read1(100) for resp in streams)
+        wait_until(lambda: running(s) == 2, 60, "both requests running")
+        os.kill(engine_pid(s.proc.pid), signal.SIGKILL)
+        for resp in streams:  # each ends with its error event (the engine is gone)
+            assert "engine_unavailable" in resp.read().decode()
+        assert running(s) == 0 and gauge(s, "state_slots_used") == 0 and gauge(s, "num_requests_waiting") == 0
+        died = [line for line in s.output().splitlines() if "engine process died" in line]
+        assert died == ["fastmamba: the engine process died (exit code -9); the server cannot serve"]
     finally:
         s.stop()
 

@@ -18,6 +18,7 @@ No torch at import: the engine process imports the model stack when it starts.
 from __future__ import annotations
 
 import itertools
+import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -34,6 +35,7 @@ from fastmamba.engine.protocol import EngineError, Failed, Stats
 
 HEARTBEAT_S = 0.5  # the engine's longest silence while it is well (its idle loop sends its stats)
 FINAL_LINGER_MS = 1000  # how long the engine's last message (Fatal, or the requests it failed) may take to go
+log = logging.getLogger(__name__)
 
 
 def exit_with_parent(remove: tuple[str, ...] = ()) -> None:
@@ -247,9 +249,12 @@ class ProcessClient(EngineClient):
 
     def _fail_open(self, error: EngineError, abort: bool = False) -> None:
         """Ends every open request with `error`; `abort`: and tells the engine to drop them
-        (a wedged engine that comes back must not run them for no one)."""
+        (a wedged engine that comes back must not run them for no one). The stats then say
+        nothing runs or waits (the engine's last ones would stay on /metrics for good); its
+        counters keep their counts."""
         rids = list(self._handlers)
-        self._dispatch([Failed(rid, error) for rid in rids], None)
+        idle = Stats(cache_queries=self.stats.cache_queries, cache_hits=self.stats.cache_hits)
+        self._dispatch([Failed(rid, error) for rid in rids], idle)
         if abort:
             for rid in rids:
                 self._send(protocol.Abort(rid))
@@ -271,19 +276,23 @@ class ProcessClient(EngineClient):
             if self._in.poll(100):
                 msg = self._decode(self._in.recv())
                 self._heard = time.monotonic()
-                self._wedged = False  # (it speaks again: it takes requests again)
+                if self._wedged:  # (it speaks again: it takes requests again)
+                    log.warning("fastmamba: the engine process answers again; the server serves")
+                    self._wedged = False
                 if isinstance(msg, protocol.Outputs) and (msg.outputs or msg.stats != self.stats):
                     self._on_loop(self._dispatch, msg.outputs, msg.stats)
             elif not self.proc.is_alive():
                 self._alive = False
                 if not self._stopping:
-                    self._on_loop(self._fail_open, EngineError(
-                        protocol.ENGINE_DOWN, f"the engine process died (exit code {self.proc.exitcode}); "
-                                              "the server cannot serve"))
+                    error = EngineError(protocol.ENGINE_DOWN, f"the engine process died (exit code "
+                                                              f"{self.proc.exitcode}); the server cannot serve")
+                    log.error("fastmamba: %s", error.message)
+                    self._on_loop(self._fail_open, error)
                 break
             elif not self._wedged and time.monotonic() - self._heard > self.silence_s:
                 self._wedged = True
                 if not self._stopping:
+                    log.error("fastmamba: %s", self._down_error().message)
                     self._on_loop(self._fail_open, self._down_error(), True)
         self._in.close(linger=0)
 

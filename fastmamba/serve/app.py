@@ -57,12 +57,30 @@ class OpenAIServer:
     async def body(self, request) -> dict:
         return await read_json(request, self.options.max_body_bytes, self.options.client_timeout)
 
-    async def chat_prompt(self, messages: list[dict], tool_request: tools.ToolRequest | None = None
+    async def while_connected(self, request, work):
+        """`work`'s result, unless the client hangs up first: then `work` is cancelled (a
+        prompt job still queued for a worker is dropped, not run for no one) and the
+        request ends. Prompt work waits in one queue for few workers: a client that sent a
+        long prompt and left must not make those behind it wait."""
+        work = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(_disconnect(request))
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+        if work.cancelled():
+            raise APIError(499, "the client hung up while its prompt was prepared")
+        return work.result()
+
+    async def chat_prompt(self, request, messages: list[dict], tool_request: tools.ToolRequest | None = None
                           ) -> tuple[str, list[int]]:
         """The prompt text and ids of checked messages (chat.check_messages) and the request's
         tools, or a 400 naming the template (its own error, or a bound it went past)."""
         try:
-            return await self.workers.chat(messages, tool_request.tools if tool_request else None)
+            return await self.while_connected(request, self.workers.chat(
+                messages, tool_request.tools if tool_request else None))
         except TemplateRefused as e:
             raise APIError(400, str(e), param="messages", code="chat_template_failed") from None
         except ValueError as e:
@@ -90,13 +108,14 @@ class OpenAIServer:
             if "prompt" in body:
                 raise APIError(400, "give 'prompt' (a completion's) or 'messages' (a chat's), not both", param="prompt")
             messages = check_messages(body["messages"])
-            _, ids = await self.chat_prompt(messages, self._tools(body))
+            _, ids = await self.chat_prompt(request, messages, self._tools(body))
         else:
             chat_only = sorted({"tools", "tool_choice", "parallel_tool_calls"} & body.keys())
             if chat_only:
                 raise APIError(400, f"'{chat_only[0]}' goes with 'messages' (a chat's prompt), not 'prompt'",
                                param=chat_only[0])
-            ids = await requests.encode(self.workers, get(body, "prompt", str, required=True), "prompt")
+            prompt = get(body, "prompt", str, required=True)
+            ids = await self.while_connected(request, requests.encode(self.workers, prompt, "prompt"))
         # (encoded here: FastAPI's own encoder walks a long prompt's ids in Python, for seconds)
         return HTTPResponse(msgspec.json.encode({"tokens": ids, "count": len(ids)}), media_type="application/json")
 
@@ -104,13 +123,15 @@ class OpenAIServer:
         body = await self.body(request)
         ids = get(body, "tokens", list, required=True)
         requests.check_ids(ids, self.encoder.vocab_size, "tokens")
-        return {"prompt": await self.workers.decode(ids) if self.encoder.tokenizer else None}
+        if not self.encoder.tokenizer:
+            return {"prompt": None}
+        return {"prompt": await self.while_connected(request, self.workers.decode(ids))}
 
     async def completions(self, request):
         body = await self.body(request)
         check_fields(body, "completions")
         requests.check_model(body, self.model_name)
-        prompts = await requests.prompts(self.workers, body.get("prompt"))
+        prompts = await self.while_connected(request, requests.prompts(self.workers, body.get("prompt")))
         logprobs = get(body, "logprobs", int, None, lo=0, hi=MAX_LOGPROBS)
         echo = get(body, "echo", bool, False)
         max_tokens = get(body, "max_tokens", int, 16)  # OpenAI's default for completions
@@ -123,7 +144,7 @@ class OpenAIServer:
         requests.check_model(body, self.model_name)
         messages = check_messages(body.get("messages"))
         tool_request = self._tools(body)
-        prompts = [await self.chat_prompt(messages, tool_request)]
+        prompts = [await self.chat_prompt(request, messages, tool_request)]
         top = get(body, "top_logprobs", int, 0, lo=0, hi=MAX_LOGPROBS)
         top_logprobs = top if get(body, "logprobs", bool, False) else None
         # max_completion_tokens is OpenAI's current name, max_tokens the older one; without
@@ -161,8 +182,7 @@ class OpenAIServer:
                      route: int | None = None, tool_request: tools.ToolRequest | None = None):
         n = get(body, "n", int, 1, lo=1, hi=MAX_N)
         stream = get(body, "stream", bool, False)
-        opts = get(body, "stream_options", dict, {}) or {}
-        include_usage = bool(opts.get("include_usage", False))
+        include_usage = (body.get("stream_options") or {}).get("include_usage", False)  # (checked: fields.py)
         stop = get(body, "stop", (str, list), None)
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if not all(isinstance(s, str) and s for s in stop):
@@ -263,6 +283,14 @@ class OpenAIServer:
                 c.cancel()
 
 
+async def _disconnect(request) -> None:
+    """Returns when the client of `request`, its body read, hangs up."""
+    while (await request.receive())["type"] != "http.disconnect":
+        # (uvicorn's receive waits for the disconnect; a server whose receive answers at
+        # once is asked again on a clock, not in a spin)
+        await asyncio.sleep(DISCONNECT_CHECK_S)
+
+
 def create_app(engine: EngineClient, encoder: PromptEncoder, options: ServeOptions, metrics: Metrics | None = None):
     """The FastAPI app over a running engine; `encoder` encodes prompts with the checkpoint's
     tokenizer (its path: the chat template's folder); a metrics registry of its own unless
@@ -287,8 +315,7 @@ def create_app(engine: EngineClient, encoder: PromptEncoder, options: ServeOptio
     app = FastAPI(title="fastmamba", docs_url=None, redoc_url=None, lifespan=lifespan)
 
     def error(e: APIError):
-        # (a body that stalled is still owed: the connection cannot carry another request)
-        return JSONResponse(e.body(), status_code=e.status, headers={"connection": "close"} if e.status == 408 else None)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     async def api_error(_, e: APIError):  # (handlers async: a plain one would run in a thread)
         return error(e)
@@ -338,9 +365,13 @@ def _taking_request(endpoint, request_type):
 class _Gate:
     """What a request must pass before FastAPI reads it: the API key (not on /health), and a
     Content-Length within the body limit (413 before a byte of the body is read; read_json
-    also counts the bytes of a body sent without one). Plain ASGI: Starlette's
-    @app.middleware hides a client's disconnect from the endpoint, and a request whose
-    client hung up must be cancelled."""
+    also counts the bytes of a body sent without one). A response that goes out before its
+    request's body was read to the end (those two, a 408 or 413 mid-body, a 404 for a POST)
+    says `connection: close`, and uvicorn closes the connection once it is sent: the unread
+    rest would keep the connection open with no timer (uvicorn's keep-alive timer stops
+    at each byte that comes, and restarts only when a response ends). Plain ASGI:
+    Starlette's @app.middleware hides a client's disconnect from the endpoint, and a
+    request whose client hung up must be cancelled."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app, self.max_body_bytes = app, max_body_bytes
@@ -352,10 +383,26 @@ class _Gate:
         scheme, _, token = (header or b"").partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope, receive_message, send_message):
+        receive, send = receive_message, send_message
         if scope["type"] == "http":
             headers = dict(scope["headers"])
             length = headers.get(b"content-length")
+            body_unread = (length is not None and length != b"0") or b"transfer-encoding" in headers
+
+            async def reading():
+                nonlocal body_unread
+                message = await receive_message()
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    body_unread = False  # (all of it came, or the client left)
+                return message
+
+            async def sending(message):
+                if message["type"] == "http.response.start" and body_unread:
+                    message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+                await send_message(message)
+
+            receive, send = reading, sending
             error = None
             if self.key is not None and scope["path"] != "/health" and not self._authorized(headers.get(b"authorization")):
                 error = APIError(401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key")

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from fastmamba.engine.protocol import BAD_REQUEST, BUSY, CONTEXT_TOO_LONG, SHUTTING_DOWN, EngineError
 
+# a full queue's 429 says when to try again (RFC 6585; OpenAI's clients wait that long):
+# slots free as requests finish, so a second later is a fair try (a client backs off more
+# on its own after another 429)
+RETRY_AFTER_S = 1
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers  # the response's own (a 429's Retry-After)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -32,7 +38,7 @@ def from_engine(error: EngineError, field: str | None = None) -> APIError:
     (a tool_choice's guide, made of `tools`: tools.ToolRequest.field), else the engine's."""
     if error.kind == BUSY:
         return APIError(429, f"the server is busy: {error.message}; try again later", code="rate_limit_exceeded",
-                        kind="rate_limit_error")
+                        kind="rate_limit_error", headers={"retry-after": str(RETRY_AFTER_S)})
     if error.status == 503:
         code = "server_shutting_down" if error.kind == SHUTTING_DOWN else "engine_unavailable"
         return APIError(503, error.message, code=code, kind="server_error")

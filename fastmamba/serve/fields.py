@@ -72,6 +72,24 @@ def _refuse(name: str, why: str):
     raise APIError(400, f"'{name}' {why}", param=name, code="unsupported_field")
 
 
+def _check_stream_options(value, body: dict) -> None:
+    """OpenAI's checks: an object, given only with `stream: true` (an empty one aside, as
+    vLLM lets it be), holding only `include_usage`, true or false: a misspelt key or a
+    string "no" would otherwise pass for what the client did not mean."""
+    name = "stream_options"
+    if not isinstance(value, dict):
+        raise APIError(400, f"'{name}' must be an object, got {json.dumps(value)[:60]}", param=name)
+    if value and body.get("stream") is not True:
+        raise APIError(400, f"'{name}' can only be given when 'stream' is true", param=name)
+    for key, option in value.items():
+        if key != "include_usage":
+            raise APIError(400, f"unrecognized field '{name}.{key}': it takes 'include_usage'", param=name,
+                           code="unrecognized_field")
+        if option is not True and option is not False:
+            raise APIError(400, f"'{name}.include_usage' must be true or false, got {json.dumps(option)[:40]}",
+                           param=name)
+
+
 def _check_value(name: str, value, body: dict, endpoint: str) -> None:
     """Fields served only at their neutral value (the others are checked where they are read)."""
     if name == "response_format":  # (json_object's and json_schema's specs: requests.guide)
@@ -98,5 +116,7 @@ def _check_value(name: str, value, body: dict, endpoint: str) -> None:
         if value != (body.get("n") or 1):
             _refuse(name, f"{json.dumps(value)[:20]} {_NOT_SERVED}: it does not rank extra candidates "
                     "(best_of may only equal n)")
+    elif name == "stream_options":
+        _check_stream_options(value, body)
     elif name == "top_logprobs" and endpoint == "chat" and body.get("logprobs") is not True:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param=name)

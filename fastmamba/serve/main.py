@@ -1,7 +1,8 @@
 """`fastmamba serve`: the engine in its own process (or Ray Serve replicas), the HTTP app in
 this one under uvicorn (its connections bounded: connections.py), and a drained shutdown:
 SIGTERM or Ctrl-C stop new requests, let running ones finish for --shutdown-timeout
-seconds, end the rest with a 503, and end the command with exit code 0."""
+seconds (a second signal cuts that short), end the rest with a 503, and end the command
+with exit code 0."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ import ipaddress
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 from fastmamba.engine.client import EngineClient
 from fastmamba.io.folders import checkpoint_folder, default_model_dir
 from fastmamba.serve.options import ServeOptions
+
+LAST_ANSWERS_S = 2  # after a second signal ended the open requests, the time their answers have to go out
 
 
 def serve(options: ServeOptions) -> int:
@@ -177,22 +181,39 @@ def _drained_server(config, engine: EngineClient, drain_s: float):
     """uvicorn's server with a drain: the first SIGTERM or Ctrl-C stops new connections
     (uvicorn), lets running requests finish for `drain_s` seconds, then ends those still
     running with a 503 (engine.shutdown), so every connection closes and the command exits
-    with 0. (uvicorn's own timeout, a little later, is the backstop: it cancels the tasks.)"""
+    with 0. A second signal ends them so at once; a third exits at once, as uvicorn's
+    forced exit does. (uvicorn's own timeout, a little later, is the backstop: it cancels
+    the tasks.)"""
     import uvicorn
 
     class Server(uvicorn.Server):
         draining = None
+        signals = 0
 
         def handle_exit(self, sig, frame) -> None:
-            super().handle_exit(sig, frame)
+            self.signals += 1
+            if self.signals == 1:
+                super().handle_exit(sig, frame)
+                self.draining = threading.Timer(drain_s, engine.shutdown)
+                self.draining.daemon = True
+                self.draining.start()
+            elif self.signals == 2:
+                # uvicorn's forced exit would cancel the open requests' tasks: a plain-text
+                # 500, a stream cut without its error event and [DONE]. They end as the
+                # drain's end ends them instead, and the exit is forced only after
+                self.draining.cancel()
+                threading.Thread(target=self._end_open_requests, name="fastmamba-shutdown", daemon=True).start()
+            else:
+                self.force_exit = True
             # uvicorn raises the caught signal again once it has shut down, which would end
             # the process by that signal: a drained shutdown ends with 0 instead
             captured = getattr(self, "_captured_signals", None)
             if isinstance(captured, list):
                 captured.clear()
-            if self.draining is None:
-                self.draining = threading.Timer(drain_s, engine.shutdown)
-                self.draining.daemon = True
-                self.draining.start()
+
+        def _end_open_requests(self) -> None:
+            engine.shutdown()
+            time.sleep(LAST_ANSWERS_S)
+            self.force_exit = True
 
     return Server(config)

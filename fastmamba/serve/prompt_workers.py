@@ -7,7 +7,9 @@ a thread would still stall every stream and /health: the work goes to processes.
 inputs stay on the event loop, where they cost less than a trip to a worker. A chat
 template from the checkpoint folder renders under a size bound (chat.ChatTemplate.render)
 and a time bound: a worker past it is killed and replaced, and the request gets a 400
-naming the template. A worker ends with its server, however the server ends.
+naming the template. A worker that died (killed, out of memory) is replaced and its job
+run once more on the replacement; a tokenizer job whose second worker dies too is a 503.
+A worker ends with its server, however the server ends.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import signal
 
 from fastmamba.io.prompts import PromptEncoder
 from fastmamba.serve.chat import ChatTemplate, TemplateRefused, render_limit
+from fastmamba.serve.errors import APIError
 
 INLINE_TEXT_CHARS = 4096  # a text this short is tokenized on the event loop (a few ms at most)
 INLINE_IDS = 16384  # ids this few are detokenized on the event loop (about a ms)
@@ -146,7 +149,12 @@ class PromptWorkers:
     def _call(self, job, timeout):
         worker = self._idle.get()
         try:
-            kind, value = worker.call(job, timeout)
+            try:
+                kind, value = worker.call(job, timeout)
+            except (EOFError, OSError):  # it died (killed while idle, say): its replacement gets the job
+                worker.kill()
+                worker = _Worker(self._ctx, self._args)
+                kind, value = worker.call(job, timeout)
             if worker.rss() > RECYCLE_RSS_BYTES:  # (Python keeps a long job's memory)
                 worker.kill()
                 worker = _Worker(self._ctx, self._args)
@@ -165,16 +173,23 @@ class PromptWorkers:
     async def _run(self, job, timeout=None):
         return await asyncio.get_running_loop().run_in_executor(self._threads, self._call, job, timeout)
 
+    async def _tokenizer_job(self, job):
+        try:
+            return await self._run(job)
+        except WorkerFailed:
+            raise APIError(503, "the worker process tokenizing this request died, and its replacement too (out of "
+                           "memory, or killed); try again", code="prompt_worker_failed", kind="server_error") from None
+
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt (PromptEncoder.encode's, and its ValueErrors)."""
         if len(text) <= INLINE_TEXT_CHARS:
             return self.encoder.encode(text, add_special_tokens)
-        return await self._run(("encode", (text, add_special_tokens)))
+        return await self._tokenizer_job(("encode", (text, add_special_tokens)))
 
     async def decode(self, ids: list[int]) -> str:
         if len(ids) <= INLINE_IDS:
             return self.encoder.tokenizer.decode(ids)
-        return await self._run(("decode", ids))
+        return await self._tokenizer_job(("decode", ids))
 
     async def chat(self, messages: list[dict], tools: list | None = None) -> tuple[str, list[int]]:
         """The prompt of checked messages (and the request's tools) and its ids. Raises
