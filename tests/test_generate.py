@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 
 import pytest
 import torch
@@ -193,3 +195,35 @@ def test_state_is_usable_as_a_recurrent_core(ids_lm):
     state = model.new_state(2)
     steps = torch.cat([model.backbone(x[:, t : t + 1], state) for t in range(6)], 1)
     assert torch.allclose(steps, whole, rtol=1e-4, atol=1e-5)
+
+
+def test_ctrl_c_inside_a_step_leaves_another_generation_as_it_is_alone(monkeypatch):
+    """A step advances every running generation's state in place: Ctrl-C landing inside one
+    that generation A runs left stream B a token ahead of its outputs (wrong tokens from
+    there). The step now ends before the KeyboardInterrupt is raised, in A. (The bundled
+    model: a random one's greedy tokens repeat, which would hide the shift.)"""
+    lm = fastmamba.load()
+    prompt = "To be, or not"
+    alone = lm.generate(prompt, max_tokens=30, stop_token_ids=[]).token_ids
+    b = lm.stream(prompt, max_tokens=30, stop_token_ids=[])
+    got = [next(b).token_id for _ in range(5)]
+    step, calls = lm.model.step, [0]
+
+    def step_then_ctrl_c(*args, **kwargs):
+        out = step(*args, **kwargs)
+        calls[0] += 1
+        if calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # (raised at the next bytecode, inside the step)
+        return out
+
+    monkeypatch.setattr(lm.model, "step", step_then_ctrl_c)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # (a test runner may ignore SIGINT)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            for _ in lm.stream("a", max_tokens=1000, stop_token_ids=[]):
+                pass
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    monkeypatch.undo()
+    got += [p.token_id for p in b if p.token_id is not None]
+    assert calls[0] >= 3 and got == alone

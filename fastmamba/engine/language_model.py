@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections import deque
 from contextlib import contextmanager
@@ -41,6 +42,33 @@ class Generation:
 class StreamPiece:
     token_id: int | None  # None only for a last piece that flushes held-back text
     text: str | None
+
+
+@contextmanager
+def _ctrl_c_after():
+    """Ctrl-C held until the block ends, then raised as it would have been. A step advances
+    every running generation's state in place and hands each its outputs: one cut midway
+    left another thread's generation a token ahead of its outputs (wrong tokens from there),
+    or without its last outputs (waiting for ever). Only the main thread takes SIGINT and
+    may set its handler; elsewhere nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    except ValueError:  # (an interpreter that is finalizing, or embedded without signals)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and previous is not signal.SIG_IGN:
+            if callable(previous):
+                previous(signal.SIGINT, caught[0])  # (Python's raises KeyboardInterrupt; the command's ends it)
+            else:
+                raise KeyboardInterrupt
 
 
 class LanguageModel:
@@ -298,7 +326,8 @@ class LanguageModel:
             self._abort_closed()
             self._stepping = True
         try:
-            client.step()  # (its outputs go to their generations' queues: deque appends, thread-safe)
+            with _ctrl_c_after():
+                client.step()  # (its outputs go to their generations' queues: deque appends, thread-safe)
         finally:
             with self._lock:
                 self._stepping = False
