@@ -227,3 +227,25 @@ def test_ctrl_c_inside_a_step_leaves_another_generation_as_it_is_alone(monkeypat
     monkeypatch.undo()
     got += [p.token_id for p in b if p.token_id is not None]
     assert calls[0] >= 3 and got == alone
+
+
+def test_a_batch_past_the_memory_takes_the_slots_it_holds(ids_lm, monkeypatch):
+    """generate_batch's engine took a power of two of slots at least the batch, whatever the
+    memory (1000 prompts of Mamba-2 2.7b: ~177 GB of states); now at most what half the free
+    memory holds, the rest of the batch waiting for free slots, each prompt as alone."""
+    from fastmamba.engine import language_model, memory
+
+    lm = language_model.LanguageModel(ids_lm.model, None)
+    monkeypatch.setattr(memory, "_free_bytes", lambda device: 2 * 6 * memory.slot_bytes(lm.model))
+    prompts = [[5 + k, 17, 3] for k in range(20)]
+    out = lm.generate_batch(prompts, {"max_tokens": 6, "stop_token_ids": []})
+    assert lm._client.max_batch == 4  # (6 fit: the power of two below)
+    for k in (0, 7, 19):
+        assert out[k].token_ids == ids_lm.generate(prompts[k], max_tokens=6, stop_token_ids=[]).token_ids
+
+
+def test_a_bad_prompt_of_a_batch_is_named_by_its_index(ids_lm):
+    V = ids_lm.config.vocab_size
+    for bad, words in (([V], f"token id {V}"), ([], "empty"), (b"x", "decode bytes")):
+        with pytest.raises(ValueError, match=r"^prompts\[2\]: .*" + words):
+            ids_lm.generate_batch([[1, 2], [3], bad, [4]], {"max_tokens": 2})

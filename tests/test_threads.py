@@ -145,3 +145,46 @@ def test_eight_threads_on_the_gpu_engine(text_checkpoint):
     alone = [run(lm, job) for job in JOBS]
     for _ in range(2):
         assert in_threads(lm, JOBS) == alone
+
+
+def _child_generates(lm, prompt, conn):  # (in a forked child: its first call must not wait)
+    conn.send(lm.generate(prompt, max_tokens=8, stop_token_ids=[]).token_ids)
+    conn.close()
+
+
+def test_a_child_forked_while_another_thread_generates_gets_its_own_engine(text_checkpoint):
+    """A fork copies the engine's lock and flags, and the requests of threads the child does
+    not have: a child forked while another thread was inside a generation waited for ever at
+    its first call. It now makes its engine anew; and pickling a model is one clear error."""
+    import multiprocessing
+    import pickle
+
+    lm = fastmamba.load(text_checkpoint)
+    alone = lm.generate("To be", max_tokens=8, stop_token_ids=[]).token_ids
+    running, stop = threading.Event(), threading.Event()
+
+    def generating():
+        for _ in lm.stream("a long one", max_tokens=100_000, stop_token_ids=[]):
+            running.set()
+            if stop.is_set():
+                break
+
+    thread = threading.Thread(target=generating, daemon=True)
+    thread.start()
+    try:
+        assert running.wait(60)
+        ctx = multiprocessing.get_context("fork")
+        ours, theirs = ctx.Pipe()
+        child = ctx.Process(target=_child_generates, args=(lm, "To be", theirs), daemon=True)
+        child.start()
+        try:
+            assert ours.poll(60), "the forked child's generate waited"
+            assert ours.recv() == alone
+        finally:
+            child.kill()
+            child.join(30)
+    finally:
+        stop.set()
+        thread.join(60)
+    with pytest.raises(TypeError, match="fastmamba.load"):
+        pickle.dumps(lm)

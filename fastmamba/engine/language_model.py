@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import weakref
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ from fastmamba.core.sampling_params import SamplingParams
 from fastmamba.engine.client import InProcessClient
 from fastmamba.engine.cpu_threads import cpu_threads
 from fastmamba.engine.engine_core import EngineCore
-from fastmamba.engine.memory import MIN_CPU_SLOTS, kv_cache_tokens
+from fastmamba.engine.memory import batch_slots, kv_cache_tokens
 from fastmamba.engine.prefill import Prefill
 from fastmamba.engine.protocol import BAD_REQUEST, NON_FINITE, Failed, Finished
 from fastmamba.io.prompts import (
@@ -71,6 +73,21 @@ def _ctrl_c_after():
                 raise KeyboardInterrupt
 
 
+# Every LanguageModel, so that a forked child forgets their engines: a fork copies the lock
+# and the requests of threads the child does not have (a generation running in another
+# thread left the child's first call waiting for ever on its step).
+_MODELS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    for lm in list(_MODELS):
+        lm._forget_engine()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
 class LanguageModel:
     """A model with its tokenizer, and the engine its generations run on (`fastmamba.load`
     makes one).
@@ -102,17 +119,26 @@ class LanguageModel:
         # the plan table's: for tests and benchmarks, set before the first generation.
         self.decode_plan = None
         self._backbone = None
-        self._client: InProcessClient | None = None  # the engine under generate, stream and generate_batch
+        # (_client: the engine under generate, stream and generate_batch, made at first use)
         # Every thread's generations share the engine. `_lock` guards its request bookkeeping
         # (submit, abort, a rebuild) and the `_stepping` flag; a step runs outside the lock
         # but with the flag set, so one thread steps the engine for all while the others
         # read their own outputs, or wait for the step's end (`_lock.wait`: no polling).
         # `_queued` counts the threads waiting to submit: no step starts before they have,
         # so a new request joins the next step, not the end of another's generation.
+        self._forget_engine()
+        _MODELS.add(self)  # (a forked child forgets its engine: _after_fork)
+
+    def _forget_engine(self) -> None:
+        self._client: InProcessClient | None = None
         self._lock = threading.Condition(threading.Lock())
         self._stepping = False
         self._queued = 0
         self._closed: deque = deque()  # (client, rids) of generations that ended while the engine was busy
+
+    def __reduce__(self):
+        raise TypeError("a LanguageModel cannot be pickled (its engine holds threads' requests and device memory): "
+                        "call fastmamba.load() in the other process")
 
     def _engine(self, batch: int) -> InProcessClient:
         """The engine, with at least `batch` slots where it can be (made anew, larger, when a
@@ -121,10 +147,9 @@ class LanguageModel:
         for free slots (other threads' calls batch with them up to its size). Called with the
         engine held (`_engine_held`)."""
         if self._client is None or (self._client.max_batch < batch and not self._client.busy):
-            # powers of two: few rebuilds; on the CPU MIN_CPU_SLOTS at least, so that threads'
-            # calls batch together (a slot costs a state's memory there; on a GPU also a
-            # decode graph a bucket, all captured when the engine is made)
-            slots = max(1 << (batch - 1).bit_length(), MIN_CPU_SLOTS if self.device.type == "cpu" else 1)
+            # (memory.batch_slots: powers of two, within half the free memory; on a GPU each
+            # bucket also costs a decode graph, all captured when the engine is made)
+            slots = batch_slots(self.model, batch)
             # offline, a step prefills whole prompts up to the model's chunk (no grid: no cache)
             # a hybrid's KV cache: on a GPU one pool of fixed size (its decode steps in CUDA
             # graphs), half the memory free once its slots are in (the slots are made first: a
@@ -229,7 +254,12 @@ class LanguageModel:
             raise ValueError(f"params must be one SamplingParams (or dict) or a list of {len(prompts)} of them")
         for p in params:
             self._check_params_ids(p)
-        all_ids = [self.encode(p) for p in prompts]
+        all_ids = []
+        for i, p in enumerate(prompts):  # (the error names which prompt: a batch may hold thousands)
+            try:
+                all_ids.append(self.encode(p))
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
         decoders = [IncrementalDecoder(self.tokenizer, ids) if self.tokenizer else None for ids in all_ids]
         texts = [[] for _ in prompts]
         out = [[] for _ in prompts]
