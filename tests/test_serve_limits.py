@@ -367,3 +367,57 @@ def test_a_stalled_body_gets_408_and_a_client_hanging_up_mid_body_is_one_log_lin
     assert "Traceback" not in logged and len(logged.strip().splitlines()) == 20, logged[-2000:]
     status, out = server.post("/v1/completions", {"prompt": "To be", "max_tokens": 2})
     assert status == 200
+
+
+def test_a_client_gone_while_its_prompt_is_prepared_ends_it_without_a_500(monkeypatch):
+    """The prompt's job is cancelled when its client hangs up; the request ended in an
+    InvalidStateError (a 500 and a traceback in the log for each such client), where it
+    ends as a 499 the gone client never reads."""
+    import asyncio
+
+    from fastmamba.io.folders import default_model_dir
+    from fastmamba.io.prompts import PromptEncoder
+    from fastmamba.io.tokenizer import Tokenizer
+    from fastmamba.serve import prompt_workers
+    from fastmamba.serve.app import create_app
+    from fastmamba.serve.options import ServeOptions
+
+    pytest.importorskip("fastapi")
+    folder = default_model_dir()
+    cancelled = []
+
+    async def slow_encode(self, text, add_special_tokens=True):
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(text)
+            raise
+        return [1]
+
+    monkeypatch.setattr(prompt_workers.PromptWorkers, "__init__", lambda self, *a, **k: None)
+    monkeypatch.setattr(prompt_workers.PromptWorkers, "encode", slow_encode)
+
+    class Engine:
+        alive, capacity, on_stats = True, None, None
+
+    app = create_app(Engine(), PromptEncoder(Tokenizer(folder / "tokenizer.json"), 50280, folder), ServeOptions())
+    body = json.dumps({"prompt": "To be"}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/tokenize", "raw_path": b"/tokenize", "root_path": "", "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
+    messages, sent = [], []
+
+    async def receive():
+        if not messages:
+            messages.append(1)
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(0.2)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 20))
+    assert cancelled == ["To be"]
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [499]

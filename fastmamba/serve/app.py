@@ -69,8 +69,8 @@ class OpenAIServer:
         finally:
             gone.cancel()
             if not work.done():
-                work.cancel()
-        if work.cancelled():
+                work.cancel()  # (a task is cancelled only once it runs again: not work.cancelled() yet)
+        if not work.done() or work.cancelled():
             raise APIError(499, "the client hung up while its prompt was prepared")
         return work.result()
 
