@@ -236,10 +236,16 @@ def test_a_batch_past_the_memory_takes_the_slots_it_holds(ids_lm, monkeypatch):
     from fastmamba.engine import language_model, memory
 
     lm = language_model.LanguageModel(ids_lm.model, None)
-    monkeypatch.setattr(memory, "_free_bytes", lambda device: 2 * 6 * memory.slot_bytes(lm.model))
+    slot = memory.slot_bytes(lm.model)
+    # (room for 6 slots, less what the engine holds: free memory as the device counts it)
+    monkeypatch.setattr(memory, "_free_bytes", lambda device: 2 * 6 * slot - slot * (
+        lm._client.max_batch if lm._client is not None else 0))
     prompts = [[5 + k, 17, 3] for k in range(20)]
     out = lm.generate_batch(prompts, {"max_tokens": 6, "stop_token_ids": []})
-    assert lm._client.max_batch == 4  # (6 fit: the power of two below)
+    engine = lm._client
+    assert engine.max_batch == 4  # (6 fit: the power of two below)
+    assert lm.generate_batch(prompts, {"max_tokens": 6, "stop_token_ids": []}) == out
+    assert lm._client is engine  # (it was made anew at every call: the batch was past its size)
     for k in (0, 7, 19):
         assert out[k].token_ids == ids_lm.generate(prompts[k], max_tokens=6, stop_token_ids=[]).token_ids
 

@@ -146,10 +146,16 @@ class LanguageModel:
         size). While other generations run, the one there takes the batch: its requests wait
         for free slots (other threads' calls batch with them up to its size). Called with the
         engine held (`_engine_held`)."""
-        if self._client is None or (self._client.max_batch < batch and not self._client.busy):
-            # (memory.batch_slots: powers of two, within half the free memory; on a GPU each
-            # bucket also costs a decode graph, all captured when the engine is made)
-            slots = batch_slots(self.model, batch)
+        # (memory.batch_slots: powers of two, within half the free memory, the engine's own
+        # counted free; on a GPU each bucket also costs a decode graph, all captured when the
+        # engine is made. Compared with the engine's size, not the batch's: a batch capped by
+        # the memory rebuilt the engine at every call)
+        held = self._client.max_batch if self._client is not None else 0
+        slots = batch_slots(self.model, batch, held)
+        if self._client is None or (self._client.max_batch < slots and not self._client.busy):
+            self._client = None  # (its memory goes to the new one, sized now)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
             # offline, a step prefills whole prompts up to the model's chunk (no grid: no cache)
             # a hybrid's KV cache: on a GPU one pool of fixed size (its decode steps in CUDA
             # graphs), half the memory free once its slots are in (the slots are made first: a

@@ -4,7 +4,6 @@ activations), and a hybrid's KV cache, sized from the free memory where not give
 from __future__ import annotations
 
 import math
-import os
 import re
 from pathlib import Path
 
@@ -51,29 +50,34 @@ def default_max_batch(model) -> int:
     return max(1, min(256, free // 2 // slot_bytes(model)))
 
 
-def batch_slots(model, batch: int) -> int:
+def batch_slots(model, batch: int, held: int = 0) -> int:
     """The slots of generate's engine for a batch of `batch` prompts: a power of two at least
     `batch` (few rebuilds; on the CPU MIN_CPU_SLOTS at least, so that threads' calls batch
     together), but no more than half the free memory holds (a slot's state, logits and
     activations): the rest of a larger batch waits for free slots. (1000 prompts took 1024
-    slots whatever their size: ~177 GB for Mamba-2 2.7b's 173 MB states.)"""
+    slots whatever their size: ~177 GB for Mamba-2 2.7b's 173 MB states.) `held`: the slots
+    of the engine this one would replace, whose memory counts as free."""
     slots = max(1 << (batch - 1).bit_length(), MIN_CPU_SLOTS if model.device.type == "cpu" else 1)
     free = _free_bytes(model.device)
-    fits = slots if free is None else free // 2 // slot_bytes(model)
+    fits = slots if free is None else (free + held * slot_bytes(model)) // 2 // slot_bytes(model)
     if fits < slots:  # (a power of two too, one at least)
         slots = 1 << max(fits.bit_length() - 1, 0)
     return slots
 
 
 def _free_bytes(device: torch.device) -> int | None:
-    """Free memory on the device: the GPU's, or the host's available RAM (None where the
-    system does not say)."""
+    """Free memory on the device: the GPU's, or the host's available RAM (Linux's
+    MemAvailable: page cache counted free; None where the system does not say)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # (not Linux)
-        return None
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):  # (not Linux)
+        pass
+    return None
 
 
 # The prefix cache's default room, in entries: a long prompt leaves a state every 512 tokens
