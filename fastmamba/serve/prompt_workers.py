@@ -7,8 +7,9 @@ a thread would still stall every stream and /health: the work goes to processes.
 inputs stay on the event loop, where they cost less than a trip to a worker. A chat
 template from the checkpoint folder renders under a size bound (chat.ChatTemplate.render)
 and a time bound: a worker past it is killed and replaced, and the request gets a 400
-naming the template. A worker that died (killed, out of memory) is replaced and its job
-run once more on the replacement; a tokenizer job whose second worker dies too is a 503.
+naming the template. A worker found dead (killed while idle) is replaced before it is given
+a job; a tokenizer job whose worker dies on it is a 503 (not run again: it may be what
+killed it).
 A worker ends with its server, however the server ends.
 """
 
@@ -149,12 +150,12 @@ class PromptWorkers:
     def _call(self, job, timeout):
         worker = self._idle.get()
         try:
-            try:
-                kind, value = worker.call(job, timeout)
-            except (EOFError, OSError):  # it died (killed while idle, say): its replacement gets the job
+            if not worker.proc.is_alive():  # it died while idle (killed, say): its replacement takes the job
                 worker.kill()
                 worker = _Worker(self._ctx, self._args)
-                kind, value = worker.call(job, timeout)
+            # (one that dies on the job is not given it again: the job may be what killed it,
+            # a prompt that ran it out of memory)
+            kind, value = worker.call(job, timeout)
             if worker.rss() > RECYCLE_RSS_BYTES:  # (Python keeps a long job's memory)
                 worker.kill()
                 worker = _Worker(self._ctx, self._args)
@@ -177,8 +178,8 @@ class PromptWorkers:
         try:
             return await self._run(job)
         except WorkerFailed:
-            raise APIError(503, "the worker process tokenizing this request died, and its replacement too (out of "
-                           "memory, or killed); try again", code="prompt_worker_failed", kind="server_error") from None
+            raise APIError(503, "the worker process tokenizing this request died on it (out of memory, or "
+                           "killed); try again", code="prompt_worker_failed", kind="server_error") from None
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt (PromptEncoder.encode's, and its ValueErrors)."""
