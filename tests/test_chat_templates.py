@@ -376,6 +376,9 @@ def test_tokenize_refuses_a_field_it_does_not_serve_naming_it(tmp_path):
         r = client.post("/tokenize", json={"prompt": "To be", "model": "fastmamba-default"})
         assert r.json()["tokens"] == Tokenizer(folder / "tokenizer.json").encode("To be")
         assert served_prompt(client, folder) == transformers_prompt(folder)
+        r = client.post("/detokenize", json={"tokens": [1, 2], "skip_special_tokens": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "skip_special_tokens"
+        assert client.post("/detokenize", json={"tokens": [1], "model": "other"}).status_code == 404
 
 
 def test_a_template_that_does_not_compile_is_an_error_at_start_naming_where_it_came_from(tmp_path):

@@ -294,7 +294,7 @@ class LanguageModel:
             try:
                 all_ids.append(self.encode(p))
             except ValueError as e:
-                raise ValueError(f"prompts[{i}]: {e}") from None
+                raise ValueError(f"prompts[{i}]: {e}" if len(prompts) > 1 else str(e)) from None
         decoders = [IncrementalDecoder(self.tokenizer, ids) if self.tokenizer else None for ids in all_ids]
         texts = [[] for _ in prompts]
         out = [[] for _ in prompts]
@@ -337,11 +337,13 @@ class LanguageModel:
         outputs go to its own queue, so a generation stepping the engine for another
         (interleaved streams, other threads) leaves that one's outputs for its own loop."""
         queues = [deque() for _ in all_ids]
-        with self._engine_held():
-            client = self._engine(len(all_ids))
-            rids = [client.submit(ids, p, None, q.append) for ids, p, q in zip(all_ids, params, queues)]
-        left = len(rids)
-        try:
+        client, rids = None, []
+        try:  # (the submissions inside: a Ctrl-C between two left the first running for no one)
+            with self._engine_held():
+                client = self._engine(len(all_ids))
+                for ids, p, q in zip(all_ids, params, queues):
+                    rids.append(client.submit(ids, p, None, q.append))
+            left = len(rids)
             while left:
                 if not any(queues):
                     self._step_or_wait(client, queues)
@@ -361,7 +363,8 @@ class LanguageModel:
                         else:
                             yield i, out.token, None
         finally:  # also when the caller stops reading a stream: its requests end
-            self._close(client, rids)
+            if client is not None:
+                self._close(client, rids)
 
     @contextmanager
     def _engine_held(self):

@@ -84,8 +84,10 @@ class Tokenizer:
     @cached_property
     def _pipeline_steps(self) -> list[dict]:
         """The decoder's and pre-tokenizer's steps (a Sequence's, in order), from tokenizer.json."""
-        spec = json.loads(self._tok.to_str())
-        steps, todo = [], [spec.get("decoder"), spec.get("pre_tokenizer")]
+        # (the two parts alone: the whole tokenizer.json of a 256k vocabulary is tens of MB,
+        # its first logprobs request's stall on the server's event loop)
+        steps, todo = [], [json.loads(part.__getstate__()) if part is not None else None
+                           for part in (self._tok.decoder, self._tok.pre_tokenizer)]
         while todo:
             step = todo.pop(0)
             if step:

@@ -121,6 +121,8 @@ class OpenAIServer:
 
     async def detokenize(self, request) -> dict:
         body = await self.body(request)
+        check_fields(body, "detokenize")
+        requests.check_model(body, self.model_name)
         ids = get(body, "tokens", list, required=True)
         requests.check_ids(ids, self.encoder.vocab_size, "tokens")
         if not self.encoder.tokenizer:

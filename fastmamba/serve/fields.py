@@ -32,6 +32,7 @@ SERVED = {
                        "verbosity"},
     # a completion's prompt, or a chat's messages and what else its prompt is made of
     "tokenize": {"model", "prompt", "messages", "tools", "tool_choice", "parallel_tool_calls"},
+    "detokenize": {"model", "tokens"},
 }
 
 _NOT_SERVED = "is not supported by this server"
@@ -47,8 +48,8 @@ REFUSED = {
 
 
 def check_fields(body: dict, endpoint: str) -> None:
-    """A 400 naming the first field of `body` that the endpoint ("completions", "chat" or
-    "tokenize") does not serve, or serves only at a value other than the one given."""
+    """A 400 naming the first field of `body` that the endpoint ("completions", "chat",
+    "tokenize" or "detokenize") does not serve, or serves only at a value other than the one given."""
     served = SERVED[endpoint]
     for name, value in body.items():
         if name in REFUSED:
@@ -62,8 +63,8 @@ def check_fields(body: dict, endpoint: str) -> None:
 
 def _hint(name: str, endpoint: str) -> str:
     """Where an unrecognized field belongs, where that helps the client."""
-    if endpoint == "tokenize":
-        return f"; /tokenize takes {', '.join(sorted(SERVED['tokenize']))}"
+    if endpoint in ("tokenize", "detokenize"):
+        return f"; /{endpoint} takes {', '.join(sorted(SERVED[endpoint]))}"
     other = "completions" if endpoint == "chat" else "chat"
     return f"; it is a field of /v1/{'chat/' if other == 'chat' else ''}completions" if name in SERVED[other] else ""
 
