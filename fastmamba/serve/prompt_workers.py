@@ -151,17 +151,14 @@ class PromptWorkers:
         worker = self._idle.get()
         try:
             if not worker.proc.is_alive():  # it died while idle (killed, say): its replacement takes the job
-                worker.kill()
-                worker = _Worker(self._ctx, self._args)
+                worker = self._replaced(worker)
             # (one that dies on the job is not given it again: the job may be what killed it,
             # a prompt that ran it out of memory)
             kind, value = worker.call(job, timeout)
             if worker.rss() > RECYCLE_RSS_BYTES:  # (Python keeps a long job's memory)
-                worker.kill()
-                worker = _Worker(self._ctx, self._args)
+                worker = self._replaced(worker)
         except (WorkerFailed, EOFError, OSError) as e:
-            worker.kill()
-            worker = _Worker(self._ctx, self._args)
+            worker = self._replaced(worker)
             if isinstance(e, WorkerFailed):
                 raise
             raise WorkerFailed(timed_out=False) from None
@@ -170,6 +167,10 @@ class PromptWorkers:
         if kind != "ok":
             raise {"value": ValueError, "template": TemplateRefused}.get(kind, RuntimeError)(value)
         return value
+
+    def _replaced(self, worker: _Worker) -> _Worker:
+        worker.kill()
+        return _Worker(self._ctx, self._args)
 
     async def _run(self, job, timeout=None):
         return await asyncio.get_running_loop().run_in_executor(self._threads, self._call, job, timeout)
