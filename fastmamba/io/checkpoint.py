@@ -368,13 +368,18 @@ def load_checkpoint(path, device, dtype: torch.dtype) -> tuple[MambaConfig, Mamb
     return config, build_weights(config, tensors, origin, device, dtype)
 
 
+def _json_file(path: Path, what: str):
+    """A JSON file's value; one that cannot be read or parsed is a CheckpointError naming it."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: cannot read {what} ({type(e).__name__}: {e})") from None
+
+
 def _generation_stops(config: MambaConfig, path: Path) -> MambaConfig:
     """config with generation_config.json's eos ids among its default stops, as transformers'
     generate and vLLM stop at them (its other keys are sampling defaults: not read)."""
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise CheckpointError(f"{path}: cannot read generation_config.json ({type(e).__name__}: {e})") from None
+    raw = _json_file(path, "generation_config.json")
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     if raw.get("eos_token_id") is None:
@@ -384,10 +389,7 @@ def _generation_stops(config: MambaConfig, path: Path) -> MambaConfig:
 
 def _modelopt_scheme(path: Path) -> Fp8Scheme:
     """The FP8 scheme of NVIDIA ModelOpt's hf_quant_config.json (its `quantization` object)."""
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise CheckpointError(f"{path}: cannot read ModelOpt's quantization file ({type(e).__name__}: {e})") from None
+    raw = _json_file(path, "ModelOpt's quantization file")
     if not isinstance(raw, dict) or "quantization" not in raw:
         raise CheckpointError(f"{path}: no 'quantization' object (NVIDIA ModelOpt's file says its scheme there)")
     return modelopt_scheme(raw["quantization"], "quantization", str(path))
