@@ -90,9 +90,7 @@ class _WeightsFile:
                 try:
                     self._lazy = _torch_load(path)
                 except Exception as e:  # (a bad pickle or zip fails deep inside torch, as any type)
-                    reason = one_line(e)
-                    if "never unpickled" not in reason:
-                        reason = f"not a checkpoint torch.load reads: {reason}"
+                    reason = one_line(e) if _pickled_objects(e) else f"not a checkpoint torch.load reads: {one_line(e)}"
                     raise CheckpointError(f"{path}: cannot read weights ({reason})") from None
                 if not isinstance(self._lazy, dict) or not all(isinstance(t, torch.Tensor) for t in self._lazy.values()):
                     raise CheckpointError(f"{path}: not a mapping of tensor names to tensors")
@@ -129,11 +127,16 @@ def _torch_load(path: Path):
             return torch.load(str(path), map_location="cpu", weights_only=True)  # the legacy format
 
 
+def _pickled_objects(e: Exception) -> bool:
+    """Whether torch.load refused a pickle for the objects it holds (not a broken file)."""
+    return "GLOBAL" in str(e) or "Unsupported global" in str(e)
+
+
 def one_line(e: Exception) -> str:
     """A library's (often multi-line) error as one short line."""
-    text = " ".join(str(e).split())
-    if "GLOBAL" in text or "Unsupported global" in text:
+    if _pickled_objects(e):
         return "it holds pickled objects other than tensors, which are never unpickled"
+    text = " ".join(str(e).split())
     if "Weights only load failed" in text:  # (torch's preamble, whatever the pickle's fault; the fault after it)
         text = text.split("WeightsUnpickler error:")[-1].split(" Check the documentation")[0].strip()
     return f"{type(e).__name__}: {text[:200]}"
