@@ -180,7 +180,8 @@ class LanguageModel:
         # engine is made. Compared with the engine's size, not the batch's: a batch capped by
         # the memory rebuilt the engine at every call)
         held = self._client.max_batch if self._client is not None else 0
-        slots = batch_slots(self.model, batch, held)
+        # (an engine with room for the batch stays: the free memory is not read at every call)
+        slots = batch_slots(self.model, batch, held) if held < batch else held
         if self._client is None or (self._client.max_batch < slots and not self._client.busy):
             self._client = None  # (its memory goes to the new one, sized now)
             if self.device.type == "cuda":
